@@ -1,0 +1,3 @@
+class DitdataError(Exception):
+    """A failure the user can act on (bad input, missing model, ...): the CLI prints the
+    message as one line and exits non-zero instead of showing a traceback."""

@@ -1,0 +1,2 @@
+class StoreError(Exception):
+    """A store is absent, incomplete, corrupt or incompatible. The message names the file."""

@@ -1,0 +1,170 @@
+"""Store: the read side of the contract. Opens, validates, reads in bulk, verifies.
+
+Opening checks the manifest and that every shard file exists with its recorded size
+(cheap: one stat per file); `verify()` also recomputes digests and reads every shard.
+Reading never writes anything to the store, so any number of readers and training
+runs can share it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import files, manifest
+from .backends import get_backend
+from .errors import StoreError
+from .schema import Schema
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    name: str
+    path: Path
+    num_samples: int
+    offset: int  # global index of its first sample
+    record: dict
+
+
+class Store:
+    def __init__(self, root, *, verify: bool = False):
+        self.root = Path(root)
+        self.manifest = manifest.load(self.root)
+        self.schema = Schema.from_json(self.manifest["fields"])
+        self.backend = get_backend(self.manifest["backend"])
+        self.shards: list[Shard] = []
+        offset = 0
+        for i, rec in enumerate(self.manifest["shards"]):
+            self.shards.append(Shard(i, rec["name"], self.root / rec["path"], rec["num_samples"], offset, rec))
+            offset += rec["num_samples"]
+        self._offsets = [s.offset for s in self.shards]
+        self._by_name = {s.name: s for s in self.shards}
+        for shard in self.shards:
+            self._check_files(shard, digests=verify)
+        self._cache: tuple[int, dict] | None = None
+
+    # -- description -----------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.manifest["num_samples"]
+
+    @property
+    def identity(self) -> str:
+        return manifest.identity(self.manifest)
+
+    @property
+    def latent_shape(self) -> tuple[int, ...]:
+        return tuple(self.manifest["latent"]["shape"])
+
+    @property
+    def tensor_fields(self) -> list[str]:
+        return list(self.schema.tensors)
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self.schema.columns)
+
+    def nbytes_on_disk(self) -> int:
+        return sum(s.record.get("bytes", 0) for s in self.shards)
+
+    def empty_caption(self) -> dict[str, np.ndarray]:
+        """The text embedding of "" (for classifier-free guidance), if the store has text."""
+        text = self.manifest["conditioning"].get("text") or {}
+        return {k: manifest.decode_array(v) for k, v in (text.get("empty") or {}).items()}
+
+    # -- reading ---------------------------------------------------------------------
+    def shard(self, ref) -> Shard:
+        if isinstance(ref, Shard):
+            return ref
+        if isinstance(ref, str):
+            if ref not in self._by_name:
+                raise KeyError(f"no shard named {ref!r} in {self.root}")
+            return self._by_name[ref]
+        return self.shards[ref]
+
+    def read(self, shard, fields=None, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
+        """Bulk read: the given fields (default all) of samples [start, stop) of one shard.
+
+        Tensors come back as (n, *shape) arrays, columns as (n,) arrays (object for strings).
+        """
+        s = self.shard(shard)
+        fields = list(self.schema.tensors) + list(self.schema.columns) if fields is None else list(fields)
+        unknown = [f for f in fields if f not in self.schema.tensors and f not in self.schema.columns]
+        if unknown:
+            raise KeyError(f"{self.root}: no fields {unknown}; it has {self.tensor_fields + self.columns}")
+        stop = s.num_samples if stop is None else min(stop, s.num_samples)
+        start = max(0, min(start, stop))
+        try:
+            return self.backend.read(s.path, self.schema, fields, start, stop)
+        except FileNotFoundError as e:
+            raise StoreError(f"{s.path}: missing ({e})") from e
+
+    def locate(self, index: int) -> tuple[Shard, int]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} out of range for a store of {len(self)}")
+        i = bisect.bisect_right(self._offsets, index) - 1
+        return self.shards[i], index - self.shards[i].offset
+
+    def sample(self, index: int) -> dict:
+        """One sample by global index, for inspection (not for training: use read())."""
+        shard, local = self.locate(index)
+        if self.manifest["backend"] == "wds":
+            # A tar is only readable front to back: keep the last shard decoded.
+            if self._cache is None or self._cache[0] != shard.index:
+                self._cache = (shard.index, self.read(shard))
+            data = self._cache[1]
+            return {k: v[local] for k, v in data.items()}
+        return {k: v[0] for k, v in self.read(shard, start=local, stop=local + 1).items()}
+
+    # -- integrity -------------------------------------------------------------------
+    def _check_files(self, shard: Shard, digests: bool) -> None:
+        if not shard.path.exists():
+            raise StoreError(f"{shard.path}: shard {shard.name!r} is missing (listed in {self.root / manifest.MANIFEST})")
+        for rel, meta in shard.record["files"].items():
+            p = self.root / rel
+            if not p.is_file():
+                raise StoreError(f"{p}: missing file of shard {shard.name!r}")
+            size = p.stat().st_size
+            if size != meta["size"]:
+                raise StoreError(
+                    f"{p}: truncated or altered: {size} bytes, the manifest records {meta['size']}"
+                )
+            if digests and files.sha256_file(p) != meta["sha256"]:
+                raise StoreError(f"{p}: checksum mismatch (sha256 differs from the manifest); the file is corrupt")
+
+    def verify(self, progress=None) -> list[str]:
+        """Recompute every digest, read every shard, check shapes and counts.
+
+        Returns the faults found (empty when the store is sound), each naming its file.
+        """
+        faults = []
+        for shard in self.shards if progress is None else progress(self.shards):
+            try:
+                self._check_files(shard, digests=True)
+                extra = sorted(
+                    p.relative_to(self.root).as_posix()
+                    for p in files.list_files(shard.path)
+                    if p.relative_to(self.root).as_posix() not in shard.record["files"]
+                )
+                if extra:
+                    faults.append(f"{shard.path}: unexpected files {extra}")
+                data = self.read(shard)
+                for f, spec in self.schema.tensors.items():
+                    want = (shard.num_samples, *spec.shape)
+                    if data[f].shape != want:
+                        faults.append(f"{shard.path}: field {f!r} has shape {list(data[f].shape)}, expected {list(want)}")
+                for c in self.schema.columns:
+                    if len(data[c]) != shard.num_samples:
+                        faults.append(f"{shard.path}: column {c!r} has {len(data[c])} values, expected {shard.num_samples}")
+            except StoreError as e:
+                faults.append(str(e))
+            except Exception as e:  # an unreadable shard is a fault to report, not a crash
+                faults.append(f"{shard.path}: unreadable ({type(e).__name__}: {e})")
+        return faults
+
+
+def open_store(root, *, verify: bool = False) -> Store:
+    return Store(root, verify=verify)

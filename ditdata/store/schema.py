@@ -1,0 +1,119 @@
+"""What a store holds per sample: tensor fields (fixed shape arrays) and scalar columns.
+
+Tensor fields have standard names so that dittrain can find them:
+
+    latent, latent_flip            one frozen posterior sample (and its flipped-image twin)
+    mean, std, mean_flip, std_flip posterior parameters, so training draws a fresh sample
+    text_pooled                    (D,)   pooled text embedding of the caption
+    text_tokens, text_mask         (L, D) token embeddings and their (L,) validity mask
+
+Columns are one scalar per sample: `key` (always), `label`, `caption` and any extra
+column from the source (clip_score, width, height, url, ...).
+
+bfloat16 has no NumPy dtype of its own; ml_dtypes provides one, and on disk the values
+are kept as their uint16 bit patterns (npy and zarr know nothing of bfloat16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+LATENT_FIELDS = ("latent", "latent_flip", "mean", "std", "mean_flip", "std_flip")
+TEXT_FIELDS = ("text_pooled", "text_tokens", "text_mask")
+TENSOR_DTYPES = ("float16", "bfloat16", "float32", "bool", "uint8", "int32", "int64")
+COLUMN_TYPES = ("string", "int64", "float64", "bool")
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One per-sample array: its shape (without the sample axis) and storage dtype."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self):
+        if self.dtype not in TENSOR_DTYPES:
+            raise ValueError(f"unsupported tensor dtype {self.dtype!r}; use one of {TENSOR_DTYPES}")
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+
+    def to_json(self) -> dict:
+        return {"shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, d: dict) -> TensorSpec:
+        return cls(tuple(d["shape"]), d["dtype"])
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+
+def disk_dtype(name: str) -> np.dtype:
+    """The dtype written to disk: bfloat16 travels as its uint16 bits."""
+    return np.dtype(np.uint16) if name == "bfloat16" else np.dtype(name)
+
+
+def to_disk(arr: np.ndarray, name: str) -> np.ndarray:
+    return arr.view(np.uint16) if name == "bfloat16" else arr
+
+
+def from_disk(arr: np.ndarray, name: str) -> np.ndarray:
+    return arr.view(BFLOAT16) if name == "bfloat16" else arr
+
+
+def dtype_name(arr: np.ndarray) -> str:
+    return "bfloat16" if arr.dtype == BFLOAT16 else arr.dtype.name
+
+
+@dataclass(frozen=True)
+class Schema:
+    """The fields of every sample in a store; shared by the writer, the reader and verify."""
+
+    tensors: dict[str, TensorSpec]
+    columns: dict[str, str]
+
+    def __post_init__(self):
+        if "key" not in self.columns or self.columns["key"] != "string":
+            raise ValueError("a store schema needs a 'key' column of type 'string'")
+        for name, kind in self.columns.items():
+            if kind not in COLUMN_TYPES:
+                raise ValueError(f"column {name!r}: unsupported type {kind!r}; use one of {COLUMN_TYPES}")
+        overlap = set(self.tensors) & set(self.columns)
+        if overlap:
+            raise ValueError(f"names used both as tensor and column: {sorted(overlap)}")
+        if self.latent_kind() is None:
+            raise ValueError("a store schema needs 'latent', or 'mean' and 'std'")
+
+    def latent_kind(self) -> str | None:
+        if "latent" in self.tensors:
+            return "sample"
+        if "mean" in self.tensors and "std" in self.tensors:
+            return "mean_std"
+        return None
+
+    @property
+    def primary(self) -> str:
+        """The field whose per-channel statistics describe the latents."""
+        return "latent" if self.latent_kind() == "sample" else "mean"
+
+    @property
+    def flip(self) -> bool:
+        return f"{self.primary}_flip" in self.tensors
+
+    def to_json(self) -> dict:
+        return {
+            "tensors": {k: v.to_json() for k, v in self.tensors.items()},
+            "columns": dict(self.columns),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> Schema:
+        return cls(
+            tensors={k: TensorSpec.from_json(v) for k, v in d["tensors"].items()},
+            columns=dict(d["columns"]),
+        )

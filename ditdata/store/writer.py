@@ -1,0 +1,229 @@
+"""StoreWriter: one store shard per input shard, each published atomically; manifest last.
+
+On disk, while a store is being written::
+
+    STORE/config.json            what every shard is made with (schema, backend, info)
+    STORE/shards/NAME.json       a finished shard's record (count, files, digests, stats)
+    STORE/shards/NAME.zarr|.tar  its data, renamed into place after the record exists
+    STORE/manifest.json          written by finalize(), last, once every shard exists
+
+So a shard's data under its final name always has a record beside it, a killed writer
+leaves only hidden `.NAME.*.tmp-*` debris (removed when that shard is written again),
+and readers of a previous manifest keep working while new shards are appended.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+from . import files, manifest
+from .backends import get_backend
+from .errors import StoreError
+from .schema import Schema, dtype_name
+
+CONFIG = "config.json"
+SHARDS = "shards"
+
+
+def tool_versions() -> dict:
+    out = {"python": platform.python_version()}
+    for dist in ("ditkit", "numpy", "zarr", "webdataset", "torch", "diffusers", "open_clip_torch"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+class StoreWriter:
+    """Write a latent store shard by shard; safe to rerun, append to, and run per rank.
+
+    `info` holds the producer's description (at least vae, image, conditioning; filter
+    optional). Every shard in a store must be made with the same schema, backend and
+    info: a rerun with different settings is refused while finished shards exist.
+    """
+
+    def __init__(self, root, *, schema: Schema, info: dict, backend: str = "zarr",
+                 chunk_samples: int = 1024):
+        self.root = Path(root)
+        self.schema = schema
+        self.backend = get_backend(backend, **({"chunk_samples": chunk_samples} if backend == "zarr" else {}))
+        missing = [k for k in manifest.INFO_KEYS if k not in info]
+        if missing:
+            raise ValueError(f"store info lacks {missing}")
+        self.config = {
+            "backend": backend,
+            "fields": schema.to_json(),
+            **{k: info[k] for k in manifest.INFO_KEYS},
+            "filter": info.get("filter"),
+        }
+        # The config round-trips through JSON so comparisons see what the disk will hold.
+        self.config = json.loads(json.dumps(self.config))
+        self.shard_dir = self.root / SHARDS
+        self.shard_dir.mkdir(parents=True, exist_ok=True)
+        self._check_config()
+
+    # -- compatibility -------------------------------------------------------------
+    def _check_config(self) -> None:
+        path = self.root / CONFIG
+        if path.exists():
+            old = json.loads(path.read_text())
+            if old != self.config:
+                if self._finished_records():
+                    differ = sorted(k for k in set(old) | set(self.config) if old.get(k) != self.config.get(k))
+                    raise StoreError(
+                        f"{path}: this store was made with different settings ({', '.join(differ)} "
+                        f"differ); its shards cannot be mixed with new ones. Use the same settings, "
+                        f"or write to a new --out directory."
+                    )
+                files.write_json_atomic(path, self.config)
+        else:
+            files.write_json_atomic(path, self.config)
+
+    # -- shards --------------------------------------------------------------------
+    def data_path(self, name: str) -> Path:
+        return self.shard_dir / f"{name}{self.backend.suffix}"
+
+    def record_path(self, name: str) -> Path:
+        return self.shard_dir / f"{name}.json"
+
+    def done(self, name: str) -> bool:
+        """A shard is finished when its record exists and its files have the recorded sizes."""
+        rec = self._read_record(name)
+        if rec is None:
+            return False
+        for rel, meta in rec["files"].items():
+            p = self.root / rel
+            if not p.is_file() or p.stat().st_size != meta["size"]:
+                return False
+        return True
+
+    def _read_record(self, name: str) -> dict | None:
+        try:
+            return json.loads(self.record_path(name).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def _finished_records(self) -> list[str]:
+        return [p.stem for p in self.shard_dir.glob("*.json") if not files.is_tmp(p) and self.done(p.stem)]
+
+    def write_shard(self, name: str, tensors: dict, columns: dict, *, source: str | None = None,
+                    extra: dict | None = None) -> dict:
+        """Write one shard atomically and return its record.
+
+        tensors: {field: array (N, *shape)} for every tensor field of the schema.
+        columns: {column: sequence of N values} for every column of the schema.
+        extra:   producer's per-shard facts (e.g. skipped images and reasons).
+        """
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"invalid shard name {name!r}")
+        n = self._validate(name, tensors, columns)
+        for debris in self.shard_dir.glob(f".{name}{self.backend.suffix}{files.TMP_MARK}*"):
+            files.remove(debris)
+
+        final = self.data_path(name)
+        tmp = files.tmp_name(final)
+        try:
+            self.backend.write(tmp, self.schema, tensors, columns, n)
+            files.fsync_tree(tmp)
+            described = files.describe_files(tmp, self.root)
+        except BaseException:
+            files.remove(tmp)
+            raise
+        # Record paths as they will be after the rename.
+        tmp_rel = tmp.relative_to(self.root).as_posix()
+        final_rel = final.relative_to(self.root).as_posix()
+        file_table = {final_rel + rel[len(tmp_rel):]: meta for rel, meta in described.items()}
+        record = {
+            "name": name,
+            "path": final_rel,
+            "num_samples": n,
+            "checksum": files.combined_checksum(file_table),
+            "bytes": sum(m["size"] for m in file_table.values()),
+            "files": file_table,
+            "source": source,
+            "stats": self._stats(tensors[self.schema.primary]),
+            "extra": extra or {},
+        }
+        # The record goes first: data under its final name then always has a record.
+        files.write_json_atomic(self.record_path(name), record)
+        files.publish(tmp, final)
+        return record
+
+    def _validate(self, name: str, tensors: dict, columns: dict) -> int:
+        s = self.schema
+        if set(tensors) != set(s.tensors):
+            raise ValueError(f"shard {name}: tensors {sorted(tensors)} != schema {sorted(s.tensors)}")
+        if set(columns) != set(s.columns):
+            raise ValueError(f"shard {name}: columns {sorted(columns)} != schema {sorted(s.columns)}")
+        n = len(columns["key"])
+        for f, spec in s.tensors.items():
+            arr = tensors[f]
+            if not isinstance(arr, np.ndarray):
+                raise TypeError(f"shard {name}: tensor {f!r} must be a numpy array")
+            if arr.shape != (n, *spec.shape) or dtype_name(arr) != spec.dtype:
+                raise ValueError(
+                    f"shard {name}: {f!r} is {dtype_name(arr)}{list(arr.shape)}, "
+                    f"expected {spec.dtype}{[n, *spec.shape]}"
+                )
+        for c in s.columns:
+            if len(columns[c]) != n:
+                raise ValueError(f"shard {name}: column {c!r} has {len(columns[c])} values, expected {n}")
+        keys = list(columns["key"])
+        if len(set(keys)) != n:
+            raise ValueError(f"shard {name}: duplicate keys")
+        return n
+
+    @staticmethod
+    def _stats(x: np.ndarray) -> dict:
+        """Per-channel sums (channel = axis 1), in float64, for the manifest's mean/std."""
+        if x.ndim < 2 or x.shape[0] == 0:
+            c = x.shape[1] if x.ndim >= 2 else 0
+            return {"sum": [0.0] * c, "sumsq": [0.0] * c, "count": 0}
+        c = x.shape[1]
+        v = x.astype(np.float64).swapaxes(0, 1).reshape(c, -1)
+        return {"sum": v.sum(1).tolist(), "sumsq": (v * v).sum(1).tolist(), "count": int(v.shape[1])}
+
+    # -- manifest ------------------------------------------------------------------
+    def finalize(self, names: list[str] | None = None, *, provenance: dict | None = None,
+                 created_at: str | None = None) -> dict:
+        """Write manifest.json over the given shards (default: every finished shard).
+
+        Refuses (and writes nothing) if a named shard is not finished, so a manifest
+        never lists a shard that is missing.
+        """
+        if names is None:
+            names = sorted(self._finished_records())
+        missing = [n for n in names if not self.done(n)]
+        if missing:
+            raise StoreError(
+                f"{self.shard_dir}: shards not finished: {', '.join(missing[:10])}"
+                f"{' ...' if len(missing) > 10 else ''}; rerun to complete them before the manifest is written"
+            )
+        records = [self._read_record(n) for n in names]
+        total = sum(r["num_samples"] for r in records)
+        prov = dict(provenance or {})
+        prov.setdefault("tools", tool_versions())
+        prov.setdefault("created_at", created_at or dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
+        m = {
+            "format_version": manifest.FORMAT_VERSION,
+            "backend": self.config["backend"],
+            "num_samples": total,
+            "latent": manifest.latent_description(self.schema),
+            "fields": self.config["fields"],
+            "vae": self.config["vae"],
+            "image": self.config["image"],
+            "conditioning": self.config["conditioning"],
+            "filter": self.config["filter"],
+            "stats": manifest.channel_stats(records, self.schema.primary),
+            "shards": [{k: v for k, v in r.items() if k != "stats"} for r in records],
+            "provenance": prov,
+        }
+        files.write_json_atomic(self.root / manifest.MANIFEST, m)
+        return m

@@ -1,0 +1,67 @@
+"""Human-readable reports on a latent store: `ditdata inspect` and `ditdata verify`."""
+
+from __future__ import annotations
+
+from ditdata.store import open_store
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return ""
+
+
+def _conditioning(cond: dict) -> list[str]:
+    kind = cond.get("type", "none")
+    if kind == "class":
+        names = cond.get("class_names") or []
+        shown = ", ".join(map(str, names[:5])) + (", ..." if len(names) > 5 else "")
+        return [f"conditioning: class, {cond.get('num_classes')} classes ({shown})"]
+    if kind == "text":
+        t = cond.get("text") or {}
+        lines = [f"conditioning: text, encoder {t.get('encoder')} ({t.get('pretrained')})"]
+        lines.append(f"  pooled dim {t.get('pooled_dim')}, tokens {t.get('tokens_shape') or 'not stored'}")
+        return lines
+    return [f"conditioning: {kind}"]
+
+
+def describe(path) -> str:
+    s = open_store(path)
+    m = s.manifest
+    lat = m["latent"]
+    vae = m["vae"]
+    lines = [
+        f"store:        {s.root}",
+        f"format:       version {m['format_version']}, backend {m['backend']}",
+        f"samples:      {m['num_samples']} in {len(s.shards)} shards",
+        f"latent:       {tuple(lat['shape'])} {lat['dtype']}, stored as {lat['stored']}"
+        f"{', with flipped variant' if lat['flip'] else ''}",
+        f"autoencoder:  {vae.get('name')} ({vae.get('id')}), scaling {vae.get('scaling_factor')}, "
+        f"shift {vae.get('shift_factor')}, {vae.get('latent_channels')} channels, /{vae.get('downsample')}",
+        f"image:        {m['image'].get('resolution')} px, crop {m['image'].get('crop')}",
+        *_conditioning(m["conditioning"]),
+        f"filter:       {m['filter'] if m['filter'] else 'none'}",
+        "fields:       " + ", ".join(
+            f"{k} {v['dtype']}{v['shape']}" for k, v in m["fields"]["tensors"].items()
+        ),
+        "columns:      " + ", ".join(f"{k} ({v})" for k, v in m["fields"]["columns"].items()),
+    ]
+    st = m["stats"]
+    if st.get("mean"):
+        lines.append(f"channel stats ({st['field']}, {st['count']} values each):")
+        for c, (mu, sd) in enumerate(zip(st["mean"], st["std"], strict=True)):
+            lines.append(f"  c{c:<3d} mean {mu:+.4f}  std {sd:.4f}")
+    lines.append(f"size on disk: {_size(s.nbytes_on_disk())}")
+    prov = m.get("provenance", {})
+    lines.append(f"created:      {prov.get('created_at')} with ditkit {prov.get('tools', {}).get('ditkit')}")
+    return "\n".join(lines)
+
+
+def verify_store(path) -> tuple[list[str], int]:
+    from tqdm import tqdm
+
+    s = open_store(path)
+    faults = s.verify(progress=lambda xs: tqdm(xs, desc="verify", unit="shard", leave=False))
+    return faults, len(s)

@@ -1,0 +1,3 @@
+"""dittrain: a lean single-GPU Diffusion Transformer trainer over a ditdata latent store."""
+
+__version__ = "0.1.0"
