@@ -53,7 +53,7 @@ class StoreWriter:
                  chunk_samples: int = 1024):
         self.root = Path(root)
         self.schema = schema
-        self.backend = get_backend(backend, **({"chunk_samples": chunk_samples} if backend == "zarr" else {}))
+        self.backend = get_backend(backend, chunk_samples=chunk_samples)
         missing = [k for k in manifest.INFO_KEYS if k not in info]
         if missing:
             raise ValueError(f"store info lacks {missing}")
