@@ -1,0 +1,566 @@
+"""Autoencoders: one registry and one wrapper for encoding (``ditdata encode``) and decoding
+(``ditdata inspect --decode``, ``dittrain sample``).
+
+``load_autoencoder(name_or_path)`` resolves, in this order:
+
+1. a preset name from ``PRESETS`` (``sd-vae-ft-ema``, ``sd-vae-ft-mse``, ``sdxl-vae``,
+   ``flux-vae``, ``taef2``, ``pixels``);
+2. an existing local directory: one holding ``taef2_encoder.pth`` + ``taef2_decoder.pth``
+   is TAEF2; one with a ``config.json`` whose ``_class_name`` is ``AutoencoderKL`` (or a
+   diffusers pipeline directory with such a ``vae/`` subfolder) is a diffusers AutoencoderKL
+   whose scaling and shift come from its config;
+3. a hub id ``org/name`` or ``org/name/subfolder``: a diffusers AutoencoderKL from the
+   LOCAL Hugging Face cache only (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
+   ``~/.cache/huggingface/hub``).
+
+Nothing is ever downloaded: a model that is not on disk fails at once with a
+``DitdataError`` naming the model and how to provide it. The ``taef2`` preset finds its
+weights through ``$DITKIT_TAEF2`` (a directory) or takes the directory itself.
+
+Latent convention (all kinds): ``encode`` takes images (B, 3, H, W) in [0, 1] and returns
+the SCALED posterior mean ``z = (mean - shift) * scale`` and the scaled std
+``std * scale`` (None for deterministic autoencoders); ``decode`` inverts the scaling and
+returns images in [0, 1], clamped. A sample of the posterior is ``z + std * eps``.
+
+``Autoencoder.info`` is exactly the store manifest's ``"vae"`` entry;
+``autoencoder_from_manifest`` rebuilds the autoencoder a store was made with, trusting the
+manifest's scaling and shift. Importing this module is cheap (torch and diffusers are
+imported inside the functions that need them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ditdata.errors import DitdataError
+
+if TYPE_CHECKING:
+    import torch
+
+KIND_KL = "autoencoder_kl"
+KIND_TAEF2 = "taef2"
+KIND_PIXELS = "pixels"
+RANGE_PM1 = "[-1,1]"
+RANGE_01 = "[0,1]"
+TAEF2_ENV = "DITKIT_TAEF2"
+TAEF2_FILES = ("taef2_encoder.pth", "taef2_decoder.pth")
+TAEF2_SOURCE = "https://github.com/madebyollin/taesd"
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    kind: str  # KIND_KL | KIND_TAEF2 | KIND_PIXELS
+    repo_id: str | None  # hub id (KIND_KL only)
+    subfolder: str | None
+    scaling_factor: float
+    shift_factor: float
+    latent_channels: int
+    downsample: int
+    input_range: str  # value range the model itself takes: RANGE_PM1 | RANGE_01
+    note: str = ""
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("sd-vae-ft-ema", KIND_KL, "stabilityai/sd-vae-ft-ema", None, 0.18215, 0.0, 4, 8,
+               RANGE_PM1, "SD 1.x VAE, EMA fine-tune (the DiT paper's choice)"),
+        Preset("sd-vae-ft-mse", KIND_KL, "stabilityai/sd-vae-ft-mse", None, 0.18215, 0.0, 4, 8,
+               RANGE_PM1, "SD 1.x VAE, MSE fine-tune (smoother decodes)"),
+        Preset("sdxl-vae", KIND_KL, "stabilityai/sdxl-vae", None, 0.13025, 0.0, 4, 8,
+               RANGE_PM1, "SDXL VAE (overflows in fp16; use fp32 or bf16)"),
+        Preset("flux-vae", KIND_KL, "black-forest-labs/FLUX.1-schnell", "vae", 0.3611, 0.1159,
+               16, 8, RANGE_PM1, "FLUX.1 VAE, 16 channels"),
+        Preset("taef2", KIND_TAEF2, None, None, 1.0, 0.0, 32, 8, RANGE_01,
+               f"tiny FLUX.2-latent autoencoder, weights from ${TAEF2_ENV} or a directory"),
+        Preset("pixels", KIND_PIXELS, None, None, 1.0, 0.0, 3, 1, RANGE_PM1,
+               "no autoencoder: the image itself in [-1,1]"),
+    )
+}
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(/[\w.-]+)*")
+
+
+# --------------------------------------------------------------------------- wrapper
+
+
+class Autoencoder:
+    """A torch module plus the facts a latent store needs about it.
+
+    ``info`` is the manifest entry: name, id, subfolder, revision, weights_sha256,
+    scaling_factor, shift_factor, latent_channels, downsample, input_range, kind.
+    ``weights_sha256`` maps each weight file actually loaded (path relative to the model
+    directory) to its sha256; None for ``pixels``.
+    """
+
+    def __init__(self, module: Any, info: dict[str, Any]):
+        import torch
+
+        self.module = module
+        self.info = dict(info)
+        self._device = torch.device("cpu")
+        self._dtype = torch.float32
+        if module is not None:
+            module.eval().requires_grad_(False)
+            p = next(module.parameters())
+            self._device, self._dtype = p.device, p.dtype
+
+    # -- facts
+    @property
+    def name(self) -> str:
+        return self.info["name"]
+
+    @property
+    def kind(self) -> str:
+        return self.info["kind"]
+
+    @property
+    def scaling_factor(self) -> float:
+        return float(self.info["scaling_factor"])
+
+    @property
+    def shift_factor(self) -> float:
+        return float(self.info["shift_factor"])
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.info["latent_channels"])
+
+    @property
+    def downsample(self) -> int:
+        return int(self.info["downsample"])
+
+    @property
+    def deterministic(self) -> bool:
+        """True when ``encode`` returns no std (TAEF2, pixels)."""
+        return self.kind != KIND_KL
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        self._check_size(height, width)
+        return (self.latent_channels, height // self.downsample, width // self.downsample)
+
+    def to(self, device: Any = None, dtype: torch.dtype | None = None) -> Autoencoder:
+        import torch
+
+        if device is not None and torch.device(device) != self._device:
+            self._device = torch.device(device)
+            if self.module is not None:
+                self.module.to(device=self._device)
+        if dtype is not None and dtype != self._dtype:
+            self._dtype = dtype
+            if self.module is not None:
+                self.module.to(dtype=self._dtype)
+        return self
+
+    def __repr__(self) -> str:
+        return (f"Autoencoder({self.name!r}, kind={self.kind}, latent={self.latent_channels}ch "
+                f"/{self.downsample}, scale={self.scaling_factor}, shift={self.shift_factor}, "
+                f"device={self.device}, dtype={self.dtype})")
+
+    def _check_size(self, height: int, width: int) -> None:
+        d = self.downsample
+        if height % d or width % d:
+            raise DitdataError(
+                f"autoencoder {self.name}: image size {height}x{width} is not a multiple of {d}")
+
+    # -- encode / decode
+    def encode(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """images (B, 3, H, W) float in [0, 1] (uint8 0..255 is accepted too) ->
+        (scaled mean (B, C, H/d, W/d) float32, scaled std of the same shape or None)."""
+        import torch
+
+        if images.ndim != 4 or images.shape[1] != 3:
+            raise ValueError(f"expected images of shape (B, 3, H, W), got {tuple(images.shape)}")
+        self._check_size(images.shape[-2], images.shape[-1])
+        if images.dtype == torch.uint8:
+            images = images.float() / 255.0
+        x = images.to(device=self._device, dtype=self._dtype)
+        if self.info["input_range"] == RANGE_PM1:
+            x = x * 2.0 - 1.0
+        std = None
+        with torch.no_grad():
+            if self.kind == KIND_PIXELS:
+                mean = x
+            elif self.kind == KIND_TAEF2:
+                mean = self.module.encode(x)
+            else:
+                dist = self.module.encode(x).latent_dist
+                mean, std = dist.mean, dist.std
+        scale, shift = self.scaling_factor, self.shift_factor
+        z = (mean.float() - shift) * scale
+        if std is not None:
+            std = std.float() * scale
+        return z, std
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        """scaled latents (B, C, h, w), any float dtype -> images (B, 3, h*d, w*d) float32 in
+        [0, 1], clamped."""
+        import torch
+
+        if z.ndim != 4 or z.shape[1] != self.latent_channels:
+            raise ValueError(f"autoencoder {self.name}: expected latents (B, "
+                             f"{self.latent_channels}, h, w), got {tuple(z.shape)}")
+        latents = z.to(device=self._device, dtype=torch.float32) / self.scaling_factor
+        latents = (latents + self.shift_factor).to(self._dtype)
+        with torch.no_grad():
+            if self.kind == KIND_PIXELS:
+                x = latents
+            elif self.kind == KIND_TAEF2:
+                x = self.module.decode(latents)
+            else:
+                x = self.module.decode(latents).sample
+        x = x.float()
+        if self.info["input_range"] == RANGE_PM1:
+            x = (x + 1.0) / 2.0
+        return x.clamp(0.0, 1.0)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, resolved from the environment at call time (the
+    huggingface_hub constants are frozen at its import)."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.path.expandvars(os.path.expanduser(os.environ[var])))
+    home = os.environ.get("HF_HOME")
+    if not home:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        home = os.path.join(base, "huggingface")
+    return Path(os.path.expandvars(os.path.expanduser(home))) / "hub"
+
+
+def _is_taef2_dir(path: Path) -> bool:
+    return all((path / f).is_file() for f in TAEF2_FILES)
+
+
+def _kl_config(path: Path) -> dict[str, Any] | None:
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        return None
+    try:
+        return json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _kl_weight_files(model_dir: Path) -> tuple[list[str], bool]:
+    """The weight files diffusers will load from ``model_dir`` (it prefers safetensors),
+    as paths relative to it, and whether they are safetensors."""
+    for ext, safe in (("safetensors", True), ("bin", False)):
+        single = f"diffusion_pytorch_model.{ext}"
+        if (model_dir / single).is_file():
+            return [single], safe
+        index = model_dir / f"diffusion_pytorch_model.{ext}.index.json"
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return shards, safe
+    raise DitdataError(f"no diffusion_pytorch_model.safetensors or .bin weights in {model_dir}")
+
+
+def _load_kl(model_dir: Path, dtype: torch.dtype, label: str) -> tuple[Any, dict[str, str]]:
+    files, safe = _kl_weight_files(model_dir)
+    sha = {f: _sha256(model_dir / f) for f in files}
+    try:
+        from diffusers import AutoencoderKL
+    except ImportError as e:
+        raise DitdataError(f"autoencoder {label} needs diffusers: pip install 'ditkit[vae]'") from e
+    try:
+        module = AutoencoderKL.from_pretrained(
+            str(model_dir), torch_dtype=dtype, use_safetensors=safe, local_files_only=True,
+            low_cpu_mem_usage=importlib.util.find_spec("accelerate") is not None)
+    except Exception as e:  # corrupt or incompatible files: one line for the CLI
+        msg = " ".join(str(e).split())[:300]
+        raise DitdataError(f"cannot load AutoencoderKL {label} from {model_dir}: "
+                           f"{type(e).__name__}: {msg}") from e
+    return module, sha
+
+
+def _kl_info(name: str, ident: str, subfolder: str | None, revision: str | None,
+             sha: dict[str, str], module: Any, scaling: float | None,
+             shift: float | None) -> dict[str, Any]:
+    cfg = module.config
+    if scaling is None:
+        scaling = cfg.get("scaling_factor", None) or 0.18215
+    if shift is None:
+        shift = cfg.get("shift_factor", None) or 0.0
+    return {
+        "name": name,
+        "id": ident,
+        "subfolder": subfolder,
+        "revision": revision,
+        "weights_sha256": sha,
+        "scaling_factor": float(scaling),
+        "shift_factor": float(shift),
+        "latent_channels": int(cfg["latent_channels"]),
+        "downsample": 2 ** (len(cfg["block_out_channels"]) - 1),
+        "input_range": RANGE_PM1,
+        "kind": KIND_KL,
+    }
+
+
+def _missing_hub_message(name: str, repo_id: str, subfolder: str | None, cache: Path,
+                         revision: str | None = None, detail: str = "") -> str:
+    include = f" --include '{subfolder}/*'" if subfolder else ""
+    rev = f" --revision {revision}" if revision else ""
+    what = repo_id + (f" (subfolder {subfolder})" if subfolder else "")
+    label = f"'{name}' = {what}" if name != repo_id else what
+    return (f"autoencoder {label}{' at revision ' + revision if revision else ''} is not in the "
+            f"local Hugging Face cache {cache}{' (' + detail + ')' if detail else ''} and nothing "
+            f"is downloaded here: on a machine with internet run `huggingface-cli download "
+            f"{repo_id}{include}{rev}` and copy ~/.cache/huggingface to this machine, or point "
+            f"HF_HOME / HF_HUB_CACHE at such a cache, or pass a local diffusers directory "
+            f"(--vae DIR)")
+
+
+def _snapshot(repo_id: str, subfolder: str | None, revision: str | None, name: str) -> Path:
+    """The cached snapshot directory of ``repo_id`` (never touching the network)."""
+    cache = hf_cache_dir()
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:
+        raise DitdataError(f"autoencoder {name} ({repo_id}) needs huggingface_hub: "
+                           "pip install 'ditkit[vae]'") from e
+    try:
+        path = snapshot_download(
+            repo_id, revision=revision, cache_dir=str(cache), local_files_only=True,
+            allow_patterns=[f"{subfolder}/*"] if subfolder else None)
+    except Exception as e:
+        detail = type(e).__name__
+        raise DitdataError(_missing_hub_message(name, repo_id, subfolder, cache, revision,
+                                                detail)) from e
+    return Path(path)
+
+
+# --------------------------------------------------------------------------- loaders
+
+
+def _taef2(weights_dir: Path, device: Any, dtype: torch.dtype) -> Autoencoder:
+    from ditdata.taef2 import TAEF2
+
+    weights_dir = weights_dir.expanduser().resolve()
+    sha = {f: _sha256(weights_dir / f) for f in TAEF2_FILES}
+    try:
+        module = TAEF2.from_dir(weights_dir)
+    except Exception as e:
+        msg = " ".join(str(e).split())[:300]
+        raise DitdataError(f"cannot load TAEF2 weights from {weights_dir}: "
+                           f"{type(e).__name__}: {msg}") from e
+    p = PRESETS["taef2"]
+    info = {
+        "name": "taef2",
+        "id": str(weights_dir),
+        "subfolder": None,
+        "revision": None,
+        "weights_sha256": sha,
+        "scaling_factor": p.scaling_factor,
+        "shift_factor": p.shift_factor,
+        "latent_channels": p.latent_channels,
+        "downsample": p.downsample,
+        "input_range": p.input_range,
+        "kind": KIND_TAEF2,
+    }
+    return Autoencoder(module, info).to(device, dtype)
+
+
+def _taef2_from_env() -> Path:
+    env = os.environ.get(TAEF2_ENV)
+    if env and _is_taef2_dir(Path(env).expanduser()):
+        return Path(env)
+    where = f"${TAEF2_ENV}={env} holds no {' + '.join(TAEF2_FILES)}" if env else \
+        f"${TAEF2_ENV} is not set"
+    raise DitdataError(f"autoencoder 'taef2': weights not found ({where}): set {TAEF2_ENV}=DIR "
+                       f"or pass --vae DIR, where DIR holds {' and '.join(TAEF2_FILES)} "
+                       f"from {TAEF2_SOURCE}")
+
+
+def _pixels(device: Any, dtype: torch.dtype) -> Autoencoder:
+    p = PRESETS["pixels"]
+    info = {
+        "name": "pixels",
+        "id": None,
+        "subfolder": None,
+        "revision": None,
+        "weights_sha256": None,
+        "scaling_factor": p.scaling_factor,
+        "shift_factor": p.shift_factor,
+        "latent_channels": p.latent_channels,
+        "downsample": p.downsample,
+        "input_range": p.input_range,
+        "kind": KIND_PIXELS,
+    }
+    return Autoencoder(None, info).to(device, dtype)
+
+
+def _kl_from_dir(path: Path, device: Any, dtype: torch.dtype, name: str | None = None,
+                 scaling: float | None = None, shift: float | None = None) -> Autoencoder:
+    path = path.expanduser().resolve()
+    module, sha = _load_kl(path, dtype, name or str(path))
+    info = _kl_info(name or str(path), str(path), None, None, sha, module, scaling, shift)
+    return Autoencoder(module, info).to(device, dtype)
+
+
+def _kl_from_hub(repo_id: str, subfolder: str | None, device: Any, dtype: torch.dtype, *,
+                 name: str, revision: str | None = None, scaling: float | None = None,
+                 shift: float | None = None) -> Autoencoder:
+    snap = _snapshot(repo_id, subfolder, revision, name)
+    model_dir = snap / subfolder if subfolder else snap
+    cfg = _kl_config(model_dir)
+    if cfg is None:
+        raise DitdataError(_missing_hub_message(
+            name, repo_id, subfolder, hf_cache_dir(), revision,
+            f"snapshot {snap.name} has no {subfolder + '/' if subfolder else ''}config.json"))
+    if cfg.get("_class_name") != "AutoencoderKL":
+        raise DitdataError(f"{repo_id}{'/' + subfolder if subfolder else ''} is a "
+                           f"{cfg.get('_class_name')}, not an AutoencoderKL")
+    module, sha = _load_kl(model_dir, dtype, name)
+    info = _kl_info(name, repo_id, subfolder, snap.name, sha, module, scaling, shift)
+    return Autoencoder(module, info).to(device, dtype)
+
+
+def _resolve_dir(path: Path, device: Any, dtype: torch.dtype) -> Autoencoder:
+    if _is_taef2_dir(path):
+        return _taef2(path, device, dtype)
+    for cand in (path, path / "vae"):
+        cfg = _kl_config(cand)
+        if cfg is not None and cfg.get("_class_name") == "AutoencoderKL":
+            return _kl_from_dir(cand, device, dtype)
+    cfg = _kl_config(path)
+    found = f"a {cfg.get('_class_name')} config" if cfg else "no config.json"
+    raise DitdataError(
+        f"{path}: not a recognised autoencoder directory ({found}); expected "
+        f"{' + '.join(TAEF2_FILES)} (TAEF2) or a diffusers AutoencoderKL "
+        "(config.json + diffusion_pytorch_model.safetensors)")
+
+
+def load_autoencoder(name_or_path: str, device: Any = "cpu",
+                     dtype: torch.dtype | None = None) -> Autoencoder:
+    """Load a preset, a local directory or a cached hub id (see the module docstring).
+    ``dtype`` defaults to float32. Raises ``DitdataError`` when the model is not on disk."""
+    import torch
+
+    dtype = dtype or torch.float32
+    s = str(name_or_path).strip()
+    preset = PRESETS.get(s)
+    if preset is not None:
+        if preset.kind == KIND_PIXELS:
+            return _pixels(device, dtype)
+        if preset.kind == KIND_TAEF2:
+            return _taef2(_taef2_from_env(), device, dtype)
+        return _kl_from_hub(preset.repo_id, preset.subfolder, device, dtype, name=preset.name,
+                            scaling=preset.scaling_factor, shift=preset.shift_factor)
+    path = Path(s).expanduser()
+    if path.is_dir():
+        return _resolve_dir(path, device, dtype)
+    if path.exists():
+        raise DitdataError(f"{s}: an autoencoder must be a directory "
+                           f"(or one of the presets {', '.join(PRESETS)})")
+    if _HUB_ID.fullmatch(s) and ".." not in s:
+        parts = s.split("/")
+        repo_id, sub = "/".join(parts[:2]), "/".join(parts[2:]) or None
+        return _kl_from_hub(repo_id, sub, device, dtype, name=s)
+    raise DitdataError(f"unknown autoencoder {s!r}: not a preset ({', '.join(PRESETS)}), "
+                       "not an existing directory, not a hub id (org/name)")
+
+
+def _kl_from_hub_pinned(repo_id: str, subfolder: str | None, revision: str | None, name: str,
+                        device: Any, dtype: torch.dtype) -> Autoencoder:
+    """The recorded commit from the cache; when only another commit is cached, that one with
+    a warning (the caller's sha256 check tells whether its weights are the same)."""
+    try:
+        return _kl_from_hub(repo_id, subfolder, device, dtype, name=name, revision=revision)
+    except DitdataError as pinned_error:
+        if revision is None:
+            raise
+        try:
+            ae = _kl_from_hub(repo_id, subfolder, device, dtype, name=name)
+        except DitdataError:
+            raise pinned_error from None
+    warnings.warn(f"autoencoder {name!r}: revision {revision} of {repo_id} is not cached, "
+                  f"using {ae.info['revision']}", stacklevel=3)
+    return ae
+
+
+def autoencoder_from_manifest(vae_entry: dict[str, Any], device: Any = "cpu",
+                              dtype: torch.dtype | None = None, *, source: str | None = None,
+                              strict: bool = False) -> Autoencoder:
+    """Rebuild the autoencoder a store was made with from its manifest ``"vae"`` entry.
+
+    The manifest is the source of truth for scaling and shift. The model is found at
+    ``source`` when given (a directory or name, e.g. from ``--vae``), else at the recorded
+    id (a local directory, or a hub id at the recorded revision in the local cache); a TAEF2
+    whose recorded directory is gone falls back to ``$DITKIT_TAEF2``. When the weights
+    loaded differ from the recorded sha256 a warning is issued (``strict=True``: an error).
+    """
+    import torch
+
+    dtype = dtype or torch.float32
+    e = dict(vae_entry)
+    kind = e.get("kind")
+    ident = e.get("id")
+    if kind == KIND_PIXELS:
+        ae = _pixels(device, dtype)
+    elif source is not None:
+        ae = load_autoencoder(source, device, dtype)
+    elif kind == KIND_TAEF2:
+        d = Path(ident) if ident else None
+        ae = _taef2(d if d and _is_taef2_dir(d) else _taef2_from_env(), device, dtype)
+    elif kind == KIND_KL:
+        if ident and Path(ident).is_absolute():  # local directories are recorded absolute
+            if not Path(ident).is_dir():
+                raise DitdataError(f"store autoencoder {e.get('name')!r}: {ident} is not on "
+                                   "this machine; pass its directory (--vae DIR)")
+            ae = _kl_from_dir(Path(ident), device, dtype)
+        elif ident and _HUB_ID.fullmatch(ident):
+            ae = _kl_from_hub_pinned(ident, e.get("subfolder"), e.get("revision"),
+                                     e.get("name") or ident, device, dtype)
+        else:
+            raise DitdataError(f"store autoencoder {e.get('name')!r}: unusable id {ident!r}; "
+                               "pass its directory (--vae DIR)")
+    else:
+        raise DitdataError(f"store manifest names an unknown autoencoder kind {kind!r}")
+
+    if ae.kind != kind:
+        raise DitdataError(f"store was encoded with a {kind} autoencoder, got a {ae.kind}")
+    for key in ("latent_channels", "downsample", "input_range"):
+        if key in e and e[key] != ae.info[key]:
+            raise DitdataError(f"store autoencoder {e.get('name')!r}: {key} is {e[key]} in the "
+                               f"manifest but {ae.info[key]} in {ae.info['id']}")
+    want, got = e.get("weights_sha256"), ae.info["weights_sha256"]
+    if want and got != want:
+        msg = (f"store autoencoder {e.get('name')!r}: the weights loaded from {ae.info['id']} "
+               f"differ from those the store was encoded with (sha256 {got} != {want})")
+        if strict:
+            raise DitdataError(msg)
+        warnings.warn(msg, stacklevel=2)
+    ae.info["scaling_factor"] = float(e["scaling_factor"])
+    ae.info["shift_factor"] = float(e.get("shift_factor") or 0.0)
+    if e.get("name"):
+        ae.info["name"] = e["name"]
+    return ae
