@@ -1,0 +1,419 @@
+"""Diffusion objectives, noising, samplers and classifier-free guidance.
+
+The model is an opaque callable `model(x_t, t, **model_kwargs) -> out` where t (N,) is a
+float timestep on the 0..1000 scale (so the same timestep embedder serves both
+objectives) and out has C channels, or 2C for ddpm with a learned variance.
+
+Two objectives:
+
+ddpm  (DDPM / improved DDPM, the DiT setting) linear betas 1e-4..0.02 over 1000 steps,
+      x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, the model predicts eps. With
+      learn_sigma the model also outputs v in [-1, 1] that interpolates the log variance
+      between the posterior variance and beta_t, trained by the hybrid loss
+      L = MSE(eps) + vlb_weight * L_vlb(t), where L_vlb sees the mean with a stop-gradient
+      (so only the variance learns from it). L_vlb(t) is the single-step KL in bits per
+      dimension; with vlb_weight = 1 this is DiT's loss and equals improved DDPM's
+      lambda = 0.001 on the T-step sum.
+flow  rectified flow: x_t = (1 - t) x0 + t eps, t in [0, 1], the model predicts the
+      velocity eps - x0; t ~ logit-normal(mean, std) in training (SD3); the model sees
+      1000 t.
+
+Samplers: "ddpm" (ancestral) and "ddim" (eta) for ddpm, "euler" and "heun" for flow.
+Everything random takes a torch.Generator, so a seed fixes samples and losses.
+
+Public API:
+    DiffusionConfig, Diffusion(config), Diffusion.q_sample, Diffusion.training_loss,
+    Diffusion.sample, guided(model_fn, cfg_scale, cond_kwargs, uncond_kwargs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+ModelFn = Callable[..., torch.Tensor]
+
+SAMPLERS = {"ddpm": ("ddpm", "ddim"), "flow": ("euler", "heun")}
+
+
+@dataclass(frozen=True)
+class DiffusionConfig:
+    objective: str = "ddpm"  # "ddpm" | "flow"
+    num_timesteps: int = 1000  # ddpm training steps; also the model's timestep scale for flow
+    beta_start: float = 1e-4
+    beta_end: float = 0.02
+    learn_sigma: bool = True  # ddpm only: must match the model's learn_sigma
+    vlb_weight: float = 1.0  # weight of the per-step VLB term in the hybrid loss
+    logit_normal_mean: float = 0.0  # flow: t = sigmoid(N(mean, std))
+    logit_normal_std: float = 1.0
+
+    def __post_init__(self):
+        if self.objective not in SAMPLERS:
+            raise ValueError(f"objective must be 'ddpm' or 'flow', got {self.objective!r}")
+
+    @property
+    def default_sampler(self) -> str:
+        return "ddpm" if self.objective == "ddpm" else "euler"
+
+
+# -----------------------------------------------------------------------------
+# Classifier-free guidance
+
+
+def guided(
+    model_fn: ModelFn, cfg_scale: float, cond_kwargs: dict, uncond_kwargs: dict | None
+) -> ModelFn:
+    """A model callable (x, t) -> out that applies classifier-free guidance with ONE
+    forward pass on the doubled batch [cond; uncond]:
+        out = uncond + cfg_scale * (cond - uncond)
+    Guidance applies to the first C channels (C = x's channels: eps or velocity); extra
+    channels (the learned variance of ddpm) are taken from the conditional pass, as DiT
+    does. cfg_scale == 1 (or no uncond_kwargs) is the plain conditional model."""
+    if cfg_scale == 1.0 or uncond_kwargs is None:
+        return lambda x, t: model_fn(x, t, **cond_kwargs)
+    if set(cond_kwargs) != set(uncond_kwargs):
+        raise ValueError(
+            f"cond and uncond kwargs differ: {sorted(cond_kwargs)} vs {sorted(uncond_kwargs)}"
+        )
+
+    def both(a, b, n):
+        if a is None:
+            return None
+        b = b.to(a.device)
+        if b.shape[0] != n:  # an unbatched uncond (e.g. the empty caption) serves every row
+            b = b.expand(n, *a.shape[1:])
+        return torch.cat([a, b])
+
+    def fn(x, t):
+        n, C = x.shape[0], x.shape[1]
+        kwargs = {k: both(v, uncond_kwargs[k], n) for k, v in cond_kwargs.items()}
+        out = model_fn(torch.cat([x, x]), torch.cat([t, t]), **kwargs)
+        cond, uncond = out[:n], out[n:]
+        g = uncond[:, :C] + cfg_scale * (cond[:, :C] - uncond[:, :C])
+        return torch.cat([g, cond[:, C:]], dim=1)
+
+    return fn
+
+
+# -----------------------------------------------------------------------------
+# Helpers
+
+
+def _randn(shape, generator: torch.Generator | None, device, dtype=torch.float32):
+    # draw where the generator lives, then move: a CPU generator gives the same numbers
+    # whatever device the model runs on
+    gen_device = generator.device if generator is not None else device
+    return torch.randn(shape, generator=generator, device=gen_device, dtype=dtype).to(device)
+
+
+def _rand(shape, generator, device):
+    gen_device = generator.device if generator is not None else device
+    return torch.rand(shape, generator=generator, device=gen_device).to(device)
+
+
+def _bcast(values: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # values (S,) float64 table, idx (N,) -> (N, 1, 1, 1) in x's dtype for broadcasting
+    out = values.to(x.device)[idx.to(x.device)].to(x.dtype)
+    return out.view(-1, *([1] * (x.dim() - 1)))
+
+
+def mean_flat(x):
+    return x.flatten(1).mean(dim=1)
+
+
+def normal_kl(mean1, logvar1, mean2, logvar2):
+    """KL(N(mean1, e^logvar1) || N(mean2, e^logvar2)), element-wise, in nats."""
+    return 0.5 * (
+        -1.0
+        + logvar2
+        - logvar1
+        + torch.exp(logvar1 - logvar2)
+        + (mean1 - mean2) ** 2 * torch.exp(-logvar2)
+    )
+
+
+def _approx_std_normal_cdf(x):
+    return 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def discretized_gaussian_log_likelihood(x, means, log_scales):
+    """log p(x) of data in [-1, 1] quantised to 256 bins under N(means, e^(2 log_scales)):
+    the t = 0 decoder term of the VLB (improved DDPM; DiT keeps it for latents)."""
+    centered = x - means
+    inv_std = torch.exp(-log_scales)
+    cdf_plus = _approx_std_normal_cdf(inv_std * (centered + 1.0 / 255.0))
+    cdf_min = _approx_std_normal_cdf(inv_std * (centered - 1.0 / 255.0))
+    log_cdf_plus = torch.log(cdf_plus.clamp(min=1e-12))
+    log_one_minus_cdf_min = torch.log((1.0 - cdf_min).clamp(min=1e-12))
+    log_delta = torch.log((cdf_plus - cdf_min).clamp(min=1e-12))
+    return torch.where(
+        x < -0.999, log_cdf_plus, torch.where(x > 0.999, log_one_minus_cdf_min, log_delta)
+    )
+
+
+class _Schedule:
+    """Posterior terms of a DDPM chain over an ascending subset of the training timesteps
+    (all of them in training, a respaced subset when sampling with fewer steps). Derived
+    from abar at the kept steps, as improved DDPM's respacing does: beta_i = 1 - abar_i /
+    abar_{i-1}. Tables are float64 on the CPU."""
+
+    def __init__(self, alphas_cumprod: torch.Tensor, timesteps: torch.Tensor):
+        self.timesteps = timesteps  # (S,) int64, the model's timestep for each index
+        ac = alphas_cumprod[timesteps]
+        ac_prev = torch.cat([ac.new_ones(1), ac[:-1]])
+        self.alphas_cumprod, self.alphas_cumprod_prev = ac, ac_prev
+        self.betas = 1.0 - ac / ac_prev
+        self.sqrt_recip_ac = torch.sqrt(1.0 / ac)
+        self.sqrt_recipm1_ac = torch.sqrt(1.0 / ac - 1.0)
+        # q(x_{i-1} | x_i, x0) = N(coef1 x0 + coef2 x_i, posterior_variance)
+        self.posterior_variance = self.betas * (1.0 - ac_prev) / (1.0 - ac)
+        # the variance is 0 at i = 0; clip the log there to the next value (improved DDPM)
+        pv = self.posterior_variance
+        self.posterior_log_variance_clipped = torch.log(torch.cat([pv[1:2], pv[1:]]))
+        self.posterior_mean_coef1 = self.betas * torch.sqrt(ac_prev) / (1.0 - ac)
+        self.posterior_mean_coef2 = (1.0 - ac_prev) * torch.sqrt(1.0 - self.betas) / (1.0 - ac)
+        # "fixed large" variance (beta, with the first clipped), DiT's choice without learn_sigma
+        self.fixed_large_log_variance = torch.log(torch.cat([pv[1:2], self.betas[1:]]))
+
+    def predict_x0(self, x_t, i, eps):
+        return _bcast(self.sqrt_recip_ac, i, x_t) * x_t - _bcast(self.sqrt_recipm1_ac, i, x_t) * eps
+
+    def q_posterior(self, x0, x_t, i):
+        mean = (
+            _bcast(self.posterior_mean_coef1, i, x_t) * x0
+            + _bcast(self.posterior_mean_coef2, i, x_t) * x_t
+        )
+        return mean, _bcast(self.posterior_log_variance_clipped, i, x_t)
+
+    def p_mean_logvar(self, out, x_t, i, learn_sigma: bool):
+        """The model's p(x_{i-1} | x_i): mean from the predicted eps, log variance from v."""
+        C = x_t.shape[1]
+        eps = out[:, :C]
+        if learn_sigma:
+            # v in [-1, 1] interpolates log variance between the posterior's and beta's
+            frac = (out[:, C:] + 1) / 2
+            min_log = _bcast(self.posterior_log_variance_clipped, i, x_t)
+            max_log = _bcast(torch.log(self.betas), i, x_t)
+            logvar = frac * max_log + (1 - frac) * min_log
+        else:
+            logvar = _bcast(self.fixed_large_log_variance, i, x_t).expand_as(x_t)
+        x0 = self.predict_x0(x_t, i, eps)
+        mean, _ = self.q_posterior(x0, x_t, i)
+        return mean, logvar, x0, eps
+
+
+# -----------------------------------------------------------------------------
+# The diffusion process
+
+
+class Diffusion:
+    def __init__(self, config: DiffusionConfig | None = None, **overrides):
+        config = config or DiffusionConfig(**overrides)
+        self.config = config
+        T = config.num_timesteps
+        # schedule in float64: 1 - abar_t is tiny at small t and float32 would lose it
+        self.betas = torch.linspace(config.beta_start, config.beta_end, T, dtype=torch.float64)
+        self.alphas_cumprod = torch.cumprod(1.0 - self.betas, dim=0)
+        self.train_schedule = _Schedule(self.alphas_cumprod, torch.arange(T))
+
+    @property
+    def learn_sigma(self) -> bool:
+        return self.config.objective == "ddpm" and self.config.learn_sigma
+
+    def model_timesteps(self, t: torch.Tensor) -> torch.Tensor:
+        """What the model sees: ddpm step index as float, flow t in [0, 1] scaled by T."""
+        if self.config.objective == "flow":
+            return t.float() * self.config.num_timesteps
+        return t.float()
+
+    # --- noising ---
+
+    def sample_timesteps(self, n: int, generator=None, device="cpu") -> torch.Tensor:
+        """ddpm: uniform integers 0..T-1; flow: logit-normal t in (0, 1)."""
+        if self.config.objective == "flow":
+            z = _randn((n,), generator, device)
+            return torch.sigmoid(self.config.logit_normal_mean + self.config.logit_normal_std * z)
+        gen_device = generator.device if generator is not None else device
+        return torch.randint(
+            0, self.config.num_timesteps, (n,), generator=generator, device=gen_device
+        ).to(device)
+
+    def q_sample(self, x0, t, noise):
+        """x_t from x0: ddpm sqrt(abar_t) x0 + sqrt(1 - abar_t) noise (t int);
+        flow (1 - t) x0 + t noise (t float in [0, 1])."""
+        if self.config.objective == "flow":
+            t = t.to(x0.dtype).view(-1, *([1] * (x0.dim() - 1)))
+            return (1 - t) * x0 + t * noise
+        ac = self.alphas_cumprod
+        return _bcast(torch.sqrt(ac), t, x0) * x0 + _bcast(torch.sqrt(1 - ac), t, x0) * noise
+
+    # --- training ---
+
+    def training_loss(
+        self,
+        model: ModelFn,
+        x0,
+        model_kwargs=None,
+        *,
+        t=None,
+        noise=None,
+        generator=None,
+        return_terms: bool = False,
+    ):
+        """Per-sample loss (N,) for a batch of clean latents x0 (N, C, H, W).
+        t and noise are drawn from `generator` unless given. With return_terms, a dict
+        {"loss", "mse", "vb"} of (N,) tensors (vb only with a learned variance)."""
+        model_kwargs = model_kwargs or {}
+        N, C = x0.shape[:2]
+        if t is None:
+            t = self.sample_timesteps(N, generator, x0.device)
+        if noise is None:
+            noise = _randn(x0.shape, generator, x0.device, x0.dtype)
+        x_t = self.q_sample(x0, t, noise)
+        out = model(x_t, self.model_timesteps(t), **model_kwargs)
+        self._check_channels(out, C)
+        terms = {}
+        if self.config.objective == "flow":
+            terms["mse"] = mean_flat((out.float() - (noise - x0).float()) ** 2)
+            terms["loss"] = terms["mse"]
+        else:
+            terms["mse"] = mean_flat((out[:, :C].float() - noise.float()) ** 2)
+            terms["loss"] = terms["mse"]
+            if self.learn_sigma:
+                # stop-gradient on the eps part: the VLB term trains only the variance
+                frozen = torch.cat([out[:, :C].detach(), out[:, C:]], dim=1).float()
+                terms["vb"] = self._vb_bits(frozen, x0.float(), x_t.float(), t)
+                terms["loss"] = terms["loss"] + self.config.vlb_weight * terms["vb"]
+        return terms if return_terms else terms["loss"]
+
+    def _vb_bits(self, out, x0, x_t, t):
+        """The VLB term L_t in bits per dimension: KL(q(x_{t-1}|x_t,x0) || p(x_{t-1}|x_t))
+        for t > 0 and the decoder NLL -log p(x0|x1) at t = 0."""
+        s = self.train_schedule
+        true_mean, true_logvar = s.q_posterior(x0, x_t, t)
+        mean, logvar, _, _ = s.p_mean_logvar(out, x_t, t, learn_sigma=True)
+        kl = mean_flat(normal_kl(true_mean, true_logvar, mean, logvar)) / math.log(2.0)
+        nll = -mean_flat(discretized_gaussian_log_likelihood(x0, mean, 0.5 * logvar)) / math.log(
+            2.0
+        )
+        return torch.where(t.to(kl.device) == 0, nll, kl)
+
+    def _check_channels(self, out, C):
+        want = 2 * C if self.learn_sigma else C
+        if out.shape[1] != want:
+            hint = (
+                "flow and ddpm without learn_sigma want learn_sigma=False in the model"
+                if want == C
+                else "ddpm with learn_sigma wants learn_sigma=True in the model"
+            )
+            raise ValueError(
+                f"model returned {out.shape[1]} channels for {C}-channel input, expected {want}: {hint}"
+            )
+
+    # --- sampling ---
+
+    def respaced_timesteps(self, steps: int) -> torch.Tensor:
+        """`steps` training timesteps evenly spread over 0..T-1, ascending, both ends
+        included (DiT's respacing for e.g. "250")."""
+        T = self.config.num_timesteps
+        if not 1 <= steps <= T:
+            raise ValueError(f"steps must be in 1..{T}, got {steps}")
+        if steps == 1:
+            return torch.tensor([T - 1])
+        return torch.unique(
+            torch.round(torch.linspace(0, T - 1, steps, dtype=torch.float64)).long()
+        )
+
+    @torch.no_grad()
+    def sample(
+        self,
+        model: ModelFn,
+        shape,
+        *,
+        steps: int = 50,
+        sampler: str | None = None,
+        cfg_scale: float = 1.0,
+        model_kwargs: dict | None = None,
+        uncond_kwargs: dict | None = None,
+        generator: torch.Generator | None = None,
+        device=None,
+        noise=None,
+        eta: float = 0.0,
+    ):
+        """Draw samples x0 of `shape` (N, C, H, W).
+
+        model: the network, called model(x, t, **kwargs) (put it in eval mode first so
+            label dropout is off); cfg_scale > 1 batches the unconditional pass given by
+            uncond_kwargs (e.g. DiT.unconditional_kwargs(model_kwargs, empty_text)).
+        sampler: "ddpm" (ancestral) or "ddim" (eta: 0 deterministic, 1 ~ ancestral) for
+            the ddpm objective; "euler" or "heun" (2 evaluations per step) for flow.
+        generator: the only source of randomness (initial noise and ancestral noise)."""
+        sampler = sampler or self.config.default_sampler
+        if sampler not in SAMPLERS[self.config.objective]:
+            raise ValueError(
+                f"sampler {sampler!r} does not fit objective {self.config.objective!r}; "
+                f"choose one of {SAMPLERS[self.config.objective]}"
+            )
+        if device is None:
+            if noise is not None:
+                device = noise.device
+            elif isinstance(model, torch.nn.Module):
+                device = next(model.parameters()).device
+            else:
+                device = "cpu"
+        fn = guided(model, cfg_scale, model_kwargs or {}, uncond_kwargs)
+        x = noise.to(device) if noise is not None else _randn(tuple(shape), generator, device)
+        if self.config.objective == "flow":
+            return self._sample_flow(fn, x, steps, heun=sampler == "heun")
+        return self._sample_ddpm(fn, x, steps, generator, ddim=sampler == "ddim", eta=eta)
+
+    def _sample_ddpm(self, fn, x, steps, generator, ddim: bool, eta: float):
+        s = _Schedule(self.alphas_cumprod, self.respaced_timesteps(steps))
+        C = x.shape[1]
+        for i in reversed(range(len(s.timesteps))):
+            idx = torch.full((x.shape[0],), i, dtype=torch.long)
+            t = torch.full((x.shape[0],), float(s.timesteps[i]), device=x.device)
+            out = fn(x, t).to(x.dtype)
+            self._check_channels(out, C)
+            if ddim:
+                eps = out[:, :C]
+                x0 = s.predict_x0(x, idx, eps)
+                ac, ac_prev = s.alphas_cumprod[i], s.alphas_cumprod_prev[i]
+                sigma = eta * math.sqrt((1 - ac_prev) / (1 - ac)) * math.sqrt(1 - ac / ac_prev)
+                x = math.sqrt(ac_prev) * x0 + math.sqrt(max(1 - ac_prev - sigma**2, 0.0)) * eps
+                if sigma > 0:
+                    x = x + sigma * _randn(x.shape, generator, x.device, x.dtype)
+            else:
+                mean, logvar, _, _ = s.p_mean_logvar(out, x, idx, self.learn_sigma)
+                x = mean
+                if i > 0:  # no noise on the last step
+                    x = x + torch.exp(0.5 * logvar) * _randn(x.shape, generator, x.device, x.dtype)
+        return x
+
+    def _sample_flow(self, fn, x, steps, heun: bool):
+        # integrate dx/dt = v from t = 1 (noise) to t = 0 (data) on a uniform grid
+        ts = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64).tolist()
+        n = x.shape[0]
+
+        def v(x, t):
+            out = fn(x, torch.full((n,), t * self.config.num_timesteps, device=x.device)).to(
+                x.dtype
+            )
+            self._check_channels(out, x.shape[1])
+            return out
+
+        for t, t_next in zip(ts[:-1], ts[1:], strict=True):
+            dt = t_next - t  # negative
+            d = v(x, t)
+            if heun:
+                x_euler = x + dt * d
+                x = x + dt * 0.5 * (d + v(x_euler, t_next))
+            else:
+                x = x + dt * d
+        return x
+
+
+__all__ = ["SAMPLERS", "Diffusion", "DiffusionConfig", "guided", "mean_flat", "normal_kl"]
