@@ -137,18 +137,118 @@ def fetch(source, out, kind, image_size, resize_mode, min_image_size, max_aspect
 
 
 @main.command()
+@click.argument("shards", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("--clip", "clip_name", default=None,
+              help="open_clip model name, e.g. ViT-B-32 (LAION-5B's filter), ViT-L-14 (DataComp). "
+                   "Default: ViT-B-32, or the --clip-config file's stem.")
+@click.option("--pretrained", required=True,
+              help="open_clip pretrained tag (e.g. laion2b_s34b_b79k, openai), resolved from the local "
+                   "Hugging Face cache only, or a local weights file.")
+@click.option("--clip-config", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
+              help="An open_clip model-config JSON (embed_dim, vision_cfg, text_cfg) for a custom "
+                   "architecture; the model is then named after the file's stem.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ... (bf16 autocast on CUDA).")
+@click.option("--batch-size", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--workers", default=None, type=click.IntRange(min=0),
+              help="Image decoding threads (0: decode in the main thread). Default: CPU cores, at most 8.")
+@click.option("--overwrite", is_flag=True,
+              help="Recompute every shard, replacing scores made by another model or weights.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def score(shards, clip_name, pretrained, clip_config, device, batch_size, workers, overwrite, quiet):
+    """CLIP-score every image-caption pair of the image SHARDS folder (from `ditdata fetch`).
+
+    Writes NNNNN.clip.parquet beside each NNNNN.tar: key, clip_score (cosine similarity
+    of the L2-normalised open_clip embeddings; null without a caption or for an
+    undecodable image), model, pretrained, status, image sizes and caption length. Each
+    file is published atomically; rerun to resume (shards already scored with the same
+    weights are skipped). Nothing is downloaded: a tag whose weights are not in the local
+    Hugging Face cache fails at once, saying how to supply them.
+
+    \b
+    Examples:
+      ditdata score ./laion_shards --clip ViT-B-32 --pretrained laion2b_s34b_b79k
+      ditdata score ./laion_shards --clip ViT-L-14 --pretrained datacomp_xl_s13b_b90k --batch-size 256
+      ditdata score ./shards --clip ViT-B-32 --pretrained ./open_clip_pytorch_model.bin --device cpu
+    """
+    from ditdata.score import report
+    from ditdata.score import score as run_score
+
+    summary = run_score(shards, clip=clip_name, pretrained=pretrained, clip_config=clip_config, device=device,
+                        batch_size=batch_size, workers=workers, overwrite=overwrite, progress=not quiet)
+    click.echo(f"{shards}: {report(summary)}")
+
+
+@main.command(name="filter")
+@click.argument("shards", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("--min-clip-score", type=float, default=None, help="Keep clip_score >= X (LAION-5B: 0.28 with ViT-B/32).")
+@click.option("--top-fraction", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
+              help="Keep the top F of all scored samples (DataComp: 0.3 with ViT-L/14); ties at the "
+                   "cut-off are all kept.")
+@click.option("--min-width", type=click.IntRange(min=1), default=None, help="Source image width >= W.")
+@click.option("--min-height", type=click.IntRange(min=1), default=None, help="Source image height >= H.")
+@click.option("--max-aspect-ratio", type=click.FloatRange(min=1), default=None,
+              help="Longer side / shorter side <= R.")
+@click.option("--min-caption-length", type=click.IntRange(min=0), default=None,
+              help="Caption of at least N characters (after stripping whitespace).")
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False, path_type=str),
+              help="Selection file to write: parquet, or JSON if the name ends in .json.")
+def filter_(shards, min_clip_score, top_fraction, min_width, min_height, max_aspect_ratio, min_caption_length, out):
+    """Select samples of a scored SHARDS folder by CLIP score and write their keys to --out.
+
+    Exactly one score rule: --min-clip-score X or --top-fraction F (a global threshold over
+    all shards). Samples without a score (no caption, undecodable image) are never kept.
+    Size and caption rules are combined with AND; sizes are those of the source image
+    when fetch recorded them. Images are never rewritten: pass the selection to
+    `ditdata encode --select`.
+
+    \b
+    Examples:
+      ditdata filter ./laion_shards --min-clip-score 0.28 --out keep.parquet
+      ditdata filter ./laion_shards --top-fraction 0.3 --min-width 256 --min-height 256 \\
+          --max-aspect-ratio 2 --min-caption-length 5 --out keep.parquet
+    """
+    if (min_clip_score is None) == (top_fraction is None):
+        raise click.UsageError("give exactly one of --min-clip-score X and --top-fraction F")
+    from ditdata.selection import filter_shards, report
+
+    _, summary = filter_shards(shards, out, min_clip_score=min_clip_score, top_fraction=top_fraction,
+                               min_width=min_width, min_height=min_height, max_aspect_ratio=max_aspect_ratio,
+                               min_caption_length=min_caption_length)
+    click.echo(f"{shards}: {report(summary)}")
+
+
+@main.command()
 @click.argument("store", type=click.Path(file_okay=False, path_type=str))
-def inspect(store):
+@click.option("--decode", "decode_n", type=click.IntRange(min=1), default=None,
+              help="Also decode the first N stored latents with the store's own autoencoder.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=str), default=None,
+              help="Directory for the --decode PNGs (named by sample key).")
+@click.option("--vae", default=None,
+              help="Where to find the store's autoencoder if not where it was recorded "
+                   "(a directory or preset name).")
+@click.option("--device", default="cpu", show_default=True)
+def inspect(store, decode_n, out, vae, device):
     """Print a readable summary of a latent STORE: samples, shards, latent shape and dtype,
     autoencoder, conditioning, per-channel statistics and size on disk.
 
+    With --decode N --out DIR, decode the first N latents back to images so you can
+    eyeball the cache.
+
     \b
-    Example:
+    Examples:
       ditdata inspect ./store
+      ditdata inspect ./store --decode 16 --out ./peek
     """
     from ditdata.summary import describe
 
     click.echo(describe(store))
+    if decode_n:
+        if not out:
+            raise click.UsageError("--decode needs --out DIR")
+        from ditdata.summary import decode_samples
+
+        paths = decode_samples(store, decode_n, out, vae=vae, device=device)
+        click.echo(f"decoded {len(paths)} samples into {out}")
 
 
 @main.command()
@@ -169,6 +269,63 @@ def verify(store):
     if faults:
         raise click.ClickException(f"{store}: {len(faults)} fault(s) found")
     click.echo(f"{store}: OK ({n} samples verified)")
+
+
+@main.command()
+@click.argument("shards", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=str),
+              help="The latent store directory (created, resumed or appended to).")
+@click.option("--vae", default="sd-vae-ft-ema", show_default=True,
+              help="Autoencoder: sd-vae-ft-ema, sd-vae-ft-mse, sdxl-vae, flux-vae, taef2, pixels, "
+                   "a local directory (diffusers AutoencoderKL or TAEF2 weights) or a cached hub id.")
+@click.option("--resolution", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Square crop size in pixels (ADM rule: resize short side, center crop).")
+@click.option("--backend", type=click.Choice(["zarr", "wds"]), default="zarr", show_default=True)
+@click.option("--flip/--no-flip", default=False, show_default=True,
+              help="Also store the latent of the horizontally flipped image.")
+@click.option("--posterior", type=click.Choice(["sample", "mean_std"]), default="sample", show_default=True,
+              help="Store one posterior sample, or mean and std so training draws fresh samples.")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16"]), default="float16", show_default=True,
+              help="Storage dtype of latents and text embeddings.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
+@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(min=0),
+              help="Image decoding processes (each takes whole shards).")
+@click.option("--select", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
+              help="A selection written by `ditdata filter`: encode only those keys.")
+@click.option("--text-encoder", default=None, help="open_clip model for caption embeddings, e.g. ViT-B-32.")
+@click.option("--text-pretrained", default=None, help="Its pretrained tag (from the local cache) or a weights file.")
+@click.option("--text-config", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
+              help="An open_clip model-config JSON for a custom text encoder.")
+@click.option("--text-tokens/--no-text-tokens", default=False, show_default=True,
+              help="Also store per-token text embeddings and mask (for cross-attention).")
+@click.option("--seed", default=0, show_default=True, help="Seed of the posterior draws.")
+@click.option("--chunk-samples", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Samples per storage chunk (large chunks read fast).")
+def encode(shards, out, **options):
+    """Encode the image SHARDS folder (from `ditdata fetch`) into a latent store.
+
+    One store shard per image shard, each published atomically: rerun the same command
+    after a crash and only the missing shards are encoded. Under `torchrun` each rank
+    encodes its share of shards and rank 0 writes the manifest.
+
+    \b
+    Examples:
+      ditdata encode ./imagenet-shards --vae sd-vae-ft-ema --resolution 256 --flip --out ./store
+      ditdata encode ./laion-shards --vae sdxl-vae --select keep.parquet \\
+          --text-encoder ViT-B-32 --text-pretrained laion2b_s34b_b79k --out ./store
+      torchrun --standalone --nproc_per_node 8 -m ditdata.cli encode ./shards --vae taef2 --out ./store
+    """
+    from ditdata.encode import EncodeConfig, encode
+
+    r = encode(EncodeConfig(shards=shards, out=out, **options))
+    if r["num_samples"] is not None:
+        skipped = ", ".join(f"{k}: {v}" for k, v in r["skipped"].items()) or "none"
+        click.echo(
+            f"{out}: {r['num_samples']} samples; this run encoded {r['encoded']} images in "
+            f"{r['shards_written']} shards ({r['shards_skipped']} already done) at "
+            f"{r['images_per_s']:.1f} img/s; skipped: {skipped}"
+        )
 
 
 if __name__ == "__main__":

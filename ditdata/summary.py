@@ -65,3 +65,40 @@ def verify_store(path) -> tuple[list[str], int]:
     s = open_store(path)
     faults = s.verify(progress=lambda xs: tqdm(xs, desc="verify", unit="shard", leave=False))
     return faults, len(s)
+
+
+def _filename(key: str) -> str:
+    """A sample key as a flat, safe file name."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(key))
+    return safe.strip(".") or "sample"
+
+
+def decode_samples(path, n: int, out, *, vae: str | None = None, device: str = "cpu",
+                   batch_size: int = 16) -> list:
+    """Decode the first n latents of a store with its own autoencoder; write PNGs by key."""
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from ditdata.vae import autoencoder_from_manifest
+
+    s = open_store(path)
+    ae = autoencoder_from_manifest(s.manifest["vae"], device=device, source=vae)
+    field = s.schema.primary  # "latent", or "mean" for mean+std stores
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for shard in s.shards:
+        if len(written) >= n:
+            break
+        data = s.read(shard, fields=[field, "key"], stop=n - len(written))
+        for i in range(0, len(data["key"]), batch_size):
+            z = torch.from_numpy(data[field][i:i + batch_size].astype(np.float32))
+            images = ae.decode(z).mul(255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+            for key, img in zip(data["key"][i:i + batch_size], images, strict=True):
+                p = out / f"{_filename(key)}.png"
+                Image.fromarray(img).save(p)
+                written.append(p)
+    return written

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import tiny_kl
 
 from ditdata.errors import DitdataError
 from ditdata.vae import PRESETS, Autoencoder, autoencoder_from_manifest, load_autoencoder
@@ -28,15 +29,6 @@ def _sha(path: Path) -> str:
     import hashlib
 
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _tiny_kl(latent_channels: int = 4, **config):
-    torch.manual_seed(0)
-    return diffusers.AutoencoderKL(
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16), layers_per_block=1, latent_channels=latent_channels,
-        norm_num_groups=4, sample_size=32, **config,
-    )
 
 
 def _save(model, path: Path) -> Path:
@@ -85,7 +77,7 @@ def test_presets_table():
 
 
 def test_local_diffusers_dir(tmp_path):
-    model = _tiny_kl(scaling_factor=0.25, shift_factor=0.125)
+    model = tiny_kl(scaling_factor=0.25, shift_factor=0.125)
     d = _save(model, tmp_path / "kl")
     ae = load_autoencoder(str(d))
     assert isinstance(ae, Autoencoder) and type(ae.module).__name__ == "AutoencoderKL"
@@ -122,7 +114,7 @@ def test_local_diffusers_dir(tmp_path):
 
 
 def test_hub_id_from_fake_cache_records_revision(empty_cache):
-    _fake_hub(empty_cache, "org/tiny-vae", _tiny_kl())
+    _fake_hub(empty_cache, "org/tiny-vae", tiny_kl())
     ae = load_autoencoder("org/tiny-vae")
     assert ae.info["id"] == "org/tiny-vae" and ae.info["name"] == "org/tiny-vae"
     assert ae.info["revision"] == REV and ae.info["subfolder"] is None
@@ -130,7 +122,7 @@ def test_hub_id_from_fake_cache_records_revision(empty_cache):
 
 
 def test_flux_preset_from_fake_cache_uses_preset_factors_and_subfolder(empty_cache):
-    snap = _fake_hub(empty_cache, "black-forest-labs/FLUX.1-schnell", _tiny_kl(16), subfolder="vae")
+    snap = _fake_hub(empty_cache, "black-forest-labs/FLUX.1-schnell", tiny_kl(16), subfolder="vae")
     ae = load_autoencoder("flux-vae")
     assert ae.info["name"] == "flux-vae" and ae.info["id"] == "black-forest-labs/FLUX.1-schnell"
     assert (ae.info["subfolder"], ae.info["revision"]) == ("vae", REV)
@@ -180,7 +172,7 @@ def test_pixels_round_trip():
 
 
 def test_from_manifest_trusts_manifest_factors_and_checks_weights(tmp_path):
-    d = _save(_tiny_kl(), tmp_path / "kl")
+    d = _save(tiny_kl(), tmp_path / "kl")
     ae = load_autoencoder(str(d))
     z, _ = ae.encode(_images())
 

@@ -1,0 +1,376 @@
+"""`ditdata encode`: image shards -> latent store (VAE latents, optional text embeddings).
+
+    image shard NNNNN.tar --(worker: decode, ADM center crop)--> uint8 batches
+        --(main: autoencoder on the device, optional flip twin, text encoder)--> store shard NNNNN
+
+Parallelism: DataLoader worker processes each take whole input shards, decode and crop
+their images and hand over uint8 batches through shared memory, so decoding overlaps with
+the batched encoding in the main process. Batches never straddle shards, so a shard's
+latents do not depend on how the work was split (reruns and torchrun ranks give the
+same bytes). Under torchrun each rank takes every WORLD_SIZE-th shard; rank 0 writes the
+manifest once every shard exists.
+
+Resumable and idempotent: the store writer publishes each shard atomically and skips
+finished ones, so a rerun after a kill encodes only the missing shards.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ditdata import imageshards
+from ditdata.errors import DitdataError
+from ditdata.preprocess import CROP_RULE, center_crop
+from ditdata.store import BFLOAT16, Schema, StoreWriter, TensorSpec, encode_array
+from ditdata.vae import load_autoencoder
+
+POSTERIORS = ("sample", "mean_std")
+DTYPES = ("float16", "bfloat16")
+SCORE_SUFFIX = ".clip.parquet"  # written by `ditdata score` beside each image shard
+
+
+@dataclass
+class EncodeConfig:
+    shards: str
+    out: str
+    vae: str = "sd-vae-ft-ema"
+    resolution: int = 256
+    backend: str = "zarr"
+    flip: bool = False
+    posterior: str = "sample"  # one frozen draw, or mean and std (fresh draws in training)
+    dtype: str = "float16"  # storage dtype of latents and text embeddings
+    device: str = "auto"  # auto: cuda when available
+    batch_size: int = 32
+    workers: int = 2
+    select: str | None = None
+    text_encoder: str | None = None  # open_clip model name
+    text_pretrained: str | None = None  # its pretrained tag or weights file
+    text_config: str | None = None  # an open_clip model-config JSON for custom models
+    text_tokens: bool = False  # also store per-token embeddings and mask
+    seed: int = 0
+    chunk_samples: int = 1024
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- workers
+
+
+class ShardImages(torch.utils.data.IterableDataset):
+    """Per-shard uint8 image batches; each DataLoader worker takes whole shards."""
+
+    def __init__(self, jobs, resolution: int, batch_size: int, keep: set | None):
+        self.jobs, self.resolution, self.batch_size, self.keep = jobs, resolution, batch_size, keep
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        mine = self.jobs if info is None else self.jobs[info.id::info.num_workers]
+        for name, path in mine:
+            yield from _shard_batches(name, path, self.resolution, self.batch_size, self.keep)
+
+
+def _shard_batches(name, path, resolution, batch_size, keep):
+    skipped, skipped_keys, filtered = Counter(), [], 0
+    batch = []
+
+    def pack(last):
+        images = np.stack([b[0] for b in batch]) if batch else np.zeros((0, resolution, resolution, 3), np.uint8)
+        out = {"shard": name, "images": images, "meta": [b[1] for b in batch], "last": last}
+        if last:
+            out["stats"] = {"skipped": dict(skipped), "skipped_keys": skipped_keys[:1000], "filtered_out": filtered}
+        return out
+
+    for s in imageshards.iter_shard(path):
+        if keep is not None and s.key not in keep:
+            filtered += 1
+            continue
+        try:
+            arr = center_crop(s.decode(), resolution)
+        except imageshards.BadImageError as e:
+            skipped[e.reason] += 1
+            skipped_keys.append(s.key)
+            continue
+        batch.append((arr, s.meta))
+        if len(batch) == batch_size:
+            yield pack(last=False)
+            batch = []
+    yield pack(last=True)
+
+
+# --------------------------------------------------------------------------- main side
+
+
+def _to_numpy(x, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return x.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(BFLOAT16)
+    return x.to(torch.float16).cpu().numpy()
+
+
+def _shard_seed(seed: int, name: str) -> int:
+    digits = "".join(c for c in name if c.isdigit()) or "0"
+    return (seed * 1_000_003 + int(digits)) % (2**63)
+
+
+class _Accumulator:
+    def __init__(self):
+        self.tensors: dict[str, list] = {}
+        self.columns: dict[str, list] = {}
+
+    def add(self, tensors: dict, columns: dict):
+        for k, v in tensors.items():
+            self.tensors.setdefault(k, []).append(v)
+        for k, v in columns.items():
+            self.columns.setdefault(k, []).extend(v)
+
+    def result(self, schema: Schema):
+        tensors = {}
+        for name, spec in schema.tensors.items():
+            parts = self.tensors.get(name)
+            dt_ = BFLOAT16 if spec.dtype == "bfloat16" else np.dtype(spec.dtype)
+            tensors[name] = np.concatenate(parts) if parts else np.zeros((0, *spec.shape), dt_)
+        columns = {c: self.columns.get(c, []) for c in schema.columns}
+        return tensors, columns
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        if torch.cuda.is_available():
+            return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        return "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DitdataError(f"--device {device}: CUDA is not available on this machine")
+    return device
+
+
+class Encoder:
+    """Everything that runs on the device: the autoencoder and the optional text encoder."""
+
+    def __init__(self, cfg: EncodeConfig, device: str):
+        self.cfg, self.device = cfg, device
+        self.ae = load_autoencoder(cfg.vae, device=device)
+        if cfg.posterior == "mean_std" and self.ae.deterministic:
+            raise DitdataError(
+                f"--posterior mean_std needs a KL autoencoder with a posterior; {self.ae.name} is "
+                "deterministic (use --posterior sample)"
+            )
+        self.text = None
+        if cfg.text_encoder:
+            from ditdata.clip import load_clip
+
+            self.text = load_clip(cfg.text_encoder, cfg.text_pretrained, device=device, config=cfg.text_config)
+        cuda = device.startswith("cuda")
+        # bf16 autocast on GPUs that have it; the CPU stays in fp32 (bf16 is very slow there).
+        self.autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if cuda and torch.cuda.is_bf16_supported()
+            else torch.autocast("cuda", dtype=torch.float16)
+            if cuda
+            else torch.autocast("cpu", enabled=False)
+        )
+
+    def latent_names(self) -> list[str]:
+        names = ["latent"] if self.cfg.posterior == "sample" else ["mean", "std"]
+        return names + [f"{n}_flip" for n in names] if self.cfg.flip else names
+
+    def images(self, images_u8, gen) -> dict:
+        """(B, N, N, 3) uint8 -> {field: (B, C, h, w) float32 tensor} (scaled latents)."""
+        x = torch.as_tensor(images_u8).to(self.device).permute(0, 3, 1, 2).float().div_(255.0)
+        b = x.shape[0]
+        if self.cfg.flip:
+            x = torch.cat([x, x.flip(-1)])  # one pass for both views
+        with torch.inference_mode(), self.autocast:
+            mean, std = self.ae.encode(x)
+        mean = mean.float()
+        out = {}
+        if self.cfg.posterior == "sample":
+            if std is not None:
+                eps = torch.randn(mean.shape, generator=gen, dtype=torch.float32).to(mean.device)
+                mean = mean + std.float() * eps
+            out["latent"] = mean[:b]
+            if self.cfg.flip:
+                out["latent_flip"] = mean[b:]
+        else:
+            out["mean"], out["std"] = mean[:b], std.float()[:b]
+            if self.cfg.flip:
+                out["mean_flip"], out["std_flip"] = mean[b:], std.float()[b:]
+        return out
+
+    def captions(self, captions: list[str]) -> dict:
+        with torch.inference_mode(), self.autocast:
+            emb = self.text.embed_text(captions, tokens=self.cfg.text_tokens)
+        return {k: v if v.dtype == torch.bool else v.float() for k, v in emb.items()}
+
+
+def _text_fields(enc: Encoder, dtype: str) -> tuple[dict, dict]:
+    """Tensor specs of the text fields and the empty-caption embedding for the manifest."""
+    empty = enc.captions([""])
+    specs, arrays = {}, {}
+    for k, v in empty.items():
+        is_mask = v.dtype == torch.bool
+        specs[k] = TensorSpec(tuple(v.shape[1:]), "bool" if is_mask else dtype)
+        arrays[k] = v[0].cpu().numpy() if is_mask else _to_numpy(v[0], dtype)
+    return specs, {k: encode_array(a) for k, a in arrays.items()}
+
+
+def _load_scores(path: Path) -> dict[str, float | None] | None:
+    score_file = path.with_name(path.name[: -len(".tar")] + SCORE_SUFFIX)
+    if not score_file.is_file():
+        return None
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(score_file, columns=["key", "clip_score"])
+    return dict(zip(t.column("key").to_pylist(), t.column("clip_score").to_pylist(), strict=True))
+
+
+def encode(cfg: EncodeConfig) -> dict:
+    """Encode every input shard not yet in the store and write the manifest. Returns a summary."""
+    from tqdm import tqdm
+
+    if cfg.posterior not in POSTERIORS:
+        raise DitdataError(f"--posterior must be one of {POSTERIORS}")
+    if cfg.dtype not in DTYPES:
+        raise DitdataError(f"--dtype must be one of {DTYPES}")
+    if cfg.resolution <= 0:
+        raise DitdataError("--resolution must be positive")
+    info = imageshards.read_dataset_info(cfg.shards)
+    inputs = imageshards.list_shards(cfg.shards)
+    if not inputs:
+        raise DitdataError(f"{cfg.shards}: no finished image shards (NNNNN.tar with NNNNN_stats.json)")
+    kind = info["kind"]
+    if cfg.text_encoder and kind == "classes":
+        raise DitdataError("--text-encoder needs captions; this shard folder is a class dataset")
+
+    selection = None
+    if cfg.select:
+        from ditdata.selection import load_selection
+
+        selection = load_selection(cfg.select)
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = _resolve_device(cfg.device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                     timeout=dt.timedelta(hours=12))
+    torch.manual_seed(cfg.seed)
+    enc = Encoder(cfg, device)
+    ae = enc.ae
+    if cfg.resolution % ae.downsample:
+        raise DitdataError(f"--resolution {cfg.resolution} is not a multiple of {ae.name}'s downsample factor {ae.downsample}")
+    latent_shape = ae.latent_shape(cfg.resolution, cfg.resolution)
+
+    tensors = {n: TensorSpec(latent_shape, cfg.dtype) for n in enc.latent_names()}
+    conditioning: dict = {"type": "none"}
+    if kind == "classes":
+        conditioning = {"type": "class", "num_classes": info.get("num_classes"), "class_names": info.get("class_names")}
+    elif enc.text is not None:
+        text_specs, empty = _text_fields(enc, cfg.dtype)
+        tensors |= text_specs
+        conditioning = {"type": "text", "text": {
+            **enc.text.info,
+            "encoder": enc.text.info.get("model"),
+            "pooled_dim": text_specs["text_pooled"].shape[0],
+            "tokens_shape": list(text_specs["text_tokens"].shape) if "text_tokens" in text_specs else None,
+            "empty": empty,
+        }}
+    scores = {p.name: _load_scores(p) for p in inputs}
+    columns = {"key": "string"}
+    if kind == "classes":
+        columns["label"] = "int64"
+    else:
+        columns["caption"] = "string"
+    columns |= {"source": "string", "original_width": "int64", "original_height": "int64"}
+    has_scores = any(v is not None for v in scores.values())
+    if has_scores:
+        columns["clip_score"] = "float64"
+    schema = Schema(tensors=tensors, columns=columns)
+    image = {"resolution": cfg.resolution, "crop": "center", "crop_rule": CROP_RULE, "flip": cfg.flip}
+    writer = StoreWriter(
+        cfg.out, schema=schema, backend=cfg.backend, chunk_samples=cfg.chunk_samples,
+        info={"vae": ae.info, "image": image, "conditioning": conditioning,
+              "filter": None if selection is None else {**selection.rule, "selection": str(Path(cfg.select).resolve())}},
+    )
+
+    names = [p.name[: -len(".tar")] for p in inputs]
+    mine = [(n, p) for i, (n, p) in enumerate(zip(names, inputs, strict=True)) if i % world == rank]
+    todo = [(n, p) for n, p in mine if not writer.done(n)]
+    stats = imageshards.read_shard_stats(cfg.shards)
+    expected = sum(stats.get(imageshards.shard_index(p), {}).get("successes", 0) for _, p in todo)
+
+    dataset = ShardImages(todo, cfg.resolution, cfg.batch_size, None if selection is None else selection.keys)
+    workers = min(cfg.workers, len(todo))
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=None, num_workers=workers,
+        persistent_workers=False, prefetch_factor=4 if workers else None,
+    )
+    pending: dict[str, tuple[_Accumulator, object]] = {}
+    sources = dict(todo)
+    encoded, skipped = 0, Counter()
+    t0 = time.perf_counter()
+    bar = tqdm(total=expected or None, unit="img", desc=f"encode[{rank}]" if world > 1 else "encode",
+               disable=not cfg.progress, dynamic_ncols=True)
+    for batch in loader:
+        name = batch["shard"]
+        if name not in pending:
+            pending[name] = (_Accumulator(), torch.Generator().manual_seed(_shard_seed(cfg.seed, name)))
+        acc, gen = pending[name]
+        metas = batch["meta"]
+        if metas:
+            out = {k: _to_numpy(v, cfg.dtype) for k, v in enc.images(batch["images"], gen).items()}
+            cols = {
+                "key": [m["key"] for m in metas],
+                "source": [m.get("source") for m in metas],
+                "original_width": [m.get("original_width") for m in metas],
+                "original_height": [m.get("original_height") for m in metas],
+            }
+            if "label" in columns:
+                cols["label"] = [m.get("label") for m in metas]
+            if "caption" in columns:
+                cols["caption"] = [m.get("caption") for m in metas]
+            if has_scores:
+                table = scores.get(name + ".tar") or {}
+                cols["clip_score"] = [table.get(k) for k in cols["key"]]
+            if enc.text is not None:
+                emb = enc.captions([m.get("caption") or "" for m in metas])
+                out |= {k: (v.cpu().numpy() if k == "text_mask" else _to_numpy(v, cfg.dtype)) for k, v in emb.items()}
+            acc.add(out, cols)
+            encoded += len(metas)
+            bar.update(len(metas))
+        if batch["last"]:
+            t, c = acc.result(schema)
+            st = batch["stats"]
+            skipped.update(st["skipped"])
+            writer.write_shard(name, t, c, source=str(sources[name]), extra=st)
+            del pending[name]
+    bar.close()
+    elapsed = time.perf_counter() - t0
+
+    if world > 1:
+        dist.barrier()
+    manifest = None
+    if rank == 0:
+        manifest = writer.finalize(names, provenance={
+            "input_shards": [str(p) for p in inputs],
+            "shards_dir": str(Path(cfg.shards).resolve()),
+            "dataset": {k: info.get(k) for k in ("kind", "source", "num_samples")},
+            "encode": {k: v for k, v in asdict(cfg).items() if k not in ("progress", "extra")},
+        })
+    if world > 1:
+        dist.barrier()
+    return {
+        "encoded": encoded,
+        "skipped": dict(skipped),
+        "shards_written": len(todo),
+        "shards_skipped": len(mine) - len(todo),
+        "seconds": elapsed,
+        "images_per_s": encoded / elapsed if elapsed > 0 else 0.0,
+        "num_samples": manifest["num_samples"] if manifest else None,
+    }

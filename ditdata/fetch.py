@@ -1,0 +1,871 @@
+"""`ditdata fetch`: URL lists, class folders (ImageNet) and image+caption folders into
+image shards (the layout is described in ditdata/imageshards.py).
+
+Two engines, one output:
+
+- URL lists (LAION metadata parquet, csv, tsv, jsonl, json, txt; a file or a folder of
+  them) go through img2dataset's Python API with webdataset output. img2dataset owns the
+  downloading, resizing, per-shard stats and incremental resume; we check the columns
+  first, record the settings, and write dataset.json once every shard has its stats.
+- Folders are packed here: a sorted file list is cut into shards of `samples_per_shard`
+  files, each shard is packed by a worker process (decode, EXIF-rotate, convert to RGB,
+  optionally resize, write the tar under a temporary name, rename, then write
+  NNNNN_stats.json), and a rerun skips every shard whose stats file exists.
+
+Resume is safe because a shard is only "finished" once its stats file exists, and keys
+depend only on the position in the input (img2dataset's 9-digit scheme; a failed input
+keeps its index), so a killed and rerun fetch gives exactly the shards of a clean run.
+The settings that decide shard contents are recorded in SHARDS_DIR/.fetch_state; a rerun
+with different settings or a changed folder is refused instead of mixing the two, and
+SHARDS_DIR/.fetch.lock (an flock, released by the kernel if the process dies) keeps two
+fetches from writing the same folder at once.
+
+Folder keys are index based: the sorted (or --shuffle-seed shuffled) file list is cut into
+shards and file i of shard s gets key s * 10**ceil(log10(samples_per_shard)) + i, so the
+same folder and settings always give the same keys; `source` holds the relative path.
+"""
+
+from __future__ import annotations
+
+import csv
+import fcntl
+import gzip
+import hashlib
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from ditdata import imageshards as shards
+from ditdata.errors import DitdataError
+from ditdata.images import DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, RESIZE_MODES
+
+KINDS = ("urls", "classes", "captions")
+DISTRIBUTORS = ("multiprocessing", "pyspark", "ray")
+ENCODE_FORMATS = ("jpg", "png", "webp")
+URL_LIST_FORMATS = ("parquet", "csv", "tsv", "jsonl", "json", "txt")  # (+ .gz except parquet)
+URL_COLUMNS = ("url", "URL", "image_url", "img_url", "link")
+CAPTION_COLUMNS = ("caption", "TEXT", "text", "Caption", "alt", "alt_text")
+DEFAULT_URL_IMAGE_SIZE = 256
+STATE = ".fetch_state"
+LOCK = ".fetch.lock"
+# Columns img2dataset writes itself; a URL list column of the same name cannot be kept.
+IMG2DATASET_RESERVED = frozenset(
+    {"key", "caption", "url", "width", "height", "original_width", "original_height",
+     "status", "error_message", "exif", "md5", "sha256", "sha512"}
+)
+_SHARD_FILE = (r"^\d{5,}(\.tar|_stats\.json|\.parquet)$")
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    """What decides the contents of a packed shard (recorded in .fetch_state)."""
+
+    image_size: int | None = None
+    resize_mode: str = "center_crop"
+    min_image_size: int = 0
+    max_aspect_ratio: float = math.inf
+    encode_format: str = "jpg"
+    encode_quality: int = 95
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    samples_per_shard: int = 10000
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: str  # relative to the source root, posix
+    label: int | None = None
+    caption: str | None = None  # relative path of the caption file
+
+
+# ============================================================================ entry point
+
+
+def fetch(
+    source,
+    out,
+    *,
+    kind: str | None = None,
+    image_size: int | None = None,
+    resize_mode: str = "center_crop",
+    min_image_size: int = 0,
+    max_aspect_ratio: float = math.inf,
+    encode_format: str = "jpg",
+    encode_quality: int = 95,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    samples_per_shard: int = 10000,
+    processes: int | None = None,
+    threads: int = 64,
+    url_col: str | None = None,
+    caption_col: str | None = None,
+    keep_cols: tuple[str, ...] | list[str] = (),
+    distributor: str = "multiprocessing",
+    timeout: int = 10,
+    retries: int = 0,
+    shuffle_seed: int | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Fetch SOURCE into image shards in OUT and return dataset.json's contents (with a
+    "summary"). Resumes an interrupted fetch into the same OUT; see the module docstring."""
+    src = Path(source)
+    if not src.exists():
+        raise DitdataError(f"{source}: no such file or directory")
+    if resize_mode not in RESIZE_MODES:
+        raise DitdataError(f"--resize-mode {resize_mode!r}: expected one of {', '.join(RESIZE_MODES)}")
+    if encode_format not in ENCODE_FORMATS:
+        raise DitdataError(f"--encode-format {encode_format!r}: expected one of {', '.join(ENCODE_FORMATS)}")
+    if samples_per_shard < 1:
+        raise DitdataError("--samples-per-shard must be at least 1")
+    if image_size is not None and image_size < 1:
+        raise DitdataError("--image-size must be positive")
+    if distributor not in DISTRIBUTORS:
+        raise DitdataError(f"--distributor {distributor!r}: expected one of {', '.join(DISTRIBUTORS)}")
+    processes = max(1, processes or os.cpu_count() or 1)
+    kind = kind or detect_kind(src)
+    if kind not in KINDS:
+        raise DitdataError(f"--kind {kind!r}: expected one of {', '.join(KINDS)}")
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DitdataError(f"--out {out}: exists and is not a directory")
+    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
+        raise DitdataError(f"--out {out} must not be inside the source {source}")
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _fetch_locked(
+            src, out, kind, image_size=image_size, resize_mode=resize_mode, min_image_size=min_image_size,
+            max_aspect_ratio=max_aspect_ratio, encode_format=encode_format, encode_quality=encode_quality,
+            max_pixels=max_pixels, samples_per_shard=samples_per_shard, processes=processes,
+            threads=threads, url_col=url_col, caption_col=caption_col, keep_cols=keep_cols,
+            distributor=distributor, timeout=timeout, retries=retries, shuffle_seed=shuffle_seed,
+            overwrite=overwrite, progress=progress,
+        )
+    except DitdataError:
+        # a refused fetch leaves no empty output folder behind
+        if created and {p.name for p in out.iterdir()} <= {LOCK}:
+            (out / LOCK).unlink(missing_ok=True)
+            out.rmdir()
+        raise
+
+
+def _fetch_locked(src, out, kind, *, image_size, resize_mode, min_image_size, max_aspect_ratio,
+                  encode_format, encode_quality, max_pixels, samples_per_shard, processes, threads,
+                  url_col, caption_col, keep_cols, distributor, timeout, retries, shuffle_seed,
+                  overwrite, progress) -> dict:
+    source = src
+    with _locked(out):
+        if overwrite:
+            _clear_previous(out)
+        shards.remove_stale_tmp(out)
+        if kind == "urls":
+            if shuffle_seed is not None:
+                raise DitdataError("--shuffle-seed applies to folders only (a URL list keeps its order)")
+            opts = PackOptions(
+                image_size=image_size or DEFAULT_URL_IMAGE_SIZE, resize_mode=resize_mode,
+                min_image_size=min_image_size, max_aspect_ratio=max_aspect_ratio,
+                encode_format=encode_format, encode_quality=encode_quality,
+                max_pixels=max_pixels, samples_per_shard=samples_per_shard,
+            )
+            return _fetch_urls(
+                src, out, opts, processes=processes, threads=threads, url_col=url_col,
+                caption_col=caption_col, keep_cols=list(keep_cols), distributor=distributor,
+                timeout=timeout, retries=retries,
+            )
+        if distributor != "multiprocessing":
+            raise DitdataError(f"--distributor {distributor} applies to URL lists; folders are packed with local processes")
+        if not src.is_dir():
+            raise DitdataError(f"--kind {kind} needs a directory, got the file {source}")
+        opts = PackOptions(
+            image_size=image_size, resize_mode=resize_mode, min_image_size=min_image_size,
+            max_aspect_ratio=max_aspect_ratio, encode_format=encode_format,
+            encode_quality=encode_quality, max_pixels=max_pixels, samples_per_shard=samples_per_shard,
+        )
+        return _fetch_folder(src, out, kind, opts, processes=processes, shuffle_seed=shuffle_seed, progress=progress)
+
+
+def detect_kind(src: Path) -> str:
+    """urls for a URL-list file (or a folder holding only URL lists); for an image folder,
+    captions when any image has a same-stem .txt beside it, classes when every image sits
+    in a sub-folder of the root; otherwise ask for --kind."""
+    if src.is_file():
+        if _url_format(src) is None:
+            raise DitdataError(
+                f"{src}: not a URL list (expected .parquet, .csv, .tsv, .jsonl, .json or .txt) nor a folder"
+            )
+        return "urls"
+    top = [p for p in src.iterdir() if not p.name.startswith(".")]
+    if top and all(p.is_file() and _url_format(p) for p in top):
+        return "urls"
+    files = _walk(src)
+    images = [f for f in files if _is_image(f)]
+    if not images:
+        raise DitdataError(f"{src}: no images found (extensions: {', '.join(sorted(IMAGE_EXTENSIONS))})")
+    stems = {f.rsplit(".", 1)[0] for f in files if f.lower().endswith(".txt")}
+    if any(f.rsplit(".", 1)[0] in stems for f in images):
+        return "captions"
+    if all("/" in f for f in images):
+        return "classes"
+    raise DitdataError(
+        f"{src}: images without captions and not in class folders; pass --kind captions "
+        "(captions will be empty) or arrange them one folder per class"
+    )
+
+
+def report(info: dict) -> str:
+    """The human-readable end-of-run summary of a fetch (dataset.json + its summary)."""
+    s = info["summary"]
+    lines = [
+        f"{info['kind']} -> {info['num_samples']} samples in {info['num_shards']} shards",
+        shards.format_summary(s),
+    ]
+    if info.get("num_classes") is not None:
+        lines.append(f"classes:      {info['num_classes']}")
+    extra = s.get("notes") or {}
+    for k, v in extra.items():
+        if v:
+            lines.append(f"note: {k}: {v}")
+    return "\n".join(lines)
+
+
+# ============================================================================ folders
+
+
+def scan_folder(root: Path, kind: str, shuffle_seed: int | None = None) -> tuple[list[Entry], list[str], dict]:
+    """The ordered input entries of a folder, the class names (classes) and notes on what
+    was left out (files that are not images, images outside class folders, ...)."""
+    files = _walk(root)
+    images = [f for f in files if _is_image(f)]
+    texts = {f.rsplit(".", 1)[0]: f for f in files if f.lower().endswith(".txt")}
+    notes: dict = {}
+    class_names: list[str] = []
+    entries: list[Entry] = []
+    if kind == "classes":
+        class_names = sorted(
+            p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
+        )
+        label_of = {c: i for i, c in enumerate(class_names)}
+        outside = [f for f in images if "/" not in f]
+        if outside:
+            notes["images outside class folders (not packed)"] = len(outside)
+        entries = [Entry(f, label=label_of[f.split("/", 1)[0]]) for f in images if "/" in f]
+        entries.sort(key=lambda e: (e.label, e.path))
+        per_class = Counter(e.label for e in entries)
+        empty = [c for c, i in label_of.items() if per_class[i] == 0]
+        if empty:
+            notes["class folders without images"] = len(empty)
+    else:
+        entries = [Entry(f, caption=texts.get(f.rsplit(".", 1)[0])) for f in images]
+        missing = sum(e.caption is None for e in entries)
+        if missing:
+            notes["images without a caption file (caption null)"] = missing
+    used_texts = {e.caption for e in entries if e.caption}
+    others = [f for f in files if not _is_image(f) and f not in used_texts]
+    if others:
+        notes["other files ignored"] = len(others)
+    if not entries:
+        raise DitdataError(f"{root}: no images to pack for --kind {kind}")
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(entries)
+    return entries, class_names, notes
+
+
+def _fetch_folder(src, out, kind, opts: PackOptions, *, processes, shuffle_seed, progress) -> dict:
+    t0 = time.time()
+    entries, class_names, notes = scan_folder(src, kind, shuffle_seed)
+    fp = hashlib.sha256()
+    for e in entries:
+        fp.update(f"{e.path}\t{e.label}\t{e.caption}\n".encode())
+    state = {
+        "kind": kind,
+        "source": str(src.resolve()),
+        "num_inputs": len(entries),
+        "inputs_sha256": fp.hexdigest(),
+        "shuffle_seed": shuffle_seed,
+        "options": _jsonable(asdict(opts)),
+    }
+    _check_state(out, state)
+    (out / shards.DATASET_INFO).unlink(missing_ok=True)
+
+    sps = opts.samples_per_shard
+    num_shards = math.ceil(len(entries) / sps)
+    done = {shards.shard_index(p) for p in shards.list_shards(out)} & set(range(num_shards))
+    todo = [i for i in range(num_shards) if i not in done]
+    if done:
+        print(f"resuming: {len(done)} of {num_shards} shards already finished", file=sys.stderr)
+    tasks = [(str(src), str(out), i, entries[i * sps:(i + 1) * sps], opts, kind, class_names) for i in todo]
+    already = len(entries) - sum(len(t[3]) for t in tasks)
+
+    failures = _run_pack(tasks, processes, total=len(entries), initial=already, progress=progress)
+    if failures:
+        detail = "; ".join(f"shard {shards.shard_name(i)}: {err}" for i, err in failures[:5])
+        raise DitdataError(f"{len(failures)} shard(s) failed ({detail}); rerun the same command to retry them")
+
+    stats = shards.read_shard_stats(out)
+    missing = [i for i in range(num_shards) if i not in stats]
+    if missing:
+        raise DitdataError(f"{len(missing)} shard(s) have no stats file; rerun the same command to finish them")
+    summary = shards.summarize_stats(stats)
+    summary["notes"] = {**notes, **_folder_notes(stats)}
+    summary["duration_s"] = round(time.time() - t0, 3)
+    extra = {"num_classes": len(class_names), "class_names": class_names} if kind == "classes" else {}
+    options = {**asdict(opts), "kind": kind, "processes": processes, "shuffle_seed": shuffle_seed}
+    return _finish(out, kind, src, num_shards, summary, options, extra)
+
+
+def _folder_notes(stats: dict[int, dict]) -> dict:
+    converted: Counter = Counter()
+    notes: dict = {}
+    for s in stats.values():
+        converted.update(s.get("converted_modes") or {})
+        for k in ("exif_rotated", "caption_errors"):
+            notes[k] = notes.get(k, 0) + int(s.get(k, 0))
+    if converted:
+        notes["converted to RGB"] = ", ".join(f"{m} {n}" for m, n in sorted(converted.items()))
+    return {k: v for k, v in notes.items() if v}
+
+
+def _run_pack(tasks, processes, *, total, initial, progress) -> list[tuple[int, str]]:
+    """Pack `tasks` (pack_shard arguments) in-process or over a spawn pool, with a
+    per-sample progress bar. Returns [(shard index, error)] for shards that raised."""
+    from tqdm import tqdm
+
+    failures: list[tuple[int, str]] = []
+    bar = tqdm(total=total, initial=initial, unit="img", desc="packing", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
+    with bar:
+        if not tasks:
+            return failures
+        workers = min(processes, len(tasks))
+        if workers == 1:
+            for t in tasks:
+                try:
+                    pack_shard(*t, progress=bar.update)
+                except Exception as e:  # a shard-level failure: others may still finish
+                    failures.append((t[2], f"{type(e).__name__}: {e}"))
+            return failures
+
+        import multiprocessing as mp
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        reported: Counter = Counter()
+        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,)) as ex:
+            pending = {ex.submit(pack_shard, *t): t for t in tasks}
+            while pending:
+                # Ctrl-C reaches the workers too (same process group): their shard writers
+                # delete their temporaries and the pool breaks; a rerun resumes.
+                finished, _ = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+                _drain(queue, bar, reported)
+                for f in finished:
+                    t = pending.pop(f)
+                    try:
+                        f.result()
+                    except Exception as e:
+                        failures.append((t[2], f"{type(e).__name__}: {e}"))
+                    _drain(queue, bar, reported)
+                    bar.update(len(t[3]) - reported.pop(t[2], 0))
+                    reported[t[2]] = -(10**12)  # late progress messages of a finished shard are ignored
+        return failures
+
+
+_QUEUE = None
+
+
+def _init_worker(queue) -> None:
+    global _QUEUE
+    _QUEUE = queue
+
+
+def _drain(queue, bar, reported: Counter) -> None:
+    import queue as q
+
+    while True:
+        try:
+            index, n = queue.get_nowait()
+        except q.Empty:
+            return
+        if reported[index] >= 0:
+            reported[index] += n
+            bar.update(n)
+
+
+def pack_shard(root: str, out: str, index: int, entries: list[Entry], opts: PackOptions,
+               kind: str, class_names: list[str], progress=None) -> dict:
+    """Pack one shard: write NNNNN.tar (atomically) then NNNNN_stats.json, and return the
+    stats. Bad inputs are skipped and counted, never raised."""
+    from ditdata.images import BadImageError
+
+    start = time.time()
+    root_p = Path(root)
+    status: Counter = Counter()
+    converted: Counter = Counter()
+    skipped_files = []
+    successes = failed_read = failed_image = rotated = caption_errors = 0
+    pending_progress, last_report = 0, time.time()
+
+    def tick():
+        nonlocal pending_progress, last_report
+        pending_progress += 1
+        now = time.time()
+        if pending_progress >= 64 or now - last_report > 0.5:
+            if progress is not None:
+                progress(pending_progress)
+            elif _QUEUE is not None:
+                _QUEUE.put((index, pending_progress))
+            pending_progress, last_report = 0, now
+
+    with shards.ShardWriter(out, index) as writer:
+        for i, e in enumerate(entries):
+            key = shards.sample_key(index, i, opts.samples_per_shard)
+            try:
+                data, ext, meta = pack_file(root_p / e.path, opts)
+            except BadImageError as err:
+                reason = err.reason
+                if reason == "read error":
+                    failed_read += 1
+                else:
+                    failed_image += 1
+                status[reason] += 1
+                skipped_files.append({"key": key, "source": e.path, "reason": reason, "detail": err.detail})
+                tick()
+                continue
+            caption = None
+            if e.caption is not None:
+                try:
+                    caption = (root_p / e.caption).read_bytes().decode("utf-8", errors="replace").strip()
+                except OSError:
+                    caption_errors += 1
+            meta = {"key": key, "source": e.path, "status": "success", **meta}
+            if kind == "classes":
+                meta["label"] = e.label
+                meta["class_name"] = class_names[e.label]
+            else:
+                meta["caption"] = caption
+            if meta["original_mode"] != "RGB":
+                converted[meta["original_mode"]] += 1
+            rotated += int(meta.get("exif_orientation", 1) != 1)
+            writer.write(key, data, ext, meta, caption=caption)
+            successes += 1
+            status["success"] += 1
+            tick()
+    if pending_progress:
+        if progress is not None:
+            progress(pending_progress)
+        elif _QUEUE is not None:
+            _QUEUE.put((index, pending_progress))
+    end = time.time()
+    skipped = {k: v for k, v in status.items() if k != "success"}
+    stats = {
+        "count": len(entries),
+        "successes": successes,
+        "failed_to_download": failed_read,
+        "failed_to_resize": failed_image,
+        "duration": end - start,
+        "start_time": start,
+        "end_time": end,
+        "status_dict": dict(status),
+        "skipped": skipped,
+        "skipped_files": skipped_files,
+        "converted_modes": dict(converted),
+        "exif_rotated": rotated,
+        "caption_errors": caption_errors,
+    }
+    shards.write_shard_stats(out, index, stats)
+    return stats
+
+
+def pack_file(path: Path, opts: PackOptions) -> tuple[bytes, str, dict]:
+    """One input file -> (stored bytes, extension, metadata) or BadImageError.
+
+    The original bytes are stored unchanged when they already are what we would
+    produce: an RGB JPEG, upright (no EXIF rotation), not resized. Anything else is
+    decoded, rotated, converted to RGB, resized and re-encoded as opts.encode_format."""
+    from ditdata import images
+
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise images.BadImageError("read error", str(e)) from None
+    img = images.open_image(data, max_pixels=opts.max_pixels)
+    fmt, mode = img.format, img.mode
+    orient = images.orientation(img)
+    w, h = img.size
+    if orient in (5, 6, 7, 8):
+        w, h = h, w
+    if min(w, h) < opts.min_image_size:
+        raise images.BadImageError("image too small", f"{w}x{h}")
+    if max(w, h) / min(w, h) > opts.max_aspect_ratio:
+        raise images.BadImageError("aspect ratio too large", f"{w}x{h}")
+    img = images.load(img, draft=images.draft_size(img.size, opts.image_size, opts.resize_mode))
+    rgb = images.resize_image(images.to_rgb(img), opts.image_size, opts.resize_mode)
+    if fmt == "JPEG" and mode == "RGB" and orient == 1 and rgb.size == (w, h):
+        stored, ext = data, "jpg"
+    else:
+        stored, ext = images.encode_image(rgb, opts.encode_format, opts.encode_quality), opts.encode_format
+    meta = {
+        "width": rgb.size[0],
+        "height": rgb.size[1],
+        "original_width": w,
+        "original_height": h,
+        "original_format": fmt,
+        "original_mode": mode,
+    }
+    if orient != 1:
+        meta["exif_orientation"] = orient
+    return stored, ext, meta
+
+
+# ============================================================================ URL lists
+
+
+def _fetch_urls(src: Path, out: Path, opts: PackOptions, *, processes, threads, url_col, caption_col,
+                keep_cols, distributor, timeout, retries) -> dict:
+    t0 = time.time()
+    files, fmt = _url_files(src)
+    columns = _columns(files[0], fmt)
+    url_col, caption_col = _pick_columns(columns, fmt, url_col, caption_col, keep_cols, files[0])
+    counts = [_count_rows(f, fmt, url_col) for f in files]
+    num_shards = sum(math.ceil(n / opts.samples_per_shard) for n in counts)
+    if num_shards == 0:
+        raise DitdataError(f"{src}: the URL list is empty")
+    state = {
+        "kind": "urls",
+        "source": str(src.resolve()),
+        "inputs": [{"path": str(f.resolve()), "rows": n, "size": f.stat().st_size} for f, n in zip(files, counts, strict=True)],
+        "columns": {"url": url_col, "caption": caption_col, "keep": keep_cols},
+        "options": _jsonable(asdict(opts)),
+    }
+    _check_state(out, state)
+    (out / shards.DATASET_INFO).unlink(missing_ok=True)
+
+    done = set(shards.read_shard_stats(out))
+    if len(done & set(range(num_shards))) < num_shards:
+        if done:
+            print(f"resuming: {len(done)} of {num_shards} shards already finished", file=sys.stderr)
+        _run_img2dataset(src, out, fmt, opts, processes=processes, threads=threads, url_col=url_col,
+                         caption_col=caption_col, keep_cols=keep_cols, distributor=distributor,
+                         timeout=timeout, retries=retries)
+    stats = shards.read_shard_stats(out)
+    missing = [i for i in range(num_shards) if i not in stats]
+    if missing:
+        raise DitdataError(
+            f"{len(missing)} of {num_shards} shard(s) did not finish (see img2dataset's messages above); "
+            "rerun the same command to retry them"
+        )
+    summary = shards.summarize_stats(stats)
+    summary["duration_s"] = round(time.time() - t0, 3)
+    options = {
+        **asdict(opts), "kind": "urls", "processes": processes, "threads": threads, "url_col": url_col,
+        "caption_col": caption_col, "keep_cols": keep_cols, "distributor": distributor,
+        "timeout": timeout, "retries": retries, "input_format": fmt,
+    }
+    return _finish(out, "urls", src, num_shards, summary, options, {})
+
+
+def _run_img2dataset(src, out, fmt, opts: PackOptions, *, processes, threads, url_col, caption_col,
+                     keep_cols, distributor, timeout, retries) -> None:
+    import importlib.util
+
+    if distributor in ("pyspark", "ray") and importlib.util.find_spec(distributor) is None:
+        raise DitdataError(
+            f"--distributor {distributor} needs {distributor}, which is not installed: "
+            f"pip install 'ditkit[distributed]' (or pip install {distributor})"
+        )
+    os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+    # img2dataset decodes with OpenCV, whose own limit is 2**30 pixels; the spawned
+    # workers read this when cv2 loads, so bombs are refused before they are decoded.
+    os.environ.setdefault("OPENCV_IO_MAX_IMAGE_PIXELS", str(opts.max_pixels))
+    try:
+        from img2dataset import download
+    except ImportError as e:
+        raise DitdataError(f"URL lists need img2dataset: pip install 'ditkit[data]' ({e})") from None
+
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        download(
+            url_list=str(src),
+            output_folder=str(out),
+            input_format=fmt,
+            output_format="webdataset",
+            url_col=url_col,
+            caption_col=caption_col,
+            save_additional_columns=list(keep_cols) or None,
+            image_size=opts.image_size,
+            resize_mode=opts.resize_mode,
+            min_image_size=opts.min_image_size,
+            max_aspect_ratio=opts.max_aspect_ratio,
+            max_image_area=float(opts.max_pixels),
+            encode_format=opts.encode_format,
+            encode_quality=opts.encode_quality if opts.encode_format != "png" else 9,
+            number_sample_per_shard=opts.samples_per_shard,
+            oom_shard_count=shards.SHARD_DIGITS,
+            processes_count=processes,
+            thread_count=threads,
+            distributor=distributor,
+            timeout=timeout,
+            retries=retries,
+            incremental_mode="incremental",
+            enable_wandb=False,
+        )
+    except SystemExit:  # img2dataset's SIGINT handler exits with status 0
+        raise DitdataError("interrupted; rerun the same command to resume") from None
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _url_format(p: Path) -> str | None:
+    name = p.name.lower()
+    for fmt in URL_LIST_FORMATS:
+        if name.endswith("." + fmt):
+            return fmt
+        if fmt != "parquet" and name.endswith(f".{fmt}.gz"):
+            return fmt + ".gz"
+    return None
+
+
+def _url_files(src: Path) -> tuple[list[Path], str]:
+    if src.is_file():
+        fmt = _url_format(src)
+        if fmt is None:
+            raise DitdataError(f"{src}: not a URL list (.parquet, .csv, .tsv, .jsonl, .json, .txt)")
+        return [src], fmt
+    files = sorted(p for p in src.iterdir() if p.is_file() and not p.name.startswith("."))
+    fmts = {_url_format(p) for p in files}
+    if len(fmts) != 1 or None in fmts:
+        raise DitdataError(f"{src}: a folder of URL lists must hold files of one format only, found {sorted(map(str, fmts))}")
+    fmt = fmts.pop()
+    # img2dataset globs "*.<format>" in the folder
+    return files, fmt
+
+
+def _open_text(p: Path):
+    if p.name.lower().endswith(".gz"):
+        return gzip.open(p, "rt", encoding="utf-8", newline="")
+    return open(p, encoding="utf-8", newline="")
+
+
+def _columns(p: Path, fmt: str) -> list[str]:
+    base = fmt.removesuffix(".gz")
+    try:
+        if base == "parquet":
+            import pyarrow.parquet as pq
+
+            return list(pq.read_schema(p).names)
+        if base in ("csv", "tsv"):
+            with _open_text(p) as f:
+                return next(csv.reader(f, delimiter="\t" if base == "tsv" else ","), [])
+        if base == "jsonl":
+            with _open_text(p) as f:
+                for line in f:
+                    if line.strip():
+                        return list(json.loads(line))
+            return []
+        if base == "json":
+            import pandas as pd
+
+            return list(pd.read_json(p).columns)
+        return ["url"]
+    except (OSError, ValueError, StopIteration) as e:
+        raise DitdataError(f"{p}: cannot read the URL list ({e})") from None
+
+
+def _count_rows(p: Path, fmt: str, url_col: str) -> int:
+    base = fmt.removesuffix(".gz")
+    try:
+        if base == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(p).metadata.num_rows
+        if base in ("csv", "tsv"):
+            import pyarrow.csv as pcsv
+
+            opener = gzip.open if p.name.lower().endswith(".gz") else open
+            with opener(p, "rb") as f:
+                t = pcsv.read_csv(
+                    f, parse_options=pcsv.ParseOptions(delimiter="\t" if base == "tsv" else ","),
+                    convert_options=pcsv.ConvertOptions(include_columns=[url_col]),
+                )
+            return t.num_rows
+        if base == "json":
+            import pandas as pd
+
+            return len(pd.read_json(p))
+        with _open_text(p) as f:
+            return sum(1 for line in f if line.strip())
+    except (OSError, ValueError) as e:
+        raise DitdataError(f"{p}: cannot read the URL list ({e})") from None
+
+
+def _pick_columns(columns, fmt, url_col, caption_col, keep_cols, path) -> tuple[str, str | None]:
+    if fmt.startswith("txt"):
+        if caption_col or keep_cols:
+            raise DitdataError(f"{path}: a .txt URL list has one URL per line and no other columns")
+        return "url", None
+    have = ", ".join(columns)
+    if url_col is None:
+        url_col = next((c for c in URL_COLUMNS if c in columns), None)
+        if url_col is None:
+            raise DitdataError(f"{path}: no URL column found (columns: {have}); pass --url-col")
+    elif url_col not in columns:
+        raise DitdataError(f"{path}: no column {url_col!r} for --url-col (columns: {have})")
+    if caption_col is None:
+        caption_col = next((c for c in CAPTION_COLUMNS if c in columns and c != url_col), None)
+    elif caption_col == "":
+        caption_col = None
+    elif caption_col not in columns:
+        raise DitdataError(f"{path}: no column {caption_col!r} for --caption-col (columns: {have})")
+    for c in keep_cols:
+        if c not in columns:
+            raise DitdataError(f"{path}: no column {c!r} for --keep-col (columns: {have})")
+        if c in (url_col, caption_col):
+            raise DitdataError(f"--keep-col {c}: the URL and caption columns are always kept")
+        if c in IMG2DATASET_RESERVED:
+            raise DitdataError(
+                f"--keep-col {c}: img2dataset reserves this name for its own metadata "
+                f"(reserved: {', '.join(sorted(IMG2DATASET_RESERVED))}); rename the column in the URL list"
+            )
+    return url_col, caption_col
+
+
+# ============================================================================ shared
+
+
+def _finish(out: Path, kind, src: Path, num_shards, summary, options, extra) -> dict:
+    from importlib import metadata
+
+    def version(pkg):
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+
+    info = {
+        "format": shards.FORMAT,
+        "version": shards.VERSION,
+        "kind": kind,
+        "num_shards": num_shards,
+        "num_samples": summary["successes"],
+        **extra,
+        "source": str(src.resolve()),
+        "options": _jsonable(options),
+        "summary": summary,
+        "tools": {p: version(p) for p in ("ditkit", "pillow", "img2dataset")},
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    shards.write_json_atomic(out / shards.DATASET_INFO, info)
+    return info
+
+
+def _check_state(out: Path, state: dict) -> None:
+    """Refuse to resume into OUT if what decides the shard contents has changed."""
+    p = out / STATE
+    if p.is_file():
+        try:
+            prev = json.loads(p.read_text(encoding="utf-8"))
+        except ValueError:
+            prev = None
+        if prev != state:
+            diffs = sorted(k for k in set(state) | set(prev or {}) if (prev or {}).get(k) != state.get(k))
+            if "options" in diffs and prev:
+                o1, o2 = prev.get("options", {}), state["options"]
+                diffs = [d for d in diffs if d != "options"] + [
+                    f"{k} {o1.get(k)!r} -> {o2.get(k)!r}" for k in sorted(set(o1) | set(o2)) if o1.get(k) != o2.get(k)
+                ]
+            raise DitdataError(
+                f"{out} holds a fetch with other inputs or settings ({'; '.join(diffs)}); "
+                "pass --overwrite to start over, or choose another --out"
+            )
+        return
+    import re
+
+    ours = [q for q in out.iterdir() if re.match(_SHARD_FILE, q.name) or q.name == shards.DATASET_INFO]
+    if ours:
+        raise DitdataError(
+            f"{out} already holds shards that this command did not start ({ours[0].name}, ...); "
+            "pass --overwrite to replace them, or choose another --out"
+        )
+    shards.write_json_atomic(p, state)
+
+
+def _clear_previous(out: Path) -> None:
+    """--overwrite: delete a previous fetch, but only files a fetch writes."""
+    import re
+    import shutil
+
+    known = []
+    strangers = []
+    for q in out.iterdir():
+        if q.name in (LOCK,):
+            continue
+        if (re.match(_SHARD_FILE, q.name) or q.name in (shards.DATASET_INFO, STATE) or shards.is_tmp(q)
+                or (q.name == "_tmp" and q.is_dir())):
+            known.append(q)
+        else:
+            strangers.append(q.name)
+    if strangers:
+        raise DitdataError(
+            f"--overwrite: refusing to empty {out}, it holds files ditdata fetch did not write "
+            f"({', '.join(sorted(strangers)[:5])})"
+        )
+    for q in known:
+        if q.is_dir():
+            shutil.rmtree(q)
+        else:
+            q.unlink(missing_ok=True)
+
+
+class _locked:
+    """An exclusive lock on OUT for the whole fetch (released by the kernel if killed)."""
+
+    def __init__(self, out: Path):
+        self.path = out / LOCK
+
+    def __enter__(self):
+        self.f = open(self.path, "a+")
+        try:
+            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.f.close()
+            raise DitdataError(f"another `ditdata fetch` is writing to {self.path.parent}") from None
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.f, fcntl.LOCK_UN)
+        self.f.close()
+        return False
+
+
+def _walk(root: Path) -> list[str]:
+    """Every non-hidden file under root as a sorted relative posix path."""
+    out = []
+    seen = set()  # real paths: symlinked folders are followed, symlink loops are not
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        rel = Path(dirpath).relative_to(root).as_posix()
+        prefix = "" if rel == "." else rel + "/"
+        out.extend(prefix + f for f in filenames if not f.startswith("."))
+    out.sort()
+    return out
+
+
+def _is_image(rel: str) -> bool:
+    return os.path.splitext(rel)[1].lower() in IMAGE_EXTENSIONS
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in d.items()}
