@@ -1,0 +1,452 @@
+"""`ditdata filter`: pick the samples to encode from the CLIP scores of `ditdata score`.
+
+The rule is global over every shard of the folder, and every condition must hold (AND):
+
+    --min-clip-score X      clip_score >= X
+    --top-fraction F        0 < F <= 1. Among the n samples that HAVE a score, the
+                            threshold t is the k-th highest score, k = ceil(F * n)
+                            (F*n computed exactly from F's decimal form, so 0.3 * 10 is 3);
+                            kept: clip_score >= t. Ties at the cut-off are ALL kept, so
+                            the score rule can keep more than k samples, never fewer; the
+                            selection is the same as --min-clip-score t.
+    --min-width W / --min-height H
+                            width >= W / height >= H
+    --max-aspect-ratio R    max(width, height) / min(width, height) <= R
+    --min-caption-length N  len(caption.strip()) >= N characters
+
+A null score (no caption, or an undecodable image) never passes a score rule. Width and
+height are those of the SOURCE image before `ditdata fetch` resized it (original_width /
+original_height in the sample's json) when recorded, else the stored image's size; a
+sample whose size is unknown fails any size or aspect rule. Images are never rewritten.
+
+The selection file (`--out`) is a parquet file, or a JSON file when its name ends in .json:
+
+    parquet  columns shard (image shard file name, e.g. 00000.tar), key, clip_score; one
+             row per kept sample in shard and stored order; schema metadata b"ditdata" =
+             JSON {format: "ditdata-selection", version, rule, created_at}
+    json     {"format": "ditdata-selection", "version", "rule", "created_at",
+              "shards": {"00000.tar": [kept keys in stored order], ...}}
+
+`rule` records how the selection was made (it goes into a store manifest's "filter"):
+clip_model, clip_pretrained, clip_weights_sha256, min_clip_score, top_fraction,
+threshold (the score threshold applied: X, or t resolved from F; null with neither),
+min_width, min_height, max_aspect_ratio, min_caption_length (null when not set), size
+(which size the size rules used), ties, kept, total (samples in the scored shards),
+scored (samples with a score), shards_dir, num_shards.
+
+    from ditdata.selection import load_selection
+    sel = load_selection("selection.parquet")      # DitdataError if missing or invalid
+    if key in sel: ...                             # sel.keys: set[str], sel.rule: dict
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from fractions import Fraction
+from pathlib import Path
+
+from ditdata.errors import DitdataError
+
+FORMAT = "ditdata-selection"
+VERSION = 1
+META_KEY = b"ditdata"
+SIZE_POLICY = "original size recorded by fetch when known, else the stored image size"
+TIE_POLICY = "every sample scoring exactly the threshold is kept"
+COLUMNS = ("key", "clip_score", "status", "width", "height", "original_width", "original_height",
+           "caption_length")
+
+
+@dataclass
+class Selection:
+    """The samples chosen by `ditdata filter`: `keys`, the same keys per image shard
+    (`shards`: shard file name -> keys in stored order) and the `rule` that chose them
+    (JSON-serialisable, module docstring)."""
+
+    keys: set[str]
+    rule: dict
+    shards: dict[str, list[str]] = field(default_factory=dict)
+    path: str | None = None
+
+    def __contains__(self, key) -> bool:
+        return key in self.keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+# ----------------------------------------------------------------------------- the rule
+
+
+def top_fraction_count(fraction: float, n: int) -> int:
+    """k = ceil(F * n), exact for the decimal F the user typed (0.3 * 10 -> 3, not 4)."""
+    if not 0 < fraction <= 1:
+        raise DitdataError(f"--top-fraction must be in (0, 1], got {fraction}")
+    return math.ceil(Fraction(repr(float(fraction))) * n)
+
+
+def resolve_threshold(scores, *, min_clip_score: float | None = None, top_fraction: float | None = None):
+    """The score threshold of the rule: min_clip_score itself, or the k-th highest of the
+    non-null (non-NaN) scores for top_fraction; None when neither is given."""
+    import numpy as np
+
+    if min_clip_score is not None and top_fraction is not None:
+        raise DitdataError("give either --min-clip-score or --top-fraction, not both")
+    if min_clip_score is not None:
+        if not math.isfinite(min_clip_score):
+            raise DitdataError(f"--min-clip-score must be a finite number, got {min_clip_score}")
+        return float(min_clip_score)
+    if top_fraction is None:
+        return None
+    s = np.asarray(scores, dtype=np.float64)
+    s = s[~np.isnan(s)]
+    if s.size == 0:
+        raise DitdataError("--top-fraction: no sample has a CLIP score")
+    k = top_fraction_count(top_fraction, s.size)
+    return float(np.sort(s)[::-1][k - 1])
+
+
+def apply_rule(cols: dict, *, threshold: float | None = None, min_width: int | None = None,
+               min_height: int | None = None, max_aspect_ratio: float | None = None,
+               min_caption_length: int | None = None):
+    """(keep: bool array, drops: Counter of the FIRST failed condition per dropped sample).
+
+    `cols` holds equal-length arrays: clip_score (NaN = null), width, height (the sizes
+    the size rules apply to; NaN = unknown), caption_length (NaN = no caption) and status
+    (to tell a missing caption from an undecodable image)."""
+    import numpy as np
+
+    score = np.asarray(cols["clip_score"], dtype=np.float64)
+    n = score.size
+    w = np.asarray(cols.get("width", np.full(n, np.nan)), dtype=np.float64)
+    h = np.asarray(cols.get("height", np.full(n, np.nan)), dtype=np.float64)
+    cap = np.asarray(cols.get("caption_length", np.full(n, np.nan)), dtype=np.float64)
+    status = np.asarray(cols.get("status", np.full(n, "ok")), dtype=object)
+    conditions = []
+    if threshold is not None:
+        null = np.isnan(score)
+        nocap = null & (status == "no caption")
+        conditions += [
+            ("no score: no caption", ~nocap),
+            ("no score: undecodable image", ~(null & ~nocap)),
+            ("score below threshold", np.where(null, False, score >= threshold)),
+        ]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        if min_width is not None:
+            conditions.append((f"width < {min_width}", w >= min_width))
+        if min_height is not None:
+            conditions.append((f"height < {min_height}", h >= min_height))
+        if max_aspect_ratio is not None:
+            ratio = np.maximum(w, h) / np.minimum(w, h)
+            conditions.append((f"aspect ratio > {max_aspect_ratio:g}", ratio <= max_aspect_ratio))
+        if min_caption_length is not None:
+            conditions.append((f"caption shorter than {min_caption_length}", np.nan_to_num(cap, nan=0) >= min_caption_length))
+    keep = np.ones(n, dtype=bool)
+    drops: Counter = Counter()
+    for name, ok in conditions:  # NaN comparisons are False: unknown fails
+        newly = keep & ~ok
+        if newly.any():
+            drops[name] += int(newly.sum())
+        keep &= ok
+    return keep, drops
+
+
+# ----------------------------------------------------------------------------- reading scores
+
+
+def read_scores(shards_dir):
+    """All score files of a scored image-shard folder as one pyarrow Table (COLUMNS plus
+    `shard`), and the shared {model, pretrained, weights_sha256}. DitdataError when a
+    finished shard has no (or a stale) score file, or shards were scored by different
+    models."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ditdata import imageshards as shards
+    from ditdata.score import read_score_meta, score_path
+
+    d = Path(shards_dir)
+    shards.read_dataset_info(d)
+    tars = shards.list_shards(d)
+    if not tars:
+        raise DitdataError(f"{d}: no image shards")
+    tables, missing, stale, idents = [], [], [], {}
+    for tar in tars:
+        sp = score_path(tar)
+        meta = read_score_meta(sp)
+        if meta is None:
+            missing.append(tar.name)
+            continue
+        if meta.get("shard_bytes") != tar.stat().st_size:
+            stale.append(tar.name)
+            continue
+        ident = (meta.get("model"), meta.get("pretrained"), meta.get("weights_sha256"))
+        idents.setdefault(ident, []).append(tar.name)
+        t = pq.read_table(sp, columns=list(COLUMNS))
+        tables.append(t.append_column("shard", pa.array([tar.name] * t.num_rows, pa.string())))
+    if missing:
+        raise DitdataError(
+            f"{d}: {len(missing)} of {len(tars)} shards have no complete CLIP scores (first: {missing[0]}); "
+            f"run `ditdata score {d} --clip MODEL --pretrained TAG_OR_FILE` first"
+        )
+    if stale:
+        raise DitdataError(
+            f"{d}: the scores of {len(stale)} shard(s) (first: {stale[0]}) were made for a different "
+            f"version of the shard; rerun `ditdata score` on the folder"
+        )
+    if len(idents) > 1:
+        desc = "; ".join(f"{m} / {p} ({len(v)} shards)" for (m, p, _), v in idents.items())
+        raise DitdataError(f"{d}: shards were scored by different CLIP models: {desc}; rescore with one model (--overwrite)")
+    (model, pretrained, sha), = idents
+    table = pa.concat_tables(tables)
+    return table, {"model": model, "pretrained": pretrained, "weights_sha256": sha}
+
+
+def rule_columns(table) -> dict:
+    """Numpy columns for apply_rule from a score table (size rules use the original size
+    when recorded, else the stored size)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    def num(name):
+        col = table.column(name).cast(pa.float64())
+        return pc.fill_null(col, float("nan")).to_numpy()
+
+    ow, oh = num("original_width"), num("original_height")
+    w, h = num("width"), num("height")
+    known = ~np.isnan(ow) & ~np.isnan(oh)
+    return {
+        "clip_score": num("clip_score"),
+        "width": np.where(known, ow, w),
+        "height": np.where(known, oh, h),
+        "caption_length": num("caption_length"),
+        "status": np.asarray(table.column("status").to_pylist(), dtype=object),
+    }
+
+
+# ----------------------------------------------------------------------------- filter
+
+
+def filter_shards(
+    shards_dir,
+    out,
+    *,
+    min_clip_score: float | None = None,
+    top_fraction: float | None = None,
+    min_width: int | None = None,
+    min_height: int | None = None,
+    max_aspect_ratio: float | None = None,
+    min_caption_length: int | None = None,
+) -> tuple[Selection, dict]:
+    """Apply the rule (module docstring) to every scored shard of SHARDS_DIR and write the
+    selection file `out`. Returns (the selection, a summary for `report`)."""
+    import numpy as np
+
+    if min_clip_score is None and top_fraction is None:
+        raise DitdataError("give --min-clip-score X or --top-fraction F")
+    if max_aspect_ratio is not None and not max_aspect_ratio >= 1:
+        raise DitdataError(f"--max-aspect-ratio must be >= 1, got {max_aspect_ratio}")
+    table, ident = read_scores(shards_dir)
+    keys = table.column("key").to_pylist()
+    if len(set(keys)) != len(keys):
+        dup = next(k for k, c in Counter(keys).items() if c > 1)
+        raise DitdataError(f"{shards_dir}: sample key {dup!r} occurs more than once; keys must be unique")
+    cols = rule_columns(table)
+    threshold = resolve_threshold(cols["clip_score"], min_clip_score=min_clip_score, top_fraction=top_fraction)
+    keep, drops = apply_rule(cols, threshold=threshold, min_width=min_width, min_height=min_height,
+                             max_aspect_ratio=max_aspect_ratio, min_caption_length=min_caption_length)
+    scores = cols["clip_score"]
+    scored = int((~np.isnan(scores)).sum())
+    rule = {
+        "clip_model": ident["model"],
+        "clip_pretrained": ident["pretrained"],
+        "clip_weights_sha256": ident["weights_sha256"],
+        "min_clip_score": None if min_clip_score is None else float(min_clip_score),
+        "top_fraction": None if top_fraction is None else float(top_fraction),
+        "threshold": threshold,
+        "min_width": min_width,
+        "min_height": min_height,
+        "max_aspect_ratio": None if max_aspect_ratio is None else float(max_aspect_ratio),
+        "min_caption_length": min_caption_length,
+        "size": SIZE_POLICY,
+        "ties": TIE_POLICY,
+        "kept": int(keep.sum()),
+        "total": len(keys),
+        "scored": scored,
+        "shards_dir": str(Path(shards_dir).resolve()),
+        "num_shards": len(set(table.column("shard").to_pylist())),
+    }
+    if rule["kept"] == 0:
+        rng = f"scores range {np.nanmin(scores):.4f}..{np.nanmax(scores):.4f}" if scored else "no sample has a score"
+        raise DitdataError(f"no sample passes the rule ({rng}); nothing written")
+    shard_col = table.column("shard").to_pylist()
+    by_shard: dict[str, list[str]] = {}
+    kept_scores = []
+    for i in np.flatnonzero(keep):
+        by_shard.setdefault(shard_col[i], []).append(keys[i])
+        kept_scores.append(float(scores[i]) if not np.isnan(scores[i]) else None)
+    write_selection(out, by_shard, rule, kept_scores)
+    sel = Selection(keys={k for ks in by_shard.values() for k in ks}, rule=rule, shards=by_shard, path=str(out))
+    summary = {"rule": rule, "drops": dict(drops.most_common()), "scores": scores, "keep": keep, "out": str(out)}
+    return sel, summary
+
+
+# ----------------------------------------------------------------------------- the file
+
+
+def write_selection(path, by_shard: dict[str, list[str]], rule: dict, scores: list | None = None) -> None:
+    """Write a selection atomically: JSON when `path` ends in .json, else parquet."""
+    from ditdata.imageshards import tmp_name
+
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    created = datetime.now(UTC).isoformat(timespec="seconds")
+    tmp = tmp_name(path)
+    try:
+        if path.suffix.lower() == ".json":
+            doc = {"format": FORMAT, "version": VERSION, "rule": rule, "created_at": created, "shards": by_shard}
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=1, ensure_ascii=False)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            shard_col = [s for s, ks in by_shard.items() for _ in ks]
+            key_col = [k for ks in by_shard.values() for k in ks]
+            meta = {"format": FORMAT, "version": VERSION, "rule": rule, "created_at": created}
+            sch = pa.schema([("shard", pa.string()), ("key", pa.string()), ("clip_score", pa.float64())],
+                            metadata={META_KEY: json.dumps(meta).encode()})
+            table = pa.table({"shard": shard_col, "key": key_col,
+                              "clip_score": scores if scores is not None else [None] * len(key_col)}, schema=sch)
+            with open(tmp, "wb") as f:
+                pq.write_table(table, f, compression="zstd")
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_selection(path) -> Selection:
+    """Read a selection file written by `ditdata filter` (parquet or JSON, detected from
+    its content). DitdataError when it is missing or not a valid selection."""
+    p = Path(path)
+    if not p.is_file():
+        raise DitdataError(f"{p}: selection file not found (make one with `ditdata filter SHARDS ... --out {p}`)")
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise DitdataError(f"{p}: unreadable selection ({e})") from None
+    if magic == b"PAR1":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(p)
+            meta = json.loads((table.schema.metadata or {}).get(META_KEY, b"null"))
+            shard_col = table.column("shard").to_pylist()
+            key_col = table.column("key").to_pylist()
+        except Exception as e:
+            raise DitdataError(f"{p}: not a valid selection file ({type(e).__name__}: {e})") from None
+        by_shard: dict[str, list[str]] = {}
+        for s, k in zip(shard_col, key_col, strict=True):
+            by_shard.setdefault(s, []).append(k)
+    else:
+        try:
+            meta = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise DitdataError(f"{p}: not a valid selection file ({e})") from None
+        by_shard = meta.get("shards") if isinstance(meta, dict) else None
+        if not isinstance(by_shard, dict) or not all(
+            isinstance(v, list) and all(isinstance(k, str) for k in v) for v in by_shard.values()
+        ):
+            raise DitdataError(f"{p}: not a valid selection file (no 'shards' mapping of keys)")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise DitdataError(f"{p}: not a {FORMAT} file")
+    if meta.get("version") != VERSION:
+        raise DitdataError(f"{p}: selection version {meta.get('version')!r} is not supported (expected {VERSION})")
+    rule = meta.get("rule")
+    if not isinstance(rule, dict):
+        raise DitdataError(f"{p}: selection has no rule")
+    keys = {k for ks in by_shard.values() for k in ks}
+    if any(k is None for k in keys):
+        raise DitdataError(f"{p}: selection has a null key")
+    return Selection(keys=keys, rule=rule, shards=by_shard, path=str(p))
+
+
+# ----------------------------------------------------------------------------- printing
+
+
+def _bin_width(lo: float, hi: float, max_bins: int) -> float:
+    span = max(hi - lo, 1e-9)
+    for w in (0.001, 0.002, 0.0025, 0.005, 0.01, 0.02, 0.025, 0.05, 0.1, 0.2, 0.25, 0.5, 1.0):
+        if span / w <= max_bins:
+            return w
+    return 2.0
+
+
+def histogram(scores, keep=None, threshold: float | None = None, *, max_bins: int = 20, bar: int = 40) -> str:
+    """A text histogram of the non-null scores: one line per bin with its count, how many
+    were kept, and a bar; the bin holding the threshold is marked."""
+    import numpy as np
+
+    s = np.asarray(scores, dtype=np.float64)
+    k = np.ones(s.size, bool) if keep is None else np.asarray(keep, bool)
+    valid = ~np.isnan(s)
+    s, k = s[valid], k[valid]
+    if s.size == 0:
+        return "  (no scores)"
+    w = _bin_width(float(s.min()), float(s.max()), max_bins)
+    cell = np.floor(np.round(s / w, 9)).astype(np.int64)  # 0.3 / 0.1 is 2.9999999999999996
+    start = int(cell.min())
+    idx = cell - start
+    tcell = None if threshold is None else int(np.floor(np.round(threshold / w, 9))) - start
+    nb = int(idx.max()) + 1
+    counts = np.bincount(idx, minlength=nb)
+    kept = np.bincount(idx[k], minlength=nb)
+    top = max(int(counts.max()), 1)
+    digits = 3 if w >= 0.01 else 4
+    cw = max(len(str(int(counts.max()))), 5)
+    lines = [f"  {'score':>{2 * digits + 7}}  {'count':>{cw}}  {'kept':>{cw}}"]
+    for b in range(nb):
+        lo, hi = (start + b) * w, (start + b + 1) * w
+        mark = "  <- threshold" if b == tcell else ""
+        n = int(counts[b])
+        lines.append(
+            f"  [{lo: .{digits}f}, {hi: .{digits}f})  {n:>{cw}}  {int(kept[b]):>{cw}}  "
+            f"{'#' * (math.ceil(bar * n / top) if n else 0)}{mark}"
+        )
+    return "\n".join(lines)
+
+
+def report(summary: dict) -> str:
+    """What `ditdata filter` prints: kept / total, the threshold, why samples were
+    dropped, and the score histogram."""
+    r = summary["rule"]
+    total, kept = r["total"], r["kept"]
+    pct = 100 * kept / total if total else 0.0
+    how = (f"top {100 * r['top_fraction']:g}% of {r['scored']} scored -> threshold {r['threshold']:.4f}"
+           if r["top_fraction"] is not None else f"clip_score >= {r['threshold']:g}")
+    lines = [
+        f"kept {kept} / {total} samples ({pct:.1f}%) -> {summary['out']}",
+        f"  rule: {how} ({r['clip_model']} / {r['clip_pretrained']})",
+    ]
+    extra = [f"{k} {r[k]:g}" for k in ("min_width", "min_height", "max_aspect_ratio", "min_caption_length")
+             if r[k] is not None]
+    if extra:
+        lines.append("  and: " + ", ".join(extra))
+    if summary["drops"]:
+        lines.append("  dropped (first failed condition):")
+        lines += [f"    {v:>8}  {k}" for k, v in summary["drops"].items()]
+    lines.append(f"  clip_score histogram ({r['scored']} with a score):")
+    lines.append(histogram(summary["scores"], summary["keep"], r["threshold"]))
+    return "\n".join(lines)
