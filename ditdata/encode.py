@@ -168,6 +168,12 @@ class Encoder:
 
             self.text = load_clip(cfg.text_encoder, cfg.text_pretrained, device=device, config=cfg.text_config)
         cuda = device.startswith("cuda")
+        # Convolutions run much faster in channels-last layout (oneDNN on the CPU measured
+        # 2-3x here, tensor cores on GPUs). On the CPU, small micro-batches also keep the
+        # full-resolution activations in cache (batch 8 measured slower per image than 1).
+        if self.ae.module is not None:
+            self.ae.module.to(memory_format=torch.channels_last)
+        self.micro = cfg.batch_size if cuda else min(cfg.batch_size, 2)
         # bf16 autocast on GPUs that have it; the CPU stays in fp32 (bf16 is very slow there).
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
@@ -187,9 +193,11 @@ class Encoder:
         b = x.shape[0]
         if self.cfg.flip:
             x = torch.cat([x, x.flip(-1)])  # one pass for both views
+        x = x.contiguous(memory_format=torch.channels_last)
         with torch.inference_mode(), self.autocast:
-            mean, std = self.ae.encode(x)
-        mean = mean.float()
+            parts = [self.ae.encode(x[i:i + self.micro]) for i in range(0, len(x), self.micro)]
+        mean = torch.cat([p[0] for p in parts]).float().contiguous()
+        std = None if parts[0][1] is None else torch.cat([p[1] for p in parts]).contiguous()
         out = {}
         if self.cfg.posterior == "sample":
             if std is not None:
@@ -277,6 +285,8 @@ def encode(cfg: EncodeConfig) -> dict:
         conditioning = {"type": "text", "text": {
             **enc.text.info,
             "encoder": enc.text.info.get("model"),
+            # a custom open_clip config is needed again to embed prompts at sampling time
+            "config": str(Path(cfg.text_config).resolve()) if cfg.text_config else None,
             "pooled_dim": text_specs["text_pooled"].shape[0],
             "tokens_shape": list(text_specs["text_tokens"].shape) if "text_tokens" in text_specs else None,
             "empty": empty,

@@ -219,3 +219,58 @@ def test_pixels_autoencoder_keeps_the_image(shards, tmp_path):
     ref = center_crop(first.decode(), 16).astype(np.float32) / 127.5 - 1
     np.testing.assert_allclose(data["latent"][0].astype(np.float32), ref.transpose(2, 0, 1), atol=2e-3)
     shutil.rmtree(tmp_path / "s")
+
+
+def test_score_filter_encode_select_with_text(tmp_path):
+    """End to end on captioned shards: score -> filter -> encode --select stores exactly the
+    selected keys, their CLIP scores, text embeddings, and the filter in the manifest."""
+    pytest.importorskip("open_clip")
+    from test_clip import tiny_clip_files
+    from test_score import caption_shards
+
+    from ditdata.clip import load_clip
+    from ditdata.selection import load_selection
+
+    config, weights = tiny_clip_files(tmp_path / "clip")
+    shards_dir = caption_shards(tmp_path / "shards")
+    clip = ["--clip", "tiny-clip", "--clip-config", config, "--pretrained", weights]
+    assert _cli("score", shards_dir, *clip, "--device", "cpu").exit_code == 0
+    r = _cli("filter", shards_dir, "--top-fraction", "0.5", "--out", tmp_path / "keep.parquet")
+    assert r.exit_code == 0, r.output
+    selection = load_selection(tmp_path / "keep.parquet")
+    assert 0 < len(selection.keys) < 12
+
+    r = _cli("encode", shards_dir, "--vae", "pixels", "--resolution", "16", "--out", tmp_path / "s",
+             "--select", tmp_path / "keep.parquet", "--text-encoder", "tiny-clip", "--text-config", config,
+             "--text-pretrained", weights, "--text-tokens", "--device", "cpu", "--workers", "0")
+    assert r.exit_code == 0, r.output
+    store = open_store(tmp_path / "s", verify=True)
+    m = store.manifest
+    keys = [k for i in range(len(store.shards)) for k in store.read(i, fields=["key"])["key"]]
+    assert sorted(keys) == sorted(selection.keys)
+    assert m["filter"]["top_fraction"] == 0.5 and m["filter"]["kept"] == len(selection.keys)
+    text = m["conditioning"]["text"]
+    assert m["conditioning"]["type"] == "text" and text["pooled_dim"] == 32
+    assert text["tokens_shape"] == [77, 32] and set(store.empty_caption()) == {"text_pooled", "text_tokens", "text_mask"}
+
+    clip_model = load_clip("tiny-clip", str(weights), config=str(config))
+    data = store.read(0)
+    want = clip_model.embed_text(list(data["caption"]), tokens=True)
+    np.testing.assert_allclose(data["text_pooled"].astype(np.float32), want["text_pooled"].numpy(), atol=2e-3)
+    assert np.array_equal(data["text_mask"], want["text_mask"].numpy())
+    scores = pq_scores(shards_dir)
+    for key, s in zip(data["key"], data["clip_score"], strict=True):
+        assert s == pytest.approx(scores[key])
+    # the store can rebuild its own text encoder (what `dittrain sample --prompt` uses)
+    emb = store.text_encoder().embed_text([""])["text_pooled"].numpy()[0]
+    np.testing.assert_allclose(store.empty_caption()["text_pooled"].astype(np.float32), emb, atol=2e-3)
+
+
+def pq_scores(shards_dir: Path) -> dict:
+    import pyarrow.parquet as pq
+
+    out = {}
+    for p in sorted(shards_dir.glob("*.clip.parquet")):
+        t = pq.read_table(p, columns=["key", "clip_score"])
+        out |= dict(zip(t.column("key").to_pylist(), t.column("clip_score").to_pylist(), strict=True))
+    return out
