@@ -357,6 +357,9 @@ class Diffusion:
                 f"sampler {sampler!r} does not fit objective {self.config.objective!r}; "
                 f"choose one of {SAMPLERS[self.config.objective]}"
             )
+        if self.config.objective == "ddpm" and steps < 2:
+            # the respaced posterior needs a previous step to step to
+            raise ValueError(f"ddpm/ddim sampling needs at least 2 steps, got {steps}")
         if device is None:
             if noise is not None:
                 device = noise.device

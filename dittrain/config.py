@@ -1,0 +1,68 @@
+"""Run configuration: every training knob with its default, in one place.
+
+`TrainConfig` is what a user sets (the `dittrain run` flags map 1:1 onto it). The
+resolved config saved in config.json, in every checkpoint and in the EMA export adds what
+is DERIVED from the latent store (never set by hand):
+
+    {"train": asdict(TrainConfig),
+     "model": asdict(DiTConfig)        in_channels, input_size, num_classes, text dims
+     "diffusion": asdict(DiffusionConfig),
+     "store": {"path": absolute path, "identity": manifest digest, "num_samples": N}}
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass
+class TrainConfig:
+    latents: str = ""  # the latent store (ditdata encode --out)
+    out: str = ""  # the run directory
+    model: str = "DiT-B/2"  # a name from `dittrain models`
+    objective: str = "ddpm"  # ddpm (epsilon, DiT) | flow (rectified flow, velocity)
+    learn_sigma: bool | None = None  # None: True for ddpm (as DiT), False for flow
+    qk_norm: bool = False
+    # optimisation (DiT: AdamW, lr 1e-4, no weight decay, global batch 256)
+    batch_size: int = 256  # GLOBAL batch per optimizer step, over ranks and accumulation
+    accumulation_steps: int = 1
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | cosine (to min_lr at max_steps)
+    min_lr: float = 0.0
+    grad_clip: float = 1.0  # max grad norm; 0 disables clipping (the norm is still logged)
+    max_steps: int = 400_000
+    ema: float = 0.9999
+    class_dropout: float = 0.1  # labels -> null class, for classifier-free guidance
+    caption_dropout: float = 0.1  # captions -> the empty caption's embedding
+    # speed and memory
+    amp: str = "auto"  # auto (bf16 on GPUs that have it, else fp16; fp32 on CPU) | bf16 | fp16 | fp32
+    grad_checkpointing: str = "none"  # none | every | k (every k-th block)
+    compile: bool = False
+    tf32: bool = True
+    loader: str = "auto"  # auto | resident | streaming
+    resident_device: str = "cpu"  # cpu | cuda: where a resident store lives
+    workers: int = 4  # streaming loader processes
+    shuffle_window: int = 4  # streaming: shards shuffled together in memory
+    # bookkeeping
+    seed: int = 0
+    save_every: int = 5000
+    keep: int = 3  # checkpoints kept
+    log_every: int = 100
+    sample_every: int = 5000  # EMA sample grid every N steps and at the end (0: never)
+    sample_steps: int = 50
+    sample_cfg: float = 4.0
+    max_nonfinite: int = 20  # consecutive NaN/inf losses before giving up
+    resume: bool = False
+    device: str = "auto"  # auto | cpu | cuda
+
+
+def train_config_from_dict(d: dict) -> TrainConfig:
+    """Rebuild a TrainConfig from a saved one, ignoring keys this version does not know."""
+    known = {f.name for f in fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in d.items() if k in known})
+
+
+def as_dict(cfg: TrainConfig) -> dict:
+    return asdict(cfg)

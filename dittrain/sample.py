@@ -1,0 +1,659 @@
+"""`dittrain sample`: a run's EMA weights + its latent store -> PNG samples and a grid.
+
+    weights, config = load_weights(RUN)            ema.safetensors, a step_N.pt, or a run dir
+    store, note = open_run_store(config)           the store the run was trained on (or --latents)
+    images = sample_images(weights, config, store, labels=[207] * 16, cfg_scale=4.0)
+    save_png(make_grid(images, nrow=4), "grid.png")
+
+Everything the model needs besides its weights comes from the store: the autoencoder
+that turns sampled latents into pixels (with the manifest's scaling and shift), the class
+names, the text encoder that embeds prompts, and the empty-caption embedding that is the
+unconditional input of classifier-free guidance for text models.
+
+The store a run recorded, or another one. A run records its store's path and identity
+(the digest of its manifest). Sampling opens the recorded path unless --latents names
+another. A store with a different identity (re-encoded, appended to, copied and edited)
+is accepted when it is COMPATIBLE with the model: the same latent shape and the
+conditioning the model needs (the same number of classes; text embeddings of the same
+widths). Then a note says so and its autoencoder and encoders are used. An incompatible
+store is refused. Decoding needs only the latent space to be the same; the identity check
+cannot prove that (two autoencoders may share a shape), which is why it is a note.
+
+Determinism: the initial noise of all samples is drawn first from one CPU generator seeded
+with --seed, then ancestral noise (ddpm sampler) batch after batch from the same generator,
+and random class labels from a separate generator with the same seed. So a seed gives the
+same images on every run with the same --batch-size and device; the deterministic samplers
+(ddim, euler, heun) do not depend on --batch-size either.
+
+Public API:
+    SampleError, resolve_device, open_run_store, check_store, store_mismatches,
+    model_config, load_model, pick_labels, parse_classes, embed_prompts, sample_images,
+    make_grid, save_png, output_paths, write_samples, sample_to_files (the command),
+    write_training_grid (the trainer's EMA grids), store_text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from contextlib import nullcontext
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dittrain.diffusion import SAMPLERS, Diffusion, DiffusionConfig
+from dittrain.model import DiT, DiTConfig
+
+GRID_NAME = "grid.png"  # --out DIR: DIR/grid.png
+SINGLES_DIR = "samples"  # --out DIR: DIR/samples/NNNN.png
+INDEX_NAME = "samples.json"  # beside the singles: what each file is and how it was made
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+class SampleError(Exception):
+    """A problem the user can fix (missing store, bad class, ...): one line, no traceback."""
+
+
+def _line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text[:500] or type(e).__name__
+
+
+# -----------------------------------------------------------------------------
+# Device, store, model
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """auto -> cuda when available, else cpu; SampleError for an unusable device."""
+    if isinstance(device, torch.device):
+        return device
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise SampleError(f"bad device {device!r}: use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SampleError(f"device {device!r} requested but CUDA is not available (use --device cpu)")
+    return dev
+
+
+def _known(cls, d: dict) -> dict:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in d.items() if k in names}
+
+
+def model_config(config: dict) -> DiTConfig:
+    """The DiTConfig of a resolved run config (keys this version does not know are ignored)."""
+    if "model" not in config:
+        raise SampleError("the run config has no 'model' section; not a dittrain run")
+    return DiTConfig(**_known(DiTConfig, config["model"]))
+
+
+def diffusion_config(config: dict) -> DiffusionConfig:
+    return DiffusionConfig(**_known(DiffusionConfig, config.get("diffusion") or {}))
+
+
+def conditioning_kind(cfg: DiTConfig) -> str:
+    if cfg.num_classes:
+        return "class"
+    if cfg.text_pooled_dim or cfg.text_token_dim:
+        return "text"
+    return "none"
+
+
+def store_mismatches(store, cfg: DiTConfig) -> list[str]:
+    """Why `store` cannot serve a model of config `cfg` (empty when it can): the latent shape
+    must be the model's input and the store must hold the conditioning the model takes."""
+    problems = []
+    want = (cfg.in_channels, cfg.input_size, cfg.input_size)
+    if tuple(store.latent_shape) != want:
+        problems.append(f"latents are {'x'.join(map(str, store.latent_shape))}, the model takes "
+                        f"{'x'.join(map(str, want))}")
+    cond = store.manifest.get("conditioning") or {}
+    if cfg.num_classes:
+        if cond.get("type") != "class":
+            problems.append(f"the model is class-conditional ({cfg.num_classes} classes) but the "
+                            f"store's conditioning is {cond.get('type')!r}")
+        elif cond.get("num_classes") not in (None, cfg.num_classes):
+            problems.append(f"the store has {cond['num_classes']} classes, the model {cfg.num_classes}")
+    tensors = store.schema.tensors
+    for field, dim in (("text_pooled", cfg.text_pooled_dim), ("text_tokens", cfg.text_token_dim)):
+        if not dim:
+            continue
+        spec = tensors.get(field)
+        if spec is None:
+            problems.append(f"the model takes {field} (width {dim}) but the store has none")
+        elif spec.shape[-1] != dim:
+            problems.append(f"the store's {field} have width {spec.shape[-1]}, the model takes {dim}")
+    return problems
+
+
+def check_store(store, config: dict) -> str | None:
+    """Raise SampleError when `store` cannot serve the run's model; return a note when it is
+    compatible but not the store the run recorded (another identity); None when it is."""
+    cfg = model_config(config)
+    recorded = (config.get("store") or {}).get("identity")
+    same = recorded is not None and store.identity == recorded
+    problems = store_mismatches(store, cfg)
+    if problems:
+        what = "the run's own store, but" if same else "not the store this run was trained on, and"
+        raise SampleError(f"{store.root}: {what} incompatible with its model: {'; '.join(problems)}")
+    if same:
+        return None
+    why = (f"identity {store.identity[:19]}... != recorded {recorded[:19]}..." if recorded
+           else "the run records no store identity")
+    return (f"note: {store.root} is not the store this run was trained on ({why}); its latent shape and "
+            "conditioning match the model, so its autoencoder and encoders are used")
+
+
+def open_run_store(config: dict, latents: str | Path | None = None):
+    """(store, note): the store at `latents`, else at the path the run recorded; checked
+    with check_store. SampleError when it is missing, not a store, or incompatible."""
+    from ditdata.store import StoreError, open_store
+
+    path = latents if latents is not None else (config.get("store") or {}).get("path")
+    if not path:
+        raise SampleError("the run records no latent store; pass --latents STORE")
+    if latents is None and not Path(path).is_dir():
+        raise SampleError(f"the run's latent store {path} is not there (moved or deleted?); "
+                          "pass --latents STORE to say where it is now")
+    try:
+        store = open_store(path)
+    except StoreError as e:
+        hint = "" if latents is not None else "; pass --latents STORE to use another copy"
+        raise SampleError(_line(e) + hint) from e
+    return store, check_store(store, config)
+
+
+def load_model(weights: dict, config: dict, device="cpu") -> DiT:
+    """The DiT of `config` with `weights` loaded strictly, in eval mode, float32, on `device`.
+    Built on the meta device and filled by assignment, so no time goes into an init that the
+    weights overwrite."""
+    cfg = model_config(config)
+    with torch.device("meta"):
+        model = DiT(cfg)
+    for prefix in ("_orig_mod.", "module."):  # saved from a compiled or DDP-wrapped model
+        if weights and all(k.startswith(prefix) for k in weights):
+            weights = {k[len(prefix):]: v for k, v in weights.items()}
+    try:
+        model.load_state_dict(weights, strict=True, assign=True)
+    except RuntimeError as e:
+        raise SampleError(f"the weights do not fit the run's model config ({cfg.depth} blocks, "
+                          f"hidden {cfg.hidden_size}): {_line(e)[:300]}") from e
+    model.pos_embed.requires_grad_(False)
+    return model.to(device=resolve_device(device), dtype=torch.float32).eval().requires_grad_(False)
+
+
+# -----------------------------------------------------------------------------
+# Conditions
+
+
+def class_names(store) -> list[str] | None:
+    cond = store.manifest.get("conditioning") or {}
+    return cond.get("class_names") if cond.get("type") == "class" else None
+
+
+def parse_classes(values, num_classes: int, names: list[str] | None = None) -> list[int]:
+    """--class values -> class indices. Each value is an index, a class name from the
+    manifest, "all", or a comma-separated list of those. Order is kept; repeats allowed."""
+    out: list[int] = []
+    for value in values:
+        for token in str(value).split(","):
+            token = token.strip()
+            if not token:
+                continue
+            if token.lower() == "all":
+                out.extend(range(num_classes))
+            elif re.fullmatch(r"[+-]?\d+", token):
+                c = int(token)
+                if not 0 <= c < num_classes:
+                    raise SampleError(f"class {c} is out of range: the model has {num_classes} "
+                                      f"classes (0..{num_classes - 1})")
+                out.append(c)
+            else:
+                lowered = [n.lower() for n in names or []]
+                if names and token in names:
+                    out.append(names.index(token))
+                elif token.lower() in lowered:
+                    out.append(lowered.index(token.lower()))
+                else:
+                    known = f" or one of the class names ({', '.join(names[:10])}" \
+                            f"{', ...' if len(names) > 10 else ''})" if names else ""
+                    raise SampleError(f"unknown class {token!r}: not an index 0..{num_classes - 1}{known}")
+    return out
+
+
+def pick_labels(n: int, num_classes: int, seed: int = 0) -> list[int]:
+    """n class labels drawn uniformly with their own generator seeded by `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, num_classes, (n,), generator=g).tolist()
+
+
+def _store_dtype(store, field: str) -> torch.dtype | None:
+    spec = store.schema.tensors.get(field)
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(spec.dtype) if spec else None
+
+
+def embed_prompts(store, prompts: list[str], *, tokens: bool, device="cpu", text_encoder=None,
+                  pretrained: str | None = None) -> dict[str, torch.Tensor]:
+    """Prompts -> {"text_pooled" (N, Dp)[, "text_tokens" (N, L, Dt), "text_mask" (N, L)]} with
+    the store's text encoder, rounded to the store's storage dtype (what training saw)."""
+    if text_encoder is None:
+        try:
+            text_encoder = store.text_encoder(device, pretrained=pretrained)
+        except ImportError as e:
+            raise SampleError(f"cannot embed prompts: the text encoder module is not available ({_line(e)})") from e
+        except Exception as e:  # DitdataError / StoreError: the model is not on this machine
+            raise SampleError(f"cannot load the store's text encoder: {_line(e)} "
+                              "(pass --text-pretrained FILE_OR_TAG to say where its weights are)") from e
+    emb = text_encoder.embed_text(list(prompts), tokens=tokens)
+    out = {}
+    for k, v in emb.items():
+        v = torch.as_tensor(v)
+        if v.dtype != torch.bool:
+            dt = _store_dtype(store, k)
+            v = v.float() if dt is None else v.to(dt).float()
+        out[k] = v.cpu()
+    return out
+
+
+def empty_caption(store) -> dict[str, torch.Tensor]:
+    """The manifest's empty-caption embedding (unbatched tensors), for guidance."""
+    empty = {k: torch.from_numpy(np.asarray(v).copy()) for k, v in store.empty_caption().items()}
+    if not empty:
+        raise SampleError(f"{store.root}: the manifest has no empty-caption embedding, which a "
+                          "text model needs for classifier-free guidance")
+    return {k: v if v.dtype == torch.bool else v.float() for k, v in empty.items()}
+
+
+# -----------------------------------------------------------------------------
+# Sampling
+
+
+def load_autoencoder(store, device="cpu", vae: str | None = None):
+    """The store's autoencoder (or the one at `vae`), with a one-line SampleError."""
+    try:
+        return store.autoencoder(resolve_device(device), source=vae)
+    except Exception as e:  # DitdataError: the model is not on this machine, or differs
+        msg = _line(e)
+        hint = "" if "--vae" in msg else " (pass --vae DIR to say where it is)"
+        raise SampleError(f"cannot load the store's autoencoder: {msg}{hint}") from e
+
+
+def check_sampler(config: DiffusionConfig, sampler: str | None, steps: int) -> str:
+    """The sampler to use (default: the objective's), or SampleError if it or `steps` do not fit."""
+    sampler = sampler or config.default_sampler
+    if sampler not in SAMPLERS[config.objective]:
+        raise SampleError(f"sampler {sampler!r} does not fit the {config.objective!r} objective; "
+                          f"choose one of {', '.join(SAMPLERS[config.objective])}")
+    if config.objective == "ddpm" and steps > config.num_timesteps:
+        raise SampleError(f"steps must be in 1..{config.num_timesteps} for the ddpm objective, got {steps}")
+    least = 2 if sampler == "ddpm" else 1  # one ancestral step has no posterior variance to use
+    if steps < least:
+        raise SampleError(f"the {sampler} sampler needs at least {least} steps, got {steps}")
+    return sampler
+
+
+def _autocast(device: torch.device, precision: str):
+    if precision not in PRECISIONS:
+        raise SampleError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "auto":
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        precision = "bf16" if bf16 else "fp32"
+    if precision == "fp32":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+def _rows(d: dict, sl: slice) -> dict:
+    return {k: (v[sl] if v is not None else None) for k, v in d.items()}
+
+
+def to_uint8(images: torch.Tensor) -> np.ndarray:
+    """(N, 3, H, W) float in [0, 1] -> (N, H, W, 3) uint8."""
+    x = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
+    return x.permute(0, 2, 3, 1).cpu().numpy()
+
+
+def sample_images(
+    weights,
+    config: dict,
+    store,
+    *,
+    labels=None,
+    prompts: list[str] | None = None,
+    text: dict | None = None,
+    n: int | None = None,
+    cfg_scale: float = 4.0,
+    steps: int = 50,
+    sampler: str | None = None,
+    seed: int = 0,
+    device="auto",
+    batch_size: int = 32,
+    precision: str = "auto",
+    autoencoder=None,
+    text_encoder=None,
+    vae: str | None = None,
+    text_pretrained: str | None = None,
+) -> np.ndarray:
+    """Sample with the run's model and decode with the store's autoencoder.
+
+    weights: a state dict (e.g. from load_weights) or the DiT itself (the trainer's EMA
+        model: used on its own device, put in eval mode for the call and restored).
+    labels: (N,) class indices for class models; None: n labels drawn with `seed`.
+    prompts: N prompts for text models, embedded with the store's text encoder (or
+        `text_encoder`); or `text`: their embeddings, {"text_pooled" (N, Dp), ...}.
+    n: the number of samples when there are no labels/prompts (default 16).
+    cfg_scale: classifier-free guidance (1 = none; ignored for unconditional models).
+    autoencoder: a loaded store autoencoder to reuse (the trainer's, between grids).
+    Returns (N, H, W, 3) uint8 images."""
+    if isinstance(weights, torch.nn.Module):
+        model = weights
+        dev = next(model.parameters()).device
+    else:
+        dev = resolve_device(device)
+        model = load_model(weights, config, dev)
+    cfg = model.config if isinstance(model, DiT) else model_config(config)
+    diffusion = Diffusion(diffusion_config(config))
+    sampler = check_sampler(diffusion.config, sampler, steps)
+    if batch_size < 1:
+        raise SampleError("batch size must be at least 1")
+
+    kind = conditioning_kind(cfg)
+    cond: dict = {}
+    empty = None
+    if kind == "class":
+        if prompts is not None or text is not None:
+            raise SampleError("this model is class-conditional: give classes, not prompts")
+        if labels is None:
+            labels = pick_labels(16 if n is None else n, cfg.num_classes, seed)
+        y = torch.as_tensor(labels, dtype=torch.long).reshape(-1)
+        bad = y[(y < 0) | (y >= cfg.num_classes)]
+        if len(bad):
+            raise SampleError(f"class {int(bad[0])} is out of range: the model has "
+                              f"{cfg.num_classes} classes (0..{cfg.num_classes - 1})")
+        cond = {"y": y}
+    elif kind == "text":
+        if labels is not None:
+            raise SampleError("this model is text-conditioned: give prompts, not classes")
+        if text is None:
+            if not prompts:
+                raise SampleError("this model is text-conditioned: give at least one prompt (--prompt)")
+            text = embed_prompts(store, prompts, tokens=bool(cfg.text_token_dim), device=dev,
+                                 text_encoder=text_encoder, pretrained=text_pretrained)
+        keys = [k for k, on in (("text_pooled", cfg.text_pooled_dim), ("text_tokens", cfg.text_token_dim),
+                                ("text_mask", cfg.text_token_dim)) if on]
+        missing = [k for k in keys if text.get(k) is None]
+        if missing:
+            raise SampleError(f"the text embeddings lack {missing}, which this model takes")
+        cond = {k: torch.as_tensor(text[k]) for k in keys}
+        empty = empty_caption(store)
+    elif labels is not None or prompts is not None or text is not None:
+        raise SampleError("this model is unconditional: give neither classes nor prompts")
+    num = len(next(iter(cond.values()))) if cond else (16 if n is None else n)
+    if num < 1:
+        raise SampleError("nothing to sample: n must be at least 1")
+    guide = kind != "none" and cfg_scale != 1.0
+
+    shape = (cfg.in_channels, cfg.input_size, cfg.input_size)
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.randn((num, *shape), generator=generator)  # all first: batch-size independent
+    if autoencoder is None:
+        autoencoder = load_autoencoder(store, dev, vae)
+
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        for start in range(0, num, batch_size):
+            sl = slice(start, min(start + batch_size, num))
+            kwargs = {k: v.to(dev) for k, v in _rows(cond, sl).items()}
+            uncond = model.unconditional_kwargs(kwargs, empty) if guide else None
+            with _autocast(dev, precision):
+                z = diffusion.sample(
+                    model, noise[sl].shape, steps=steps, sampler=sampler,
+                    cfg_scale=cfg_scale if guide else 1.0, model_kwargs=kwargs,
+                    uncond_kwargs=uncond, generator=generator, device=dev, noise=noise[sl],
+                )
+            with torch.no_grad():
+                out.append(to_uint8(autoencoder.decode(z.float())))
+    finally:
+        model.train(was_training)
+    return np.concatenate(out)
+
+
+# -----------------------------------------------------------------------------
+# Grids and files
+
+
+def make_grid(images, nrow: int = 8, padding: int = 2, pad_value: int = 0) -> np.ndarray:
+    """(N, H, W, 3) uint8 (or a list of HxWx3) -> one (H', W', 3) uint8 image with `nrow`
+    images per row (torchvision's make_grid layout: `padding` px around every tile)."""
+    images = np.asarray(images)
+    if images.ndim != 4 or images.shape[-1] != 3 or len(images) == 0:
+        raise ValueError(f"expected images (N, H, W, 3) with N >= 1, got {images.shape}")
+    n, h, w, _ = images.shape
+    ncol = max(1, min(nrow, n))
+    nrows = math.ceil(n / ncol)
+    p = padding
+    grid = np.full((nrows * (h + p) + p, ncol * (w + p) + p, 3), pad_value, dtype=np.uint8)
+    for i, img in enumerate(images):
+        r, c = divmod(i, ncol)
+        grid[p + r * (h + p): p + r * (h + p) + h, p + c * (w + p): p + c * (w + p) + w] = img
+    return grid
+
+
+def save_png(image: np.ndarray, path) -> Path:
+    """Write an (H, W, 3) uint8 array as a PNG, creating parent folders."""
+    from PIL import Image
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.ascontiguousarray(image)).save(path, format="PNG")
+    return path
+
+
+def output_paths(out) -> tuple[Path, Path]:
+    """--out -> (grid path, folder of the singles):
+    NAME.png -> (NAME.png, NAME/); DIR -> (DIR/grid.png, DIR/samples/)."""
+    out = Path(out)
+    suffix = out.suffix.lower()
+    if suffix == ".png":
+        return out, out.with_suffix("")
+    if suffix in (".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff"):
+        raise SampleError(f"--out {out}: samples are written as PNG; give NAME.png or a folder")
+    if out.is_file():
+        raise SampleError(f"--out {out} is an existing file; give NAME.png or a folder")
+    return out / GRID_NAME, out / SINGLES_DIR
+
+
+def write_samples(images: np.ndarray, out, *, nrow: int, groups: list[int] | None = None,
+                  records: list[dict] | None = None, meta: dict | None = None) -> dict:
+    """Write the grid and every sample as its own PNG (see output_paths); with `groups`
+    (one class or prompt index per sample) the singles go to SINGLES/<group>/NNNN.png,
+    numbered within the group, else SINGLES/NNNN.png. An index samples.json beside them
+    lists each file with its record. Returns {"grid", "singles_dir", "files"}."""
+    grid_path, singles = output_paths(out)
+    files, counts = [], {}
+    for i, img in enumerate(images):
+        if groups is None:
+            rel = f"{i:04d}.png"
+        else:
+            g = groups[i]
+            rel = f"{g}/{counts.get(g, 0):04d}.png"
+            counts[g] = counts.get(g, 0) + 1
+        files.append(save_png(img, singles / rel))
+    grid = make_grid(images, nrow=nrow)
+    save_png(grid, grid_path)
+    index = {
+        **(meta or {}),
+        "grid": str(grid_path),
+        "grid_size": [int(grid.shape[1]), int(grid.shape[0])],
+        "nrow": nrow,
+        "samples": [{"file": p.relative_to(singles).as_posix(), **((records or [{}] * len(files))[i])}
+                    for i, p in enumerate(files)],
+    }
+    (singles / INDEX_NAME).write_text(json.dumps(index, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return {"grid": grid_path, "grid_shape": grid.shape, "singles_dir": singles, "files": files}
+
+
+_AUTOENCODERS: dict = {}  # (store root, device) -> autoencoder, reused between training grids
+
+
+def store_text(store, n: int) -> dict[str, torch.Tensor]:
+    """The text embeddings of the store's first n samples (for grids without a text encoder)."""
+    fields_ = [f for f in ("text_pooled", "text_tokens", "text_mask") if f in store.schema.tensors]
+    if not fields_ or not store.shards:
+        raise SampleError(f"{store.root}: the store holds no text embeddings")
+    data = store.read(store.shards[0], fields=fields_, start=0, stop=n)
+    return {k: torch.from_numpy(np.asarray(v, dtype=bool if k == "text_mask" else np.float32)) for k, v in data.items()}
+
+
+def write_training_grid(model, config: dict, store, path, *, n: int = 16, steps: int = 50,
+                        cfg_scale: float = 4.0, seed: int = 0, device=None, sampler: str | None = None,
+                        batch_size: int = 32) -> Path:
+    """The trainer's EMA sample grid: n samples, always the same conditions and noise (the
+    seed's), so grids of successive steps are comparable. Class models: n classes drawn with
+    the seed; text models: the embeddings of the store's first n captions (no text encoder
+    needed); unconditional: n samples. The store's autoencoder is loaded once per store and
+    device and kept. Writes an (about) square PNG grid at `path` and returns it."""
+    cfg = model.config if isinstance(model, DiT) else model_config(config)
+    dev = next(model.parameters()).device if device is None else resolve_device(device)
+    key = (str(Path(store.root).resolve()), str(dev))
+    if key not in _AUTOENCODERS:
+        _AUTOENCODERS.clear()  # one at a time: a run samples from one store
+        _AUTOENCODERS[key] = load_autoencoder(store, dev)
+    kind = conditioning_kind(cfg)
+    labels = pick_labels(n, cfg.num_classes, seed) if kind == "class" else None
+    text = store_text(store, n) if kind == "text" else None
+    images = sample_images(model, config, store, labels=labels, text=text, n=n, cfg_scale=cfg_scale,
+                           steps=steps, sampler=sampler, seed=seed, batch_size=batch_size,
+                           autoencoder=_AUTOENCODERS[key])
+    return save_png(make_grid(images, nrow=math.ceil(math.sqrt(len(images)))), path)
+
+
+def sample_to_files(
+    ckpt,
+    out,
+    *,
+    classes=(),
+    prompts=(),
+    n: int | None = None,
+    n_per_class: int | None = None,
+    per_class_dir: bool = False,
+    nrow: int | None = None,
+    cfg_scale: float = 4.0,
+    steps: int = 50,
+    sampler: str | None = None,
+    seed: int = 0,
+    device="auto",
+    batch_size: int = 32,
+    precision: str = "auto",
+    latents=None,
+    vae: str | None = None,
+    text_pretrained: str | None = None,
+    log=print,
+) -> dict:
+    """The `dittrain sample` command: load, plan the conditions, sample, write, report.
+
+    Flat layout: n samples (default 16); classes / prompts are cycled over them (classes
+    drawn at random with the seed when none are given); nrow = ceil(sqrt(n)).
+    Row layout (n_per_class = K): one row of K samples per class (default: all classes)
+    or per prompt, singles under SINGLES/<class or prompt index>/ (as per_class_dir)."""
+    from dittrain.checkpoint import CheckpointError, load_weights
+
+    try:
+        weights, config = load_weights(ckpt)
+    except CheckpointError as e:
+        raise SampleError(_line(e)) from e
+    cfg = model_config(config)
+    kind = conditioning_kind(cfg)
+    if n is not None and n_per_class is not None:
+        raise SampleError("give either --n (samples in all) or --n-per-class (one row per class), not both")
+    for value, name in ((n, "--n"), (n_per_class, "--n-per-class"), (batch_size, "--batch-size"),
+                        (steps, "--steps"), (nrow, "--nrow")):
+        if value is not None and value < 1:
+            raise SampleError(f"{name} must be at least 1, got {value}")
+    if kind != "class" and classes:
+        raise SampleError(f"--class needs a class-conditional model; this one is "
+                          f"{'text-conditioned (use --prompt)' if kind == 'text' else 'unconditional'}")
+    if kind != "text" and prompts:
+        raise SampleError(f"--prompt needs a text-conditioned model; this one is "
+                          f"{'class-conditional (use --class)' if kind == 'class' else 'unconditional'}")
+    if kind == "text" and not prompts:
+        raise SampleError("this model is text-conditioned: give at least one --prompt")
+    if kind == "none" and n_per_class is not None:
+        raise SampleError("--n-per-class needs a class or text model; this one is unconditional (use --n)")
+    d = diffusion_config(config)
+    sampler = check_sampler(d, sampler, steps)
+    output_paths(out)  # a bad --out fails before any work
+
+    store, note = open_run_store(config, latents)
+    if note:
+        log(note)
+    names = class_names(store)
+
+    labels = texts = groups = None
+    records: list[dict] = []
+    if kind == "class":
+        chosen = parse_classes(classes, cfg.num_classes, names)
+        if n_per_class is not None:
+            chosen = chosen or list(range(cfg.num_classes))
+            labels = [c for c in chosen for _ in range(n_per_class)]
+        elif chosen:
+            labels = [chosen[i % len(chosen)] for i in range(n or 16)]
+        else:
+            labels = pick_labels(n or 16, cfg.num_classes, seed)
+        groups = labels if (n_per_class is not None or per_class_dir) else None
+        records = [{"class": c, "class_name": names[c] if names and c < len(names) else None} for c in labels]
+    elif kind == "text":
+        prompts = list(prompts)
+        if n_per_class is not None:
+            idx = [i for i in range(len(prompts)) for _ in range(n_per_class)]
+        else:
+            idx = [i % len(prompts) for i in range(n or 16)]
+        texts = [prompts[i] for i in idx]
+        groups = idx if (n_per_class is not None or per_class_dir) else None
+        records = [{"prompt_index": i, "prompt": prompts[i]} for i in idx]
+    total = len(labels) if labels is not None else len(texts) if texts is not None else (n or 16)
+    if not records:
+        records = [{} for _ in range(total)]
+    if nrow is None:
+        nrow = n_per_class if n_per_class is not None else math.ceil(math.sqrt(total))
+
+    dev = resolve_device(device)
+    name = (config.get("train") or {}).get("model", "DiT")
+    log(f"sampling {total} image{'s' if total > 1 else ''} with {name} ({d.objective}, {sampler}, {steps} steps"
+        f"{f', cfg {cfg_scale:g}' if kind != 'none' else ''}) on {dev}, seed {seed}")
+    images = sample_images(
+        weights, config, store, labels=labels, prompts=texts, n=total, cfg_scale=cfg_scale,
+        steps=steps, sampler=sampler, seed=seed, device=dev, batch_size=batch_size,
+        precision=precision, vae=vae, text_pretrained=text_pretrained,
+    )
+    meta = {
+        "ckpt": str(Path(ckpt).resolve()), "store": str(store.root.resolve()), "model": name,
+        "objective": d.objective, "sampler": sampler, "steps": steps,
+        "cfg_scale": cfg_scale if kind != "none" else None, "seed": seed, "batch_size": batch_size,
+        "layout": "row per class" if n_per_class is not None else "flat",
+    }
+    result = write_samples(images, out, nrow=nrow, groups=groups, records=records, meta=meta)
+    h, w = result["grid_shape"][:2]
+    rows = math.ceil(total / max(1, min(nrow, total)))
+    first, last = result["files"][0], result["files"][-1]
+    log(f"grid:    {result['grid']}  ({rows} x {min(nrow, total)} samples, {w}x{h} px)")
+    log(f"singles: {len(result['files'])} PNGs of {images.shape[2]}x{images.shape[1]} px under "
+        f"{result['singles_dir']}/ ({first.relative_to(result['singles_dir'])} .. "
+        f"{last.relative_to(result['singles_dir'])}; index {INDEX_NAME})")
+    return {**result, "images": images, "labels": labels, "prompts": texts}
+
+
+__all__ = [
+    "SampleError", "check_sampler", "check_store", "embed_prompts", "load_autoencoder", "load_model", "make_grid",
+    "model_config", "open_run_store", "output_paths", "parse_classes", "pick_labels",
+    "resolve_device", "sample_images", "sample_to_files", "save_png", "store_mismatches",
+    "store_text", "write_samples", "write_training_grid",
+]
