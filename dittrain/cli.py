@@ -47,5 +47,173 @@ def models_cmd(resolution, downsample, channels, num_classes, learn_sigma):
                    f"{row['params'] / 1e6:>8.1f}M {row['gflops']:>9.2f}")
 
 
+_D = None  # TrainConfig defaults, read lazily (dittrain.config is light, but keep one source)
+
+
+def _defaults():
+    global _D
+    if _D is None:
+        from dittrain.config import TrainConfig
+
+        _D = TrainConfig()
+    return _D
+
+
+def _opt(*names, field, **kw):
+    """A click option whose default is TrainConfig's (the one place defaults live)."""
+    return click.option(*names, default=getattr(_defaults(), field), show_default=True, **kw)
+
+
+@main.command("run")
+@click.option("--latents", required=True, type=click.Path(file_okay=False, path_type=str),
+              help="The latent store written by `ditdata encode`.")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=str),
+              help="Run directory: config.json, metrics.jsonl, checkpoints/, ema.safetensors, samples/.")
+@_opt("--model", field="model", help="A name from `dittrain models`, e.g. DiT-XL/2.")
+@_opt("--objective", field="objective", type=click.Choice(["ddpm", "flow"]),
+      help="ddpm: epsilon prediction as in DiT; flow: rectified flow (velocity).")
+@_opt("--batch-size", field="batch_size", type=click.IntRange(min=1),
+      help="GLOBAL batch per optimizer step (split over ranks and accumulation steps).")
+@_opt("--accumulation-steps", field="accumulation_steps", type=click.IntRange(min=1))
+@_opt("--lr", field="lr", type=float)
+@_opt("--weight-decay", field="weight_decay", type=float)
+@_opt("--warmup-steps", field="warmup_steps", type=click.IntRange(min=0))
+@_opt("--lr-schedule", field="lr_schedule", type=click.Choice(["constant", "cosine"]))
+@_opt("--min-lr", field="min_lr", type=float, help="Cosine schedule floor.")
+@_opt("--grad-clip", field="grad_clip", type=float, help="Max gradient norm (0: no clipping).")
+@_opt("--max-steps", field="max_steps", type=click.IntRange(min=1))
+@_opt("--ema", field="ema", type=float, help="EMA decay.")
+@_opt("--class-dropout", field="class_dropout", type=float, help="Label dropout for CFG.")
+@_opt("--caption-dropout", field="caption_dropout", type=float, help="Caption dropout for CFG.")
+@click.option("--learn-sigma/--no-learn-sigma", default=None,
+              help="Learned variance (default: on for ddpm, off for flow).")
+@_opt("--qk-norm/--no-qk-norm", field="qk_norm")
+@_opt("--amp", field="amp", type=click.Choice(["auto", "bf16", "fp16", "fp32"]),
+      help="auto: bf16 on GPUs that have it, else fp16 with a grad scaler; fp32 on the CPU.")
+@_opt("--grad-checkpointing", field="grad_checkpointing", is_flag=False, flag_value="every",
+      help="Recompute activations in the backward pass to save memory: every (block; also what "
+           "the bare flag means), k (every k-th block) or none.")
+@_opt("--compile/--no-compile", field="compile", help="torch.compile the model.")
+@_opt("--tf32/--no-tf32", field="tf32")
+@_opt("--loader", field="loader", type=click.Choice(["auto", "resident", "streaming"]),
+      help="auto: keep the store in RAM when it fits, else stream it.")
+@_opt("--resident-device", field="resident_device", type=click.Choice(["cpu", "cuda"]),
+      help="Where a resident store lives (cuda: on the GPU, no host-to-device copies).")
+@_opt("--workers", field="workers", type=click.IntRange(min=0), help="Streaming loader processes.")
+@_opt("--shuffle-window", field="shuffle_window", type=click.IntRange(min=1),
+      help="Streaming: shards shuffled together in memory.")
+@_opt("--seed", field="seed", type=int)
+@_opt("--save-every", field="save_every", type=click.IntRange(min=1))
+@_opt("--keep", field="keep", type=click.IntRange(min=1), help="Checkpoints kept.")
+@_opt("--log-every", field="log_every", type=click.IntRange(min=1))
+@_opt("--sample-every", field="sample_every", type=click.IntRange(min=0),
+      help="EMA sample grid every N steps and at the end (0: never).")
+@_opt("--sample-steps", field="sample_steps", type=click.IntRange(min=1))
+@_opt("--sample-cfg", field="sample_cfg", type=float)
+@_opt("--max-nonfinite", field="max_nonfinite", type=click.IntRange(min=1),
+      help="Consecutive NaN/inf losses (each step skipped) before the run stops.")
+@_opt("--resume/--no-resume", field="resume", help="Continue from the latest checkpoint in --out.")
+@_opt("--device", field="device")
+def run_cmd(**options):
+    """Train a DiT on a latent store.
+
+    Shapes, classes and text dimensions come from the store's manifest. Checkpoints hold
+    everything needed for an exact resume; SIGTERM/SIGINT finish the step, save and exit.
+
+    \b
+    Examples:
+      dittrain run --latents ./store --model DiT-XL/2 --batch-size 256 --amp bf16 \\
+          --grad-checkpointing every --out runs/exp1
+      dittrain run --latents ./store --model DiT-XL/2 --out runs/exp1 --resume
+      torchrun --standalone --nproc_per_node 8 -m dittrain.cli run --latents ./store --out runs/ddp
+    """
+    from ditdata.store import StoreError
+    from dittrain.checkpoint import CheckpointError
+    from dittrain.config import TrainConfig
+    from dittrain.train import TrainError, run
+
+    try:
+        result = run(TrainConfig(**options))
+    except (TrainError, CheckpointError, StoreError) as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"{result['out']}: finished at step {result['step']}")
+
+
+@main.command("sample")
+@click.option("--ckpt", required=True, type=click.Path(exists=True, path_type=str),
+              help="A run directory (its ema.safetensors, else its latest checkpoint), an EMA "
+                   "export .safetensors, or a checkpoint .pt (its EMA weights).")
+@click.option("--out", required=True, type=click.Path(path_type=str),
+              help="NAME.png: the grid there, singles in NAME/. Otherwise a folder: DIR/grid.png, "
+                   "singles in DIR/samples/.")
+@click.option("--class", "--classes", "classes", multiple=True, metavar="C",
+              help="Class-conditional models: an index, a class name, 'all', or a comma list; "
+                   "repeatable. Default: classes drawn at random with --seed (all with --n-per-class).")
+@click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
+              help="Text models: a prompt (repeatable), embedded with the store's text encoder.")
+@click.option("--n", type=click.IntRange(min=1), default=None,
+              help="Samples in all (default 16); classes or prompts are cycled over them.")
+@click.option("--n-per-class", type=click.IntRange(min=1), default=None,
+              help="One ROW per class (or prompt) of this many samples; singles under "
+                   "samples/<class or prompt index>/.")
+@click.option("--per-class-dir", is_flag=True,
+              help="Singles under <class or prompt index>/NNNN.png also in the flat layout.")
+@click.option("--nrow", type=click.IntRange(min=1), default=None,
+              help="Images per grid row (default: ceil(sqrt(n)); --n-per-class in the row layout).")
+@click.option("--cfg", "cfg_scale", default=4.0, show_default=True, type=float,
+              help="Classifier-free guidance scale (1: none; ignored for unconditional models).")
+@click.option("--steps", default=50, show_default=True, type=click.IntRange(min=1))
+@click.option("--sampler", type=click.Choice(["ddpm", "ddim", "euler", "heun"]), default=None,
+              help="Default: ddpm for the ddpm objective, euler for flow.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1),
+              help="Samples per forward pass (CFG doubles it).")
+@click.option("--precision", default="auto", show_default=True,
+              type=click.Choice(["auto", "fp32", "bf16", "fp16"]),
+              help="Model autocast; auto: bf16 on GPUs that have it, else fp32.")
+@click.option("--latents", type=click.Path(file_okay=False, path_type=str), default=None,
+              help="The latent store, if not at the path the run recorded (e.g. moved).")
+@click.option("--vae", default=None, metavar="DIR",
+              help="Where the store's autoencoder is, if not where its manifest says.")
+@click.option("--text-pretrained", default=None, metavar="FILE_OR_TAG",
+              help="The text encoder's weights, if not where the store's manifest says.")
+def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow, cfg_scale, steps,
+               sampler, seed, device, batch_size, precision, latents, vae, text_pretrained):
+    """Sample a trained run with classifier-free guidance; write a PNG grid and every sample.
+
+    Decodes with the autoencoder named in the store's manifest. Same --seed (and
+    --batch-size and device) -> the same images. A store other than the recorded one
+    (--latents) is used, with a note, when its latent shape and classes / text widths fit
+    the model, and refused otherwise.
+
+    \b
+    Output (--out); singles are numbered in grid order, samples.json says what each is:
+      NAME.png  ->  NAME.png (grid), NAME/0000.png ..., NAME/samples.json
+      DIR       ->  DIR/grid.png, DIR/samples/0000.png ..., DIR/samples/samples.json
+      --n-per-class K: one grid row of K per class (or prompt), singles under
+      <singles>/<class or prompt index>/0000.png ... (--per-class-dir: the same, flat grid)
+
+    \b
+    Examples:
+      dittrain sample --ckpt runs/exp1 --class 207 --cfg 4.0 --steps 50 --n 16 --out grid.png
+      dittrain sample --ckpt runs/exp1 --classes all --n-per-class 8 --out samples_dir
+      dittrain sample --ckpt runs/t2i --prompt "a red fox in snow" --n 8 --out fox.png
+    """
+    from dittrain.sample import SampleError, sample_to_files
+
+    def log(line):
+        click.echo(line, err=line.startswith("note:"))
+
+    try:
+        sample_to_files(ckpt, out, classes=classes, prompts=prompts, n=n, n_per_class=n_per_class,
+                        per_class_dir=per_class_dir, nrow=nrow, cfg_scale=cfg_scale, steps=steps,
+                        sampler=sampler, seed=seed, device=device, batch_size=batch_size,
+                        precision=precision, latents=latents, vae=vae,
+                        text_pretrained=text_pretrained, log=log)
+    except SampleError as e:
+        raise click.ClickException(str(e)) from e
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,396 @@
+"""dittrain.data: the resident and streaming loaders over a latent store."""
+
+from __future__ import annotations
+
+import io
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from storeutil import INFO, schema, shard_data, write_store
+
+import dittrain.data as data
+from ditdata.store import open_store
+from dittrain.data import ResidentLoader, StreamingLoader, build_loader, choose_loader
+
+SIZES = [7, 13, 0, 5, 20, 9]  # 54 samples; an empty shard on purpose
+N = sum(SIZES)
+B = 8
+
+# (kind, workers): the streaming loader in-process and with worker processes
+LOADERS = [("resident", 0), ("streaming", 0), ("streaming", 2)]
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stores")
+    out = {}
+    for name, sch, backend in [
+        ("fp16", schema("float16"), "zarr"),
+        ("bf16", schema("bfloat16"), "zarr"),
+        ("meanstd", schema("float16", kind="mean_std"), "zarr"),
+        ("wds", schema("float16", flip=False), "wds"),
+    ]:
+        write_store(root / name, sch, SIZES, backend, chunk_samples=4)
+        out[name] = open_store(root / name)
+    return out
+
+
+def make(store, kind, workers=0, **kw):
+    kw.setdefault("batch_size", B)
+    kw.setdefault("seed", 3)
+    kw.setdefault("with_index", True)
+    if kind == "resident":
+        return ResidentLoader(store, **kw)
+    return StreamingLoader(store, workers=workers, shuffle_window=2, **kw)
+
+
+def take(loader, n):
+    return [next(loader) for _ in range(n)]
+
+
+def stream(batches, key="index"):
+    return torch.cat([b[key] for b in batches])
+
+
+def all_data(store):
+    """The whole store as numpy arrays in global index order."""
+    parts = [store.read(s) for s in store.shards]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def f32(arr):
+    return torch.from_numpy(np.asarray(arr).astype(np.float32))
+
+
+# -- every sample once per epoch; ranks disjoint and covering --------------------------
+@pytest.mark.parametrize("kind,workers", LOADERS)
+def test_each_sample_once_per_epoch(stores, kind, workers):
+    with make(stores["fp16"], kind, workers) as loader:
+        idx = stream(take(loader, 3 * N // B + 1))  # a bit over three epochs
+    epochs = [idx[e * N:(e + 1) * N].sort().values.tolist() for e in range(3)]
+    assert all(e == list(range(N)) for e in epochs)
+    assert not torch.equal(idx[:N], idx[N:2 * N])  # a fresh order each epoch
+
+
+@pytest.mark.parametrize("kind,workers", LOADERS)
+def test_batch_larger_than_an_epoch(stores, kind, workers):
+    with make(stores["fp16"], kind, workers, batch_size=64) as loader:
+        idx = stream(take(loader, 3))
+    assert all(idx[e * N:(e + 1) * N].sort().values.tolist() == list(range(N)) for e in range(3))
+
+
+@pytest.mark.parametrize("kind,workers", [("resident", 0), ("streaming", 0)])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_disjoint_and_cover(stores, kind, workers, world_size):
+    for epoch in range(2):
+        seen = []
+        for rank in range(world_size):
+            loader = make(stores["fp16"], kind, workers, rank=rank, world_size=world_size)
+            sizes = [loader.samples_per_epoch]
+            idx = stream(take(loader, 2 * N // B + 2))
+            if kind == "streaming":  # a rank's epoch length depends on its shards that epoch
+                sizes = [loader.plan.epoch_size(e) for e in range(2)]
+            else:
+                sizes = sizes * 2
+            start = sum(sizes[:epoch])
+            part = idx[start:start + sizes[epoch]].tolist()
+            assert len(set(part)) == len(part)
+            seen += part
+        assert sorted(seen) == list(range(N))
+
+
+@pytest.mark.parametrize("kind,workers", LOADERS)
+def test_split_batch_is_one_process_sliced(stores, kind, workers):
+    """split="batch": W ranks together get exactly what one process gets with batch B * W
+    (fresh draws included), and rank 0's state resumes rank 1."""
+    store = stores["meanstd"]
+    with make(store, kind, workers, batch_size=2 * B) as one:
+        want = take(one, 9)
+    got = []
+    for rank in range(2):
+        with make(store, kind, workers, rank=rank, world_size=2, split="batch") as r:
+            got.append(take(r, 9))
+    for w, g0, g1 in zip(want, *got, strict=True):
+        assert all(torch.equal(w[k], torch.cat([g0[k], g1[k]])) for k in w)
+    with make(store, kind, workers, rank=0, world_size=2, split="batch") as r0:
+        take(r0, 4)
+        state = r0.state_dict()
+    with make(store, kind, workers, rank=1, world_size=2, split="batch") as r1:
+        r1.load_state_dict(state)
+        rest = take(r1, 5)
+    assert all(torch.equal(a["x"], b["x"]) for a, b in zip(got[1][4:], rest, strict=True))
+
+
+def test_deterministic_and_seeded(stores):
+    a = stream(take(make(stores["fp16"], "resident"), 5))
+    b = stream(take(make(stores["fp16"], "resident"), 5))
+    c = stream(take(make(stores["fp16"], "resident", seed=4), 5))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_workers_do_not_change_the_sequence(stores):
+    with make(stores["fp16"], "streaming", 0) as a, make(stores["fp16"], "streaming", 2) as b:
+        for x, y in zip(take(a, 15), take(b, 15), strict=True):
+            assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+# -- values carried with their samples ---------------------------------------------------
+@pytest.mark.parametrize("kind,workers", LOADERS)
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_values_match_the_store(stores, kind, workers, dtype):
+    store = stores[dtype]
+    ref = all_data(store)
+    with make(store, kind, workers) as loader:
+        batches = take(loader, 2 * N // B)
+    b0 = batches[0]
+    assert b0["x"].dtype == torch.float32 and b0["x"].shape == (B, 4, 8, 8)
+    assert b0["y"].dtype == torch.int64 and b0["text_mask"].dtype == torch.bool
+    assert b0["text_pooled"].dtype == torch.float32 and b0["text_tokens"].shape == (B, 5, 16)
+    # by value: every x is exactly one stored latent of its sample, in the chosen variant
+    lat, lat_flip = f32(ref["latent"]), f32(ref["latent_flip"])
+    for b in batches:
+        i, fl = b["index"], b["flip"]
+        want = torch.where(fl[:, None, None, None], lat_flip[i], lat[i])
+        assert torch.equal(b["x"], want)
+        assert torch.equal(b["y"], torch.from_numpy(ref["label"])[i])
+        assert torch.equal(b["text_pooled"], f32(ref["text_pooled"])[i])
+        assert torch.equal(b["text_tokens"], f32(ref["text_tokens"])[i])
+        assert torch.equal(b["text_mask"], torch.from_numpy(ref["text_mask"])[i])
+    # and by key: one sample's x is its stored latent
+    i, fl = int(batches[0]["index"][0]), bool(batches[0]["flip"][0])
+    sample = store.sample(i)
+    assert sample["key"] == ref["key"][i]
+    assert torch.equal(batches[0]["x"][0], f32(sample["latent_flip" if fl else "latent"]))
+    # flip variants: both appear, and a sample gets both over a few epochs
+    flips = stream(batches, "flip")
+    assert 0.25 < flips.float().mean() < 0.75
+    idx = stream(batches, "index")
+    both = {int(j) for j in idx[flips]} & {int(j) for j in idx[~flips]}
+    assert len(both) > N // 8
+
+
+def test_without_index_and_flip(stores):
+    """The default batch has only x and the conditioning; a store without flips never flips."""
+    store = stores["wds"]
+    ref = f32(all_data(store)["latent"])
+    with make(store, "streaming", 2, with_index=False) as loader:
+        b = next(loader)
+    assert set(b) == {"x", "y", "text_pooled", "text_tokens", "text_mask"}
+    rows = {tuple(r.flatten().tolist()): j for j, r in enumerate(ref)}
+    assert all(tuple(r.flatten().tolist()) in rows for r in b["x"])
+
+
+@pytest.mark.parametrize("kind,workers", LOADERS)
+def test_fresh_draws_from_mean_and_std(stores, kind, workers):
+    store = stores["meanstd"]
+    ref = all_data(store)
+    with make(store, kind, workers) as loader:
+        batches = take(loader, 2 * N // B + 1)
+    mean, std = f32(ref["mean"]), f32(ref["std"])
+    mean_f, std_f = f32(ref["mean_flip"]), f32(ref["std_flip"])
+    pos = 0
+    for b in batches:
+        e, o = divmod(pos, N)  # one rank: the epoch length is N for both loaders
+        g = torch.Generator().manual_seed(data._seed64(3, data._EPS, 0, e, o))
+        eps = torch.randn(b["x"].shape, generator=g)
+        i, fl = b["index"], b["flip"][:, None, None, None]
+        m, s = torch.where(fl, mean_f[i], mean[i]), torch.where(fl, std_f[i], std[i])
+        assert torch.equal(b["x"], torch.addcmul(m, s, eps))
+        pos += B
+    # the same sample in two epochs: two different draws
+    x = torch.cat([b["x"] for b in batches])
+    idx, flips = stream(batches), stream(batches, "flip")
+    j = int(idx[0])
+    later = [k for k in range(N, len(idx)) if int(idx[k]) == j and flips[k] == flips[0]]
+    for k in later:
+        assert not torch.equal(x[0], x[k])
+    z = (x - torch.where(flips[:, None, None, None], mean_f[idx], mean[idx])) / \
+        torch.where(flips[:, None, None, None], std_f[idx], std[idx])
+    assert abs(float(z.mean())) < 0.1 and abs(float(z.std()) - 1) < 0.1
+
+
+def test_text_store_has_no_labels(tmp_path):
+    info = {**INFO, "conditioning": {"type": "text", "text": {}}}
+    write_store(tmp_path / "t", schema("float16", flip=False), [6, 6], info=info)
+    b = next(ResidentLoader(open_store(tmp_path / "t"), batch_size=4))
+    assert set(b) == {"x", "text_pooled", "text_tokens", "text_mask"}
+
+
+# -- exact resume ------------------------------------------------------------------------
+def roundtrip(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("kind,workers", LOADERS)
+@pytest.mark.parametrize("split", [6, 7])  # batch 6 straddles epochs 0 and 1 (54 = 6 * 8 + 6)
+@pytest.mark.parametrize("name", ["fp16", "meanstd"])
+def test_exact_resume(stores, kind, workers, split, name):
+    store = stores[name]
+    total = 14
+    with make(store, kind, workers) as a:
+        straight = take(a, total)
+    with make(store, kind, workers) as b:
+        first = take(b, split)
+        state = roundtrip(b.state_dict())
+    assert state["batches"] == split and state["epoch"] == split * B // N
+    with make(store, kind, workers) as c:
+        c.load_state_dict(state)
+        rest = take(c, total - split)
+    for want, got in zip(straight, first + rest, strict=True):
+        assert want.keys() == got.keys()
+        assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_resume_in_place_and_across_ranks(stores):
+    """load_state_dict on a running streaming loader restarts its workers; rank 0's state
+    resumes rank 1 exactly (each rank derives its own position from the batch count)."""
+    store = stores["fp16"]
+    with make(store, "streaming", 2, rank=1, world_size=2) as straight:
+        want = take(straight, 12)
+    with make(store, "streaming", 2, rank=0, world_size=2) as r0:
+        take(r0, 5)
+        state = r0.state_dict()
+    with make(store, "streaming", 2, rank=1, world_size=2) as r1:
+        take(r1, 9)  # elsewhere; then rewind to rank 0's checkpoint
+        r1.load_state_dict(state)
+        got = take(r1, 7)
+    assert all(torch.equal(w["x"], g["x"]) for w, g in zip(want[5:], got, strict=True))
+
+
+def test_resume_skips_consumed_windows(stores, monkeypatch):
+    store = stores["fp16"]
+    loader = make(store, "streaming", 0)
+    take(loader, 10)
+    state = loader.state_dict()
+    reads = []
+    fresh = make(open_store(store.root), "streaming", 0)
+    monkeypatch.setattr(fresh.store, "read", lambda s, **kw: reads.append(s) or store.read(s, **kw))
+    fresh.load_state_dict(state)
+    next(fresh)
+    assert len(reads) <= 2  # one window (shuffle_window=2 units), not the epoch's earlier ones
+
+
+def test_state_mismatch_is_refused(stores):
+    state = make(stores["fp16"], "resident").state_dict()
+    with pytest.raises(ValueError, match="streaming"):
+        make(stores["fp16"], "streaming").load_state_dict(state)
+    with pytest.raises(ValueError, match="batch_size"):
+        make(stores["fp16"], "resident", batch_size=4).load_state_dict(state)
+    loose = make(stores["fp16"], "resident", batch_size=4)
+    loose.load_state_dict(state, strict=False)
+    assert loose.batches == 0 and set(state) >= {"epoch", "offset", "seed", "world_size"}
+
+
+# -- choice, timing, lifetime ------------------------------------------------------------
+def test_build_loader_auto(stores, monkeypatch):
+    store = stores["fp16"]
+    monkeypatch.setattr(data, "available_memory", lambda: (10**12, "test"))
+    loader = build_loader(store, batch_size=B)
+    assert loader.kind == "resident" and isinstance(loader, ResidentLoader)
+    assert "resident in RAM" in loader.reason and "limit 50%" in loader.reason
+    need = N * data._Spec(store).resident_bytes
+    monkeypatch.setattr(data, "available_memory", lambda: (int(need * 1.5), "test"))
+    loader = build_loader(store, batch_size=B, workers=0)
+    assert loader.kind == "streaming" and isinstance(loader, StreamingLoader)
+    assert "over the 50% limit" in loader.reason
+    # the ranks of one machine share its memory
+    monkeypatch.setattr(data, "available_memory", lambda: (int(need * 1.5), "test"))
+    assert choose_loader(store, world_size=2, local_world_size=1)[0] == "resident"
+    kind, _, reason = choose_loader(store, world_size=2, local_world_size=2)
+    assert kind == "streaming" and "x 2 ranks" in reason
+    kind, _, reason = choose_loader(store, world_size=2, local_world_size=1, split="batch")
+    assert kind == "streaming" and "whole store" in reason  # every rank holds all of it
+    assert build_loader(store, batch_size=B, kind="resident").reason.startswith("resident: requested")
+    with pytest.raises(ValueError, match="unknown loader kind"):
+        build_loader(store, batch_size=B, kind="mmap")
+
+
+def test_available_memory_is_real():
+    avail, source = data.available_memory()
+    assert avail is None or avail > 0
+    assert isinstance(source, str)
+
+
+def test_wait_seconds_and_close(stores):
+    loader = make(stores["fp16"], "streaming", 2)
+    assert loader.wait_seconds == 0
+    take(loader, 3)
+    procs = list(loader._procs)
+    assert loader.wait_seconds > 0 and all(p.is_alive() for p in procs)
+    loader.close()
+    assert not any(p.is_alive() for p in procs)
+    assert loader.batches == 3  # close keeps the position; next() restarts the workers
+    assert next(loader)["x"].shape == (B, 4, 8, 8)
+    loader.close()
+
+
+def test_worker_failure_is_reported(tmp_path):
+    write_store(tmp_path / "s", schema("float16"), [10, 10])
+    store = open_store(tmp_path / "s")
+    loader = StreamingLoader(store, batch_size=4, workers=2, shuffle_window=1)
+    shutil.rmtree(store.shards[1].path)
+    with pytest.raises(RuntimeError, match="worker .* failed"):
+        take(loader, 10)
+    loader.close()
+
+
+def test_bad_arguments(stores):
+    with pytest.raises(ValueError, match="rank"):
+        make(stores["fp16"], "resident", rank=2, world_size=2)
+    with pytest.raises(ValueError, match="batch_size"):
+        make(stores["fp16"], "resident", batch_size=0)
+    with pytest.raises(ValueError, match="cuda"):
+        ResidentLoader(stores["fp16"], batch_size=4, resident_device="cuda")
+
+
+def test_shard_data_is_what_the_store_holds(stores):
+    """Guard for the by-value checks above: the fixture is storeutil's deterministic data."""
+    tensors, _ = shard_data(schema("float16"), 0, SIZES[0])
+    assert np.array_equal(all_data(stores["fp16"])["latent"][:SIZES[0]], tensors["latent"])
+
+
+# -- CUDA (skipped without a GPU): pinned copies, lookahead, GPU-resident, device eps -----
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("kind,workers,resident_device",
+                         [("resident", 0, "cpu"), ("resident", 0, "cuda"), ("streaming", 2, "cpu")])
+def test_cuda_batches_equal_cpu_batches(stores, kind, workers, resident_device):
+    kw = {"resident_device": resident_device} if kind == "resident" else {}
+    with make(stores["fp16"], kind, workers) as cpu, \
+            make(stores["fp16"], kind, workers, device="cuda", **kw) as gpu:
+        for want, got in zip(take(cpu, 15), take(gpu, 15), strict=True):
+            assert got["x"].is_cuda and got["x"].dtype == torch.float32
+            assert all(torch.equal(want[k], got[k].cpu()) for k in want)
+
+
+@cuda
+@pytest.mark.parametrize("kind,workers,resident_device",
+                         [("resident", 0, "cpu"), ("resident", 0, "cuda"), ("streaming", 2, "cpu")])
+def test_cuda_exact_resume_with_fresh_draws(stores, kind, workers, resident_device):
+    kw = {"resident_device": resident_device} if kind == "resident" else {}
+    store = stores["meanstd"]
+    with make(store, kind, workers, device="cuda", **kw) as a:
+        straight = [b["x"].cpu() for b in take(a, 12)]
+    with make(store, kind, workers, device="cuda", **kw) as b:
+        first = [b_["x"].cpu() for b_ in take(b, 7)]
+        state = roundtrip(b.state_dict())
+    with make(store, kind, workers, device="cuda", **kw) as c:
+        c.load_state_dict(state)
+        rest = [b_["x"].cpu() for b_ in take(c, 5)]
+    assert all(torch.equal(w, g) for w, g in zip(straight, first + rest, strict=True))
+    assert not torch.equal(straight[0], straight[7])
+
+
+@cuda
+def test_auto_resident_on_gpu(stores):
+    loader = build_loader(stores["fp16"], batch_size=B, resident_device="cuda", device="cuda")
+    assert loader.kind == "resident" and loader.resident_device.type == "cuda"
+    assert "free GPU memory" in loader.reason
+    assert next(loader)["x"].is_cuda

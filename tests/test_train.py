@@ -1,0 +1,227 @@
+"""dittrain run: exact resume after SIGKILL, SIGTERM, DDP on the CPU, clear errors, NaN steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ditdata.store import Schema, StoreWriter, TensorSpec
+from ditdata.vae import load_autoencoder
+from dittrain.checkpoint import latest_checkpoint, load_checkpoint, load_weights
+from dittrain.cli import main as dittrain_cli
+
+BIN = Path(sys.executable).parent
+SHAPE = (3, 8, 8)
+
+
+def make_store(root: Path, *, n: int = 48, shards: int = 3, identical: bool = False, nan_every: int = 0,
+               flip: bool = True, seed: int = 0, shape=SHAPE) -> Path:
+    """A class-conditioned pixels store (so samples can be decoded) of n latents."""
+    rng = np.random.default_rng(seed)
+    tensors = {"latent": TensorSpec(shape, "float16")}
+    if flip:
+        tensors["latent_flip"] = TensorSpec(shape, "float16")
+    schema = Schema(tensors=tensors, columns={"key": "string", "label": "int64"})
+    info = {"vae": load_autoencoder("pixels").info, "image": {"resolution": shape[-1], "crop": "center"},
+            "conditioning": {"type": "class", "num_classes": 3, "class_names": ["a", "b", "c"]}}
+    w = StoreWriter(root, schema=schema, info=info)
+    per = n // shards
+    template = rng.standard_normal(shape).astype(np.float32) * 0.5
+    for s in range(shards):
+        x = rng.standard_normal((per, *shape)).astype(np.float32) * 0.5
+        labels = rng.integers(0, 3, per)
+        if identical:
+            x[:] = template
+            labels[:] = 1
+        if nan_every:
+            x[::nan_every] = np.nan
+        t = {"latent": x.astype(np.float16)}
+        if flip:
+            t["latent_flip"] = x[..., ::-1].astype(np.float16)
+        w.write_shard(f"{s:05d}", t, {"key": [f"{s}-{i}" for i in range(per)], "label": labels.tolist()})
+    w.finalize()
+    return root
+
+
+def run_args(store: Path, out: Path, *extra, model: str = "DiT-T/4") -> list[str]:
+    return ["run", "--latents", str(store), "--out", str(out), "--model", model, "--batch-size", "8",
+            "--log-every", "1", "--sample-every", "0", "--device", "cpu", "--seed", "3", *map(str, extra)]
+
+
+def cli(*args):
+    return CliRunner().invoke(dittrain_cli, list(args))
+
+
+def losses(out: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows]
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    for part in ("model", "ema"):
+        assert a[part].keys() == b[part].keys()
+        for k in a[part]:
+            assert torch.equal(a[part][k], b[part][k]), (part, k)
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for k in sa[i]:
+            assert torch.equal(sa[i][k], sb[i][k]), ("optimizer", i, k)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return make_store(tmp_path_factory.mktemp("store") / "s")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    # tiny models on a loaded 2-core machine run much faster (and the same) on one thread
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _spawn(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([str(BIN / "dittrain"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+@pytest.mark.parametrize("loader", ["resident", "streaming"])
+def test_exact_resume_after_sigkill(store, tmp_path, loader):
+    steps, half = 120, 60
+    common = ["--loader", loader, "--workers", "2", "--shuffle-window", "2", "--max-steps", steps,
+              "--save-every", half, "--lr", "1e-3", "--ema", "0.9"]
+    straight = _spawn(run_args(store, tmp_path / "straight", *common))
+    killed = _spawn(run_args(store, tmp_path / "killed", *common))
+    ckpt = tmp_path / "killed" / "checkpoints" / f"step_{half:08d}.pt"
+    deadline = time.time() + 300
+    while not ckpt.exists():
+        assert killed.poll() is None, killed.communicate()[1][-2000:]
+        assert time.time() < deadline
+        time.sleep(0.01)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert straight.wait(timeout=600) == 0, straight.communicate()[1][-2000:]
+    assert latest_checkpoint(tmp_path / "killed") == ckpt, "the kill landed after the run ended"
+
+    resumed = _spawn(run_args(store, tmp_path / "killed", *common, "--resume"))
+    _, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-2000:]
+    assert "resuming at step 60" in err
+    a, b = losses(tmp_path / "straight"), losses(tmp_path / "killed")
+    assert [s for s, _ in a] == list(range(1, steps + 1)) == [s for s, _ in b]
+    assert a == b  # identical losses at every step, before and after the kill
+    assert_same_state(load_checkpoint(latest_checkpoint(tmp_path / "straight")),
+                      load_checkpoint(latest_checkpoint(tmp_path / "killed")))
+
+
+def test_sigterm_saves_and_exits_zero(store, tmp_path):
+    proc = _spawn(run_args(store, tmp_path / "r", "--max-steps", 100000, "--save-every", 100000))
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "stopped by signal" in err
+    ckpt = load_checkpoint(latest_checkpoint(tmp_path / "r"))
+    assert ckpt["step"] >= 3 and ckpt["step"] == losses(tmp_path / "r")[-1][0]
+    weights, config = load_weights(tmp_path / "r")
+    assert config["store"]["identity"] == ckpt["config"]["store"]["identity"] and weights
+
+
+def test_run_directory_and_logs(store, tmp_path):
+    r = cli(*run_args(store, tmp_path / "r", "--max-steps", 6, "--save-every", 2, "--keep", 2,
+                      "--sample-every", 3, "--sample-steps", 4))
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "r"
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model"]["in_channels"] == 3 and cfg["model"]["input_size"] == 8
+    assert cfg["model"]["num_classes"] == 3 and cfg["train"]["model"] == "DiT-T/4"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004.pt", "step_00000006.pt"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert {"loss", "lr", "grad_norm", "images_per_s", "data_wait_frac"} <= rows[0].keys()
+    assert (out / "ema.safetensors").is_file() and any((out / "tensorboard").iterdir())
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["step_00000003.png", "step_00000006.png"]
+
+
+def test_torchrun_two_ranks_match_single_process(tmp_path):
+    """With the same data on every rank (identical samples) the data partition cannot
+    matter, so a 2-rank DDP run must compute what one process computes with the same
+    global batch: noise, timesteps and dropout are drawn for the global batch and sliced."""
+    store = make_store(tmp_path / "same", identical=True, flip=False)
+    common = ["--max-steps", 8, "--save-every", 8, "--loader", "resident", "--lr", "1e-3", "--grad-clip", "0"]
+    single = subprocess.run([BIN / "dittrain", *run_args(store, tmp_path / "one", *common)], capture_output=True,
+                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert single.returncode == 0, single.stderr[-2000:]
+    multi = subprocess.run([BIN / "torchrun", "--standalone", "--nproc_per_node", "2", "-m", "dittrain.cli",
+                            *run_args(store, tmp_path / "two", *common)], capture_output=True, text=True,
+                           timeout=600)
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 9))
+    # stated tolerance: float reduction order (all-reduce of two half-batch means)
+    np.testing.assert_allclose([v for _, v in a], [v for _, v in b], rtol=1e-4)
+    wa = load_checkpoint(latest_checkpoint(tmp_path / "one"))["model"]
+    wb = load_checkpoint(latest_checkpoint(tmp_path / "two"))["model"]
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+
+
+def test_store_without_manifest(tmp_path):
+    (tmp_path / "empty").mkdir()
+    r = cli(*run_args(tmp_path / "empty", tmp_path / "r"))
+    assert r.exit_code == 1 and "manifest.json: missing" in r.output and "Traceback" not in r.output
+
+
+def test_model_that_does_not_fit_the_latents(tmp_path):
+    odd = make_store(tmp_path / "odd", shape=(3, 6, 6))  # 6x6 latents do not split into 4x4 patches
+    r = cli(*run_args(odd, tmp_path / "r", "--max-steps", 2, model="DiT-T/4"))
+    assert r.exit_code == 1 and "DiT-T/4 does not fit latents 3x6x6" in r.output
+
+
+def test_resume_refuses_another_store(store, tmp_path):
+    assert cli(*run_args(store, tmp_path / "r", "--max-steps", 2)).exit_code == 0
+    other = make_store(tmp_path / "other", seed=1)
+    r = cli(*run_args(other, tmp_path / "r", "--max-steps", 4, "--resume"))
+    assert r.exit_code == 1 and "made with another latent store" in r.output
+    r = cli(*run_args(store, tmp_path / "r", "--max-steps", 4))
+    assert r.exit_code == 1 and "pass --resume" in r.output
+
+
+def test_truncated_checkpoint(store, tmp_path):
+    assert cli(*run_args(store, tmp_path / "r", "--max-steps", 2)).exit_code == 0
+    ckpt = latest_checkpoint(tmp_path / "r")
+    ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
+    r = cli(*run_args(store, tmp_path / "r", "--max-steps", 4, "--resume"))
+    assert r.exit_code == 1 and f"{ckpt}: unreadable checkpoint" in r.output and "truncated" in r.output
+
+
+def test_nonfinite_losses_are_skipped_then_stop(tmp_path):
+    some = make_store(tmp_path / "some", nan_every=5)  # a few NaN samples: their steps are skipped
+    r = cli(*run_args(some, tmp_path / "r1", "--max-steps", 12, "--max-nonfinite", 50))
+    assert r.exit_code == 0, r.output
+    last = json.loads((tmp_path / "r1" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 12 and last["nonfinite_skipped"] > 0 and np.isfinite(last["loss"])
+    weights = load_checkpoint(latest_checkpoint(tmp_path / "r1"))["model"]
+    assert all(torch.isfinite(v).all() for v in weights.values())
+
+    every = make_store(tmp_path / "all", nan_every=1)
+    r = cli(*run_args(every, tmp_path / "r2", "--max-steps", 12, "--max-nonfinite", 3))
+    assert r.exit_code == 1 and "3 consecutive non-finite losses" in r.output
