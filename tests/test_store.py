@@ -365,3 +365,13 @@ def test_cli_help_is_lazy():
             "'webdataset', 'pyarrow', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_rerun_keeps_the_manifest_and_identity(tmp_path):
+    root = tmp_path / "s"
+    write_store(root, schema("float16"), [3, 4], "zarr")
+    before = (root / "manifest.json").read_bytes()
+    ident = open_store(root).identity
+    w = StoreWriter(root, schema=schema("float16"), info=INFO)
+    w.finalize(provenance={"input_shards": 2, "note": "a later run"})  # nothing new: kept as is
+    assert (root / "manifest.json").read_bytes() == before and open_store(root).identity == ident

@@ -90,8 +90,11 @@ def channel_stats(records: list[dict], field: str) -> dict:
 
 
 def identity(manifest: dict) -> str:
-    """A store's identity: the digest of its manifest. Runs record it to refuse other stores."""
-    canon = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
+    """A store's identity: the digest of what it holds (its manifest without provenance,
+    so re-finalizing the same shards, at another time, keeps it). Runs record it to refuse
+    other stores."""
+    content = {k: v for k, v in manifest.items() if k != "provenance"}
+    canon = json.dumps(content, sort_keys=True, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(canon.encode()).hexdigest()
 
 

@@ -225,5 +225,16 @@ class StoreWriter:
             "shards": [{k: v for k, v in r.items() if k != "stats"} for r in records],
             "provenance": prov,
         }
-        files.write_json_atomic(self.root / manifest.MANIFEST, m)
+        path = self.root / manifest.MANIFEST
+        old = _read_json(path)
+        if old is not None and manifest.identity(old) == manifest.identity(m):
+            return old  # nothing changed (e.g. a rerun that found every shard done): keep it
+        files.write_json_atomic(path, m)
         return m
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
