@@ -1,0 +1,189 @@
+# shellcheck shell=bash
+# pipelines/_common.sh: the few shell helpers the recipes share. Sourced, never run.
+#
+#   param VAR --flag DEFAULT "help" [shown default]   a value: --flag X, --flag=X or VAR=X in the environment
+#   switch VAR --flag 0|1 "help"                      on/off: --flag / --no-flag, or VAR=1 / VAR=0
+#   list VAR --flag "a|b" "help"                      '|'-separated; each --flag X adds one item
+#   parse_params "$@"       flags win over the environment, which wins over the default; defaults are
+#                           evaluated in declaration order, so one may name an earlier one ('$OUT/store')
+#   check_stages A B ...    refuse a stage name in $STAGES that is not one of these
+#   want STAGE              is STAGE listed in $STAGES?
+#   stage NAME "what"       start a stage: prints "# [NAME] what"
+#   run CMD ARGS...         print the command, then (unless --dry-run) run it and time it
+#   skip "why"              the stage has nothing to do
+#   finish                  the time each stage took
+#
+# Commands are printed shell-quoted, stage headers as '#' comments, so the output of --dry-run
+# is itself a script you can read, edit and run.
+
+_PARAMS=()
+declare -A _FLAG=() _DEFAULT=() _SHOWN=() _HELP=() _KIND=() _SET=() _FROM_FLAG=()
+_TIMES=()
+DRY_RUN=${DRY_RUN:-0}
+_STAGE=""
+
+param() {
+    _PARAMS+=("$1"); _FLAG[$1]=$2; _DEFAULT[$1]=$3; _HELP[$1]=$4; _SHOWN[$1]=${5-$3}; _KIND[$1]=value
+}
+
+switch() {
+    param "$@"; _KIND[$1]=switch
+}
+
+list() {
+    param "$@"; _KIND[$1]=list
+}
+
+die() { echo "$(basename "$0"): $*" >&2; exit 2; }
+
+usage() {
+    # $USAGE (set by the recipe) first, then one line per parameter.
+    printf '%s\n\nOptions (each flag'"'"'s value name is also its environment variable; flags win):\n' "$USAGE"
+    printf '  %-38s %s\n' "--dry-run" "print the commands without running them (DRY_RUN=1)"
+    printf '  %-38s %s\n' "-h, --help" "this help"
+    local v left shown
+    for v in "${_PARAMS[@]}"; do
+        if [[ ${_KIND[$v]} == switch ]]; then
+            left="${_FLAG[$v]}, --no-${_FLAG[$v]#--}"
+            shown=$([[ ${_DEFAULT[$v]} == 1 ]] && echo on || echo off)
+            printf '  %-38s %s [%s: %s]\n' "$left" "${_HELP[$v]}" "$v" "$shown"
+        else
+            left="${_FLAG[$v]} $v"
+            [[ ${_KIND[$v]} == list ]] && left+=" ..."
+            shown=${_SHOWN[$v]}
+            printf '  %-38s %s [default: %s]\n' "$left" "${_HELP[$v]}" "${shown:-none}"
+        fi
+    done
+}
+
+parse_params() {
+    local -A by_flag=()
+    local v arg val has_val
+    for v in "${_PARAMS[@]}"; do
+        by_flag[${_FLAG[$v]}]=$v
+        # the environment counts when set and not empty
+        [[ -n ${!v:-} ]] && _SET[$v]=1
+    done
+    while (($#)); do
+        arg=$1; shift
+        case $arg in
+            -h|--help) usage; exit 0 ;;
+            --dry-run) DRY_RUN=1; continue ;;
+        esac
+        if [[ $arg == --no-* && -n ${by_flag[--${arg#--no-}]:-} && ${_KIND[${by_flag[--${arg#--no-}]}]} == switch ]]; then
+            v=${by_flag[--${arg#--no-}]}; printf -v "$v" 0; _SET[$v]=1; continue
+        fi
+        val="" has_val=0
+        if [[ $arg == --*=* ]]; then val=${arg#*=}; arg=${arg%%=*}; has_val=1; fi
+        v=${by_flag[$arg]:-}
+        [[ -n $v ]] || die "unknown option '$arg' (see --help)"
+        if [[ ${_KIND[$v]} == switch ]]; then
+            printf -v "$v" 1
+        else
+            if ((!has_val)); then
+                (($#)) || die "$arg needs a value"
+                val=$1; shift
+            fi
+            if [[ ${_KIND[$v]} == list && -n ${_SET[$v]:-} && -n ${_FROM_FLAG[$v]:-} ]]; then
+                printf -v "$v" '%s|%s' "${!v}" "$val"  # a repeated list flag adds an item
+            else
+                printf -v "$v" '%s' "$val"
+            fi
+            _FROM_FLAG[$v]=1
+        fi
+        _SET[$v]=1
+    done
+    for v in "${_PARAMS[@]}"; do
+        if [[ -z ${_SET[$v]:-} ]]; then
+            eval "printf -v \"\$v\" '%s' \"${_DEFAULT[$v]}\""
+        fi
+    done
+    [[ $DRY_RUN == 1 ]] && echo "# dry run: the commands are printed, nothing is run"
+    return 0
+}
+
+# find_cli VAR NAME: $VAR if set, else NAME on PATH, else in the active venv, else in this
+# checkout's .venv (a fresh clone's `python -m venv .venv && .venv/bin/pip install -e '.[all]'`).
+find_cli() {
+    local var=$1 name=$2 here
+    [[ -n ${!var:-} ]] && return 0
+    here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+    if command -v "$name" >/dev/null 2>&1; then
+        printf -v "$var" '%s' "$name"
+    elif [[ -n ${VIRTUAL_ENV:-} && -x $VIRTUAL_ENV/bin/$name ]]; then
+        printf -v "$var" '%s' "$VIRTUAL_ENV/bin/$name"
+    elif [[ -x $here/.venv/bin/$name ]]; then
+        printf -v "$var" '%s' "$here/.venv/bin/$name"
+    elif [[ $DRY_RUN == 1 ]]; then
+        printf -v "$var" '%s' "$name"
+    else
+        die "'$name' not found: activate the project's venv (pip install -e '.[all]'), or set ${var}=/path/to/$name"
+    fi
+}
+
+want() { [[ ",${STAGES// /,}," == *",$1,"* ]]; }
+
+# check_stages ALL...: every stage named in $STAGES must be one of ALL
+check_stages() {
+    local s
+    for s in ${STAGES//,/ }; do
+        [[ " $* " == *" $s "* ]] || die "unknown stage '$s' in --stages (choose from: $*)"
+    done
+}
+
+# A word as the shell would need it typed: bare when safe, else in single quotes.
+_quote() {
+    if [[ $1 =~ ^[A-Za-z0-9_./:=,+@%^-]+$ ]]; then
+        printf '%s' "$1"
+    else
+        printf "'%s'" "${1//\'/\'\\\'\'}"
+    fi
+}
+
+stage() {
+    _STAGE=$1
+    echo
+    echo "# [$1] $2"
+}
+
+skip() {
+    echo "# [$_STAGE] skipped: $*"
+    _TIMES+=("$_STAGE skipped")
+}
+
+_human() {  # microseconds -> 4.2s, 3m07s, 2h05m
+    local us=$1 s
+    s=$((us / 1000000))
+    if ((s < 60)); then
+        printf '%d.%ds' "$s" $(((us / 100000) % 10))
+    elif ((s < 3600)); then
+        printf '%dm%02ds' $((s / 60)) $((s % 60))
+    else
+        printf '%dh%02dm' $((s / 3600)) $((s % 3600 / 60))
+    fi
+}
+
+run() {
+    local line="" word start rc
+    for word in "$@"; do line+="${line:+ }$(_quote "$word")"; done
+    echo "$line"
+    [[ $DRY_RUN == 1 ]] && return 0
+    start=${EPOCHREALTIME/./}
+    "$@" || {
+        rc=$?
+        echo "# [$_STAGE] FAILED (exit $rc) after $(_human $((${EPOCHREALTIME/./} - start)))" >&2
+        exit "$rc"
+    }
+    local took
+    took=$(_human $((${EPOCHREALTIME/./} - start)))
+    echo "# [$_STAGE] took $took"
+    _TIMES+=("$_STAGE $took")
+}
+
+finish() {
+    [[ $DRY_RUN == 1 ]] && return 0
+    echo
+    local all="" t
+    for t in "${_TIMES[@]}"; do all+="${all:+, }$t"; done
+    echo "# stage times: $all"
+}

@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# shellcheck disable=SC2016  # defaults in single quotes ('$OUT/store') are expanded after the flags are read
+# ImageNet 256x256, class-conditional: the DiT paper's recipe (Peebles & Xie, "Scalable
+# Diffusion Models with Transformers", 2023) on one GPU.
+#
+#   ILSVRC2012 train/ (n01440764/*.JPEG, ... 1000 class folders)
+#     1 fetch   ditdata fetch     class folders -> WebDataset image shards (labels = sorted folder names)
+#     2 encode  ditdata encode    sd-vae-ft-ema at 256 px, + the horizontally flipped latent -> latent store
+#     3 train   dittrain run      DiT-XL/2: AdamW lr 1e-4, no weight decay, global batch 256, EMA 0.9999,
+#                                 class dropout 0.1 (for CFG), DDPM with learned sigma, 400k steps, bf16
+#     4 sample  dittrain sample   a grid with one row per class, classifier-free guidance 4.0
+#
+# Examples:
+#   pipelines/imagenet256.sh --imagenet /data/imagenet/train --dry-run     # see the commands first
+#   pipelines/imagenet256.sh --imagenet /data/imagenet/train               # the paper's settings
+#   # a 24 GB card: recompute activations and split the global batch of 256 into 4 micro-batches of 64
+#   GRAD_CKPT=every ACCUM=4 pipelines/imagenet256.sh --imagenet /data/imagenet/train
+#   # 8 GPUs on one machine: torchrun for encode and train (the global batch stays 256)
+#   NPROC=8 pipelines/imagenet256.sh --imagenet /data/imagenet/train
+#
+# Rerun the same command after a crash or a stop: fetch and encode keep their finished
+# shards, and training continues from its latest checkpoint (--resume).
+set -euo pipefail
+# shellcheck source=pipelines/_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
+
+USAGE="Usage: $(basename "$0") --imagenet DIR [options]
+ImageNet-256 class-conditional DiT (the DiT paper's settings): fetch -> encode -> train -> sample."
+
+# ---- parameters: VARIABLE --flag default "help"; a default may name an earlier parameter ----
+param IMAGENET_DIR --imagenet "" "ILSVRC2012 train folder, one folder per class (required to fetch)"
+param OUT --out "imagenet256-out" "where shards, store and run go"
+param SHARDS_DIR --shards '$OUT/shards' "image shards (ditdata fetch)"
+param STORE_DIR --store '$OUT/store' "latent store (ditdata encode)"
+param RUN_DIR --run '$OUT/run' "training run: checkpoints, metrics, EMA weights, sample grids"
+param SAMPLES_OUT --samples-out '$RUN_DIR/final' "final samples: grid.png and samples/"
+param STAGES --stages "fetch,encode,train,sample" "which stages to run"
+param DEVICE --device auto "auto, cpu, cuda, cuda:1 (encode, train, sample)"
+param NPROC --nproc 1 "processes (GPUs) for encode and train; above 1 they run under torchrun"
+param WORKERS --workers '$(( $(nproc) < 8 ? $(nproc) : 8 ))' "fetch processes and encode decoding workers" "CPU cores, at most 8"
+# fetch
+param FETCH_SIZE --fetch-size "" "resize while packing (e.g. 288: smaller side, centre square) to save disk; none keeps the originals"
+param SAMPLES_PER_SHARD --samples-per-shard 10000 "images per shard"
+# encode
+param VAE --vae sd-vae-ft-ema "autoencoder: a preset (sd-vae-ft-ema, sd-vae-ft-mse, sdxl-vae, flux-vae, taef2, pixels), a local folder or a cached hub id"
+param RESOLUTION --resolution 256 "image size in pixels (resize the short side, centre crop)"
+switch FLIP --flip 1 "also store the latent of the flipped image (the paper's only augmentation)"
+param BACKEND --backend zarr "store backend: zarr (random access) or wds (tar streaming)"
+param ENCODE_BATCH --encode-batch 32 "images per autoencoder forward"
+# train
+param MODEL --model DiT-XL/2 "DiT size and patch (dittrain models)"
+param BATCH --batch 256 "GLOBAL batch per optimizer step"
+param ACCUM --accum 1 "gradient accumulation steps (the batch is split into ACCUM micro-batches)"
+param GRAD_CKPT --grad-ckpt none "gradient checkpointing: none, every (block) or k (every k-th block)"
+param STEPS --steps 400000 "optimizer steps"
+param LR --lr 1e-4 "AdamW learning rate (constant)"
+param WEIGHT_DECAY --weight-decay 0 "AdamW weight decay"
+param GRAD_CLIP --grad-clip 0 "max gradient norm (0: none, as in the paper)"
+param EMA --ema 0.9999 "EMA decay"
+param CLASS_DROPOUT --class-dropout 0.1 "label dropout, for classifier-free guidance"
+param OBJECTIVE --objective ddpm "ddpm (epsilon + learned sigma, as in the paper) or flow"
+param AMP --amp bf16 "autocast: bf16, fp16 (with a grad scaler), fp32 or auto"
+switch COMPILE --compile 0 "torch.compile the model"
+param LOADER --loader auto "auto (keep the store in RAM when it fits), resident or streaming"
+param SAVE_EVERY --save-every 5000 "checkpoint every N steps"
+param SAMPLE_EVERY --sample-every 10000 "EMA sample grid every N steps (0: never)"
+param LOG_EVERY --log-every 100 "metrics line every N steps"
+param SEED --seed 0 "training and sampling seed"
+# sample
+param SAMPLE_CLASSES --sample-classes "207,360,387,974,88,979,417,279" "classes to sample: indices, names or all (the default: the paper's figure classes)"
+param SAMPLE_PER_CLASS --sample-per-class 4 "samples per class (one grid row each)"
+param CFG --cfg 4.0 "classifier-free guidance scale (the paper: 4.0 for pictures, 1.5 for FID)"
+param SAMPLE_STEPS --sample-steps 250 "sampling steps (the paper: 250 DDPM steps)"
+# anything else, passed through as is (split on spaces)
+param EXTRA_FETCH_ARGS --fetch-args "" "more options for ditdata fetch"
+param EXTRA_ENCODE_ARGS --encode-args "" "more options for ditdata encode"
+param EXTRA_TRAIN_ARGS --train-args "" "more options for dittrain run"
+param EXTRA_SAMPLE_ARGS --sample-args "" "more options for dittrain sample"
+parse_params "$@"
+check_stages fetch encode train sample
+
+find_cli DITDATA ditdata
+find_cli DITTRAIN dittrain
+# Under torchrun each rank runs `python -m ditdata.cli` / `-m dittrain.cli`.
+if ((NPROC > 1)); then
+    find_cli TORCHRUN torchrun
+    encode_cmd=("$TORCHRUN" --standalone --nproc_per_node "$NPROC" -m ditdata.cli encode)
+    train_cmd=("$TORCHRUN" --standalone --nproc_per_node "$NPROC" -m dittrain.cli run)
+else
+    encode_cmd=("$DITDATA" encode)
+    train_cmd=("$DITTRAIN" run)
+fi
+read -r -a extra_fetch <<<"$EXTRA_FETCH_ARGS"
+read -r -a extra_encode <<<"$EXTRA_ENCODE_ARGS"
+read -r -a extra_train <<<"$EXTRA_TRAIN_ARGS"
+read -r -a extra_sample <<<"$EXTRA_SAMPLE_ARGS"
+flip_flag=$([[ $FLIP == 1 ]] && echo --flip || echo --no-flip)
+compile_flag=$([[ $COMPILE == 1 ]] && echo --compile || echo --no-compile)
+sigma=()
+[[ $OBJECTIVE == ddpm ]] && sigma=(--learn-sigma)  # DiT's learned variance (on for ddpm anyway)
+
+# ---- 1 fetch: class folders -> image shards ----
+if want fetch; then
+    stage fetch "ImageNet class folders -> image shards in $SHARDS_DIR"
+    if [[ -f $SHARDS_DIR/dataset.json ]]; then
+        skip "$SHARDS_DIR/dataset.json exists (a finished fetch)"
+    else
+        if [[ -z $IMAGENET_DIR ]]; then
+            [[ $DRY_RUN == 1 ]] || die "--imagenet DIR (or IMAGENET_DIR) is required to fetch"
+            IMAGENET_DIR='<IMAGENET_DIR>'
+        fi
+        # an interrupted fetch into the same folder resumes: its finished shards are kept
+        run "$DITDATA" fetch "$IMAGENET_DIR" --out "$SHARDS_DIR" --kind classes \
+            ${FETCH_SIZE:+--image-size "$FETCH_SIZE"} \
+            --samples-per-shard "$SAMPLES_PER_SHARD" --processes "$WORKERS" "${extra_fetch[@]}"
+    fi
+fi
+
+# ---- 2 encode: image shards -> latent store (an interrupted encode resumes: finished shards are kept) ----
+if want encode; then
+    stage encode "$VAE latents at $RESOLUTION px -> latent store in $STORE_DIR"
+    if [[ -f $STORE_DIR/manifest.json ]]; then
+        # a finished store: skip loading the autoencoder just to find every shard done
+        skip "$STORE_DIR/manifest.json exists (a finished store; for other settings choose another --store)"
+    else
+        run "${encode_cmd[@]}" "$SHARDS_DIR" --out "$STORE_DIR" --vae "$VAE" --resolution "$RESOLUTION" \
+            "$flip_flag" --backend "$BACKEND" \
+            --device "$DEVICE" --batch-size "$ENCODE_BATCH" --workers "$WORKERS" "${extra_encode[@]}"
+    fi
+fi
+
+# ---- 3 train: DiT on the latents (in_channels, size, classes come from the store) ----
+if want train; then
+    stage train "$MODEL on $STORE_DIR -> $RUN_DIR"
+    resume=()
+    if compgen -G "$RUN_DIR/checkpoints/step_*.pt" >/dev/null; then
+        resume=(--resume)
+        echo "# $RUN_DIR holds checkpoints: continuing from the latest"
+    fi
+    run "${train_cmd[@]}" --latents "$STORE_DIR" --out "$RUN_DIR" --model "$MODEL" \
+        --objective "$OBJECTIVE" "${sigma[@]}" \
+        --batch-size "$BATCH" --accumulation-steps "$ACCUM" --grad-checkpointing "$GRAD_CKPT" \
+        --lr "$LR" --weight-decay "$WEIGHT_DECAY" --lr-schedule constant --warmup-steps 0 \
+        --grad-clip "$GRAD_CLIP" --ema "$EMA" --class-dropout "$CLASS_DROPOUT" \
+        --max-steps "$STEPS" --amp "$AMP" "$compile_flag" \
+        --loader "$LOADER" --save-every "$SAVE_EVERY" --sample-every "$SAMPLE_EVERY" \
+        --log-every "$LOG_EVERY" --seed "$SEED" --device "$DEVICE" "${resume[@]}" "${extra_train[@]}"
+fi
+
+# ---- 4 sample: the EMA weights, one grid row per class ----
+if want sample; then
+    stage sample "$SAMPLE_PER_CLASS per class of $SAMPLE_CLASSES, cfg $CFG -> $SAMPLES_OUT"
+    run "$DITTRAIN" sample --ckpt "$RUN_DIR" --out "$SAMPLES_OUT" --classes "$SAMPLE_CLASSES" \
+        --n-per-class "$SAMPLE_PER_CLASS" --cfg "$CFG" --steps "$SAMPLE_STEPS" --seed "$SEED" \
+        --device "$DEVICE" "${extra_sample[@]}"
+    [[ $DRY_RUN == 1 ]] || echo "# grid: $SAMPLES_OUT/grid.png"
+fi
+finish

@@ -1,0 +1,211 @@
+#!/usr/bin/env bash
+# shellcheck disable=SC2016  # defaults in single quotes ('$OUT/store') are expanded after the flags are read
+# Text-to-image on a CLIP-filtered LAION subset.
+#
+#   a LAION parquet (URL + caption columns, e.g. laion2B-en part-00000.parquet)
+#     1 fetch   ditdata fetch     img2dataset downloads, resizes, packs -> WebDataset image shards
+#     2 score   ditdata score     CLIP similarity of every image-caption pair (open_clip ViT-B-32)
+#     3 filter  ditdata filter    keep the pairs scoring >= 0.28 (LAION-5B's rule) -> a selection of keys
+#     4 encode  ditdata encode    autoencoder latents of the selection + CLIP text embeddings
+#                                 (pooled and per token) -> latent store
+#     5 train   dittrain run      a DiT conditioned on the pooled embedding (adaLN) and the tokens
+#                                 (cross-attention), caption dropout 0.1 for classifier-free guidance
+#     6 sample  dittrain sample   one grid row per prompt
+#
+# Examples:
+#   pipelines/laion_t2i.sh --parquet part-00000.parquet --dry-run          # see the commands first
+#   pipelines/laion_t2i.sh --parquet part-00000.parquet --prompt "a red fox in snow" --prompt "a lighthouse"
+#   # DataComp's rule instead: the top 30% by ViT-L-14 score
+#   pipelines/laion_t2i.sh --parquet part-00000.parquet --clip ViT-L-14 --clip-pretrained datacomp_xl_s13b_b90k \
+#       --top-fraction 0.3
+#
+# Model weights never come from the network at run time: CLIP tags and VAE presets are read
+# from the local Hugging Face cache, or pass files (--clip-pretrained FILE, --vae DIR).
+# Rerun the same command after a crash or a stop: fetch and score keep their finished shards,
+# and training continues from its latest checkpoint (--resume).
+set -euo pipefail
+# shellcheck source=pipelines/_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
+
+USAGE="Usage: $(basename "$0") --parquet FILE [options]
+Text-to-image DiT on CLIP-filtered LAION pairs: fetch -> score -> filter -> encode -> train -> sample."
+
+# ---- parameters: VARIABLE --flag default "help"; a default may name an earlier parameter ----
+param LAION_PARQUET --parquet "" "URL list: a LAION parquet (or .csv/.jsonl, or a folder of them); required to fetch"
+param URL_COL --url-col URL "its URL column"
+param CAPTION_COL --caption-col TEXT "its caption column"
+param KEEP_COLS --keep-cols "" "more of its columns to keep with each image, comma-separated (e.g. similarity,punsafe)"
+param OUT --out "laion-t2i-out" "where shards, selection, store and run go"
+param SHARDS_DIR --shards '$OUT/shards' "image shards and their CLIP scores (fetch, score)"
+param SELECTION --selection '$OUT/selection.parquet' "the kept keys (ditdata filter)"
+param STORE_DIR --store '$OUT/store' "latent store (ditdata encode)"
+param RUN_DIR --run '$OUT/run' "training run: checkpoints, metrics, EMA weights, sample grids"
+param SAMPLES_OUT --samples-out '$RUN_DIR/final' "final samples: grid.png and samples/"
+param STAGES --stages "fetch,score,filter,encode,train,sample" "which stages to run"
+param DEVICE --device auto "auto, cpu, cuda, cuda:1 (score, encode, train, sample)"
+param NPROC --nproc 1 "processes (GPUs) for encode and train; above 1 they run under torchrun"
+param WORKERS --workers '$(( $(nproc) < 8 ? $(nproc) : 8 ))' "fetch processes, score and encode decoding workers" "CPU cores, at most 8"
+# fetch
+param RESOLUTION --resolution 256 "training image size in pixels (encode: resize the short side, centre crop)"
+param IMAGE_SIZE --image-size '$RESOLUTION' "fetch: resize to this (smaller side, centre square)"
+param MIN_IMAGE_SIZE --min-image-size '$RESOLUTION' "fetch: skip images whose smaller side is below this (no upscaled blur)"
+param MAX_ASPECT_RATIO --max-aspect-ratio 2 "fetch: skip images longer than this on one side"
+param SAMPLES_PER_SHARD --samples-per-shard 10000 "images per shard"
+param THREADS --threads 64 "download threads per fetch process"
+# score and filter
+param CLIP_CONFIG --clip-config "" "an open_clip model-config JSON, for an architecture open_clip does not know"
+clip_default() { if [[ -n $CLIP_CONFIG ]]; then basename "${CLIP_CONFIG%.json}"; else echo ViT-B-32; fi; }
+param CLIP_MODEL --clip '$(clip_default)' "open_clip model that scores the pairs" "ViT-B-32, or the stem of CLIP_CONFIG"
+param CLIP_PRETRAINED --clip-pretrained laion2b_s34b_b79k "its pretrained tag (from the local HF cache) or a weights file"
+param MIN_CLIP_SCORE --min-clip-score 0.28 "keep pairs with at least this CLIP score (LAION-5B: 0.28 with ViT-B-32)"
+param TOP_FRACTION --top-fraction "" "keep this top fraction of the scores instead (DataComp: 0.3 with ViT-L-14)"
+# encode
+param VAE --vae sd-vae-ft-ema "autoencoder: a preset (sd-vae-ft-ema, sd-vae-ft-mse, sdxl-vae, flux-vae, taef2, pixels), a local folder or a cached hub id"
+param TEXT_ENCODER --text-encoder '$CLIP_MODEL' "open_clip model that embeds the captions"
+param TEXT_PRETRAINED --text-pretrained '$CLIP_PRETRAINED' "its pretrained tag or weights file"
+param TEXT_CONFIG --text-config '$CLIP_CONFIG' "its model-config JSON, if custom"
+switch TEXT_TOKENS --text-tokens 1 "store per-token embeddings too, for cross-attention (off: pooled only)"
+switch FLIP --flip 0 "also store flipped latents (off: captions may say left or right)"
+param BACKEND --backend zarr "store backend: zarr (random access) or wds (tar streaming)"
+param ENCODE_BATCH --encode-batch 32 "images per autoencoder forward"
+# train
+param MODEL --model DiT-B/2 "DiT size and patch (dittrain models)"
+param BATCH --batch 256 "GLOBAL batch per optimizer step"
+param ACCUM --accum 1 "gradient accumulation steps (the batch is split into ACCUM micro-batches)"
+param GRAD_CKPT --grad-ckpt none "gradient checkpointing: none, every (block) or k (every k-th block)"
+param STEPS --steps 400000 "optimizer steps"
+param LR --lr 1e-4 "AdamW learning rate"
+param WARMUP --warmup 0 "linear warmup steps"
+param WEIGHT_DECAY --weight-decay 0 "AdamW weight decay"
+param GRAD_CLIP --grad-clip 1.0 "max gradient norm (0: none)"
+param EMA --ema 0.9999 "EMA decay"
+param CAPTION_DROPOUT --caption-dropout 0.1 "caption dropout (the empty caption), for classifier-free guidance"
+param OBJECTIVE --objective ddpm "ddpm (epsilon + learned sigma) or flow (rectified flow)"
+switch QK_NORM --qk-norm 0 "normalise queries and keys (steadier attention logits)"
+param AMP --amp bf16 "autocast: bf16, fp16 (with a grad scaler), fp32 or auto"
+switch COMPILE --compile 0 "torch.compile the model"
+param LOADER --loader auto "auto (keep the store in RAM when it fits), resident or streaming"
+param SAVE_EVERY --save-every 5000 "checkpoint every N steps"
+param SAMPLE_EVERY --sample-every 10000 "EMA sample grid (of the store's own captions) every N steps (0: never)"
+param LOG_EVERY --log-every 100 "metrics line every N steps"
+param SEED --seed 0 "training and sampling seed"
+# sample
+list PROMPTS --prompt "a photograph of a cat sitting on a sofa|a red sports car on a mountain road|a bowl of fruit on a wooden table|a lighthouse on a cliff at sunset" "prompts to sample, '|'-separated (the flag is repeatable)"
+param SAMPLE_PER_PROMPT --sample-per-prompt 4 "samples per prompt (one grid row each)"
+param CFG --cfg 4.0 "classifier-free guidance scale"
+param SAMPLE_STEPS --sample-steps 250 "sampling steps"
+# anything else, passed through as is (split on spaces)
+param EXTRA_FETCH_ARGS --fetch-args "" "more options for ditdata fetch"
+param EXTRA_SCORE_ARGS --score-args "" "more options for ditdata score"
+param EXTRA_FILTER_ARGS --filter-args "" "more options for ditdata filter (e.g. --min-caption-length 5)"
+param EXTRA_ENCODE_ARGS --encode-args "" "more options for ditdata encode"
+param EXTRA_TRAIN_ARGS --train-args "" "more options for dittrain run"
+param EXTRA_SAMPLE_ARGS --sample-args "" "more options for dittrain sample"
+parse_params "$@"
+check_stages fetch score filter encode train sample
+
+find_cli DITDATA ditdata
+find_cli DITTRAIN dittrain
+# Under torchrun each rank runs `python -m ditdata.cli` / `-m dittrain.cli`.
+if ((NPROC > 1)); then
+    find_cli TORCHRUN torchrun
+    encode_cmd=("$TORCHRUN" --standalone --nproc_per_node "$NPROC" -m ditdata.cli encode)
+    train_cmd=("$TORCHRUN" --standalone --nproc_per_node "$NPROC" -m dittrain.cli run)
+else
+    encode_cmd=("$DITDATA" encode)
+    train_cmd=("$DITTRAIN" run)
+fi
+read -r -a extra_fetch <<<"$EXTRA_FETCH_ARGS"
+read -r -a extra_score <<<"$EXTRA_SCORE_ARGS"
+read -r -a extra_filter <<<"$EXTRA_FILTER_ARGS"
+read -r -a extra_encode <<<"$EXTRA_ENCODE_ARGS"
+read -r -a extra_train <<<"$EXTRA_TRAIN_ARGS"
+read -r -a extra_sample <<<"$EXTRA_SAMPLE_ARGS"
+keep_col_args=()
+IFS=',' read -r -a cols <<<"$KEEP_COLS"
+for c in "${cols[@]}"; do keep_col_args+=(--keep-col "$c"); done
+clip_config=()
+[[ -n $CLIP_CONFIG ]] && clip_config=(--clip-config "$CLIP_CONFIG")
+text_config=()
+[[ -n $TEXT_CONFIG ]] && text_config=(--text-config "$TEXT_CONFIG")
+if [[ -n $TOP_FRACTION ]]; then rule=(--top-fraction "$TOP_FRACTION"); else rule=(--min-clip-score "$MIN_CLIP_SCORE"); fi
+tokens_flag=$([[ $TEXT_TOKENS == 1 ]] && echo --text-tokens || echo --no-text-tokens)
+flip_flag=$([[ $FLIP == 1 ]] && echo --flip || echo --no-flip)
+qk_flag=$([[ $QK_NORM == 1 ]] && echo --qk-norm || echo --no-qk-norm)
+compile_flag=$([[ $COMPILE == 1 ]] && echo --compile || echo --no-compile)
+prompt_args=()
+IFS='|' read -r -a items <<<"$PROMPTS"
+for p in "${items[@]}"; do prompt_args+=(--prompt "$p"); done
+
+# ---- 1 fetch: URLs -> image shards (img2dataset; a rerun resumes, finished shards are kept) ----
+if want fetch; then
+    stage fetch "download $LAION_PARQUET -> image shards in $SHARDS_DIR"
+    if [[ -f $SHARDS_DIR/dataset.json ]]; then
+        skip "$SHARDS_DIR/dataset.json exists (a finished fetch)"
+    else
+        if [[ -z $LAION_PARQUET ]]; then
+            [[ $DRY_RUN == 1 ]] || die "--parquet FILE (or LAION_PARQUET) is required to fetch"
+            LAION_PARQUET='<LAION_PARQUET>'
+        fi
+        run "$DITDATA" fetch "$LAION_PARQUET" --out "$SHARDS_DIR" --kind urls \
+            --url-col "$URL_COL" --caption-col "$CAPTION_COL" "${keep_col_args[@]}" \
+            --image-size "$IMAGE_SIZE" --resize-mode center_crop --min-image-size "$MIN_IMAGE_SIZE" \
+            --max-aspect-ratio "$MAX_ASPECT_RATIO" --samples-per-shard "$SAMPLES_PER_SHARD" \
+            --processes "$WORKERS" --threads "$THREADS" "${extra_fetch[@]}"
+    fi
+fi
+
+# ---- 2 score: CLIP similarity per pair, NNNNN.clip.parquet beside each shard (a rerun skips scored shards) ----
+if want score; then
+    stage score "CLIP $CLIP_MODEL ($CLIP_PRETRAINED) scores of $SHARDS_DIR"
+    run "$DITDATA" score "$SHARDS_DIR" --clip "$CLIP_MODEL" --pretrained "$CLIP_PRETRAINED" "${clip_config[@]}" \
+        --device "$DEVICE" --workers "$WORKERS" "${extra_score[@]}"
+fi
+
+# ---- 3 filter: the scores -> the keys to train on ----
+if want filter; then
+    stage filter "${rule[*]} -> $SELECTION"
+    run "$DITDATA" filter "$SHARDS_DIR" "${rule[@]}" --out "$SELECTION" "${extra_filter[@]}"
+fi
+
+# ---- 4 encode: the selected images -> latents + caption embeddings (the filter goes in the manifest) ----
+if want encode; then
+    stage encode "$VAE latents at $RESOLUTION px + $TEXT_ENCODER text embeddings -> latent store in $STORE_DIR"
+    if [[ -f $STORE_DIR/manifest.json ]]; then
+        # a finished store: skip loading the autoencoder just to find every shard done
+        skip "$STORE_DIR/manifest.json exists (a finished store; for other settings choose another --store)"
+    else
+        run "${encode_cmd[@]}" "$SHARDS_DIR" --out "$STORE_DIR" --select "$SELECTION" \
+            --vae "$VAE" --resolution "$RESOLUTION" "$flip_flag" \
+            --text-encoder "$TEXT_ENCODER" --text-pretrained "$TEXT_PRETRAINED" "${text_config[@]}" "$tokens_flag" \
+            --backend "$BACKEND" --device "$DEVICE" --batch-size "$ENCODE_BATCH" --workers "$WORKERS" \
+            "${extra_encode[@]}"
+    fi
+fi
+
+# ---- 5 train: a text-conditioned DiT (text widths come from the store) ----
+if want train; then
+    stage train "$MODEL on $STORE_DIR -> $RUN_DIR"
+    resume=()
+    if compgen -G "$RUN_DIR/checkpoints/step_*.pt" >/dev/null; then
+        resume=(--resume)
+        echo "# $RUN_DIR holds checkpoints: continuing from the latest"
+    fi
+    run "${train_cmd[@]}" --latents "$STORE_DIR" --out "$RUN_DIR" --model "$MODEL" --objective "$OBJECTIVE" \
+        --batch-size "$BATCH" --accumulation-steps "$ACCUM" --grad-checkpointing "$GRAD_CKPT" \
+        --lr "$LR" --warmup-steps "$WARMUP" --weight-decay "$WEIGHT_DECAY" --grad-clip "$GRAD_CLIP" \
+        --ema "$EMA" --caption-dropout "$CAPTION_DROPOUT" "$qk_flag" --max-steps "$STEPS" \
+        --amp "$AMP" "$compile_flag" --loader "$LOADER" --save-every "$SAVE_EVERY" \
+        --sample-every "$SAMPLE_EVERY" --log-every "$LOG_EVERY" --seed "$SEED" --device "$DEVICE" \
+        "${resume[@]}" "${extra_train[@]}"
+fi
+
+# ---- 6 sample: one grid row per prompt, embedded with the store's text encoder ----
+if want sample; then
+    stage sample "$SAMPLE_PER_PROMPT per prompt, cfg $CFG -> $SAMPLES_OUT"
+    run "$DITTRAIN" sample --ckpt "$RUN_DIR" --out "$SAMPLES_OUT" "${prompt_args[@]}" \
+        --n-per-class "$SAMPLE_PER_PROMPT" --cfg "$CFG" --steps "$SAMPLE_STEPS" --seed "$SEED" \
+        --device "$DEVICE" "${extra_sample[@]}"
+    [[ $DRY_RUN == 1 ]] || echo "# grid: $SAMPLES_OUT/grid.png"
+fi
+finish
