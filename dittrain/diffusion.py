@@ -114,9 +114,20 @@ def _rand(shape, generator, device):
     return torch.rand(shape, generator=generator, device=gen_device).to(device)
 
 
+# Each float64 schedule table is copied to a device once, not at every lookup: a host-to-GPU
+# copy of a pageable tensor blocks the host, several times per training step otherwise.
+# Keyed by id(table) with the table kept alive beside its copy, so an id is never reused.
+_ON_DEVICE: dict = {}
+
+
 def _bcast(values: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     # values (S,) float64 table, idx (N,) -> (N, 1, 1, 1) in x's dtype for broadcasting
-    out = values.to(x.device)[idx.to(x.device)].to(x.dtype)
+    if values.device != x.device:
+        key = (id(values), x.device)
+        if key not in _ON_DEVICE:
+            _ON_DEVICE[key] = (values, values.to(x.device))
+        values = _ON_DEVICE[key][1]
+    out = values[idx.to(x.device)].to(x.dtype)
     return out.view(-1, *([1] * (x.dim() - 1)))
 
 
@@ -177,6 +188,7 @@ class _Schedule:
         self.posterior_mean_coef2 = (1.0 - ac_prev) * torch.sqrt(1.0 - self.betas) / (1.0 - ac)
         # "fixed large" variance (beta, with the first clipped), DiT's choice without learn_sigma
         self.fixed_large_log_variance = torch.log(torch.cat([pv[1:2], self.betas[1:]]))
+        self.log_betas = torch.log(self.betas)
 
     def predict_x0(self, x_t, i, eps):
         return _bcast(self.sqrt_recip_ac, i, x_t) * x_t - _bcast(self.sqrt_recipm1_ac, i, x_t) * eps
@@ -196,7 +208,7 @@ class _Schedule:
             # v in [-1, 1] interpolates log variance between the posterior's and beta's
             frac = (out[:, C:] + 1) / 2
             min_log = _bcast(self.posterior_log_variance_clipped, i, x_t)
-            max_log = _bcast(torch.log(self.betas), i, x_t)
+            max_log = _bcast(self.log_betas, i, x_t)
             logvar = frac * max_log + (1 - frac) * min_log
         else:
             logvar = _bcast(self.fixed_large_log_variance, i, x_t).expand_as(x_t)
@@ -218,6 +230,7 @@ class Diffusion:
         self.betas = torch.linspace(config.beta_start, config.beta_end, T, dtype=torch.float64)
         self.alphas_cumprod = torch.cumprod(1.0 - self.betas, dim=0)
         self.train_schedule = _Schedule(self.alphas_cumprod, torch.arange(T))
+        self.sqrt_ac, self.sqrt_1m_ac = torch.sqrt(self.alphas_cumprod), torch.sqrt(1 - self.alphas_cumprod)
 
     @property
     def learn_sigma(self) -> bool:
@@ -247,8 +260,7 @@ class Diffusion:
         if self.config.objective == "flow":
             t = t.to(x0.dtype).view(-1, *([1] * (x0.dim() - 1)))
             return (1 - t) * x0 + t * noise
-        ac = self.alphas_cumprod
-        return _bcast(torch.sqrt(ac), t, x0) * x0 + _bcast(torch.sqrt(1 - ac), t, x0) * noise
+        return _bcast(self.sqrt_ac, t, x0) * x0 + _bcast(self.sqrt_1m_ac, t, x0) * noise
 
     # --- training ---
 
