@@ -160,6 +160,8 @@ def run_cmd(**options):
               help="Singles under <class or prompt index>/NNNN.png also in the flat layout.")
 @click.option("--nrow", type=click.IntRange(min=1), default=None,
               help="Images per grid row (default: ceil(sqrt(n)); --n-per-class in the row layout).")
+@click.option("--grid-scale", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Enlarge the grid this many times (nearest neighbour) for tiny images.")
 @click.option("--cfg", "cfg_scale", default=4.0, show_default=True, type=float,
               help="Classifier-free guidance scale (1: none; ignored for unconditional models).")
 @click.option("--steps", default=50, show_default=True, type=click.IntRange(min=1))
@@ -179,7 +181,7 @@ def run_cmd(**options):
 @click.option("--text-pretrained", default=None, metavar="FILE_OR_TAG",
               help="The text encoder's weights, if not where the store's manifest says.")
 def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow, cfg_scale, steps,
-               sampler, seed, device, batch_size, precision, latents, vae, text_pretrained):
+               sampler, seed, device, batch_size, precision, latents, vae, text_pretrained, grid_scale):
     """Sample a trained run with classifier-free guidance; write a PNG grid and every sample.
 
     Decodes with the autoencoder named in the store's manifest. Same --seed (and
@@ -210,7 +212,7 @@ def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow,
                         per_class_dir=per_class_dir, nrow=nrow, cfg_scale=cfg_scale, steps=steps,
                         sampler=sampler, seed=seed, device=device, batch_size=batch_size,
                         precision=precision, latents=latents, vae=vae,
-                        text_pretrained=text_pretrained, log=log)
+                        text_pretrained=text_pretrained, grid_scale=grid_scale, log=log)
     except SampleError as e:
         raise click.ClickException(str(e)) from e
 

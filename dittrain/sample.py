@@ -472,11 +472,13 @@ def output_paths(out) -> tuple[Path, Path]:
 
 
 def write_samples(images: np.ndarray, out, *, nrow: int, groups: list[int] | None = None,
-                  records: list[dict] | None = None, meta: dict | None = None) -> dict:
+                  records: list[dict] | None = None, meta: dict | None = None,
+                  grid_scale: int = 1) -> dict:
     """Write the grid and every sample as its own PNG (see output_paths); with `groups`
     (one class or prompt index per sample) the singles go to SINGLES/<group>/NNNN.png,
     numbered within the group, else SINGLES/NNNN.png. An index samples.json beside them
-    lists each file with its record. Returns {"grid", "singles_dir", "files"}."""
+    lists each file with its record. grid_scale > 1 enlarges the grid (nearest neighbour,
+    for tiny images); singles keep their size. Returns {"grid", "singles_dir", "files"}."""
     grid_path, singles = output_paths(out)
     files, counts = [], {}
     for i, img in enumerate(images):
@@ -488,6 +490,8 @@ def write_samples(images: np.ndarray, out, *, nrow: int, groups: list[int] | Non
             counts[g] = counts.get(g, 0) + 1
         files.append(save_png(img, singles / rel))
     grid = make_grid(images, nrow=nrow)
+    if grid_scale > 1:
+        grid = grid.repeat(grid_scale, axis=0).repeat(grid_scale, axis=1)
     save_png(grid, grid_path)
     index = {
         **(meta or {}),
@@ -556,6 +560,7 @@ def sample_to_files(
     latents=None,
     vae: str | None = None,
     text_pretrained: str | None = None,
+    grid_scale: int = 1,
     log=print,
 ) -> dict:
     """The `dittrain sample` command: load, plan the conditions, sample, write, report.
@@ -640,7 +645,8 @@ def sample_to_files(
         "cfg_scale": cfg_scale if kind != "none" else None, "seed": seed, "batch_size": batch_size,
         "layout": "row per class" if n_per_class is not None else "flat",
     }
-    result = write_samples(images, out, nrow=nrow, groups=groups, records=records, meta=meta)
+    result = write_samples(images, out, nrow=nrow, groups=groups, records=records, meta=meta,
+                           grid_scale=grid_scale)
     h, w = result["grid_shape"][:2]
     rows = math.ceil(total / max(1, min(nrow, total)))
     first, last = result["files"][0], result["files"][-1]

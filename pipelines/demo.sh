@@ -9,14 +9,14 @@
 #
 # Usage: bash pipelines/demo.sh [--out DIR] [--steps N] [--taef2 DIR] [--quick]
 #   --out DIR     where everything goes (default ./demo-out, or $DEMO_OUT)
-#   --steps N     training steps (default 1500, or $DEMO_STEPS)
+#   --steps N     training steps (default 1200, or $DEMO_STEPS)
 #   --taef2 DIR   encode with the TAEF2 autoencoder (DIR holds taef2_encoder.pth and
 #                 taef2_decoder.pth; or set $DITKIT_TAEF2) at 64 px instead of raw pixels
 #   --quick       a few steps and a few samples: checks the pipeline, not the pictures
 set -euo pipefail
 
 OUT=${DEMO_OUT:-./demo-out}
-STEPS=${DEMO_STEPS:-1500}
+STEPS=${DEMO_STEPS:-1200}
 TAEF2=${DITKIT_TAEF2:-}
 PER_CLASS=8
 SAMPLE_STEPS=40
@@ -88,7 +88,7 @@ stage train "$DITTRAIN" run --latents "$OUT/store" --out "$OUT/run" --model DiT-
   --batch-size 32 --lr 1e-3 --ema 0.99 --max-steps "$STEPS" --save-every "$STEPS" --log-every 50 \
   --sample-every 0 --device cpu
 stage sample "$DITTRAIN" sample --ckpt "$OUT/run" --classes all --n-per-class "$PER_CLASS" \
-  --cfg 3.0 --steps "$SAMPLE_STEPS" --seed 0 --device cpu --out "$OUT/samples"
+  --cfg 3.0 --steps "$SAMPLE_STEPS" --seed 0 --device cpu --grid-scale 4 --out "$OUT/samples"
 
 echo >&2
 printf '%s\n' "${timings[@]}" >&2
