@@ -31,7 +31,7 @@ def center_crop(img: Image.Image, resolution: int) -> np.ndarray:
     arr = np.asarray(img.convert("RGB"))
     top = (arr.shape[0] - n) // 2
     left = (arr.shape[1] - n) // 2
-    return np.ascontiguousarray(arr[top:top + n, left:left + n])
+    return arr[top:top + n, left:left + n].copy()  # contiguous and writable
 
 
 def hflip(arr: np.ndarray) -> np.ndarray:

@@ -375,3 +375,28 @@ def test_rerun_keeps_the_manifest_and_identity(tmp_path):
     w = StoreWriter(root, schema=schema("float16"), info=INFO)
     w.finalize(provenance={"input_shards": 2, "note": "a later run"})  # nothing new: kept as is
     assert (root / "manifest.json").read_bytes() == before and open_store(root).identity == ident
+
+
+def test_zarr_reads_other_layouts_through_zarr(tmp_path):
+    """Our chunk files are memory-mapped; a compressed array (another writer) goes through zarr."""
+    import zarr
+
+    from ditdata.store.backends import _read_plain_chunks
+
+    a = np.arange(7 * 4, dtype=np.float16).reshape(7, 4)
+    plain = zarr.create_array(str(tmp_path / "plain"), data=a, chunks=(3, 4), compressors=None)
+    squeezed = zarr.create_array(str(tmp_path / "zstd"), data=a, chunks=(3, 4))
+    assert plain is not None and squeezed is not None
+    assert np.array_equal(_read_plain_chunks(tmp_path / "plain", 2, 7), a[2:7])
+    assert _read_plain_chunks(tmp_path / "zstd", 0, 7) is None
+    # a store whose latent array is compressed still reads identically
+    write_store(tmp_path / "s", schema("float16"), [7], "zarr", chunk_samples=3)
+    store = open_store(tmp_path / "s")
+    want = store.read(0, fields=["latent"])["latent"]
+    lat = store.shards[0].path / "latent"
+    import shutil
+
+    shutil.rmtree(lat)
+    zarr.create_array(str(lat), data=want, chunks=(3, 4, 8, 8))  # zstd by default
+    assert _read_plain_chunks(lat, 0, 7) is None
+    assert np.array_equal(store.read(0, fields=["latent"], start=1, stop=6)["latent"], want[1:6])

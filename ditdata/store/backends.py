@@ -54,6 +54,11 @@ class ZarrBackend:
 
     def __init__(self, chunk_samples: int = 1024):
         self.chunk_samples = chunk_samples
+        # Reads in slices come back to the same shard many times: keep the last shard's
+        # columns table and every array's parsed metadata (a published shard never changes
+        # in place: a rewrite is a new directory, so the cache keys include its inode).
+        self._columns: tuple | None = None
+        self._meta: dict = {}
 
     def write(self, path: Path, schema: Schema, tensors: dict, columns: dict, n: int) -> None:
         import pyarrow as pa
@@ -84,17 +89,72 @@ class ZarrBackend:
         import zarr
 
         out = {}
-        tensor_fields = [f for f in fields if f in schema.tensors]
-        if tensor_fields:
-            group = zarr.open_group(str(path), mode="r", zarr_format=3)
-            for f in tensor_fields:
-                out[f] = from_disk(group[f][start:stop], schema.tensors[f].dtype)
+        group = None
+        for f in (f for f in fields if f in schema.tensors):
+            arr = _read_plain_chunks(path / f, start, stop, self._meta)
+            if arr is None:  # not the plain layout we write: let zarr decode it
+                group = group or zarr.open_group(str(path), mode="r", zarr_format=3)
+                arr = group[f][start:stop]
+            out[f] = from_disk(arr, schema.tensors[f].dtype)
         cols = [f for f in fields if f in schema.columns]
         if cols:
-            table = pq.read_table(path / COLUMNS_FILE, columns=cols).slice(start, stop - start)
+            file = path / COLUMNS_FILE
+            st = file.stat()
+            key = (str(file), st.st_ino, st.st_mtime_ns)
+            if self._columns is None or self._columns[0] != key:
+                self._columns = (key, pq.read_table(file), {})
+            table, converted = self._columns[1], self._columns[2]
             for c in cols:
-                out[c] = _column_array(table.column(c).to_pylist(), schema.columns[c])
+                if c not in converted:  # one Python conversion per column per shard
+                    converted[c] = _column_array(table.column(c).to_pylist(), schema.columns[c])
+                out[c] = converted[c][start:stop].copy()
         return out
+
+
+# The layout ZarrBackend writes: uncompressed little-endian chunks along axis 0, default
+# "/"-separated chunk keys. Its chunk files are plain C-order arrays, read straight into
+# the output rows, several times faster than zarr's codec pipeline (measured here: about
+# 0.5 M vs 0.2 M samples/s of 4x32x32 fp16, see bench/store_read.py). Any other layout
+# (another writer, compression) goes through zarr.
+_PLAIN = {"codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+          "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}}}
+
+
+def _read_plain_chunks(array_dir: Path, start: int, stop: int, cache: dict | None = None) -> np.ndarray | None:
+    try:
+        meta_file = array_dir / "zarr.json"
+        st = meta_file.stat()
+        key = (str(meta_file), st.st_ino, st.st_mtime_ns)
+        meta = (cache or {}).get(key)
+        if meta is None:
+            meta = json.loads(meta_file.read_text())
+            if cache is not None:
+                cache[key] = meta
+    except (OSError, ValueError):
+        return None
+    shape = tuple(meta.get("shape", ()))
+    chunks = tuple(meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape", ()))
+    if (any(meta.get(k) != v for k, v in _PLAIN.items()) or meta.get("storage_transformers")
+            or not shape or len(chunks) != len(shape) or chunks[1:] != shape[1:]
+            or not isinstance(meta.get("data_type"), str)):
+        return None
+    dtype = np.dtype(meta["data_type"]).newbyteorder("<")
+    out = np.empty((stop - start, *shape[1:]), dtype=dtype)
+    rows, tail = chunks[0], "/0" * (len(shape) - 1)
+    for c in range(start // rows, (stop - 1) // rows + 1 if stop > start else 0):
+        lo, hi = max(start, c * rows), min(stop, (c + 1) * rows, shape[0])
+        chunk = array_dir / f"c/{c}{tail}"
+        if not chunk.is_file():  # never written: zarr's fill value
+            out[lo - start:hi - start] = meta.get("fill_value") or 0
+            continue
+        # one copy, page cache -> the output rows (out's rows are contiguous, C order)
+        row_bytes = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+        with open(chunk, "rb") as f:
+            f.seek((lo - c * rows) * row_bytes)
+            view = memoryview(out[lo - start:hi - start]).cast("B")
+            if f.readinto(view) != len(view):
+                raise OSError(f"{chunk}: shorter than its zarr.json says (truncated chunk)")
+    return out
 
 
 class WdsBackend:
