@@ -327,6 +327,22 @@ def write_json_atomic(path, obj) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def write_parquet_atomic(path, table, compression: str = "zstd") -> None:
+    """A pyarrow table as parquet at path: written under a temporary name, synced, renamed."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    tmp = tmp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            pq.write_table(table, f, compression=compression)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_shard_stats(shards_dir, index: int, stats: dict) -> None:
     """Publish NNNNN_stats.json (atomically): from then on the shard counts as finished."""
     write_json_atomic(stats_path(shards_dir, index), stats)

@@ -109,20 +109,11 @@ def read_score_meta(path) -> dict | None:
 def write_scores(path, rows: dict, meta: dict) -> None:
     """Write one score file atomically: `rows` maps the schema's columns to lists."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     path = Path(path)
     sch = schema().with_metadata({META_KEY: json.dumps(meta, sort_keys=True).encode()})
     table = pa.Table.from_pydict({f.name: rows[f.name] for f in sch}, schema=sch)
-    tmp = shards.tmp_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            pq.write_table(table, f, compression="zstd")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    shards.write_parquet_atomic(path, table)
 
 
 # ----------------------------------------------------------------------------- scoring

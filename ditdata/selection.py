@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -301,39 +300,26 @@ def filter_shards(
 
 def write_selection(path, by_shard: dict[str, list[str]], rule: dict, scores: list | None = None) -> None:
     """Write a selection atomically: JSON when `path` ends in .json, else parquet."""
-    from ditdata.imageshards import tmp_name
+    from ditdata.imageshards import write_json_atomic, write_parquet_atomic
 
     path = Path(path)
     if path.parent and not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
     created = datetime.now(UTC).isoformat(timespec="seconds")
-    tmp = tmp_name(path)
-    try:
-        if path.suffix.lower() == ".json":
-            doc = {"format": FORMAT, "version": VERSION, "rule": rule, "created_at": created, "shards": by_shard}
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(doc, f, indent=1, ensure_ascii=False)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-        else:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
+    if path.suffix.lower() == ".json":
+        doc = {"format": FORMAT, "version": VERSION, "rule": rule, "created_at": created, "shards": by_shard}
+        write_json_atomic(path, doc)
+    else:
+        import pyarrow as pa
 
-            shard_col = [s for s, ks in by_shard.items() for _ in ks]
-            key_col = [k for ks in by_shard.values() for k in ks]
-            meta = {"format": FORMAT, "version": VERSION, "rule": rule, "created_at": created}
-            sch = pa.schema([("shard", pa.string()), ("key", pa.string()), ("clip_score", pa.float64())],
-                            metadata={META_KEY: json.dumps(meta).encode()})
-            table = pa.table({"shard": shard_col, "key": key_col,
-                              "clip_score": scores if scores is not None else [None] * len(key_col)}, schema=sch)
-            with open(tmp, "wb") as f:
-                pq.write_table(table, f, compression="zstd")
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        shard_col = [s for s, ks in by_shard.items() for _ in ks]
+        key_col = [k for ks in by_shard.values() for k in ks]
+        meta = {"format": FORMAT, "version": VERSION, "rule": rule, "created_at": created}
+        sch = pa.schema([("shard", pa.string()), ("key", pa.string()), ("clip_score", pa.float64())],
+                        metadata={META_KEY: json.dumps(meta).encode()})
+        table = pa.table({"shard": shard_col, "key": key_col,
+                          "clip_score": scores if scores is not None else [None] * len(key_col)}, schema=sch)
+        write_parquet_atomic(path, table)
 
 
 def load_selection(path) -> Selection:

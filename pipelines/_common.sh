@@ -187,3 +187,18 @@ finish() {
     for t in "${_TIMES[@]}"; do all+="${all:+, }$t"; done
     echo "# stage times: $all"
 }
+
+# The CLIs, and the encode and train commands: under torchrun (NPROC > 1) each rank runs
+# `python -m ditdata.cli` / `-m dittrain.cli`.
+setup_commands() {
+    find_cli DITDATA ditdata
+    find_cli DITTRAIN dittrain
+    if ((NPROC > 1)); then
+        find_cli TORCHRUN torchrun
+        encode_cmd=("$TORCHRUN" --standalone --nproc_per_node "$NPROC" -m ditdata.cli encode)
+        train_cmd=("$TORCHRUN" --standalone --nproc_per_node "$NPROC" -m dittrain.cli run)
+    else
+        encode_cmd=("$DITDATA" encode)
+        train_cmd=("$DITTRAIN" run)
+    fi
+}

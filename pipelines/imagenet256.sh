@@ -79,17 +79,7 @@ param EXTRA_SAMPLE_ARGS --sample-args "" "more options for dittrain sample"
 parse_params "$@"
 check_stages fetch encode train sample
 
-find_cli DITDATA ditdata
-find_cli DITTRAIN dittrain
-# Under torchrun each rank runs `python -m ditdata.cli` / `-m dittrain.cli`.
-if ((NPROC > 1)); then
-    find_cli TORCHRUN torchrun
-    encode_cmd=("$TORCHRUN" --standalone --nproc_per_node "$NPROC" -m ditdata.cli encode)
-    train_cmd=("$TORCHRUN" --standalone --nproc_per_node "$NPROC" -m dittrain.cli run)
-else
-    encode_cmd=("$DITDATA" encode)
-    train_cmd=("$DITTRAIN" run)
-fi
+setup_commands  # DITDATA, DITTRAIN, encode_cmd, train_cmd (torchrun when NPROC > 1)
 read -r -a extra_fetch <<<"$EXTRA_FETCH_ARGS"
 read -r -a extra_encode <<<"$EXTRA_ENCODE_ARGS"
 read -r -a extra_train <<<"$EXTRA_TRAIN_ARGS"

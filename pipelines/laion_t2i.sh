@@ -104,17 +104,7 @@ param EXTRA_SAMPLE_ARGS --sample-args "" "more options for dittrain sample"
 parse_params "$@"
 check_stages fetch score filter encode train sample
 
-find_cli DITDATA ditdata
-find_cli DITTRAIN dittrain
-# Under torchrun each rank runs `python -m ditdata.cli` / `-m dittrain.cli`.
-if ((NPROC > 1)); then
-    find_cli TORCHRUN torchrun
-    encode_cmd=("$TORCHRUN" --standalone --nproc_per_node "$NPROC" -m ditdata.cli encode)
-    train_cmd=("$TORCHRUN" --standalone --nproc_per_node "$NPROC" -m dittrain.cli run)
-else
-    encode_cmd=("$DITDATA" encode)
-    train_cmd=("$DITTRAIN" run)
-fi
+setup_commands  # DITDATA, DITTRAIN, encode_cmd, train_cmd (torchrun when NPROC > 1)
 read -r -a extra_fetch <<<"$EXTRA_FETCH_ARGS"
 read -r -a extra_score <<<"$EXTRA_SCORE_ARGS"
 read -r -a extra_filter <<<"$EXTRA_FILTER_ARGS"
