@@ -11,6 +11,8 @@
 #   stage NAME "what"       start a stage: prints "# [NAME] what"
 #   run CMD ARGS...         print the command, then (unless --dry-run) run it and time it
 #   skip "why"              the stage has nothing to do
+#   skip_if_done FILE "why" skip the stage (true) when FILE, the mark of its finished output, exists
+#   resume_flag RUN_DIR     sets resume=(--resume) when RUN_DIR holds checkpoints, else resume=()
 #   finish                  the time each stage took
 #
 # Commands are printed shell-quoted, stage headers as '#' comments, so the output of --dry-run
@@ -149,6 +151,19 @@ stage() {
 skip() {
     echo "# [$_STAGE] skipped: $*"
     _TIMES+=("$_STAGE skipped")
+}
+
+skip_if_done() {
+    [[ -f $1 ]] || return 1
+    skip "$1 exists ($2)"
+}
+
+resume_flag() {
+    resume=()
+    if compgen -G "$1/checkpoints/step_*.pt" >/dev/null; then
+        resume=(--resume)
+        echo "# $1 holds checkpoints: continuing from the latest"
+    fi
 }
 
 _human() {  # microseconds -> 4.2s, 3m07s, 2h05m

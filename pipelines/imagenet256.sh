@@ -92,9 +92,7 @@ sigma=()
 # ---- 1 fetch: class folders -> image shards ----
 if want fetch; then
     stage fetch "ImageNet class folders -> image shards in $SHARDS_DIR"
-    if [[ -f $SHARDS_DIR/dataset.json ]]; then
-        skip "$SHARDS_DIR/dataset.json exists (a finished fetch)"
-    else
+    if ! skip_if_done "$SHARDS_DIR/dataset.json" "a finished fetch"; then
         if [[ -z $IMAGENET_DIR ]]; then
             [[ $DRY_RUN == 1 ]] || die "--imagenet DIR (or IMAGENET_DIR) is required to fetch"
             IMAGENET_DIR='<IMAGENET_DIR>'
@@ -109,10 +107,8 @@ fi
 # ---- 2 encode: image shards -> latent store (an interrupted encode resumes: finished shards are kept) ----
 if want encode; then
     stage encode "$VAE latents at $RESOLUTION px -> latent store in $STORE_DIR"
-    if [[ -f $STORE_DIR/manifest.json ]]; then
-        # a finished store: skip loading the autoencoder just to find every shard done
-        skip "$STORE_DIR/manifest.json exists (a finished store; for other settings choose another --store)"
-    else
+    # a finished store: skip loading the autoencoder just to find every shard done
+    if ! skip_if_done "$STORE_DIR/manifest.json" "a finished store; for other settings choose another --store"; then
         run "${encode_cmd[@]}" "$SHARDS_DIR" --out "$STORE_DIR" --vae "$VAE" --resolution "$RESOLUTION" \
             "$flip_flag" --backend "$BACKEND" \
             --device "$DEVICE" --batch-size "$ENCODE_BATCH" --workers "$WORKERS" "${extra_encode[@]}"
@@ -122,11 +118,7 @@ fi
 # ---- 3 train: DiT on the latents (in_channels, size, classes come from the store) ----
 if want train; then
     stage train "$MODEL on $STORE_DIR -> $RUN_DIR"
-    resume=()
-    if compgen -G "$RUN_DIR/checkpoints/step_*.pt" >/dev/null; then
-        resume=(--resume)
-        echo "# $RUN_DIR holds checkpoints: continuing from the latest"
-    fi
+    resume_flag "$RUN_DIR"
     run "${train_cmd[@]}" --latents "$STORE_DIR" --out "$RUN_DIR" --model "$MODEL" \
         --objective "$OBJECTIVE" "${sigma[@]}" \
         --batch-size "$BATCH" --accumulation-steps "$ACCUM" --grad-checkpointing "$GRAD_CKPT" \

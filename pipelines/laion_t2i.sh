@@ -130,9 +130,7 @@ for p in "${items[@]}"; do prompt_args+=(--prompt "$p"); done
 # ---- 1 fetch: URLs -> image shards (img2dataset; a rerun resumes, finished shards are kept) ----
 if want fetch; then
     stage fetch "download $LAION_PARQUET -> image shards in $SHARDS_DIR"
-    if [[ -f $SHARDS_DIR/dataset.json ]]; then
-        skip "$SHARDS_DIR/dataset.json exists (a finished fetch)"
-    else
+    if ! skip_if_done "$SHARDS_DIR/dataset.json" "a finished fetch"; then
         if [[ -z $LAION_PARQUET ]]; then
             [[ $DRY_RUN == 1 ]] || die "--parquet FILE (or LAION_PARQUET) is required to fetch"
             LAION_PARQUET='<LAION_PARQUET>'
@@ -161,10 +159,8 @@ fi
 # ---- 4 encode: the selected images -> latents + caption embeddings (the filter goes in the manifest) ----
 if want encode; then
     stage encode "$VAE latents at $RESOLUTION px + $TEXT_ENCODER text embeddings -> latent store in $STORE_DIR"
-    if [[ -f $STORE_DIR/manifest.json ]]; then
-        # a finished store: skip loading the autoencoder just to find every shard done
-        skip "$STORE_DIR/manifest.json exists (a finished store; for other settings choose another --store)"
-    else
+    # a finished store: skip loading the autoencoder just to find every shard done
+    if ! skip_if_done "$STORE_DIR/manifest.json" "a finished store; for other settings choose another --store"; then
         run "${encode_cmd[@]}" "$SHARDS_DIR" --out "$STORE_DIR" --select "$SELECTION" \
             --vae "$VAE" --resolution "$RESOLUTION" "$flip_flag" \
             --text-encoder "$TEXT_ENCODER" --text-pretrained "$TEXT_PRETRAINED" "${text_config[@]}" "$tokens_flag" \
@@ -176,11 +172,7 @@ fi
 # ---- 5 train: a text-conditioned DiT (text widths come from the store) ----
 if want train; then
     stage train "$MODEL on $STORE_DIR -> $RUN_DIR"
-    resume=()
-    if compgen -G "$RUN_DIR/checkpoints/step_*.pt" >/dev/null; then
-        resume=(--resume)
-        echo "# $RUN_DIR holds checkpoints: continuing from the latest"
-    fi
+    resume_flag "$RUN_DIR"
     run "${train_cmd[@]}" --latents "$STORE_DIR" --out "$RUN_DIR" --model "$MODEL" --objective "$OBJECTIVE" \
         --batch-size "$BATCH" --accumulation-steps "$ACCUM" --grad-checkpointing "$GRAD_CKPT" \
         --lr "$LR" --warmup-steps "$WARMUP" --weight-decay "$WEIGHT_DECAY" --grad-clip "$GRAD_CLIP" \
