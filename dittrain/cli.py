@@ -59,6 +59,12 @@ def _defaults():
     return _D
 
 
+def _sample_defaults():
+    from dittrain.config import SampleConfig
+
+    return SampleConfig()
+
+
 def _opt(*names, field, **kw):
     """A click option whose default is TrainConfig's (the one place defaults live)."""
     return click.option(*names, default=getattr(_defaults(), field), show_default=True, **kw)
@@ -162,16 +168,16 @@ def run_cmd(**options):
               help="Images per grid row (default: ceil(sqrt(n)); --n-per-class in the row layout).")
 @click.option("--grid-scale", default=1, show_default=True, type=click.IntRange(min=1),
               help="Enlarge the grid this many times (nearest neighbour) for tiny images.")
-@click.option("--cfg", "cfg_scale", default=4.0, show_default=True, type=float,
+@click.option("--cfg", "cfg_scale", default=_sample_defaults().cfg_scale, show_default=True, type=float,
               help="Classifier-free guidance scale (1: none; ignored for unconditional models).")
-@click.option("--steps", default=50, show_default=True, type=click.IntRange(min=1))
+@click.option("--steps", default=_sample_defaults().steps, show_default=True, type=click.IntRange(min=1))
 @click.option("--sampler", type=click.Choice(["ddpm", "ddim", "euler", "heun"]), default=None,
               help="Default: ddpm for the ddpm objective, euler for flow.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=_sample_defaults().seed, show_default=True, type=int)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1),
+@click.option("--batch-size", default=_sample_defaults().batch_size, show_default=True, type=click.IntRange(min=1),
               help="Samples per forward pass (CFG doubles it).")
-@click.option("--precision", default="auto", show_default=True,
+@click.option("--precision", default=_sample_defaults().precision, show_default=True,
               type=click.Choice(["auto", "fp32", "bf16", "fp16"]),
               help="Model autocast; auto: bf16 on GPUs that have it, else fp32.")
 @click.option("--latents", type=click.Path(file_okay=False, path_type=str), default=None,

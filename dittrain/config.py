@@ -15,6 +15,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 
+@dataclass(frozen=True)
+class SampleConfig:
+    """Sampling settings and their defaults: `dittrain sample` and the trainer's EMA grids."""
+
+    cfg_scale: float = 4.0  # classifier-free guidance (1: none)
+    steps: int = 50
+    sampler: str | None = None  # None: ddpm for the ddpm objective, euler for flow
+    seed: int = 0
+    batch_size: int = 32  # samples per forward pass (CFG doubles it)
+    precision: str = "auto"  # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16 | fp16
+
+
 @dataclass
 class TrainConfig:
     latents: str = ""  # the latent store (ditdata encode --out)
@@ -51,8 +63,8 @@ class TrainConfig:
     keep: int = 3  # checkpoints kept
     log_every: int = 100
     sample_every: int = 5000  # EMA sample grid every N steps and at the end (0: never)
-    sample_steps: int = 50
-    sample_cfg: float = 4.0
+    sample_steps: int = SampleConfig.steps
+    sample_cfg: float = SampleConfig.cfg_scale
     max_nonfinite: int = 20  # consecutive NaN/inf losses before giving up
     resume: bool = False
     device: str = "auto"  # auto | cpu | cuda

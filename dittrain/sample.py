@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dittrain.config import SampleConfig
 from dittrain.diffusion import SAMPLERS, Diffusion, DiffusionConfig
 from dittrain.model import DiT, DiTConfig
 
@@ -51,6 +52,7 @@ GRID_NAME = "grid.png"  # --out DIR: DIR/grid.png
 SINGLES_DIR = "samples"  # --out DIR: DIR/samples/NNNN.png
 INDEX_NAME = "samples.json"  # beside the singles: what each file is and how it was made
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+_S = SampleConfig()  # the defaults of every sampling entry point
 
 
 class SampleError(Exception):
@@ -328,13 +330,13 @@ def sample_images(
     prompts: list[str] | None = None,
     text: dict | None = None,
     n: int | None = None,
-    cfg_scale: float = 4.0,
-    steps: int = 50,
-    sampler: str | None = None,
-    seed: int = 0,
+    cfg_scale: float = _S.cfg_scale,
+    steps: int = _S.steps,
+    sampler: str | None = _S.sampler,
+    seed: int = _S.seed,
     device="auto",
-    batch_size: int = 32,
-    precision: str = "auto",
+    batch_size: int = _S.batch_size,
+    precision: str = _S.precision,
     autoencoder=None,
     text_encoder=None,
     vae: str | None = None,
@@ -517,9 +519,9 @@ def store_text(store, n: int) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(np.asarray(v, dtype=bool if k == "text_mask" else np.float32)) for k, v in data.items()}
 
 
-def write_training_grid(model, config: dict, store, path, *, n: int = 16, steps: int = 50,
-                        cfg_scale: float = 4.0, seed: int = 0, device=None, sampler: str | None = None,
-                        batch_size: int = 32) -> Path:
+def write_training_grid(model, config: dict, store, path, *, n: int = 16, steps: int = _S.steps,
+                        cfg_scale: float = _S.cfg_scale, seed: int = _S.seed, device=None,
+                        sampler: str | None = _S.sampler, batch_size: int = _S.batch_size) -> Path:
     """The trainer's EMA sample grid: n samples, always the same conditions and noise (the
     seed's), so grids of successive steps are comparable. Class models: n classes drawn with
     the seed; text models: the embeddings of the store's first n captions (no text encoder
@@ -550,13 +552,13 @@ def sample_to_files(
     n_per_class: int | None = None,
     per_class_dir: bool = False,
     nrow: int | None = None,
-    cfg_scale: float = 4.0,
-    steps: int = 50,
-    sampler: str | None = None,
-    seed: int = 0,
+    cfg_scale: float = _S.cfg_scale,
+    steps: int = _S.steps,
+    sampler: str | None = _S.sampler,
+    seed: int = _S.seed,
     device="auto",
-    batch_size: int = 32,
-    precision: str = "auto",
+    batch_size: int = _S.batch_size,
+    precision: str = _S.precision,
     latents=None,
     vae: str | None = None,
     text_pretrained: str | None = None,
