@@ -5,16 +5,34 @@
 A store is a directory with `manifest.json` (written last, atomically) and one shard
 per input shard under `shards/`, in the `zarr` or `wds` backend. See manifest.py for
 the manifest's fields and writer.py for how shards are published.
+
+The package also holds what both command-line tools share without dittrain reaching
+further into ditdata: files.py (atomic writes), lock.py (one writer per output) and
+cli.py (one-line errors). Names are imported on first use, so `ditdata --help`, which
+needs only cli.py, does not pay for numpy.
 """
 
-from .errors import StoreError
-from .manifest import FORMAT_VERSION, MANIFEST, decode_array, encode_array, identity
-from .reader import Shard, Store, open_store
-from .schema import BFLOAT16, LATENT_FIELDS, TEXT_FIELDS, Schema, TensorSpec
-from .writer import StoreWriter
+from __future__ import annotations
 
-__all__ = [
-    "BFLOAT16", "FORMAT_VERSION", "LATENT_FIELDS", "MANIFEST", "TEXT_FIELDS", "Schema", "Shard",
-    "Store", "StoreError", "StoreWriter", "TensorSpec", "decode_array", "encode_array",
-    "identity", "open_store",
-]
+import importlib
+
+_EXPORTS = {
+    "StoreError": "errors",
+    "DirectoryBusy": "lock", "DirLock": "lock",
+    "FORMAT_VERSION": "manifest", "MANIFEST": "manifest", "decode_array": "manifest",
+    "encode_array": "manifest", "identity": "manifest", "enclosing_store": "manifest",
+    "refuse_inside_store": "manifest",
+    "Shard": "reader", "Store": "reader", "open_store": "reader",
+    "BFLOAT16": "schema", "LATENT_FIELDS": "schema", "TEXT_FIELDS": "schema", "Schema": "schema",
+    "TensorSpec": "schema",
+    "StoreWriter": "writer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value

@@ -170,16 +170,25 @@ class WdsBackend:
         with open(path, "wb") as f:
             # mtime=0 keeps a shard's bytes a function of its content (reruns are identical).
             writer = wds.TarWriter(f, encoder=False, mtime=0)
-            for b, start in enumerate(range(0, n, self.chunk_samples)):
-                sl = slice(start, min(n, start + self.chunk_samples))
-                block = {"__key__": f"{b:06d}"}
-                for name, spec in schema.tensors.items():
-                    buf = io.BytesIO()
-                    np.save(buf, np.ascontiguousarray(to_disk(tensors[name][sl], spec.dtype)))
-                    block[f"{name}.npy"] = buf.getvalue()
-                rows = {c: [_json_value(v) for v in list(columns[c])[sl]] for c in schema.columns}
-                block["columns.json"] = json.dumps(rows, ensure_ascii=False).encode()
-                writer.write(block)
+            try:
+                for b, start in enumerate(range(0, n, self.chunk_samples)):
+                    sl = slice(start, min(n, start + self.chunk_samples))
+                    block = {"__key__": f"{b:06d}"}
+                    for name, spec in schema.tensors.items():
+                        buf = io.BytesIO()
+                        np.save(buf, np.ascontiguousarray(to_disk(tensors[name][sl], spec.dtype)))
+                        block[f"{name}.npy"] = buf.getvalue()
+                    rows = {c: [_json_value(v) for v in list(columns[c])[sl]] for c in schema.columns}
+                    block["columns.json"] = json.dumps(rows, ensure_ascii=False).encode()
+                    writer.write(block)
+            except BaseException:
+                # closed here, while the file is open, after a failed write too (else the
+                # tar writer's finaliser writes to a closed file and prints noise on stderr)
+                try:
+                    writer.close()
+                except (OSError, ValueError):
+                    pass
+                raise
             writer.close()
 
     def read(self, path: Path, schema: Schema, fields, start: int, stop: int) -> dict:

@@ -2,17 +2,24 @@
 
 A store must never show a half-written file under its final name, so everything that
 readers look at (shard data, shard records, the manifest) is written to a temporary
-name in the same directory and renamed into place; rename is atomic on POSIX.
+name in the same directory and renamed into place; rename is atomic on POSIX. The data
+is synced before the rename and the directory after it, so a power cut leaves either the
+old file or the complete new one. This module is the one home of these helpers: the image
+shards, checkpoints and selection/score files use them too.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 TMP_MARK = ".tmp-"
 
@@ -26,32 +33,116 @@ def is_tmp(path: Path) -> bool:
     return path.name.startswith(".") and TMP_MARK in path.name
 
 
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries: a rename is only durable once its directory is synced,
+    so without this a power cut can lose a file that was already reported written."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        # Some filesystems (a few network and FUSE ones) cannot sync a directory at all;
+        # there is nothing better to do there, and the data itself is already synced.
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
 def fsync_tree(path: Path) -> None:
-    """Flush file contents to disk so a rename never publishes data the kernel still holds."""
-    paths = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    for p in paths:
+    """Flush file contents (and, for a directory, its entries) to disk so a rename never
+    publishes data the kernel still holds."""
+    if path.is_file():
+        regular, dirs = [path], []
+    else:
+        entries = list(path.rglob("*"))
+        regular = sorted(p for p in entries if p.is_file())
+        # Deepest first: a directory's entries are synced before the directory holding it.
+        dirs = sorted((p for p in entries if p.is_dir()), key=lambda p: -len(p.parts)) + [path]
+    for p in regular:
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+    for d in dirs:
+        fsync_dir(d)
 
 
 def publish(tmp: Path, final: Path) -> None:
-    """Move a finished temporary file or directory to its final name."""
+    """Move a finished (synced) temporary file or directory to its final name, durably."""
     if final.is_dir() and not final.is_symlink():
         shutil.rmtree(final)
+    _rename(tmp, final)
+
+
+def _rename(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
+    fsync_dir(final.parent)
 
 
-def write_json_atomic(path: Path, obj, indent: int | None = 1) -> None:
-    tmp = tmp_name(path)
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=indent, sort_keys=False)
+@contextmanager
+def atomic_path(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling of `final` for a library to write (a file or a directory);
+    when the block succeeds it is synced and published under `final`. On any failure (disk
+    full, file-size limit, an exception in the block) the temporary is removed and `final`
+    is left as it was, so nothing half-written ever carries the final name."""
+    final = Path(final)
+    tmp = tmp_name(final)
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        publish(tmp, final)
+    except BaseException:
+        remove(tmp)
+        raise
+
+
+@contextmanager
+def atomic_file(final: Path, mode: str = "wb", encoding: str | None = None) -> Iterator[IO]:
+    """An open file that appears under `final` only once the block finished without error
+    (written like atomic_path, synced through its own descriptor)."""
+    final = Path(final)
+    tmp = tmp_name(final)
+    try:
+        with open(tmp, mode, encoding=encoding) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        _rename(tmp, final)
+    except BaseException:
+        remove(tmp)
+        raise
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    with atomic_file(path, "wb") as f:
+        f.write(data)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    with atomic_file(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def write_json_atomic(path: Path, obj, indent: int | None = 1, *, ensure_ascii: bool = True) -> None:
+    with atomic_file(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=indent, sort_keys=False, ensure_ascii=ensure_ascii)
         f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+
+def error_reason(e: BaseException) -> str:
+    """A short, one-line reason for a failed write. Libraries that write through their own
+    code (torch's zip writer, safetensors) hide the OSError behind their own exception;
+    the errno text ("No space left on device", "File too large") is what a user can act on."""
+    seen = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno:
+            return os.strerror(cur.errno)
+        cur = cur.__cause__ or cur.__context__
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
 def remove(path: Path) -> None:

@@ -17,6 +17,8 @@ Layout (format_version 1)::
     stats            {"field", "count", "mean": [C], "std": [C]}  per latent channel
     shards           [{"name", "path", "num_samples", "checksum", "bytes", "files", ...}]
     provenance       {"input_shards", "tools", "created_at"}
+    skipped_shards   only when input shards were left out (encode --skip-bad-shards):
+                     [{"name", "shard", "reason", "samples_lost"}]
 
 ARRAY is {"dtype", "shape", "base64"}: exact, compact, and still JSON.
 The latents in a store are already scaled, z = (x - shift_factor) * scaling_factor,
@@ -28,6 +30,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +101,25 @@ def identity(manifest: dict) -> str:
     return "sha256:" + hashlib.sha256(canon.encode()).hexdigest()
 
 
+def enclosing_store(path) -> Path | None:
+    """The latent store directory that `path` is or lies inside (None if none): where
+    nothing but `ditdata encode` may write (a store is never modified by its readers)."""
+    p = Path(path).absolute()
+    for d in (p, *p.parents):
+        if (d / MANIFEST).is_file() or ((d / "config.json").is_file() and (d / "shards").is_dir()
+                                        and any((d / "shards").glob("*.json"))):
+            return d
+    return None
+
+
+def refuse_inside_store(path, what: str) -> None:
+    """StoreError when `path` (an output of `what`) is a latent store or inside one."""
+    store = enclosing_store(path)
+    if store is not None:
+        raise StoreError(f"{what} {path}: inside the latent store {store}, which only `ditdata encode` "
+                         "writes; choose a directory outside it")
+
+
 def load(root: Path) -> dict:
     path = root / MANIFEST
     if not root.is_dir():
@@ -116,6 +138,8 @@ def load(root: Path) -> dict:
 
 
 def validate(m: dict, path: Path) -> None:
+    """Refuse (StoreError naming the manifest and the field) anything a reader would trip
+    over later: missing keys, wrong types, shard paths that leave the store."""
     if not isinstance(m, dict):
         raise StoreError(f"{path}: expected a JSON object")
     if "format_version" not in m:
@@ -131,13 +155,64 @@ def validate(m: dict, path: Path) -> None:
     if m["backend"] not in BACKENDS:
         raise StoreError(f"{path}: unknown backend {m['backend']!r}; expected one of {BACKENDS}")
     try:
-        Schema.from_json(m["fields"])
-    except (KeyError, TypeError, ValueError) as e:
+        schema = Schema.from_json(m["fields"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise StoreError(f"{path}: invalid fields: {e}") from e
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise StoreError(f"{path}: {what}; the manifest is damaged (re-encode the store or restore it)")
+
+    lat = m["latent"]
+    need(isinstance(lat, dict) and lat.get("shape") == list(schema.tensors[schema.primary].shape)
+         and lat.get("dtype") == schema.tensors[schema.primary].dtype,
+         "latent must be {shape, dtype, ...} matching its fields")
+    for key in ("vae", "image", "stats", "provenance"):
+        need(isinstance(m[key], dict), f"{key} must be a JSON object")
+    need(all(_number(m["vae"].get(k)) for k in ("scaling_factor", "shift_factor")),
+         "vae.scaling_factor and vae.shift_factor must be numbers")
+    need(m["filter"] is None or isinstance(m["filter"], dict), "filter must be null or an object")
+    cond = m["conditioning"]
+    need(isinstance(cond, dict) and cond.get("type") in ("class", "text", "none"),
+         "conditioning must be an object with type class, text or none")
+    if cond["type"] == "class":
+        n, names = cond.get("num_classes"), cond.get("class_names")
+        need(_count(n) and n >= 1, "conditioning.num_classes must be a positive integer")
+        need(names is None or (isinstance(names, list) and len(names) == n),
+             "conditioning.class_names must list num_classes names")
+    if cond["type"] == "text":
+        text = cond.get("text")
+        need(isinstance(text, dict) and (text.get("pooled_dim") is None or _count(text["pooled_dim"])),
+             "conditioning.text must be an object (pooled_dim an integer)")
+    need(isinstance(m["shards"], list), "shards must be a list")
     for i, s in enumerate(m["shards"]):
+        need(isinstance(s, dict), f"shard #{i} must be an object")
         lost = [k for k in SHARD_KEYS if k not in s]
         if lost:
             raise StoreError(f"{path}: shard #{i} lacks {lost}")
+        need(isinstance(s["name"], str) and _count(s["num_samples"]) and isinstance(s["checksum"], str),
+             f"shard #{i}: name, num_samples or checksum has the wrong type")
+        need(_inside(s["path"]) and isinstance(s["files"], dict)
+             and all(_inside(f) and isinstance(v, dict) and _count(v.get("size")) and isinstance(v.get("sha256"), str)
+                     for f, v in s["files"].items()),
+             f"shard #{i}: path and files must be relative paths inside the store with sizes and digests")
+    skipped = m.get("skipped_shards", [])
+    if not isinstance(skipped, list) or not all(isinstance(x, dict) and "name" in x for x in skipped):
+        raise StoreError(f"{path}: skipped_shards must be a list of shard records")
+    need(_count(m["num_samples"]), "num_samples must be a non-negative integer")
     total = sum(s["num_samples"] for s in m["shards"])
     if total != m["num_samples"]:
         raise StoreError(f"{path}: num_samples is {m['num_samples']} but the shards hold {total}")
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _inside(rel) -> bool:
+    """A relative POSIX path that stays inside the store (no absolute path, no '..')."""
+    return isinstance(rel, str) and bool(rel) and not rel.startswith("/") and ".." not in rel.split("/")

@@ -179,11 +179,27 @@ class Store:
                 for c in self.schema.columns:
                     if len(data[c]) != shard.num_samples:
                         faults.append(f"{shard.path}: column {c!r} has {len(data[c])} values, expected {shard.num_samples}")
+                faults += _non_finite(shard, data, self.schema)
             except StoreError as e:
                 faults.append(str(e))
             except Exception as e:  # an unreadable shard is a fault to report, not a crash
                 faults.append(f"{shard.path}: unreadable ({type(e).__name__}: {e})")
         return faults
+
+
+def _non_finite(shard: Shard, data: dict, schema: Schema) -> list[str]:
+    """A fault per float field holding NaN or inf (training would diverge on it)."""
+    faults = []
+    for f, spec in schema.tensors.items():
+        if spec.dtype == "bool" or not len(data[f]):
+            continue
+        bad = ~np.isfinite(data[f].astype(np.float32).reshape(len(data[f]), -1)).all(axis=1)
+        if bad.any():
+            first = int(np.argmax(bad))
+            key = data["key"][first] if "key" in data else first
+            faults.append(f"{shard.path}: field {f!r} holds non-finite values (NaN/inf) in "
+                          f"{int(bad.sum())} sample(s), the first at row {first} (key {key!r})")
+    return faults
 
 
 def open_store(root, *, verify: bool = False) -> Store:

@@ -9,7 +9,9 @@ On disk, while a store is being written::
 
 So a shard's data under its final name always has a record beside it, a killed writer
 leaves only hidden `.NAME.*.tmp-*` debris (removed when that shard is written again),
-and readers of a previous manifest keep working while new shards are appended.
+and readers of a previous manifest keep working while new shards are appended. A write
+that fails (disk full, file-size limit) raises a StoreError naming the file, removes its
+temporary and leaves the earlier shards, records, config and manifest as they were.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import platform
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
@@ -72,8 +75,8 @@ class StoreWriter:
     # -- compatibility -------------------------------------------------------------
     def _check_config(self) -> None:
         path = self.root / CONFIG
-        if path.exists():
-            old = json.loads(path.read_text())
+        old = _read_config(path)
+        if old is not None:
             if old != self.config:
                 if self._finished_records():
                     differ = sorted(k for k in set(old) | set(self.config) if old.get(k) != self.config.get(k))
@@ -82,9 +85,9 @@ class StoreWriter:
                         f"differ); its shards cannot be mixed with new ones. Use the same settings, "
                         f"or write to a new --out directory."
                     )
-                files.write_json_atomic(path, self.config)
+                _write_json(path, self.config, "the store config")
         else:
-            files.write_json_atomic(path, self.config)
+            _write_json(path, self.config, "the store config")
 
     # -- shards --------------------------------------------------------------------
     def data_path(self, name: str) -> Path:
@@ -105,10 +108,12 @@ class StoreWriter:
         return True
 
     def _read_record(self, name: str) -> dict | None:
-        try:
-            return json.loads(self.record_path(name).read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+        """The shard's record, or None when absent or damaged: either way the shard is not
+        finished and will be written again (ValueError covers bad JSON and bad UTF-8)."""
+        rec = _read_json(self.record_path(name))
+        if not isinstance(rec, dict) or not isinstance(rec.get("files"), dict):
             return None
+        return rec
 
     def _finished_records(self) -> list[str]:
         return [p.stem for p in self.shard_dir.glob("*.json") if not files.is_tmp(p) and self.done(p.stem)]
@@ -124,23 +129,36 @@ class StoreWriter:
         if "/" in name or name.startswith("."):
             raise ValueError(f"invalid shard name {name!r}")
         n = self._validate(name, tensors, columns)
-        for debris in self.shard_dir.glob(f".{name}{self.backend.suffix}{files.TMP_MARK}*"):
+        for debris in (*self.shard_dir.glob(f".{name}{self.backend.suffix}{files.TMP_MARK}*"),
+                       *self.shard_dir.glob(f".{name}.json{files.TMP_MARK}*")):
             files.remove(debris)
 
-        final = self.data_path(name)
+        final, record_path = self.data_path(name), self.record_path(name)
         tmp = files.tmp_name(final)
         try:
-            self.backend.write(tmp, self.schema, tensors, columns, n)
-            files.fsync_tree(tmp)
-            described = files.describe_files(tmp, self.root)
+            with _writing(final, f"shard {name}"):
+                self.backend.write(tmp, self.schema, tensors, columns, n)
+                files.fsync_tree(tmp)
+            record = self._record(name, n, tmp, final, tensors[self.schema.primary], source, extra)
+            # The record goes first: data under its final name then always has a record.
+            _write_json(record_path, record, f"the record of shard {name}")
+            with _writing(final, f"shard {name}"):
+                files.publish(tmp, final)
         except BaseException:
             files.remove(tmp)
+            if not self.done(name):  # a record only stays beside the complete data it describes
+                record_path.unlink(missing_ok=True)
             raise
+        return record
+
+    def _record(self, name: str, n: int, tmp: Path, final: Path, primary: np.ndarray,
+                source: str | None, extra: dict | None) -> dict:
+        described = files.describe_files(tmp, self.root)
         # Record paths as they will be after the rename.
         tmp_rel = tmp.relative_to(self.root).as_posix()
         final_rel = final.relative_to(self.root).as_posix()
         file_table = {final_rel + rel[len(tmp_rel):]: meta for rel, meta in described.items()}
-        record = {
+        return {
             "name": name,
             "path": final_rel,
             "num_samples": n,
@@ -148,13 +166,9 @@ class StoreWriter:
             "bytes": sum(m["size"] for m in file_table.values()),
             "files": file_table,
             "source": source,
-            "stats": self._stats(tensors[self.schema.primary]),
+            "stats": self._stats(primary),
             "extra": extra or {},
         }
-        # The record goes first: data under its final name then always has a record.
-        files.write_json_atomic(self.record_path(name), record)
-        files.publish(tmp, final)
-        return record
 
     def _validate(self, name: str, tensors: dict, columns: dict) -> int:
         s = self.schema
@@ -172,9 +186,12 @@ class StoreWriter:
                     f"shard {name}: {f!r} is {dtype_name(arr)}{list(arr.shape)}, "
                     f"expected {spec.dtype}{[n, *spec.shape]}"
                 )
-        for c in s.columns:
+        for c, kind in s.columns.items():
             if len(columns[c]) != n:
                 raise ValueError(f"shard {name}: column {c!r} has {len(columns[c])} values, expected {n}")
+            if kind in ("int64", "bool") and any(v is None for v in columns[c]):
+                # readers turn these columns into numpy arrays, which have no null
+                raise ValueError(f"shard {name}: column {c!r} ({kind}) holds null values")
         keys = list(columns["key"])
         if len(set(keys)) != n:
             raise ValueError(f"shard {name}: duplicate keys")
@@ -192,11 +209,13 @@ class StoreWriter:
 
     # -- manifest ------------------------------------------------------------------
     def finalize(self, names: list[str] | None = None, *, provenance: dict | None = None,
-                 created_at: str | None = None) -> dict:
+                 created_at: str | None = None, skipped_shards: list[dict] | None = None) -> dict:
         """Write manifest.json over the given shards (default: every finished shard).
 
         Refuses (and writes nothing) if a named shard is not finished, so a manifest
-        never lists a shard that is missing.
+        never lists a shard that is missing. `skipped_shards` records input shards that
+        were left out on purpose ({name, reason, samples_lost, ...}); it is part of what
+        the store holds, so it enters the manifest (and its identity) when not empty.
         """
         if names is None:
             names = sorted(self._finished_records())
@@ -225,16 +244,54 @@ class StoreWriter:
             "shards": [{k: v for k, v in r.items() if k != "stats"} for r in records],
             "provenance": prov,
         }
+        if skipped_shards:
+            m["skipped_shards"] = list(skipped_shards)
         path = self.root / manifest.MANIFEST
         old = _read_json(path)
         if old is not None and manifest.identity(old) == manifest.identity(m):
             return old  # nothing changed (e.g. a rerun that found every shard done): keep it
-        files.write_json_atomic(path, m)
+        _write_json(path, m, "the manifest")
         return m
 
 
-def _read_json(path: Path) -> dict | None:
+@contextmanager
+def _writing(path: Path, what: str):
+    """Turn an OSError while writing `path` (disk full, file-size limit, ...) into one
+    line naming the file; the atomic helpers have already removed the temporary."""
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        yield
+    except OSError as e:
+        raise StoreError(
+            f"{path}: could not write {what} ({files.error_reason(e)}); nothing was published "
+            "and the earlier files are unchanged"
+        ) from e
+
+
+def _write_json(path: Path, obj, what: str) -> None:
+    with _writing(path, what):
+        files.write_json_atomic(path, obj)
+
+
+def _read_config(path: Path) -> dict | None:
+    """The config.json of an existing store, None when there is none yet."""
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+        raise StoreError(
+            f"{path}: unreadable store config ({files.error_reason(e)}); restore it, "
+            "or write to a new --out directory"
+        ) from e
+    if not isinstance(old, dict):
+        raise StoreError(f"{path}: not a store config (a JSON object was expected); restore it, "
+                         "or write to a new --out directory")
+    return old
+
+
+def _read_json(path: Path) -> dict | None:
+    """A JSON file's content, None when it is absent or damaged (ValueError: bad JSON or UTF-8)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):
         return None

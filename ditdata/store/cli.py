@@ -1,0 +1,100 @@
+"""How `ditdata` and `dittrain` fail: one line on stderr, a non-zero exit, no traceback.
+
+Both command groups use `OneLineErrors` (shared here, in the package both sides may
+import). Expected failures (the group's user errors: a broken store, a missing model, a
+busy output, ...) and operating-system errors (disk full, permission denied) print their
+message; click's usage errors print theirs with a pointer to --help instead of the usage
+block; anything else is a bug, reported in one line that says how to get the traceback
+(DITKIT_DEBUG=1, which also shows tracebacks for the expected failures).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+import click
+
+DEBUG_ENV = "DITKIT_DEBUG"
+
+
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def os_error_message(e: OSError) -> str:
+    """An OSError as a readable line: what failed and on which path."""
+    what = e.strerror or str(e) or type(e).__name__
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    return f"{where}: {what}" if where else what
+
+
+class OneLineErrors(click.Group):
+    """A click group whose failures are one line each (module docstring). `user_errors`
+    returns the exception types whose message is meant for the user (imported lazily,
+    so --help stays instant)."""
+
+    def __init__(self, *args, user_errors: Callable[[], tuple[type[BaseException], ...]] = tuple, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.user_errors = user_errors
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except Exception as e:
+            if _debug():
+                raise
+            if isinstance(e, self.user_errors()):
+                raise click.ClickException(_one_line(e)) from e
+            if isinstance(e, OSError):
+                raise click.ClickException(_one_line(os_error_message(e))) from e
+            if isinstance(e, MemoryError):
+                raise click.ClickException("out of memory; use smaller batches or a smaller input") from e
+            raise click.ClickException(
+                f"internal error ({type(e).__name__}: {_one_line(e)[:300]}); rerun with "
+                f"{DEBUG_ENV}=1 for the traceback and please report it"
+            ) from e
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.UsageError as e:
+            # click prints the whole usage block; one line and where to read more is enough
+            cmd = e.ctx.command_path if e.ctx is not None else self.name
+            click.echo(f"Error: {_one_line(e.format_message())} (see '{cmd} --help')", err=True)
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            click.echo(f"Error: {_one_line(e.format_message())}", err=True)
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(130)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+class FiniteFloat(click.FloatRange):
+    """A float option that also refuses nan and inf (click's FloatRange lets nan through:
+    every comparison with it is false). `allow_inf` keeps +inf for "no limit" options."""
+
+    name = "finite float"
+
+    def __init__(self, *args, allow_inf: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.allow_inf = allow_inf
+
+    def convert(self, value, param, ctx):
+        import math
+
+        rv = super().convert(value, param, ctx)
+        if math.isnan(rv) or (math.isinf(rv) and not (self.allow_inf and rv > 0)):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return rv
