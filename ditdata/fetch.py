@@ -7,6 +7,9 @@ Two engines, one output:
   them) go through img2dataset's Python API with webdataset output. img2dataset owns the
   downloading, resizing, per-shard stats and incremental resume; we check the columns
   first, record the settings, and write dataset.json once every shard has its stats.
+  Only http and https URLs are fetched: img2dataset reads a screened copy of the list
+  (SHARDS_DIR/.urls) and downloads through an http(s)-only opener, see ditdata/urls.py;
+  every other row fails with a "refused URL: ..." reason and keeps its key.
 - Folders are packed here: a sorted file list is cut into shards of `samples_per_shard`
   files, each shard is packed by a worker process (decode, EXIF-rotate, convert to RGB,
   optionally resize, write the tar under a temporary name, rename, then write
@@ -17,7 +20,7 @@ depend only on the position in the input (img2dataset's 9-digit scheme; a failed
 keeps its index), so a killed and rerun fetch gives exactly the shards of a clean run.
 The settings that decide shard contents are recorded in SHARDS_DIR/.fetch_state; a rerun
 with different settings or a changed folder is refused instead of mixing the two, and
-SHARDS_DIR/.fetch.lock (an flock, released by the kernel if the process dies) keeps two
+SHARDS_DIR/.ditkit.lock (an flock, released by the kernel if the process dies) keeps two
 fetches from writing the same folder at once.
 
 Folder keys are index based: the sorted (or --shuffle-seed shuffled) file list is cut into
@@ -28,7 +31,6 @@ same folder and settings always give the same keys; `source` holds the relative 
 from __future__ import annotations
 
 import csv
-import fcntl
 import gzip
 import hashlib
 import json
@@ -44,18 +46,20 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ditdata import imageshards as shards
+from ditdata import urls
 from ditdata.errors import DitdataError
 from ditdata.images import DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, RESIZE_MODES
+from ditdata.store.lock import LOCK_FILE, DirLock
 
-KINDS = ("urls", "classes", "captions")
+KINDS = shards.KINDS
 DISTRIBUTORS = ("multiprocessing", "pyspark", "ray")
 ENCODE_FORMATS = ("jpg", "png", "webp")
 URL_LIST_FORMATS = ("parquet", "csv", "tsv", "jsonl", "json", "txt")  # (+ .gz except parquet)
 URL_COLUMNS = ("url", "URL", "image_url", "img_url", "link")
 CAPTION_COLUMNS = ("caption", "TEXT", "text", "Caption", "alt", "alt_text")
 DEFAULT_URL_IMAGE_SIZE = 256
-STATE = ".fetch_state"
-LOCK = ".fetch.lock"
+STATE = shards.FETCH_STATE
+URL_COPIES = ".urls"  # the screened copies of a URL list that img2dataset reads
 # Columns img2dataset writes itself; a URL list column of the same name cannot be kept.
 IMG2DATASET_RESERVED = frozenset(
     {"key", "caption", "url", "width", "height", "original_width", "original_height",
@@ -138,9 +142,9 @@ def fetch(
         raise DitdataError(f"--out {out}: exists and is not a directory")
     if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
         raise DitdataError(f"--out {out} must not be inside the source {source}")
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    try:
+    # The folder's lock (shared with `ditdata score`: one writer per folder) also removes a
+    # folder it created when a refused fetch left nothing else in it.
+    with DirLock(out, "ditdata fetch"):
         return _fetch_locked(
             src, out, kind, image_size=image_size, resize_mode=resize_mode, min_image_size=min_image_size,
             max_aspect_ratio=max_aspect_ratio, encode_format=encode_format, encode_quality=encode_quality,
@@ -149,12 +153,6 @@ def fetch(
             distributor=distributor, timeout=timeout, retries=retries, shuffle_seed=shuffle_seed,
             overwrite=overwrite, progress=progress,
         )
-    except DitdataError:
-        # a refused fetch leaves no empty output folder behind
-        if created and {p.name for p in out.iterdir()} <= {LOCK}:
-            (out / LOCK).unlink(missing_ok=True)
-            out.rmdir()
-        raise
 
 
 def _fetch_locked(src, out, kind, *, image_size, resize_mode, min_image_size, max_aspect_ratio,
@@ -162,34 +160,33 @@ def _fetch_locked(src, out, kind, *, image_size, resize_mode, min_image_size, ma
                   url_col, caption_col, keep_cols, distributor, timeout, retries, shuffle_seed,
                   overwrite, progress) -> dict:
     source = src
-    with _locked(out):
-        if overwrite:
-            _clear_previous(out)
-        shards.remove_stale_tmp(out)
-        if kind == "urls":
-            if shuffle_seed is not None:
-                raise DitdataError("--shuffle-seed applies to folders only (a URL list keeps its order)")
-            opts = PackOptions(
-                image_size=image_size or DEFAULT_URL_IMAGE_SIZE, resize_mode=resize_mode,
-                min_image_size=min_image_size, max_aspect_ratio=max_aspect_ratio,
-                encode_format=encode_format, encode_quality=encode_quality,
-                max_pixels=max_pixels, samples_per_shard=samples_per_shard,
-            )
-            return _fetch_urls(
-                src, out, opts, processes=processes, threads=threads, url_col=url_col,
-                caption_col=caption_col, keep_cols=list(keep_cols), distributor=distributor,
-                timeout=timeout, retries=retries,
-            )
-        if distributor != "multiprocessing":
-            raise DitdataError(f"--distributor {distributor} applies to URL lists; folders are packed with local processes")
-        if not src.is_dir():
-            raise DitdataError(f"--kind {kind} needs a directory, got the file {source}")
+    if overwrite:
+        _clear_previous(out)
+    shards.remove_stale_tmp(out)
+    if kind == "urls":
+        if shuffle_seed is not None:
+            raise DitdataError("--shuffle-seed applies to folders only (a URL list keeps its order)")
         opts = PackOptions(
-            image_size=image_size, resize_mode=resize_mode, min_image_size=min_image_size,
-            max_aspect_ratio=max_aspect_ratio, encode_format=encode_format,
-            encode_quality=encode_quality, max_pixels=max_pixels, samples_per_shard=samples_per_shard,
+            image_size=image_size or DEFAULT_URL_IMAGE_SIZE, resize_mode=resize_mode,
+            min_image_size=min_image_size, max_aspect_ratio=max_aspect_ratio,
+            encode_format=encode_format, encode_quality=encode_quality,
+            max_pixels=max_pixels, samples_per_shard=samples_per_shard,
         )
-        return _fetch_folder(src, out, kind, opts, processes=processes, shuffle_seed=shuffle_seed, progress=progress)
+        return _fetch_urls(
+            src, out, opts, processes=processes, threads=threads, url_col=url_col,
+            caption_col=caption_col, keep_cols=list(keep_cols), distributor=distributor,
+            timeout=timeout, retries=retries,
+        )
+    if distributor != "multiprocessing":
+        raise DitdataError(f"--distributor {distributor} applies to URL lists; folders are packed with local processes")
+    if not src.is_dir():
+        raise DitdataError(f"--kind {kind} needs a directory, got the file {source}")
+    opts = PackOptions(
+        image_size=image_size, resize_mode=resize_mode, min_image_size=min_image_size,
+        max_aspect_ratio=max_aspect_ratio, encode_format=encode_format,
+        encode_quality=encode_quality, max_pixels=max_pixels, samples_per_shard=samples_per_shard,
+    )
+    return _fetch_folder(src, out, kind, opts, processes=processes, shuffle_seed=shuffle_seed, progress=progress)
 
 
 def detect_kind(src: Path) -> str:
@@ -538,6 +535,12 @@ def _fetch_urls(src: Path, out: Path, opts: PackOptions, *, processes, threads, 
     num_shards = sum(math.ceil(n / opts.samples_per_shard) for n in counts)
     if num_shards == 0:
         raise DitdataError(f"{src}: the URL list is empty")
+    refused = _refused_rows(files, fmt, url_col)
+    if refused.total() == sum(counts):
+        raise DitdataError(
+            f"{src}: none of its {sum(counts)} rows is an http(s) URL ({urls.describe(refused)}); "
+            "ditdata fetch downloads only http and https URLs"
+        )
     state = {
         "kind": "urls",
         "source": str(src.resolve()),
@@ -552,7 +555,11 @@ def _fetch_urls(src: Path, out: Path, opts: PackOptions, *, processes, threads, 
     if len(done & set(range(num_shards))) < num_shards:
         if done:
             print(f"resuming: {len(done)} of {num_shards} shards already finished", file=sys.stderr)
-        _run_img2dataset(src, out, fmt, opts, processes=processes, threads=threads, url_col=url_col,
+        if refused:
+            print(f"note: {refused.total()} of {sum(counts)} rows are not http(s) URLs and are not fetched "
+                  f"({urls.describe(refused)}); they are counted as refused in the summary", file=sys.stderr)
+        lists = _screened_copies(out, files, fmt, [url_col, caption_col, *keep_cols], url_col)
+        _run_img2dataset(lists, out, opts, processes=processes, threads=threads, url_col=url_col,
                          caption_col=caption_col, keep_cols=keep_cols, distributor=distributor,
                          timeout=timeout, retries=retries)
     stats = shards.read_shard_stats(out)
@@ -562,6 +569,7 @@ def _fetch_urls(src: Path, out: Path, opts: PackOptions, *, processes, threads, 
             f"{len(missing)} of {num_shards} shard(s) did not finish (see img2dataset's messages above); "
             "rerun the same command to retry them"
         )
+    _remove_tree(out / URL_COPIES)  # only needed while shards are left to download
     summary = shards.summarize_stats(stats)
     summary["duration_s"] = round(time.time() - t0, 3)
     options = {
@@ -572,7 +580,57 @@ def _fetch_urls(src: Path, out: Path, opts: PackOptions, *, processes, threads, 
     return _finish(out, "urls", src, num_shards, summary, options, {})
 
 
-def _run_img2dataset(src, out, fmt, opts: PackOptions, *, processes, threads, url_col, caption_col,
+def _refused_rows(files: list[Path], fmt: str, url_col: str) -> Counter:
+    """{reason label: rows} over the rows of FILES whose URL is not fetched."""
+    refused: Counter = Counter()
+    for f in files:
+        for chunk in _read_list(f, fmt, [url_col]).column(0).chunks:
+            refused.update(urls.count_refusals(chunk.to_pylist()))
+    return refused
+
+
+def _screened_copies(out: Path, files: list[Path], fmt: str, columns: list, url_col: str) -> Path:
+    """OUT/.urls: one parquet per input list (same order, rows and column names, only the
+    columns img2dataset reads) in which every refused URL is its sentinel, so img2dataset
+    never sees one; keys depend on row positions only and stay as with the original list.
+    Kept while the inputs are unchanged (a resume), written again otherwise."""
+    import pyarrow as pa
+
+    columns = list(dict.fromkeys(c for c in columns if c is not None))
+    folder = out / URL_COPIES
+    manifest = folder / "inputs.json"
+    want = {
+        "format": fmt,
+        "columns": columns,
+        "inputs": [{"path": str(f.resolve()), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns}
+                   for f in files],
+    }
+    try:
+        if json.loads(manifest.read_text(encoding="utf-8")) == want:
+            return folder
+    except (OSError, ValueError):
+        pass
+    _remove_tree(folder)
+    folder.mkdir()
+    for i, f in enumerate(files):
+        table = _read_list(f, fmt, columns)
+        screened = pa.chunked_array(
+            [pa.array(urls.screened(c.to_pylist()), pa.string()) for c in table.column(url_col).chunks],
+            pa.string(),
+        )
+        table = table.set_column(table.schema.get_field_index(url_col), url_col, screened)
+        shards.write_parquet_atomic(folder / f"{i:05d}.parquet", table)
+    shards.write_json_atomic(manifest, want)  # last: its presence means the copies are complete
+    return folder
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _run_img2dataset(lists: Path, out, opts: PackOptions, *, processes, threads, url_col, caption_col,
                      keep_cols, distributor, timeout, retries) -> None:
     import importlib.util
 
@@ -592,31 +650,32 @@ def _run_img2dataset(src, out, fmt, opts: PackOptions, *, processes, threads, ur
 
     previous = signal.getsignal(signal.SIGINT)
     try:
-        download(
-            url_list=str(src),
-            output_folder=str(out),
-            input_format=fmt,
-            output_format="webdataset",
-            url_col=url_col,
-            caption_col=caption_col,
-            save_additional_columns=list(keep_cols) or None,
-            image_size=opts.image_size,
-            resize_mode=opts.resize_mode,
-            min_image_size=opts.min_image_size,
-            max_aspect_ratio=opts.max_aspect_ratio,
-            max_image_area=float(opts.max_pixels),
-            encode_format=opts.encode_format,
-            encode_quality=opts.encode_quality if opts.encode_format != "png" else 9,
-            number_sample_per_shard=opts.samples_per_shard,
-            oom_shard_count=shards.SHARD_DIGITS,
-            processes_count=processes,
-            thread_count=threads,
-            distributor=distributor,
-            timeout=timeout,
-            retries=retries,
-            incremental_mode="incremental",
-            enable_wandb=False,
-        )
+        with urls.guarded_img2dataset():  # the http(s)-only opener in every worker
+            download(
+                url_list=str(lists),
+                output_folder=str(out),
+                input_format="parquet",
+                output_format="webdataset",
+                url_col=url_col,
+                caption_col=caption_col,
+                save_additional_columns=list(keep_cols) or None,
+                image_size=opts.image_size,
+                resize_mode=opts.resize_mode,
+                min_image_size=opts.min_image_size,
+                max_aspect_ratio=opts.max_aspect_ratio,
+                max_image_area=float(opts.max_pixels),
+                encode_format=opts.encode_format,
+                encode_quality=opts.encode_quality if opts.encode_format != "png" else 9,
+                number_sample_per_shard=opts.samples_per_shard,
+                oom_shard_count=shards.SHARD_DIGITS,
+                processes_count=processes,
+                thread_count=threads,
+                distributor=distributor,
+                timeout=timeout,
+                retries=retries,
+                incremental_mode="incremental",
+                enable_wandb=False,
+            )
     except SystemExit:  # img2dataset's SIGINT handler exits with status 0
         raise DitdataError("interrupted; rerun the same command to resume") from None
     finally:
@@ -680,29 +739,44 @@ def _columns(p: Path, fmt: str) -> list[str]:
 
 
 def _count_rows(p: Path, fmt: str, url_col: str) -> int:
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(p).metadata.num_rows
+        except (OSError, ValueError) as e:
+            raise DitdataError(f"{p}: cannot read the URL list ({e})") from None
+    return _read_list(p, fmt, [url_col]).num_rows
+
+
+def _read_list(p: Path, fmt: str, columns: list[str]):
+    """COLUMNS of a URL list as a pyarrow table, parsed the way img2dataset's Reader parses
+    FMT (img2dataset/reader.py), so that rows and values are the ones it would download."""
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+    import pyarrow.json as pjson
+    import pyarrow.parquet as pq
+
     base = fmt.removesuffix(".gz")
     try:
         if base == "parquet":
-            import pyarrow.parquet as pq
-
-            return pq.ParquetFile(p).metadata.num_rows
-        if base in ("csv", "tsv"):
-            import pyarrow.csv as pcsv
-
-            opener = gzip.open if p.name.lower().endswith(".gz") else open
-            with opener(p, "rb") as f:
-                t = pcsv.read_csv(
+            return pq.read_table(p, columns=columns)
+        with (gzip.open if fmt.endswith(".gz") else open)(p, "rb") as f:
+            if base == "txt":
+                table = pcsv.read_csv(f, read_options=pcsv.ReadOptions(column_names=["url"]))
+            elif base in ("csv", "tsv"):
+                table = pcsv.read_csv(
                     f, parse_options=pcsv.ParseOptions(delimiter="\t" if base == "tsv" else ","),
-                    convert_options=pcsv.ConvertOptions(include_columns=[url_col]),
+                    convert_options=pcsv.ConvertOptions(include_columns=columns),
                 )
-            return t.num_rows
-        if base == "json":
-            import pandas as pd
+            elif base == "jsonl":
+                table = pjson.read_json(f)
+            else:
+                import pandas as pd
 
-            return len(pd.read_json(p))
-        with _open_text(p) as f:
-            return sum(1 for line in f if line.strip())
-    except (OSError, ValueError) as e:
+                table = pa.Table.from_pandas(pd.read_json(f))
+        return table.select(columns)
+    except (OSError, ValueError, KeyError, pa.ArrowException) as e:
         raise DitdataError(f"{p}: cannot read the URL list ({e})") from None
 
 
@@ -805,10 +879,10 @@ def _clear_previous(out: Path) -> None:
     known = []
     strangers = []
     for q in out.iterdir():
-        if q.name in (LOCK,):
+        if q.name == LOCK_FILE:
             continue
         if (re.match(_SHARD_FILE, q.name) or q.name in (shards.DATASET_INFO, STATE) or shards.is_tmp(q)
-                or (q.name == "_tmp" and q.is_dir())):
+                or (q.name in ("_tmp", URL_COPIES) and q.is_dir())):
             known.append(q)
         else:
             strangers.append(q.name)
@@ -822,27 +896,6 @@ def _clear_previous(out: Path) -> None:
             shutil.rmtree(q)
         else:
             q.unlink(missing_ok=True)
-
-
-class _locked:
-    """An exclusive lock on OUT for the whole fetch (released by the kernel if killed)."""
-
-    def __init__(self, out: Path):
-        self.path = out / LOCK
-
-    def __enter__(self):
-        self.f = open(self.path, "a+")
-        try:
-            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self.f.close()
-            raise DitdataError(f"another `ditdata fetch` is writing to {self.path.parent}") from None
-        return self
-
-    def __exit__(self, *exc):
-        fcntl.flock(self.f, fcntl.LOCK_UN)
-        self.f.close()
-        return False
 
 
 def _walk(root: Path) -> list[str]:
