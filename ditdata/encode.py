@@ -12,12 +12,22 @@ manifest once every shard exists.
 
 Resumable and idempotent: the store writer publishes each shard atomically and skips
 finished ones, so a rerun after a kill encodes only the missing shards.
+
+Nothing vanishes without a word. The store is locked for the whole run (one encode per
+store; torchrun ranks share rank 0's lock). Before any encoding, every image shard still
+to do must read through to its end and hold the count its stats file records; a shard
+that does not stops the run with a one-line error, or, with `skip_bad_shards`, is left
+out and listed in the manifest's `skipped_shards` (name, reason, samples lost). Within a
+shard, every sample that is not encoded is counted by reason: undecodable images, members
+without an image, and latents (or text embeddings) that are not finite in the storage
+dtype (fp16 overflow in an autoencoder happens), which are never written.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import os
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -30,12 +40,16 @@ import torch.distributed as dist
 from ditdata import imageshards
 from ditdata.errors import DitdataError
 from ditdata.preprocess import CROP_RULE, center_crop
-from ditdata.store import BFLOAT16, Schema, StoreWriter, TensorSpec, encode_array
+from ditdata.store import BFLOAT16, DirLock, Schema, StoreWriter, TensorSpec, encode_array
 from ditdata.vae import load_autoencoder
 
 POSTERIORS = ("sample", "mean_std")
+# Far above any DiT recipe (256-1024 px); a mistyped --resolution 100000 would otherwise
+# allocate 30 GB per decoded image before anything could say no.
+MAX_RESOLUTION = 4096
 DTYPES = ("float16", "bfloat16")
 SCORE_SUFFIX = ".clip.parquet"  # written by `ditdata score` beside each image shard
+NON_FINITE = "non-finite latent"
 
 
 @dataclass
@@ -58,6 +72,7 @@ class EncodeConfig:
     text_tokens: bool = False  # also store per-token embeddings and mask
     seed: int = 0
     chunk_samples: int = 1024
+    skip_bad_shards: bool = False  # leave out (and record) image shards that are damaged
     progress: bool = True
     extra: dict = field(default_factory=dict)
 
@@ -66,7 +81,8 @@ class EncodeConfig:
 
 
 class ShardImages(torch.utils.data.IterableDataset):
-    """Per-shard uint8 image batches; each DataLoader worker takes whole shards."""
+    """Per-shard uint8 image batches; each DataLoader worker takes whole shards.
+    jobs: (store shard name, tar path, samples its stats file records or None)."""
 
     def __init__(self, jobs, resolution: int, batch_size: int, keep: set | None):
         self.jobs, self.resolution, self.batch_size, self.keep = jobs, resolution, batch_size, keep
@@ -74,35 +90,53 @@ class ShardImages(torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         mine = self.jobs if info is None else self.jobs[info.id::info.num_workers]
-        for name, path in mine:
-            yield from _shard_batches(name, path, self.resolution, self.batch_size, self.keep)
+        for name, path, expected in mine:
+            yield from _shard_batches(name, path, expected, self.resolution, self.batch_size, self.keep)
 
 
-def _shard_batches(name, path, resolution, batch_size, keep):
-    skipped, skipped_keys, filtered = Counter(), [], 0
+def _shard_batches(name, path, expected, resolution, batch_size, keep):
+    """The decoded, cropped images of one shard in batches; the last batch carries the
+    shard's skip counts and, when the tar turned out damaged or short (it was checked
+    before, but files can change), `bad`: the main process then drops the shard."""
+    skipped, skipped_keys, filtered, seen = Counter(), [], 0, 0
     batch = []
 
-    def pack(last):
+    def pack(last, bad=None):
         images = np.stack([b[0] for b in batch]) if batch else np.zeros((0, resolution, resolution, 3), np.uint8)
         out = {"shard": name, "images": images, "meta": [b[1] for b in batch], "last": last}
         if last:
             out["stats"] = {"skipped": dict(skipped), "skipped_keys": skipped_keys[:1000], "filtered_out": filtered}
+            out["bad"] = bad
         return out
 
-    for s in imageshards.iter_shard(path):
-        if keep is not None and s.key not in keep:
-            filtered += 1
-            continue
-        try:
-            arr = center_crop(s.decode(), resolution)
-        except imageshards.BadImageError as e:
-            skipped[e.reason] += 1
-            skipped_keys.append(s.key)
-            continue
-        batch.append((arr, s.meta))
-        if len(batch) == batch_size:
-            yield pack(last=False)
-            batch = []
+    try:
+        for s in imageshards.iter_shard(path):
+            seen += 1
+            if keep is not None and s.key not in keep:
+                filtered += 1
+                continue
+            try:
+                img = s.decode()
+            except imageshards.BadImageError as e:
+                skipped[e.reason] += 1
+                skipped_keys.append(s.key)
+                continue
+            meta = s.meta
+            if meta.get("original_width") is None or meta.get("original_height") is None:
+                # tars from other tools may not record it: the image as stored is the source
+                meta = {**meta, "original_width": img.size[0], "original_height": img.size[1]}
+            batch.append((center_crop(img, resolution), meta))
+            if len(batch) == batch_size:
+                yield pack(last=False)
+                batch = []
+    except DitdataError as e:
+        batch = []
+        yield pack(last=True, bad=f"{e} after {seen} samples")
+        return
+    if expected is not None and seen != expected:
+        batch = []
+        yield pack(last=True, bad=f"holds {seen} samples but its stats file records {expected}")
+        return
     yield pack(last=True)
 
 
@@ -146,7 +180,11 @@ def _resolve_device(device: str) -> str:
         if torch.cuda.is_available():
             return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         return "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise DitdataError(f"--device {device!r}: not a device; use auto, cpu, cuda or cuda:N") from None
+    if kind == "cuda" and not torch.cuda.is_available():
         raise DitdataError(f"--device {device}: CUDA is not available on this machine")
     return device
 
@@ -241,21 +279,65 @@ def _load_scores(path: Path) -> dict[str, float | None] | None:
 
 def encode(cfg: EncodeConfig) -> dict:
     """Encode every input shard not yet in the store and write the manifest. Returns a summary."""
-    from tqdm import tqdm
-
     if cfg.posterior not in POSTERIORS:
         raise DitdataError(f"--posterior must be one of {POSTERIORS}")
     if cfg.dtype not in DTYPES:
         raise DitdataError(f"--dtype must be one of {DTYPES}")
-    if cfg.resolution <= 0:
-        raise DitdataError("--resolution must be positive")
-    info = imageshards.read_dataset_info(cfg.shards)
-    inputs = imageshards.list_shards(cfg.shards)
+    if not cfg.text_encoder and (cfg.text_pretrained or cfg.text_config or cfg.text_tokens):
+        raise DitdataError("--text-pretrained, --text-config and --text-tokens need --text-encoder NAME")
+    if cfg.text_encoder and not cfg.text_pretrained:
+        raise DitdataError(f"--text-encoder {cfg.text_encoder} needs --text-pretrained TAG_OR_FILE "
+                           "(the weights that embed the captions)")
+    if not 0 < cfg.resolution <= MAX_RESOLUTION:
+        raise DitdataError(f"--resolution {cfg.resolution}: expected 1 to {MAX_RESOLUTION} pixels (e.g. 256 or 512)")
+    if cfg.batch_size < 1 or cfg.chunk_samples < 1 or cfg.workers < 0:
+        raise DitdataError("--batch-size and --chunk-samples must be at least 1, --workers at least 0")
+    _check_out(Path(cfg.out), Path(cfg.shards))
+    if int(os.environ.get("RANK", 0)) != 0:
+        return _encode(cfg)
+    # One encode per store: rank 0 takes the lock before the ranks meet, so the other ranks
+    # of a second job wait in the rendezvous (and are stopped with it) instead of writing.
+    with DirLock(cfg.out, "ditdata encode"):
+        return _encode(cfg)
+
+
+def _check_out(out: Path, shards: Path) -> None:
+    """--out must be a new or empty directory, or a store: never the image shards or
+    another tool's folder, which the store's files would be mixed into."""
+    from ditdata.store import refuse_inside_store
+
+    refuse_inside_store(out.parent, "--out")  # a store inside another store
+    if not out.is_dir():
+        return
+    if out.resolve() == shards.resolve() or shards.resolve() in out.resolve().parents:
+        raise DitdataError(f"--out {out}: must not be the image-shard folder {shards} or inside it")
+    from ditdata.store.lock import LOCK_FILE
+    from ditdata.store.writer import CONFIG, SHARDS
+
+    names = {p.name for p in out.iterdir()} - {LOCK_FILE}
+    if names and not names & {CONFIG, "manifest.json"}:
+        first = sorted(names)[0]
+        raise DitdataError(f"--out {out} is not empty and not a latent store (it holds {first!r}, ...); "
+                           "choose a new directory")
+    if names - {CONFIG, "manifest.json", SHARDS}:
+        extra = sorted(names - {CONFIG, "manifest.json", SHARDS})
+        raise DitdataError(f"--out {out} holds files a latent store does not ({', '.join(extra[:3])}); "
+                           "choose a new directory")
+
+
+def _encode(cfg: EncodeConfig) -> dict:
+    from tqdm import tqdm
+
+    folder = imageshards.read_folder(cfg.shards)
+    info, inputs = folder.info, folder.shards
     if not inputs:
         raise DitdataError(f"{cfg.shards}: no finished image shards (NNNNN.tar with NNNNN_stats.json)")
     kind = info["kind"]
     if cfg.text_encoder and kind == "classes":
         raise DitdataError("--text-encoder needs captions; this shard folder is a class dataset")
+    if folder.foreign:
+        print(f"note: {cfg.shards} has no {imageshards.DATASET_INFO} (not written by `ditdata fetch`); "
+              f"reading its {len(inputs)} tar(s) as they are (captions, no labels)", file=sys.stderr)
 
     selection = None
     if cfg.select:
@@ -272,7 +354,10 @@ def encode(cfg: EncodeConfig) -> dict:
     enc = Encoder(cfg, device)
     ae = enc.ae
     if cfg.resolution % ae.downsample:
-        raise DitdataError(f"--resolution {cfg.resolution} is not a multiple of {ae.name}'s downsample factor {ae.downsample}")
+        lo = cfg.resolution // ae.downsample * ae.downsample
+        fits = " or ".join(str(r) for r in (lo, lo + ae.downsample) if r > 0)
+        raise DitdataError(f"--resolution {cfg.resolution} is not a multiple of {ae.name}'s downsample "
+                           f"factor {ae.downsample}; use a multiple of {ae.downsample}, e.g. {fits}")
     latent_shape = ae.latent_shape(cfg.resolution, cfg.resolution)
 
     tensors = {n: TensorSpec(latent_shape, cfg.dtype) for n in enc.latent_names()}
@@ -311,9 +396,15 @@ def encode(cfg: EncodeConfig) -> dict:
 
     names = [p.name[: -len(".tar")] for p in inputs]
     mine = [(n, p) for i, (n, p) in enumerate(zip(names, inputs, strict=True)) if i % world == rank]
-    todo = [(n, p) for n, p in mine if not writer.done(n)]
-    stats = imageshards.read_shard_stats(cfg.shards)
-    expected = sum(stats.get(imageshards.shard_index(p), {}).get("successes", 0) for _, p in todo)
+    todo = [(n, p, folder.expected[p.name]) for n, p in mine if not writer.done(n)]
+    # Every shard to encode is checked before any work: a damaged one stops the run now,
+    # not hours in (or, with --skip-bad-shards, is left out and recorded).
+    problems = {n: imageshards.check_shard(p, e) for n, p, e in todo}
+    bad = _gather_lists([_bad_shard(n, p, e, problems[n]) for n, p, e in todo if problems[n]], world)
+    _refuse_bad_shards(bad, cfg)
+    already = len(mine) - len(todo)
+    todo = [t for t in todo if not problems[t[0]]]
+    expected = sum(e or 0 for _, _, e in todo)
 
     dataset = ShardImages(todo, cfg.resolution, cfg.batch_size, None if selection is None else selection.keys)
     workers = min(cfg.workers, len(todo))
@@ -321,17 +412,18 @@ def encode(cfg: EncodeConfig) -> dict:
         dataset, batch_size=None, num_workers=workers,
         persistent_workers=False, prefetch_factor=4 if workers else None,
     )
-    pending: dict[str, tuple[_Accumulator, object]] = {}
-    sources = dict(todo)
-    encoded, skipped = 0, Counter()
+    pending: dict[str, tuple[_Accumulator, object, Counter, list]] = {}
+    sources = {n: p for n, p, _ in todo}
+    encoded, skipped, late_bad = 0, Counter(), []
     t0 = time.perf_counter()
     bar = tqdm(total=expected or None, unit="img", desc=f"encode[{rank}]" if world > 1 else "encode",
                disable=not cfg.progress, dynamic_ncols=True)
     for batch in loader:
         name = batch["shard"]
         if name not in pending:
-            pending[name] = (_Accumulator(), torch.Generator().manual_seed(_shard_seed(cfg.seed, name)))
-        acc, gen = pending[name]
+            gen = torch.Generator().manual_seed(_shard_seed(cfg.seed, name))
+            pending[name] = (_Accumulator(), gen, Counter(), [])
+        acc, gen, nonfinite, nonfinite_keys = pending[name]
         metas = batch["meta"]
         if metas:
             out = {k: _to_numpy(v, cfg.dtype) for k, v in enc.images(batch["images"], gen).items()}
@@ -351,23 +443,38 @@ def encode(cfg: EncodeConfig) -> dict:
             if enc.text is not None:
                 emb = enc.captions([m.get("caption") or "" for m in metas])
                 out |= {k: (v.cpu().numpy() if k == "text_mask" else _to_numpy(v, cfg.dtype)) for k, v in emb.items()}
+            ok = _finite_rows(out)
+            if not ok.all():  # never store NaN/inf: count the samples and leave them out
+                nonfinite[NON_FINITE] += int((~ok).sum())
+                nonfinite_keys.extend(k for k, good in zip(cols["key"], ok, strict=True) if not good)
+                out = {k: v[ok] for k, v in out.items()}
+                cols = {k: [x for x, good in zip(v, ok, strict=True) if good] for k, v in cols.items()}
             acc.add(out, cols)
-            encoded += len(metas)
+            encoded += int(ok.sum())
             bar.update(len(metas))
         if batch["last"]:
+            del pending[name]
+            if batch["bad"]:  # the tar changed since it was checked: same rules as above
+                late_bad.append(_bad_shard(name, sources[name], next(e for n, _, e in todo if n == name),
+                                           batch["bad"]))
+                _refuse_bad_shards(late_bad[-1:], cfg)
+                continue
             t, c = acc.result(schema)
             st = batch["stats"]
+            st["skipped"] = dict(Counter(st["skipped"]) + nonfinite)
+            st["skipped_keys"] = (st["skipped_keys"] + nonfinite_keys)[:1000]
             skipped.update(st["skipped"])
             writer.write_shard(name, t, c, source=str(sources[name]), extra=st)
-            del pending[name]
     bar.close()
     elapsed = time.perf_counter() - t0
 
+    bad = sorted(bad + _gather_lists(late_bad, world), key=lambda b: b["name"])
     if world > 1:
         dist.barrier()
     manifest = None
     if rank == 0:
-        manifest = writer.finalize(names, provenance={
+        skipped_names = {b["name"] for b in bad}
+        manifest = writer.finalize([n for n in names if n not in skipped_names], skipped_shards=bad, provenance={
             "input_shards": [str(p) for p in inputs],
             "shards_dir": str(Path(cfg.shards).resolve()),
             "dataset": {k: info.get(k) for k in ("kind", "source", "num_samples")},
@@ -378,9 +485,49 @@ def encode(cfg: EncodeConfig) -> dict:
     return {
         "encoded": encoded,
         "skipped": dict(skipped),
-        "shards_written": len(todo),
-        "shards_skipped": len(mine) - len(todo),
+        "skipped_shards": bad,
+        "shards_written": len(todo) - len(late_bad),
+        "shards_skipped": already,
         "seconds": elapsed,
         "images_per_s": encoded / elapsed if elapsed > 0 else 0.0,
         "num_samples": manifest["num_samples"] if manifest else None,
     }
+
+
+def _finite_rows(arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """(n,) bool: the samples whose every float value is finite, as stored (after the cast
+    to fp16/bf16, where an overflow becomes inf)."""
+    n = len(next(iter(arrays.values())))
+    ok = np.ones(n, dtype=bool)
+    for v in arrays.values():
+        if v.dtype != np.bool_:
+            ok &= np.isfinite(v.astype(np.float32).reshape(n, -1)).all(axis=1)
+    return ok
+
+
+def _bad_shard(name: str, path: Path, expected: int | None, reason: str) -> dict:
+    """The manifest's record of an image shard left out: name, reason, samples lost (None:
+    unknown, the shard has no stats file)."""
+    return {"name": name, "shard": str(path), "reason": reason, "samples_lost": expected}
+
+
+def _refuse_bad_shards(bad: list[dict], cfg: EncodeConfig) -> None:
+    if not bad or cfg.skip_bad_shards:
+        return
+    first = bad[0]
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    stats = Path(first["shard"]).name[: -len(".tar")] + "_stats.json"
+    raise DitdataError(
+        f"image shard {first['shard']} {first['reason']}{more}: refetch it (delete {stats} and rerun "
+        f"the same `ditdata fetch`), or pass --skip-bad-shards to leave such shards out (recorded in "
+        f"the store's manifest)"
+    )
+
+
+def _gather_lists(items: list, world: int) -> list:
+    """Every rank's list items, on every rank."""
+    if world == 1:
+        return list(items)
+    parts = [None] * world
+    dist.all_gather_object(parts, items)
+    return [x for part in parts for x in part]

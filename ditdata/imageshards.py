@@ -21,11 +21,24 @@ None), label (int or None) and class_name (class datasets), width/height (stored
 original_width/original_height, plus whatever the writer kept (img2dataset: status,
 error_message, exif, sha256 and the URL list's extra columns).
 
-    from ditdata.imageshards import read_dataset_info, list_shards, iter_shard, decode_rgb
-    info = read_dataset_info(shards_dir)            # DitdataError if absent or unfinished
-    for path in list_shards(shards_dir):
+    from ditdata.imageshards import read_folder, check_shard, iter_shard
+    folder = read_folder(shards_dir)                # DitdataError if absent or unfinished
+    for path in folder.shards:
+        problem = check_shard(path, folder.expected[path.name])  # None when it is whole
         for s in iter_shard(path):                  # ImageSample(key, image, ext, meta)
-            img = decode_rgb(s.image)               # RGB PIL image, or BadImageError
+            img = s.decode()                        # RGB PIL image, or BadImageError
+
+Integrity. A shard is trusted only when its tar reads through to the end and holds as many
+samples as its stats file records (`check_shard`): a truncated tar whose cut falls between
+two members would otherwise just look shorter. Within a whole tar, a sample that cannot
+be used (no image member, unreadable json metadata, a key seen before in the shard) is
+still yielded, and its `decode()` raises BadImageError with that reason, so every reader
+counts it instead of dropping it.
+
+Folders written by other tools (an img2dataset run made elsewhere: no dataset.json; or
+plain WebDataset tars: no stats files either) are read as they are (`read_folder`): every
+*.tar is a shard, the kind is "captions", and where a shard has no stats file there is no
+count to check it against.
 """
 
 from __future__ import annotations
@@ -49,22 +62,28 @@ from ditdata.images import (  # noqa: F401  (re-exported: readers need only this
 )
 
 FORMAT = "ditdata-images"
+KINDS = ("urls", "classes", "captions")  # what a fetch read: a URL list, class folders, captions
 VERSION = 1
 DATASET_INFO = "dataset.json"
+FETCH_STATE = ".fetch_state"  # written first by `ditdata fetch`: the folder is ours
 SHARD_DIGITS = 5  # img2dataset's oom_shard_count default
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 FIXED_MTIME = 0  # tar member mtime: same input + options -> byte-identical shards
 TMP_MARK = ".tmp-"
 _SHARD_RE = re.compile(r"^(\d{5,})\.tar$")  # SHARD_DIGITS or more digits
 _STATS_RE = re.compile(r"^(\d{5,})_stats\.json$")
+# A tar member larger than this is not read into memory (a hostile tar can claim any size;
+# the largest real images, 16k x 16k PNGs, are well below it).
+MAX_MEMBER_BYTES = 1 << 30
 
 
 @dataclass
 class ImageSample:
     key: str
-    image: bytes
-    ext: str  # "jpg", "png" or "webp" (lower case, no dot)
+    image: bytes | None
+    ext: str | None  # "jpg", "png" or "webp" (lower case, no dot); None without an image
     meta: dict = field(default_factory=dict)
+    problem: str | None = None  # why the sample is unusable (decode() raises it), else None
 
     @property
     def caption(self) -> str | None:
@@ -80,6 +99,8 @@ class ImageSample:
 
     def decode(self, *, max_pixels: int = DEFAULT_MAX_PIXELS):
         """The image as an upright 8-bit RGB PIL image (BadImageError if it cannot be)."""
+        if self.problem is not None:
+            raise BadImageError(self.problem)
         return decode_rgb(self.image, max_pixels=max_pixels)
 
 
@@ -153,18 +174,69 @@ def read_dataset_info(shards_dir) -> dict:
     for k in ("kind", "num_shards", "num_samples"):
         if k not in info:
             raise DitdataError(f"{p}: missing field {k!r}")
+    if info["kind"] not in KINDS:
+        raise DitdataError(f"{p}: kind {info['kind']!r} is not one of {', '.join(KINDS)}")
+    if info["kind"] == "classes":
+        n, names = info.get("num_classes"), info.get("class_names")
+        if (not isinstance(n, int) or isinstance(n, bool) or n < 1 or not isinstance(names, list)
+                or len(names) != n or not all(isinstance(c, str) for c in names)):
+            raise DitdataError(f"{p}: a class dataset needs num_classes (a positive integer) and as many "
+                               "class_names; the file is damaged, rerun `ditdata fetch` with --overwrite")
     return info
 
 
+@dataclass
+class ShardFolder:
+    """An image-shard folder as its readers see it (`read_folder`)."""
+
+    path: Path
+    info: dict  # dataset.json, or a description made up for a folder written elsewhere
+    shards: list[Path]  # the shard tars, in order
+    expected: dict[str, int | None]  # tar name -> samples its stats file records (None: no stats)
+    foreign: bool  # not written by `ditdata fetch`
+
+
+def read_folder(shards_dir) -> ShardFolder:
+    """The shards of a finished `ditdata fetch` (DitdataError if it is unfinished), or of a
+    folder of tars written by another tool (module docstring)."""
+    d = Path(shards_dir)
+    if not d.is_dir():
+        raise DitdataError(f"{d}: no such directory")
+    tars = sorted(p for p in d.glob("*.tar") if not p.name.startswith(".") and p.is_file())
+    foreign = not (d / DATASET_INFO).exists() and not (d / FETCH_STATE).exists() and bool(tars)
+    if foreign:
+        info = {"format": FORMAT, "version": VERSION, "kind": "captions", "num_shards": len(tars),
+                "num_samples": None, "source": str(d.resolve()), "foreign": True}
+    else:
+        info, tars = read_dataset_info(d), list_shards(d)
+    return ShardFolder(d, info, tars, {t.name: _recorded_samples(t) for t in tars}, foreign)
+
+
+def _recorded_samples(tar: Path) -> int | None:
+    """The sample count NNNNN_stats.json records for a tar (None without a stats file)."""
+    p = tar.with_name(tar.name[: -len(".tar")] + "_stats.json")
+    if not p.is_file():
+        return None
+    try:
+        n = json.loads(p.read_text(encoding="utf-8"))["successes"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"successes is {n!r}")
+        return n
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DitdataError(f"{p}: unreadable stats file ({e}); refetch the shard or delete the file") from None
+
+
 def iter_shard(path) -> Iterator[ImageSample]:
-    """The samples of one shard tar, in stored order. Members are grouped by key as
-    WebDataset does (the name up to the first dot of its last path component). Samples
-    without an image member are skipped."""
+    """Every sample of one shard tar, in stored order, usable or not (see ImageSample.problem).
+    Members are grouped by key as WebDataset does (the name up to the first dot of its last
+    path component). A tar that cannot be read to its end raises DitdataError, after the
+    samples before the damage."""
     path = Path(path)
     try:
         tf = tarfile.open(path, "r:*")
-    except (OSError, tarfile.TarError) as e:
+    except (OSError, tarfile.TarError, EOFError) as e:
         raise DitdataError(f"{path}: not a readable tar ({e})") from None
+    seen: set[str] = set()
     with tf:
         key, files = None, {}
         try:
@@ -174,18 +246,38 @@ def iter_shard(path) -> Iterator[ImageSample]:
                 k, ext = _split(member.name)
                 if k != key:
                     if key is not None:
-                        s = _sample(key, files)
-                        if s is not None:
-                            yield s
+                        yield _sample(key, files, seen)
                     key, files = k, {}
+                if member.size > MAX_MEMBER_BYTES:
+                    files[ext] = None  # never read into memory; the sample says why
+                    continue
                 f = tf.extractfile(member)
                 files[ext] = f.read() if f is not None else b""
-        except tarfile.TarError as e:
+        except (OSError, tarfile.TarError, EOFError) as e:
             raise DitdataError(f"{path}: damaged tar ({e})") from None
         if key is not None:
-            s = _sample(key, files)
-            if s is not None:
-                yield s
+            yield _sample(key, files, seen)
+
+
+def check_shard(path, expected: int | None) -> str | None:
+    """Why shard `path` cannot be trusted, or None: it must read through to its end (member
+    headers only, no image is decoded) and, when its stats file records a count
+    (`expected`), hold exactly that many samples."""
+    path = Path(path)
+    found, key = 0, None
+    try:
+        with tarfile.open(path, "r:*") as tf:
+            for member in tf:
+                if member.isfile():
+                    k, _ = _split(member.name)
+                    if k != key:
+                        found, key = found + 1, k
+    except (OSError, tarfile.TarError, EOFError) as e:
+        lost = f"; {expected - found} of its {expected} samples unreadable" if expected else ""
+        return f"damaged tar ({e}) after {found} samples{lost}"
+    if expected is not None and found != expected:
+        return f"holds {found} samples but its stats file records {expected}"
+    return None
 
 
 def iter_samples(shards_dir) -> Iterator[ImageSample]:
@@ -219,23 +311,41 @@ def _split(name: str) -> tuple[str, str]:
     return (f"{head}/{stem}" if head else stem), ext.lower()
 
 
-def _sample(key: str, files: dict[str, bytes]) -> ImageSample | None:
+def _sample(key: str, files: dict[str, bytes | None], seen: set[str]) -> ImageSample:
+    """One sample from its members; anything that makes it unusable goes into `problem`."""
+    problem = None
     ext = next((e for e in IMAGE_EXTS if e in files), None)
     if ext is None:
-        return None
-    meta = {}
-    if "json" in files:
+        problem = "no image member"
+    elif files[ext] is None:
+        problem = "member too large"
+    if key in seen:
+        problem = "duplicate key"  # a second sample under one key would overwrite the first
+    seen.add(key)
+    meta: dict = {}
+    raw = files.get("json")
+    if raw is not None:
         try:
-            meta = json.loads(files["json"].decode("utf-8"))
+            meta = json.loads(raw.decode("utf-8"))
+            if not isinstance(meta, dict):
+                raise ValueError("not a JSON object")
         except ValueError:
-            meta = {}
-    caption = files["txt"].decode("utf-8", errors="replace") if "txt" in files else None
+            meta, problem = {}, problem or "unreadable metadata"
+    elif "json" in files:
+        problem = problem or "member too large"
+    txt = files.get("txt")
+    caption = txt.decode("utf-8", errors="replace") if txt is not None else None
     if "cls" in files and "label" not in meta:
         try:
-            meta["label"] = int(files["cls"].decode().strip())
+            meta["label"] = int((files["cls"] or b"").decode().strip())
         except ValueError:
-            pass
-    return ImageSample(key, files[ext], "jpg" if ext == "jpeg" else ext, normalize_meta(key, meta, caption))
+            problem = problem or "unreadable label"
+    try:
+        meta = normalize_meta(key, meta, caption)
+    except (TypeError, ValueError):  # e.g. a label that is not a number
+        meta, problem = normalize_meta(key, {}, caption), problem or "unreadable metadata"
+    image = files[ext] if ext is not None else None
+    return ImageSample(key, image, None if ext is None else ("jpg" if ext == "jpeg" else ext), meta, problem)
 
 
 # ----------------------------------------------------------------------------- stats
@@ -313,34 +423,36 @@ def remove_stale_tmp(shards_dir) -> int:
     return n
 
 
+def _write_error(path, what: str, e: BaseException) -> DitdataError:
+    """One line naming the file that could not be written (disk full, file-size limit)."""
+    from ditdata.store.files import error_reason
+
+    return DitdataError(f"{path}: could not write {what} ({error_reason(e)}); it was not published "
+                        "and what was there before is unchanged")
+
+
 def write_json_atomic(path, obj) -> None:
-    path = Path(path)
-    tmp = tmp_name(path)
+    """JSON at path, durably (ditdata.store.files: tmp, fsync, rename, fsync the folder);
+    on failure the temporary is removed and a DitdataError names the path."""
+    from ditdata.store import files
+
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=1, ensure_ascii=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        files.write_json_atomic(Path(path), obj, indent=1, ensure_ascii=False)
+    except OSError as e:
+        raise _write_error(path, "the file", e) from e
 
 
 def write_parquet_atomic(path, table, compression: str = "zstd") -> None:
-    """A pyarrow table as parquet at path: written under a temporary name, synced, renamed."""
+    """A pyarrow table as parquet at path, written like write_json_atomic."""
     import pyarrow.parquet as pq
 
-    path = Path(path)
-    tmp = tmp_name(path)
+    from ditdata.store import files
+
     try:
-        with open(tmp, "wb") as f:
+        with files.atomic_file(Path(path), "wb") as f:
             pq.write_table(table, f, compression=compression)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    except OSError as e:  # pyarrow's own I/O errors are OSError subclasses too
+        raise _write_error(path, "the file", e) from e
 
 
 def write_shard_stats(shards_dir, index: int, stats: dict) -> None:
@@ -357,17 +469,24 @@ class ShardWriter:
     def __init__(self, shards_dir, index: int):
         self.final = shard_path(shards_dir, index)
         self.tmp = tmp_name(self.final)
-        self._f = open(self.tmp, "wb")
+        try:
+            self._f = open(self.tmp, "wb")
+        except OSError as e:
+            raise _write_error(self.final, "the shard", e) from e
         self._tar = tarfile.open(fileobj=self._f, mode="w", format=tarfile.USTAR_FORMAT)
         self.count = 0
 
     def write(self, key: str, image: bytes, ext: str, meta: dict, caption: str | None = None):
         if "." in key or "/" in key:
             raise ValueError(f"sample key {key!r} may not contain '.' or '/'")
-        self._add(f"{key}.{ext}", image)
-        self._add(f"{key}.json", json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8"))
-        if caption is not None:
-            self._add(f"{key}.txt", caption.encode("utf-8"))
+        try:
+            self._add(f"{key}.{ext}", image)
+            self._add(f"{key}.json", json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8"))
+            if caption is not None:
+                self._add(f"{key}.txt", caption.encode("utf-8"))
+        except OSError as e:  # disk full, file-size limit: the tar is broken, drop it now
+            self.abort()
+            raise _write_error(self.final, "the shard", e) from e
         self.count += 1
 
     def _add(self, name: str, data: bytes) -> None:
@@ -381,19 +500,32 @@ class ShardWriter:
         self._tar.addfile(ti, io.BytesIO(data))
 
     def close(self) -> Path:
-        self._tar.close()
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        os.replace(self.tmp, self.final)
+        """Finish the tar and publish it durably (synced, renamed, folder synced)."""
+        from ditdata.store import files
+
+        try:
+            self._tar.close()
+            self._f.close()
+            files.fsync_tree(self.tmp)
+            files.publish(self.tmp, self.final)
+        except OSError as e:
+            self.abort()
+            raise _write_error(self.final, "the shard", e) from e
         return self.final
 
     def abort(self) -> None:
+        """Drop the temporary. Safe to call twice, and after a failed write: closing a broken
+        tar or flushing a file on a full disk fails again, which must neither hide the first
+        error nor keep the temporary."""
         try:
             self._tar.close()
-        finally:
+        except (OSError, ValueError):
+            pass
+        try:
             self._f.close()
-            self.tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        self.tmp.unlink(missing_ok=True)
 
     def __enter__(self):
         return self

@@ -29,7 +29,15 @@ readable, has num_samples rows, matches the shard's size in bytes and was made w
 same model, pretrained weights and weights checksum; an unreadable or truncated one is
 recomputed. Score files made by a DIFFERENT model or weights are never mixed with new
 ones: the run stops before doing any work and names both (rerun with --overwrite to
-replace them all). Run one `ditdata score` per folder at a time.
+replace them all). One `ditdata score` (or `ditdata fetch`) per folder at a time: the
+folder's lock refuses a second writer at once, naming the first's pid.
+
+Damaged shards. Before scoring, each shard to score must read through to its end and
+hold the count its stats file records; one that does not stops the run with a one-line
+error, or, with skip_bad_shards, gets NNNNN.clip.skipped.json instead of scores (shard,
+shard_bytes, reason, samples_lost), which `ditdata filter` reports and selects nothing
+from. Samples that cannot be used (undecodable image, no image member, unreadable
+metadata) get a row with a null score and the reason as status.
 
 Precision: on CUDA the towers run under bf16 autocast, which moves a score by about 1e-3
 from its fp32 value (measured on an H200: at most 0.0011 for ViT-B-32 on four photos);
@@ -55,6 +63,8 @@ from ditdata.errors import DitdataError
 FORMAT = "ditdata-clip-scores"
 VERSION = 1
 SUFFIX = ".clip.parquet"
+SKIPPED_SUFFIX = ".clip.skipped.json"  # a damaged shard left out by score --skip-bad-shards
+SKIPPED_FORMAT = "ditdata-clip-skipped"
 META_KEY = b"ditdata"
 OK = "ok"
 NO_CAPTION = "no caption"
@@ -66,6 +76,23 @@ def score_path(shard_tar) -> Path:
     """NNNNN.tar -> NNNNN.clip.parquet beside it."""
     p = Path(shard_tar)
     return p.with_name(p.name[: -len(".tar")] + SUFFIX)
+
+
+def skipped_path(shard_tar) -> Path:
+    """NNNNN.tar -> NNNNN.clip.skipped.json beside it."""
+    p = Path(shard_tar)
+    return p.with_name(p.name[: -len(".tar")] + SKIPPED_SUFFIX)
+
+
+def read_skipped(shard_tar) -> dict | None:
+    """The record of a shard that score left out, if it is about the shard as it is now."""
+    try:
+        rec = json.loads(skipped_path(shard_tar).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rec, dict) or rec.get("format") != SKIPPED_FORMAT:
+        return None
+    return rec if rec.get("shard_bytes") == Path(shard_tar).stat().st_size else None
 
 
 def schema():
@@ -240,21 +267,32 @@ def score(
     batch_size: int = 128,
     workers: int | None = None,
     overwrite: bool = False,
+    skip_bad_shards: bool = False,
     progress: bool = True,
 ) -> dict:
     """Score every finished shard of SHARDS_DIR (module docstring) with open_clip model
     `clip` (default ViT-B-32; the config's stem with `clip_config`). Returns a summary:
     {model, pretrained, weights_sha256, shards, scored_shards, skipped_shards, samples,
     scored, counts (status -> n over all shards), seconds, samples_per_s}."""
-    from ditdata.clip import load_clip, resolve_pretrained
+    from ditdata.store import DirLock
 
     d = Path(shards_dir)
-    shards.read_dataset_info(d)  # refuses an unfinished fetch
-    tars = shards.list_shards(d)
-    if not tars:
-        raise DitdataError(f"{d}: no image shards to score")
     if batch_size < 1:
         raise DitdataError("--batch-size must be at least 1")
+    folder = shards.read_folder(d)  # refuses an unfinished fetch
+    if not folder.shards:
+        raise DitdataError(f"{d}: no image shards to score")
+    with DirLock(d, "ditdata score"):
+        return _score(folder, clip=clip, pretrained=pretrained, clip_config=clip_config, device=device,
+                      batch_size=batch_size, workers=workers, overwrite=overwrite,
+                      skip_bad_shards=skip_bad_shards, progress=progress)
+
+
+def _score(folder, *, clip, pretrained, clip_config, device, batch_size, workers, overwrite,
+           skip_bad_shards, progress) -> dict:
+    from ditdata.clip import load_clip, resolve_pretrained
+
+    d, tars = folder.path, folder.shards
     for p in d.iterdir():  # temporaries of a killed score run
         if _TMP_RE.match(p.name):
             p.unlink(missing_ok=True)
@@ -280,12 +318,29 @@ def score(
             f"(or score a copy of the folder)"
         )
     todo = [t for t in tars if t.name not in done]
+    # Damaged shards are found before the model is loaded: stop now, or leave them out.
+    bad = {t.name: p for t in todo if (p := shards.check_shard(t, folder.expected[t.name]))}
+    if bad and not skip_bad_shards:
+        name, why = next(iter(bad.items()))
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise DitdataError(
+            f"image shard {d / name} {why}{more}: refetch it (delete its _stats.json and rerun the "
+            f"same `ditdata fetch`), or pass --skip-bad-shards to leave such shards out"
+        )
+    skipped = []
+    for t in todo:
+        if t.name in bad:
+            rec = {"format": SKIPPED_FORMAT, "shard": t.name, "shard_bytes": t.stat().st_size,
+                   "reason": bad[t.name], "samples_lost": folder.expected[t.name]}
+            shards.write_json_atomic(skipped_path(t), rec)
+            score_path(t).unlink(missing_ok=True)
+            skipped.append(rec)
+    todo = [t for t in todo if t.name not in bad]
     metas = dict(done)
     t0 = time.perf_counter()
     n_new = 0
     if todo:
-        stats = shards.read_shard_stats(d)
-        expected = sum(int(stats.get(shards.shard_index(t), {}).get("successes", 0)) for t in todo)
+        expected = sum(folder.expected[t.name] or 0 for t in todo)
         model = load_clip(ident["model"], pretrained, device=device, config=clip_config)
         t0 = time.perf_counter()  # the rate is of scoring, not of loading the model
         if workers is None:
@@ -298,6 +353,7 @@ def score(
                   desc="clip score", dynamic_ncols=True) as bar:
             for tar in todo:
                 m = score_shard(model, tar, batch_size=batch_size, workers=workers, progress=bar)
+                skipped_path(tar).unlink(missing_ok=True)  # a refetched shard is whole again
                 metas[tar.name] = m
                 n_new += m["num_samples"]
     seconds = time.perf_counter() - t0
@@ -310,6 +366,7 @@ def score(
         "pretrained": ident["pretrained"],
         "weights_sha256": ident["weights_sha256"],
         "shards": len(tars),
+        "bad_shards": skipped,
         "scored_shards": len(todo),
         "skipped_shards": len(done),
         "samples": sum(counts.values()),
@@ -331,6 +388,9 @@ def report(summary: dict) -> str:
         lines.append(f"  scored {s['scored_shards']} shard(s), {s['new_samples']} samples in {s['seconds']:.1f} s{rate}")
     if s["skipped_shards"]:
         lines.append(f"  skipped {s['skipped_shards']} shard(s) already scored with these weights")
+    for b in s.get("bad_shards", []):
+        lost = "?" if b["samples_lost"] is None else b["samples_lost"]
+        lines.append(f"  left out the damaged shard {b['shard']} ({b['reason']}; {lost} samples lost)")
     counts = s["counts"]
     bad = {k: v for k, v in counts.items() if k not in (OK, NO_CAPTION)}
     lines.append(f"  with a score:      {counts.get(OK, 0)}")

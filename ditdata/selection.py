@@ -166,19 +166,22 @@ def read_scores(shards_dir):
     import pyarrow.parquet as pq
 
     from ditdata import imageshards as shards
-    from ditdata.score import read_score_meta, score_path
+    from ditdata.score import read_score_meta, read_skipped, score_path
 
     d = Path(shards_dir)
-    shards.read_dataset_info(d)
-    tars = shards.list_shards(d)
+    tars = shards.read_folder(d).shards
     if not tars:
         raise DitdataError(f"{d}: no image shards")
-    tables, missing, stale, idents = [], [], [], {}
+    tables, missing, stale, idents, skipped = [], [], [], {}, []
     for tar in tars:
         sp = score_path(tar)
         meta = read_score_meta(sp)
         if meta is None:
-            missing.append(tar.name)
+            rec = read_skipped(tar)  # left out by `ditdata score --skip-bad-shards`
+            if rec is not None:
+                skipped.append({k: rec.get(k) for k in ("shard", "reason", "samples_lost")})
+            else:
+                missing.append(tar.name)
             continue
         if meta.get("shard_bytes") != tar.stat().st_size:
             stale.append(tar.name)
@@ -200,9 +203,11 @@ def read_scores(shards_dir):
     if len(idents) > 1:
         desc = "; ".join(f"{m} / {p} ({len(v)} shards)" for (m, p, _), v in idents.items())
         raise DitdataError(f"{d}: shards were scored by different CLIP models: {desc}; rescore with one model (--overwrite)")
+    if not idents:
+        raise DitdataError(f"{d}: every shard was left out as damaged by `ditdata score`; refetch them")
     (model, pretrained, sha), = idents
     table = pa.concat_tables(tables)
-    return table, {"model": model, "pretrained": pretrained, "weights_sha256": sha}
+    return table, {"model": model, "pretrained": pretrained, "weights_sha256": sha, "skipped_shards": skipped}
 
 
 def rule_columns(table) -> dict:
@@ -280,6 +285,8 @@ def filter_shards(
         "shards_dir": str(Path(shards_dir).resolve()),
         "num_shards": len(set(table.column("shard").to_pylist())),
     }
+    if ident["skipped_shards"]:  # damaged shards score left out: nothing of them is selected
+        rule["skipped_shards"] = ident["skipped_shards"]
     if rule["kept"] == 0:
         rng = f"scores range {np.nanmin(scores):.4f}..{np.nanmax(scores):.4f}" if scored else "no sample has a score"
         raise DitdataError(f"no sample passes the rule ({rng}); nothing written")
@@ -430,6 +437,9 @@ def report(summary: dict) -> str:
              if r[k] is not None]
     if extra:
         lines.append("  and: " + ", ".join(extra))
+    for b in r.get("skipped_shards", []):
+        lines.append(f"  left out: shard {b['shard']} ({b['reason']}; "
+                     f"{'?' if b['samples_lost'] is None else b['samples_lost']} samples lost)")
     if summary["drops"]:
         lines.append("  dropped (first failed condition):")
         lines += [f"    {v:>8}  {k}" for k, v in summary["drops"].items()]

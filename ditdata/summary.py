@@ -53,6 +53,10 @@ def describe(path) -> str:
         lines.append(f"channel stats ({st['field']}, {st['count']} values each):")
         for c, (mu, sd) in enumerate(zip(st["mean"], st["std"], strict=True)):
             lines.append(f"  c{c:<3d} mean {mu:+.4f}  std {sd:.4f}")
+    for b in m.get("skipped_shards", []):
+        lost = b.get("samples_lost")
+        lines.append(f"skipped:      image shard {b.get('shard') or b['name']} ({b.get('reason')}; "
+                     f"{'unknown number of' if lost is None else lost} samples lost)")
     lines.append(f"size on disk: {_size(s.nbytes_on_disk())}")
     prov = m.get("provenance", {})
     lines.append(f"created:      {prov.get('created_at')} with ditkit {prov.get('tools', {}).get('ditkit')}")

@@ -182,6 +182,7 @@ def test_refusals(tiny, tmp_path, monkeypatch):
     config, weights = tiny
     d = caption_shards(tmp_path / "s")
     os.remove(d / "dataset.json")
+    (d / ".fetch_state").write_text("{}")  # an unfinished `ditdata fetch` (not another tool's tars)
     with pytest.raises(DitdataError, match="dataset.json is missing"):
         score(d, clip_config=str(config), pretrained=str(weights), progress=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
