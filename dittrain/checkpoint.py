@@ -5,20 +5,23 @@
     RUN/ema.safetensors                the EMA weights alone, with the config in its metadata
                                        (what `dittrain sample` and other tools load)
 
-A checkpoint is written to a hidden temporary name and renamed, so a file under its final
-name is always complete; the last `keep` are kept. Loading uses torch.load(weights_only=True)
-or safetensors, never arbitrary pickle: everything saved is tensors and plain Python data.
+A checkpoint is written to a hidden temporary name, synced, renamed, and its directory
+synced (ditdata.store.files), so a file under its final name is always complete and
+survives a power cut; the last `keep` are kept. A write that fails (disk full, file-size
+limit) removes its temporary, keeps the previous files and raises a one-line
+CheckpointError. Loading uses torch.load(weights_only=True) or safetensors, never
+arbitrary pickle: everything saved is tensors and plain Python data.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import uuid
 from pathlib import Path
 
 import torch
+
+from ditdata.store.files import atomic_file, atomic_path, error_reason
 
 CHECKPOINTS = "checkpoints"
 EMA_EXPORT = "ema.safetensors"
@@ -29,17 +32,9 @@ class CheckpointError(Exception):
     """A checkpoint is missing, truncated, or belongs to another run or store."""
 
 
-def _tmp(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
-def _fsync_replace(tmp: Path, final: Path) -> None:
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
+def _write_failed(path: Path, what: str, previous: Path | None, e: Exception) -> CheckpointError:
+    kept = f"the previous {previous.name} is intact" if previous else "nothing was published"
+    return CheckpointError(f"{path}: could not write {what} ({error_reason(e)}); {kept}")
 
 
 def checkpoint_path(run_dir, step: int) -> Path:
@@ -62,13 +57,15 @@ def latest_checkpoint(run_dir) -> Path | None:
 def save_checkpoint(run_dir, step: int, state: dict, *, keep: int = 3) -> Path:
     """Write state atomically as checkpoints/step_N.pt and delete all but the last `keep`."""
     final = checkpoint_path(run_dir, step)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp(final)
+    previous = latest_checkpoint(run_dir)
     try:
-        torch.save(state, tmp)
-        _fsync_replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        # Through a Python file object, so a failed write keeps its OSError (torch's zip
+        # writer otherwise reports only "unexpected pos ...") for the message.
+        with atomic_file(final, "wb") as f:
+            torch.save(state, f)
+    except Exception as e:  # torch raises RuntimeError from its zip writer, not OSError
+        raise _write_failed(final, "the checkpoint", previous, e) from e
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         old.unlink(missing_ok=True)
     return final
@@ -92,13 +89,13 @@ def export_weights(path, state_dict: dict, config: dict) -> Path:
     from safetensors.torch import save_file
 
     path = Path(path)
-    tmp = _tmp(path)
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    previous = path if path.is_file() else None
     try:
-        save_file(tensors, str(tmp), metadata={"dittrain_config": json.dumps(config)})
-        _fsync_replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"dittrain_config": json.dumps(config)})
+    except Exception as e:  # safetensors raises its own SafetensorError on a full disk
+        raise _write_failed(path, "the EMA weights", previous, e) from e
     return path
 
 

@@ -8,8 +8,22 @@ import sys
 
 import click
 
+from ditdata.store.cli import FiniteFloat, OneLineErrors
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """Failures the user can act on: their message is the whole story (one line, exit 1)."""
+    from ditdata.store import DirectoryBusy, StoreError
+    from dittrain.checkpoint import CheckpointError
+    from dittrain.data import LoaderError
+    from dittrain.sample import SampleError
+    from dittrain.train import TrainError
+
+    return (TrainError, CheckpointError, SampleError, LoaderError, StoreError, DirectoryBusy)
+
+
+@click.group(cls=OneLineErrors, user_errors=user_errors,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="ditkit")
 def main():
     """Train Diffusion Transformers on a ditdata latent store, on one GPU.
@@ -22,10 +36,12 @@ def main():
 
 
 @main.command("models")
-@click.option("--resolution", default=256, show_default=True, help="Image size in pixels.")
-@click.option("--downsample", default=8, show_default=True, help="Autoencoder downsample factor.")
-@click.option("--channels", default=4, show_default=True, help="Latent channels.")
-@click.option("--num-classes", default=1000, show_default=True, help="Classes (0 = unconditional).")
+@click.option("--resolution", default=256, show_default=True, type=click.IntRange(min=1), help="Image size in pixels.")
+@click.option("--downsample", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Autoencoder downsample factor.")
+@click.option("--channels", default=4, show_default=True, type=click.IntRange(min=1), help="Latent channels.")
+@click.option("--num-classes", default=1000, show_default=True, type=click.IntRange(min=0),
+              help="Classes (0 = unconditional).")
 @click.option("--learn-sigma/--no-learn-sigma", default=True, show_default=True,
               help="Output the learned variance too (ddpm as in DiT).")
 def models_cmd(resolution, downsample, channels, num_classes, learn_sigma):
@@ -81,16 +97,16 @@ def _opt(*names, field, **kw):
 @_opt("--batch-size", field="batch_size", type=click.IntRange(min=1),
       help="GLOBAL batch per optimizer step (split over ranks and accumulation steps).")
 @_opt("--accumulation-steps", field="accumulation_steps", type=click.IntRange(min=1))
-@_opt("--lr", field="lr", type=float)
-@_opt("--weight-decay", field="weight_decay", type=float)
+@_opt("--lr", field="lr", type=FiniteFloat(min=0), help="Peak learning rate (AdamW).")
+@_opt("--weight-decay", field="weight_decay", type=FiniteFloat(min=0))
 @_opt("--warmup-steps", field="warmup_steps", type=click.IntRange(min=0))
 @_opt("--lr-schedule", field="lr_schedule", type=click.Choice(["constant", "cosine"]))
-@_opt("--min-lr", field="min_lr", type=float, help="Cosine schedule floor.")
-@_opt("--grad-clip", field="grad_clip", type=float, help="Max gradient norm (0: no clipping).")
+@_opt("--min-lr", field="min_lr", type=FiniteFloat(min=0), help="Cosine schedule floor.")
+@_opt("--grad-clip", field="grad_clip", type=FiniteFloat(min=0), help="Max gradient norm (0: no clipping).")
 @_opt("--max-steps", field="max_steps", type=click.IntRange(min=1))
-@_opt("--ema", field="ema", type=float, help="EMA decay.")
-@_opt("--class-dropout", field="class_dropout", type=float, help="Label dropout for CFG.")
-@_opt("--caption-dropout", field="caption_dropout", type=float, help="Caption dropout for CFG.")
+@_opt("--ema", field="ema", type=FiniteFloat(0, 1), help="EMA decay (0..1).")
+@_opt("--class-dropout", field="class_dropout", type=FiniteFloat(0, 1), help="Label dropout for CFG (0..1).")
+@_opt("--caption-dropout", field="caption_dropout", type=FiniteFloat(0, 1), help="Caption dropout for CFG (0..1).")
 @click.option("--learn-sigma/--no-learn-sigma", default=None,
               help="Learned variance (default: on for ddpm, off for flow).")
 @_opt("--qk-norm/--no-qk-norm", field="qk_norm")
@@ -115,7 +131,7 @@ def _opt(*names, field, **kw):
 @_opt("--sample-every", field="sample_every", type=click.IntRange(min=0),
       help="EMA sample grid every N steps and at the end (0: never).")
 @_opt("--sample-steps", field="sample_steps", type=click.IntRange(min=1))
-@_opt("--sample-cfg", field="sample_cfg", type=float)
+@_opt("--sample-cfg", field="sample_cfg", type=FiniteFloat())
 @_opt("--max-nonfinite", field="max_nonfinite", type=click.IntRange(min=1),
       help="Consecutive NaN/inf losses (each step skipped) before the run stops.")
 @_opt("--resume/--no-resume", field="resume", help="Continue from the latest checkpoint in --out.")
@@ -133,14 +149,14 @@ def run_cmd(**options):
       dittrain run --latents ./store --model DiT-XL/2 --out runs/exp1 --resume
       torchrun --standalone --nproc_per_node 8 -m dittrain.cli run --latents ./store --out runs/ddp
     """
-    from ditdata.store import StoreError
+    from ditdata.store import DirectoryBusy, StoreError
     from dittrain.checkpoint import CheckpointError
     from dittrain.config import TrainConfig
     from dittrain.train import TrainError, run
 
     try:
         result = run(TrainConfig(**options))
-    except (TrainError, CheckpointError, StoreError) as e:
+    except (TrainError, CheckpointError, StoreError, DirectoryBusy) as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"{result['out']}: finished at step {result['step']}")
 
@@ -168,7 +184,7 @@ def run_cmd(**options):
               help="Images per grid row (default: ceil(sqrt(n)); --n-per-class in the row layout).")
 @click.option("--grid-scale", default=1, show_default=True, type=click.IntRange(min=1),
               help="Enlarge the grid this many times (nearest neighbour) for tiny images.")
-@click.option("--cfg", "cfg_scale", default=_sample_defaults().cfg_scale, show_default=True, type=float,
+@click.option("--cfg", "cfg_scale", default=_sample_defaults().cfg_scale, show_default=True, type=FiniteFloat(),
               help="Classifier-free guidance scale (1: none; ignored for unconditional models).")
 @click.option("--steps", default=_sample_defaults().steps, show_default=True, type=click.IntRange(min=1))
 @click.option("--sampler", type=click.Choice(["ddpm", "ddim", "euler", "heun"]), default=None,

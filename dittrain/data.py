@@ -78,7 +78,8 @@ import torch
 from ditdata.store import BFLOAT16, TEXT_FIELDS, Store, open_store
 
 __all__ = [
-    "ResidentLoader", "StreamingLoader", "available_memory", "build_loader", "choose_loader",
+    "LoaderError", "ResidentLoader", "StreamingLoader", "available_memory", "build_loader",
+    "choose_loader", "gpu_memory",
 ]
 
 _TORCH_DTYPES = {
@@ -196,6 +197,20 @@ class _Block:
 # ---------------------------------------------------------------------------------------
 # Choosing a loader
 # ---------------------------------------------------------------------------------------
+class LoaderError(ValueError):
+    """The requested loader cannot work here (a resident store larger than the memory it
+    would live in); the message is one line with the sizes and what to use instead."""
+
+
+# A resident loader asked for explicitly may use up to this fraction of the available
+# memory, and is refused beyond it, at once rather than by the kernel's OOM killer part
+# way through filling it. The rest is headroom for what the process needs besides the
+# block (one shard read at a time while filling it, the model and optimizer, allocator
+# slack) and for the estimate itself (MemAvailable counts page cache that the kernel may
+# not hand back in time). `auto` keeps its stricter memory_fraction: it has a fallback.
+RESIDENT_MAX_FRACTION = 0.9
+
+
 def _meminfo_available() -> int | None:
     try:
         with open("/proc/meminfo") as f:
@@ -237,6 +252,15 @@ def available_memory() -> tuple[int | None, str]:
     return avail, source
 
 
+def gpu_memory(device) -> tuple[int | None, str]:
+    """(free bytes on a CUDA device, where that figure came from); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None, "CUDA is not available"
+    device = torch.device(device)
+    free, _ = torch.cuda.mem_get_info(device)
+    return free, f"free memory of {device} (torch.cuda.mem_get_info)"
+
+
 def _part_size(n: int, rank: int, world_size: int) -> int:
     return n // world_size + (1 if rank < n % world_size else 0)
 
@@ -259,21 +283,23 @@ def choose_loader(store, *, kind: str = "auto", rank: int = 0, world_size: int =
     what = (f"this rank's part ({n:,} samples, {_gib(need)} as stored)" if split == "part"
             else f"the whole store for this rank (split='batch': {n:,} samples, {_gib(need)} as stored)")
     rdev = torch.device(resident_device)
-    if kind in ("resident", "streaming"):
+    local = _local_ranks(local_world_size, world_size)
+    if kind == "streaming":
         return kind, str(rdev), f"{kind}: requested (loader={kind!r}); {what}"
+    if kind == "resident":
+        fit = _check_resident_fits(rdev, need, local, what)
+        return kind, str(rdev), f"{kind}: requested (loader={kind!r}); {what}{fit}"
     if kind != "auto":
         raise ValueError(f"unknown loader kind {kind!r}; use auto, resident or streaming")
     note = ""
     if rdev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(rdev)
-        if need <= memory_fraction * free:
+        free, _ = gpu_memory(rdev)
+        if free is not None and need <= memory_fraction * free:
             return "resident", str(rdev), (
                 f"resident on {rdev}: {what} is {need / free:.0%} of the free GPU memory "
                 f"({_gib(free)}; limit {memory_fraction:.0%})")
-        note = f" (too large for {rdev}: {_gib(free)} free)"
+        note = f" (too large for {rdev}: {_gib(free)} free)" if free is not None else ""
     avail, source = available_memory()
-    local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    local = max(1, min(local, world_size))
     total = need * local
     share = f" x {local} ranks on this machine" if local > 1 else ""
     if avail is None:
@@ -283,6 +309,34 @@ def choose_loader(store, *, kind: str = "auto", rank: int = 0, world_size: int =
         return "resident", "cpu", f"resident in RAM: {what}{share} is {frac}; limit {memory_fraction:.0%}{note}"
     return "streaming", "cpu", (
         f"streaming: {what}{share} is {frac}, over the {memory_fraction:.0%} limit for a resident store{note}")
+
+
+def _local_ranks(local_world_size: int | None, world_size: int) -> int:
+    """How many ranks share this machine's RAM (each holds its own resident part)."""
+    local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(local, world_size))
+
+
+def _check_resident_fits(rdev: torch.device, need: int, local: int, what: str) -> str:
+    """Refuse (LoaderError) an explicitly requested resident loader that cannot fit where
+    it would live: the GPU's free memory for resident_device "cuda" (one rank per GPU),
+    else the RAM shared by the `local` ranks of this machine. Returns a note for the reason."""
+    if rdev.type == "cuda":
+        total, share, where = need, "", str(rdev)
+        avail, source = gpu_memory(rdev)
+    else:
+        total, where = need * local, "RAM"
+        share = f" x {local} ranks on this machine" if local > 1 else ""
+        avail, source = available_memory()
+    if avail is None:  # nothing to compare with: let it try, and say so
+        return f"; available memory unknown ({source}), not checked"
+    if total > RESIDENT_MAX_FRACTION * avail:
+        raise LoaderError(
+            f"loader 'resident' needs {_gib(total)} of {where} for {what}{share}, but only "
+            f"{_gib(avail)} is available ({source}) and a resident store may use at most "
+            f"{RESIDENT_MAX_FRACTION:.0%} of it; use --loader streaming (or --loader auto), "
+            "which reads the store from disk in windows")
+    return f"; {total / avail:.0%} of the available {_gib(avail)} of {where} ({source})"
 
 
 def build_loader(store, *, batch_size: int, kind: str = "auto", seed: int = 0, rank: int = 0,
@@ -473,7 +527,7 @@ class ResidentLoader(_Loader):
                          device=device, with_index=with_index, reason=reason, split=split)
         self.resident_device = torch.device(resident_device)
         if self.resident_device.type == "cuda" and self.device.type != "cuda":
-            raise ValueError("resident_device='cuda' needs device='cuda'")
+            raise ValueError("--resident-device cuda needs --device cuda (the store would live on the GPU)")
         if self.resident_device.type == "cuda":
             self.device = self.resident_device
         part = _rank_part(len(store), seed, self._srank, self._sworld)

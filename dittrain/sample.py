@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ditdata.store import files as files_api
 from dittrain.config import SampleConfig
 from dittrain.diffusion import SAMPLERS, Diffusion, DiffusionConfig
 from dittrain.model import DiT, DiTConfig
@@ -473,6 +474,17 @@ def output_paths(out) -> tuple[Path, Path]:
     return out / GRID_NAME, out / SINGLES_DIR
 
 
+def check_output(out) -> None:
+    """A bad --out fails before any work: a PNG name or a folder, never inside a store."""
+    output_paths(out)
+    from ditdata.store import StoreError, refuse_inside_store
+
+    try:
+        refuse_inside_store(out, "--out")
+    except StoreError as e:
+        raise SampleError(str(e)) from None
+
+
 def write_samples(images: np.ndarray, out, *, nrow: int, groups: list[int] | None = None,
                   records: list[dict] | None = None, meta: dict | None = None,
                   grid_scale: int = 1) -> dict:
@@ -503,7 +515,7 @@ def write_samples(images: np.ndarray, out, *, nrow: int, groups: list[int] | Non
         "samples": [{"file": p.relative_to(singles).as_posix(), **((records or [{}] * len(files))[i])}
                     for i, p in enumerate(files)],
     }
-    (singles / INDEX_NAME).write_text(json.dumps(index, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    files_api.write_text_atomic(singles / INDEX_NAME, json.dumps(index, indent=1, ensure_ascii=False) + "\n")
     return {"grid": grid_path, "grid_shape": grid.shape, "singles_dir": singles, "files": files}
 
 
@@ -597,7 +609,7 @@ def sample_to_files(
         raise SampleError("--n-per-class needs a class or text model; this one is unconditional (use --n)")
     d = diffusion_config(config)
     sampler = check_sampler(d, sampler, steps)
-    output_paths(out)  # a bad --out fails before any work
+    check_output(out)
 
     store, note = open_run_store(config, latents)
     if note:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ditdata.store import StoreError, open_store
+from ditdata.store import DirLock, StoreError, files, open_store, refuse_inside_store
 from dittrain.checkpoint import (
     EMA_EXPORT,
     CheckpointError,
@@ -61,9 +61,15 @@ def _distributed() -> tuple[int, int, int]:
 def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
     if cfg.device == "auto":
         return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        device = torch.device(cfg.device)
+    except RuntimeError:
+        raise TrainError(f"--device {cfg.device!r}: not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise TrainError(f"--device {cfg.device}: CUDA is not available on this machine")
-    return torch.device(cfg.device)
+    if device.type not in ("cpu", "cuda"):
+        raise TrainError(f"--device {cfg.device}: dittrain trains on cpu or cuda")
+    return device
 
 
 def _amp(cfg: TrainConfig, device: torch.device) -> tuple[torch.dtype | None, bool]:
@@ -99,6 +105,8 @@ def model_config_for(cfg: TrainConfig, manifest: dict):
         raise TrainError(f"unknown model {cfg.model!r}; see `dittrain models`") from e
     except AssertionError as e:
         raise TrainError(f"{cfg.model} does not fit latents {c}x{h}x{w}: {e}") from e
+    except ValueError as e:  # e.g. --grad-checkpointing foo
+        raise TrainError(str(e)) from e
 
 
 def _granularity(g: str):
@@ -189,6 +197,28 @@ def _gather(obj, world: int) -> list:
 
 
 def run(cfg: TrainConfig) -> dict:
+    """Train as configured; rank 0 holds the run directory's lock for the whole run, so a
+    second `dittrain run` (or --resume) on the same --out fails at once instead of writing
+    into it too (DirectoryBusy). A run that fails before writing anything leaves no trace."""
+    _check_out(Path(cfg.out))
+    if _distributed()[0] != 0:
+        return _train(cfg)
+    with DirLock(cfg.out, "dittrain run"):
+        return _train(cfg)
+
+
+def _check_out(out: Path) -> None:
+    """A run directory is never a latent store (readers never write one) nor an image-shard
+    folder: mixing a run's files into either would damage it."""
+    try:
+        refuse_inside_store(out, "--out")
+    except StoreError as e:
+        raise TrainError(str(e)) from None
+    if (out / "dataset.json").exists() or (out / ".fetch_state").exists():
+        raise TrainError(f"--out {out} is an image-shard folder (from `ditdata fetch`); choose a run directory")
+
+
+def _train(cfg: TrainConfig) -> dict:
     rank, world, local_rank = _distributed()
     device = _device(cfg, local_rank)
     if world > 1 and not dist.is_initialized():
@@ -236,10 +266,6 @@ def run(cfg: TrainConfig) -> dict:
         if ckpt["config"]["model"] != resolved["model"]:
             raise CheckpointError(f"{latest}: model config differs from this run's "
                                   f"({cfg.model} on {cfg.latents}); keep the original flags")
-    if master:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "samples").mkdir(exist_ok=True)
-        (out / "config.json").write_text(json.dumps(resolved, indent=1))
 
     # ---- model, EMA, optimizer, loss ----
     torch.manual_seed(cfg.seed)
@@ -264,11 +290,14 @@ def run(cfg: TrainConfig) -> dict:
 
     # A resumed run keeps the loader it was saved with (auto might choose another today).
     kind = ckpt["ranks"][rank]["loader"]["kind"] if ckpt is not None else cfg.loader
-    loader = build_loader(
-        store, batch_size=per_rank, kind=kind, seed=cfg.seed, rank=rank, world_size=world,
-        device=device, resident_device=cfg.resident_device, workers=cfg.workers,
-        shuffle_window=cfg.shuffle_window,
-    )
+    try:
+        loader = build_loader(
+            store, batch_size=per_rank, kind=kind, seed=cfg.seed, rank=rank, world_size=world,
+            device=device, resident_device=cfg.resident_device, workers=cfg.workers,
+            shuffle_window=cfg.shuffle_window,
+        )
+    except ValueError as e:  # LoaderError (does not fit) or settings the loader refuses
+        raise TrainError(str(e)) from e
     step, nonfinite_total = 0, 0
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
@@ -277,11 +306,21 @@ def run(cfg: TrainConfig) -> dict:
         sched.load_state_dict(ckpt["lr_schedule"])
         scaler.load_state_dict(ckpt["scaler"])
         saved = ckpt["ranks"][rank]
-        loader.load_state_dict(saved["loader"])
+        try:
+            loader.load_state_dict(saved["loader"])
+        except ValueError as e:
+            raise TrainError(f"{latest}: cannot resume its data order: {e}; keep the original "
+                             "--batch-size, --seed and loader flags") from e
         _set_rng_state(saved["rng"], device)
         noise_gen.set_state(saved["noise_gen"])
         step, nonfinite_total = ckpt["step"], ckpt.get("nonfinite_total", 0)
-        if master:
+    # Only now, with everything built and loaded, does the run write into its directory:
+    # a run refused on its settings leaves nothing behind.
+    if master:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "samples").mkdir(exist_ok=True)
+        _write_text(out / "config.json", json.dumps(resolved, indent=1))
+        if ckpt is not None:
             _truncate_metrics(out / "metrics.jsonl", step)
     train_model = model
     if cfg.compile:
@@ -323,7 +362,7 @@ def run(cfg: TrainConfig) -> dict:
     log_path = out / "metrics.jsonl"
     t_last, wait_last, steps_since = time.perf_counter(), loader.wait_seconds, 0
     bar = _progress(master, step, cfg.max_steps)
-    with _Stop() as stop:
+    with _Stop() as stop, bar:  # (the bar closes on errors too: its line stays whole)
         while step < cfg.max_steps:
             # ---- one optimizer step: accumulation micro-batches ----
             opt.zero_grad(set_to_none=True)
@@ -434,11 +473,26 @@ def _conditioning(batch: dict, empty_text: dict, cfg: TrainConfig, u: torch.Tens
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop log lines past the checkpoint we resume from: they will be logged again."""
+    """Drop log lines past the checkpoint we resume from: they will be logged again. A line
+    that does not parse (torn by a crash mid-write) is dropped too."""
     if not path.exists():
         return
-    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-    path.write_text("".join(ln + "\n" for ln in keep))
+    keep = []
+    for ln in path.read_text(errors="replace").splitlines():
+        try:
+            if json.loads(ln)["step"] <= step:
+                keep.append(ln)
+        except (ValueError, KeyError, TypeError):
+            continue
+    _write_text(path, "".join(ln + "\n" for ln in keep))
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Replace a run file atomically (a crash leaves the old or the new one, never half)."""
+    try:
+        files.write_text_atomic(path, text)
+    except OSError as e:
+        raise TrainError(f"{path}: could not write ({files.error_reason(e)})") from e
 
 
 def _tensorboard(out: Path):
