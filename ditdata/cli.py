@@ -6,33 +6,23 @@ command parses its options and calls the module named after it. Heavy libraries
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
-
-class Group(click.Group):
-    """Expected failures (bad input, a broken store, a missing model) become one line on
-    stderr and exit status 1; anything else is a bug and keeps its traceback."""
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
-            raise
-        except Exception as e:
-            if isinstance(e, user_errors()):
-                raise click.ClickException(str(e)) from e
-            raise
+from ditdata.store.cli import FiniteFloat, OneLineErrors
 
 
 def user_errors() -> tuple[type[Exception], ...]:
+    """Failures the user can act on: their message is the whole story (one line, exit 1)."""
     from ditdata.errors import DitdataError
+    from ditdata.store import DirectoryBusy
     from ditdata.store.errors import StoreError
 
-    return (DitdataError, StoreError)
+    return (DitdataError, StoreError, DirectoryBusy)
 
 
-@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=OneLineErrors, user_errors=user_errors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="ditkit")
 def main():
     """Turn images into a cached latent store for DiT training.
@@ -55,7 +45,7 @@ def main():
 @click.option("--kind", type=click.Choice(["urls", "classes", "captions"]), default=None,
               help="What SOURCE holds. Default: detected (a URL-list file or folder of them -> urls; "
                    "images with same-stem .txt files -> captions; one folder per class -> classes).")
-@click.option("--image-size", type=int, default=None,
+@click.option("--image-size", type=click.IntRange(min=1), default=None,
               help="Resize to this size (see --resize-mode). Default: 256 for URL lists, "
                    "originals kept for folders.")
 @click.option("--resize-mode", type=click.Choice(["no", "keep_ratio", "center_crop", "border", "keep_ratio_largest"]),
@@ -63,13 +53,14 @@ def main():
               help="img2dataset's names: center_crop = smaller side to size then centre square; "
                    "keep_ratio = smaller side to size; border = longer side to size, white padding; "
                    "no = keep the original size.")
-@click.option("--min-image-size", type=int, default=0, show_default=True,
+@click.option("--min-image-size", type=click.IntRange(min=0), default=0, show_default=True,
               help="Skip images whose smaller side (before resizing) is below this.")
-@click.option("--max-aspect-ratio", type=float, default=float("inf"), show_default=True,
-              help="Skip images whose longer/shorter side ratio is above this.")
-@click.option("--samples-per-shard", type=int, default=10000, show_default=True)
-@click.option("--processes", type=int, default=None, help="Worker processes. Default: all CPU cores.")
-@click.option("--threads", type=int, default=64, show_default=True, help="Download threads per process (URL lists).")
+@click.option("--max-aspect-ratio", type=FiniteFloat(min=1, allow_inf=True), default=float("inf"), show_default=True,
+              help="Skip images whose longer/shorter side ratio is above this (at least 1).")
+@click.option("--samples-per-shard", type=click.IntRange(min=1), default=10000, show_default=True)
+@click.option("--processes", type=click.IntRange(min=1), default=None, help="Worker processes. Default: all CPU cores.")
+@click.option("--threads", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Download threads per process (URL lists).")
 @click.option("--url-col", default=None, help="URL column of the URL list. Default: url, URL, image_url, ...")
 @click.option("--caption-col", default=None,
               help="Caption column. Default: caption, TEXT, text, ... if present; '' for none.")
@@ -78,12 +69,15 @@ def main():
 @click.option("--encode-format", type=click.Choice(["jpg", "png", "webp"]), default="jpg", show_default=True,
               help="Format of re-encoded images (RGB JPEG originals of folders are stored unchanged "
                    "when not resized).")
-@click.option("--encode-quality", type=int, default=95, show_default=True)
+@click.option("--encode-quality", type=click.IntRange(0, 100), default=95, show_default=True,
+              help="JPEG/WebP quality of re-encoded images (0-100).")
 @click.option("--distributor", type=click.Choice(["multiprocessing", "pyspark", "ray"]), default="multiprocessing",
               show_default=True, help="img2dataset's distributor (URL lists); pyspark and ray are optional "
                                       "extras: pip install 'ditkit[distributed]'.")
-@click.option("--timeout", type=int, default=10, show_default=True, help="Download timeout in seconds (URL lists).")
-@click.option("--retries", type=int, default=0, show_default=True, help="Download retries per URL (URL lists).")
+@click.option("--timeout", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Download timeout in seconds (URL lists).")
+@click.option("--retries", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Download retries per URL (URL lists).")
 @click.option("--shuffle-seed", type=int, default=None,
               help="Folders: shuffle the sorted file list with this seed before sharding (deterministic). "
                    "Default: sorted order (ImageNet shards then hold consecutive classes).")
@@ -104,6 +98,11 @@ def fetch(source, out, kind, image_size, resize_mode, min_image_size, max_aspect
     bomb) files are skipped and counted by reason; greyscale, CMYK, 16-bit, palette and
     RGBA images are converted to RGB (alpha on white) and EXIF rotation is applied.
     Rerun the same command to resume an interrupted fetch: finished shards are kept.
+
+    A URL list is fetched over http and https only: rows with a file://, ftp://, data:
+    or other scheme, a local path, an empty or malformed URL, and redirects off http(s)
+    are not fetched but counted by reason ("refused URL: file scheme", "refused
+    redirect: ftp scheme", ...); a list without any http(s) URL is refused.
 
     \b
     Examples:
@@ -153,15 +152,21 @@ def fetch(source, out, kind, image_size, resize_mode, min_image_size, max_aspect
               help="Image decoding threads (0: decode in the main thread). Default: CPU cores, at most 8.")
 @click.option("--overwrite", is_flag=True,
               help="Recompute every shard, replacing scores made by another model or weights.")
+@click.option("--skip-bad-shards", is_flag=True,
+              help="Leave out shards whose tar is damaged or holds fewer samples than its stats "
+                   "file says (each gets NNNNN.clip.skipped.json; filter selects nothing from it) "
+                   "instead of stopping.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def score(shards, clip_name, pretrained, clip_config, device, batch_size, workers, overwrite, quiet):
+def score(shards, clip_name, pretrained, clip_config, device, batch_size, workers, overwrite,
+          skip_bad_shards, quiet):
     """CLIP-score every image-caption pair of the image SHARDS folder (from `ditdata fetch`).
 
     Writes NNNNN.clip.parquet beside each NNNNN.tar: key, clip_score (cosine similarity
     of the L2-normalised open_clip embeddings; null without a caption or for an
     undecodable image), model, pretrained, status, image sizes and caption length. Each
     file is published atomically; rerun to resume (shards already scored with the same
-    weights are skipped). Nothing is downloaded: a tag whose weights are not in the local
+    weights are skipped). A damaged shard (truncated tar, fewer samples than its stats
+    file) stops the run before the model is loaded, unless --skip-bad-shards. Nothing is downloaded: a tag whose weights are not in the local
     Hugging Face cache fails at once, saying how to supply them.
 
     \b
@@ -174,19 +179,21 @@ def score(shards, clip_name, pretrained, clip_config, device, batch_size, worker
     from ditdata.score import score as run_score
 
     summary = run_score(shards, clip=clip_name, pretrained=pretrained, clip_config=clip_config, device=device,
-                        batch_size=batch_size, workers=workers, overwrite=overwrite, progress=not quiet)
+                        batch_size=batch_size, workers=workers, overwrite=overwrite,
+                        skip_bad_shards=skip_bad_shards, progress=not quiet)
     click.echo(f"{shards}: {report(summary)}")
 
 
 @main.command(name="filter")
 @click.argument("shards", type=click.Path(exists=True, file_okay=False, path_type=str))
-@click.option("--min-clip-score", type=float, default=None, help="Keep clip_score >= X (LAION-5B: 0.28 with ViT-B/32).")
-@click.option("--top-fraction", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
+@click.option("--min-clip-score", type=FiniteFloat(), default=None,
+              help="Keep clip_score >= X (LAION-5B: 0.28 with ViT-B/32).")
+@click.option("--top-fraction", type=FiniteFloat(min=0, max=1, min_open=True), default=None,
               help="Keep the top F of all scored samples (DataComp: 0.3 with ViT-L/14); ties at the "
                    "cut-off are all kept.")
 @click.option("--min-width", type=click.IntRange(min=1), default=None, help="Source image width >= W.")
 @click.option("--min-height", type=click.IntRange(min=1), default=None, help="Source image height >= H.")
-@click.option("--max-aspect-ratio", type=click.FloatRange(min=1), default=None,
+@click.option("--max-aspect-ratio", type=FiniteFloat(min=1), default=None,
               help="Longer side / shorter side <= R.")
 @click.option("--min-caption-length", type=click.IntRange(min=0), default=None,
               help="Caption of at least N characters (after stripping whitespace).")
@@ -241,10 +248,14 @@ def inspect(store, decode_n, out, vae, device):
     """
     from ditdata.summary import describe
 
+    if decode_n and not out:
+        raise click.UsageError("--decode needs --out DIR")
+    if decode_n:
+        from ditdata.store import refuse_inside_store
+
+        refuse_inside_store(out, "--out")
     click.echo(describe(store))
     if decode_n:
-        if not out:
-            raise click.UsageError("--decode needs --out DIR")
         from ditdata.summary import decode_samples
 
         paths = decode_samples(store, decode_n, out, vae=vae, device=device)
@@ -302,12 +313,22 @@ def verify(store):
 @click.option("--seed", default=0, show_default=True, help="Seed of the posterior draws.")
 @click.option("--chunk-samples", default=1024, show_default=True, type=click.IntRange(min=1),
               help="Samples per storage chunk (large chunks read fast).")
+@click.option("--skip-bad-shards", is_flag=True,
+              help="Leave out image shards whose tar is damaged or holds fewer samples than its "
+                   "stats file says (each is recorded in the manifest) instead of stopping.")
 def encode(shards, out, **options):
     """Encode the image SHARDS folder (from `ditdata fetch`) into a latent store.
 
     One store shard per image shard, each published atomically: rerun the same command
     after a crash and only the missing shards are encoded. Under `torchrun` each rank
-    encodes its share of shards and rank 0 writes the manifest.
+    encodes its share of shards and rank 0 writes the manifest. One encode per store at
+    a time (a second one exits at once, naming the first's pid).
+
+    Every image shard is checked first: a truncated tar, or one holding fewer samples than
+    its stats file records, stops the run (or is left out with --skip-bad-shards). Images
+    that cannot be decoded and latents that are not finite in the storage dtype (NaN, or
+    fp16 overflow) are skipped and counted by reason. A folder of tars written by another
+    tool (no dataset.json) is read as it is.
 
     \b
     Examples:
@@ -321,10 +342,14 @@ def encode(shards, out, **options):
     r = encode(EncodeConfig(shards=shards, out=out, **options))
     if r["num_samples"] is not None:
         skipped = ", ".join(f"{k}: {v}" for k, v in r["skipped"].items()) or "none"
+        bad = "; ".join(f"{Path(b['shard']).name} ({b['reason']}; "
+                        f"{'?' if b['samples_lost'] is None else b['samples_lost']} samples lost)"
+                        for b in r["skipped_shards"])
         click.echo(
             f"{out}: {r['num_samples']} samples; this run encoded {r['encoded']} images in "
             f"{r['shards_written']} shards ({r['shards_skipped']} already done) at "
             f"{r['images_per_s']:.1f} img/s; skipped: {skipped}"
+            + (f"; skipped shards: {bad}" if bad else "")
         )
 
 
