@@ -45,10 +45,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import tarfile
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -60,6 +58,7 @@ from ditdata.images import (  # noqa: F401  (re-exported: readers need only this
     BadImageError,
     decode_rgb,
 )
+from ditdata.store.files import TMP_MARK, is_tmp, tmp_name  # noqa: F401  (the store's temporaries: one scheme)
 
 FORMAT = "ditdata-images"
 KINDS = ("urls", "classes", "captions")  # what a fetch read: a URL list, class folders, captions
@@ -69,7 +68,6 @@ FETCH_STATE = ".fetch_state"  # written first by `ditdata fetch`: the folder is 
 SHARD_DIGITS = 5  # img2dataset's oom_shard_count default
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 FIXED_MTIME = 0  # tar member mtime: same input + options -> byte-identical shards
-TMP_MARK = ".tmp-"
 _SHARD_RE = re.compile(r"^(\d{5,})\.tar$")  # SHARD_DIGITS or more digits
 _STATS_RE = re.compile(r"^(\d{5,})_stats\.json$")
 # A tar member larger than this is not read into memory (a hostile tar can claim any size;
@@ -402,15 +400,6 @@ def format_summary(summary: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- writing
-
-
-def tmp_name(final: Path) -> Path:
-    """A hidden temporary sibling of `final`, unique per writer; see `is_tmp`."""
-    return final.with_name(f".{final.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
-def is_tmp(path: Path) -> bool:
-    return path.name.startswith(".") and TMP_MARK in path.name
 
 
 def remove_stale_tmp(shards_dir) -> int:

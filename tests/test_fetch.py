@@ -3,6 +3,7 @@ caption folders, the bad-input zoo, and resuming after SIGKILL."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.server
 import io
@@ -83,15 +84,22 @@ class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
 
-@pytest.fixture
-def http_files():
+@contextlib.contextmanager
+def serve(files: dict[str, bytes], settings: dict | None = None, redirects: dict[str, str] | None = None):
     """An HTTP server on 127.0.0.1:<free port> serving `files` {path: bytes} (404 for the
-    rest); `delay` seconds per image request slow it down for the kill test."""
-    files: dict[str, bytes] = {}
-    settings = {"delay": 0.0}
+    rest) and 302 `redirects` {path: Location}; settings["delay"] seconds per image request
+    slow it down. Yields the base URL."""
+    settings = {"delay": 0.0} if settings is None else settings
+    redirects = redirects or {}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
+            if self.path in redirects:
+                self.send_response(302)
+                self.send_header("Location", redirects[self.path])
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             body = files.get(self.path)
             if body is None:
                 self.send_error(404, "Not Found")
@@ -109,10 +117,21 @@ def http_files():
     server = _Server(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    base = f"http://127.0.0.1:{server.server_address[1]}"
-    yield base, files, settings
-    server.shutdown()
-    server.server_close()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def http_files():
+    """serve() as a fixture: (base URL, files to fill, settings); `delay` slows it down for
+    the kill test."""
+    files: dict[str, bytes] = {}
+    settings = {"delay": 0.0}
+    with serve(files, settings) as base:
+        yield base, files, settings
 
 
 @pytest.mark.slow

@@ -7,7 +7,6 @@ whether anything connected to it."""
 from __future__ import annotations
 
 import base64
-import http.server
 import json
 import os
 import pickle
@@ -22,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
-from test_fetch import _Server, real_images, run_cli
+from test_fetch import real_images, run_cli, serve
 from test_imageshards import encode
 
 from ditdata import urls
@@ -171,33 +170,8 @@ def web(secret, ftp_trap):
         "/r/ok": "/ok.jpg",
     }
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            if self.path in redirects:
-                self.send_response(302)
-                self.send_header("Location", redirects[self.path])
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
-            body = files.get(self.path)
-            if body is None:
-                self.send_error(404, "Not Found")
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", "image/jpeg")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = _Server(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", files
-    server.shutdown()
-    server.server_close()
+    with serve(files, redirects=redirects) as base:
+        yield base, files
 
 
 @pytest.fixture
