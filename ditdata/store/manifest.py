@@ -169,7 +169,7 @@ def validate(m: dict, path: Path) -> None:
          "latent must be {shape, dtype, ...} matching its fields")
     for key in ("vae", "image", "stats", "provenance"):
         need(isinstance(m[key], dict), f"{key} must be a JSON object")
-    need(all(_number(m["vae"].get(k)) for k in ("scaling_factor", "shift_factor")),
+    need(all(m["vae"].get(k) is None or _number(m["vae"][k]) for k in ("scaling_factor", "shift_factor")),
          "vae.scaling_factor and vae.shift_factor must be numbers")
     need(m["filter"] is None or isinstance(m["filter"], dict), "filter must be null or an object")
     cond = m["conditioning"]
