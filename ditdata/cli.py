@@ -16,10 +16,10 @@ from ditdata.store.cli import FiniteFloat, OneLineErrors
 def user_errors() -> tuple[type[Exception], ...]:
     """Failures the user can act on: their message is the whole story (one line, exit 1)."""
     from ditdata.errors import DitdataError
-    from ditdata.store import DirectoryBusy
+    from ditdata.store import DeviceError, DirectoryBusy
     from ditdata.store.errors import StoreError
 
-    return (DitdataError, StoreError, DirectoryBusy)
+    return (DitdataError, StoreError, DirectoryBusy, DeviceError)
 
 
 @click.group(cls=OneLineErrors, user_errors=user_errors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

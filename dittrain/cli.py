@@ -13,13 +13,13 @@ from ditdata.store.cli import FiniteFloat, OneLineErrors
 
 def user_errors() -> tuple[type[Exception], ...]:
     """Failures the user can act on: their message is the whole story (one line, exit 1)."""
-    from ditdata.store import DirectoryBusy, StoreError
+    from ditdata.store import DeviceError, DirectoryBusy, StoreError
     from dittrain.checkpoint import CheckpointError
     from dittrain.data import LoaderError
     from dittrain.sample import SampleError
     from dittrain.train import TrainError
 
-    return (TrainError, CheckpointError, SampleError, LoaderError, StoreError, DirectoryBusy)
+    return (TrainError, CheckpointError, SampleError, LoaderError, StoreError, DirectoryBusy, DeviceError)
 
 
 @click.group(cls=OneLineErrors, user_errors=user_errors,

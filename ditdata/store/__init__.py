@@ -7,8 +7,8 @@ per input shard under `shards/`, in the `zarr` or `wds` backend. See manifest.py
 the manifest's fields and writer.py for how shards are published.
 
 The package also holds what both command-line tools share without dittrain reaching
-further into ditdata: files.py (atomic writes), lock.py (one writer per output) and
-cli.py (one-line errors). Names are imported on first use, so `ditdata --help`, which
+further into ditdata: files.py (atomic writes, digests), lock.py (one writer per output),
+cli.py (one-line errors) and devices.py (device and precision choice). Names are imported on first use, so `ditdata --help`, which
 needs only cli.py, does not pay for numpy.
 """
 
@@ -22,10 +22,11 @@ _EXPORTS = {
     "FORMAT_VERSION": "manifest", "MANIFEST": "manifest", "decode_array": "manifest",
     "encode_array": "manifest", "identity": "manifest", "enclosing_store": "manifest",
     "refuse_inside_store": "manifest",
-    "Shard": "reader", "Store": "reader", "open_store": "reader",
+    "Conditioning": "reader", "Shard": "reader", "Store": "reader", "open_store": "reader",
     "BFLOAT16": "schema", "LATENT_FIELDS": "schema", "TEXT_FIELDS": "schema", "Schema": "schema",
     "TensorSpec": "schema",
     "StoreWriter": "writer",
+    "DeviceError": "devices", "amp_dtype": "devices", "autocast": "devices", "resolve_device": "devices",
 }
 __all__ = sorted(_EXPORTS)
 

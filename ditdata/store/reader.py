@@ -9,7 +9,7 @@ runs can share it.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +18,45 @@ from . import files, manifest
 from .backends import get_backend
 from .errors import StoreError
 from .schema import Schema
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """What a store's samples are conditioned on, typed (the manifest's "conditioning").
+
+    kind          "class", "text" or "none"
+    num_classes   classes of a class store (0 otherwise)
+    class_names   their names, when recorded
+    pooled_dim    width of the pooled caption embedding (text stores)
+    tokens_shape  (tokens, width) of the per-token caption embeddings, when stored
+    empty         the embedding of the empty caption {field: array}, for classifier-free
+                  guidance (text stores; empty otherwise)
+    text          the text encoder's record (model, pretrained, config, ...), or None
+    """
+
+    kind: str = "none"
+    num_classes: int = 0
+    class_names: tuple[str, ...] | None = None
+    pooled_dim: int | None = None
+    tokens_shape: tuple[int, int] | None = None
+    empty: dict = field(default_factory=dict, compare=False, hash=False)
+    text: dict | None = field(default=None, compare=False, hash=False)
+
+    @classmethod
+    def from_manifest(cls, cond: dict | None) -> Conditioning:
+        cond = cond or {}
+        kind = cond.get("type") or "none"
+        if kind == "class":
+            names = cond.get("class_names")
+            return cls("class", int(cond.get("num_classes") or 0), tuple(names) if names else None)
+        if kind == "text":
+            text = cond.get("text") or {}
+            tokens = text.get("tokens_shape")
+            return cls("text", pooled_dim=text.get("pooled_dim"),
+                       tokens_shape=tuple(tokens) if tokens else None,
+                       empty={k: manifest.decode_array(v) for k, v in (text.get("empty") or {}).items()},
+                       text=text)
+        return cls(kind)
 
 
 @dataclass(frozen=True)
@@ -46,6 +85,7 @@ class Store:
         for shard in self.shards:
             self._check_files(shard, digests=verify)
         self._cache: tuple[int, dict] | None = None
+        self._conditioning: Conditioning | None = None
 
     # -- description -----------------------------------------------------------------
     def __len__(self) -> int:
@@ -70,10 +110,16 @@ class Store:
     def nbytes_on_disk(self) -> int:
         return sum(s.record.get("bytes", 0) for s in self.shards)
 
+    @property
+    def conditioning(self) -> Conditioning:
+        """The store's conditioning, typed (decoded once)."""
+        if self._conditioning is None:
+            self._conditioning = Conditioning.from_manifest(self.manifest["conditioning"])
+        return self._conditioning
+
     def empty_caption(self) -> dict[str, np.ndarray]:
         """The text embedding of "" (for classifier-free guidance), if the store has text."""
-        text = self.manifest["conditioning"].get("text") or {}
-        return {k: manifest.decode_array(v) for k, v in (text.get("empty") or {}).items()}
+        return {k: v.copy() for k, v in self.conditioning.empty.items()}
 
     # -- the models that give the numbers meaning ----------------------------------------
     # A store names the autoencoder and text encoder it was made with; these rebuild them
@@ -89,7 +135,7 @@ class Store:
         """The store's caption encoder (ditdata.clip.ClipModel); embed_text(captions, tokens=...)."""
         from ditdata.clip import load_clip
 
-        text = (self.manifest["conditioning"] or {}).get("text")
+        text = self.conditioning.text
         if not text:
             raise StoreError(f"{self.root / manifest.MANIFEST}: this store has no text conditioning")
         return load_clip(text["model"], pretrained or text.get("pretrained"), device=device,

@@ -1,0 +1,58 @@
+"""Where models run and in which precision: one rule for every command of both packages.
+
+    device = resolve_device("auto")            # cuda:LOCAL_RANK when there is a GPU, else cpu
+    dtype = amp_dtype(device, "auto")          # bf16 / fp16 / None (fp32)
+    with autocast(device, dtype): ...
+
+`auto` precision is bf16 on GPUs that have it, `without_bf16` (fp16 by default) on older
+GPUs, and fp32 on the CPU: CPU bf16 autocast is very slow on many processors (measured on
+this project's development machine), and fp32 is what tests compare against.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+
+import torch
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class DeviceError(ValueError):
+    """An unusable --device or --precision; the message is one line that says what works."""
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """auto (or None) -> cuda:LOCAL_RANK when CUDA is available, else cpu; anything else is
+    parsed and checked (DeviceError for a name torch does not know, or CUDA without a GPU)."""
+    if isinstance(device, torch.device):
+        return device
+    if device in (None, "", "auto"):
+        if torch.cuda.is_available():
+            return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise DeviceError(f"--device {device!r}: not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
+    return dev
+
+
+def amp_dtype(device: torch.device, precision: str = "auto", *, without_bf16: str = "fp16") -> torch.dtype | None:
+    """The autocast dtype for `precision` on `device`, None for fp32 (module docstring)."""
+    if precision not in PRECISIONS:
+        raise DeviceError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    if precision == "auto":
+        if device.type != "cuda":
+            return None
+        precision = "bf16" if torch.cuda.is_bf16_supported() else without_bf16
+    return _DTYPES[precision]
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """torch.autocast for `dtype` on `device`, or a no-op for fp32 (None)."""
+    return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
