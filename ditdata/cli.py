@@ -1,16 +1,49 @@
 """`ditdata`: the command-line surface of the data side. No logic lives here: each
-command parses its options and calls the module named after it. Heavy libraries
-(torch, img2dataset, open_clip, diffusers, zarr) are imported inside those calls so
-`ditdata --help` stays instant."""
+command parses and checks its options, hands them to one module and prints what that
+module reports (its `report`, `describe` or list of faults):
+
+    fetch -> ditdata.fetch    score -> ditdata.score    filter -> ditdata.selection
+    encode -> ditdata.encode  inspect, verify -> ditdata.summary
+
+The defaults and choices of fetch and encode are those of ditdata/config.py (FetchConfig,
+EncodeConfig), which imports nothing heavy; torch, img2dataset, open_clip, diffusers and
+zarr are imported inside the calls, so `ditdata --help` stays instant."""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
+from dataclasses import MISSING, fields
+from functools import partial
 
 import click
 
+from ditdata.config import (
+    CLIP_MODEL,
+    DEFAULT_URL_IMAGE_SIZE,
+    DISTRIBUTORS,
+    DTYPES,
+    ENCODE_FORMATS,
+    KINDS,
+    POSTERIORS,
+    RESIZE_MODES,
+    SCORE_BATCH_SIZE,
+    EncodeConfig,
+    FetchConfig,
+)
 from ditdata.store.cli import FiniteFloat, OneLineErrors
+from ditdata.store.defaults import BACKENDS
+
+
+def _opt(config, *names, field, **kw):
+    """A click option for `field` of the dataclass `config`, with its default (the one place
+    defaults live; None is not shown)."""
+    default = next(f.default for f in fields(config) if f.name == field)
+    assert default is not MISSING, field
+    return click.option(*names, field, default=default, show_default=True, **kw)
+
+
+_fetch_opt = partial(_opt, FetchConfig)
+_encode_opt = partial(_opt, EncodeConfig)
 
 
 def user_errors() -> tuple[type[Exception], ...]:
@@ -42,51 +75,47 @@ def main():
 @click.argument("source", type=click.Path(exists=True, path_type=str))
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Shards folder to write (created; an interrupted fetch into it is resumed).")
-@click.option("--kind", type=click.Choice(["urls", "classes", "captions"]), default=None,
-              help="What SOURCE holds. Default: detected (a URL-list file or folder of them -> urls; "
-                   "images with same-stem .txt files -> captions; one folder per class -> classes).")
-@click.option("--image-size", type=click.IntRange(min=1), default=None,
-              help="Resize to this size (see --resize-mode). Default: 256 for URL lists, "
-                   "originals kept for folders.")
-@click.option("--resize-mode", type=click.Choice(["no", "keep_ratio", "center_crop", "border", "keep_ratio_largest"]),
-              default="center_crop", show_default=True,
-              help="img2dataset's names: center_crop = smaller side to size then centre square; "
-                   "keep_ratio = smaller side to size; border = longer side to size, white padding; "
-                   "no = keep the original size.")
-@click.option("--min-image-size", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Skip images whose smaller side (before resizing) is below this.")
-@click.option("--max-aspect-ratio", type=FiniteFloat(min=1, allow_inf=True), default=float("inf"), show_default=True,
-              help="Skip images whose longer/shorter side ratio is above this (at least 1).")
-@click.option("--samples-per-shard", type=click.IntRange(min=1), default=10000, show_default=True)
-@click.option("--processes", type=click.IntRange(min=1), default=None, help="Worker processes. Default: all CPU cores.")
-@click.option("--threads", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Download threads per process (URL lists).")
-@click.option("--url-col", default=None, help="URL column of the URL list. Default: url, URL, image_url, ...")
-@click.option("--caption-col", default=None,
-              help="Caption column. Default: caption, TEXT, text, ... if present; '' for none.")
-@click.option("--keep-col", "keep_cols", multiple=True,
-              help="Extra URL-list column to keep in each sample's json (repeatable), e.g. similarity.")
-@click.option("--encode-format", type=click.Choice(["jpg", "png", "webp"]), default="jpg", show_default=True,
-              help="Format of re-encoded images (RGB JPEG originals of folders are stored unchanged "
-                   "when not resized).")
-@click.option("--encode-quality", type=click.IntRange(0, 100), default=95, show_default=True,
-              help="JPEG/WebP quality of re-encoded images (0-100).")
-@click.option("--distributor", type=click.Choice(["multiprocessing", "pyspark", "ray"]), default="multiprocessing",
-              show_default=True, help="img2dataset's distributor (URL lists); pyspark and ray are optional "
-                                      "extras: pip install 'ditkit[distributed]'.")
-@click.option("--timeout", type=click.IntRange(min=1), default=10, show_default=True,
-              help="Download timeout in seconds (URL lists).")
-@click.option("--retries", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Download retries per URL (URL lists).")
-@click.option("--shuffle-seed", type=int, default=None,
-              help="Folders: shuffle the sorted file list with this seed before sharding (deterministic). "
-                   "Default: sorted order (ImageNet shards then hold consecutive classes).")
-@click.option("--overwrite", is_flag=True,
-              help="Delete a previous fetch in --out first instead of resuming it.")
+@_fetch_opt("--kind", field="kind", type=click.Choice(KINDS),
+            help="What SOURCE holds. Default: detected (a URL-list file or folder of them -> urls; "
+                 "images with same-stem .txt files -> captions; one folder per class -> classes).")
+@_fetch_opt("--image-size", field="image_size", type=click.IntRange(min=1),
+            help=f"Resize to this size (see --resize-mode). Default: {DEFAULT_URL_IMAGE_SIZE} for URL lists, "
+                 "originals kept for folders.")
+@_fetch_opt("--resize-mode", field="resize_mode", type=click.Choice(RESIZE_MODES),
+            help="img2dataset's names: center_crop = smaller side to size then centre square; "
+                 "keep_ratio = smaller side to size; border = longer side to size, white padding; "
+                 "no = keep the original size.")
+@_fetch_opt("--min-image-size", field="min_image_size", type=click.IntRange(min=0),
+            help="Skip images whose smaller side (before resizing) is below this.")
+@_fetch_opt("--max-aspect-ratio", field="max_aspect_ratio", type=FiniteFloat(min=1, allow_inf=True),
+            help="Skip images whose longer/shorter side ratio is above this (at least 1).")
+@_fetch_opt("--samples-per-shard", field="samples_per_shard", type=click.IntRange(min=1))
+@_fetch_opt("--processes", field="processes", type=click.IntRange(min=1),
+            help="Worker processes. Default: all CPU cores.")
+@_fetch_opt("--threads", field="threads", type=click.IntRange(min=1),
+            help="Download threads per process (URL lists).")
+@_fetch_opt("--url-col", field="url_col", help="URL column of the URL list. Default: url, URL, image_url, ...")
+@_fetch_opt("--caption-col", field="caption_col",
+            help="Caption column. Default: caption, TEXT, text, ... if present; '' for none.")
+@_fetch_opt("--keep-col", field="keep_cols", multiple=True,
+            help="Extra URL-list column to keep in each sample's json (repeatable), e.g. similarity.")
+@_fetch_opt("--encode-format", field="encode_format", type=click.Choice(ENCODE_FORMATS),
+            help="Format of re-encoded images (RGB JPEG originals of folders are stored unchanged "
+                 "when not resized).")
+@_fetch_opt("--encode-quality", field="encode_quality", type=click.IntRange(0, 100),
+            help="JPEG/WebP quality of re-encoded images (0-100).")
+@_fetch_opt("--distributor", field="distributor", type=click.Choice(DISTRIBUTORS),
+            help="img2dataset's distributor (URL lists); pyspark and ray are optional "
+                 "extras: pip install 'ditkit[distributed]'.")
+@_fetch_opt("--timeout", field="timeout", type=click.IntRange(min=1), help="Download timeout in seconds (URL lists).")
+@_fetch_opt("--retries", field="retries", type=click.IntRange(min=0), help="Download retries per URL (URL lists).")
+@_fetch_opt("--shuffle-seed", field="shuffle_seed", type=int,
+            help="Folders: shuffle the sorted file list with this seed before sharding (deterministic). "
+                 "Default: sorted order (ImageNet shards then hold consecutive classes).")
+@_fetch_opt("--overwrite", field="overwrite", is_flag=True,
+            help="Delete a previous fetch in --out first instead of resuming it.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def fetch(source, out, kind, image_size, resize_mode, min_image_size, max_aspect_ratio, samples_per_shard,
-          processes, threads, url_col, caption_col, keep_cols, encode_format, encode_quality, distributor,
-          timeout, retries, shuffle_seed, overwrite, quiet):
+def fetch(source, out, quiet, **options):
     """Fetch SOURCE into WebDataset image shards in SHARDS_DIR (--out): NNNNN.tar with
     {key}.jpg, {key}.json (key, source, size, caption or label) and {key}.txt captions,
     NNNNN_stats.json per shard, and dataset.json written last when everything is done.
@@ -123,15 +152,7 @@ def fetch(source, out, kind, image_size, resize_mode, min_image_size, max_aspect
     from ditdata.fetch import fetch as run_fetch
     from ditdata.fetch import report
 
-    info = run_fetch(
-        source, out, kind=kind, image_size=image_size, resize_mode=resize_mode,
-        min_image_size=min_image_size, max_aspect_ratio=max_aspect_ratio,
-        samples_per_shard=samples_per_shard, processes=processes, threads=threads,
-        url_col=url_col, caption_col=caption_col, keep_cols=keep_cols,
-        encode_format=encode_format, encode_quality=encode_quality, distributor=distributor,
-        timeout=timeout, retries=retries, shuffle_seed=shuffle_seed, overwrite=overwrite,
-        progress=not quiet,
-    )
+    info = run_fetch(source, out, FetchConfig(**options, progress=not quiet))
     click.echo(f"{out}: {report(info)}")
 
 
@@ -139,7 +160,7 @@ def fetch(source, out, kind, image_size, resize_mode, min_image_size, max_aspect
 @click.argument("shards", type=click.Path(exists=True, file_okay=False, path_type=str))
 @click.option("--clip", "clip_name", default=None,
               help="open_clip model name, e.g. ViT-B-32 (LAION-5B's filter), ViT-L-14 (DataComp). "
-                   "Default: ViT-B-32, or the --clip-config file's stem.")
+                   f"Default: {CLIP_MODEL}, or the --clip-config file's stem.")
 @click.option("--pretrained", required=True,
               help="open_clip pretrained tag (e.g. laion2b_s34b_b79k, openai), resolved from the local "
                    "Hugging Face cache only, or a local weights file.")
@@ -147,7 +168,7 @@ def fetch(source, out, kind, image_size, resize_mode, min_image_size, max_aspect
               help="An open_clip model-config JSON (embed_dim, vision_cfg, text_cfg) for a custom "
                    "architecture; the model is then named after the file's stem.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ... (bf16 autocast on CUDA).")
-@click.option("--batch-size", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--batch-size", default=SCORE_BATCH_SIZE, show_default=True, type=click.IntRange(min=1))
 @click.option("--workers", default=None, type=click.IntRange(min=0),
               help="Image decoding threads (0: decode in the main thread). Default: CPU cores, at most 8.")
 @click.option("--overwrite", is_flag=True,
@@ -286,36 +307,35 @@ def verify(store):
 @click.argument("shards", type=click.Path(exists=True, file_okay=False, path_type=str))
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=str),
               help="The latent store directory (created, resumed or appended to).")
-@click.option("--vae", default="sd-vae-ft-ema", show_default=True,
-              help="Autoencoder: sd-vae-ft-ema, sd-vae-ft-mse, sdxl-vae, flux-vae, taef2, pixels, "
-                   "a local directory (diffusers AutoencoderKL or TAEF2 weights) or a cached hub id.")
-@click.option("--resolution", default=256, show_default=True, type=click.IntRange(min=1),
-              help="Square crop size in pixels (ADM rule: resize short side, center crop).")
-@click.option("--backend", type=click.Choice(["zarr", "wds"]), default="zarr", show_default=True)
-@click.option("--flip/--no-flip", default=False, show_default=True,
-              help="Also store the latent of the horizontally flipped image.")
-@click.option("--posterior", type=click.Choice(["sample", "mean_std"]), default="sample", show_default=True,
-              help="Store one posterior sample, or mean and std so training draws fresh samples.")
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16"]), default="float16", show_default=True,
-              help="Storage dtype of latents and text embeddings.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
-@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1))
-@click.option("--workers", default=2, show_default=True, type=click.IntRange(min=0),
-              help="Image decoding processes (each takes whole shards).")
-@click.option("--select", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
-              help="A selection written by `ditdata filter`: encode only those keys.")
-@click.option("--text-encoder", default=None, help="open_clip model for caption embeddings, e.g. ViT-B-32.")
-@click.option("--text-pretrained", default=None, help="Its pretrained tag (from the local cache) or a weights file.")
-@click.option("--text-config", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
-              help="An open_clip model-config JSON for a custom text encoder.")
-@click.option("--text-tokens/--no-text-tokens", default=False, show_default=True,
-              help="Also store per-token text embeddings and mask (for cross-attention).")
-@click.option("--seed", default=0, show_default=True, help="Seed of the posterior draws.")
-@click.option("--chunk-samples", default=1024, show_default=True, type=click.IntRange(min=1),
-              help="Samples per storage chunk (large chunks read fast).")
-@click.option("--skip-bad-shards", is_flag=True,
-              help="Leave out image shards whose tar is damaged or holds fewer samples than its "
-                   "stats file says (each is recorded in the manifest) instead of stopping.")
+@_encode_opt("--vae", field="vae",
+             help="Autoencoder: sd-vae-ft-ema, sd-vae-ft-mse, sdxl-vae, flux-vae, taef2, pixels, "
+                  "a local directory (diffusers AutoencoderKL or TAEF2 weights) or a cached hub id.")
+@_encode_opt("--resolution", field="resolution", type=click.IntRange(min=1),
+             help="Square crop size in pixels (ADM rule: resize short side, center crop).")
+@_encode_opt("--backend", field="backend", type=click.Choice(BACKENDS))
+@_encode_opt("--flip/--no-flip", field="flip", help="Also store the latent of the horizontally flipped image.")
+@_encode_opt("--posterior", field="posterior", type=click.Choice(POSTERIORS),
+             help="Store one posterior sample, or mean and std so training draws fresh samples.")
+@_encode_opt("--dtype", field="dtype", type=click.Choice(DTYPES), help="Storage dtype of latents and text embeddings.")
+@_encode_opt("--device", field="device", help="auto, cpu, cuda, cuda:1, ...")
+@_encode_opt("--batch-size", field="batch_size", type=click.IntRange(min=1))
+@_encode_opt("--workers", field="workers", type=click.IntRange(min=0),
+             help="Image decoding processes (each takes whole shards).")
+@_encode_opt("--select", field="select", type=click.Path(exists=True, dir_okay=False, path_type=str),
+             help="A selection written by `ditdata filter`: encode only those keys.")
+@_encode_opt("--text-encoder", field="text_encoder", help="open_clip model for caption embeddings, e.g. ViT-B-32.")
+@_encode_opt("--text-pretrained", field="text_pretrained",
+             help="Its pretrained tag (from the local cache) or a weights file.")
+@_encode_opt("--text-config", field="text_config", type=click.Path(exists=True, dir_okay=False, path_type=str),
+             help="An open_clip model-config JSON for a custom text encoder.")
+@_encode_opt("--text-tokens/--no-text-tokens", field="text_tokens",
+             help="Also store per-token text embeddings and mask (for cross-attention).")
+@_encode_opt("--seed", field="seed", type=int, help="Seed of the posterior draws.")
+@_encode_opt("--chunk-samples", field="chunk_samples", type=click.IntRange(min=1),
+             help="Samples per storage chunk (large chunks read fast).")
+@_encode_opt("--skip-bad-shards", field="skip_bad_shards", is_flag=True,
+             help="Leave out image shards whose tar is damaged or holds fewer samples than its "
+                  "stats file says (each is recorded in the manifest) instead of stopping.")
 def encode(shards, out, **options):
     """Encode the image SHARDS folder (from `ditdata fetch`) into a latent store.
 
@@ -337,20 +357,11 @@ def encode(shards, out, **options):
           --text-encoder ViT-B-32 --text-pretrained laion2b_s34b_b79k --out ./store
       torchrun --standalone --nproc_per_node 8 -m ditdata.cli encode ./shards --vae taef2 --out ./store
     """
-    from ditdata.encode import EncodeConfig, encode
+    from ditdata.encode import encode, report
 
-    r = encode(EncodeConfig(shards=shards, out=out, **options))
-    if r["num_samples"] is not None:
-        skipped = ", ".join(f"{k}: {v}" for k, v in r["skipped"].items()) or "none"
-        bad = "; ".join(f"{Path(b['shard']).name} ({b['reason']}; "
-                        f"{'?' if b['samples_lost'] is None else b['samples_lost']} samples lost)"
-                        for b in r["skipped_shards"])
-        click.echo(
-            f"{out}: {r['num_samples']} samples; this run encoded {r['encoded']} images in "
-            f"{r['shards_written']} shards ({r['shards_skipped']} already done) at "
-            f"{r['images_per_s']:.1f} img/s; skipped: {skipped}"
-            + (f"; skipped shards: {bad}" if bad else "")
-        )
+    line = report(encode(EncodeConfig(shards=shards, out=out, **options)))
+    if line is not None:  # rank 0, which wrote the manifest
+        click.echo(f"{out}: {line}")
 
 
 if __name__ == "__main__":

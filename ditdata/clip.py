@@ -12,10 +12,11 @@ embeddings for text-conditioned training).
 
 - an open_clip pretrained TAG of the model (`open_clip.list_pretrained_tags_by_model`),
   e.g. "laion2b_s34b_b79k" or "openai". Nothing is downloaded: the weights file open_clip
-  would fetch for the tag is looked up in the local Hugging Face cache (HF_HUB_CACHE, else
-  HF_HOME/hub, else ~/.cache/huggingface/hub; the safetensors variant first, as open_clip
-  does) and in open_clip's URL cache (~/.cache/clip). When it is there, the model is built
-  by the real open_clip path `create_model_and_transforms(name, pretrained=<that file>)`
+  would fetch for the tag is looked up in the local Hugging Face cache
+  (`ditdata.hub.hub_cache_dir`: HF_HUB_CACHE, else HF_HOME/hub, else
+  ~/.cache/huggingface/hub; the safetensors variant first, as open_clip does) and in
+  open_clip's URL cache (~/.cache/clip). When it is there, the model is built by the
+  real open_clip path `create_model_and_transforms(name, pretrained=<that file>)`
   with the tag's preprocessing (mean, std, interpolation, resize mode) and its QuickGELU
   setting (the tag records which activation the weights were trained with); when it is
   not, DitdataError says at once which repository and file to copy in (no download, no
@@ -30,22 +31,23 @@ embeddings for text-conditioned training).
 open_clip's model_configs/*.json). It is registered with `open_clip.add_model_config`; the
 model name is then the file's stem, so small or custom architectures work offline.
 
-Inference runs under bf16 autocast on CUDA devices (fp16 where the GPU has no bf16) and
-in fp32 on the CPU; embeddings and
+Devices and precision follow `ditdata.store.devices`: inference runs under bf16 autocast
+on CUDA devices (fp16 where the GPU has no bf16) and in fp32 on the CPU; embeddings and
 scores come back as float32 (masks as bool) on the CPU, pixels (`pixels`,
 `preprocess_images`) on the model's device.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ditdata.errors import DitdataError
+from ditdata.hub import hub_cache_dir
+from ditdata.store import files
 
 if TYPE_CHECKING:
     import torch
@@ -57,16 +59,6 @@ WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".npz")
 
 
 # ----------------------------------------------------------------------------- resolving
-
-
-def hf_hub_cache() -> Path:
-    """The Hugging Face hub cache folder, read from the environment now (not at import)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
-    return Path(xdg).expanduser() / "huggingface" / "hub"
 
 
 def openclip_url_cache() -> Path:
@@ -149,7 +141,7 @@ def resolve_pretrained(name: str, pretrained: str | None, *, config: str | None 
                 f"--pretrained {pretrained!r} is neither a pretrained tag of {name} ({known}) nor an "
                 f"existing weights file"
             )
-    out["weights_sha256"] = sha256_file(out["file"])
+    out["weights_sha256"] = weights_sha256(out["file"])
     return out
 
 
@@ -167,7 +159,7 @@ def _find_tag_weights(name: str, tag: str, cfg: dict) -> Path:
 
         repo, filename = os.path.split(hub)  # as open_clip: "org/repo/" = the default file
         filename = filename or HF_WEIGHTS_NAME
-        cache = hf_hub_cache()
+        cache = hub_cache_dir()
         for fn in _safe_alternatives(filename) + [filename]:
             try:
                 hit = try_to_load_from_cache(repo, fn, cache_dir=str(cache))
@@ -207,39 +199,17 @@ def _safe_alternatives(filename: str) -> list[str]:
 _SHA_CACHE: dict[tuple, str] = {}
 
 
-def sha256_file(path, chunk: int = 1 << 23) -> str:
-    """SHA-256 of a file, remembered per (path, size, mtime) for this process."""
+def weights_sha256(path) -> str:
+    """`files.sha256_file`, remembered per (path, size, mtime) for this process: a run
+    resolves the same weights more than once (`ditdata score` checks, then loads)."""
     st = os.stat(path)
     ident = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
     if ident not in _SHA_CACHE:
-        _SHA_CACHE[ident] = _sha256(path, chunk)
+        _SHA_CACHE[ident] = files.sha256_file(path)
     return _SHA_CACHE[ident]
 
 
-def _sha256(path, chunk: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 # ----------------------------------------------------------------------------- loading
-
-
-def pick_device(device: str | None = None):
-    """"cuda" when available unless told otherwise; DitdataError for an unusable device."""
-    import torch
-
-    if device in (None, "", "auto"):
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError) as e:
-        raise DitdataError(f"bad device {device!r} ({e})") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise DitdataError(f"device {device!r} requested but CUDA is not available (use --device cpu)")
-    return dev
 
 
 def load_clip(name: str, pretrained: str | None, device="cpu", *, config: str | None = None) -> ClipModel:
@@ -248,8 +218,10 @@ def load_clip(name: str, pretrained: str | None, device="cpu", *, config: str | 
 
     import open_clip
 
+    from ditdata.store.devices import resolve_device
+
     res = resolve_pretrained(name, pretrained, config=config)
-    dev = pick_device(device)
+    dev = resolve_device(device)
     tag_cfg = res["tag_cfg"]
     kwargs = {}
     if tag_cfg:
@@ -319,10 +291,13 @@ class ClipModel:
     def __init__(self, model, preprocess, tokenizer, info: dict, device):
         import torch
 
+        from ditdata.store.devices import amp_dtype
+
         self.model = model
         self.preprocess = preprocess
         self.tokenizer = tokenizer
         self.device = torch.device(device)
+        self._amp = amp_dtype(self.device)  # bf16 / fp16 on GPUs, None (fp32) on the CPU
         token_dim, self._pad_id = _text_dims(model)
         self._pil_part, self._mean, self._std = _split_preprocess(preprocess)
         self.info = dict(info)
@@ -331,12 +306,9 @@ class ClipModel:
         self.info["token_dim"] = int(token_dim)
 
     def _autocast(self):
-        import torch
+        from ditdata.store.devices import autocast
 
-        if self.device.type == "cuda":  # fp16 on GPUs without bf16 (before Ampere)
-            bf16 = torch.cuda.is_bf16_supported()
-            return torch.autocast("cuda", dtype=torch.bfloat16 if bf16 else torch.float16)
-        return nullcontext()
+        return autocast(self.device, self._amp)
 
     # -- images
 

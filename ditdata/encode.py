@@ -30,7 +30,7 @@ import os
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,43 +38,15 @@ import torch
 import torch.distributed as dist
 
 from ditdata import imageshards
+from ditdata.config import DTYPES, MAX_RESOLUTION, POSTERIORS, EncodeConfig  # noqa: F401  (EncodeConfig: re-exported)
 from ditdata.errors import DitdataError
 from ditdata.preprocess import CROP_RULE, center_crop
+from ditdata.score import score_path
 from ditdata.store import BFLOAT16, DirLock, Schema, StoreWriter, TensorSpec, encode_array
+from ditdata.store.devices import amp_dtype, autocast, resolve_device
 from ditdata.vae import load_autoencoder
 
-POSTERIORS = ("sample", "mean_std")
-# Far above any DiT recipe (256-1024 px); a mistyped --resolution 100000 would otherwise
-# allocate 30 GB per decoded image before anything could say no.
-MAX_RESOLUTION = 4096
-DTYPES = ("float16", "bfloat16")
-SCORE_SUFFIX = ".clip.parquet"  # written by `ditdata score` beside each image shard
 NON_FINITE = "non-finite latent"
-
-
-@dataclass
-class EncodeConfig:
-    shards: str
-    out: str
-    vae: str = "sd-vae-ft-ema"
-    resolution: int = 256
-    backend: str = "zarr"
-    flip: bool = False
-    posterior: str = "sample"  # one frozen draw, or mean and std (fresh draws in training)
-    dtype: str = "float16"  # storage dtype of latents and text embeddings
-    device: str = "auto"  # auto: cuda when available
-    batch_size: int = 32
-    workers: int = 2
-    select: str | None = None
-    text_encoder: str | None = None  # open_clip model name
-    text_pretrained: str | None = None  # its pretrained tag or weights file
-    text_config: str | None = None  # an open_clip model-config JSON for custom models
-    text_tokens: bool = False  # also store per-token embeddings and mask
-    seed: int = 0
-    chunk_samples: int = 1024
-    skip_bad_shards: bool = False  # leave out (and record) image shards that are damaged
-    progress: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- workers
@@ -154,16 +126,29 @@ def _shard_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + int(digits)) % (2**63)
 
 
-class _Accumulator:
-    def __init__(self):
+class _ShardOut:
+    """One store shard being filled: its arrays and columns as batches arrive, the
+    generator of its posterior draws (seeded by the shard, so the split of the work does
+    not change the bytes) and the keys of the samples left out as not finite."""
+
+    def __init__(self, seed: int, name: str):
+        self.gen = torch.Generator().manual_seed(_shard_seed(seed, name))
         self.tensors: dict[str, list] = {}
         self.columns: dict[str, list] = {}
+        self.nonfinite_keys: list[str] = []
 
-    def add(self, tensors: dict, columns: dict):
+    def add(self, tensors: dict[str, np.ndarray], columns: dict[str, list]) -> int:
+        """Keep the batch's samples whose every value is finite as stored; returns how many."""
+        ok = _finite_rows(tensors)
+        if not ok.all():  # never store NaN/inf: count the samples and leave them out
+            self.nonfinite_keys.extend(k for k, good in zip(columns["key"], ok, strict=True) if not good)
+            tensors = {k: v[ok] for k, v in tensors.items()}
+            columns = {k: [x for x, good in zip(v, ok, strict=True) if good] for k, v in columns.items()}
         for k, v in tensors.items():
             self.tensors.setdefault(k, []).append(v)
         for k, v in columns.items():
             self.columns.setdefault(k, []).extend(v)
+        return int(ok.sum())
 
     def result(self, schema: Schema):
         tensors = {}
@@ -174,25 +159,18 @@ class _Accumulator:
         columns = {c: self.columns.get(c, []) for c in schema.columns}
         return tensors, columns
 
-
-def _resolve_device(device: str) -> str:
-    if device == "auto":
-        if torch.cuda.is_available():
-            return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-        return "cpu"
-    try:
-        kind = torch.device(device).type
-    except RuntimeError:
-        raise DitdataError(f"--device {device!r}: not a device; use auto, cpu, cuda or cuda:N") from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise DitdataError(f"--device {device}: CUDA is not available on this machine")
-    return device
+    def stats(self, worker_stats: dict) -> dict:
+        """The shard's record extras: the worker's skip counts plus the non-finite samples."""
+        nonfinite = Counter({NON_FINITE: len(self.nonfinite_keys)})
+        return {**worker_stats,
+                "skipped": dict(Counter(worker_stats["skipped"]) + nonfinite),
+                "skipped_keys": (worker_stats["skipped_keys"] + self.nonfinite_keys)[:1000]}
 
 
 class Encoder:
     """Everything that runs on the device: the autoencoder and the optional text encoder."""
 
-    def __init__(self, cfg: EncodeConfig, device: str):
+    def __init__(self, cfg: EncodeConfig, device: torch.device):
         self.cfg, self.device = cfg, device
         self.ae = load_autoencoder(cfg.vae, device=device)
         if cfg.posterior == "mean_std" and self.ae.deterministic:
@@ -205,21 +183,16 @@ class Encoder:
             from ditdata.clip import load_clip
 
             self.text = load_clip(cfg.text_encoder, cfg.text_pretrained, device=device, config=cfg.text_config)
-        cuda = device.startswith("cuda")
+        cuda = device.type == "cuda"
         # Convolutions run faster in channels-last layout (oneDNN on this CPU: TAEF2 at 256 px
         # 3.6 vs 2.6 images/s; tensor cores on GPUs). On the CPU, one image at a time keeps
         # the full-resolution activations in cache (batches of 2-4 measured slower per image).
         if self.ae.module is not None:
             self.ae.module.to(memory_format=torch.channels_last)
         self.micro = cfg.batch_size if cuda else 1
-        # bf16 autocast on GPUs that have it; the CPU stays in fp32 (bf16 is very slow there).
-        self.autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16)
-            if cuda and torch.cuda.is_bf16_supported()
-            else torch.autocast("cuda", dtype=torch.float16)
-            if cuda
-            else torch.autocast("cpu", enabled=False)
-        )
+        # bf16 autocast on GPUs that have it, fp16 on older ones; the CPU stays in fp32 (bf16
+        # is very slow there): ditdata.store.devices' rule.
+        self.amp = amp_dtype(device)
 
     def latent_names(self) -> list[str]:
         names = ["latent"] if self.cfg.posterior == "sample" else ["mean", "std"]
@@ -232,7 +205,7 @@ class Encoder:
         if self.cfg.flip:
             x = torch.cat([x, x.flip(-1)])  # one pass for both views
         x = x.contiguous(memory_format=torch.channels_last)
-        with torch.inference_mode(), self.autocast:
+        with torch.inference_mode(), autocast(self.device, self.amp):
             parts = [self.ae.encode(x[i:i + self.micro]) for i in range(0, len(x), self.micro)]
         mean = torch.cat([p[0] for p in parts]).float().contiguous()
         std = None if parts[0][1] is None else torch.cat([p[1] for p in parts]).contiguous()
@@ -251,7 +224,7 @@ class Encoder:
         return out
 
     def captions(self, captions: list[str]) -> dict:
-        with torch.inference_mode(), self.autocast:
+        with torch.inference_mode(), autocast(self.device, self.amp):
             emb = self.text.embed_text(captions, tokens=self.cfg.text_tokens)
         return {k: v if v.dtype == torch.bool else v.float() for k, v in emb.items()}
 
@@ -268,7 +241,7 @@ def _text_fields(enc: Encoder, dtype: str) -> tuple[dict, dict]:
 
 
 def _load_scores(path: Path) -> dict[str, float | None] | None:
-    score_file = path.with_name(path.name[: -len(".tar")] + SCORE_SUFFIX)
+    score_file = score_path(path)
     if not score_file.is_file():
         return None
     import pyarrow.parquet as pq
@@ -311,58 +284,82 @@ def _check_out(out: Path, shards: Path) -> None:
         return
     if out.resolve() == shards.resolve() or shards.resolve() in out.resolve().parents:
         raise DitdataError(f"--out {out}: must not be the image-shard folder {shards} or inside it")
+    from ditdata.store import MANIFEST
     from ditdata.store.lock import LOCK_FILE
     from ditdata.store.writer import CONFIG, SHARDS
 
     names = {p.name for p in out.iterdir()} - {LOCK_FILE}
-    if names and not names & {CONFIG, "manifest.json"}:
+    if names and not names & {CONFIG, MANIFEST}:
         first = sorted(names)[0]
         raise DitdataError(f"--out {out} is not empty and not a latent store (it holds {first!r}, ...); "
                            "choose a new directory")
-    if names - {CONFIG, "manifest.json", SHARDS}:
-        extra = sorted(names - {CONFIG, "manifest.json", SHARDS})
+    if names - {CONFIG, MANIFEST, SHARDS}:
+        extra = sorted(names - {CONFIG, MANIFEST, SHARDS})
         raise DitdataError(f"--out {out} holds files a latent store does not ({', '.join(extra[:3])}); "
                            "choose a new directory")
 
 
 def _encode(cfg: EncodeConfig) -> dict:
-    from tqdm import tqdm
-
-    folder = imageshards.read_folder(cfg.shards)
-    info, inputs = folder.info, folder.shards
-    if not inputs:
-        raise DitdataError(f"{cfg.shards}: no finished image shards (NNNNN.tar with NNNNN_stats.json)")
-    kind = info["kind"]
-    if cfg.text_encoder and kind == "classes":
-        raise DitdataError("--text-encoder needs captions; this shard folder is a class dataset")
-    if folder.foreign:
-        print(f"note: {cfg.shards} has no {imageshards.DATASET_INFO} (not written by `ditdata fetch`); "
-              f"reading its {len(inputs)} tar(s) as they are (captions, no labels)", file=sys.stderr)
-
+    folder = _read_inputs(cfg)
     selection = None
     if cfg.select:
         from ditdata.selection import load_selection
 
         selection = load_selection(cfg.select)
-
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = _resolve_device(cfg.device)
+    device = resolve_device(cfg.device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                     timeout=dt.timedelta(hours=12))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=dt.timedelta(hours=12))
     torch.manual_seed(cfg.seed)
     enc = Encoder(cfg, device)
-    ae = enc.ae
+    layout = _store_layout(cfg, enc, folder)
+    writer = StoreWriter(
+        cfg.out, schema=layout.schema, backend=cfg.backend, chunk_samples=cfg.chunk_samples,
+        info={"vae": enc.ae.info,
+              "image": {"resolution": cfg.resolution, "crop": "center", "crop_rule": CROP_RULE, "flip": cfg.flip},
+              "conditioning": layout.conditioning,
+              "filter": None if selection is None else {**selection.rule, "selection": str(Path(cfg.select).resolve())}},
+    )
+    plan = _plan_shards(cfg, folder, writer, rank, world)
+    run = _encode_shards(cfg, enc, layout, plan, None if selection is None else selection.keys, writer)
+    return _finish(cfg, folder, writer, plan, run)
+
+
+# ------------------------------------------------------------------- the steps of a run
+
+
+def _read_inputs(cfg: EncodeConfig) -> imageshards.ShardFolder:
+    folder = imageshards.read_folder(cfg.shards)
+    if not folder.shards:
+        raise DitdataError(f"{cfg.shards}: no finished image shards (NNNNN.tar with NNNNN_stats.json)")
+    if cfg.text_encoder and folder.info["kind"] == "classes":
+        raise DitdataError("--text-encoder needs captions; this shard folder is a class dataset")
+    if folder.foreign:
+        print(f"note: {cfg.shards} has no {imageshards.DATASET_INFO} (not written by `ditdata fetch`); "
+              f"reading its {len(folder.shards)} tar(s) as they are (captions, no labels)", file=sys.stderr)
+    return folder
+
+
+@dataclass
+class _Layout:
+    """What every store shard of the run holds, and where its values come from."""
+
+    schema: Schema
+    conditioning: dict  # the manifest's conditioning entry
+    scores: dict[str, dict | None]  # image shard file name -> {key: clip_score}, None: not scored
+
+
+def _store_layout(cfg: EncodeConfig, enc: Encoder, folder: imageshards.ShardFolder) -> _Layout:
+    ae, info = enc.ae, folder.info
     if cfg.resolution % ae.downsample:
         lo = cfg.resolution // ae.downsample * ae.downsample
         fits = " or ".join(str(r) for r in (lo, lo + ae.downsample) if r > 0)
         raise DitdataError(f"--resolution {cfg.resolution} is not a multiple of {ae.name}'s downsample "
                            f"factor {ae.downsample}; use a multiple of {ae.downsample}, e.g. {fits}")
     latent_shape = ae.latent_shape(cfg.resolution, cfg.resolution)
-
     tensors = {n: TensorSpec(latent_shape, cfg.dtype) for n in enc.latent_names()}
     conditioning: dict = {"type": "none"}
-    if kind == "classes":
+    if info["kind"] == "classes":
         conditioning = {"type": "class", "num_classes": info.get("num_classes"), "class_names": info.get("class_names")}
     elif enc.text is not None:
         text_specs, empty = _text_fields(enc, cfg.dtype)
@@ -376,24 +373,28 @@ def _encode(cfg: EncodeConfig) -> dict:
             "tokens_shape": list(text_specs["text_tokens"].shape) if "text_tokens" in text_specs else None,
             "empty": empty,
         }}
-    scores = {p.name: _load_scores(p) for p in inputs}
-    columns = {"key": "string"}
-    if kind == "classes":
-        columns["label"] = "int64"
-    else:
-        columns["caption"] = "string"
-    columns |= {"source": "string", "original_width": "int64", "original_height": "int64"}
-    has_scores = any(v is not None for v in scores.values())
-    if has_scores:
+    scores = {p.name: _load_scores(p) for p in folder.shards}
+    columns = {"key": "string", **({"label": "int64"} if info["kind"] == "classes" else {"caption": "string"}),
+               "source": "string", "original_width": "int64", "original_height": "int64"}
+    if any(v is not None for v in scores.values()):
         columns["clip_score"] = "float64"
-    schema = Schema(tensors=tensors, columns=columns)
-    image = {"resolution": cfg.resolution, "crop": "center", "crop_rule": CROP_RULE, "flip": cfg.flip}
-    writer = StoreWriter(
-        cfg.out, schema=schema, backend=cfg.backend, chunk_samples=cfg.chunk_samples,
-        info={"vae": ae.info, "image": image, "conditioning": conditioning,
-              "filter": None if selection is None else {**selection.rule, "selection": str(Path(cfg.select).resolve())}},
-    )
+    return _Layout(Schema(tensors=tensors, columns=columns), conditioning, scores)
 
+
+@dataclass
+class _Plan:
+    """Which image shards this rank encodes."""
+
+    names: list[str]  # the store shard name of every input, in order
+    todo: list[tuple[str, Path, int | None]]  # (name, tar, samples its stats file records)
+    bad: list[dict]  # shards found damaged before the run, on every rank (_bad_shard)
+    already: int  # this rank's shards already in the store
+    rank: int
+    world: int
+
+
+def _plan_shards(cfg: EncodeConfig, folder, writer: StoreWriter, rank: int, world: int) -> _Plan:
+    inputs = folder.shards
     names = [p.name[: -len(".tar")] for p in inputs]
     mine = [(n, p) for i, (n, p) in enumerate(zip(names, inputs, strict=True)) if i % world == rank]
     todo = [(n, p, folder.expected[p.name]) for n, p in mine if not writer.done(n)]
@@ -402,96 +403,110 @@ def _encode(cfg: EncodeConfig) -> dict:
     problems = {n: imageshards.check_shard(p, e) for n, p, e in todo}
     bad = _gather_lists([_bad_shard(n, p, e, problems[n]) for n, p, e in todo if problems[n]], world)
     _refuse_bad_shards(bad, cfg)
-    already = len(mine) - len(todo)
-    todo = [t for t in todo if not problems[t[0]]]
-    expected = sum(e or 0 for _, _, e in todo)
+    return _Plan(names, [t for t in todo if not problems[t[0]]], bad, len(mine) - len(todo), rank, world)
 
-    dataset = ShardImages(todo, cfg.resolution, cfg.batch_size, None if selection is None else selection.keys)
+
+def _encode_shards(cfg: EncodeConfig, enc: Encoder, layout: _Layout, plan: _Plan, keep: set | None,
+                   writer: StoreWriter) -> dict:
+    """The batch loop: decoded images from the workers -> latents -> one store shard per
+    image shard, written when its last batch is in. Returns what the run did."""
+    from tqdm import tqdm
+
+    todo = plan.todo
     workers = min(cfg.workers, len(todo))
     loader = torch.utils.data.DataLoader(
-        dataset, batch_size=None, num_workers=workers,
+        ShardImages(todo, cfg.resolution, cfg.batch_size, keep), batch_size=None, num_workers=workers,
         persistent_workers=False, prefetch_factor=4 if workers else None,
     )
-    pending: dict[str, tuple[_Accumulator, object, Counter, list]] = {}
-    sources = {n: p for n, p, _ in todo}
+    jobs = {n: (p, e) for n, p, e in todo}
+    pending: dict[str, _ShardOut] = {}
     encoded, skipped, late_bad = 0, Counter(), []
     t0 = time.perf_counter()
-    bar = tqdm(total=expected or None, unit="img", desc=f"encode[{rank}]" if world > 1 else "encode",
-               disable=not cfg.progress, dynamic_ncols=True)
+    bar = tqdm(total=sum(e or 0 for _, _, e in todo) or None, unit="img", dynamic_ncols=True,
+               desc=f"encode[{plan.rank}]" if plan.world > 1 else "encode", disable=not cfg.progress)
     for batch in loader:
         name = batch["shard"]
         if name not in pending:
-            gen = torch.Generator().manual_seed(_shard_seed(cfg.seed, name))
-            pending[name] = (_Accumulator(), gen, Counter(), [])
-        acc, gen, nonfinite, nonfinite_keys = pending[name]
-        metas = batch["meta"]
-        if metas:
-            out = {k: _to_numpy(v, cfg.dtype) for k, v in enc.images(batch["images"], gen).items()}
-            cols = {
-                "key": [m["key"] for m in metas],
-                "source": [m.get("source") for m in metas],
-                "original_width": [m.get("original_width") for m in metas],
-                "original_height": [m.get("original_height") for m in metas],
-            }
-            if "label" in columns:
-                cols["label"] = [m.get("label") for m in metas]
-            if "caption" in columns:
-                cols["caption"] = [m.get("caption") for m in metas]
-            if has_scores:
-                table = scores.get(name + ".tar") or {}
-                cols["clip_score"] = [table.get(k) for k in cols["key"]]
-            if enc.text is not None:
-                emb = enc.captions([m.get("caption") or "" for m in metas])
-                out |= {k: (v.cpu().numpy() if k == "text_mask" else _to_numpy(v, cfg.dtype)) for k, v in emb.items()}
-            ok = _finite_rows(out)
-            if not ok.all():  # never store NaN/inf: count the samples and leave them out
-                nonfinite[NON_FINITE] += int((~ok).sum())
-                nonfinite_keys.extend(k for k, good in zip(cols["key"], ok, strict=True) if not good)
-                out = {k: v[ok] for k, v in out.items()}
-                cols = {k: [x for x, good in zip(v, ok, strict=True) if good] for k, v in cols.items()}
-            acc.add(out, cols)
-            encoded += int(ok.sum())
-            bar.update(len(metas))
+            pending[name] = _ShardOut(cfg.seed, name)
+        shard = pending[name]
+        if batch["meta"]:
+            encoded += shard.add(*_encode_batch(cfg, enc, layout, batch, shard.gen))
+            bar.update(len(batch["meta"]))
         if batch["last"]:
             del pending[name]
-            if batch["bad"]:  # the tar changed since it was checked: same rules as above
-                late_bad.append(_bad_shard(name, sources[name], next(e for n, _, e in todo if n == name),
-                                           batch["bad"]))
+            path, expected = jobs[name]
+            if batch["bad"]:  # the tar changed since it was checked: same rules as before the run
+                late_bad.append(_bad_shard(name, path, expected, batch["bad"]))
                 _refuse_bad_shards(late_bad[-1:], cfg)
                 continue
-            t, c = acc.result(schema)
-            st = batch["stats"]
-            st["skipped"] = dict(Counter(st["skipped"]) + nonfinite)
-            st["skipped_keys"] = (st["skipped_keys"] + nonfinite_keys)[:1000]
-            skipped.update(st["skipped"])
-            writer.write_shard(name, t, c, source=str(sources[name]), extra=st)
+            stats = shard.stats(batch["stats"])
+            skipped.update(stats["skipped"])
+            writer.write_shard(name, *shard.result(layout.schema), source=str(path), extra=stats)
     bar.close()
-    elapsed = time.perf_counter() - t0
+    return {"encoded": encoded, "skipped": skipped, "late_bad": late_bad, "seconds": time.perf_counter() - t0}
 
-    bad = sorted(bad + _gather_lists(late_bad, world), key=lambda b: b["name"])
+
+def _encode_batch(cfg: EncodeConfig, enc: Encoder, layout: _Layout, batch: dict, gen) -> tuple[dict, dict]:
+    """One worker batch -> (arrays in the storage dtype, columns) for the store."""
+    metas = batch["meta"]
+    out = {k: _to_numpy(v, cfg.dtype) for k, v in enc.images(batch["images"], gen).items()}
+    cols = {"key": [m["key"] for m in metas],
+            **{k: [m.get(k) for m in metas] for k in ("source", "original_width", "original_height")}}
+    for k in ("label", "caption"):
+        if k in layout.schema.columns:
+            cols[k] = [m.get(k) for m in metas]
+    if "clip_score" in layout.schema.columns:
+        table = layout.scores.get(batch["shard"] + ".tar") or {}
+        cols["clip_score"] = [table.get(k) for k in cols["key"]]
+    if enc.text is not None:
+        emb = enc.captions([m.get("caption") or "" for m in metas])
+        out |= {k: (v.cpu().numpy() if k == "text_mask" else _to_numpy(v, cfg.dtype)) for k, v in emb.items()}
+    return out, cols
+
+
+def _finish(cfg: EncodeConfig, folder, writer: StoreWriter, plan: _Plan, run: dict) -> dict:
+    """Rank 0 writes the manifest once every rank is done; every rank returns the summary."""
+    world = plan.world
+    bad = sorted(plan.bad + _gather_lists(run["late_bad"], world), key=lambda b: b["name"])
     if world > 1:
         dist.barrier()
     manifest = None
-    if rank == 0:
+    if plan.rank == 0:
         skipped_names = {b["name"] for b in bad}
-        manifest = writer.finalize([n for n in names if n not in skipped_names], skipped_shards=bad, provenance={
-            "input_shards": [str(p) for p in inputs],
+        manifest = writer.finalize([n for n in plan.names if n not in skipped_names], skipped_shards=bad, provenance={
+            "input_shards": [str(p) for p in folder.shards],
             "shards_dir": str(Path(cfg.shards).resolve()),
-            "dataset": {k: info.get(k) for k in ("kind", "source", "num_samples")},
+            "dataset": {k: folder.info.get(k) for k in ("kind", "source", "num_samples")},
             "encode": {k: v for k, v in asdict(cfg).items() if k not in ("progress", "extra")},
         })
     if world > 1:
         dist.barrier()
+    encoded, elapsed = run["encoded"], run["seconds"]
     return {
         "encoded": encoded,
-        "skipped": dict(skipped),
+        "skipped": dict(run["skipped"]),
         "skipped_shards": bad,
-        "shards_written": len(todo) - len(late_bad),
-        "shards_skipped": already,
+        "shards_written": len(plan.todo) - len(run["late_bad"]),
+        "shards_skipped": plan.already,
         "seconds": elapsed,
         "images_per_s": encoded / elapsed if elapsed > 0 else 0.0,
         "num_samples": manifest["num_samples"] if manifest else None,
     }
+
+
+def report(summary: dict) -> str | None:
+    """The end-of-run line of `ditdata encode`; None on the ranks that wrote no manifest."""
+    r = summary
+    if r["num_samples"] is None:
+        return None
+    skipped = ", ".join(f"{k}: {v}" for k, v in r["skipped"].items()) or "none"
+    bad = "; ".join(f"{Path(b['shard']).name} ({b['reason']}; "
+                    f"{'?' if b['samples_lost'] is None else b['samples_lost']} samples lost)"
+                    for b in r["skipped_shards"])
+    return (f"{r['num_samples']} samples; this run encoded {r['encoded']} images in "
+            f"{r['shards_written']} shards ({r['shards_skipped']} already done) at "
+            f"{r['images_per_s']:.1f} img/s; skipped: {skipped}"
+            + (f"; skipped shards: {bad}" if bad else ""))
 
 
 def _finite_rows(arrays: dict[str, np.ndarray]) -> np.ndarray:

@@ -41,23 +41,20 @@ import signal
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
 from ditdata import imageshards as shards
 from ditdata import urls
+from ditdata.config import DEFAULT_URL_IMAGE_SIZE, DISTRIBUTORS, ENCODE_FORMATS, KINDS, FetchConfig
 from ditdata.errors import DitdataError
 from ditdata.images import DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, RESIZE_MODES
 from ditdata.store.lock import LOCK_FILE, DirLock
 
-KINDS = shards.KINDS
-DISTRIBUTORS = ("multiprocessing", "pyspark", "ray")
-ENCODE_FORMATS = ("jpg", "png", "webp")
 URL_LIST_FORMATS = ("parquet", "csv", "tsv", "jsonl", "json", "txt")  # (+ .gz except parquet)
 URL_COLUMNS = ("url", "URL", "image_url", "img_url", "link")
 CAPTION_COLUMNS = ("caption", "TEXT", "text", "Caption", "alt", "alt_text")
-DEFAULT_URL_IMAGE_SIZE = 256
 STATE = shards.FETCH_STATE
 URL_COPIES = ".urls"  # the screened copies of a URL list that img2dataset reads
 # Columns img2dataset writes itself; a URL list column of the same name cannot be kept.
@@ -66,20 +63,30 @@ IMG2DATASET_RESERVED = frozenset(
      "status", "error_message", "exif", "md5", "sha256", "sha512"}
 )
 _SHARD_FILE = (r"^\d{5,}(\.tar|_stats\.json|\.parquet)$")
+UNREADABLE = "read error"  # the reason of an input file that could not be read
 
 
 @dataclass(frozen=True)
 class PackOptions:
-    """What decides the contents of a packed shard (recorded in .fetch_state)."""
+    """The part of a FetchConfig that decides the contents of a shard (recorded in
+    .fetch_state), with the defaults resolved: see _pack_options."""
 
-    image_size: int | None = None
-    resize_mode: str = "center_crop"
-    min_image_size: int = 0
-    max_aspect_ratio: float = math.inf
-    encode_format: str = "jpg"
-    encode_quality: int = 95
-    max_pixels: int = DEFAULT_MAX_PIXELS
-    samples_per_shard: int = 10000
+    image_size: int | None
+    resize_mode: str
+    min_image_size: int
+    max_aspect_ratio: float
+    encode_format: str
+    encode_quality: int
+    max_pixels: int
+    samples_per_shard: int
+
+
+def _pack_options(cfg: FetchConfig, image_size: int | None) -> PackOptions:
+    """cfg's PackOptions, with this image_size (a URL list has a default) and the decoder's
+    own pixel limit unless cfg sets one."""
+    opts = {f.name: getattr(cfg, f.name) for f in fields(PackOptions)}
+    return PackOptions(**{**opts, "image_size": image_size,
+                          "max_pixels": cfg.max_pixels or DEFAULT_MAX_PIXELS})
 
 
 @dataclass(frozen=True)
@@ -92,50 +99,21 @@ class Entry:
 # ============================================================================ entry point
 
 
-def fetch(
-    source,
-    out,
-    *,
-    kind: str | None = None,
-    image_size: int | None = None,
-    resize_mode: str = "center_crop",
-    min_image_size: int = 0,
-    max_aspect_ratio: float = math.inf,
-    encode_format: str = "jpg",
-    encode_quality: int = 95,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
-    samples_per_shard: int = 10000,
-    processes: int | None = None,
-    threads: int = 64,
-    url_col: str | None = None,
-    caption_col: str | None = None,
-    keep_cols: tuple[str, ...] | list[str] = (),
-    distributor: str = "multiprocessing",
-    timeout: int = 10,
-    retries: int = 0,
-    shuffle_seed: int | None = None,
-    overwrite: bool = False,
-    progress: bool = True,
-) -> dict:
+def fetch(source, out, config: FetchConfig | None = None, **options) -> dict:
     """Fetch SOURCE into image shards in OUT and return dataset.json's contents (with a
-    "summary"). Resumes an interrupted fetch into the same OUT; see the module docstring."""
+    "summary"). Resumes an interrupted fetch into the same OUT; see the module docstring.
+    The settings are a FetchConfig, or its fields as keyword arguments."""
+    if config is not None and options:
+        raise TypeError("fetch() takes a FetchConfig or keyword options, not both")
+    cfg = config if config is not None else FetchConfig(**options)
     src = Path(source)
     if not src.exists():
         raise DitdataError(f"{source}: no such file or directory")
-    if resize_mode not in RESIZE_MODES:
-        raise DitdataError(f"--resize-mode {resize_mode!r}: expected one of {', '.join(RESIZE_MODES)}")
-    if encode_format not in ENCODE_FORMATS:
-        raise DitdataError(f"--encode-format {encode_format!r}: expected one of {', '.join(ENCODE_FORMATS)}")
-    if samples_per_shard < 1:
-        raise DitdataError("--samples-per-shard must be at least 1")
-    if image_size is not None and image_size < 1:
-        raise DitdataError("--image-size must be positive")
-    if distributor not in DISTRIBUTORS:
-        raise DitdataError(f"--distributor {distributor!r}: expected one of {', '.join(DISTRIBUTORS)}")
-    processes = max(1, processes or os.cpu_count() or 1)
-    kind = kind or detect_kind(src)
-    if kind not in KINDS:
-        raise DitdataError(f"--kind {kind!r}: expected one of {', '.join(KINDS)}")
+    _check_choices(cfg)
+    cfg = replace(cfg, processes=max(1, cfg.processes or os.cpu_count() or 1))
+    cfg = replace(cfg, kind=cfg.kind or detect_kind(src))
+    if cfg.kind not in KINDS:
+        raise DitdataError(f"--kind {cfg.kind!r}: expected one of {', '.join(KINDS)}")
 
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -145,48 +123,35 @@ def fetch(
     # The folder's lock (shared with `ditdata score`: one writer per folder) also removes a
     # folder it created when a refused fetch left nothing else in it.
     with DirLock(out, "ditdata fetch"):
-        return _fetch_locked(
-            src, out, kind, image_size=image_size, resize_mode=resize_mode, min_image_size=min_image_size,
-            max_aspect_ratio=max_aspect_ratio, encode_format=encode_format, encode_quality=encode_quality,
-            max_pixels=max_pixels, samples_per_shard=samples_per_shard, processes=processes,
-            threads=threads, url_col=url_col, caption_col=caption_col, keep_cols=keep_cols,
-            distributor=distributor, timeout=timeout, retries=retries, shuffle_seed=shuffle_seed,
-            overwrite=overwrite, progress=progress,
-        )
+        return _fetch_locked(src, out, cfg)
 
 
-def _fetch_locked(src, out, kind, *, image_size, resize_mode, min_image_size, max_aspect_ratio,
-                  encode_format, encode_quality, max_pixels, samples_per_shard, processes, threads,
-                  url_col, caption_col, keep_cols, distributor, timeout, retries, shuffle_seed,
-                  overwrite, progress) -> dict:
-    source = src
-    if overwrite:
+def _check_choices(cfg: FetchConfig) -> None:
+    for option, value, choices in (("--resize-mode", cfg.resize_mode, RESIZE_MODES),
+                                   ("--encode-format", cfg.encode_format, ENCODE_FORMATS)):
+        if value not in choices:
+            raise DitdataError(f"{option} {value!r}: expected one of {', '.join(choices)}")
+    if cfg.samples_per_shard < 1:
+        raise DitdataError("--samples-per-shard must be at least 1")
+    if cfg.image_size is not None and cfg.image_size < 1:
+        raise DitdataError("--image-size must be positive")
+    if cfg.distributor not in DISTRIBUTORS:
+        raise DitdataError(f"--distributor {cfg.distributor!r}: expected one of {', '.join(DISTRIBUTORS)}")
+
+
+def _fetch_locked(src: Path, out: Path, cfg: FetchConfig) -> dict:
+    if cfg.overwrite:
         _clear_previous(out)
     shards.remove_stale_tmp(out)
-    if kind == "urls":
-        if shuffle_seed is not None:
+    if cfg.kind == "urls":
+        if cfg.shuffle_seed is not None:
             raise DitdataError("--shuffle-seed applies to folders only (a URL list keeps its order)")
-        opts = PackOptions(
-            image_size=image_size or DEFAULT_URL_IMAGE_SIZE, resize_mode=resize_mode,
-            min_image_size=min_image_size, max_aspect_ratio=max_aspect_ratio,
-            encode_format=encode_format, encode_quality=encode_quality,
-            max_pixels=max_pixels, samples_per_shard=samples_per_shard,
-        )
-        return _fetch_urls(
-            src, out, opts, processes=processes, threads=threads, url_col=url_col,
-            caption_col=caption_col, keep_cols=list(keep_cols), distributor=distributor,
-            timeout=timeout, retries=retries,
-        )
-    if distributor != "multiprocessing":
-        raise DitdataError(f"--distributor {distributor} applies to URL lists; folders are packed with local processes")
+        return _fetch_urls(src, out, _pack_options(cfg, cfg.image_size or DEFAULT_URL_IMAGE_SIZE), cfg)
+    if cfg.distributor != "multiprocessing":
+        raise DitdataError(f"--distributor {cfg.distributor} applies to URL lists; folders are packed with local processes")
     if not src.is_dir():
-        raise DitdataError(f"--kind {kind} needs a directory, got the file {source}")
-    opts = PackOptions(
-        image_size=image_size, resize_mode=resize_mode, min_image_size=min_image_size,
-        max_aspect_ratio=max_aspect_ratio, encode_format=encode_format,
-        encode_quality=encode_quality, max_pixels=max_pixels, samples_per_shard=samples_per_shard,
-    )
-    return _fetch_folder(src, out, kind, opts, processes=processes, shuffle_seed=shuffle_seed, progress=progress)
+        raise DitdataError(f"--kind {cfg.kind} needs a directory, got the file {src}")
+    return _fetch_folder(src, out, _pack_options(cfg, cfg.image_size), cfg)
 
 
 def detect_kind(src: Path) -> str:
@@ -275,9 +240,10 @@ def scan_folder(root: Path, kind: str, shuffle_seed: int | None = None) -> tuple
     return entries, class_names, notes
 
 
-def _fetch_folder(src, out, kind, opts: PackOptions, *, processes, shuffle_seed, progress) -> dict:
+def _fetch_folder(src: Path, out: Path, opts: PackOptions, cfg: FetchConfig) -> dict:
     t0 = time.time()
-    entries, class_names, notes = scan_folder(src, kind, shuffle_seed)
+    kind = cfg.kind
+    entries, class_names, notes = scan_folder(src, kind, cfg.shuffle_seed)
     fp = hashlib.sha256()
     for e in entries:
         fp.update(f"{e.path}\t{e.label}\t{e.caption}\n".encode())
@@ -286,7 +252,7 @@ def _fetch_folder(src, out, kind, opts: PackOptions, *, processes, shuffle_seed,
         "source": str(src.resolve()),
         "num_inputs": len(entries),
         "inputs_sha256": fp.hexdigest(),
-        "shuffle_seed": shuffle_seed,
+        "shuffle_seed": cfg.shuffle_seed,
         "options": _jsonable(asdict(opts)),
     }
     _check_state(out, state)
@@ -301,7 +267,7 @@ def _fetch_folder(src, out, kind, opts: PackOptions, *, processes, shuffle_seed,
     tasks = [(str(src), str(out), i, entries[i * sps:(i + 1) * sps], opts, kind, class_names) for i in todo]
     already = len(entries) - sum(len(t[3]) for t in tasks)
 
-    failures = _run_pack(tasks, processes, total=len(entries), initial=already, progress=progress)
+    failures = _run_pack(tasks, cfg.processes, total=len(entries), initial=already, progress=cfg.progress)
     if failures:
         detail = "; ".join(f"shard {shards.shard_name(i)}: {err}" for i, err in failures[:5])
         raise DitdataError(f"{len(failures)} shard(s) failed ({detail}); rerun the same command to retry them")
@@ -314,7 +280,7 @@ def _fetch_folder(src, out, kind, opts: PackOptions, *, processes, shuffle_seed,
     summary["notes"] = {**notes, **_folder_notes(stats)}
     summary["duration_s"] = round(time.time() - t0, 3)
     extra = {"num_classes": len(class_names), "class_names": class_names} if kind == "classes" else {}
-    options = {**asdict(opts), "kind": kind, "processes": processes, "shuffle_seed": shuffle_seed}
+    options = {**asdict(opts), "kind": kind, "processes": cfg.processes, "shuffle_seed": cfg.shuffle_seed}
     return _finish(out, kind, src, num_shards, summary, options, extra)
 
 
@@ -396,6 +362,28 @@ def _drain(queue, bar, reported: Counter) -> None:
             bar.update(n)
 
 
+class _Progress:
+    """Per-sample progress of one shard, reported in bundles (every 64 samples or half a
+    second) to `update` (a progress bar's update, in-process) or through the pool's queue."""
+
+    def __init__(self, index: int, update=None):
+        self.index, self.update = index, update
+        self.pending, self.last = 0, time.time()
+
+    def tick(self) -> None:
+        self.pending += 1
+        if self.pending >= 64 or time.time() - self.last > 0.5:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            if self.update is not None:
+                self.update(self.pending)
+            elif _QUEUE is not None:
+                _QUEUE.put((self.index, self.pending))
+        self.pending, self.last = 0, time.time()
+
+
 def pack_shard(root: str, out: str, index: int, entries: list[Entry], opts: PackOptions,
                kind: str, class_names: list[str], progress=None) -> dict:
     """Pack one shard: write NNNNN.tar (atomically) then NNNNN_stats.json, and return the
@@ -404,81 +392,82 @@ def pack_shard(root: str, out: str, index: int, entries: list[Entry], opts: Pack
 
     start = time.time()
     root_p = Path(root)
-    status: Counter = Counter()
-    converted: Counter = Counter()
-    skipped_files = []
-    successes = failed_read = failed_image = rotated = caption_errors = 0
-    pending_progress, last_report = 0, time.time()
-
-    def tick():
-        nonlocal pending_progress, last_report
-        pending_progress += 1
-        now = time.time()
-        if pending_progress >= 64 or now - last_report > 0.5:
-            if progress is not None:
-                progress(pending_progress)
-            elif _QUEUE is not None:
-                _QUEUE.put((index, pending_progress))
-            pending_progress, last_report = 0, now
-
+    tally = _ShardTally()
+    ticker = _Progress(index, progress)
     with shards.ShardWriter(out, index) as writer:
         for i, e in enumerate(entries):
             key = shards.sample_key(index, i, opts.samples_per_shard)
             try:
                 data, ext, meta = pack_file(root_p / e.path, opts)
             except BadImageError as err:
-                reason = err.reason
-                if reason == "read error":
-                    failed_read += 1
-                else:
-                    failed_image += 1
-                status[reason] += 1
-                skipped_files.append({"key": key, "source": e.path, "reason": reason, "detail": err.detail})
-                tick()
-                continue
-            caption = None
-            if e.caption is not None:
-                try:
-                    caption = (root_p / e.caption).read_bytes().decode("utf-8", errors="replace").strip()
-                except OSError:
-                    caption_errors += 1
-            meta = {"key": key, "source": e.path, "status": "success", **meta}
-            if kind == "classes":
-                meta["label"] = e.label
-                meta["class_name"] = class_names[e.label]
+                tally.skipped(key, e.path, err)
             else:
-                meta["caption"] = caption
-            if meta["original_mode"] != "RGB":
-                converted[meta["original_mode"]] += 1
-            rotated += int(meta.get("exif_orientation", 1) != 1)
-            writer.write(key, data, ext, meta, caption=caption)
-            successes += 1
-            status["success"] += 1
-            tick()
-    if pending_progress:
-        if progress is not None:
-            progress(pending_progress)
-        elif _QUEUE is not None:
-            _QUEUE.put((index, pending_progress))
-    end = time.time()
-    skipped = {k: v for k, v in status.items() if k != "success"}
-    stats = {
-        "count": len(entries),
-        "successes": successes,
-        "failed_to_download": failed_read,
-        "failed_to_resize": failed_image,
-        "duration": end - start,
-        "start_time": start,
-        "end_time": end,
-        "status_dict": dict(status),
-        "skipped": skipped,
-        "skipped_files": skipped_files,
-        "converted_modes": dict(converted),
-        "exif_rotated": rotated,
-        "caption_errors": caption_errors,
-    }
+                caption = tally.read_caption(root_p, e.caption)
+                meta = {"key": key, "source": e.path, "status": "success", **meta}
+                if kind == "classes":
+                    meta["label"] = e.label
+                    meta["class_name"] = class_names[e.label]
+                else:
+                    meta["caption"] = caption
+                writer.write(key, data, ext, meta, caption=caption)
+                tally.packed(meta)
+            ticker.tick()
+    ticker.flush()
+    stats = tally.stats(len(entries), start, time.time())
     shards.write_shard_stats(out, index, stats)
     return stats
+
+
+class _ShardTally:
+    """What happened to the inputs of one shard, as its stats file records it."""
+
+    def __init__(self):
+        self.status: Counter = Counter()  # "success" or the reason a file was skipped
+        self.converted: Counter = Counter()  # original modes converted to RGB
+        self.skipped_files: list[dict] = []
+        self.rotated = self.caption_errors = 0
+
+    def skipped(self, key: str, source: str, err) -> None:
+        self.status[err.reason] += 1
+        self.skipped_files.append({"key": key, "source": source, "reason": err.reason, "detail": err.detail})
+
+    def read_caption(self, root: Path, rel: str | None) -> str | None:
+        if rel is None:
+            return None
+        try:
+            return (root / rel).read_bytes().decode("utf-8", errors="replace").strip()
+        except OSError:
+            self.caption_errors += 1
+            return None
+
+    def packed(self, meta: dict) -> None:
+        self.status["success"] += 1
+        if meta["original_mode"] != "RGB":
+            self.converted[meta["original_mode"]] += 1
+        self.rotated += int(meta.get("exif_orientation", 1) != 1)
+
+    def stats(self, count: int, start: float, end: float) -> dict:
+        skipped = {k: v for k, v in self.status.items() if k != "success"}
+        return {
+            "count": count,
+            "successes": self.status["success"],
+            # img2dataset's stats keys, so that every shard folder reads alike, except that
+            # a folder downloads nothing: its unreadable files are failed_to_read (summed
+            # apart by imageshards.summarize_stats), and failed_to_resize holds, as in
+            # img2dataset, the images that could not be decoded or were refused (too small,
+            # aspect ratio).
+            "failed_to_read": self.status[UNREADABLE],
+            "failed_to_resize": sum(v for k, v in skipped.items() if k != UNREADABLE),
+            "duration": end - start,
+            "start_time": start,
+            "end_time": end,
+            "status_dict": dict(self.status),
+            "skipped": skipped,
+            "skipped_files": self.skipped_files,
+            "converted_modes": dict(self.converted),
+            "exif_rotated": self.rotated,
+            "caption_errors": self.caption_errors,
+        }
 
 
 def pack_file(path: Path, opts: PackOptions) -> tuple[bytes, str, dict]:
@@ -492,7 +481,7 @@ def pack_file(path: Path, opts: PackOptions) -> tuple[bytes, str, dict]:
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise images.BadImageError("read error", str(e)) from None
+        raise images.BadImageError(UNREADABLE, str(e)) from None
     img = images.open_image(data, max_pixels=opts.max_pixels)
     fmt, mode = img.format, img.mode
     orient = images.orientation(img)
@@ -525,12 +514,12 @@ def pack_file(path: Path, opts: PackOptions) -> tuple[bytes, str, dict]:
 # ============================================================================ URL lists
 
 
-def _fetch_urls(src: Path, out: Path, opts: PackOptions, *, processes, threads, url_col, caption_col,
-                keep_cols, distributor, timeout, retries) -> dict:
+def _fetch_urls(src: Path, out: Path, opts: PackOptions, cfg: FetchConfig) -> dict:
     t0 = time.time()
+    keep_cols = list(cfg.keep_cols)
     files, fmt = _url_files(src)
     columns = _columns(files[0], fmt)
-    url_col, caption_col = _pick_columns(columns, fmt, url_col, caption_col, keep_cols, files[0])
+    url_col, caption_col = _pick_columns(columns, fmt, cfg.url_col, cfg.caption_col, keep_cols, files[0])
     counts = [_count_rows(f, fmt, url_col) for f in files]
     num_shards = sum(math.ceil(n / opts.samples_per_shard) for n in counts)
     if num_shards == 0:
@@ -559,9 +548,7 @@ def _fetch_urls(src: Path, out: Path, opts: PackOptions, *, processes, threads, 
             print(f"note: {refused.total()} of {sum(counts)} rows are not http(s) URLs and are not fetched "
                   f"({urls.describe(refused)}); they are counted as refused in the summary", file=sys.stderr)
         lists = _screened_copies(out, files, fmt, [url_col, caption_col, *keep_cols], url_col)
-        _run_img2dataset(lists, out, opts, processes=processes, threads=threads, url_col=url_col,
-                         caption_col=caption_col, keep_cols=keep_cols, distributor=distributor,
-                         timeout=timeout, retries=retries)
+        _run_img2dataset(lists, out, opts, cfg, url_col=url_col, caption_col=caption_col)
     stats = shards.read_shard_stats(out)
     missing = [i for i in range(num_shards) if i not in stats]
     if missing:
@@ -573,9 +560,9 @@ def _fetch_urls(src: Path, out: Path, opts: PackOptions, *, processes, threads, 
     summary = shards.summarize_stats(stats)
     summary["duration_s"] = round(time.time() - t0, 3)
     options = {
-        **asdict(opts), "kind": "urls", "processes": processes, "threads": threads, "url_col": url_col,
-        "caption_col": caption_col, "keep_cols": keep_cols, "distributor": distributor,
-        "timeout": timeout, "retries": retries, "input_format": fmt,
+        **asdict(opts), "kind": "urls", "processes": cfg.processes, "threads": cfg.threads, "url_col": url_col,
+        "caption_col": caption_col, "keep_cols": keep_cols, "distributor": cfg.distributor,
+        "timeout": cfg.timeout, "retries": cfg.retries, "input_format": fmt,
     }
     return _finish(out, "urls", src, num_shards, summary, options, {})
 
@@ -630,10 +617,10 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _run_img2dataset(lists: Path, out, opts: PackOptions, *, processes, threads, url_col, caption_col,
-                     keep_cols, distributor, timeout, retries) -> None:
+def _run_img2dataset(lists: Path, out, opts: PackOptions, cfg: FetchConfig, *, url_col, caption_col) -> None:
     import importlib.util
 
+    distributor = cfg.distributor
     if distributor in ("pyspark", "ray") and importlib.util.find_spec(distributor) is None:
         raise DitdataError(
             f"--distributor {distributor} needs {distributor}, which is not installed: "
@@ -658,7 +645,7 @@ def _run_img2dataset(lists: Path, out, opts: PackOptions, *, processes, threads,
                 output_format="webdataset",
                 url_col=url_col,
                 caption_col=caption_col,
-                save_additional_columns=list(keep_cols) or None,
+                save_additional_columns=list(cfg.keep_cols) or None,
                 image_size=opts.image_size,
                 resize_mode=opts.resize_mode,
                 min_image_size=opts.min_image_size,
@@ -668,11 +655,11 @@ def _run_img2dataset(lists: Path, out, opts: PackOptions, *, processes, threads,
                 encode_quality=opts.encode_quality if opts.encode_format != "png" else 9,
                 number_sample_per_shard=opts.samples_per_shard,
                 oom_shard_count=shards.SHARD_DIGITS,
-                processes_count=processes,
-                thread_count=threads,
+                processes_count=cfg.processes,
+                thread_count=cfg.threads,
                 distributor=distributor,
-                timeout=timeout,
-                retries=retries,
+                timeout=cfg.timeout,
+                retries=cfg.retries,
                 incremental_mode="incremental",
                 enable_wandb=False,
             )

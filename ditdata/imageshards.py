@@ -6,7 +6,9 @@ Layout of SHARDS_DIR (img2dataset's webdataset layout, which we also write ourse
                          {key}.txt (caption, when there is one), {key}.json (metadata)
     00000_stats.json     per-shard stats: count, successes, failed_to_download,
                          failed_to_resize, duration, start_time, end_time, status_dict
-                         (+ "skipped" and "skipped_files" from the folder packer);
+                         (img2dataset's keys; the folder packer downloads nothing and
+                         writes failed_to_read instead of failed_to_download, plus
+                         "skipped" and "skipped_files");
                          its presence is what marks the shard as finished
     00000.parquet        img2dataset only: one row per input URL, failures included
     dataset.json         written last, atomically, when the whole fetch is complete
@@ -52,6 +54,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ditdata.config import KINDS
 from ditdata.errors import DitdataError
 from ditdata.images import (  # noqa: F401  (re-exported: readers need only this module)
     DEFAULT_MAX_PIXELS,
@@ -61,7 +64,6 @@ from ditdata.images import (  # noqa: F401  (re-exported: readers need only this
 from ditdata.store.files import TMP_MARK, is_tmp, tmp_name  # noqa: F401  (the store's temporaries: one scheme)
 
 FORMAT = "ditdata-images"
-KINDS = ("urls", "classes", "captions")  # what a fetch read: a URL list, class folders, captions
 VERSION = 1
 DATASET_INFO = "dataset.json"
 FETCH_STATE = ".fetch_state"  # written first by `ditdata fetch`: the folder is ours
@@ -161,10 +163,7 @@ def read_dataset_info(shards_dir) -> dict:
             else "run `ditdata fetch SOURCE --out DIR` first"
         )
         raise DitdataError(f"{d} is not a finished image-shard folder: {DATASET_INFO} is missing ({hint})")
-    try:
-        info = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise DitdataError(f"{p}: unreadable ({e})") from None
+    info = load_json(p, "unreadable")
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise DitdataError(f"{p}: not a {FORMAT} dataset description")
     if info.get("version") != VERSION:
@@ -208,6 +207,14 @@ def read_folder(shards_dir) -> ShardFolder:
     else:
         info, tars = read_dataset_info(d), list_shards(d)
     return ShardFolder(d, info, tars, {t.name: _recorded_samples(t) for t in tars}, foreign)
+
+
+def load_json(path: Path, problem: str):
+    """The JSON document at `path`, or DitdataError "PATH: {problem} (why)"."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DitdataError(f"{path}: {problem} ({e})") from None
 
 
 def _recorded_samples(tar: Path) -> int | None:
@@ -380,8 +387,9 @@ def summarize_stats(stats: list[dict] | dict[int, dict]) -> dict:
         "successes": successes,
         "failed": failed,
         "success_rate": successes / total if total else 0.0,
-        "failed_to_download": sum(int(s.get("failed_to_download", 0)) for s in items),
-        "failed_to_resize": sum(int(s.get("failed_to_resize", 0)) for s in items),
+        # img2dataset's keys; failed_to_read: files of a packed folder that could not be read
+        **{k: sum(int(s.get(k, 0)) for s in items)
+           for k in ("failed_to_download", "failed_to_read", "failed_to_resize")},
         "reasons": dict(sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))),
     }
 

@@ -58,6 +58,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ditdata import imageshards as shards
+from ditdata.config import CLIP_MODEL, SCORE_BATCH_SIZE
 from ditdata.errors import DitdataError
 
 FORMAT = "ditdata-clip-scores"
@@ -68,20 +69,23 @@ SKIPPED_FORMAT = "ditdata-clip-skipped"
 META_KEY = b"ditdata"
 OK = "ok"
 NO_CAPTION = "no caption"
-DEFAULT_MODEL = "ViT-B-32"
+DEFAULT_MODEL = CLIP_MODEL
 _TMP_RE = re.compile(r"^\.\d{5,}\.clip\.parquet" + re.escape(shards.TMP_MARK))
 
 
 def score_path(shard_tar) -> Path:
     """NNNNN.tar -> NNNNN.clip.parquet beside it."""
-    p = Path(shard_tar)
-    return p.with_name(p.name[: -len(".tar")] + SUFFIX)
+    return _beside(shard_tar, SUFFIX)
 
 
 def skipped_path(shard_tar) -> Path:
     """NNNNN.tar -> NNNNN.clip.skipped.json beside it."""
+    return _beside(shard_tar, SKIPPED_SUFFIX)
+
+
+def _beside(shard_tar, suffix: str) -> Path:
     p = Path(shard_tar)
-    return p.with_name(p.name[: -len(".tar")] + SKIPPED_SUFFIX)
+    return p.with_name(p.name[: -len(".tar")] + suffix)
 
 
 def read_skipped(shard_tar) -> dict | None:
@@ -159,7 +163,7 @@ def _prepare(sample, prepare_image):
     return prepare_image(img), OK, w, h
 
 
-def _prepared(samples, prepare_image, workers: int, ahead: int) -> Iterator[tuple]:
+def prepared_samples(samples, prepare_image, workers: int, ahead: int) -> Iterator[tuple]:
     """(sample, prepared image, status, w, h) in stored order; up to `ahead` samples are
     decoded and resized by `workers` threads while the model runs (PIL releases the GIL;
     ClipModel.prepare_image runs no torch op on the usual transforms, see there)."""
@@ -179,7 +183,7 @@ def _prepared(samples, prepare_image, workers: int, ahead: int) -> Iterator[tupl
             yield (s0, *fut.result())
 
 
-def score_shard(clip, shard_tar, *, batch_size: int = 128, workers: int = 4, progress=None) -> dict:
+def score_shard(clip, shard_tar, *, batch_size: int = SCORE_BATCH_SIZE, workers: int = 4, progress=None) -> dict:
     """Score one shard and write its score file; returns the file's metadata."""
 
     tar = Path(shard_tar)
@@ -203,7 +207,7 @@ def score_shard(clip, shard_tar, *, batch_size: int = 128, workers: int = 4, pro
         batch_cap.clear()
 
     samples = shards.iter_shard(tar)
-    for i, (s, px, status, w, h) in enumerate(_prepared(samples, clip.prepare_image, workers, 2 * batch_size)):
+    for i, (s, px, status, w, h) in enumerate(prepared_samples(samples, clip.prepare_image, workers, 2 * batch_size)):
         caption = (s.caption or "").strip()
         rows["key"].append(s.key)
         rows["clip_score"].append(None)
@@ -264,7 +268,7 @@ def score(
     pretrained: str | None,
     clip_config: str | None = None,
     device: str | None = None,
-    batch_size: int = 128,
+    batch_size: int = SCORE_BATCH_SIZE,
     workers: int | None = None,
     overwrite: bool = False,
     skip_bad_shards: bool = False,
@@ -300,42 +304,8 @@ def _score(folder, *, clip, pretrained, clip_config, device, batch_size, workers
     if not clip and not clip_config:
         clip = DEFAULT_MODEL
     ident = resolve_pretrained(clip, pretrained, config=clip_config)
-    done, other = {}, {}
-    for tar in tars:
-        meta = read_score_meta(score_path(tar))
-        if meta is None:
-            continue
-        if not _same_weights(meta, ident):
-            other[tar.name] = meta
-        elif meta.get("shard_bytes") == tar.stat().st_size and not overwrite:
-            done[tar.name] = meta
-    if other and not overwrite:
-        first = next(iter(other.values()))
-        raise DitdataError(
-            f"{d}: {len(other)} shard(s) were already scored with {first.get('model')} / "
-            f"{first.get('pretrained')} (weights sha256 {str(first.get('weights_sha256'))[:12]}), not "
-            f"{ident['model']} / {ident['pretrained']}; rerun with --overwrite to replace their scores "
-            f"(or score a copy of the folder)"
-        )
-    todo = [t for t in tars if t.name not in done]
-    # Damaged shards are found before the model is loaded: stop now, or leave them out.
-    bad = {t.name: p for t in todo if (p := shards.check_shard(t, folder.expected[t.name]))}
-    if bad and not skip_bad_shards:
-        name, why = next(iter(bad.items()))
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise DitdataError(
-            f"image shard {d / name} {why}{more}: refetch it (delete its _stats.json and rerun the "
-            f"same `ditdata fetch`), or pass --skip-bad-shards to leave such shards out"
-        )
-    skipped = []
-    for t in todo:
-        if t.name in bad:
-            rec = {"format": SKIPPED_FORMAT, "shard": t.name, "shard_bytes": t.stat().st_size,
-                   "reason": bad[t.name], "samples_lost": folder.expected[t.name]}
-            shards.write_json_atomic(skipped_path(t), rec)
-            score_path(t).unlink(missing_ok=True)
-            skipped.append(rec)
-    todo = [t for t in todo if t.name not in bad]
+    done = _already_scored(folder, ident, overwrite)
+    todo, skipped = _leave_out_bad(folder, [t for t in tars if t.name not in done], skip_bad_shards)
     metas = dict(done)
     t0 = time.perf_counter()
     n_new = 0
@@ -376,6 +346,53 @@ def _score(folder, *, clip, pretrained, clip_config, device, batch_size, workers
         "seconds": seconds,
         "samples_per_s": n_new / seconds if n_new and seconds > 0 else None,
     }
+
+
+def _already_scored(folder, ident: dict, overwrite: bool) -> dict[str, dict]:
+    """{shard name: score metadata} of the shards whose scores are complete, for this shard
+    as it is, and made with these weights. Scores made with OTHER weights stop the run
+    (unless `overwrite`): the two are never mixed."""
+    done, other = {}, {}
+    for tar in folder.shards:
+        meta = read_score_meta(score_path(tar))
+        if meta is None:
+            continue
+        if not _same_weights(meta, ident):
+            other[tar.name] = meta
+        elif meta.get("shard_bytes") == tar.stat().st_size and not overwrite:
+            done[tar.name] = meta
+    if other and not overwrite:
+        first = next(iter(other.values()))
+        raise DitdataError(
+            f"{folder.path}: {len(other)} shard(s) were already scored with {first.get('model')} / "
+            f"{first.get('pretrained')} (weights sha256 {str(first.get('weights_sha256'))[:12]}), not "
+            f"{ident['model']} / {ident['pretrained']}; rerun with --overwrite to replace their scores "
+            f"(or score a copy of the folder)"
+        )
+    return done
+
+
+def _leave_out_bad(folder, todo: list[Path], skip_bad_shards: bool) -> tuple[list[Path], list[dict]]:
+    """Damaged shards are found before the model is loaded: stop now, or (skip_bad_shards)
+    leave them out, each with a skip record in place of its scores. Returns the shards to
+    score and the records."""
+    bad = {t.name: p for t in todo if (p := shards.check_shard(t, folder.expected[t.name]))}
+    if bad and not skip_bad_shards:
+        name, why = next(iter(bad.items()))
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise DitdataError(
+            f"image shard {folder.path / name} {why}{more}: refetch it (delete its _stats.json and rerun the "
+            f"same `ditdata fetch`), or pass --skip-bad-shards to leave such shards out"
+        )
+    skipped = []
+    for t in todo:
+        if t.name in bad:
+            rec = {"format": SKIPPED_FORMAT, "shard": t.name, "shard_bytes": t.stat().st_size,
+                   "reason": bad[t.name], "samples_lost": folder.expected[t.name]}
+            shards.write_json_atomic(skipped_path(t), rec)
+            score_path(t).unlink(missing_ok=True)
+            skipped.append(rec)
+    return [t for t in todo if t.name not in bad], skipped
 
 
 def report(summary: dict) -> str:

@@ -354,10 +354,9 @@ def load_selection(path) -> Selection:
         for s, k in zip(shard_col, key_col, strict=True):
             by_shard.setdefault(s, []).append(k)
     else:
-        try:
-            meta = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise DitdataError(f"{p}: not a valid selection file ({e})") from None
+        from ditdata.imageshards import load_json
+
+        meta = load_json(p, "not a valid selection file")
         by_shard = meta.get("shards") if isinstance(meta, dict) else None
         if not isinstance(by_shard, dict) or not all(
             isinstance(v, list) and all(isinstance(k, str) for k in v) for v in by_shard.values()

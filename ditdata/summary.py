@@ -86,10 +86,11 @@ def decode_samples(path, n: int, out, *, vae: str | None = None, device: str = "
     import torch
     from PIL import Image
 
+    from ditdata.store.devices import resolve_device
     from ditdata.vae import autoencoder_from_manifest
 
     s = open_store(path)
-    ae = autoencoder_from_manifest(s.manifest["vae"], device=device, source=vae)
+    ae = autoencoder_from_manifest(s.manifest["vae"], device=resolve_device(device), source=vae)
     field = s.schema.primary  # "latent", or "mean" for mean+std stores
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

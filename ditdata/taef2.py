@@ -15,17 +15,18 @@ converts). The module itself has no hub or download logic: see ``ditdata.vae``.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ditdata.store.files import sha256_file  # noqa: F401  (re-exported: the weights' digest)
+from ditdata.vae import TAEF2_FILES
+
 LATENT_CHANNELS = 32
 DOWNSAMPLE = 8
 WIDTH = 64
-ENCODER_FILE = "taef2_encoder.pth"
-DECODER_FILE = "taef2_decoder.pth"
+ENCODER_FILE, DECODER_FILE = TAEF2_FILES
 
 
 def _conv(cin: int, cout: int, *, stride: int = 1, bias: bool = True) -> nn.Conv2d:
@@ -72,27 +73,33 @@ class SoftClamp(nn.Module):
         return torch.tanh(x / 3.0) * 3.0
 
 
+def _blocks(n: int, *, pool: bool = False) -> list[nn.Module]:
+    return [Block(WIDTH, pool=pool) for _ in range(n)]
+
+
+def _down() -> nn.Conv2d:
+    return _conv(WIDTH, WIDTH, stride=2, bias=False)
+
+
+def _up(blocks: int) -> list[nn.Module]:
+    """Nearest x2, a conv without bias, then `blocks` residual blocks."""
+    return [nn.Upsample(scale_factor=2, mode="nearest"), _conv(WIDTH, WIDTH, bias=False), *_blocks(blocks)]
+
+
 def build_encoder() -> nn.Sequential:
     """Encoder, indices as in the state dict:
     0 conv 3->64 | 1 Block | 2 down | 3-5 Block | 6 down | 7-9 Block | 10 down |
     11-13 Block+pool | 14 conv 64->32 (down = 3x3 conv stride 2, no bias)."""
-    w = WIDTH
     return nn.Sequential(
-        _conv(3, w),
-        Block(w),
-        _conv(w, w, stride=2, bias=False),
-        Block(w),
-        Block(w),
-        Block(w),
-        _conv(w, w, stride=2, bias=False),
-        Block(w),
-        Block(w),
-        Block(w),
-        _conv(w, w, stride=2, bias=False),
-        Block(w, pool=True),
-        Block(w, pool=True),
-        Block(w, pool=True),
-        _conv(w, LATENT_CHANNELS),
+        _conv(3, WIDTH),
+        *_blocks(1),
+        _down(),
+        *_blocks(3),
+        _down(),
+        *_blocks(3),
+        _down(),
+        *_blocks(3, pool=True),
+        _conv(WIDTH, LATENT_CHANNELS),
     )
 
 
@@ -101,46 +108,20 @@ def build_decoder() -> nn.Sequential:
     0 soft clamp | 1 conv 32->64 | 2 ReLU | 3-5 Block+pool | 6 up | 7 conv | 8-10 Block |
     11 up | 12 conv | 13-15 Block | 16 up | 17 conv | 18 Block | 19 conv 64->3
     (up = nearest x2; the convs after an upsample have no bias)."""
-    w = WIDTH
     return nn.Sequential(
         SoftClamp(),
-        _conv(LATENT_CHANNELS, w),
+        _conv(LATENT_CHANNELS, WIDTH),
         nn.ReLU(),
-        Block(w, pool=True),
-        Block(w, pool=True),
-        Block(w, pool=True),
-        nn.Upsample(scale_factor=2, mode="nearest"),
-        _conv(w, w, bias=False),
-        Block(w),
-        Block(w),
-        Block(w),
-        nn.Upsample(scale_factor=2, mode="nearest"),
-        _conv(w, w, bias=False),
-        Block(w),
-        Block(w),
-        Block(w),
-        nn.Upsample(scale_factor=2, mode="nearest"),
-        _conv(w, w, bias=False),
-        Block(w),
-        _conv(w, 3),
+        *_blocks(3, pool=True),
+        *_up(3),
+        *_up(3),
+        *_up(1),
+        _conv(WIDTH, 3),
     )
 
 
 def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
     return torch.load(Path(path), map_location="cpu", weights_only=True)
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def is_taef2_dir(path: str | Path) -> bool:
-    p = Path(path)
-    return (p / ENCODER_FILE).is_file() and (p / DECODER_FILE).is_file()
 
 
 class TAEF2(nn.Module):

@@ -10,8 +10,8 @@
    diffusers pipeline directory with such a ``vae/`` subfolder) is a diffusers AutoencoderKL
    whose scaling and shift come from its config;
 3. a hub id ``org/name`` or ``org/name/subfolder``: a diffusers AutoencoderKL from the
-   LOCAL Hugging Face cache only (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
-   ``~/.cache/huggingface/hub``).
+   LOCAL Hugging Face cache only (``ditdata.hub.hub_cache_dir``: ``$HF_HUB_CACHE``, else
+   ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``, in huggingface_hub's order).
 
 Nothing is ever downloaded: a model that is not on disk fails at once with a
 ``DitdataError`` naming the model and how to provide it. The ``taef2`` preset finds its
@@ -30,7 +30,6 @@ imported inside the functions that need them).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -41,6 +40,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ditdata.errors import DitdataError
+from ditdata.hub import hub_cache_dir
+from ditdata.store.files import sha256_file
 
 if TYPE_CHECKING:
     import torch
@@ -90,6 +91,37 @@ PRESETS: dict[str, Preset] = {
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(/[\w.-]+)*")
 
 
+def _info(name: str, ident: str | None, *, sha: dict[str, str] | None, scaling: float, shift: float,
+          channels: int, downsample: int, input_range: str, kind: str, subfolder: str | None = None,
+          revision: str | None = None) -> dict[str, Any]:
+    """An ``Autoencoder.info`` (the manifest's ``"vae"`` entry), keys in their recorded order."""
+    return {
+        "name": name,
+        "id": ident,
+        "subfolder": subfolder,
+        "revision": revision,
+        "weights_sha256": sha,
+        "scaling_factor": float(scaling),
+        "shift_factor": float(shift),
+        "latent_channels": int(channels),
+        "downsample": int(downsample),
+        "input_range": input_range,
+        "kind": kind,
+    }
+
+
+def _preset_info(p: Preset, ident: str | None, sha: dict[str, str] | None) -> dict[str, Any]:
+    """The info of a preset whose facts are fixed (TAEF2, pixels)."""
+    return _info(p.name, ident, sha=sha, scaling=p.scaling_factor, shift=p.shift_factor,
+                 channels=p.latent_channels, downsample=p.downsample, input_range=p.input_range,
+                 kind=p.kind)
+
+
+def _fact(key: str, cast=None) -> property:
+    """A read-only view of one ``info`` entry."""
+    return property(lambda self: self.info[key] if cast is None else cast(self.info[key]))
+
+
 # --------------------------------------------------------------------------- wrapper
 
 
@@ -114,30 +146,13 @@ class Autoencoder:
             p = next(module.parameters())
             self._device, self._dtype = p.device, p.dtype
 
-    # -- facts
-    @property
-    def name(self) -> str:
-        return self.info["name"]
-
-    @property
-    def kind(self) -> str:
-        return self.info["kind"]
-
-    @property
-    def scaling_factor(self) -> float:
-        return float(self.info["scaling_factor"])
-
-    @property
-    def shift_factor(self) -> float:
-        return float(self.info["shift_factor"])
-
-    @property
-    def latent_channels(self) -> int:
-        return int(self.info["latent_channels"])
-
-    @property
-    def downsample(self) -> int:
-        return int(self.info["downsample"])
+    # -- facts (views of ``info``)
+    name = _fact("name")
+    kind = _fact("kind")
+    scaling_factor = _fact("scaling_factor", float)
+    shift_factor = _fact("shift_factor", float)
+    latent_channels = _fact("latent_channels", int)
+    downsample = _fact("downsample", int)
 
     @property
     def deterministic(self) -> bool:
@@ -235,25 +250,9 @@ class Autoencoder:
 # --------------------------------------------------------------------------- helpers
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
-def hf_cache_dir() -> Path:
-    """The Hugging Face hub cache, resolved from the environment at call time (the
-    huggingface_hub constants are frozen at its import)."""
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if os.environ.get(var):
-            return Path(os.path.expandvars(os.path.expanduser(os.environ[var])))
-    home = os.environ.get("HF_HOME")
-    if not home:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        home = os.path.join(base, "huggingface")
-    return Path(os.path.expandvars(os.path.expanduser(home))) / "hub"
+def _one_line(e: BaseException) -> str:
+    """A library's exception as one short line for the CLI."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
 def _is_taef2_dir(path: Path) -> bool:
@@ -286,7 +285,7 @@ def _kl_weight_files(model_dir: Path) -> tuple[list[str], bool]:
 
 def _load_kl(model_dir: Path, dtype: torch.dtype, label: str) -> tuple[Any, dict[str, str]]:
     files, safe = _kl_weight_files(model_dir)
-    sha = {f: _sha256(model_dir / f) for f in files}
+    sha = {f: sha256_file(model_dir / f) for f in files}
     try:
         from diffusers import AutoencoderKL
     except ImportError as e:
@@ -296,9 +295,7 @@ def _load_kl(model_dir: Path, dtype: torch.dtype, label: str) -> tuple[Any, dict
             str(model_dir), torch_dtype=dtype, use_safetensors=safe, local_files_only=True,
             low_cpu_mem_usage=importlib.util.find_spec("accelerate") is not None)
     except Exception as e:  # corrupt or incompatible files: one line for the CLI
-        msg = " ".join(str(e).split())[:300]
-        raise DitdataError(f"cannot load AutoencoderKL {label} from {model_dir}: "
-                           f"{type(e).__name__}: {msg}") from e
+        raise DitdataError(f"cannot load AutoencoderKL {label} from {model_dir}: {_one_line(e)}") from e
     return module, sha
 
 
@@ -310,19 +307,10 @@ def _kl_info(name: str, ident: str, subfolder: str | None, revision: str | None,
         scaling = cfg.get("scaling_factor", None) or 0.18215
     if shift is None:
         shift = cfg.get("shift_factor", None) or 0.0
-    return {
-        "name": name,
-        "id": ident,
-        "subfolder": subfolder,
-        "revision": revision,
-        "weights_sha256": sha,
-        "scaling_factor": float(scaling),
-        "shift_factor": float(shift),
-        "latent_channels": int(cfg["latent_channels"]),
-        "downsample": 2 ** (len(cfg["block_out_channels"]) - 1),
-        "input_range": RANGE_PM1,
-        "kind": KIND_KL,
-    }
+    return _info(name, ident, subfolder=subfolder, revision=revision, sha=sha, scaling=scaling,
+                 shift=shift, channels=cfg["latent_channels"],
+                 downsample=2 ** (len(cfg["block_out_channels"]) - 1), input_range=RANGE_PM1,
+                 kind=KIND_KL)
 
 
 def _missing_hub_message(name: str, repo_id: str, subfolder: str | None, cache: Path,
@@ -341,7 +329,7 @@ def _missing_hub_message(name: str, repo_id: str, subfolder: str | None, cache: 
 
 def _snapshot(repo_id: str, subfolder: str | None, revision: str | None, name: str) -> Path:
     """The cached snapshot directory of ``repo_id`` (never touching the network)."""
-    cache = hf_cache_dir()
+    cache = hub_cache_dir()
     try:
         from huggingface_hub import snapshot_download
     except ImportError as e:
@@ -365,27 +353,12 @@ def _taef2(weights_dir: Path, device: Any, dtype: torch.dtype) -> Autoencoder:
     from ditdata.taef2 import TAEF2
 
     weights_dir = weights_dir.expanduser().resolve()
-    sha = {f: _sha256(weights_dir / f) for f in TAEF2_FILES}
+    sha = {f: sha256_file(weights_dir / f) for f in TAEF2_FILES}
     try:
         module = TAEF2.from_dir(weights_dir)
     except Exception as e:
-        msg = " ".join(str(e).split())[:300]
-        raise DitdataError(f"cannot load TAEF2 weights from {weights_dir}: "
-                           f"{type(e).__name__}: {msg}") from e
-    p = PRESETS["taef2"]
-    info = {
-        "name": "taef2",
-        "id": str(weights_dir),
-        "subfolder": None,
-        "revision": None,
-        "weights_sha256": sha,
-        "scaling_factor": p.scaling_factor,
-        "shift_factor": p.shift_factor,
-        "latent_channels": p.latent_channels,
-        "downsample": p.downsample,
-        "input_range": p.input_range,
-        "kind": KIND_TAEF2,
-    }
+        raise DitdataError(f"cannot load TAEF2 weights from {weights_dir}: {_one_line(e)}") from e
+    info = _preset_info(PRESETS["taef2"], str(weights_dir), sha)
     return Autoencoder(module, info).to(device, dtype)
 
 
@@ -401,21 +374,7 @@ def _taef2_from_env() -> Path:
 
 
 def _pixels(device: Any, dtype: torch.dtype) -> Autoencoder:
-    p = PRESETS["pixels"]
-    info = {
-        "name": "pixels",
-        "id": None,
-        "subfolder": None,
-        "revision": None,
-        "weights_sha256": None,
-        "scaling_factor": p.scaling_factor,
-        "shift_factor": p.shift_factor,
-        "latent_channels": p.latent_channels,
-        "downsample": p.downsample,
-        "input_range": p.input_range,
-        "kind": KIND_PIXELS,
-    }
-    return Autoencoder(None, info).to(device, dtype)
+    return Autoencoder(None, _preset_info(PRESETS["pixels"], None, None)).to(device, dtype)
 
 
 def _kl_from_dir(path: Path, device: Any, dtype: torch.dtype, name: str | None = None,
@@ -434,7 +393,7 @@ def _kl_from_hub(repo_id: str, subfolder: str | None, device: Any, dtype: torch.
     cfg = _kl_config(model_dir)
     if cfg is None:
         raise DitdataError(_missing_hub_message(
-            name, repo_id, subfolder, hf_cache_dir(), revision,
+            name, repo_id, subfolder, hub_cache_dir(), revision,
             f"snapshot {snap.name} has no {subfolder + '/' if subfolder else ''}config.json"))
     if cfg.get("_class_name") != "AutoencoderKL":
         raise DitdataError(f"{repo_id}{'/' + subfolder if subfolder else ''} is a "

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .defaults import BACKENDS, CHUNK_SAMPLES
 from .schema import Schema, disk_dtype, from_disk, to_disk
 
 COLUMNS_FILE = "columns.parquet"
@@ -52,7 +53,7 @@ class ZarrBackend:
     name = "zarr"
     suffix = ".zarr"
 
-    def __init__(self, chunk_samples: int = 1024):
+    def __init__(self, chunk_samples: int = CHUNK_SAMPLES):
         self.chunk_samples = chunk_samples
         # Reads in slices come back to the same shard many times: keep the last shard's
         # columns table and every array's parsed metadata (a published shard never changes
@@ -161,7 +162,7 @@ class WdsBackend:
     name = "wds"
     suffix = ".tar"
 
-    def __init__(self, chunk_samples: int = 1024):
+    def __init__(self, chunk_samples: int = CHUNK_SAMPLES):
         self.chunk_samples = chunk_samples
 
     def write(self, path: Path, schema: Schema, tensors: dict, columns: dict, n: int) -> None:
@@ -225,9 +226,10 @@ class WdsBackend:
         return result
 
 
+_CLASSES = {b.name: b for b in (ZarrBackend, WdsBackend)}  # named in defaults.BACKENDS
+
+
 def get_backend(name: str, **options):
-    if name == "zarr":
-        return ZarrBackend(**options)
-    if name == "wds":
-        return WdsBackend(**options)
-    raise ValueError(f"unknown store backend {name!r}; choose 'zarr' or 'wds'")
+    if name not in _CLASSES:
+        raise ValueError(f"unknown store backend {name!r}; choose {' or '.join(map(repr, BACKENDS))}")
+    return _CLASSES[name](**options)

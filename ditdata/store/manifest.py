@@ -112,12 +112,13 @@ def enclosing_store(path) -> Path | None:
     return None
 
 
-def refuse_inside_store(path, what: str) -> None:
-    """StoreError when `path` (an output of `what`) is a latent store or inside one."""
+def refuse_inside_store(path, what: str, error: type[Exception] = StoreError) -> None:
+    """`error` (StoreError, or the caller's own) when `path`, an output of `what`, is a
+    latent store or inside one."""
     store = enclosing_store(path)
     if store is not None:
-        raise StoreError(f"{what} {path}: inside the latent store {store}, which only `ditdata encode` "
-                         "writes; choose a directory outside it")
+        raise error(f"{what} {path}: inside the latent store {store}, which only `ditdata encode` "
+                    "writes; choose a directory outside it")
 
 
 def load(root: Path) -> dict:

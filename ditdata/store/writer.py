@@ -27,6 +27,7 @@ import numpy as np
 
 from . import files, manifest
 from .backends import get_backend
+from .defaults import CHUNK_SAMPLES, DEFAULT_BACKEND
 from .errors import StoreError
 from .schema import Schema, dtype_name
 
@@ -52,8 +53,8 @@ class StoreWriter:
     info: a rerun with different settings is refused while finished shards exist.
     """
 
-    def __init__(self, root, *, schema: Schema, info: dict, backend: str = "zarr",
-                 chunk_samples: int = 1024):
+    def __init__(self, root, *, schema: Schema, info: dict, backend: str = DEFAULT_BACKEND,
+                 chunk_samples: int = CHUNK_SAMPLES):
         self.root = Path(root)
         self.schema = schema
         self.backend = get_backend(backend, chunk_samples=chunk_samples)

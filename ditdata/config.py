@@ -1,0 +1,93 @@
+"""The settings of `ditdata fetch` and `ditdata encode` (and the defaults of `ditdata
+score`): every option with its default and its choices, in one place. The command line builds its options from these dataclasses
+(ditdata/cli.py), and the Python API takes them (`fetch(source, out, FetchConfig(...))`,
+`encode(EncodeConfig(...))`).
+
+Importing this module is cheap (the standard library only): `ditdata --help` shows these
+defaults without loading numpy or torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ditdata.store.defaults import CHUNK_SAMPLES, DEFAULT_BACKEND
+
+# ------------------------------------------------------------------------------- fetch
+
+KINDS = ("urls", "classes", "captions")  # what a fetch reads: a URL list, class folders, captions
+# ditdata.images.RESIZE_MODES, repeated here because that module loads numpy and PIL;
+# tests/test_config.py checks that the two agree.
+RESIZE_MODES = ("no", "keep_ratio", "center_crop", "border", "keep_ratio_largest")
+ENCODE_FORMATS = ("jpg", "png", "webp")
+DISTRIBUTORS = ("multiprocessing", "pyspark", "ray")
+DEFAULT_URL_IMAGE_SIZE = 256  # image_size of a URL list when none is given
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    """How `ditdata fetch` turns a source into image shards (the source and the output
+    folder are the call's arguments)."""
+
+    kind: str | None = None  # one of KINDS; None: detected from the source
+    image_size: int | None = None  # None: DEFAULT_URL_IMAGE_SIZE for URL lists, originals for folders
+    resize_mode: str = "center_crop"  # one of RESIZE_MODES (img2dataset's names)
+    min_image_size: int = 0  # smaller side before resizing
+    max_aspect_ratio: float = math.inf  # longer / shorter side
+    encode_format: str = "jpg"  # of re-encoded images
+    encode_quality: int = 95  # JPEG / WebP quality
+    max_pixels: int | None = None  # decompression-bomb limit; None: ditdata.images.DEFAULT_MAX_PIXELS
+    samples_per_shard: int = 10000
+    processes: int | None = None  # None: every CPU core
+    threads: int = 64  # download threads per process (URL lists)
+    url_col: str | None = None  # None: the first of fetch.URL_COLUMNS present
+    caption_col: str | None = None  # None: the first of fetch.CAPTION_COLUMNS present; "": none
+    keep_cols: tuple[str, ...] = ()  # URL-list columns kept in each sample's json
+    distributor: str = "multiprocessing"  # one of DISTRIBUTORS (URL lists)
+    timeout: int = 10  # download timeout in seconds
+    retries: int = 0  # download retries per URL
+    shuffle_seed: int | None = None  # folders: shuffle the sorted file list with this seed
+    overwrite: bool = False  # delete a previous fetch in the output folder first
+    progress: bool = True
+
+
+# ------------------------------------------------------------------------------- score
+
+CLIP_MODEL = "ViT-B-32"  # the open_clip model of `ditdata score` when none is named
+SCORE_BATCH_SIZE = 128
+
+# ------------------------------------------------------------------------------ encode
+
+POSTERIORS = ("sample", "mean_std")
+DTYPES = ("float16", "bfloat16")
+# Far above any DiT recipe (256-1024 px); a mistyped --resolution 100000 would otherwise
+# allocate 30 GB per decoded image before anything could say no.
+MAX_RESOLUTION = 4096
+
+
+@dataclass
+class EncodeConfig:
+    """How `ditdata encode` turns an image-shard folder into a latent store."""
+
+    shards: str
+    out: str
+    vae: str = "sd-vae-ft-ema"
+    resolution: int = 256
+    backend: str = DEFAULT_BACKEND  # one of ditdata.store.defaults.BACKENDS
+    flip: bool = False
+    posterior: str = "sample"  # one of POSTERIORS: one frozen draw, or mean and std (fresh draws in training)
+    dtype: str = "float16"  # one of DTYPES: storage dtype of latents and text embeddings
+    device: str = "auto"  # auto: cuda when available
+    batch_size: int = 32
+    workers: int = 2
+    select: str | None = None
+    text_encoder: str | None = None  # open_clip model name
+    text_pretrained: str | None = None  # its pretrained tag or weights file
+    text_config: str | None = None  # an open_clip model-config JSON for custom models
+    text_tokens: bool = False  # also store per-token embeddings and mask
+    seed: int = 0
+    chunk_samples: int = CHUNK_SAMPLES
+    skip_bad_shards: bool = False  # leave out (and record) image shards that are damaged
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
