@@ -1,9 +1,12 @@
-"""Checkpoints: one checkpointer over every stateful part of a run, written atomically.
+"""Checkpoints: one object over every stateful part of a run (RunState), written atomically.
 
     RUN/checkpoints/step_00001000.pt   model, EMA, optimizer, scaler, LR schedule, loader,
                                        RNG states, step, resolved config, store identity
     RUN/ema.safetensors                the EMA weights alone, with the config in its metadata
                                        (what `dittrain sample` and other tools load)
+
+What a checkpoint holds is RunState.state_dict() and a resume is RunState.load_state_dict()
+(torchtitan's idea: the stateful parts listed once, each with state_dict/load_state_dict).
 
 A checkpoint is written to a hidden temporary name, synced, renamed, and its directory
 synced (ditdata.store.files), so a file under its final name is always complete and
@@ -16,10 +19,13 @@ arbitrary pickle: everything saved is tensors and plain Python data.
 from __future__ import annotations
 
 import json
+import random
 import re
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
 from ditdata.store.files import atomic_file, atomic_path, error_reason
 
@@ -30,6 +36,115 @@ _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 
 class CheckpointError(Exception):
     """A checkpoint is missing, truncated, or belongs to another run or store."""
+
+
+# --------------------------------------------------------------------------- what a checkpoint holds
+
+
+class RunState:
+    """Every stateful part of a run, in one place: a checkpoint is `state_dict()`, a resume
+    is `load_state_dict(checkpoint)`. A new stateful part is one entry in `_shared` (one
+    copy, rank 0's: DDP keeps the replicas equal) or `_per_rank` (each rank's own, gathered
+    into "ranks"); a new counter is an attribute named in COUNTERS. The file:
+
+        {"step", "nonfinite_total", "model", "ema", "optimizer", "lr_schedule", "scaler",
+         "ranks": [{"loader", "rng", "noise_gen"} of rank r, ...], "config"}
+
+    ("config": the resolved run config, checked before a resume, never loaded).
+    """
+
+    COUNTERS = ("step", "nonfinite_total")  # plain ints; one a checkpoint lacks starts at 0
+
+    def __init__(self, *, model, ema, optimizer, lr_schedule, scaler, loader, noise_gen: torch.Generator,
+                 config: dict, device: torch.device, rank: int = 0, world: int = 1):
+        self.model, self.ema, self.optimizer, self.lr_schedule = model, ema, optimizer, lr_schedule
+        self.scaler, self.loader, self.noise_gen = scaler, loader, noise_gen
+        self.config, self.device, self.rank, self.world = config, device, rank, world
+        self.step = 0  # optimizer steps taken
+        self.nonfinite_total = 0  # steps skipped for a NaN/inf loss
+
+    def _shared(self) -> dict:
+        return {"model": self.model, "ema": self.ema, "optimizer": self.optimizer,
+                "lr_schedule": self.lr_schedule, "scaler": self.scaler}
+
+    def _per_rank(self) -> dict:
+        return {"loader": self.loader, "rng": _GlobalRNG(self.device),
+                "noise_gen": _GeneratorState(self.noise_gen)}
+
+    def state_dict(self) -> dict:
+        """The checkpoint. With several ranks every rank must call it (it gathers each
+        rank's part); only rank 0's result is complete."""
+        ranks = _gather({k: part.state_dict() for k, part in self._per_rank().items()}, self.world)
+        return {**{k: getattr(self, k) for k in self.COUNTERS},
+                **{k: part.state_dict() for k, part in self._shared().items()},
+                "ranks": ranks, "config": self.config}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore every part from a checkpoint (this rank's entry of "ranks"). A loader
+        made with other settings raises dittrain.data.LoaderStateError."""
+        for k, part in self._shared().items():
+            part.load_state_dict(state[k])
+        mine = state["ranks"][self.rank]
+        for k, part in self._per_rank().items():
+            part.load_state_dict(mine[k])
+        for k in self.COUNTERS:
+            setattr(self, k, state.get(k, 0))
+
+
+class _GlobalRNG:
+    """The process-wide generators (Python's, NumPy's, torch's and the device's CUDA one)
+    as one stateful part."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def state_dict(self) -> dict:
+        np_state = np.random.get_state(legacy=False)
+        np_state["state"] = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in np_state["state"].items()}
+        state = {"python": random.getstate(), "numpy": np_state, "torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        random.setstate(_tuples(state["python"]))
+        np_state = dict(state["numpy"])
+        np_state["state"] = {k: (np.array(v, dtype=np.uint64) if isinstance(v, list) else v)
+                             for k, v in np_state["state"].items()}
+        np.random.set_state(np_state)
+        torch.set_rng_state(state["torch"])
+        if self.device.type == "cuda" and "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+
+
+def _tuples(x):
+    """random.setstate wants tuples; a checkpoint may hand back lists."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, list | tuple) else x
+
+
+class _GeneratorState:
+    """A torch.Generator as a stateful part (its get_state / set_state)."""
+
+    def __init__(self, gen: torch.Generator):
+        self.gen = gen
+
+    def state_dict(self) -> torch.Tensor:
+        return self.gen.get_state()
+
+    def load_state_dict(self, state: torch.Tensor) -> None:
+        self.gen.set_state(state)
+
+
+def _gather(obj, world: int) -> list:
+    """obj of every rank, in rank order (every rank must call this when world > 1)."""
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# --------------------------------------------------------------------------- files
 
 
 def _write_failed(path: Path, what: str, previous: Path | None, e: Exception) -> CheckpointError:

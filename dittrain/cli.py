@@ -174,7 +174,7 @@ def run_cmd(**options):
 @click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
               help="Text models: a prompt (repeatable), embedded with the store's text encoder.")
 @click.option("--n", type=click.IntRange(min=1), default=None,
-              help="Samples in all (default 16); classes or prompts are cycled over them.")
+              help=f"Samples in all (default {_sample_defaults().n}); classes or prompts are cycled over them.")
 @click.option("--n-per-class", type=click.IntRange(min=1), default=None,
               help="One ROW per class (or prompt) of this many samples; singles under "
                    "samples/<class or prompt index>/.")
@@ -224,17 +224,19 @@ def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow,
       dittrain sample --ckpt runs/exp1 --classes all --n-per-class 8 --out samples_dir
       dittrain sample --ckpt runs/t2i --prompt "a red fox in snow" --n 8 --out fox.png
     """
+    from dittrain.config import SampleConfig
     from dittrain.sample import SampleError, sample_to_files
 
     def log(line):
         click.echo(line, err=line.startswith("note:"))
 
+    settings = SampleConfig(cfg_scale=cfg_scale, steps=steps, sampler=sampler, seed=seed, batch_size=batch_size,
+                            precision=precision)
     try:
         sample_to_files(ckpt, out, classes=classes, prompts=prompts, n=n, n_per_class=n_per_class,
-                        per_class_dir=per_class_dir, nrow=nrow, cfg_scale=cfg_scale, steps=steps,
-                        sampler=sampler, seed=seed, device=device, batch_size=batch_size,
-                        precision=precision, latents=latents, vae=vae,
-                        text_pretrained=text_pretrained, grid_scale=grid_scale, log=log)
+                        per_class_dir=per_class_dir, nrow=nrow, settings=settings, device=device,
+                        latents=latents, vae=vae, text_pretrained=text_pretrained, grid_scale=grid_scale,
+                        log=log)
     except SampleError as e:
         raise click.ClickException(str(e)) from e
 

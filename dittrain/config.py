@@ -12,7 +12,7 @@ is DERIVED from the latent store (never set by hand):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class SampleConfig:
     seed: int = 0
     batch_size: int = 32  # samples per forward pass (CFG doubles it)
     precision: str = "auto"  # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16 | fp16
+    n: int = 16  # samples when neither --n nor --n-per-class says (the trainer's EMA grids too)
 
 
 @dataclass
@@ -68,13 +69,3 @@ class TrainConfig:
     max_nonfinite: int = 20  # consecutive NaN/inf losses before giving up
     resume: bool = False
     device: str = "auto"  # auto | cpu | cuda
-
-
-def train_config_from_dict(d: dict) -> TrainConfig:
-    """Rebuild a TrainConfig from a saved one, ignoring keys this version does not know."""
-    known = {f.name for f in fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in d.items() if k in known})
-
-
-def as_dict(cfg: TrainConfig) -> dict:
-    return asdict(cfg)

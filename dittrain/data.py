@@ -78,8 +78,8 @@ import torch
 from ditdata.store import BFLOAT16, TEXT_FIELDS, Store, open_store
 
 __all__ = [
-    "LoaderError", "ResidentLoader", "StreamingLoader", "available_memory", "build_loader",
-    "choose_loader", "gpu_memory",
+    "LoaderError", "LoaderStateError", "ResidentLoader", "StreamingLoader", "available_memory",
+    "build_loader", "choose_loader", "gpu_memory",
 ]
 
 _TORCH_DTYPES = {
@@ -145,8 +145,7 @@ class _Spec:
         self.lat_shape = tuple(specs[0].shape)
         self.V, self.P = len(self.variants), len(parts)
         self.extras: list[_Field] = []
-        cond = store.manifest.get("conditioning") or {}
-        if cond.get("type") == "class" and "label" in schema.columns:
+        if store.conditioning.kind == "class" and "label" in schema.columns:
             self.extras.append(_Field("y", "label", torch.int64, ()))
         for name in TEXT_FIELDS:
             if name in schema.tensors:
@@ -200,6 +199,11 @@ class _Block:
 class LoaderError(ValueError):
     """The requested loader cannot work here (a resident store larger than the memory it
     would live in); the message is one line with the sizes and what to use instead."""
+
+
+class LoaderStateError(ValueError):
+    """A saved loader state that this loader cannot continue exactly (another kind, seed,
+    batch size, world size, store size or window); the message lists what differs."""
 
 
 # A resident loader asked for explicitly may use up to this fraction of the available
@@ -384,13 +388,16 @@ class _Loader:
         self.spec = _Spec(store)
         self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
         self.split = split
-        # The stream this loader follows: its own part (rank, world_size, batch_size), or, for
-        # split="batch", the single-process stream of batches of B*W, of which it keeps rows _lo:.
+        # The stream this loader follows, as (rank, world size, batch size) of the stream: its
+        # own part (rank, world_size, batch_size), or, for split="batch", the single-process
+        # stream (0, 1, B*W). Of each batch of that stream it keeps the rows `_my_rows`.
         if split == "batch":
-            self._srank, self._sworld, self._sbatch = 0, 1, batch_size * world_size
-            self._lo = rank * batch_size
+            self._stream_rank, self._stream_world, self._stream_batch = 0, 1, batch_size * world_size
+            first = rank * batch_size
         else:
-            self._srank, self._sworld, self._sbatch, self._lo = rank, world_size, batch_size, 0
+            self._stream_rank, self._stream_world, self._stream_batch = rank, world_size, batch_size
+            first = 0
+        self._my_rows = slice(first, first + batch_size)
         self.device = torch.device(device)
         self.with_index = with_index
         self.reason = reason or f"{self.kind}: requested"
@@ -433,11 +440,11 @@ class _Loader:
         if self.spec.P == 1:
             x = lat[:, 0].float()
         else:
-            self._gen.manual_seed(_seed64(self.seed, _EPS, self._srank, epoch, offset))
+            self._gen.manual_seed(_seed64(self.seed, _EPS, self._stream_rank, epoch, offset))
             mean, std = lat[:, 0].float(), lat[:, 1].float()
-            eps = torch.randn((self._sbatch, *mean.shape[1:]), generator=self._gen, device=mean.device,
+            eps = torch.randn((self._stream_batch, *mean.shape[1:]), generator=self._gen, device=mean.device,
                               dtype=torch.float32)
-            x = torch.addcmul(mean, std, eps[self._lo:self._lo + self.batch_size])
+            x = torch.addcmul(mean, std, eps[self._my_rows])
         out = {"x": x}
         for e in self.spec.extras:
             t = raw[e.name]
@@ -468,12 +475,12 @@ class _Loader:
         """
         mine = self._identity()
         if state.get("kind") != self.kind:
-            raise ValueError(
+            raise LoaderStateError(
                 f"loader state is for a {state.get('kind')!r} loader, this one is {self.kind!r}; "
                 f"build the loader with kind={state.get('kind')!r} to resume exactly")
         diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
         if diff and strict:
-            raise ValueError(
+            raise LoaderStateError(
                 "loader state does not match this loader (saved, now): "
                 + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in diff.items())
                 + "; exact resume needs the same settings (strict=False continues approximately)")
@@ -530,7 +537,7 @@ class ResidentLoader(_Loader):
             raise ValueError("--resident-device cuda needs --device cuda (the store would live on the GPU)")
         if self.resident_device.type == "cuda":
             self.device = self.resident_device
-        part = _rank_part(len(store), seed, self._srank, self._sworld)
+        part = _rank_part(len(store), seed, self._stream_rank, self._stream_world)
         self.n = len(part)
         self._block = _Block(self.spec, self.n, self.resident_device)
         for shard in store.shards:
@@ -555,12 +562,12 @@ class ResidentLoader(_Loader):
         return self.n
 
     def _position(self, k: int) -> tuple[int, int]:
-        return divmod(k * self._sbatch, self.n)
+        return divmod(k * self._stream_batch, self.n)
 
     def _epoch(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(order, rows) of epoch e: sample positions, and their rows i * V + variant."""
         if e not in self._epochs:
-            rng = _rng(self.seed, _EPOCH, self._srank, e)
+            rng = _rng(self.seed, _EPOCH, self._stream_rank, e)
             order = rng.permutation(self.n)
             rows = order * self.spec.V + rng.integers(0, 2, self.n) if self.spec.V == 2 else order
             dev = self.resident_device
@@ -571,22 +578,23 @@ class ResidentLoader(_Loader):
 
     def _make(self, k: int) -> dict:
         e, o = self._position(k)
-        B, n = self._sbatch, self.n
+        B, n = self._stream_batch, self.n
         if o + B <= n:
             order, rows = (t[o:o + B] for t in self._epoch(e))
         else:  # the batch runs into the next epoch(s)
-            orders, rowss, ee, oo, need = [], [], e, o, B
+            order_parts, row_parts = [], []
+            epoch, offset, need = e, o, B  # where the next piece of the batch starts
             while need:
-                take = min(need, n - oo)
-                ords, rws = self._epoch(ee)
-                orders.append(ords[oo:oo + take])
-                rowss.append(rws[oo:oo + take])
-                need, oo = need - take, oo + take
-                if oo == n:
-                    ee, oo = ee + 1, 0
-            order, rows = torch.cat(orders), torch.cat(rowss)
+                take = min(need, n - offset)
+                epoch_order, epoch_rows = self._epoch(epoch)
+                order_parts.append(epoch_order[offset:offset + take])
+                row_parts.append(epoch_rows[offset:offset + take])
+                need, offset = need - take, offset + take
+                if offset == n:
+                    epoch, offset = epoch + 1, 0
+            order, rows = torch.cat(order_parts), torch.cat(row_parts)
         if self.split == "batch":  # this rank's rows of the one-process batch
-            order, rows = (t[self._lo:self._lo + self.batch_size] for t in (order, rows))
+            order, rows = order[self._my_rows], rows[self._my_rows]
         pin = self._lookahead
         raw = {"lat": self._select(self._flat, rows, pin).view(-1, self.spec.P, *self.spec.lat_shape)}
         for name, t in self._block.extras.items():
@@ -737,11 +745,11 @@ def _job_chunks(store: Store, spec: _Spec, plan: _Plan, job: _Job):
         m = b - a
 
         def gather(out, lo=lo, hi=hi, m=m):
-            smp = perm_t[lo:hi]
+            samples = perm_t[lo:hi]  # the chunk's samples, as rows of the block
             torch.index_select(flat, 0, rows_t[lo:hi], out=out["lat"][:m].view(m, -1))
             for name, t in block.extras.items():
-                torch.index_select(t, 0, smp, out=out[name][:m])
-            torch.index_select(block.index, 0, smp, out=out["index"][:m])
+                torch.index_select(t, 0, samples, out=out[name][:m])
+            torch.index_select(block.index, 0, samples, out=out["index"][:m])
             out["flip"][:m].copy_(flips_t[lo:hi])
 
         yield a, m, b == job.end, gather
@@ -811,13 +819,13 @@ class StreamingLoader(_Loader):
         store = _open(store)
         super().__init__(store, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size,
                          device=device, with_index=with_index, reason=reason, split=split)
-        self.plan = _Plan(store, seed=seed, rank=self._srank, world_size=self._sworld,
-                          window=shuffle_window, batch_size=self._sbatch)
+        self.plan = _Plan(store, seed=seed, rank=self._stream_rank, world_size=self._stream_world,
+                          window=shuffle_window, batch_size=self._stream_batch)
         self.shuffle_window = shuffle_window
         self.workers, self.prefetch = max(0, workers), max(1, prefetch)
         self._ctx = torch.multiprocessing.get_context(
             mp_context or ("fork" if "fork" in torch.multiprocessing.get_all_start_methods() else None))
-        self._layout, self._slot_bytes = _slot_layout(self.spec, self._sbatch)
+        self._layout, self._slot_bytes = _slot_layout(self.spec, self._stream_batch)
         self._pin = self.device.type == "cuda"
         self._lookahead = self.device.type == "cuda"
         self._running = False
@@ -832,7 +840,7 @@ class StreamingLoader(_Loader):
         return {**super()._identity(), "shuffle_window": self.shuffle_window}
 
     def _position(self, k: int) -> tuple[int, int]:
-        return self.plan.position(k * self._sbatch)
+        return self.plan.position(k * self._stream_batch)
 
     # -- producing -------------------------------------------------------------------
     def _start(self, k: int) -> None:
@@ -843,11 +851,11 @@ class StreamingLoader(_Loader):
             self._jobs = self.plan.jobs(e, o)
             self._chunks = None
             self._local = _slot_views(torch.empty(self._slot_bytes, dtype=torch.uint8), self._layout,
-                                      self._sbatch)
+                                      self._stream_batch)
         else:
-            cfg = {"root": str(self.store.root), "seed": self.seed, "rank": self._srank,
-                   "world_size": self._sworld, "window": self.shuffle_window,
-                   "batch_size": self._sbatch, "epoch": e, "offset": o}
+            cfg = {"root": str(self.store.root), "seed": self.seed, "rank": self._stream_rank,
+                   "world_size": self._stream_world, "window": self.shuffle_window,
+                   "batch_size": self._stream_batch, "epoch": e, "offset": o}
             ctx = self._ctx
             self._stop = ctx.Event()
             self._procs, self._free, self._out, self._views = [], [], [], []
@@ -862,7 +870,7 @@ class StreamingLoader(_Loader):
                 self._procs.append(p)
                 self._free.append(free)
                 self._out.append(out)
-                self._views.append([_slot_views(slots[s], self._layout, self._sbatch)
+                self._views.append([_slot_views(slots[s], self._layout, self._stream_batch)
                                     for s in range(self.prefetch)])
         self._running = True
 
@@ -912,7 +920,7 @@ class StreamingLoader(_Loader):
         if not self._running:
             self._start(k)
         e0, o0 = self._cursor
-        B = self._sbatch
+        B = self._stream_batch
         # The host batch: pinned in the stored dtypes when bound for the GPU (half the bytes
         # over PCIe, converted there); on the CPU, straight into float32 (one pass).
         dst = {}
@@ -937,7 +945,7 @@ class StreamingLoader(_Loader):
         if not self.with_index:
             del dst["index"], dst["flip"]
         if self.split == "batch":  # this rank's rows of the one-process batch
-            dst = {k: v[self._lo:self._lo + self.batch_size] for k, v in dst.items()}
+            dst = {k: v[self._my_rows] for k, v in dst.items()}
         return self._finish(self._to_device(dst), e0, o0)
 
     # -- lifetime --------------------------------------------------------------------

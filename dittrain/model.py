@@ -185,32 +185,18 @@ class LabelEmbedder(nn.Module):
         return self.embedding_table(labels)
 
 
-class TextPooledEmbedder(nn.Module):
-    """Pooled text embedding (N, Dp) -> (N, D), added to c like the class embedding."""
+class TextEmbedder(nn.Module):
+    """A caption embedding -> the model width D through a 2-layer MLP: the pooled embedding
+    (N, Dp) -> (N, D), added to c like the class embedding (SiLU, as the timestep MLP), or the
+    token embeddings (N, L, Dt) -> (N, L, D), computed once and shared by all blocks
+    (tanh-GELU, as the blocks' MLPs)."""
 
-    def __init__(self, in_dim: int, hidden_size: int):
+    def __init__(self, in_dim: int, hidden_size: int, act: nn.Module):
         super().__init__()
-        self.mlp = nn.Sequential(
-            nn.Linear(in_dim, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size)
-        )
+        self.mlp = nn.Sequential(nn.Linear(in_dim, hidden_size), act, nn.Linear(hidden_size, hidden_size))
 
-    def forward(self, pooled):
-        return self.mlp(pooled)
-
-
-class TextTokenEmbedder(nn.Module):
-    """Token embeddings (N, L, Dt) -> (N, L, D), computed once and shared by all blocks."""
-
-    def __init__(self, in_dim: int, hidden_size: int):
-        super().__init__()
-        self.mlp = nn.Sequential(
-            nn.Linear(in_dim, hidden_size),
-            nn.GELU(approximate="tanh"),
-            nn.Linear(hidden_size, hidden_size),
-        )
-
-    def forward(self, tokens):
-        return self.mlp(tokens)
+    def forward(self, x):
+        return self.mlp(x)
 
 
 def drop_text_conditioning(text, empty, drop):
@@ -236,45 +222,50 @@ def drop_text_conditioning(text, empty, drop):
 # Transformer blocks
 
 
-class Attention(nn.Module):
-    """Multi-head self-attention; names (qkv, proj) match timm's, which DiT used."""
+class _Heads(nn.Module):
+    """What both attentions share: the head split, the optional QK-norm (RMSNorm over each
+    head's dim, q_norm / k_norm) and the output projection (proj)."""
 
-    def __init__(self, dim: int, num_heads: int, qk_norm: bool = False):
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
         if qk_norm:
             self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6)
         self.qk_norm = qk_norm
         self.proj = nn.Linear(dim, dim)
+
+    def _norm(self, q, k, v):
+        if self.qk_norm:  # in fp32: under autocast a bf16 input misses the fused rms_norm
+            q, k = self.q_norm(q.float()).to(v.dtype), self.k_norm(k.float()).to(v.dtype)
+        return q, k
+
+
+class Attention(_Heads):
+    """Multi-head self-attention; names (qkv, proj) match timm's, which DiT used."""
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = False):
+        super().__init__(dim, num_heads, qk_norm)
+        self.qkv = nn.Linear(dim, 3 * dim)
 
     def forward(self, x):
         N, T, D = x.shape
         # (N, T, 3D) -> (3, N, heads, T, head_dim): the timm layout the checkpoints expect
         qkv = self.qkv(x).reshape(N, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
-        if self.qk_norm:  # in fp32: under autocast a bf16 input misses the fused rms_norm
-            q, k = self.q_norm(q.float()).to(v.dtype), self.k_norm(k.float()).to(v.dtype)
+        q, k = self._norm(q, k, v)
         x = F.scaled_dot_product_attention(q, k, v)  # (N, heads, T, head_dim)
         return self.proj(x.transpose(1, 2).reshape(N, T, D))
 
 
-class CrossAttention(nn.Module):
+class CrossAttention(_Heads):
     """Image tokens (queries) attend to text tokens (keys/values), with a padding mask."""
 
     def __init__(self, dim: int, num_heads: int, qk_norm: bool = False):
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
+        super().__init__(dim, num_heads, qk_norm)
         self.q = nn.Linear(dim, dim)
         self.kv = nn.Linear(dim, 2 * dim)
-        if qk_norm:
-            self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6)
-            self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6)
-        self.qk_norm = qk_norm
-        self.proj = nn.Linear(dim, dim)
 
     def forward(self, x, context, mask=None):
         # x (N, T, D), context (N, L, D), mask (N, L) bool, True = a real token
@@ -283,8 +274,7 @@ class CrossAttention(nn.Module):
         q = self.q(x).reshape(N, T, self.num_heads, self.head_dim).transpose(1, 2)
         kv = self.kv(context).reshape(N, L, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         k, v = kv.unbind(0)
-        if self.qk_norm:
-            q, k = self.q_norm(q.float()).to(v.dtype), self.k_norm(k.float()).to(v.dtype)
+        q, k = self._norm(q, k, v)
         attn_mask, empty = None, None
         if mask is not None:
             mask = mask.bool()
@@ -376,9 +366,9 @@ class DiT(nn.Module):
         if cfg.num_classes:
             self.y_embedder = LabelEmbedder(cfg.num_classes, D, cfg.class_dropout_prob)
         if cfg.text_pooled_dim:
-            self.text_pooled_embedder = TextPooledEmbedder(cfg.text_pooled_dim, D)
+            self.text_pooled_embedder = TextEmbedder(cfg.text_pooled_dim, D, nn.SiLU())
         if cfg.text_token_dim:
-            self.text_token_embedder = TextTokenEmbedder(cfg.text_token_dim, D)
+            self.text_token_embedder = TextEmbedder(cfg.text_token_dim, D, nn.GELU(approximate="tanh"))
         # fixed 2-D sin-cos position embedding; a frozen Parameter (not a buffer) because the
         # released checkpoints store it under "pos_embed"
         self.pos_embed = nn.Parameter(torch.zeros(1, cfg.num_tokens, D), requires_grad=False)

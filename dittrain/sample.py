@@ -25,11 +25,16 @@ and random class labels from a separate generator with the same seed. So a seed 
 same images on every run with the same --batch-size and device; the deterministic samplers
 (ddim, euler, heun) do not depend on --batch-size either.
 
+One pass checks and plans: plan_samples turns the run's config, its store and the user's
+choices into a frozen SamplePlan (conditions per sample, layout, sampler, device, precision)
+before any weights or encoders load; run_plan draws it. sample_images (the API and the
+trainer's grids) and sample_to_files (the command) both go through them.
+
 Public API:
     SampleError, resolve_device, open_run_store, check_store, store_mismatches,
-    model_config, load_model, pick_labels, parse_classes, embed_prompts, sample_images,
-    make_grid, save_png, output_paths, write_samples, sample_to_files (the command),
-    write_training_grid (the trainer's EMA grids), store_text.
+    model_config, load_model, pick_labels, parse_classes, embed_prompts, SamplePlan,
+    plan_samples, run_plan, sample_images, make_grid, save_png, output_paths, write_samples,
+    sample_to_files (the command), write_training_grid (the trainer's EMA grids), store_text.
 """
 
 from __future__ import annotations
@@ -37,14 +42,16 @@ from __future__ import annotations
 import json
 import math
 import re
-from contextlib import nullcontext
-from dataclasses import fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ditdata.store import TEXT_FIELDS
 from ditdata.store import files as files_api
+from ditdata.store.devices import PRECISIONS, DeviceError, amp_dtype, autocast
+from ditdata.store.devices import resolve_device as _resolve_device
 from dittrain.config import SampleConfig
 from dittrain.diffusion import SAMPLERS, Diffusion, DiffusionConfig
 from dittrain.model import DiT, DiTConfig
@@ -52,7 +59,7 @@ from dittrain.model import DiT, DiTConfig
 GRID_NAME = "grid.png"  # --out DIR: DIR/grid.png
 SINGLES_DIR = "samples"  # --out DIR: DIR/samples/NNNN.png
 INDEX_NAME = "samples.json"  # beside the singles: what each file is and how it was made
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+TEXT_POOLED, TEXT_TOKENS, TEXT_MASK = TEXT_FIELDS
 _S = SampleConfig()  # the defaults of every sampling entry point
 
 
@@ -70,18 +77,25 @@ def _line(e: BaseException) -> str:
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
-    """auto -> cuda when available, else cpu; SampleError for an unusable device."""
-    if isinstance(device, torch.device):
-        return device
-    if device in (None, "", "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The shared rule (ditdata.store.devices: auto -> cuda when available, else cpu), with an
+    unusable device as a SampleError in sampling's words."""
     try:
-        dev = torch.device(device)
+        return _resolve_device(device)
+    except DeviceError:
+        pass
+    try:
+        torch.device(device)  # parses: then the trouble is CUDA
     except (RuntimeError, ValueError):
         raise SampleError(f"bad device {device!r}: use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SampleError(f"device {device!r} requested but CUDA is not available (use --device cpu)")
-    return dev
+    raise SampleError(f"device {device!r} requested but CUDA is not available (use --device cpu)")
+
+
+def _amp_dtype(device: torch.device, precision: str) -> torch.dtype | None:
+    """The model's autocast dtype (None: fp32); sampling's auto never picks fp16."""
+    try:
+        return amp_dtype(device, precision, without_bf16="fp32")
+    except DeviceError:
+        raise SampleError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}") from None
 
 
 def _known(cls, d: dict) -> dict:
@@ -116,15 +130,15 @@ def store_mismatches(store, cfg: DiTConfig) -> list[str]:
     if tuple(store.latent_shape) != want:
         problems.append(f"latents are {'x'.join(map(str, store.latent_shape))}, the model takes "
                         f"{'x'.join(map(str, want))}")
-    cond = store.manifest.get("conditioning") or {}
+    cond = store.conditioning
     if cfg.num_classes:
-        if cond.get("type") != "class":
+        if cond.kind != "class":
             problems.append(f"the model is class-conditional ({cfg.num_classes} classes) but the "
-                            f"store's conditioning is {cond.get('type')!r}")
-        elif cond.get("num_classes") not in (None, cfg.num_classes):
-            problems.append(f"the store has {cond['num_classes']} classes, the model {cfg.num_classes}")
+                            f"store's conditioning is {cond.kind!r}")
+        elif cond.num_classes not in (0, cfg.num_classes):  # 0: not recorded
+            problems.append(f"the store has {cond.num_classes} classes, the model {cfg.num_classes}")
     tensors = store.schema.tensors
-    for field, dim in (("text_pooled", cfg.text_pooled_dim), ("text_tokens", cfg.text_token_dim)):
+    for field, dim in ((TEXT_POOLED, cfg.text_pooled_dim), (TEXT_TOKENS, cfg.text_token_dim)):
         if not dim:
             continue
         spec = tensors.get(field)
@@ -196,8 +210,8 @@ def load_model(weights: dict, config: dict, device="cpu") -> DiT:
 
 
 def class_names(store) -> list[str] | None:
-    cond = store.manifest.get("conditioning") or {}
-    return cond.get("class_names") if cond.get("type") == "class" else None
+    cond = store.conditioning
+    return list(cond.class_names) if cond.kind == "class" and cond.class_names else None
 
 
 def parse_classes(values, num_classes: int, names: list[str] | None = None) -> list[int]:
@@ -266,7 +280,7 @@ def embed_prompts(store, prompts: list[str], *, tokens: bool, device="cpu", text
 
 def empty_caption(store) -> dict[str, torch.Tensor]:
     """The manifest's empty-caption embedding (unbatched tensors), for guidance."""
-    empty = {k: torch.from_numpy(np.asarray(v).copy()) for k, v in store.empty_caption().items()}
+    empty = {k: torch.from_numpy(np.array(v)) for k, v in store.conditioning.empty.items()}
     if not empty:
         raise SampleError(f"{store.root}: the manifest has no empty-caption embedding, which a "
                           "text model needs for classifier-free guidance")
@@ -301,17 +315,6 @@ def check_sampler(config: DiffusionConfig, sampler: str | None, steps: int) -> s
     return sampler
 
 
-def _autocast(device: torch.device, precision: str):
-    if precision not in PRECISIONS:
-        raise SampleError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if precision == "auto":
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        precision = "bf16" if bf16 else "fp32"
-    if precision == "fp32":
-        return nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
-
-
 def _rows(d: dict, sl: slice) -> dict:
     return {k: (v[sl] if v is not None else None) for k, v in d.items()}
 
@@ -320,6 +323,205 @@ def to_uint8(images: torch.Tensor) -> np.ndarray:
     """(N, 3, H, W) float in [0, 1] -> (N, H, W, 3) uint8."""
     x = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
     return x.permute(0, 2, 3, 1).cpu().numpy()
+
+
+# -----------------------------------------------------------------------------
+# The plan: every check and choice of a sampling call, made once, before anything heavy
+
+
+@dataclass(frozen=True, eq=False)
+class SamplePlan:
+    """What one sampling call draws, checked against the run's model, its store and the
+    user's choices before weights, encoders or the autoencoder load. Built by plan_samples
+    (the one place sampling validates), drawn by run_plan, written by sample_to_files."""
+
+    model: DiTConfig
+    diffusion: DiffusionConfig
+    settings: SampleConfig  # as given, the sampler resolved (never None)
+    device: torch.device
+    amp: torch.dtype | None  # the model's autocast dtype; None: fp32
+    name: str  # the run's model name (log, samples.json)
+    kind: str  # the model's conditioning: class | text | none
+    total: int  # samples in all
+    labels: tuple[int, ...] | None = None  # class models: the class of each sample
+    prompts: tuple[str, ...] | None = None  # text models given prompts: the prompt of each
+    text: dict | None = None  # text models given embeddings: {field: (total, ...)}
+    groups: tuple[int, ...] | None = None  # the singles' folder (class / prompt index); None: flat
+    records: tuple[dict, ...] = ()  # what samples.json says of each sample
+    nrow: int = 1
+    rows_per_class: bool = False  # the layout: a grid row per class or prompt (else flat)
+
+    @property
+    def guide(self) -> bool:
+        """Classifier-free guidance applies: a conditional model and a scale other than 1."""
+        return self.kind != "none" and self.settings.cfg_scale != 1.0
+
+    def describe(self) -> str:
+        s, many = self.settings, "s" if self.total > 1 else ""
+        guidance = f", cfg {s.cfg_scale:g}" if self.kind != "none" else ""
+        return (f"sampling {self.total} image{many} with {self.name} ({self.diffusion.objective}, {s.sampler}, "
+                f"{s.steps} steps{guidance}) on {self.device}, seed {s.seed}")
+
+    def record(self) -> dict:
+        """How the samples were made, for samples.json."""
+        s = self.settings
+        return {"model": self.name, "objective": self.diffusion.objective, "sampler": s.sampler,
+                "steps": s.steps, "cfg_scale": s.cfg_scale if self.kind != "none" else None, "seed": s.seed,
+                "batch_size": s.batch_size, "layout": "row per class" if self.rows_per_class else "flat"}
+
+
+_IS = {"class": "class-conditional (use --class)", "text": "text-conditioned (use --prompt)",
+       "none": "unconditional"}
+
+
+def _check_choices(kind: str, settings: SampleConfig, *, classes, prompts, text, n, n_per_class, nrow) -> None:
+    """The choices that need neither the store nor any model: counts, and conditions that fit."""
+    if n is not None and n_per_class is not None:
+        raise SampleError("give either --n (samples in all) or --n-per-class (one row per class), not both")
+    for value, name in ((n, "--n"), (n_per_class, "--n-per-class"), (settings.batch_size, "--batch-size"),
+                        (settings.steps, "--steps"), (nrow, "--nrow")):
+        if value is not None and value < 1:
+            raise SampleError(f"{name} must be at least 1, got {value}")
+    if kind != "class" and classes:
+        raise SampleError(f"--class needs a class-conditional model; this one is {_IS[kind]}")
+    if kind != "text" and (prompts or text is not None):
+        raise SampleError(f"--prompt needs a text-conditioned model; this one is {_IS[kind]}")
+    if kind == "text" and not prompts and text is None:
+        raise SampleError("this model is text-conditioned: give at least one --prompt")
+    if kind == "none" and n_per_class is not None:
+        raise SampleError("--n-per-class needs a class or text model; this one is unconditional (use --n)")
+
+
+def _spread(choices: int, n: int, n_per_class: int | None) -> list[int]:
+    """Indices into `choices` things, one per sample: each n_per_class times in turn (a row
+    each), else cycled over n samples."""
+    if n_per_class is not None:
+        return [i for i in range(choices) for _ in range(n_per_class)]
+    return [i % choices for i in range(n)]
+
+
+def _class_labels(chosen: list[int], num_classes: int, n: int, n_per_class: int | None, seed: int) -> list[int]:
+    """The class of each sample: the chosen ones laid out by _spread (all classes for rows
+    when none are chosen), else n drawn with the seed."""
+    if n_per_class is not None:
+        chosen = chosen or list(range(num_classes))
+    elif not chosen:
+        return pick_labels(n, num_classes, seed)
+    return [chosen[i] for i in _spread(len(chosen), n, n_per_class)]
+
+
+def _text_inputs(text: dict, cfg: DiTConfig) -> dict[str, torch.Tensor]:
+    """The text fields the model takes, from embeddings {field: (N, ...)}."""
+    takes = {TEXT_POOLED: cfg.text_pooled_dim, TEXT_TOKENS: cfg.text_token_dim, TEXT_MASK: cfg.text_token_dim}
+    keys = [k for k in TEXT_FIELDS if takes[k]]
+    missing = [k for k in keys if text.get(k) is None]
+    if missing:
+        raise SampleError(f"the text embeddings lack {missing}, which this model takes")
+    return {k: torch.as_tensor(text[k]) for k in keys}
+
+
+def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiTConfig | None = None,
+                 device="auto", classes=(), prompts=(), text: dict | None = None, n: int | None = None,
+                 n_per_class: int | None = None, per_class_dir: bool = False,
+                 nrow: int | None = None) -> SamplePlan:
+    """Check a sampling call and decide all it draws; SampleError on the first problem.
+
+    config: the run's resolved config (model: its DiTConfig, when the caller holds the DiT).
+    classes (indices, names, "all", comma lists: parse_classes) or prompts are cycled over
+    n samples (default settings.n; classes drawn with the seed when none are given), or
+    n_per_class = K: K samples of each class (default: all) or prompt, a grid row each.
+    text: a text model's embeddings {field: (N, ...)}, one sample each, instead of prompts.
+    per_class_dir: the singles in a folder per class or prompt in the flat layout too.
+    nrow: images per grid row (default: K in rows, else ceil(sqrt(samples)))."""
+    cfg = model or model_config(config)
+    diffusion, kind = diffusion_config(config), conditioning_kind(cfg)
+    _check_choices(kind, settings, classes=classes, prompts=prompts, text=text, n=n, n_per_class=n_per_class,
+                   nrow=nrow)
+    settings = replace(settings, sampler=check_sampler(diffusion, settings.sampler, settings.steps))
+    dev = resolve_device(device)
+    count = settings.n if n is None else n
+    picks = labels = texts = None
+    records: list[dict] = []
+    if kind == "class":
+        names = class_names(store)
+        picks = labels = _class_labels(parse_classes(classes, cfg.num_classes, names), cfg.num_classes, count,
+                                       n_per_class, settings.seed)
+        records = [{"class": c, "class_name": names[c] if names and c < len(names) else None} for c in labels]
+    elif kind == "text" and text is not None:
+        text = _text_inputs(text, cfg)
+        count = len(next(iter(text.values())))
+    elif kind == "text":
+        picks = _spread(len(prompts), count, n_per_class)
+        texts = [prompts[i] for i in picks]
+        records = [{"prompt_index": i, "prompt": prompts[i]} for i in picks]
+    total = len(picks) if picks is not None else count
+    if total < 1:
+        raise SampleError("nothing to sample: n must be at least 1")
+    return SamplePlan(
+        model=cfg, diffusion=diffusion, settings=settings, device=dev, amp=_amp_dtype(dev, settings.precision),
+        name=(config.get("train") or {}).get("model", "DiT"), kind=kind, total=total,
+        labels=_tuple(labels), prompts=_tuple(texts), text=text,
+        groups=_tuple(picks) if n_per_class is not None or per_class_dir else None,
+        records=tuple(records) or tuple({} for _ in range(total)),
+        nrow=nrow or n_per_class or _square(total), rows_per_class=n_per_class is not None,
+    )
+
+
+def _tuple(values) -> tuple | None:
+    return None if values is None else tuple(values)
+
+
+def _square(n: int) -> int:
+    """Images per row of an (about) square grid of n."""
+    return math.ceil(math.sqrt(n))
+
+
+def _conditions(plan: SamplePlan, store, *, text_encoder=None, text_pretrained=None) -> tuple[dict, dict | None]:
+    """The model's inputs for all samples and, for text models, the empty caption (guidance)."""
+    if plan.kind == "class":
+        return {"y": torch.tensor(plan.labels, dtype=torch.long)}, None
+    if plan.kind == "none":
+        return {}, None
+    text = plan.text
+    if text is None:
+        emb = embed_prompts(store, list(plan.prompts), tokens=bool(plan.model.text_token_dim), device=plan.device,
+                            text_encoder=text_encoder, pretrained=text_pretrained)
+        text = _text_inputs(emb, plan.model)
+    return text, empty_caption(store)
+
+
+def run_plan(model, plan: SamplePlan, store, *, autoencoder=None, text_encoder=None, vae: str | None = None,
+             text_pretrained: str | None = None) -> np.ndarray:
+    """Draw a plan with `model` (a DiT on plan.device; in eval mode for the call, then put back
+    in its mode) and decode with the store's autoencoder (or `autoencoder`, or the one at
+    `vae`): (N, H, W, 3) uint8. Prompts are embedded with `text_encoder` or the store's."""
+    cond, empty = _conditions(plan, store, text_encoder=text_encoder, text_pretrained=text_pretrained)
+    cfg, s, dev = plan.model, plan.settings, plan.device
+    generator = torch.Generator().manual_seed(s.seed)
+    noise = torch.randn((plan.total, cfg.in_channels, cfg.input_size, cfg.input_size),
+                        generator=generator)  # all first: batch-size independent
+    if autoencoder is None:
+        autoencoder = load_autoencoder(store, dev, vae)
+    diffusion = Diffusion(plan.diffusion)
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        for start in range(0, plan.total, s.batch_size):
+            sl = slice(start, min(start + s.batch_size, plan.total))
+            kwargs = {k: v.to(dev) for k, v in _rows(cond, sl).items()}
+            uncond = model.unconditional_kwargs(kwargs, empty) if plan.guide else None
+            with autocast(dev, plan.amp):
+                z = diffusion.sample(
+                    model, noise[sl].shape, steps=s.steps, sampler=s.sampler,
+                    cfg_scale=s.cfg_scale if plan.guide else 1.0, model_kwargs=kwargs,
+                    uncond_kwargs=uncond, generator=generator, device=dev, noise=noise[sl],
+                )
+            with torch.no_grad():
+                out.append(to_uint8(autoencoder.decode(z.float())))
+    finally:
+        model.train(was_training)
+    return np.concatenate(out)
 
 
 def sample_images(
@@ -350,83 +552,23 @@ def sample_images(
     labels: (N,) class indices for class models; None: n labels drawn with `seed`.
     prompts: N prompts for text models, embedded with the store's text encoder (or
         `text_encoder`); or `text`: their embeddings, {"text_pooled" (N, Dp), ...}.
-    n: the number of samples when there are no labels/prompts (default 16).
+    n: the number of samples when there are no labels/prompts (default SampleConfig.n).
     cfg_scale: classifier-free guidance (1 = none; ignored for unconditional models).
     autoencoder: a loaded store autoencoder to reuse (the trainer's, between grids).
     Returns (N, H, W, 3) uint8 images."""
-    if isinstance(weights, torch.nn.Module):
-        model = weights
-        dev = next(model.parameters()).device
-    else:
-        dev = resolve_device(device)
-        model = load_model(weights, config, dev)
-    cfg = model.config if isinstance(model, DiT) else model_config(config)
-    diffusion = Diffusion(diffusion_config(config))
-    sampler = check_sampler(diffusion.config, sampler, steps)
-    if batch_size < 1:
-        raise SampleError("batch size must be at least 1")
-
-    kind = conditioning_kind(cfg)
-    cond: dict = {}
-    empty = None
-    if kind == "class":
-        if prompts is not None or text is not None:
-            raise SampleError("this model is class-conditional: give classes, not prompts")
-        if labels is None:
-            labels = pick_labels(16 if n is None else n, cfg.num_classes, seed)
-        y = torch.as_tensor(labels, dtype=torch.long).reshape(-1)
-        bad = y[(y < 0) | (y >= cfg.num_classes)]
-        if len(bad):
-            raise SampleError(f"class {int(bad[0])} is out of range: the model has "
-                              f"{cfg.num_classes} classes (0..{cfg.num_classes - 1})")
-        cond = {"y": y}
-    elif kind == "text":
-        if labels is not None:
-            raise SampleError("this model is text-conditioned: give prompts, not classes")
-        if text is None:
-            if not prompts:
-                raise SampleError("this model is text-conditioned: give at least one prompt (--prompt)")
-            text = embed_prompts(store, prompts, tokens=bool(cfg.text_token_dim), device=dev,
-                                 text_encoder=text_encoder, pretrained=text_pretrained)
-        keys = [k for k, on in (("text_pooled", cfg.text_pooled_dim), ("text_tokens", cfg.text_token_dim),
-                                ("text_mask", cfg.text_token_dim)) if on]
-        missing = [k for k in keys if text.get(k) is None]
-        if missing:
-            raise SampleError(f"the text embeddings lack {missing}, which this model takes")
-        cond = {k: torch.as_tensor(text[k]) for k in keys}
-        empty = empty_caption(store)
-    elif labels is not None or prompts is not None or text is not None:
-        raise SampleError("this model is unconditional: give neither classes nor prompts")
-    num = len(next(iter(cond.values()))) if cond else (16 if n is None else n)
-    if num < 1:
-        raise SampleError("nothing to sample: n must be at least 1")
-    guide = kind != "none" and cfg_scale != 1.0
-
-    shape = (cfg.in_channels, cfg.input_size, cfg.input_size)
-    generator = torch.Generator().manual_seed(seed)
-    noise = torch.randn((num, *shape), generator=generator)  # all first: batch-size independent
-    if autoencoder is None:
-        autoencoder = load_autoencoder(store, dev, vae)
-
-    was_training = model.training
-    model.eval()
-    out = []
-    try:
-        for start in range(0, num, batch_size):
-            sl = slice(start, min(start + batch_size, num))
-            kwargs = {k: v.to(dev) for k, v in _rows(cond, sl).items()}
-            uncond = model.unconditional_kwargs(kwargs, empty) if guide else None
-            with _autocast(dev, precision):
-                z = diffusion.sample(
-                    model, noise[sl].shape, steps=steps, sampler=sampler,
-                    cfg_scale=cfg_scale if guide else 1.0, model_kwargs=kwargs,
-                    uncond_kwargs=uncond, generator=generator, device=dev, noise=noise[sl],
-                )
-            with torch.no_grad():
-                out.append(to_uint8(autoencoder.decode(z.float())))
-    finally:
-        model.train(was_training)
-    return np.concatenate(out)
+    module = weights if isinstance(weights, torch.nn.Module) else None
+    if labels is not None:
+        labels = torch.as_tensor(labels, dtype=torch.long).reshape(-1).tolist()
+    given = labels if labels is not None else prompts  # exactly these: one sample each
+    settings = SampleConfig(cfg_scale=cfg_scale, steps=steps, sampler=sampler, seed=seed, batch_size=batch_size,
+                            precision=precision)
+    plan = plan_samples(config, store, settings, model=module.config if isinstance(module, DiT) else None,
+                        device=device if module is None else next(module.parameters()).device,
+                        classes=labels or (), prompts=prompts or (), text=text,
+                        n=n if given is None else len(given))
+    model = module if module is not None else load_model(weights, config, plan.device)
+    return run_plan(model, plan, store, autoencoder=autoencoder, text_encoder=text_encoder, vae=vae,
+                    text_pretrained=text_pretrained)
 
 
 # -----------------------------------------------------------------------------
@@ -477,12 +619,9 @@ def output_paths(out) -> tuple[Path, Path]:
 def check_output(out) -> None:
     """A bad --out fails before any work: a PNG name or a folder, never inside a store."""
     output_paths(out)
-    from ditdata.store import StoreError, refuse_inside_store
+    from ditdata.store import refuse_inside_store
 
-    try:
-        refuse_inside_store(out, "--out")
-    except StoreError as e:
-        raise SampleError(str(e)) from None
+    refuse_inside_store(out, "--out", SampleError)
 
 
 def write_samples(images: np.ndarray, out, *, nrow: int, groups: list[int] | None = None,
@@ -524,14 +663,14 @@ _AUTOENCODERS: dict = {}  # (store root, device) -> autoencoder, reused between 
 
 def store_text(store, n: int) -> dict[str, torch.Tensor]:
     """The text embeddings of the store's first n samples (for grids without a text encoder)."""
-    fields_ = [f for f in ("text_pooled", "text_tokens", "text_mask") if f in store.schema.tensors]
+    fields_ = [f for f in TEXT_FIELDS if f in store.schema.tensors]
     if not fields_ or not store.shards:
         raise SampleError(f"{store.root}: the store holds no text embeddings")
     data = store.read(store.shards[0], fields=fields_, start=0, stop=n)
-    return {k: torch.from_numpy(np.asarray(v, dtype=bool if k == "text_mask" else np.float32)) for k, v in data.items()}
+    return {k: torch.from_numpy(np.asarray(v, dtype=bool if k == TEXT_MASK else np.float32)) for k, v in data.items()}
 
 
-def write_training_grid(model, config: dict, store, path, *, n: int = 16, steps: int = _S.steps,
+def write_training_grid(model, config: dict, store, path, *, n: int = _S.n, steps: int = _S.steps,
                         cfg_scale: float = _S.cfg_scale, seed: int = _S.seed, device=None,
                         sampler: str | None = _S.sampler, batch_size: int = _S.batch_size) -> Path:
     """The trainer's EMA sample grid: n samples, always the same conditions and noise (the
@@ -551,7 +690,7 @@ def write_training_grid(model, config: dict, store, path, *, n: int = 16, steps:
     images = sample_images(model, config, store, labels=labels, text=text, n=n, cfg_scale=cfg_scale,
                            steps=steps, sampler=sampler, seed=seed, batch_size=batch_size,
                            autoencoder=_AUTOENCODERS[key])
-    return save_png(make_grid(images, nrow=math.ceil(math.sqrt(len(images)))), path)
+    return save_png(make_grid(images, nrow=_square(len(images))), path)
 
 
 def sample_to_files(
@@ -564,116 +703,61 @@ def sample_to_files(
     n_per_class: int | None = None,
     per_class_dir: bool = False,
     nrow: int | None = None,
-    cfg_scale: float = _S.cfg_scale,
-    steps: int = _S.steps,
-    sampler: str | None = _S.sampler,
-    seed: int = _S.seed,
+    settings: SampleConfig = _S,
     device="auto",
-    batch_size: int = _S.batch_size,
-    precision: str = _S.precision,
     latents=None,
     vae: str | None = None,
     text_pretrained: str | None = None,
     grid_scale: int = 1,
     log=print,
 ) -> dict:
-    """The `dittrain sample` command: load, plan the conditions, sample, write, report.
+    """The `dittrain sample` command: load, plan, sample, write, report.
 
-    Flat layout: n samples (default 16); classes / prompts are cycled over them (classes
-    drawn at random with the seed when none are given); nrow = ceil(sqrt(n)).
+    Flat layout: n samples (default settings.n); classes / prompts are cycled over them
+    (classes drawn at random with the seed when none are given); nrow = ceil(sqrt(n)).
     Row layout (n_per_class = K): one row of K samples per class (default: all classes)
-    or per prompt, singles under SINGLES/<class or prompt index>/ (as per_class_dir)."""
+    or per prompt, singles under SINGLES/<class or prompt index>/ (as per_class_dir).
+    settings: cfg scale, steps, sampler, seed, batch size and precision (SampleConfig)."""
     from dittrain.checkpoint import CheckpointError, load_weights
 
     try:
         weights, config = load_weights(ckpt)
     except CheckpointError as e:
         raise SampleError(_line(e)) from e
-    cfg = model_config(config)
-    kind = conditioning_kind(cfg)
-    if n is not None and n_per_class is not None:
-        raise SampleError("give either --n (samples in all) or --n-per-class (one row per class), not both")
-    for value, name in ((n, "--n"), (n_per_class, "--n-per-class"), (batch_size, "--batch-size"),
-                        (steps, "--steps"), (nrow, "--nrow")):
-        if value is not None and value < 1:
-            raise SampleError(f"{name} must be at least 1, got {value}")
-    if kind != "class" and classes:
-        raise SampleError(f"--class needs a class-conditional model; this one is "
-                          f"{'text-conditioned (use --prompt)' if kind == 'text' else 'unconditional'}")
-    if kind != "text" and prompts:
-        raise SampleError(f"--prompt needs a text-conditioned model; this one is "
-                          f"{'class-conditional (use --class)' if kind == 'class' else 'unconditional'}")
-    if kind == "text" and not prompts:
-        raise SampleError("this model is text-conditioned: give at least one --prompt")
-    if kind == "none" and n_per_class is not None:
-        raise SampleError("--n-per-class needs a class or text model; this one is unconditional (use --n)")
-    d = diffusion_config(config)
-    sampler = check_sampler(d, sampler, steps)
     check_output(out)
-
     store, note = open_run_store(config, latents)
+    plan = plan_samples(config, store, settings, device=device, classes=classes, prompts=list(prompts), n=n,
+                        n_per_class=n_per_class, per_class_dir=per_class_dir, nrow=nrow)
     if note:
         log(note)
-    names = class_names(store)
-
-    labels = texts = groups = None
-    records: list[dict] = []
-    if kind == "class":
-        chosen = parse_classes(classes, cfg.num_classes, names)
-        if n_per_class is not None:
-            chosen = chosen or list(range(cfg.num_classes))
-            labels = [c for c in chosen for _ in range(n_per_class)]
-        elif chosen:
-            labels = [chosen[i % len(chosen)] for i in range(n or 16)]
-        else:
-            labels = pick_labels(n or 16, cfg.num_classes, seed)
-        groups = labels if (n_per_class is not None or per_class_dir) else None
-        records = [{"class": c, "class_name": names[c] if names and c < len(names) else None} for c in labels]
-    elif kind == "text":
-        prompts = list(prompts)
-        if n_per_class is not None:
-            idx = [i for i in range(len(prompts)) for _ in range(n_per_class)]
-        else:
-            idx = [i % len(prompts) for i in range(n or 16)]
-        texts = [prompts[i] for i in idx]
-        groups = idx if (n_per_class is not None or per_class_dir) else None
-        records = [{"prompt_index": i, "prompt": prompts[i]} for i in idx]
-    total = len(labels) if labels is not None else len(texts) if texts is not None else (n or 16)
-    if not records:
-        records = [{} for _ in range(total)]
-    if nrow is None:
-        nrow = n_per_class if n_per_class is not None else math.ceil(math.sqrt(total))
-
-    dev = resolve_device(device)
-    name = (config.get("train") or {}).get("model", "DiT")
-    log(f"sampling {total} image{'s' if total > 1 else ''} with {name} ({d.objective}, {sampler}, {steps} steps"
-        f"{f', cfg {cfg_scale:g}' if kind != 'none' else ''}) on {dev}, seed {seed}")
-    images = sample_images(
-        weights, config, store, labels=labels, prompts=texts, n=total, cfg_scale=cfg_scale,
-        steps=steps, sampler=sampler, seed=seed, device=dev, batch_size=batch_size,
-        precision=precision, vae=vae, text_pretrained=text_pretrained,
-    )
-    meta = {
-        "ckpt": str(Path(ckpt).resolve()), "store": str(store.root.resolve()), "model": name,
-        "objective": d.objective, "sampler": sampler, "steps": steps,
-        "cfg_scale": cfg_scale if kind != "none" else None, "seed": seed, "batch_size": batch_size,
-        "layout": "row per class" if n_per_class is not None else "flat",
-    }
-    result = write_samples(images, out, nrow=nrow, groups=groups, records=records, meta=meta,
+    log(plan.describe())
+    images = run_plan(load_model(weights, config, plan.device), plan, store, vae=vae,
+                      text_pretrained=text_pretrained)
+    meta = {"ckpt": str(Path(ckpt).resolve()), "store": str(store.root.resolve()), **plan.record()}
+    result = write_samples(images, out, nrow=plan.nrow, groups=plan.groups, records=plan.records, meta=meta,
                            grid_scale=grid_scale)
+    _report(result, images, plan, log)
+    return {**result, "images": images, "labels": _list(plan.labels), "prompts": _list(plan.prompts)}
+
+
+def _list(values) -> list | None:
+    return None if values is None else list(values)
+
+
+def _report(result: dict, images: np.ndarray, plan: SamplePlan, log) -> None:
+    """Say where the grid and the singles went."""
     h, w = result["grid_shape"][:2]
-    rows = math.ceil(total / max(1, min(nrow, total)))
-    first, last = result["files"][0], result["files"][-1]
-    log(f"grid:    {result['grid']}  ({rows} x {min(nrow, total)} samples, {w}x{h} px)")
-    log(f"singles: {len(result['files'])} PNGs of {images.shape[2]}x{images.shape[1]} px under "
-        f"{result['singles_dir']}/ ({first.relative_to(result['singles_dir'])} .. "
-        f"{last.relative_to(result['singles_dir'])}; index {INDEX_NAME})")
-    return {**result, "images": images, "labels": labels, "prompts": texts}
+    cols = max(1, min(plan.nrow, plan.total))
+    singles, first, last = result["singles_dir"], result["files"][0], result["files"][-1]
+    log(f"grid:    {result['grid']}  ({math.ceil(plan.total / cols)} x {min(plan.nrow, plan.total)} samples, "
+        f"{w}x{h} px)")
+    log(f"singles: {len(result['files'])} PNGs of {images.shape[2]}x{images.shape[1]} px under {singles}/ "
+        f"({first.relative_to(singles)} .. {last.relative_to(singles)}; index {INDEX_NAME})")
 
 
 __all__ = [
-    "SampleError", "check_sampler", "check_store", "embed_prompts", "load_autoencoder", "load_model", "make_grid",
-    "model_config", "open_run_store", "output_paths", "parse_classes", "pick_labels",
-    "resolve_device", "sample_images", "sample_to_files", "save_png", "store_mismatches",
+    "SampleError", "SamplePlan", "check_sampler", "check_store", "embed_prompts", "load_autoencoder", "load_model",
+    "make_grid", "model_config", "open_run_store", "output_paths", "parse_classes", "pick_labels", "plan_samples",
+    "resolve_device", "run_plan", "sample_images", "sample_to_files", "save_png", "store_mismatches",
     "store_text", "write_samples", "write_training_grid",
 ]

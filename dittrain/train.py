@@ -8,6 +8,12 @@ code. Everything the model needs to know about the data (latent shape, classes, 
 dims) comes from the store's manifest. Exact resume: a checkpoint holds every stateful
 part (model, EMA, optimizer, scaler, LR schedule, each rank's loader and RNG states), so
 N steps straight and N/2 + kill + resume + N/2 give the same losses and weights.
+
+The file in the order a run goes: setup (`_setup`: process group, device and precision,
+the store and the config it implies), building the run's state (`_build`: a
+dittrain.checkpoint.RunState, every stateful part in one object, which is what a checkpoint
+holds) and resuming it (`_checkpoint_to_resume`, `_resume`), the loop itself (`_loop`), and
+what a run reports (`_Log`: metrics records and the progress bar).
 """
 
 from __future__ import annotations
@@ -16,30 +22,41 @@ import contextlib
 import json
 import math
 import os
-import random
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ditdata.store import DirLock, StoreError, files, open_store, refuse_inside_store
+from ditdata.store import (
+    TEXT_FIELDS,
+    DirLock,
+    Store,
+    StoreError,
+    amp_dtype,
+    autocast,
+    files,
+    open_store,
+    refuse_inside_store,
+    resolve_device,
+)
 from dittrain.checkpoint import (
     EMA_EXPORT,
     CheckpointError,
+    RunState,
     export_weights,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
 from dittrain.config import TrainConfig
-from dittrain.data import build_loader
+from dittrain.data import LoaderStateError, build_loader
 from dittrain.diffusion import Diffusion, DiffusionConfig
-from dittrain.model import DiT, drop_text_conditioning, flops_per_forward, get_config
+from dittrain.model import DiT, DiTConfig, drop_text_conditioning, flops_per_forward, get_config
 
 # Dense bf16/fp16 tensor-core peak FLOP/s by device name, for MFU. Unknown devices: no MFU.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "RTX 4090": 165e12,
@@ -53,53 +70,38 @@ class TrainError(Exception):
 # --------------------------------------------------------------------------- setup
 
 
-def _distributed() -> tuple[int, int, int]:
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    return rank, world, int(os.environ.get("LOCAL_RANK", 0))
+def _distributed() -> tuple[int, int]:
+    """(rank, world size) as torchrun sets them; (0, 1) for a single process."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
-    if cfg.device == "auto":
-        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(cfg.device)
-    except RuntimeError:
-        raise TrainError(f"--device {cfg.device!r}: not a device; use auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise TrainError(f"--device {cfg.device}: CUDA is not available on this machine")
+def _training_device(name: str) -> torch.device:
+    """--device as ditdata.store.devices reads it (auto: cuda:LOCAL_RANK when there is a
+    GPU, else cpu; DeviceError for an unknown name or CUDA without a GPU), cpu or cuda only."""
+    device = resolve_device(name)
     if device.type not in ("cpu", "cuda"):
-        raise TrainError(f"--device {cfg.device}: dittrain trains on cpu or cuda")
+        raise TrainError(f"--device {name}: dittrain trains on cpu or cuda")
     return device
 
 
-def _amp(cfg: TrainConfig, device: torch.device) -> tuple[torch.dtype | None, bool]:
-    """(autocast dtype or None for fp32, whether a grad scaler is needed)."""
-    amp = cfg.amp
-    if amp == "auto":
-        if device.type != "cuda":
-            return None, False  # CPU: fp32 (bf16 autocast is very slow on many CPUs)
-        amp = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return {"fp32": (None, False), "bf16": (torch.bfloat16, False), "fp16": (torch.float16, True)}[amp]
-
-
-def model_config_for(cfg: TrainConfig, manifest: dict):
+def model_config_for(cfg: TrainConfig, store: Store) -> DiTConfig:
     """The DiT config a store implies: in_channels, input size, classes and text dims come
-    from the manifest; the architecture from the named size."""
-    c, h, w = manifest["latent"]["shape"]
+    from the store (its latent shape and conditioning); the architecture from the named size."""
+    c, h, w = store.latent_shape
     if h != w:
         raise TrainError(f"latents are {h}x{w}; DiT here needs square latents")
-    cond = manifest["conditioning"] or {}
-    text = cond.get("text") or {}
+    cond = store.conditioning  # num_classes is 0 and the text dims None unless the store has them
     learn_sigma = cfg.learn_sigma if cfg.learn_sigma is not None else cfg.objective == "ddpm"
-    tokens = text.get("tokens_shape")
+    # --grad-checkpointing 2 is recorded as the int 2 (the model config is compared on resume)
+    granularity = cfg.grad_checkpointing
+    granularity = int(granularity) if str(granularity).isdigit() else granularity
     try:
         return get_config(
-            cfg.model, input_size=h, in_channels=c,
-            num_classes=int(cond.get("num_classes") or 0) if cond.get("type") == "class" else 0,
+            cfg.model, input_size=h, in_channels=c, num_classes=cond.num_classes,
             class_dropout_prob=cfg.class_dropout, learn_sigma=learn_sigma, qk_norm=cfg.qk_norm,
-            text_pooled_dim=text.get("pooled_dim") if cond.get("type") == "text" else None,
-            text_token_dim=tokens[-1] if cond.get("type") == "text" and tokens else None,
-            grad_checkpointing=_granularity(cfg.grad_checkpointing),
+            text_pooled_dim=cond.pooled_dim,
+            text_token_dim=cond.tokens_shape[-1] if cond.tokens_shape else None,
+            grad_checkpointing=granularity,
         )
     except KeyError as e:
         raise TrainError(f"unknown model {cfg.model!r}; see `dittrain models`") from e
@@ -109,8 +111,10 @@ def model_config_for(cfg: TrainConfig, manifest: dict):
         raise TrainError(str(e)) from e
 
 
-def _granularity(g: str):
-    return int(g) if str(g).isdigit() else g
+def text_token_count(store: Store) -> int:
+    """Caption tokens per sample the model cross-attends to (0 for a store without them)."""
+    shape = store.conditioning.tokens_shape
+    return shape[0] if shape else 0
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -124,29 +128,295 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr
 
 
-def _rng_state(device: torch.device) -> dict:
-    np_state = np.random.get_state(legacy=False)
-    np_state["state"] = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in np_state["state"].items()}
-    state = {"python": random.getstate(), "numpy": np_state, "torch": torch.get_rng_state()}
+@dataclass
+class _Run:
+    """What a run is, besides its state: the settings, where it runs, its data and its loss."""
+
+    cfg: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    amp_dtype: torch.dtype | None  # autocast dtype; None: fp32
+    store: Store
+    model_cfg: DiTConfig
+    diffusion: Diffusion
+    resolved: dict  # the config saved in config.json and every checkpoint (dittrain.config)
+    per_rank: int  # the micro-batch of one rank
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.out)
+
+
+def _setup(cfg: TrainConfig) -> _Run:
+    """Join the process group, choose the device and precision, open the store and resolve
+    the config it implies. Nothing is written anywhere."""
+    rank, world = _distributed()
+    device = _training_device(cfg.device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
+        torch.cuda.set_device(device)
+    if cfg.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    try:
+        store = open_store(cfg.latents)
+    except StoreError as e:
+        raise TrainError(str(e)) from e
+    model_cfg = model_config_for(cfg, store)
+    diff_cfg = DiffusionConfig(objective=cfg.objective, learn_sigma=model_cfg.learn_sigma)
+    resolved = {
+        "train": asdict(cfg),
+        "model": asdict(model_cfg),
+        "diffusion": asdict(diff_cfg),
+        "store": {"path": str(Path(cfg.latents).resolve()), "identity": store.identity,
+                  "num_samples": len(store)},
+    }
+    per_rank, rem = divmod(cfg.batch_size, world * cfg.accumulation_steps)
+    if rem or per_rank == 0:
+        raise TrainError(f"--batch-size {cfg.batch_size} must be a multiple of ranks ({world}) x "
+                         f"--accumulation-steps ({cfg.accumulation_steps})")
+    # auto: bf16 on GPUs that have it, else fp16 (with a grad scaler); fp32 on the CPU
+    return _Run(cfg, rank, world, device, amp_dtype(device, cfg.amp), store, model_cfg,
+                Diffusion(diff_cfg), resolved, per_rank)
 
 
-def _set_rng_state(state: dict, device: torch.device) -> None:
-    random.setstate(_tuples(state["python"]))
-    np_state = dict(state["numpy"])
-    np_state["state"] = {k: (np.array(v, dtype=np.uint64) if isinstance(v, list) else v)
-                         for k, v in np_state["state"].items()}
-    np.random.set_state(np_state)
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
+# --------------------------------------------------------------------------- building and resuming
 
 
-def _tuples(x):
-    """random.setstate wants tuples; a checkpoint may hand back lists."""
-    return tuple(_tuples(v) for v in x) if isinstance(x, list | tuple) else x
+def _build(run: _Run, ckpt: dict | None) -> RunState:
+    """A fresh RunState: model, EMA, optimizer, LR schedule, grad scaler, noise generator
+    and this rank's loader (the kind a checkpoint to resume was saved with)."""
+    cfg, device = run.cfg, run.device
+    torch.manual_seed(cfg.seed)
+    model = DiT(run.model_cfg).to(device)
+    ema = DiT(run.model_cfg).to(device).requires_grad_(False)
+    ema.load_state_dict(model.state_dict())
+    ema.eval()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, cfg) / cfg.lr if cfg.lr else 0.0)
+    scaler = torch.amp.GradScaler(device.type, enabled=run.amp_dtype == torch.float16)
+    # Noise, timesteps and label/caption dropout come from this generator, on the device (no
+    # host round trip per step); its state is part of every checkpoint.
+    noise_gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    # A resumed run keeps the loader it was saved with (auto might choose another today).
+    kind = ckpt["ranks"][run.rank]["loader"]["kind"] if ckpt is not None else cfg.loader
+    try:
+        loader = build_loader(
+            run.store, batch_size=run.per_rank, kind=kind, seed=cfg.seed, rank=run.rank,
+            world_size=run.world, device=device, resident_device=cfg.resident_device,
+            workers=cfg.workers, shuffle_window=cfg.shuffle_window,
+        )
+    except ValueError as e:  # LoaderError (does not fit) or settings the loader refuses
+        raise TrainError(str(e)) from e
+    return RunState(model=model, ema=ema, optimizer=opt, lr_schedule=sched, scaler=scaler, loader=loader,
+                    noise_gen=noise_gen, config=run.resolved, device=device, rank=run.rank, world=run.world)
+
+
+def _checkpoint_to_resume(run: _Run) -> tuple[dict | None, Path | None]:
+    """(checkpoint, its path) to continue from, or (None, None) for a fresh run; refuses a
+    run directory with checkpoints but no --resume, and a checkpoint of another store or model."""
+    cfg, out = run.cfg, run.out
+    latest = latest_checkpoint(out)
+    if latest is not None and not cfg.resume:
+        raise TrainError(f"{out} already holds checkpoints (latest {latest.name}); "
+                         "pass --resume to continue it, or choose another --out")
+    if latest is None:
+        return None, None
+    ckpt = load_checkpoint(latest)
+    saved, identity = ckpt["config"], run.store.identity
+    if saved["store"]["identity"] != identity:
+        raise CheckpointError(
+            f"{latest}: made with another latent store ({saved['store']['path']}, "
+            f"{saved['store']['identity'][:19]}...) than {cfg.latents} "
+            f"({identity[:19]}...); resume with the same store, or start a new --out")
+    if saved["model"] != run.resolved["model"]:
+        raise CheckpointError(f"{latest}: model config differs from this run's "
+                              f"({cfg.model} on {cfg.latents}); keep the original flags")
+    return ckpt, latest
+
+
+def _resume(state: RunState, ckpt: dict, path: Path) -> None:
+    try:
+        state.load_state_dict(ckpt)
+    except LoaderStateError as e:
+        raise TrainError(f"{path}: cannot resume its data order: {e}; keep the original "
+                         "--batch-size, --seed and loader flags") from e
+
+
+def _save(run: _Run, state: RunState) -> None:
+    """A checkpoint and the EMA export (every rank calls this: it gathers their states)."""
+    ckpt = state.state_dict()
+    if run.master:
+        save_checkpoint(run.out, state.step, ckpt, keep=run.cfg.keep)
+        export_weights(run.out / EMA_EXPORT, state.ema.state_dict(), state.config)
+    if run.world > 1:
+        dist.barrier()
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Train as configured; rank 0 holds the run directory's lock for the whole run, so a
+    second `dittrain run` (or --resume) on the same --out fails at once instead of writing
+    into it too (DirectoryBusy). A run that fails before writing anything leaves no trace."""
+    _check_out(Path(cfg.out))
+    if _distributed()[0] != 0:
+        return _train(cfg)
+    with DirLock(cfg.out, "dittrain run"):
+        return _train(cfg)
+
+
+def _check_out(out: Path) -> None:
+    """A run directory is never a latent store (readers never write one) nor an image-shard
+    folder: mixing a run's files into either would damage it."""
+    refuse_inside_store(out, "--out", TrainError)
+    if (out / "dataset.json").exists() or (out / ".fetch_state").exists():
+        raise TrainError(f"--out {out} is an image-shard folder (from `ditdata fetch`); choose a run directory")
+
+
+def _train(cfg: TrainConfig) -> dict:
+    run = _setup(cfg)
+    ckpt, latest = _checkpoint_to_resume(run)
+    state = _build(run, ckpt)
+    try:
+        if ckpt is not None:
+            _resume(state, ckpt, latest)
+        # Only now, with everything built and loaded, does the run write into its directory:
+        # a run refused on its settings leaves nothing behind.
+        _prepare_out(run, resumed_at=state.step if ckpt is not None else None)
+        train_model = _wrap(run, state.model)
+        if run.master:
+            print(f"dittrain: {cfg.model} ({state.model.num_params() / 1e6:.1f} M params) on {run.device}, "
+                  f"{len(run.store)} latents {tuple(run.store.latent_shape)} from {cfg.latents}; loader "
+                  f"{state.loader.kind} ({state.loader.reason}); global batch {cfg.batch_size} = {run.world} "
+                  f"rank(s) x {cfg.accumulation_steps} accumulation x {run.per_rank}; "
+                  f"{'resuming at step ' + str(state.step) if ckpt else 'from scratch'}", file=sys.stderr)
+        with _Stop() as stop, _Log(run, state) as log:  # (the bar closes on errors too: its line stays whole)
+            _loop(run, state, train_model, log, stop)
+    finally:
+        state.loader.close()
+    step = state.step
+    if run.master and step == cfg.max_steps and cfg.sample_every > 0 and step % cfg.sample_every:
+        _sample_grid(run, state.ema, step)
+    if run.world > 1:
+        dist.barrier()
+    return {"step": step, "out": str(run.out), "nonfinite_skipped": state.nonfinite_total}
+
+
+def _prepare_out(run: _Run, resumed_at: int | None) -> None:
+    """The run directory, its config.json, and a resumed run's metrics cut back to its step."""
+    if not run.master:
+        return
+    out = run.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "samples").mkdir(exist_ok=True)
+    _write_text(out / "config.json", json.dumps(run.resolved, indent=1))
+    if resumed_at is not None:
+        _truncate_metrics(out / "metrics.jsonl", resumed_at)
+
+
+def _wrap(run: _Run, model: DiT) -> torch.nn.Module:
+    """The module the loop calls: the model, compiled (--compile), in DDP over several ranks."""
+    if run.cfg.compile:
+        model = torch.compile(model)
+    if run.world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
+    return model
+
+
+def _loop(run: _Run, state: RunState, train_model, log: _Log, stop: _Stop) -> None:
+    """Optimizer steps until max_steps or a stop request (SIGTERM/SIGINT)."""
+    cfg, device, world, diffusion = run.cfg, run.device, run.world, run.diffusion
+    model, opt, sched, scaler, loader, gen = (state.model, state.optimizer, state.lr_schedule,
+                                              state.scaler, state.loader, state.noise_gen)
+    params = [p for p in model.parameters() if p.requires_grad]
+    ema_params, model_params = list(state.ema.parameters()), list(model.parameters())
+    empty_text = {k: torch.from_numpy(v.astype(np.float32) if v.dtype != bool else v).to(device)
+                  for k, v in run.store.empty_caption().items()}
+    # Every rank draws noise, timesteps and dropout for the GLOBAL micro-batch and keeps its
+    # own slice, so with a loader that hands each rank its slice of the global batch, N ranks
+    # compute what one process would.
+    mine = slice(run.rank * run.per_rank, (run.rank + 1) * run.per_rank)
+    global_micro = run.per_rank * world
+    consecutive_bad = 0
+    while state.step < cfg.max_steps:
+        # ---- one optimizer step: accumulation micro-batches ----
+        opt.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(cfg.accumulation_steps):
+            batch = next(loader)
+            x0 = batch["x"]
+            noise = torch.randn((global_micro, *x0.shape[1:]), generator=gen, device=device)[mine]
+            t = diffusion.sample_timesteps(global_micro, generator=gen, device=device)[mine]
+            u = torch.rand(global_micro, generator=gen, device=device)[mine]
+            kwargs = _conditioning(batch, empty_text, cfg, u)
+            sync = micro == cfg.accumulation_steps - 1 or world == 1
+            with contextlib.nullcontext() if sync else train_model.no_sync():
+                with autocast(device, run.amp_dtype):
+                    loss = diffusion.training_loss(train_model, x0, kwargs, t=t, noise=noise).mean()
+                scaler.scale(loss / cfg.accumulation_steps).backward()
+            loss_sum += loss.detach()
+        loss_mean = _mean_over_ranks(loss_sum / cfg.accumulation_steps, world)
+
+        # ---- NaN/inf: skip the update, count it, give up after too many in a row ----
+        stepped = bool(torch.isfinite(loss_mean))
+        if stepped:
+            consecutive_bad = 0
+            scaler.unscale_(opt)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+            with torch.no_grad():  # EMA: e <- d e + (1 - d) p
+                torch._foreach_lerp_(ema_params, model_params, 1.0 - cfg.ema)
+            state.step += 1
+            log.step(loss_mean, grad_norm)
+        else:
+            consecutive_bad += 1
+            state.nonfinite_total += 1
+            opt.zero_grad(set_to_none=True)
+            if consecutive_bad >= cfg.max_nonfinite:
+                raise TrainError(
+                    f"{consecutive_bad} consecutive non-finite losses at step {state.step}: training "
+                    "diverged. Lower --lr, use --amp bf16/fp32, or resume from an earlier checkpoint")
+            log.skipped()
+
+        # ---- checkpoint, samples, stop requests (a skipped step honours a stop too) ----
+        step = state.step
+        stopping = _all_ranks_any(stop.requested, device, world)
+        if stopping or (stepped and (step % cfg.save_every == 0 or step == cfg.max_steps)):
+            _save(run, state)
+        if stepped and run.master and cfg.sample_every and step % cfg.sample_every == 0:
+            _sample_grid(run, state.ema, step)
+        if stopping:
+            if run.master:
+                print(f"\ndittrain: stopped by signal at step {step}; checkpoint saved, "
+                      f"resume with --resume", file=sys.stderr)
+            break
+
+
+def _conditioning(batch: dict, empty_text: dict, cfg: TrainConfig, u: torch.Tensor) -> dict:
+    """Model kwargs of a batch. u (B,) uniform draws decide classifier-free-guidance
+    dropout: labels -> the null class (u < class_dropout), captions -> the store's
+    empty-caption embedding (u < caption_dropout)."""
+    kwargs = {}
+    if "y" in batch:
+        kwargs["y"] = batch["y"]
+        kwargs["force_drop_ids"] = u < cfg.class_dropout
+    text = {k: batch[k] for k in TEXT_FIELDS if k in batch}
+    if text:
+        kwargs |= drop_text_conditioning(text, empty_text, u < cfg.caption_dropout)
+    return kwargs
 
 
 class _Stop:
@@ -185,291 +455,81 @@ def _mean_over_ranks(x: torch.Tensor, world: int) -> torch.Tensor:
     return x
 
 
-def _gather(obj, world: int) -> list:
-    if world == 1:
-        return [obj]
-    out = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
+# --------------------------------------------------------------------------- what a run reports
 
 
-# --------------------------------------------------------------------------- the run
+class _Log:
+    """What a run reports. Every log_every steps (and at the last) a metrics record: to
+    metrics.jsonl, TensorBoard and the progress bar's postfix, on rank 0. The bar advances
+    once per optimizer step; a skipped (non-finite) step shows in its postfix."""
 
+    def __init__(self, run: _Run, state: RunState):
+        cfg, device = run.cfg, run.device
+        self.run, self.state = run, state
+        # 2 FLOPs/MAC x (forward + 2 backward) per sample of the global batch
+        self.flops_step = 6 * flops_per_forward(run.model_cfg, text_token_count(run.store)) * cfg.batch_size
+        self.peak = next((v for k, v in PEAK_FLOPS.items() if device.type == "cuda"
+                          and k in torch.cuda.get_device_name(device)), None)
+        self.writer = _tensorboard(run.out) if run.master else None
+        self.bar = _progress(run.master, state.step, cfg.max_steps)
+        self.postfix, self.shown = "", 0.0
+        self.t_last, self.wait_last, self.steps_since = time.perf_counter(), state.loader.wait_seconds, 0
 
-def run(cfg: TrainConfig) -> dict:
-    """Train as configured; rank 0 holds the run directory's lock for the whole run, so a
-    second `dittrain run` (or --resume) on the same --out fails at once instead of writing
-    into it too (DirectoryBusy). A run that fails before writing anything leaves no trace."""
-    _check_out(Path(cfg.out))
-    if _distributed()[0] != 0:
-        return _train(cfg)
-    with DirLock(cfg.out, "dittrain run"):
-        return _train(cfg)
+    def __enter__(self) -> _Log:
+        return self
 
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
 
-def _check_out(out: Path) -> None:
-    """A run directory is never a latent store (readers never write one) nor an image-shard
-    folder: mixing a run's files into either would damage it."""
-    try:
-        refuse_inside_store(out, "--out")
-    except StoreError as e:
-        raise TrainError(str(e)) from None
-    if (out / "dataset.json").exists() or (out / ".fetch_state").exists():
-        raise TrainError(f"--out {out} is an image-shard folder (from `ditdata fetch`); choose a run directory")
+    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """After an optimizer step (state.step is its number)."""
+        cfg, step = self.run.cfg, self.state.step
+        self.steps_since += 1
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            rec, now = self._record(loss, grad_norm)
+            if self.run.master:
+                with open(self.run.out / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                if self.writer is not None:
+                    for k, v in rec.items():
+                        if k != "step":
+                            self.writer.add_scalar(f"train/{k}", v, step)
+                self.postfix = (f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} {rec['images_per_s']:.0f} img/s "
+                                f"wait {100 * rec['data_wait_frac']:.0f}%")
+                self.bar.set_postfix_str(self._postfix())
+            self.t_last, self.wait_last, self.steps_since = now, self.state.loader.wait_seconds, 0
+        self.bar.update(1)
 
+    def skipped(self) -> None:
+        """After a step skipped for a non-finite loss: the postfix counts it (redrawn at most
+        once a second; the bar does not advance)."""
+        self.bar.set_postfix_str(self._postfix(), refresh=False)
+        if time.monotonic() - self.shown >= 1.0:
+            self.bar.refresh()
+            self.shown = time.monotonic()
 
-def _train(cfg: TrainConfig) -> dict:
-    rank, world, local_rank = _distributed()
-    device = _device(cfg, local_rank)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if cfg.tf32:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    master = rank == 0
-    out = Path(cfg.out)
+    def _postfix(self) -> str:
+        """The last record's figures, and the count of skipped steps when there are any."""
+        n = self.state.nonfinite_total
+        return f"{self.postfix} non-finite skipped {n}".strip() if n else self.postfix
 
-    # ---- the store decides the shapes ----
-    try:
-        store = open_store(cfg.latents)
-    except StoreError as e:
-        raise TrainError(str(e)) from e
-    model_cfg = model_config_for(cfg, store.manifest)
-    diff_cfg = DiffusionConfig(objective=cfg.objective, learn_sigma=model_cfg.learn_sigma)
-    resolved = {
-        "train": asdict(cfg),
-        "model": asdict(model_cfg),
-        "diffusion": asdict(diff_cfg),
-        "store": {"path": str(Path(cfg.latents).resolve()), "identity": store.identity,
-                  "num_samples": len(store)},
-    }
-    per_rank, rem = divmod(cfg.batch_size, world * cfg.accumulation_steps)
-    if rem or per_rank == 0:
-        raise TrainError(f"--batch-size {cfg.batch_size} must be a multiple of ranks ({world}) x "
-                         f"--accumulation-steps ({cfg.accumulation_steps})")
-
-    # ---- resume or start ----
-    ckpt = None
-    latest = latest_checkpoint(out)
-    if latest is not None and not cfg.resume:
-        raise TrainError(f"{out} already holds checkpoints (latest {latest.name}); "
-                         "pass --resume to continue it, or choose another --out")
-    if cfg.resume and latest is not None:
-        ckpt = load_checkpoint(latest)
-        if ckpt["config"]["store"]["identity"] != store.identity:
-            raise CheckpointError(
-                f"{latest}: made with another latent store ({ckpt['config']['store']['path']}, "
-                f"{ckpt['config']['store']['identity'][:19]}...) than {cfg.latents} "
-                f"({store.identity[:19]}...); resume with the same store, or start a new --out")
-        if ckpt["config"]["model"] != resolved["model"]:
-            raise CheckpointError(f"{latest}: model config differs from this run's "
-                                  f"({cfg.model} on {cfg.latents}); keep the original flags")
-
-    # ---- model, EMA, optimizer, loss ----
-    torch.manual_seed(cfg.seed)
-    model = DiT(model_cfg).to(device)
-    ema = DiT(model_cfg).to(device).requires_grad_(False)
-    ema.load_state_dict(model.state_dict())
-    ema.eval()
-    diffusion = Diffusion(diff_cfg)
-    params = [p for p in model.parameters() if p.requires_grad]
-    fused = device.type == "cuda"
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, cfg) / cfg.lr if cfg.lr else 0.0)
-    amp_dtype, needs_scaler = _amp(cfg, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=needs_scaler)
-    # Noise, timesteps and label/caption dropout come from this generator, on the device (no
-    # host round trip per step); its state is part of every checkpoint. Every rank draws for
-    # the GLOBAL micro-batch and keeps its own slice, so with a loader that hands each rank
-    # its slice of the global batch, N ranks compute what one process would.
-    noise_gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    mine = slice(rank * per_rank, (rank + 1) * per_rank)
-    global_micro = per_rank * world
-
-    # A resumed run keeps the loader it was saved with (auto might choose another today).
-    kind = ckpt["ranks"][rank]["loader"]["kind"] if ckpt is not None else cfg.loader
-    try:
-        loader = build_loader(
-            store, batch_size=per_rank, kind=kind, seed=cfg.seed, rank=rank, world_size=world,
-            device=device, resident_device=cfg.resident_device, workers=cfg.workers,
-            shuffle_window=cfg.shuffle_window,
-        )
-    except ValueError as e:  # LoaderError (does not fit) or settings the loader refuses
-        raise TrainError(str(e)) from e
-    step, nonfinite_total = 0, 0
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        ema.load_state_dict(ckpt["ema"])
-        opt.load_state_dict(ckpt["optimizer"])
-        sched.load_state_dict(ckpt["lr_schedule"])
-        scaler.load_state_dict(ckpt["scaler"])
-        saved = ckpt["ranks"][rank]
-        try:
-            loader.load_state_dict(saved["loader"])
-        except ValueError as e:
-            raise TrainError(f"{latest}: cannot resume its data order: {e}; keep the original "
-                             "--batch-size, --seed and loader flags") from e
-        _set_rng_state(saved["rng"], device)
-        noise_gen.set_state(saved["noise_gen"])
-        step, nonfinite_total = ckpt["step"], ckpt.get("nonfinite_total", 0)
-    # Only now, with everything built and loaded, does the run write into its directory:
-    # a run refused on its settings leaves nothing behind.
-    if master:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "samples").mkdir(exist_ok=True)
-        _write_text(out / "config.json", json.dumps(resolved, indent=1))
-        if ckpt is not None:
-            _truncate_metrics(out / "metrics.jsonl", step)
-    train_model = model
-    if cfg.compile:
-        train_model = torch.compile(model)
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        train_model = DDP(train_model, device_ids=[device.index] if device.type == "cuda" else None)
-    empty_text = {k: torch.from_numpy(v.astype(np.float32) if v.dtype != bool else v).to(device)
-                  for k, v in store.empty_caption().items()}
-
-    # ---- bookkeeping ----
-    tokens = (resolved_tokens(store) or 0) if model_cfg.text_token_dim else 0
-    flops_step = 6 * flops_per_forward(model_cfg, tokens) * cfg.batch_size  # 2 FLOPs/MAC x (fwd + 2 bwd)
-    peak = next((v for k, v in PEAK_FLOPS.items() if device.type == "cuda"
-                 and k in torch.cuda.get_device_name(device)), None)
-    writer = _tensorboard(out) if master else None
-    if master:
-        print(f"dittrain: {cfg.model} ({model.num_params() / 1e6:.1f} M params) on {device}, "
-              f"{len(store)} latents {tuple(store.latent_shape)} from {cfg.latents}; loader "
-              f"{loader.kind} ({loader.reason}); global batch {cfg.batch_size} = {world} rank(s) x "
-              f"{cfg.accumulation_steps} accumulation x {per_rank}; "
-              f"{'resuming at step ' + str(step) if ckpt else 'from scratch'}", file=sys.stderr)
-
-    def save(final: bool = False) -> None:
-        ranks = _gather({"loader": loader.state_dict(), "rng": _rng_state(device),
-                         "noise_gen": noise_gen.get_state()}, world)
-        if master:
-            state = {"step": step, "model": model.state_dict(), "ema": ema.state_dict(),
-                     "optimizer": opt.state_dict(), "lr_schedule": sched.state_dict(),
-                     "scaler": scaler.state_dict(), "ranks": ranks, "config": resolved,
-                     "nonfinite_total": nonfinite_total}
-            save_checkpoint(out, step, state, keep=cfg.keep)
-            export_weights(out / EMA_EXPORT, ema.state_dict(), resolved)
-        if world > 1:
-            dist.barrier()
-
-    consecutive_bad = 0
-    log_path = out / "metrics.jsonl"
-    t_last, wait_last, steps_since = time.perf_counter(), loader.wait_seconds, 0
-    bar = _progress(master, step, cfg.max_steps)
-    with _Stop() as stop, bar:  # (the bar closes on errors too: its line stays whole)
-        while step < cfg.max_steps:
-            # ---- one optimizer step: accumulation micro-batches ----
-            opt.zero_grad(set_to_none=True)
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(cfg.accumulation_steps):
-                batch = next(loader)
-                x0 = batch["x"]
-                noise = torch.randn((global_micro, *x0.shape[1:]), generator=noise_gen, device=device)[mine]
-                t = diffusion.sample_timesteps(global_micro, generator=noise_gen, device=device)[mine]
-                u = torch.rand(global_micro, generator=noise_gen, device=device)[mine]
-                kwargs = _conditioning(batch, empty_text, cfg, u)
-                sync = micro == cfg.accumulation_steps - 1 or world == 1
-                ctx = contextlib.nullcontext() if sync else train_model.no_sync()
-                with ctx:
-                    with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-                        loss = diffusion.training_loss(train_model, x0, kwargs, t=t, noise=noise).mean()
-                    scaler.scale(loss / cfg.accumulation_steps).backward()
-                loss_sum += loss.detach()
-            loss_mean = _mean_over_ranks(loss_sum / cfg.accumulation_steps, world)
-
-            # ---- NaN/inf: skip the step, count it, give up after too many in a row ----
-            if not torch.isfinite(loss_mean):
-                consecutive_bad += 1
-                nonfinite_total += 1
-                opt.zero_grad(set_to_none=True)
-                if consecutive_bad >= cfg.max_nonfinite:
-                    raise TrainError(
-                        f"{consecutive_bad} consecutive non-finite losses at step {step}: training "
-                        "diverged. Lower --lr, use --amp bf16/fp32, or resume from an earlier checkpoint")
-                continue
-            consecutive_bad = 0
-            scaler.unscale_(opt)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-            scaler.step(opt)
-            scaler.update()
-            sched.step()
-            with torch.no_grad():  # EMA: e <- d e + (1 - d) p
-                torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1.0 - cfg.ema)
-            step += 1
-            steps_since += 1
-
-            # ---- log ----
-            if step % cfg.log_every == 0 or step == cfg.max_steps:
-                now = time.perf_counter()
-                dt_ = now - t_last
-                wait = loader.wait_seconds - wait_last
-                ips = steps_since * cfg.batch_size / dt_ if dt_ > 0 else 0.0
-                rec = {"step": step, "loss": loss_mean.item(), "lr": sched.get_last_lr()[0],
-                       "grad_norm": float(grad_norm), "images_per_s": ips,
-                       "data_wait_frac": wait / dt_ if dt_ > 0 else 0.0,
-                       "nonfinite_skipped": nonfinite_total}
-                if device.type == "cuda":
-                    rec["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-                if peak:
-                    rec["mfu"] = flops_step * steps_since / dt_ / (peak * world)
-                if master:
-                    with open(log_path, "a") as f:
-                        f.write(json.dumps(rec) + "\n")
-                    if writer is not None:
-                        for k, v in rec.items():
-                            if k != "step":
-                                writer.add_scalar(f"train/{k}", v, step)
-                    bar.set_postfix_str(f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
-                                        f"{ips:.0f} img/s wait {100 * rec['data_wait_frac']:.0f}%")
-                t_last, wait_last, steps_since = now, loader.wait_seconds, 0
-            bar.update(1)
-
-            # ---- checkpoint, samples, stop requests ----
-            stopping = _all_ranks_any(stop.requested, device, world)
-            if step % cfg.save_every == 0 or step == cfg.max_steps or stopping:
-                save()
-            if master and cfg.sample_every and step % cfg.sample_every == 0:
-                _sample_grid(ema, resolved, store, out / "samples" / f"step_{step:08d}.png", cfg, device)
-            if stopping:
-                if master:
-                    print(f"\ndittrain: stopped by signal at step {step}; checkpoint saved, "
-                          f"resume with --resume", file=sys.stderr)
-                break
-    bar.close()
-    loader.close()
-    if master and step == cfg.max_steps and cfg.sample_every > 0 and step % cfg.sample_every:
-        _sample_grid(ema, resolved, store, out / "samples" / f"step_{step:08d}.png", cfg, device)
-    if writer is not None:
-        writer.close()
-    if world > 1:
-        dist.barrier()
-    return {"step": step, "out": str(out), "nonfinite_skipped": nonfinite_total}
-
-
-def resolved_tokens(store) -> int | None:
-    text = (store.manifest["conditioning"] or {}).get("text") or {}
-    shape = text.get("tokens_shape")
-    return shape[0] if shape else None
-
-
-def _conditioning(batch: dict, empty_text: dict, cfg: TrainConfig, u: torch.Tensor) -> dict:
-    """Model kwargs of a batch. u (B,) uniform draws decide classifier-free-guidance
-    dropout: labels -> the null class (u < class_dropout), captions -> the store's
-    empty-caption embedding (u < caption_dropout)."""
-    kwargs = {}
-    if "y" in batch:
-        kwargs["y"] = batch["y"]
-        kwargs["force_drop_ids"] = u < cfg.class_dropout
-    text = {k: batch[k] for k in ("text_pooled", "text_tokens", "text_mask") if k in batch}
-    if text:
-        kwargs |= drop_text_conditioning(text, empty_text, u < cfg.caption_dropout)
-    return kwargs
+    def _record(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[dict, float]:
+        """(the metrics record since the last one, its time)."""
+        device, state = self.run.device, self.state
+        now = time.perf_counter()
+        dt = now - self.t_last
+        wait = state.loader.wait_seconds - self.wait_last
+        rec = {"step": state.step, "loss": loss.item(), "lr": state.lr_schedule.get_last_lr()[0],
+               "grad_norm": float(grad_norm),
+               "images_per_s": self.steps_since * self.run.cfg.batch_size / dt if dt > 0 else 0.0,
+               "data_wait_frac": wait / dt if dt > 0 else 0.0, "nonfinite_skipped": state.nonfinite_total}
+        if device.type == "cuda":
+            rec["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if self.peak:
+            rec["mfu"] = self.flops_step * self.steps_since / dt / (self.peak * self.run.world)
+        return rec, now
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -510,14 +570,16 @@ def _progress(enabled: bool, start: int, total: int):
                 file=sys.stderr, mininterval=1.0)
 
 
-def _sample_grid(ema, resolved: dict, store, path: Path, cfg: TrainConfig, device) -> None:
+def _sample_grid(run: _Run, ema: DiT, step: int) -> None:
     """An EMA sample grid, when the store's autoencoder can be loaded here (else a note)."""
+    path = run.out / "samples" / f"step_{step:08d}.png"
     try:
         from dittrain.sample import write_training_grid
     except ImportError:
         return
+    cfg = run.cfg
     try:
-        write_training_grid(ema, resolved, store, path, steps=cfg.sample_steps, cfg_scale=cfg.sample_cfg,
-                            seed=cfg.seed, device=device)
+        write_training_grid(ema, run.resolved, run.store, path, steps=cfg.sample_steps, cfg_scale=cfg.sample_cfg,
+                            seed=cfg.seed, device=run.device)
     except Exception as e:  # samples are a convenience: never kill a run over them
         print(f"dittrain: no sample grid at {path.name} ({type(e).__name__}: {e})", file=sys.stderr)
