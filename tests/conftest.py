@@ -20,8 +20,31 @@ def _offline(monkeypatch):
     monkeypatch.setenv("NO_ALBUMENTATIONS_UPDATE", "1")
 
 
+@pytest.fixture(scope="module")
+def class_shards(tmp_path_factory) -> Path:
+    """Image shards of a class dataset: 4 real photos x 2 crops of 40 px, 2 samples per shard
+    (4 shards). Module-scoped: copy it before damaging it."""
+    from tiny import class_tree, fetch_tree
+
+    root = tmp_path_factory.mktemp("class-shards")
+    return fetch_tree(class_tree(root / "tree", per_class=2, size=40), root / "shards", samples_per_shard=2)
+
+
 @pytest.fixture
 def taef2_dir() -> Path:
     if not (TAEF2_DIR / "taef2_encoder.pth").is_file():
         pytest.skip(f"TAEF2 weights not found in {TAEF2_DIR} (set DITKIT_SHARED)")
     return TAEF2_DIR
+
+
+@pytest.fixture
+def one_thread(monkeypatch):
+    """Torch on one thread, and OMP_NUM_THREADS=1 for child processes: tiny models and
+    matmuls on a loaded 2-core machine run much faster (and the same) without threads."""
+    import torch
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

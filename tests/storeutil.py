@@ -1,10 +1,36 @@
-"""Deterministic synthetic stores for tests (and the kill-a-writer child process)."""
+"""Deterministic synthetic latent stores for tests (and the kill-a-writer child process).
+
+One writer, `write_store(root, schema, sizes, ...)`, makes every store; what goes in each
+shard comes from a data generator `data(schema, index, n) -> (tensors, columns)`:
+
+- `shard_data` (the default): every field of `schema()`, per-shard seeded, with awkward
+  column values (unicode captions, None scores) for the store and loader tests.
+- `latent_data(seed, identical=, nan_every=)`: latents ~ N(0, 0.25) with true mirror
+  flips and random labels, one RNG across the store (what `make_store` trains on).
+- `tiny_data(seed)`: standard-normal fp16 tensors, all-true text masks, labels i % 3 or
+  captions (what `tiny_store` samples from).
+
+`make_store` (class-conditioned pixels store for `dittrain run`) and `tiny_store` (one
+shard, pixels/TAEF2/any autoencoder, class/text/no conditioning, for `dittrain sample`)
+are the two ready-made stores. The pixels autoencoder's latent is the image in [-1, 1],
+so its stores decode to PNGs without any weights.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
 from ditdata.store import BFLOAT16, Schema, StoreWriter, TensorSpec
+
+CREATED_AT = "2026-01-01T00:00:00+00:00"
+SAMPLE_CLASSES = ["astronaut", "chelsea", "coffee"]
+
+
+def class_conditioning(names) -> dict:
+    return {"type": "class", "num_classes": len(names), "class_names": list(names)}
+
 
 INFO = {
     "vae": {
@@ -12,37 +38,63 @@ INFO = {
         "scaling_factor": 0.5, "shift_factor": 0.1, "latent_channels": 4, "downsample": 8,
     },
     "image": {"resolution": 64, "crop": "center"},
-    "conditioning": {"type": "class", "num_classes": 3, "class_names": ["cat", "dog", "eel"]},
+    "conditioning": class_conditioning(["cat", "dog", "eel"]),
 }
 
 
-def schema(dtype: str = "float16", *, kind: str = "sample", flip: bool = True, text: bool = True,
-           shape=(4, 8, 8)) -> Schema:
+def pixels_info(resolution: int, conditioning: dict | None = None, *, vae: dict | None = None) -> dict:
+    """Store info for the pixels autoencoder (or `vae`, an autoencoder's info), class
+    conditioning over SAMPLE_CLASSES unless `conditioning` says otherwise."""
+    if vae is None:
+        from ditdata.vae import load_autoencoder
+
+        vae = load_autoencoder("pixels").info
+    return {"vae": vae, "image": {"resolution": resolution, "crop": "center"},
+            "conditioning": conditioning or class_conditioning(SAMPLE_CLASSES)}
+
+
+# ----------------------------------------------------------------------------- schemas
+
+COLUMNS = {"key": "string", "label": "int64", "caption": "string",
+           "clip_score": "float64", "width": "int64", "url": "string"}
+LABELLED = {"key": "string", "label": "int64"}
+CAPTIONED = {"key": "string", "caption": "string"}
+
+
+def schema(dtype: str = "float16", *, kind: str = "sample", flip: bool = True, text=True,
+           shape=(4, 8, 8), columns: dict = COLUMNS) -> Schema:
+    """Tensors latent (or mean/std), their *_flip twins when `flip`, and text fields:
+    text=True is a 16-d pooled embedding with 5x16 tokens and mask, a dict
+    {"pooled": D, "tokens": (L, W) or None} other sizes, False none."""
     names = ["latent"] if kind == "sample" else ["mean", "std"]
     if flip:
         names += [f"{n}_flip" for n in names]
     tensors = {n: TensorSpec(shape, dtype) for n in names}
+    if text is True:
+        text = {"pooled": 16, "tokens": (5, 16)}
     if text:
-        tensors |= {
-            "text_pooled": TensorSpec((16,), dtype),
-            "text_tokens": TensorSpec((5, 16), dtype),
-            "text_mask": TensorSpec((5,), "bool"),
-        }
-    columns = {"key": "string", "label": "int64", "caption": "string",
-               "clip_score": "float64", "width": "int64", "url": "string"}
-    return Schema(tensors=tensors, columns=columns)
+        tensors["text_pooled"] = TensorSpec((text["pooled"],), dtype)
+        if text.get("tokens"):
+            tensors["text_tokens"] = TensorSpec(tuple(text["tokens"]), dtype)
+            tensors["text_mask"] = TensorSpec((text["tokens"][0],), "bool")
+    return Schema(tensors=tensors, columns=dict(columns))
+
+
+# ----------------------------------------------------------------------------- shard data
+
+def _cast(x: np.ndarray, dtype: str) -> np.ndarray:
+    return x.astype(BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype))
 
 
 def shard_data(sch: Schema, index: int, n: int) -> tuple[dict, dict]:
-    """Values that depend only on (shard index, n), in the schema's dtypes."""
+    """Values that depend only on (shard index, n), in the schema's dtypes (COLUMNS)."""
     rng = np.random.default_rng(1000 + index)
     tensors = {}
     for name, spec in sch.tensors.items():
         if spec.dtype == "bool":
             tensors[name] = rng.random((n, *spec.shape)) < 0.5
         else:
-            dt = BFLOAT16 if spec.dtype == "bfloat16" else np.dtype(spec.dtype)
-            tensors[name] = rng.standard_normal((n, *spec.shape)).astype(np.float32).astype(dt)
+            tensors[name] = _cast(rng.standard_normal((n, *spec.shape)).astype(np.float32), spec.dtype)
     columns = {
         "key": [f"src/{index}/img.{i}.jpg" for i in range(n)],  # slashes and dots on purpose
         "label": [int(v) for v in rng.integers(0, 3, n)],
@@ -54,15 +106,95 @@ def shard_data(sch: Schema, index: int, n: int) -> tuple[dict, dict]:
     return tensors, columns
 
 
+def latent_data(seed: int = 0, *, identical: bool = False, nan_every: int = 0):
+    """Generator of training shards (LABELLED columns, latent and optional latent_flip):
+    latents ~ N(0, 0.5^2) and labels in 0..2 from one RNG drawn shard after shard, so
+    write a fresh store with it. identical: every sample is one template latent with
+    label 1; nan_every=k: samples 0, k, 2k, ... of each shard are all NaN."""
+    rng = np.random.default_rng(seed)
+    template = None
+
+    def data(sch: Schema, index: int, n: int) -> tuple[dict, dict]:
+        nonlocal template
+        spec = sch.tensors["latent"]
+        if template is None:
+            template = rng.standard_normal(spec.shape).astype(np.float32) * 0.5
+        x = rng.standard_normal((n, *spec.shape)).astype(np.float32) * 0.5
+        labels = rng.integers(0, 3, n)
+        if identical:
+            x[:] = template
+            labels[:] = 1
+        if nan_every:
+            x[::nan_every] = np.nan
+        tensors = {"latent": _cast(x, spec.dtype)}
+        if "latent_flip" in sch.tensors:
+            tensors["latent_flip"] = _cast(x[..., ::-1], spec.dtype)
+        return tensors, {"key": [f"{index}-{i}" for i in range(n)], "label": labels.tolist()}
+
+    return data
+
+
+def tiny_data(seed: int = 0):
+    """Generator of standard-normal tensors (all-true bool masks) from one RNG, with
+    keys k0.. and captions "caption i" (CAPTIONED schemas) or labels i % 3."""
+    rng = np.random.default_rng(seed)
+
+    def data(sch: Schema, index: int, n: int) -> tuple[dict, dict]:
+        tensors = {}
+        for name, spec in sch.tensors.items():
+            if spec.dtype == "bool":
+                tensors[name] = np.ones((n, *spec.shape), dtype=bool)
+            else:
+                tensors[name] = _cast(rng.standard_normal((n, *spec.shape)), spec.dtype)
+        columns = {"key": [f"k{i}" for i in range(n)]}
+        if "caption" in sch.columns:
+            columns["caption"] = [f"caption {i}" for i in range(n)]
+        else:
+            columns["label"] = [i % 3 for i in range(n)]
+        return tensors, columns
+
+    return data
+
+
+# ----------------------------------------------------------------------------- writing
+
 def write_store(root, sch: Schema, sizes, backend: str = "zarr", *, finalize: bool = True,
-                chunk_samples: int = 1024, info=INFO) -> StoreWriter:
+                chunk_samples: int = 1024, info=INFO, data=None) -> StoreWriter:
+    """Shards 00000, 00001, ... of sizes[i] samples from data(sch, i, n) (default
+    shard_data, looked up at call time); shards already done are kept (a rerun resumes).
+    finalize: write the manifest, with a fixed creation time."""
+    data = data or shard_data
     w = StoreWriter(root, schema=sch, info=info, backend=backend, chunk_samples=chunk_samples)
     for i, n in enumerate(sizes):
         name = f"{i:05d}"
         if not w.done(name):
-            t, c = shard_data(sch, i, n)
+            t, c = data(sch, i, n)
             w.write_shard(name, t, c, source=f"images/{name}.tar")
     if finalize:
         w.finalize([f"{i:05d}" for i in range(len(sizes))], provenance={"input_shards": len(sizes)},
-                   created_at="2026-01-01T00:00:00+00:00")
+                   created_at=CREATED_AT)
     return w
+
+
+TRAIN_SHAPE = (3, 8, 8)
+
+
+def make_store(root: Path, *, n: int = 48, shards: int = 3, identical: bool = False, nan_every: int = 0,
+               flip: bool = True, seed: int = 0, shape=TRAIN_SHAPE) -> Path:
+    """A class-conditioned (classes a, b, c) pixels store of `shards` shards of
+    n // shards latents of `shape` from latent_data, for `dittrain run`."""
+    write_store(root, schema(shape=shape, flip=flip, text=False, columns=LABELLED), [n // shards] * shards,
+                info=pixels_info(shape[-1], class_conditioning(["a", "b", "c"])),
+                data=latent_data(seed, identical=identical, nan_every=nan_every))
+    return root
+
+
+def tiny_store(root: Path, *, shape=(3, 16, 16), vae: dict | None = None, conditioning: dict | None = None,
+               text: dict | None = None, n: int = 6, seed: int = 0) -> Path:
+    """A one-shard store of n tiny_data latents of `shape`, for `dittrain sample`: the
+    pixels autoencoder unless `vae` (an autoencoder's info), class-conditioned over
+    SAMPLE_CLASSES unless `conditioning`; text ({"pooled": D, "tokens": (L, W) or None})
+    adds text fields and captions instead of labels."""
+    sch = schema(shape=shape, flip=False, text=text or False, columns=CAPTIONED if text else LABELLED)
+    write_store(root, sch, [n], info=pixels_info(shape[1], conditioning, vae=vae), data=tiny_data(seed))
+    return root

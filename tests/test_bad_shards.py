@@ -13,34 +13,26 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
+from cliutil import ditdata as cli
+from cliutil import one_error_line as error_line
 from PIL import Image
-from tiny import class_tree, fetch_tree, real_images
+from tiny import fetch_tree, real_images
 
 from ditdata import imageshards
-from ditdata.cli import main as ditdata_cli
 from ditdata.encode import _shard_batches
 from ditdata.store import open_store
 
 
-def cli(*args):
-    return CliRunner().invoke(ditdata_cli, [str(a) for a in args])
-
-
 def one_error_line(r) -> str:
-    """The CLI failed with exactly one line and no traceback; that line."""
+    """The CLI failed (exit 1) with exactly one line and no traceback; that line."""
     assert r.exit_code == 1, r.output
-    assert "Traceback" not in r.output and not isinstance(r.exception, AssertionError)
-    lines = [ln for ln in r.output.splitlines() if ln.strip() and not ln.startswith("note: ")]
-    assert len(lines) == 1 and lines[0].startswith("Error: "), r.output
-    return lines[0]
+    assert not isinstance(r.exception, AssertionError)
+    return error_line(r.output)
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory) -> Path:
-    """4 real photos x 2 crops as a class dataset, 2 samples per shard (4 shards)."""
-    root = tmp_path_factory.mktemp("data")
-    return fetch_tree(class_tree(root / "tree", per_class=2, size=40), root / "shards", samples_per_shard=2)
+@pytest.fixture
+def pristine(class_shards) -> Path:
+    return class_shards
 
 
 @pytest.fixture

@@ -339,15 +339,6 @@ def _nearest(samples, data):
     return dist.min(1)
 
 
-@pytest.fixture
-def one_thread():
-    # tiny matmuls: threading costs more than it gains, and the suite shares the CPU
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_tiny_flow_dit_memorises_latents(one_thread):
     model, d, data, y, losses = _train("flow", steps=400, lr=3e-3)
     start, end = sum(losses[:20]) / 20, sum(losses[-20:]) / 20

@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from cliutil import run_args
 from PIL import Image
-from storeutil import INFO, schema, shard_data, write_store
+from storeutil import INFO, make_store, schema, shard_data, write_store
 
 from ditdata import imageshards
 from ditdata.errors import DitdataError
@@ -74,8 +75,6 @@ def error_lines(stderr: str) -> list[str]:
 
 
 def test_checkpoint_past_the_file_size_limit(tmp_path):
-    from test_train import make_store, run_args
-
     store = make_store(tmp_path / "store")
     out = tmp_path / "run"
     r = CliRunner().invoke(dittrain_cli, run_args(store, out, "--max-steps", 2, "--save-every", 2))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from cliutil import ditdata, kill_when
 from PIL import Image
 from tiny import class_tree, fetch_tree, real_images, save_tiny_kl
 
@@ -27,7 +27,7 @@ BIN = Path(sys.executable).parent
 
 
 def _cli(*args):
-    return CliRunner().invoke(ditdata_cli, [str(a) for a in args], catch_exceptions=False)
+    return ditdata(*args, catch_exceptions=False)
 
 
 def _encode(shards, out, **kw):
@@ -172,13 +172,8 @@ def test_sigkill_then_rerun_equals_clean_run(kl_dir, tmp_path):
             "--device", "cpu", "--workers", "1", "--batch-size", "1"]
     proc = subprocess.Popen([*args, "--out", tmp_path / "s"], stderr=subprocess.DEVNULL)
     records = tmp_path / "s" / "shards"
-    deadline = time.time() + 120
-    while len(list(records.glob("*.json"))) < 3:
-        assert proc.poll() is None, "encode finished before it could be killed"
-        assert time.time() < deadline
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_when(proc, lambda: len(list(records.glob("*.json"))) >= 3, timeout=120,
+              too_late="encode finished before it could be killed")
     done = len(list(records.glob("*.json")))
     assert 3 <= done < 24 and not (tmp_path / "s" / "manifest.json").exists()
 

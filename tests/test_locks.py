@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_train import make_store, run_args
-from tiny import class_tree, fetch_tree
+from cliutil import one_error_line, run_args
+from storeutil import make_store
 
 from ditdata.cli import main as ditdata_cli
 from ditdata.store import DirectoryBusy, DirLock, open_store
@@ -55,12 +55,6 @@ def stopped_after_lock(module: str, *args) -> subprocess.Popen:
                 return proc
         assert time.time() < deadline
         time.sleep(0.02)
-
-
-def one_error_line(output: str) -> str:
-    lines = [ln for ln in output.splitlines() if ln.strip() and not ln.startswith("note: ")]
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in output, output
-    return lines[0]
 
 
 def listing(d: Path) -> dict[str, tuple[int, int]]:
@@ -143,10 +137,9 @@ def test_two_runs_on_one_out(tmp_path):
     assert f"resuming at step {step}" in r.stderr
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data")
-    return fetch_tree(class_tree(root / "tree", per_class=2, size=40), root / "shards", samples_per_shard=2)
+@pytest.fixture
+def shards(class_shards) -> Path:
+    return class_shards
 
 
 def test_two_encodes_on_one_store(shards, tmp_path):

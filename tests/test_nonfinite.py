@@ -8,18 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
+from cliutil import ditdata as cli
 from PIL import Image
 from storeutil import schema, write_store
 from tiny import fetch_tree, real_images
 
 from ditdata import taef2
-from ditdata.cli import main as ditdata_cli
 from ditdata.store import open_store
-
-
-def cli(*args):
-    return CliRunner().invoke(ditdata_cli, [str(a) for a in args])
 
 
 def overflowing_taef2(folder: Path, probe: np.ndarray) -> Path:

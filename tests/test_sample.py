@@ -11,13 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
+from cliutil import dittrain
 from PIL import Image
+from storeutil import SAMPLE_CLASSES, tiny_store
 
-from ditdata.store import StoreWriter, TensorSpec, encode_array, open_store
-from ditdata.store.schema import Schema
+from ditdata.store import encode_array, open_store
 from dittrain.checkpoint import export_weights, load_weights, save_checkpoint
-from dittrain.cli import main as dittrain_cli
 from dittrain.diffusion import DiffusionConfig
 from dittrain.model import DiT, get_config
 from dittrain.sample import (
@@ -30,53 +29,7 @@ from dittrain.sample import (
     write_training_grid,
 )
 
-CLASS_NAMES = ["astronaut", "chelsea", "coffee"]
-PIXELS_SHAPE = (3, 16, 16)  # the pixels "autoencoder": a latent is the image in [-1, 1]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny matmuls: with threads they only wait for each other (30x slower on a busy 2-core box)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def pixels_info():
-    from ditdata.vae import load_autoencoder
-
-    return load_autoencoder("pixels").info
-
-
-def write_tiny_store(root: Path, *, shape=PIXELS_SHAPE, vae=None, conditioning=None, text=None,
-                     n=6, seed=0) -> Path:
-    """A one-shard zarr store of random latents of `shape`; class-conditioned by default.
-    text: {"pooled": D, "tokens": (L, W) or None, "empty": {field: array}} adds text fields."""
-    tensors = {"latent": TensorSpec(shape, "float16")}
-    columns = {"key": "string", "label": "int64"}
-    if text:
-        tensors["text_pooled"] = TensorSpec((text["pooled"],), "float16")
-        if text.get("tokens"):
-            tensors["text_tokens"] = TensorSpec(tuple(text["tokens"]), "float16")
-            tensors["text_mask"] = TensorSpec((text["tokens"][0],), "bool")
-        columns = {"key": "string", "caption": "string"}
-    conditioning = conditioning or {"type": "class", "num_classes": 3, "class_names": CLASS_NAMES}
-    info = {"vae": vae or pixels_info(), "image": {"resolution": shape[1] * 1, "crop": "center"},
-            "conditioning": conditioning}
-    w = StoreWriter(root, schema=Schema(tensors=tensors, columns=columns), info=info)
-    rng = np.random.default_rng(seed)
-    data = {}
-    for name, spec in tensors.items():
-        if spec.dtype == "bool":
-            data[name] = np.ones((n, *spec.shape), dtype=bool)
-        else:
-            data[name] = rng.standard_normal((n, *spec.shape)).astype(np.float16)
-    cols = {"key": [f"k{i}" for i in range(n)]}
-    cols |= {"caption": [f"caption {i}" for i in range(n)]} if text else {"label": [i % 3 for i in range(n)]}
-    w.write_shard("00000", data, cols)
-    w.finalize(["00000"], created_at="2026-01-01T00:00:00+00:00")
-    return root
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_run(run_dir: Path, store_root: Path, *, model="DiT-T/4", objective="ddpm", seed=0,
@@ -112,12 +65,12 @@ def make_run(run_dir: Path, store_root: Path, *, model="DiT-T/4", objective="ddp
 @pytest.fixture(scope="module")
 def pixel_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("pix")
-    store = write_tiny_store(root / "store")
+    store = tiny_store(root / "store")
     return make_run(root / "run", store), store
 
 
 def cli(*args):
-    return CliRunner().invoke(dittrain_cli, ["sample", *map(str, args)])
+    return dittrain("sample", *args)
 
 
 def read_png(path) -> np.ndarray:
@@ -240,7 +193,7 @@ def test_row_per_class_layout(pixel_run, tmp_path):
 
 
 def test_checkpoint_pt_and_unconditional_model(tmp_path):
-    store = write_tiny_store(tmp_path / "store", conditioning={"type": "none"})
+    store = tiny_store(tmp_path / "store", conditioning={"type": "none"})
     run = make_run(tmp_path / "run", store, objective="flow")
     weights, config = load_weights(run)
     # a run with only a checkpoint (no export yet): its EMA weights are used
@@ -284,17 +237,17 @@ def test_missing_store_says_pass_latents(pixel_run, tmp_path):
 def test_wrong_store_refused_unless_compatible(pixel_run, tmp_path):
     run, _ = pixel_run
     # another store of the same shape and classes (other data): a note, then samples
-    other = write_tiny_store(tmp_path / "other", seed=5, n=4)
+    other = tiny_store(tmp_path / "other", seed=5, n=4)
     r = cli("--ckpt", run, "--out", tmp_path / "o.png", "--latents", other, "--n", 2, "--steps", 2,
             "--device", "cpu")
     assert r.exit_code == 0, r.output
     assert "note:" in r.output and "not the store this run was trained on" in r.output
     # other latent shape
-    small = write_tiny_store(tmp_path / "small", shape=(3, 8, 8))
+    small = tiny_store(tmp_path / "small", shape=(3, 8, 8))
     one_line_error(cli("--ckpt", run, "--out", tmp_path / "o.png", "--latents", small),
                    "incompatible", "3x8x8", "3x16x16")
     # other number of classes
-    five = write_tiny_store(tmp_path / "five", conditioning={"type": "class", "num_classes": 5,
+    five = tiny_store(tmp_path / "five", conditioning={"type": "class", "num_classes": 5,
                                                              "class_names": list("abcde")})
     one_line_error(cli("--ckpt", run, "--out", tmp_path / "o.png", "--latents", five),
                    "incompatible", "5 classes")
@@ -326,7 +279,7 @@ def test_make_grid_and_helpers(tmp_path):
     assert output_paths(tmp_path / "a.png") == (tmp_path / "a.png", tmp_path / "a")
     assert output_paths(tmp_path / "d") == (tmp_path / "d" / "grid.png", tmp_path / "d" / "samples")
     assert parse_classes(["all"], 3) == [0, 1, 2]
-    assert parse_classes(["2,Chelsea", "0"], 3, CLASS_NAMES) == [2, 1, 0]
+    assert parse_classes(["2,Chelsea", "0"], 3, SAMPLE_CLASSES) == [2, 1, 0]
     with pytest.raises(SampleError, match="out of range"):
         parse_classes(["-1"], 3)
 
@@ -339,7 +292,7 @@ def test_taef2_store_end_to_end(taef2_dir, tmp_path):
     from ditdata.vae import load_autoencoder
 
     info = load_autoencoder(str(taef2_dir)).info  # 32 channels, /8
-    store = write_tiny_store(tmp_path / "store", shape=(32, 4, 4), vae=info, n=3)
+    store = tiny_store(tmp_path / "store", shape=(32, 4, 4), vae=info, n=3)
     run = make_run(tmp_path / "run", store, model="DiT-T/2")
     r = cli("--ckpt", run, "--out", tmp_path / "t", "--n", 2, "--steps", 2, "--device", "cpu")
     assert r.exit_code == 0, r.output
@@ -375,7 +328,7 @@ def test_text_model_with_prompts(tmp_path, monkeypatch):
             "pooled_dim": 32, "tokens_shape": [77, 24],
             "empty": {k: encode_array(v[0].numpy().astype(bool if k == "text_mask" else np.float16))
                       for k, v in empty.items()}}
-    store = write_tiny_store(tmp_path / "store", conditioning={"type": "text", "text": text},
+    store = tiny_store(tmp_path / "store", conditioning={"type": "text", "text": text},
                              text={"pooled": 32, "tokens": (77, 24)})
     run = make_run(tmp_path / "run", store, text_pooled_dim=32, text_token_dim=24)
     r = cli("--ckpt", run, "--out", tmp_path / "t", "--prompt", "a red fox", "--prompt", "a cat",

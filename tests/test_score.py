@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from click.testing import CliRunner
+from cliutil import ditdata as run_cli
 from PIL import Image
 
 open_clip = pytest.importorskip("open_clip")
@@ -19,7 +19,6 @@ from test_clip import tiny_clip_files  # noqa: E402
 
 from ditdata import imageshards  # noqa: E402
 from ditdata import score as score_mod  # noqa: E402
-from ditdata.cli import main  # noqa: E402
 from ditdata.errors import DitdataError  # noqa: E402
 from ditdata.score import read_score_meta, score, score_path  # noqa: E402
 
@@ -72,11 +71,6 @@ def caption_shards(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return tiny_clip_files(tmp_path_factory.mktemp("clip"))
-
-
-def run_cli(*args):
-    r = CliRunner().invoke(main, [str(a) for a in args])
-    return r
 
 
 def read_all(folder: Path):

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
+from cliutil import ditdata as _cli
+from cliutil import kill_when
 from storeutil import INFO, schema, shard_data, write_store
 
-from ditdata.cli import main as ditdata_cli
 from ditdata.store import BFLOAT16, FORMAT_VERSION, Store, StoreError, StoreWriter, open_store
 from ditdata.store.manifest import decode_array, encode_array, identity
 
@@ -168,13 +166,8 @@ def test_sigkill_mid_shard_then_rerun(tmp_path, backend, where):
     root = tmp_path / "s"
     env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(root), backend, where], env=env)
-    deadline = time.time() + 60
-    while not (tmp_path / "marker").exists():
-        assert proc.poll() is None, "writer exited before reaching shard 00002"
-        assert time.time() < deadline
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_when(proc, (tmp_path / "marker").exists, timeout=60,
+              too_late="writer exited before reaching shard 00002", poll=0.05)
 
     suffix = ".zarr" if backend == "zarr" else ".tar"
     assert _looks_finished(root) == [f"00000{suffix}", f"00001{suffix}"]
@@ -246,10 +239,6 @@ def test_writer_rejects_bad_shards(tmp_path):
 def store_dir(tmp_path, request) -> Path:
     write_store(tmp_path / "s", schema("float16"), [5, 6], request.param)
     return tmp_path / "s"
-
-
-def _cli(*args):
-    return CliRunner().invoke(ditdata_cli, list(map(str, args)))
 
 
 def test_no_manifest(tmp_path):

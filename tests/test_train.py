@@ -13,53 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
+from cliutil import dittrain as cli
+from cliutil import kill_when, run_args
+from storeutil import make_store
 
-from ditdata.store import Schema, StoreWriter, TensorSpec
-from ditdata.vae import load_autoencoder
 from dittrain.checkpoint import latest_checkpoint, load_checkpoint, load_weights
-from dittrain.cli import main as dittrain_cli
 
 BIN = Path(sys.executable).parent
-SHAPE = (3, 8, 8)
-
-
-def make_store(root: Path, *, n: int = 48, shards: int = 3, identical: bool = False, nan_every: int = 0,
-               flip: bool = True, seed: int = 0, shape=SHAPE) -> Path:
-    """A class-conditioned pixels store (so samples can be decoded) of n latents."""
-    rng = np.random.default_rng(seed)
-    tensors = {"latent": TensorSpec(shape, "float16")}
-    if flip:
-        tensors["latent_flip"] = TensorSpec(shape, "float16")
-    schema = Schema(tensors=tensors, columns={"key": "string", "label": "int64"})
-    info = {"vae": load_autoencoder("pixels").info, "image": {"resolution": shape[-1], "crop": "center"},
-            "conditioning": {"type": "class", "num_classes": 3, "class_names": ["a", "b", "c"]}}
-    w = StoreWriter(root, schema=schema, info=info)
-    per = n // shards
-    template = rng.standard_normal(shape).astype(np.float32) * 0.5
-    for s in range(shards):
-        x = rng.standard_normal((per, *shape)).astype(np.float32) * 0.5
-        labels = rng.integers(0, 3, per)
-        if identical:
-            x[:] = template
-            labels[:] = 1
-        if nan_every:
-            x[::nan_every] = np.nan
-        t = {"latent": x.astype(np.float16)}
-        if flip:
-            t["latent_flip"] = x[..., ::-1].astype(np.float16)
-        w.write_shard(f"{s:05d}", t, {"key": [f"{s}-{i}" for i in range(per)], "label": labels.tolist()})
-    w.finalize()
-    return root
-
-
-def run_args(store: Path, out: Path, *extra, model: str = "DiT-T/4") -> list[str]:
-    return ["run", "--latents", str(store), "--out", str(out), "--model", model, "--batch-size", "8",
-            "--log-every", "1", "--sample-every", "0", "--device", "cpu", "--seed", "3", *map(str, extra)]
-
-
-def cli(*args):
-    return CliRunner().invoke(dittrain_cli, list(args))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def losses(out: Path) -> list[tuple[int, float]]:
@@ -84,16 +45,6 @@ def store(tmp_path_factory) -> Path:
     return make_store(tmp_path_factory.mktemp("store") / "s")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    # tiny models on a loaded 2-core machine run much faster (and the same) on one thread
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def _spawn(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([str(BIN / "dittrain"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -107,13 +58,7 @@ def test_exact_resume_after_sigkill(store, tmp_path, loader):
     straight = _spawn(run_args(store, tmp_path / "straight", *common))
     killed = _spawn(run_args(store, tmp_path / "killed", *common))
     ckpt = tmp_path / "killed" / "checkpoints" / f"step_{half:08d}.pt"
-    deadline = time.time() + 300
-    while not ckpt.exists():
-        assert killed.poll() is None, killed.communicate()[1][-2000:]
-        assert time.time() < deadline
-        time.sleep(0.01)
-    killed.send_signal(signal.SIGKILL)
-    killed.wait()
+    kill_when(killed, ckpt.exists, timeout=300, too_late="the run ended before the kill", poll=0.01)
     assert straight.wait(timeout=600) == 0, straight.communicate()[1][-2000:]
     assert latest_checkpoint(tmp_path / "killed") == ckpt, "the kill landed after the run ended"
 
