@@ -27,12 +27,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from scratch import add_store_args, scratch_dir  # bench/scratch.py
 
 from ditdata.store import Schema, StoreWriter, TensorSpec, open_store
 from dittrain.data import ResidentLoader, StreamingLoader
@@ -139,23 +139,19 @@ def run_ceiling(store, passes: float, batch_size: int) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=100_000)
-    ap.add_argument("--shard-size", type=int, default=10_000)
+    add_store_args(ap, n=100_000, shard_size=10_000)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--shuffle-window", type=int, default=4)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--passes", type=float, default=2.0, help="passes over the data timed per dittrain loader")
-    ap.add_argument("--dir", default=None, help="scratch directory, reused if complete (default: a temp dir)")
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in the consumer")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    root = Path(args.dir or tempfile.mkdtemp(prefix="ditkit-loader-bench-"))
-    root.mkdir(parents=True, exist_ok=True)
-    try:
+    with scratch_dir(args.dir, "ditkit-loader-bench-") as root:
         t = time.perf_counter()
         write_data(root, args.n, args.shard_size)
         store = open_store(root / "store")
@@ -196,9 +192,6 @@ def main():
             print(f"\nstreaming >= 10x fast-DiT: {'yes' if s >= 10 * base else 'NO'} ({s / base:.1f}x)")
         res = max(r for name, r, _ in rows if name.startswith("dittrain resident"))
         print(f"resident >= 1 M samples/s: {'yes' if res >= 1e6 else 'NO'} ({res:,.0f})")
-    finally:
-        if args.dir is None:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def main() -> None:
     import torch
 
     from ditdata.clip import load_clip
-    from ditdata.score import score
+    from ditdata.score import prepared_samples, score
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -98,8 +98,6 @@ def main() -> None:
     print(f"# {args.clip} random init, {args.n} real-image crops, device {args.device}, "
           f"torch {torch.__version__} threads {torch.get_num_threads()}, {os.cpu_count()} CPUs "
           f"({platform.processor() or platform.machine()})")
-    from ditdata.score import _prepared
-
     workers = args.workers if args.workers is not None else min(8, os.cpu_count() or 1)
     print(f"# decoding threads: {workers}")
     print("| batch | end to end (samples/s) | model only (samples/s) | decode only (samples/s) |")
@@ -120,7 +118,7 @@ def main() -> None:
         t = time.perf_counter()
         batch = []
         for tar in imageshards.list_shards(folder):
-            for _, prepared, *_ in _prepared(imageshards.iter_shard(tar), clip.prepare_image, workers, 2 * bs):
+            for _, prepared, *_ in prepared_samples(imageshards.iter_shard(tar), clip.prepare_image, workers, 2 * bs):
                 batch.append(prepared)
                 if len(batch) == bs:
                     clip.pixels(batch)

@@ -17,12 +17,11 @@ large allocation cost about as much as the read itself: compare like with like (
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from scratch import add_store_args, scratch_dir  # bench/scratch.py
 
 from ditdata.store import Schema, StoreWriter, TensorSpec, open_store
 
@@ -80,14 +79,10 @@ def timed(fn, repeat: int) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=100_000)
-    ap.add_argument("--shard-size", type=int, default=10_000)
+    add_store_args(ap, n=100_000, shard_size=10_000)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir, removed after)")
     args = ap.parse_args()
-    root = Path(args.dir or tempfile.mkdtemp(prefix="ditkit-bench-"))
-    root.mkdir(parents=True, exist_ok=True)
-    try:
+    with scratch_dir(args.dir, "ditkit-bench-") as root:
         x = make_latents(args.n)
         labels = np.random.default_rng(1).integers(0, 1000, args.n)
         print(f"writing {args.n} latents {SHAPE} fp16 ({x.nbytes / 2**20:.0f} MiB) four ways in {root}")
@@ -112,9 +107,6 @@ def main():
         z = rates["zarr store, 1024-sample slices"]  # the same read size as the memmap row
         print(f"\nzarr >= 10x npy-per-sample: {'yes' if z >= 10 * base else 'NO'} ({z / base:.1f}x); "
               f"within 3x of memmap: {'yes' if z * 3 >= mm else 'NO'} ({mm / z:.2f}x slower)")
-    finally:
-        if args.dir is None:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

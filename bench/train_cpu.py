@@ -36,11 +36,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from scratch import add_store_args, scratch_dir  # bench/scratch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -117,8 +117,7 @@ def summarise(rows: list[dict], batch: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=20_000, help="latents in the store")
-    ap.add_argument("--shard-size", type=int, default=500)
+    add_store_args(ap, n=20_000, shard_size=500)
     ap.add_argument("--model", default="DiT-T/4")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=100)
@@ -129,12 +128,9 @@ def main():
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the trainer (default: torch's)")
     ap.add_argument("--target", type=float, default=0.05, help="largest acceptable data-wait fraction")
     ap.add_argument("--no-fail", action="store_true", help="exit 0 even when the target is missed")
-    ap.add_argument("--dir", default=None, help="scratch directory; the store is reused if complete")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
-    root = Path(args.dir or tempfile.mkdtemp(prefix="ditkit-train-cpu-"))
-    root.mkdir(parents=True, exist_ok=True)
-    try:
+    with scratch_dir(args.dir, "ditkit-train-cpu-") as root:
         t = time.perf_counter()
         store = write_store(root, args.n, args.shard_size)
         shards = -(-args.n // args.shard_size)
@@ -173,9 +169,6 @@ def main():
             Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
         if missed and not args.no_fail:
             sys.exit(1)
-    finally:
-        if args.dir is None:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
