@@ -59,6 +59,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from ditdata.store.devices import amp_dtype as trainer_amp  # noqa: E402
 from dittrain.diffusion import Diffusion, DiffusionConfig  # noqa: E402
 from dittrain.model import DiT, flops_per_forward, get_config  # noqa: E402
 
@@ -98,12 +99,9 @@ class ResidentLatents:
 
 
 def amp_of(name: str, device: torch.device) -> tuple[torch.dtype | None, bool]:
-    """(autocast dtype or None, grad scaler needed), as dittrain.train._amp."""
-    if name == "auto":
-        if device.type != "cuda":
-            return None, False
-        name = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return {"fp32": (None, False), "bf16": (torch.bfloat16, False), "fp16": (torch.float16, True)}[name]
+    """(autocast dtype or None, grad scaler needed): the trainer's rule (ditdata.store.devices)."""
+    dtype = trainer_amp(device, name)
+    return dtype, dtype is torch.float16
 
 
 def sync(device: torch.device) -> None:

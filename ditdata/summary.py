@@ -13,18 +13,18 @@ def _size(n: float) -> str:
     return ""
 
 
-def _conditioning(cond: dict) -> list[str]:
-    kind = cond.get("type", "none")
-    if kind == "class":
-        names = cond.get("class_names") or []
+def _conditioning(cond) -> list[str]:
+    """The store's typed conditioning (ditdata.store.Conditioning) as report lines."""
+    if cond.kind == "class":
+        names = cond.class_names or ()
         shown = ", ".join(map(str, names[:5])) + (", ..." if len(names) > 5 else "")
-        return [f"conditioning: class, {cond.get('num_classes')} classes ({shown})"]
-    if kind == "text":
-        t = cond.get("text") or {}
-        lines = [f"conditioning: text, encoder {t.get('encoder')} ({t.get('pretrained')})"]
-        lines.append(f"  pooled dim {t.get('pooled_dim')}, tokens {t.get('tokens_shape') or 'not stored'}")
-        return lines
-    return [f"conditioning: {kind}"]
+        return [f"conditioning: class, {cond.num_classes} classes ({shown})"]
+    if cond.kind == "text":
+        t = cond.text or {}
+        tokens = list(cond.tokens_shape) if cond.tokens_shape else "not stored"
+        return [f"conditioning: text, encoder {t.get('encoder')} ({t.get('pretrained')})",
+                f"  pooled dim {cond.pooled_dim}, tokens {tokens}"]
+    return [f"conditioning: {cond.kind}"]
 
 
 def describe(path) -> str:
@@ -41,7 +41,7 @@ def describe(path) -> str:
         f"autoencoder:  {vae.get('name')} ({vae.get('id')}), scaling {vae.get('scaling_factor')}, "
         f"shift {vae.get('shift_factor')}, {vae.get('latent_channels')} channels, /{vae.get('downsample')}",
         f"image:        {m['image'].get('resolution')} px, crop {m['image'].get('crop')}",
-        *_conditioning(m["conditioning"]),
+        *_conditioning(s.conditioning),
         f"filter:       {m['filter'] if m['filter'] else 'none'}",
         "fields:       " + ", ".join(
             f"{k} {v['dtype']}{v['shape']}" for k, v in m["fields"]["tensors"].items()
