@@ -88,9 +88,10 @@ def test_sigkill_releases_even_with_a_forked_child_alive(tmp_path):
     SIGKILLed: the orphaned child must not keep the lock."""
     code = ("import os, sys, time\nfrom ditdata.store import DirLock\n"
             f"DirLock({str(tmp_path / 'run')!r}, 'dittrain run').acquire()\n"
-            "child = os.fork()\n"
-            "if child == 0:\n    time.sleep(60)\n    os._exit(0)\n"
-            "print(child, flush=True)\ntime.sleep(60)\n")
+            "if os.fork() == 0:\n"
+            # the child's own code runs only after the fork hooks did: then it says so
+            "    print(os.getpid(), flush=True)\n    time.sleep(60)\n    os._exit(0)\n"
+            "time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     child = int(proc.stdout.readline())
     try:

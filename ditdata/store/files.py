@@ -152,6 +152,23 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def remove_settled(path: Path, *, quiet_s: float = 0.2, timeout_s: float = 5.0) -> None:
+    """Remove what a failed writer left at `path`, and again if it reappears: a library that
+    writes from its own threads (zarr writes chunks concurrently on its event loop) may still
+    finish writes that were in flight when the first one failed. Returns once `path` has
+    stayed absent for `quiet_s` (or after `timeout_s`)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remove(path)
+        quiet_until = time.monotonic() + quiet_s
+        while time.monotonic() < quiet_until and not (path.exists() or path.is_symlink()):
+            time.sleep(0.02)
+        if not (path.exists() or path.is_symlink()) or time.monotonic() > deadline:
+            return
+
+
 def sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()

@@ -146,7 +146,7 @@ class StoreWriter:
             with _writing(final, f"shard {name}"):
                 files.publish(tmp, final)
         except BaseException:
-            files.remove(tmp)
+            files.remove_settled(tmp)
             if not self.done(name):  # a record only stays beside the complete data it describes
                 record_path.unlink(missing_ok=True)
             raise
