@@ -186,6 +186,20 @@ def open_run_store(config: dict, latents: str | Path | None = None):
     return store, check_store(store, config)
 
 
+def load_for_sampling(ckpt, *, latents=None, vae: str | None = None) -> tuple[dict, dict, object, str | None]:
+    """(weights, run config, store, note) for sampling `ckpt` (a run directory, an EMA export,
+    a checkpoint): the one place every sampling entry point (the command, --npz, eval, serve)
+    turns --ckpt/--latents/--vae into what it samples. SampleError on any problem."""
+    from dittrain.checkpoint import CheckpointError, load_weights
+
+    try:
+        weights, config = load_weights(ckpt)
+    except CheckpointError as e:
+        raise SampleError(_line(e)) from e
+    store, note = open_run_store(config, latents)
+    return weights, config, store, note
+
+
 def load_model(weights: dict, config: dict, device="cpu") -> DiT:
     """The DiT of `config` with `weights` loaded strictly, in eval mode, float32, on `device`.
     Built on the meta device and filled by assignment, so no time goes into an init that the
@@ -718,14 +732,8 @@ def sample_to_files(
     Row layout (n_per_class = K): one row of K samples per class (default: all classes)
     or per prompt, singles under SINGLES/<class or prompt index>/ (as per_class_dir).
     settings: cfg scale, steps, sampler, seed, batch size and precision (SampleConfig)."""
-    from dittrain.checkpoint import CheckpointError, load_weights
-
-    try:
-        weights, config = load_weights(ckpt)
-    except CheckpointError as e:
-        raise SampleError(_line(e)) from e
     check_output(out)
-    store, note = open_run_store(config, latents)
+    weights, config, store, note = load_for_sampling(ckpt, latents=latents, vae=vae)
     plan = plan_samples(config, store, settings, device=device, classes=classes, prompts=list(prompts), n=n,
                         n_per_class=n_per_class, per_class_dir=per_class_dir, nrow=nrow)
     if note:
@@ -756,7 +764,8 @@ def _report(result: dict, images: np.ndarray, plan: SamplePlan, log) -> None:
 
 
 __all__ = [
-    "SampleError", "SamplePlan", "check_sampler", "check_store", "embed_prompts", "load_autoencoder", "load_model",
+    "SampleError", "SamplePlan", "check_sampler", "check_store", "embed_prompts", "load_autoencoder",
+    "load_for_sampling", "load_model",
     "make_grid", "model_config", "open_run_store", "output_paths", "parse_classes", "pick_labels", "plan_samples",
     "resolve_device", "run_plan", "sample_images", "sample_to_files", "save_png", "store_mismatches",
     "store_text", "write_samples", "write_training_grid",
