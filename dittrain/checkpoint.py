@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -186,12 +187,15 @@ def save_checkpoint(run_dir, step: int, state: dict, *, keep: int = 3) -> Path:
     return final
 
 
-def load_checkpoint(path, map_location="cpu") -> dict:
+def load_checkpoint(path, map_location="cpu", *, mmap: bool = False) -> dict:
+    """torch.load(weights_only=True) with one-line errors. mmap: map the tensors instead of
+    reading them (a zip-format file; large weights cost nothing until used)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True,
+                          mmap=mmap and zipfile.is_zipfile(path))
     except Exception as e:  # truncated zip, foreign pickle, ...: one clear line
         raise CheckpointError(
             f"{path}: unreadable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
@@ -214,18 +218,24 @@ def export_weights(path, state_dict: dict, config: dict) -> Path:
     return path
 
 
+def weights_file(path) -> Path:
+    """The file the weights of `path` are read from: a run directory's ema.safetensors, else
+    its latest checkpoint; any other path as it is."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    if (path / EMA_EXPORT).is_file():
+        return path / EMA_EXPORT
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(f"{path}: no {EMA_EXPORT} and no checkpoints/step_*.pt")
+    return latest
+
+
 def load_weights(path) -> tuple[dict, dict]:
     """(state_dict, run config) from an EMA export (.safetensors), a checkpoint (.pt, its
     EMA weights) or a run directory (its ema.safetensors, else its latest checkpoint)."""
-    path = Path(path)
-    if path.is_dir():
-        if (path / EMA_EXPORT).is_file():
-            path = path / EMA_EXPORT
-        else:
-            latest = latest_checkpoint(path)
-            if latest is None:
-                raise CheckpointError(f"{path}: no {EMA_EXPORT} and no checkpoints/step_*.pt")
-            path = latest
+    path = weights_file(path)
     if path.suffix == ".safetensors":
         from safetensors import safe_open
 

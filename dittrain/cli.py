@@ -16,10 +16,12 @@ def user_errors() -> tuple[type[Exception], ...]:
     from ditdata.store import DeviceError, DirectoryBusy, StoreError
     from dittrain.checkpoint import CheckpointError
     from dittrain.data import LoaderError
+    from dittrain.eval import EvalError
     from dittrain.sample import SampleError
     from dittrain.train import TrainError
 
-    return (TrainError, CheckpointError, SampleError, LoaderError, StoreError, DirectoryBusy, DeviceError)
+    return (TrainError, CheckpointError, SampleError, LoaderError, StoreError, DirectoryBusy, DeviceError,
+            EvalError)
 
 
 @click.group(cls=OneLineErrors, user_errors=user_errors,
@@ -81,6 +83,12 @@ def _sample_defaults():
     return SampleConfig()
 
 
+def _eval_defaults():
+    from dittrain.config import EvalSampleConfig
+
+    return EvalSampleConfig()
+
+
 def _opt(*names, field, **kw):
     """A click option whose default is TrainConfig's (the one place defaults live)."""
     return click.option(*names, default=getattr(_defaults(), field), show_default=True, **kw)
@@ -132,9 +140,27 @@ def _opt(*names, field, **kw):
       help="EMA sample grid every N steps and at the end (0: never).")
 @_opt("--sample-steps", field="sample_steps", type=click.IntRange(min=1))
 @_opt("--sample-cfg", field="sample_cfg", type=FiniteFloat())
+@_opt("--eval-every", field="eval_every", type=click.IntRange(min=0),
+      help="FID of the EMA model every N steps and at the end, to metrics.jsonl and TensorBoard "
+           "(0: never; needs --eval-ref and the Inception file, see `dittrain eval --help`).")
+@_opt("--eval-n", field="eval_n", type=click.IntRange(min=2), help="Samples per evaluation (FID-N).")
+@click.option("--eval-ref", default="", metavar="REF",
+              help="The FID reference: an ADM reference batch .npz, an .npz or folder of images, or "
+                   "image shards from `ditdata fetch` (statistics cached beside it).")
+@click.option("--eval-inception", default="", metavar="FILE",
+              help="The FID Inception weights (default: $DITKIT_INCEPTION, else the torch hub cache).")
+@_opt("--eval-steps", field="eval_steps", type=click.IntRange(min=0),
+      help="Sampling steps of an evaluation (0: the FID protocol: 250 ddpm, 50 Euler for flow).")
+@_opt("--eval-cfg", field="eval_cfg", type=FiniteFloat(), help="Guidance scale of an evaluation.")
+@_opt("--eval-batch-size", field="eval_batch_size", type=click.IntRange(min=1))
 @_opt("--max-nonfinite", field="max_nonfinite", type=click.IntRange(min=1),
       help="Consecutive NaN/inf losses (each step skipped) before the run stops.")
 @_opt("--resume/--no-resume", field="resume", help="Continue from the latest checkpoint in --out.")
+@click.option("--init-from", default=_defaults().init_from, metavar="FILE_OR_RUN",
+              help="Fine-tune: start the model and its EMA from these weights (a plain state dict .pt such "
+                   "as DiT-XL-2-256x256.pt, an EMA export, a run directory or a checkpoint: its EMA); "
+                   "optimizer, step and schedule start fresh. Another class count re-initialises the label "
+                   "embedder; other shapes must fit. Ignored by a --resume that finds a checkpoint.")
 @_opt("--device", field="device")
 def run_cmd(**options):
     """Train a DiT on a latent store.
@@ -164,17 +190,31 @@ def run_cmd(**options):
 @main.command("sample")
 @click.option("--ckpt", required=True, type=click.Path(exists=True, path_type=str),
               help="A run directory (its ema.safetensors, else its latest checkpoint), an EMA "
-                   "export .safetensors, or a checkpoint .pt (its EMA weights).")
-@click.option("--out", required=True, type=click.Path(path_type=str),
+                   "export .safetensors, a checkpoint .pt (its EMA weights), or a plain state dict "
+                   ".pt such as facebookresearch's DiT-XL-2-256x256.pt (the model inferred from its "
+                   "shapes; needs --vae or --latents).")
+@click.option("--out", default=None, type=click.Path(path_type=str),
               help="NAME.png: the grid there, singles in NAME/. Otherwise a folder: DIR/grid.png, "
-                   "singles in DIR/samples/.")
+                   "singles in DIR/samples/. Optional with --npz: then only a grid of the first 64 samples.")
+@click.option("--npz", default=None, type=click.Path(dir_okay=False, path_type=str), metavar="FILE.npz",
+              help="Evaluation samples: --n (default 50000) images in one .npz as the ADM evaluator reads "
+                   "it (arr_0 uint8 N x H x W x 3, arr_1 int64 labels), drawn in resumable chunks in "
+                   "FILE.npz.parts/ (rerun the same command to continue; torchrun shares the chunks out).")
+@click.option("--chunk-size", type=click.IntRange(min=1), default=None,
+              help="--npz: samples per chunk file, the unit of resuming and of sharing over ranks "
+                   "(default 256); part of the job: a resume must use the same.")
+@click.option("--overwrite", is_flag=True, help="--npz: replace an existing FILE.npz.")
 @click.option("--class", "--classes", "classes", multiple=True, metavar="C",
               help="Class-conditional models: an index, a class name, 'all', or a comma list; "
-                   "repeatable. Default: classes drawn at random with --seed (all with --n-per-class).")
+                   "repeatable; or one word: 'random' (each sample's class drawn with --seed, the default) "
+                   "or 'balanced' (every class N // classes times, +1 for the first N % classes, in an "
+                   "order shuffled with --seed). Default: random (all with --n-per-class).")
 @click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
               help="Text models: a prompt (repeatable), embedded with the store's text encoder.")
-@click.option("--n", type=click.IntRange(min=1), default=None,
-              help=f"Samples in all (default {_sample_defaults().n}); classes or prompts are cycled over them.")
+@click.option("--n", "--num-samples", "n", type=click.IntRange(min=1), default=None,
+              help=f"Samples in all (default {_sample_defaults().n}); classes or prompts are cycled over them. "
+                   f"With --npz the default is {_eval_defaults().n}. Under torchrun write --num-samples "
+                   "(torchrun's own parser takes --n for an ambiguous option of its own).")
 @click.option("--n-per-class", type=click.IntRange(min=1), default=None,
               help="One ROW per class (or prompt) of this many samples; singles under "
                    "samples/<class or prompt index>/.")
@@ -184,9 +224,13 @@ def run_cmd(**options):
               help="Images per grid row (default: ceil(sqrt(n)); --n-per-class in the row layout).")
 @click.option("--grid-scale", default=1, show_default=True, type=click.IntRange(min=1),
               help="Enlarge the grid this many times (nearest neighbour) for tiny images.")
-@click.option("--cfg", "cfg_scale", default=_sample_defaults().cfg_scale, show_default=True, type=FiniteFloat(),
-              help="Classifier-free guidance scale (1: none; ignored for unconditional models).")
-@click.option("--steps", default=_sample_defaults().steps, show_default=True, type=click.IntRange(min=1))
+@click.option("--cfg", "cfg_scale", default=None, type=FiniteFloat(),
+              help=f"Classifier-free guidance scale (1: none; ignored for unconditional models). Default "
+                   f"{_sample_defaults().cfg_scale}; with --npz {_eval_defaults().cfg_scale} (the DiT paper's "
+                   "FID protocol).")
+@click.option("--steps", default=None, type=click.IntRange(min=1),
+              help=f"Sampling steps. Default {_sample_defaults().steps}; with --npz {_eval_defaults().ddpm_steps} "
+                   f"for a ddpm run (DiT's FID protocol), {_eval_defaults().flow_steps} Euler steps for a flow run.")
 @click.option("--sampler", type=click.Choice(["ddpm", "ddim", "euler", "heun"]), default=None,
               help="Default: ddpm for the ddpm objective, euler for flow.")
 @click.option("--seed", default=_sample_defaults().seed, show_default=True, type=int)
@@ -198,12 +242,18 @@ def run_cmd(**options):
               help="Model autocast; auto: bf16 on GPUs that have it, else fp32.")
 @click.option("--latents", type=click.Path(file_okay=False, path_type=str), default=None,
               help="The latent store, if not at the path the run recorded (e.g. moved).")
-@click.option("--vae", default=None, metavar="DIR",
-              help="Where the store's autoencoder is, if not where its manifest says.")
+@click.option("--vae", default=None, metavar="NAME_OR_DIR",
+              help="The autoencoder to decode with: a preset (sd-vae-ft-ema, ...), a diffusers folder or the "
+                   "TAEF2 folder. Required for a plain state dict without --latents; for a run, where its "
+                   "store's autoencoder is if not where the manifest says.")
+@click.option("--model", default=None, metavar="NAME",
+              help="A plain state dict's model (a name from `dittrain models`) instead of the one inferred "
+                   "from its shapes; needed when no named size has its hidden size and depth.")
 @click.option("--text-pretrained", default=None, metavar="FILE_OR_TAG",
               help="The text encoder's weights, if not where the store's manifest says.")
 def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow, cfg_scale, steps,
-               sampler, seed, device, batch_size, precision, latents, vae, text_pretrained, grid_scale):
+               sampler, seed, device, batch_size, precision, latents, vae, model, text_pretrained,
+               grid_scale, npz, chunk_size, overwrite):
     """Sample a trained run with classifier-free guidance; write a PNG grid and every sample.
 
     Decodes with the autoencoder named in the store's manifest. Same --seed (and
@@ -223,6 +273,15 @@ def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow,
       dittrain sample --ckpt runs/exp1 --class 207 --cfg 4.0 --steps 50 --n 16 --out grid.png
       dittrain sample --ckpt runs/exp1 --classes all --n-per-class 8 --out samples_dir
       dittrain sample --ckpt runs/t2i --prompt "a red fox in snow" --n 8 --out fox.png
+      dittrain sample --ckpt DiT-XL-2-256x256.pt --vae sd-vae-ft-ema --class 207 --out panda.png
+
+    \b
+    Evaluation samples (--npz; the ADM evaluator's file, `dittrain eval` reads it):
+      dittrain sample --ckpt runs/exp1 --n 50000 --npz samples.npz --classes balanced
+      torchrun --standalone --nproc_per_node 8 -m dittrain.cli sample --ckpt runs/exp1 --num-samples 50000 \\
+          --npz samples.npz
+      Sample i depends only on the settings and --seed (not on ranks or interruptions);
+      text models cycle the --prompt values (arr_1: the prompt's index); unconditional: no arr_1.
     """
     from dittrain.config import SampleConfig
     from dittrain.sample import SampleError, sample_to_files
@@ -230,15 +289,101 @@ def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow,
     def log(line):
         click.echo(line, err=line.startswith("note:"))
 
-    settings = SampleConfig(cfg_scale=cfg_scale, steps=steps, sampler=sampler, seed=seed, batch_size=batch_size,
-                            precision=precision)
+    if npz is not None:
+        from dittrain.npz import sample_to_npz
+
+        if n_per_class is not None or per_class_dir:
+            raise click.ClickException("--npz writes --n samples into one file: not with --n-per-class or "
+                                       "--per-class-dir (--classes balanced gives every class alike)")
+        sample_to_npz(ckpt, npz, n=n, classes=classes, prompts=prompts, steps=steps, cfg_scale=cfg_scale,
+                      sampler=sampler, seed=seed, batch_size=batch_size, precision=precision,
+                      chunk_size=chunk_size or _eval_defaults().chunk_size, device=device, latents=latents, vae=vae,
+                      model=model, text_pretrained=text_pretrained, overwrite=overwrite, preview=out, log=log)
+        return
+    if out is None:
+        raise click.ClickException("give --out (a PNG grid and every sample) or --npz (evaluation samples)")
+    if chunk_size is not None or overwrite:
+        raise click.ClickException("--chunk-size and --overwrite apply to --npz only")
+    d = SampleConfig()
+    settings = SampleConfig(cfg_scale=d.cfg_scale if cfg_scale is None else cfg_scale,
+                            steps=d.steps if steps is None else steps, sampler=sampler, seed=seed,
+                            batch_size=batch_size, precision=precision)
     try:
         sample_to_files(ckpt, out, classes=classes, prompts=prompts, n=n, n_per_class=n_per_class,
                         per_class_dir=per_class_dir, nrow=nrow, settings=settings, device=device,
-                        latents=latents, vae=vae, text_pretrained=text_pretrained, grid_scale=grid_scale,
+                        latents=latents, vae=vae, model=model, text_pretrained=text_pretrained, grid_scale=grid_scale,
                         log=log)
     except SampleError as e:
         raise click.ClickException(str(e)) from e
+
+
+@main.command("eval")
+@click.option("--samples", required=True, type=click.Path(exists=True, path_type=str),
+              help="Samples: an .npz (arr_0: uint8 N x H x W x 3, as ADM and `dittrain sample --npz` "
+                   "write) or a folder of images (recursive, one size).")
+@click.option("--ref", required=True, type=click.Path(exists=True, path_type=str),
+              help="Reference: an .npz (ADM reference batches: their precomputed mu/sigma/mu_s/sigma_s "
+                   "are used), a folder of images or a `ditdata fetch` image-shard folder.")
+@click.option("--inception", default=None, type=click.Path(path_type=str), metavar="FILE",
+              help="The Inception weights file (default: $DITKIT_INCEPTION, else the torch hub cache).")
+@click.option("--json", "json_out", default=None, type=click.Path(dir_okay=False, path_type=str), metavar="OUT",
+              help="Also write the metrics and their provenance to this JSON file.")
+@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--resolution", default=None, type=click.IntRange(min=1), metavar="N",
+              help="Centre-crop reference folders and image shards to N with the encoder's ADM rule "
+                   "(default: the samples' resolution). .npz images are fed as they are.")
+@click.option("--cache-dir", default="~/.cache/ditkit/eval", show_default=True,
+              type=click.Path(file_okay=False, path_type=str),
+              help="Where the reference statistics are cached when the reference's own folder is read-only.")
+@click.option("--precision-recall/--no-precision-recall", "with_pr", default=True, show_default=True,
+              help="Precision and recall need every reference feature (and for an ADM batch, a pass "
+                   "over its images); off: FID, sFID and IS only.")
+def eval_cmd(samples, ref, inception, json_out, batch_size, device, resolution, cache_dir, with_pr):
+    """FID, sFID, Inception Score, precision and recall of samples against a reference.
+
+    As ADM's evaluator (guided-diffusion evaluations/evaluator.py) computes them, on
+    torch-fidelity's port of the TF Inception-v3 (2015-12-05; any image size, resized to 299
+    inside as TF does). The reference's statistics are cached beside it.
+
+    \b
+      FID        Frechet distance of Gaussians fit to pool3 (2048-d) features of samples and
+                 reference: mean, np.cov, scipy sqrtm (1e-6 diagonal retry). Lower is better.
+      sFID       the same on spatial features: mixed_6/conv, first 7 channels x 17 x 17
+                 (2023-d). Lower is better.
+      IS         exp(mean KL(p(y|x) || p(y))), softmax of the unbiased 1008-way logits, per
+                 split of 5000 samples, mean over splits (samples only). Higher is better.
+      Precision  share of samples within some reference point's k=3 radius (squared pool3
+                 distance to its 3rd nearest neighbour): fidelity.
+      Recall     share of reference points within some sample's k=3 radius: diversity.
+
+    \b
+    The Inception weights are never downloaded: --inception FILE, else $DITKIT_INCEPTION, else
+    weights-inception-2015-12-05-6726825d.pth (or pytorch-fid's pt_inception-2015-12-05-
+    6726825d.pth) in the torch hub cache, $TORCH_HOME/hub/checkpoints/ (default
+    ~/.cache/torch/hub/checkpoints/). Get it on a machine with internet from
+    https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/weights-inception-2015-12-05-6726825d.pth
+
+    \b
+    Examples:
+      dittrain eval --samples samples.npz --ref VIRTUAL_imagenet256_labeled.npz --json fid.json
+      dittrain eval --samples out/samples --ref ./imagenet-val-shards --resolution 256
+    """
+    from pathlib import Path
+
+    from dittrain.eval import evaluate, format_table, write_json
+
+    if json_out and not Path(json_out).resolve().parent.is_dir():
+        raise click.UsageError(f"--json {json_out}: its folder does not exist")
+
+    def log(line):
+        click.echo(line, err=True)
+
+    metrics = evaluate(samples, ref, inception=inception, batch_size=batch_size, device=device,
+                       resolution=resolution, cache_dir=cache_dir, with_pr=with_pr, progress=True, log=log)
+    click.echo(format_table(metrics))
+    if json_out:
+        click.echo(f"wrote {write_json(metrics, json_out)}")
 
 
 if __name__ == "__main__":

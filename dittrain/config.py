@@ -7,7 +7,8 @@ is DERIVED from the latent store (never set by hand):
     {"train": asdict(TrainConfig),
      "model": asdict(DiTConfig)        in_channels, input_size, num_classes, text dims
      "diffusion": asdict(DiffusionConfig),
-     "store": {"path": absolute path, "identity": manifest digest, "num_samples": N}}
+     "store": {"path": absolute path, "identity": manifest digest, "num_samples": N},
+     "init": what --init-from loaded (dittrain.weights.init_model's record), only with it}
 """
 
 from __future__ import annotations
@@ -26,6 +27,21 @@ class SampleConfig:
     batch_size: int = 32  # samples per forward pass (CFG doubles it)
     precision: str = "auto"  # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16 | fp16
     n: int = 16  # samples when neither --n nor --n-per-class says (the trainer's EMA grids too)
+
+
+@dataclass(frozen=True)
+class EvalSampleConfig:
+    """`dittrain sample --npz`: the defaults of evaluation samples (the DiT paper's FID-50K
+    protocol) where --steps / --cfg / --n are not given; SampleConfig's otherwise."""
+
+    ddpm_steps: int = 250  # a ddpm run: 250 ancestral ddpm steps
+    flow_steps: int = 50  # a flow run: 50 Euler steps
+    cfg_scale: float = 1.5
+    n: int = 50_000
+    # Samples per chunk file (the unit of resuming and of sharing out over ranks): a multiple
+    # of the usual batch sizes, so batches stay full; ~200 chunks for 50K, which keeps 8 ranks
+    # evenly busy; a kill loses at most one chunk per rank (~50 MB at 256 px).
+    chunk_size: int = 256
 
 
 @dataclass
@@ -66,6 +82,15 @@ class TrainConfig:
     sample_every: int = 5000  # EMA sample grid every N steps and at the end (0: never)
     sample_steps: int = SampleConfig.steps
     sample_cfg: float = SampleConfig.cfg_scale
+    # FID during training (off by default): FID-eval_n of the EMA model every eval_every steps
+    eval_every: int = 0  # 0: never
+    eval_n: int = 5000
+    eval_ref: str = ""  # the reference: an ADM batch .npz, an .npz or folder of images, image shards
+    eval_inception: str = ""  # the FID Inception weights file ("": $DITKIT_INCEPTION or the torch hub cache)
+    eval_steps: int = 0  # 0: the FID protocol's (EvalSampleConfig: 250 ddpm steps, 50 Euler for flow)
+    eval_cfg: float = EvalSampleConfig.cfg_scale
+    eval_batch_size: int = 64  # samples per forward while evaluating (CFG doubles it)
     max_nonfinite: int = 20  # consecutive NaN/inf losses before giving up
     resume: bool = False
+    init_from: str = ""  # fine-tune from these weights: a plain state dict, an EMA export, a run, a checkpoint
     device: str = "auto"  # auto | cpu | cuda

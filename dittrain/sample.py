@@ -32,7 +32,7 @@ trainer's grids) and sample_to_files (the command) both go through them.
 
 Public API:
     SampleError, resolve_device, open_run_store, check_store, store_mismatches,
-    model_config, load_model, pick_labels, parse_classes, embed_prompts, SamplePlan,
+    model_config, load_model, pick_labels, balanced_labels, class_mode, parse_classes, embed_prompts, SamplePlan,
     plan_samples, run_plan, sample_images, make_grid, save_png, output_paths, write_samples,
     sample_to_files (the command), write_training_grid (the trainer's EMA grids), store_text.
 """
@@ -55,6 +55,7 @@ from ditdata.store.devices import resolve_device as _resolve_device
 from dittrain.config import SampleConfig
 from dittrain.diffusion import SAMPLERS, Diffusion, DiffusionConfig
 from dittrain.model import DiT, DiTConfig
+from dittrain.weights import strip_prefixes
 
 GRID_NAME = "grid.png"  # --out DIR: DIR/grid.png
 SINGLES_DIR = "samples"  # --out DIR: DIR/samples/NNNN.png
@@ -186,18 +187,40 @@ def open_run_store(config: dict, latents: str | Path | None = None):
     return store, check_store(store, config)
 
 
-def load_for_sampling(ckpt, *, latents=None, vae: str | None = None) -> tuple[dict, dict, object, str | None]:
+def load_for_sampling(ckpt, *, latents=None, vae: str | None = None,
+                      model: str | None = None) -> tuple[dict, dict, object, str | None]:
     """(weights, run config, store, note) for sampling `ckpt` (a run directory, an EMA export,
     a checkpoint): the one place every sampling entry point (the command, --npz, eval, serve)
-    turns --ckpt/--latents/--vae into what it samples. SampleError on any problem."""
-    from dittrain.checkpoint import CheckpointError, load_weights
+    turns --ckpt/--latents/--vae/--model into what it samples. SampleError on any problem.
+
+    `ckpt` may also be a plain state dict (facebookresearch/DiT's DiT-XL-2-256x256.pt, or
+    torch.save(model.state_dict())): its run config is inferred from the shapes (`model`: a
+    name from `dittrain models` instead, dittrain.weights), and, having no store, it needs
+    `vae` (then the store is a dittrain.weights.StandInStore) or `latents`."""
+    from dittrain.checkpoint import CheckpointError
+    from dittrain.weights import describe, infer_run_config, read_weights, stand_in_store
 
     try:
-        weights, config = load_weights(ckpt)
+        source = read_weights(ckpt)
+        if not source.plain:
+            _check_model_name(source.config, model, ckpt)
+            store, note = open_run_store(source.config, latents)
+            return source.state, source.config, store, note
+        config = infer_run_config(source.state, model, where=source.file)
+        if latents is None:
+            return (source.state, config, *stand_in_store(config, vae, source.file))
     except CheckpointError as e:
         raise SampleError(_line(e)) from e
-    store, note = open_run_store(config, latents)
-    return weights, config, store, note
+    store, _ = open_run_store(config, latents)  # checked: shape and conditioning fit the model
+    return source.state, config, store, (f"note: {describe(config, source.file)}; {store.root}'s autoencoder "
+                                         "and class names are used (its latents and conditioning fit)")
+
+
+def _check_model_name(config: dict, model: str | None, ckpt) -> None:
+    recorded = (config.get("train") or {}).get("model")
+    if model is not None and model != recorded:
+        raise SampleError(f"--model {model}: {ckpt} is a dittrain run of {recorded}; --model names the model "
+                          "of a plain state dict")
 
 
 def load_model(weights: dict, config: dict, device="cpu") -> DiT:
@@ -207,9 +230,7 @@ def load_model(weights: dict, config: dict, device="cpu") -> DiT:
     cfg = model_config(config)
     with torch.device("meta"):
         model = DiT(cfg)
-    for prefix in ("_orig_mod.", "module."):  # saved from a compiled or DDP-wrapped model
-        if weights and all(k.startswith(prefix) for k in weights):
-            weights = {k[len(prefix):]: v for k, v in weights.items()}
+    weights = strip_prefixes(weights)  # saved from a compiled or DDP-wrapped model
     try:
         model.load_state_dict(weights, strict=True, assign=True)
     except RuntimeError as e:
@@ -262,6 +283,28 @@ def pick_labels(n: int, num_classes: int, seed: int = 0) -> list[int]:
     """n class labels drawn uniformly with their own generator seeded by `seed`."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, num_classes, (n,), generator=g).tolist()
+
+
+CLASS_MODES = ("random", "balanced")  # --classes words that choose the labels of --n samples
+
+
+def class_mode(values) -> str | None:
+    """"random" or "balanced" when the --class values are that one word (any case), else None;
+    SampleError when the word comes with other classes."""
+    tokens = [t.strip().lower() for v in values for t in str(v).split(",") if t.strip()]
+    modes = [t for t in tokens if t in CLASS_MODES]
+    if not modes:
+        return None
+    if len(tokens) > 1:
+        raise SampleError(f"--classes {modes[0]} chooses the classes itself: give it alone, not with other classes")
+    return modes[0]
+
+
+def balanced_labels(n: int, num_classes: int, seed: int = 0) -> list[int]:
+    """n class labels, each class n // num_classes times (the first n % num_classes classes once
+    more), in an order permuted with their own generator seeded by `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randperm(n, generator=g) % num_classes).tolist()
 
 
 def _store_dtype(store, field: str) -> torch.dtype | None:
@@ -402,6 +445,8 @@ def _check_choices(kind: str, settings: SampleConfig, *, classes, prompts, text,
         raise SampleError(f"--prompt needs a text-conditioned model; this one is {_IS[kind]}")
     if kind == "text" and not prompts and text is None:
         raise SampleError("this model is text-conditioned: give at least one --prompt")
+    if n_per_class is not None and kind == "class" and class_mode(classes):
+        raise SampleError("--classes random/balanced chooses the classes of --n samples; not with --n-per-class")
     if kind == "none" and n_per_class is not None:
         raise SampleError("--n-per-class needs a class or text model; this one is unconditional (use --n)")
 
@@ -414,9 +459,12 @@ def _spread(choices: int, n: int, n_per_class: int | None) -> list[int]:
     return [i % choices for i in range(n)]
 
 
-def _class_labels(chosen: list[int], num_classes: int, n: int, n_per_class: int | None, seed: int) -> list[int]:
+def _class_labels(chosen: list[int], num_classes: int, n: int, n_per_class: int | None, seed: int,
+                  mode: str | None = None) -> list[int]:
     """The class of each sample: the chosen ones laid out by _spread (all classes for rows
-    when none are chosen), else n drawn with the seed."""
+    when none are chosen), else n drawn with the seed (mode "balanced": balanced_labels)."""
+    if mode == "balanced":
+        return balanced_labels(n, num_classes, seed)
     if n_per_class is not None:
         chosen = chosen or list(range(num_classes))
     elif not chosen:
@@ -458,8 +506,9 @@ def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiT
     records: list[dict] = []
     if kind == "class":
         names = class_names(store)
-        picks = labels = _class_labels(parse_classes(classes, cfg.num_classes, names), cfg.num_classes, count,
-                                       n_per_class, settings.seed)
+        mode = class_mode(classes)
+        chosen = [] if mode else parse_classes(classes, cfg.num_classes, names)
+        picks = labels = _class_labels(chosen, cfg.num_classes, count, n_per_class, settings.seed, mode)
         records = [{"class": c, "class_name": names[c] if names and c < len(names) else None} for c in labels]
     elif kind == "text" and text is not None:
         text = _text_inputs(text, cfg)
@@ -675,6 +724,16 @@ def write_samples(images: np.ndarray, out, *, nrow: int, groups: list[int] | Non
 _AUTOENCODERS: dict = {}  # (store root, device) -> autoencoder, reused between training grids
 
 
+def kept_autoencoder(store, device: torch.device):
+    """The store's autoencoder on `device`, loaded once and kept for the next call (the
+    trainer's grids and evaluations: one store per run, so one is kept at a time)."""
+    key = (str(Path(store.root).resolve()), str(device))
+    if key not in _AUTOENCODERS:
+        _AUTOENCODERS.clear()
+        _AUTOENCODERS[key] = load_autoencoder(store, device)
+    return _AUTOENCODERS[key]
+
+
 def store_text(store, n: int) -> dict[str, torch.Tensor]:
     """The text embeddings of the store's first n samples (for grids without a text encoder)."""
     fields_ = [f for f in TEXT_FIELDS if f in store.schema.tensors]
@@ -694,16 +753,12 @@ def write_training_grid(model, config: dict, store, path, *, n: int = _S.n, step
     device and kept. Writes an (about) square PNG grid at `path` and returns it."""
     cfg = model.config if isinstance(model, DiT) else model_config(config)
     dev = next(model.parameters()).device if device is None else resolve_device(device)
-    key = (str(Path(store.root).resolve()), str(dev))
-    if key not in _AUTOENCODERS:
-        _AUTOENCODERS.clear()  # one at a time: a run samples from one store
-        _AUTOENCODERS[key] = load_autoencoder(store, dev)
     kind = conditioning_kind(cfg)
     labels = pick_labels(n, cfg.num_classes, seed) if kind == "class" else None
     text = store_text(store, n) if kind == "text" else None
     images = sample_images(model, config, store, labels=labels, text=text, n=n, cfg_scale=cfg_scale,
                            steps=steps, sampler=sampler, seed=seed, batch_size=batch_size,
-                           autoencoder=_AUTOENCODERS[key])
+                           autoencoder=kept_autoencoder(store, dev))
     return save_png(make_grid(images, nrow=_square(len(images))), path)
 
 
@@ -721,6 +776,7 @@ def sample_to_files(
     device="auto",
     latents=None,
     vae: str | None = None,
+    model: str | None = None,
     text_pretrained: str | None = None,
     grid_scale: int = 1,
     log=print,
@@ -731,9 +787,10 @@ def sample_to_files(
     (classes drawn at random with the seed when none are given); nrow = ceil(sqrt(n)).
     Row layout (n_per_class = K): one row of K samples per class (default: all classes)
     or per prompt, singles under SINGLES/<class or prompt index>/ (as per_class_dir).
-    settings: cfg scale, steps, sampler, seed, batch size and precision (SampleConfig)."""
+    settings: cfg scale, steps, sampler, seed, batch size and precision (SampleConfig).
+    model: the model name of a plain state dict (see load_for_sampling)."""
     check_output(out)
-    weights, config, store, note = load_for_sampling(ckpt, latents=latents, vae=vae)
+    weights, config, store, note = load_for_sampling(ckpt, latents=latents, vae=vae, model=model)
     plan = plan_samples(config, store, settings, device=device, classes=classes, prompts=list(prompts), n=n,
                         n_per_class=n_per_class, per_class_dir=per_class_dir, nrow=nrow)
     if note:
@@ -764,7 +821,8 @@ def _report(result: dict, images: np.ndarray, plan: SamplePlan, log) -> None:
 
 
 __all__ = [
-    "SampleError", "SamplePlan", "check_sampler", "check_store", "embed_prompts", "load_autoencoder",
+    "CLASS_MODES", "SampleError", "SamplePlan", "balanced_labels", "check_sampler", "check_store", "class_mode",
+    "embed_prompts", "load_autoencoder",
     "load_for_sampling", "load_model",
     "make_grid", "model_config", "open_run_store", "output_paths", "parse_classes", "pick_labels", "plan_samples",
     "resolve_device", "run_plan", "sample_images", "sample_to_files", "save_png", "store_mismatches",

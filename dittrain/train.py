@@ -142,6 +142,7 @@ class _Run:
     diffusion: Diffusion
     resolved: dict  # the config saved in config.json and every checkpoint (dittrain.config)
     per_rank: int  # the micro-batch of one rank
+    evaluator: object | None = None  # --eval-every: dittrain.eval.TrainingEval, on rank 0
 
     @property
     def master(self) -> bool:
@@ -183,7 +184,28 @@ def _setup(cfg: TrainConfig) -> _Run:
                          f"--accumulation-steps ({cfg.accumulation_steps})")
     # auto: bf16 on GPUs that have it, else fp16 (with a grad scaler); fp32 on the CPU
     return _Run(cfg, rank, world, device, amp_dtype(device, cfg.amp), store, model_cfg,
-                Diffusion(diff_cfg), resolved, per_rank)
+                Diffusion(diff_cfg), resolved, per_rank, _evaluator(cfg, store) if rank == 0 else None)
+
+
+def _evaluator(cfg: TrainConfig, store: Store):
+    """--eval-every: the FID evaluator, made now so that a missing reference or Inception file
+    stops the run before its first step (once it trains, a failed evaluation never stops it)."""
+    if not cfg.eval_every:
+        return None
+    if not cfg.eval_ref:
+        raise TrainError("--eval-every needs --eval-ref REF (an ADM reference batch, an .npz or folder of "
+                         "images, or image shards)")
+    try:
+        from dittrain.eval import EvalError, TrainingEval
+    except ImportError as e:
+        raise TrainError(f"--eval-every needs the eval extra (pip install 'ditkit[eval]'): {e}") from e
+    try:
+        return TrainingEval(cfg.eval_ref, n=cfg.eval_n, resolution=(store.manifest.get("image") or {}).get("resolution"),
+                            inception=cfg.eval_inception or None, steps=cfg.eval_steps or None,
+                            cfg_scale=cfg.eval_cfg, seed=cfg.seed, batch_size=cfg.eval_batch_size,
+                            log=lambda line: print(f"dittrain: {line}", file=sys.stderr))
+    except EvalError as e:
+        raise TrainError(f"--eval-every: {e}") from e
 
 
 # --------------------------------------------------------------------------- building and resuming
@@ -195,6 +217,8 @@ def _build(run: _Run, ckpt: dict | None) -> RunState:
     cfg, device = run.cfg, run.device
     torch.manual_seed(cfg.seed)
     model = DiT(run.model_cfg).to(device)
+    if cfg.init_from and ckpt is None:
+        _init_from(run, model)
     ema = DiT(run.model_cfg).to(device).requires_grad_(False)
     ema.load_state_dict(model.state_dict())
     ema.eval()
@@ -219,6 +243,17 @@ def _build(run: _Run, ckpt: dict | None) -> RunState:
                     noise_gen=noise_gen, config=run.resolved, device=device, rank=run.rank, world=run.world)
 
 
+def _init_from(run: _Run, model: DiT) -> None:
+    """--init-from: a fresh run whose model (and so its EMA) starts from outside weights
+    (dittrain.weights.init_model); recorded as the run config's "init"."""
+    from dittrain.weights import init_model
+
+    record, notes = init_model(model, run.cfg.init_from)
+    run.resolved["init"] = record
+    for note in notes if run.master else ():
+        print(note, file=sys.stderr)
+
+
 def _checkpoint_to_resume(run: _Run) -> tuple[dict | None, Path | None]:
     """(checkpoint, its path) to continue from, or (None, None) for a fresh run; refuses a
     run directory with checkpoints but no --resume, and a checkpoint of another store or model."""
@@ -239,7 +274,20 @@ def _checkpoint_to_resume(run: _Run) -> tuple[dict | None, Path | None]:
     if saved["model"] != run.resolved["model"]:
         raise CheckpointError(f"{latest}: model config differs from this run's "
                               f"({cfg.model} on {cfg.latents}); keep the original flags")
+    _keep_init(run, saved)
     return ckpt, latest
+
+
+def _keep_init(run: _Run, saved: dict) -> None:
+    """A resume continues the run's own weights: --init-from is ignored (with a note) and the
+    record of what the run started from is kept."""
+    first = saved["train"].get("init_from", "")
+    if run.cfg.init_from and run.master:
+        print(f"note: resuming {run.out}: --init-from {run.cfg.init_from} is ignored (the run continues its "
+              f"own weights{'; it started from ' + first if first else ''})", file=sys.stderr)
+    run.resolved["train"]["init_from"] = first
+    if "init" in saved:
+        run.resolved["init"] = saved["init"]
 
 
 def _resume(state: RunState, ckpt: dict, path: Path) -> None:
@@ -298,7 +346,7 @@ def _train(cfg: TrainConfig) -> dict:
                   f"{len(run.store)} latents {tuple(run.store.latent_shape)} from {cfg.latents}; loader "
                   f"{state.loader.kind} ({state.loader.reason}); global batch {cfg.batch_size} = {run.world} "
                   f"rank(s) x {cfg.accumulation_steps} accumulation x {run.per_rank}; "
-                  f"{'resuming at step ' + str(state.step) if ckpt else 'from scratch'}", file=sys.stderr)
+                  f"{_origin(cfg, ckpt, state)}", file=sys.stderr)
         with _Stop() as stop, _Log(run, state) as log:  # (the bar closes on errors too: its line stays whole)
             _loop(run, state, train_model, log, stop)
     finally:
@@ -309,6 +357,13 @@ def _train(cfg: TrainConfig) -> dict:
     if run.world > 1:
         dist.barrier()
     return {"step": step, "out": str(run.out), "nonfinite_skipped": state.nonfinite_total}
+
+
+def _origin(cfg: TrainConfig, ckpt: dict | None, state: RunState) -> str:
+    """How the run starts: resumed, from outside weights (--init-from) or from scratch."""
+    if ckpt is not None:
+        return f"resuming at step {state.step}"
+    return f"initialised from {cfg.init_from}" if cfg.init_from else "from scratch"
 
 
 def _prepare_out(run: _Run, resumed_at: int | None) -> None:
@@ -398,6 +453,8 @@ def _loop(run: _Run, state: RunState, train_model, log: _Log, stop: _Stop) -> No
             _save(run, state)
         if stepped and run.master and cfg.sample_every and step % cfg.sample_every == 0:
             _sample_grid(run, state.ema, step)
+        if stepped and run.evaluator is not None and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+            _evaluate(run, state, step, log)
         if stopping:
             if run.master:
                 print(f"\ndittrain: stopped by signal at step {step}; checkpoint saved, "
@@ -502,6 +559,23 @@ class _Log:
             self.t_last, self.wait_last, self.steps_since = now, self.state.loader.wait_seconds, 0
         self.bar.update(1)
 
+    def evaluation(self, rec: dict) -> None:
+        """An evaluation's record {"step", "fid", "sfid", "inception_score", "eval_n", ...}:
+        to metrics.jsonl (a record without "loss"), eval/* in TensorBoard, and a line."""
+        with open(self.run.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.writer is not None:
+            for k in ("fid", "sfid", "inception_score"):
+                self.writer.add_scalar(f"eval/{k}", rec[k], rec["step"])
+            self.writer.flush()
+        self.status("")
+        self.bar.write(f"dittrain: step {rec['step']}: FID-{rec['eval_n']} {rec['fid']:.3f}, sFID {rec['sfid']:.3f}, "
+                       f"IS {rec['inception_score']:.2f} ({rec['eval_seconds']:.0f} s)", file=sys.stderr)
+
+    def status(self, text: str) -> None:
+        """Show what the run is doing besides training (e.g. evaluating) after the figures."""
+        self.bar.set_postfix_str(f"{self._postfix()} {text}".strip())
+
     def skipped(self) -> None:
         """After a step skipped for a non-finite loss: the postfix counts it (redrawn at most
         once a second; the bar does not advance)."""
@@ -568,6 +642,20 @@ def _progress(enabled: bool, start: int, total: int):
 
     return tqdm(total=total, initial=start, disable=not enabled, unit="step", dynamic_ncols=True,
                 file=sys.stderr, mininterval=1.0)
+
+
+def _evaluate(run: _Run, state: RunState, step: int, log: _Log) -> None:
+    """FID of the EMA model (rank 0; the other ranks wait at the next step's collectives).
+    A failure is a note: an evaluation never stops the run."""
+    log.status(f"evaluating FID-{run.cfg.eval_n}")
+    try:
+        rec = {"step": step, **run.evaluator(state.ema, run.resolved, run.store)}
+    except Exception as e:
+        print(f"\ndittrain: evaluation at step {step} failed ({type(e).__name__}: {' '.join(str(e).split())[:300]}); "
+              "training goes on", file=sys.stderr)
+        log.status("")
+        return
+    log.evaluation(rec)
 
 
 def _sample_grid(run: _Run, ema: DiT, step: int) -> None:

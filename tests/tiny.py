@@ -52,3 +52,58 @@ def fetch_tree(tree: Path, out: Path, samples_per_shard: int = 2, **options) -> 
     fetch(tree, out, samples_per_shard=samples_per_shard, processes=1, progress=False,
           encode_format="png", **options)
     return out
+
+
+def sample_photos() -> dict[str, np.ndarray]:
+    """real_images() plus the two photographs scikit-learn ships (china, flower), RGB uint8."""
+    from sklearn.datasets import load_sample_images
+
+    bunch = load_sample_images()
+    names = [Path(f).stem for f in bunch.filenames]
+    return {**real_images(), **dict(zip(names, bunch.images, strict=True))}
+
+
+def random_crops(n: int, size: int = 64, seed: int = 0) -> np.ndarray:
+    """n random size x size crops of sample_photos() (each photo first shrunk to 4x `size` on
+    its short side so a crop shows a recognisable part of it), uint8 (n, size, size, 3)."""
+    rng = np.random.default_rng(seed)
+    photos = []
+    for arr in sample_photos().values():
+        img = Image.fromarray(arr)
+        scale = 4 * size / min(img.size)
+        photos.append(np.asarray(img.resize((round(img.width * scale), round(img.height * scale)),
+                                            Image.Resampling.BICUBIC)))
+    out = np.empty((n, size, size, 3), np.uint8)
+    for i in range(n):
+        p = photos[rng.integers(len(photos))]
+        y, x = rng.integers(p.shape[0] - size + 1), rng.integers(p.shape[1] - size + 1)
+        out[i] = p[y:y + size, x:x + size]
+    return out
+
+
+def save_random_inception(path: Path, seed: int = 0) -> Path:
+    """torch-fidelity's FID InceptionV3, randomly initialised, saved as a plain state dict in
+    the format of its real weights file (same keys and shapes), so tests load it through
+    dittrain.eval's real loading path. The library has no architecture-only constructor: its
+    weight load is skipped while building (nothing is downloaded). The convolutions are
+    re-initialised kaiming-normal (the default init gives nearly constant features) and
+    BatchNorm is left at identity statistics (mean 0, var 1, weight 1, bias 0)."""
+    from unittest import mock
+
+    import torch
+    from torch_fidelity import feature_extractor_inceptionv3 as fi
+
+    class Architecture(fi.FeatureExtractorInceptionV3):
+        def load_state_dict(self, state_dict, strict=True, assign=False):
+            return None  # the random weights stay
+
+    torch.manual_seed(seed)
+    with mock.patch.object(fi, "load_state_dict_from_url", lambda *a, **k: {}):
+        net = Architecture("random-inception", ["2048"])
+    for m in net.modules():
+        if isinstance(m, torch.nn.Conv2d):
+            torch.nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+        elif isinstance(m, torch.nn.BatchNorm2d):
+            m.reset_parameters()
+    torch.save(net.state_dict(), path)
+    return path

@@ -91,6 +91,10 @@ class FiniteFloat(click.FloatRange):
         super().__init__(*args, **kwargs)
         self.allow_inf = allow_inf
 
+    def _describe_range(self) -> str:
+        # click describes a range without bounds as "x<=None"; say nothing instead
+        return "" if self.min is None and self.max is None else super()._describe_range()
+
     def convert(self, value, param, ctx):
         import math
 
