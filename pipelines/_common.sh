@@ -212,8 +212,10 @@ setup_commands() {
         find_cli TORCHRUN torchrun
         encode_cmd=("$TORCHRUN" --standalone --nproc_per_node "$NPROC" -m ditdata.cli encode)
         train_cmd=("$TORCHRUN" --standalone --nproc_per_node "$NPROC" -m dittrain.cli run)
+        sample_cmd=("$TORCHRUN" --standalone --nproc_per_node "$NPROC" -m dittrain.cli sample)
     else
         encode_cmd=("$DITDATA" encode)
         train_cmd=("$DITTRAIN" run)
+        sample_cmd=("$DITTRAIN" sample)
     fi
 }

@@ -9,6 +9,8 @@
 #     3 train   dittrain run      DiT-XL/2: AdamW lr 1e-4, no weight decay, global batch 256, EMA 0.9999,
 #                                 class dropout 0.1 (for CFG), DDPM with learned sigma, 400k steps, bf16
 #     4 sample  dittrain sample   a grid with one row per class, classifier-free guidance 4.0
+#     5 fid     dittrain sample --npz + dittrain eval: FID-50K against ADM's reference batch
+#               (not run by default: --stages fid --fid-ref VIRTUAL_imagenet256_labeled.npz)
 #
 # Examples:
 #   pipelines/imagenet256.sh --imagenet /data/imagenet/train --dry-run     # see the commands first
@@ -17,6 +19,8 @@
 #   GRAD_CKPT=every ACCUM=4 pipelines/imagenet256.sh --imagenet /data/imagenet/train
 #   # 8 GPUs on one machine: torchrun for encode and train (the global batch stays 256)
 #   NPROC=8 pipelines/imagenet256.sh --imagenet /data/imagenet/train
+#   # FID-50K of the finished run (250 ddpm steps, CFG 1.5; see README "Measuring a run")
+#   pipelines/imagenet256.sh --stages fid --fid-ref VIRTUAL_imagenet256_labeled.npz
 #
 # Rerun the same command after a crash or a stop: fetch and encode keep their finished
 # shards, and training continues from its latest checkpoint (--resume).
@@ -71,13 +75,20 @@ param SAMPLE_CLASSES --sample-classes "207,360,387,974,88,979,417,279" "classes 
 param SAMPLE_PER_CLASS --sample-per-class 4 "samples per class (one grid row each)"
 param CFG --cfg 4.0 "classifier-free guidance scale (the paper: 4.0 for pictures, 1.5 for FID)"
 param SAMPLE_STEPS --sample-steps 250 "sampling steps (the paper: 250 DDPM steps)"
+# fid (the DiT paper's FID-50K protocol)
+param FID_REF --fid-ref "" "FID reference: ADM's VIRTUAL_imagenet256_labeled.npz (required for the fid stage)"
+param FID_N --fid-n 50000 "samples for FID"
+param FID_CFG --fid-cfg 1.5 "guidance scale for FID (the paper: 1.5)"
+param FID_STEPS --fid-steps 250 "ddpm steps for FID (the paper: 250)"
+param FID_DIR --fid-dir '$RUN_DIR/fid' "where samples.npz and fid.json go"
+param INCEPTION --inception "" "the FID Inception weights file (default: \$DITKIT_INCEPTION or the torch hub cache)"
 # anything else, passed through as is (split on spaces)
 param EXTRA_FETCH_ARGS --fetch-args "" "more options for ditdata fetch"
 param EXTRA_ENCODE_ARGS --encode-args "" "more options for ditdata encode"
 param EXTRA_TRAIN_ARGS --train-args "" "more options for dittrain run"
 param EXTRA_SAMPLE_ARGS --sample-args "" "more options for dittrain sample"
 parse_params "$@"
-check_stages fetch encode train sample
+check_stages fetch encode train sample fid
 
 setup_commands  # DITDATA, DITTRAIN, encode_cmd, train_cmd (torchrun when NPROC > 1)
 read -r -a extra_fetch <<<"$EXTRA_FETCH_ARGS"
@@ -136,5 +147,19 @@ if want sample; then
         --n-per-class "$SAMPLE_PER_CLASS" --cfg "$CFG" --steps "$SAMPLE_STEPS" --seed "$SEED" \
         --device "$DEVICE" "${extra_sample[@]}"
     [[ $DRY_RUN == 1 ]] || echo "# grid: $SAMPLES_OUT/grid.png"
+fi
+
+# ---- 5 fid: FID-50K samples (resumable chunks; torchrun when NPROC > 1), then the metrics ----
+if want fid; then
+    stage fid "FID-$FID_N of $RUN_DIR against ${FID_REF:-<FID_REF>} -> $FID_DIR/fid.json"
+    if [[ -z $FID_REF ]]; then
+        [[ $DRY_RUN == 1 ]] || die "--fid-ref REF (or FID_REF) is required for the fid stage"
+        FID_REF='<FID_REF>'
+    fi
+    [[ $DRY_RUN == 1 ]] || mkdir -p "$FID_DIR"
+    run "${sample_cmd[@]}" --ckpt "$RUN_DIR" --num-samples "$FID_N" --npz "$FID_DIR/samples.npz" \
+        --cfg "$FID_CFG" --steps "$FID_STEPS" --seed "$SEED" --device "$DEVICE"
+    run "$DITTRAIN" eval --samples "$FID_DIR/samples.npz" --ref "$FID_REF" ${INCEPTION:+--inception "$INCEPTION"} \
+        --device "$DEVICE" --json "$FID_DIR/fid.json"
 fi
 finish

@@ -152,6 +152,27 @@ def test_imagenet_dry_run_skips_finished_stages_and_resumes(tmp_path):
     assert [c[:2] for c in commands(r.stdout)] == [["dittrain", "sample"]]
 
 
+def test_imagenet_fid_stage(tmp_path):
+    """--stages fid: FID-50K samples (the paper's protocol; torchrun with NPROC > 1), then eval;
+    not among the default stages, and it needs a reference."""
+    out = tmp_path / "o"
+    r = recipe(IMAGENET, "--dry-run", "--out", out, "--stages", "fid", "--fid-ref", "/refs/VIRTUAL.npz",
+               "--inception", "/w/inception.pth")
+    assert r.returncode == 0, r.stderr
+    sample, ev = commands(r.stdout)
+    assert sample == ["dittrain", "sample", "--ckpt", f"{out}/run", "--num-samples", "50000", "--npz",
+                      f"{out}/run/fid/samples.npz", "--cfg", "1.5", "--steps", "250", "--seed", "0",
+                      "--device", "auto"]
+    assert ev == ["dittrain", "eval", "--samples", f"{out}/run/fid/samples.npz", "--ref", "/refs/VIRTUAL.npz",
+                  "--inception", "/w/inception.pth", "--device", "auto", "--json", f"{out}/run/fid/fid.json"]
+    r = recipe(IMAGENET, "--dry-run", "--out", out, "--stages", "fid", env=recipe_env(NPROC=2))
+    assert commands(r.stdout)[0][:6] == ["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "dittrain.cli"]
+    r = recipe(IMAGENET, "--out", out, "--stages", "fid")  # not a dry run: the reference is required
+    assert r.returncode != 0 and "--fid-ref REF" in r.stderr
+    r = recipe(IMAGENET, "--dry-run", "--out", out)
+    assert "# [fid]" not in r.stdout  # not a default stage
+
+
 @pytest.mark.parametrize("script", [IMAGENET, LAION], ids=["imagenet256", "laion_t2i"])
 def test_help_lists_every_parameter_and_bad_flags_fail(script, tmp_path):
     r = recipe(script, "--help")
