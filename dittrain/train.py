@@ -142,7 +142,7 @@ class _Run:
     diffusion: Diffusion
     resolved: dict  # the config saved in config.json and every checkpoint (dittrain.config)
     per_rank: int  # the micro-batch of one rank
-    evaluator: object | None = None  # --eval-every: dittrain.eval.TrainingEval, on rank 0
+    evaluator: object | None = None  # --eval-every: dittrain.eval.TrainingEval (every rank shares the work)
 
     @property
     def master(self) -> bool:
@@ -184,7 +184,7 @@ def _setup(cfg: TrainConfig) -> _Run:
                          f"--accumulation-steps ({cfg.accumulation_steps})")
     # auto: bf16 on GPUs that have it, else fp16 (with a grad scaler); fp32 on the CPU
     return _Run(cfg, rank, world, device, amp_dtype(device, cfg.amp), store, model_cfg,
-                Diffusion(diff_cfg), resolved, per_rank, _evaluator(cfg, store) if rank == 0 else None)
+                Diffusion(diff_cfg), resolved, per_rank, _evaluator(cfg, store))
 
 
 def _evaluator(cfg: TrainConfig, store: Store):
@@ -645,17 +645,18 @@ def _progress(enabled: bool, start: int, total: int):
 
 
 def _evaluate(run: _Run, state: RunState, step: int, log: _Log) -> None:
-    """FID of the EMA model (rank 0; the other ranks wait at the next step's collectives).
-    A failure is a note: an evaluation never stops the run."""
+    """FID of the EMA model, every rank drawing its share, logged by rank 0. A failure is a
+    note: an evaluation never stops the run."""
     log.status(f"evaluating FID-{run.cfg.eval_n}")
     try:
-        rec = {"step": step, **run.evaluator(state.ema, run.resolved, run.store)}
+        rec = run.evaluator(state.ema, run.resolved, run.store, rank=run.rank, world=run.world)
     except Exception as e:
-        print(f"\ndittrain: evaluation at step {step} failed ({type(e).__name__}: {' '.join(str(e).split())[:300]}); "
-              "training goes on", file=sys.stderr)
+        print(f"\ndittrain: evaluation at step {step} failed on rank {run.rank} ({type(e).__name__}: "
+              f"{' '.join(str(e).split())[:300]}); training goes on", file=sys.stderr)
         log.status("")
         return
-    log.evaluation(rec)
+    if run.master:
+        log.evaluation({"step": step, **rec})
 
 
 def _sample_grid(run: _Run, ema: DiT, step: int) -> None:

@@ -69,14 +69,14 @@ def test_fid_of_the_ema_is_logged_to_metrics_and_tensorboard(tmp_path, inception
 def test_a_failed_evaluation_does_not_stop_the_run(tmp_path, inception_file, ref, monkeypatch):
     from dittrain import eval as ev
 
-    def broken(self, model, config, store):
+    def broken(self, model, config, store, **ranks):
         raise RuntimeError("out of memory (simulated)")
 
     monkeypatch.setattr(ev.TrainingEval, "__call__", broken)
     store, out = make_store(tmp_path / "store"), tmp_path / "run"
     r = dittrain(*run_args(store, out, *EVAL, "--eval-ref", ref, "--eval-inception", inception_file))
     assert r.exit_code == 0, r.output
-    assert "evaluation at step 2 failed (RuntimeError: out of memory (simulated)); training goes on" in r.output
+    assert "evaluation at step 2 failed on rank 0 (RuntimeError: out of memory (simulated)); training goes on" in r.output
     assert [rec["step"] for rec in _records(out)] == [1, 2, 3, 4]
     assert (out / "ema.safetensors").is_file()
 
@@ -95,3 +95,52 @@ def test_eval_settings_are_checked_before_the_first_step(tmp_path, inception_fil
     assert {"no ref": "--eval-ref REF", "missing ref": "nope.npz: no such file",
             "missing inception": "weights-inception-2015-12-05-6726825d.pth"}[what] in line, line
     assert not (out / "metrics.jsonl").exists()
+
+
+SHARDED = """
+import sys, numpy as np, torch.distributed as dist
+from dittrain import eval as ev
+from dittrain.checkpoint import load_weights
+from dittrain.sample import load_model, open_run_store
+run, ref, inception, dump = sys.argv[1:5]
+rank, world = 0, 1
+if len(sys.argv) > 5:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+def keep(feats, ref_stats, **kw):  # the features that reach the metrics, instead of the metrics
+    np.savez(dump, **feats)
+    return {"fid": 0.0, "sfid": 0.0, "inception_score": 0.0}
+ev.compute_metrics = keep
+weights, config = load_weights(run)
+store, _ = open_run_store(config)
+evaluator = ev.TrainingEval(ref, n=7, resolution=8, inception=inception, steps=2, seed=3, batch_size=2)
+out = evaluator(load_model(weights, config), config, store, rank=rank, world=world)
+assert (out is None) == (rank != 0), out
+"""
+
+
+def test_ranks_share_an_evaluation_and_rank0_gets_what_one_process_computes(tmp_path, inception_file, ref):
+    """4 chunks of 2 (the last of 1) over 2 ranks: the features rank 0 gathers are, in order, those
+    one process computes."""
+    import os
+    import subprocess
+    import sys
+
+    store, out = make_store(tmp_path / "store"), tmp_path / "run"
+    assert dittrain(*run_args(store, out, "--max-steps", "1")).exit_code == 0
+    script = tmp_path / "sharded.py"
+    script.write_text(SHARDED)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    args = [str(out), str(ref), str(inception_file)]
+    one = subprocess.run([sys.executable, script, *args, tmp_path / "one.npz"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          script, *args, tmp_path / "two.npz", "ddp"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two.npz")
+    assert sorted(a.files) == sorted(b.files) == ["logits", "pool", "spatial"]
+    for k in a.files:
+        assert a[k].shape[0] == 7
+        np.testing.assert_array_equal(a[k], b[k])
