@@ -207,7 +207,7 @@ def run_cmd(**options):
 @click.option("--class", "--classes", "classes", multiple=True, metavar="C",
               help="Class-conditional models: an index, a class name, 'all', or a comma list; "
                    "repeatable; or one word: 'random' (each sample's class drawn with --seed, the default) "
-                   "or 'balanced' (every class N // classes times, +1 for the first N % classes, in an "
+                   "or 'balanced' (every class N // classes times, +1 for N % classes of them drawn with --seed, in an "
                    "order shuffled with --seed). Default: random (all with --n-per-class).")
 @click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
               help="Text models: a prompt (repeatable), embedded with the store's text encoder.")

@@ -301,10 +301,13 @@ def class_mode(values) -> str | None:
 
 
 def balanced_labels(n: int, num_classes: int, seed: int = 0) -> list[int]:
-    """n class labels, each class n // num_classes times (the first n % num_classes classes once
-    more), in an order permuted with their own generator seeded by `seed`."""
+    """n class labels, each class n // num_classes times and n % num_classes classes (drawn
+    with the seed, so a small n is not biased towards the low indices) once more, in an order
+    permuted with their own generator seeded by `seed`."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.randperm(n, generator=g) % num_classes).tolist()
+    extra = torch.randperm(num_classes, generator=g)[: n % num_classes]
+    labels = torch.cat([torch.arange(num_classes).repeat(n // num_classes), extra])
+    return labels[torch.randperm(n, generator=g)].tolist()
 
 
 def _store_dtype(store, field: str) -> torch.dtype | None:
