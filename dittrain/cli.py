@@ -34,6 +34,8 @@ def main():
       dittrain models                         the named DiT sizes, parameters and GFLOPs
       dittrain run --latents STORE --model DiT-B/2 --out RUN
       dittrain sample --ckpt RUN --class 207 --cfg 4.0 --out grid.png
+      dittrain sample --ckpt RUN --n 50000 --npz samples.npz    FID-50K samples (resumable)
+      dittrain eval --samples samples.npz --ref VIRTUAL_imagenet256_labeled.npz
     """
 
 

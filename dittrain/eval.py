@@ -231,10 +231,14 @@ def _check_state_dict(path: Path) -> dict:
     import torch
 
     try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about the pickle protocol of foreign files
+            warnings.simplefilter("ignore")
+            sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise EvalError(f"{path}: not a plain tensor state dict, refused unloaded (torch.load "
-                        f"weights_only=True: {_line(e)[:200]})") from None
+        # torch's own message is a paragraph about weights_only; its first sentence is the reason
+        reason = _line(e).split(". ")[0]
+        raise EvalError(f"{path}: not a plain tensor state dict (the FID Inception weights are one), "
+                        f"refused without unpickling it ({reason[:200]})") from None
     if not isinstance(sd, dict) or not sd or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
         raise EvalError(f"{path}: not an Inception state dict (expected a dict of name -> tensor, "
