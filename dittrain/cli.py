@@ -230,6 +230,11 @@ def run_cmd(**options):
               help=f"Classifier-free guidance scale (1: none; ignored for unconditional models). Default "
                    f"{_sample_defaults().cfg_scale}; with --npz {_eval_defaults().cfg_scale} (the DiT paper's "
                    "FID protocol).")
+@click.option("--cfg-channels", default=_sample_defaults().cfg_channels, show_default=True,
+              type=click.IntRange(min=0),
+              help="Guide only the first N latent channels (0: all). facebookresearch/DiT's and SiT's "
+                   "samplers guide 3 of the 4 'for exact reproducibility': --cfg-channels 3 reproduces "
+                   "the FIDs published with their checkpoints.")
 @click.option("--steps", default=None, type=click.IntRange(min=1),
               help=f"Sampling steps. Default {_sample_defaults().steps}; with --npz {_eval_defaults().ddpm_steps} "
                    f"for a ddpm run (DiT's FID protocol), {_eval_defaults().flow_steps} Euler steps for a flow run.")
@@ -253,7 +258,7 @@ def run_cmd(**options):
                    "from its shapes; needed when no named size has its hidden size and depth.")
 @click.option("--text-pretrained", default=None, metavar="FILE_OR_TAG",
               help="The text encoder's weights, if not where the store's manifest says.")
-def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow, cfg_scale, steps,
+def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow, cfg_scale, cfg_channels, steps,
                sampler, seed, device, batch_size, precision, latents, vae, model, text_pretrained,
                grid_scale, npz, chunk_size, overwrite):
     """Sample a trained run with classifier-free guidance; write a PNG grid and every sample.
@@ -298,7 +303,7 @@ def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow,
             raise click.ClickException("--npz writes --n samples into one file: not with --n-per-class or "
                                        "--per-class-dir (--classes balanced gives every class alike)")
         sample_to_npz(ckpt, npz, n=n, classes=classes, prompts=prompts, steps=steps, cfg_scale=cfg_scale,
-                      sampler=sampler, seed=seed, batch_size=batch_size, precision=precision,
+                      cfg_channels=cfg_channels, sampler=sampler, seed=seed, batch_size=batch_size, precision=precision,
                       chunk_size=chunk_size or _eval_defaults().chunk_size, device=device, latents=latents, vae=vae,
                       model=model, text_pretrained=text_pretrained, overwrite=overwrite, preview=out, log=log)
         return
@@ -309,7 +314,7 @@ def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow,
     d = SampleConfig()
     settings = SampleConfig(cfg_scale=d.cfg_scale if cfg_scale is None else cfg_scale,
                             steps=d.steps if steps is None else steps, sampler=sampler, seed=seed,
-                            batch_size=batch_size, precision=precision)
+                            batch_size=batch_size, precision=precision, cfg_channels=cfg_channels)
     try:
         sample_to_files(ckpt, out, classes=classes, prompts=prompts, n=n, n_per_class=n_per_class,
                         per_class_dir=per_class_dir, nrow=nrow, settings=settings, device=device,

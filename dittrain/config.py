@@ -27,6 +27,7 @@ class SampleConfig:
     batch_size: int = 32  # samples per forward pass (CFG doubles it)
     precision: str = "auto"  # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16 | fp16
     n: int = 16  # samples when neither --n nor --n-per-class says (the trainer's EMA grids too)
+    cfg_channels: int = 0  # guide the first N latent channels only (DiT's released sampler: 3); 0: all
 
 
 @dataclass(frozen=True)

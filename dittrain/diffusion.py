@@ -64,14 +64,18 @@ class DiffusionConfig:
 
 
 def guided(
-    model_fn: ModelFn, cfg_scale: float, cond_kwargs: dict, uncond_kwargs: dict | None
+    model_fn: ModelFn, cfg_scale: float, cond_kwargs: dict, uncond_kwargs: dict | None,
+    channels: int | None = None,
 ) -> ModelFn:
     """A model callable (x, t) -> out that applies classifier-free guidance with ONE
     forward pass on the doubled batch [cond; uncond]:
         out = uncond + cfg_scale * (cond - uncond)
     Guidance applies to the first C channels (C = x's channels: eps or velocity); extra
     channels (the learned variance of ddpm) are taken from the conditional pass, as DiT
-    does. cfg_scale == 1 (or no uncond_kwargs) is the plain conditional model."""
+    does. cfg_scale == 1 (or no uncond_kwargs) is the plain conditional model.
+    channels: guide only the first `channels` of the C (the rest conditional). The released
+    facebookresearch/DiT (and SiT) samplers guide the first 3 of 4 latent channels, "for exact
+    reproducibility" of their FIDs; channels=3 reproduces their numbers, None guides all C."""
     if cfg_scale == 1.0 or uncond_kwargs is None:
         return lambda x, t: model_fn(x, t, **cond_kwargs)
     if set(cond_kwargs) != set(uncond_kwargs):
@@ -88,7 +92,8 @@ def guided(
         return torch.cat([a, b])
 
     def fn(x, t):
-        n, C = x.shape[0], x.shape[1]
+        n = x.shape[0]
+        C = x.shape[1] if channels is None else min(channels, x.shape[1])
         kwargs = {k: both(v, uncond_kwargs[k], n) for k, v in cond_kwargs.items()}
         out = model_fn(torch.cat([x, x]), torch.cat([t, t]), **kwargs)
         cond, uncond = out[:n], out[n:]
@@ -348,6 +353,7 @@ class Diffusion:
         steps: int = 50,
         sampler: str | None = None,
         cfg_scale: float = 1.0,
+        cfg_channels: int | None = None,
         model_kwargs: dict | None = None,
         uncond_kwargs: dict | None = None,
         generator: torch.Generator | None = None,
@@ -379,7 +385,7 @@ class Diffusion:
                 device = next(model.parameters()).device
             else:
                 device = "cpu"
-        fn = guided(model, cfg_scale, model_kwargs or {}, uncond_kwargs)
+        fn = guided(model, cfg_scale, model_kwargs or {}, uncond_kwargs, channels=cfg_channels)
         x = noise.to(device) if noise is not None else _randn(tuple(shape), generator, device)
         if self.config.objective == "flow":
             return self._sample_flow(fn, x, steps, heun=sampler == "heun")

@@ -81,7 +81,7 @@ _CHUNK = re.compile(r"^(\d{6})\.npy$")
 OPTIONS = {
     "version": "the job file version", "weights_sha256": "--ckpt (its weights)",
     "config_sha256": "--ckpt (its model / diffusion config)", "store_identity": "--latents (the store)",
-    "n": "--n", "seed": "--seed", "sampler": "--sampler", "steps": "--steps", "cfg_scale": "--cfg",
+    "n": "--n", "seed": "--seed", "sampler": "--sampler", "steps": "--steps", "cfg_scale": "--cfg", "cfg_channels": "--cfg-channels",
     "classes": "--classes", "prompts": "--prompt", "chunk_size": "--chunk-size", "batch_size": "--batch-size",
     "precision": "--precision", "device": "--device", "image_shape": "the image shape",
 }
@@ -230,6 +230,7 @@ def job_record(job: NpzJob, *, weights: dict, config: dict, store, classes=(), c
         "sampler": s.sampler,
         "steps": s.steps,
         "cfg_scale": s.cfg_scale if p.kind != "none" else None,
+        "cfg_channels": s.cfg_channels if p.kind != "none" else None,
         "classes": _classes_spec(job, classes, store),
         "prompts": list(job.prompts) if job.prompts else None,
         "chunk_size": job.chunk_size,
@@ -393,6 +394,7 @@ def sample_to_npz(
     prompts=(),
     steps: int | None = None,
     cfg_scale: float | None = None,
+    cfg_channels: int = _S.cfg_channels,
     sampler: str | None = _S.sampler,
     seed: int = _S.seed,
     batch_size: int = _S.batch_size,
@@ -433,7 +435,8 @@ def sample_to_npz(
     try:
         weights, config, store, note = load_for_sampling(ckpt, latents=latents, vae=vae, model=model)
         objective = diffusion_config(config).objective
-        settings = eval_settings(objective, steps=steps, cfg_scale=cfg_scale, sampler=sampler, seed=seed,
+        settings = eval_settings(objective, steps=steps, cfg_scale=cfg_scale, cfg_channels=cfg_channels,
+                                 sampler=sampler, seed=seed,
                                  batch_size=batch_size, precision=precision)
         job = plan_npz(config, store, path, settings, n=_E.n if n is None else n, classes=classes, prompts=prompts,
                        chunk_size=chunk_size, device=dev)

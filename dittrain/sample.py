@@ -419,6 +419,8 @@ class SamplePlan:
     def describe(self) -> str:
         s, many = self.settings, "s" if self.total > 1 else ""
         guidance = f", cfg {s.cfg_scale:g}" if self.kind != "none" else ""
+        if guidance and s.cfg_channels:
+            guidance += f" on the first {s.cfg_channels} channels"
         return (f"sampling {self.total} image{many} with {self.name} ({self.diffusion.objective}, {s.sampler}, "
                 f"{s.steps} steps{guidance}) on {self.device}, seed {s.seed}")
 
@@ -426,7 +428,8 @@ class SamplePlan:
         """How the samples were made, for samples.json."""
         s = self.settings
         return {"model": self.name, "objective": self.diffusion.objective, "sampler": s.sampler,
-                "steps": s.steps, "cfg_scale": s.cfg_scale if self.kind != "none" else None, "seed": s.seed,
+                "steps": s.steps, "cfg_scale": s.cfg_scale if self.kind != "none" else None,
+                "cfg_channels": s.cfg_channels or None, "seed": s.seed,
                 "batch_size": s.batch_size, "layout": "row per class" if self.rows_per_class else "flat"}
 
 
@@ -580,7 +583,8 @@ def run_plan(model, plan: SamplePlan, store, *, autoencoder=None, text_encoder=N
             with autocast(dev, plan.amp):
                 z = diffusion.sample(
                     model, noise[sl].shape, steps=s.steps, sampler=s.sampler,
-                    cfg_scale=s.cfg_scale if plan.guide else 1.0, model_kwargs=kwargs,
+                    cfg_scale=s.cfg_scale if plan.guide else 1.0, cfg_channels=s.cfg_channels or None,
+                    model_kwargs=kwargs,
                     uncond_kwargs=uncond, generator=generator, device=dev, noise=noise[sl],
                 )
             with torch.no_grad():

@@ -373,3 +373,24 @@ def test_tiny_ddpm_dit_learns(one_thread):
         generator=seeded(1),
     )
     assert torch.isfinite(x).all()
+
+
+def test_guidance_on_the_first_channels_only():
+    """channels=3 (facebookresearch/DiT's released sampler): the first 3 channels guided, the
+    rest (the 4th eps channel and the variance) the conditional pass's."""
+    import torch
+
+    from dittrain.diffusion import guided
+
+    def model(x, t, y):  # conditional and unconditional rows differ through y
+        return torch.cat([x, x], dim=1) * (1.0 + y.float()[:, None, None, None])
+
+    x, t = torch.randn(2, 4, 2, 2), torch.zeros(2)
+    cond, uncond = {"y": torch.tensor([1, 1])}, {"y": torch.tensor([0, 0])}
+    c, u = model(x, t, **cond), model(x, t, **uncond)
+    full = guided(model, 4.0, cond, uncond)(x, t)
+    three = guided(model, 4.0, cond, uncond, channels=3)(x, t)
+    torch.testing.assert_close(full[:, :4], u[:, :4] + 4.0 * (c[:, :4] - u[:, :4]))
+    torch.testing.assert_close(three[:, :3], u[:, :3] + 4.0 * (c[:, :3] - u[:, :3]))
+    torch.testing.assert_close(three[:, 3:], c[:, 3:])
+    assert not torch.allclose(three[:, 3], full[:, 3])
