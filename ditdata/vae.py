@@ -283,9 +283,22 @@ def _kl_weight_files(model_dir: Path) -> tuple[list[str], bool]:
     raise DitdataError(f"no diffusion_pytorch_model.safetensors or .bin weights in {model_dir}")
 
 
+def quiet_third_party_imports() -> None:
+    """Call before importing diffusers or torchao: with torchao installed (the export extra)
+    the imports print lines that are noise for ditkit. torch warns once per enum that torchao registers
+    as a pytree constant (a deprecation, harmless), and diffusers 0.42 looks for tensor classes
+    torchao 0.18 no longer has, which matters only for torchao-quantised diffusers checkpoints
+    (ditkit never loads one). Both loggers are turned down to errors; nothing else is."""
+    import logging
+
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    logging.getLogger("diffusers.quantizers.torchao.torchao_quantizer").setLevel(logging.ERROR)
+
+
 def _load_kl(model_dir: Path, dtype: torch.dtype, label: str) -> tuple[Any, dict[str, str]]:
     files, safe = _kl_weight_files(model_dir)
     sha = {f: sha256_file(model_dir / f) for f in files}
+    quiet_third_party_imports()
     try:
         from diffusers import AutoencoderKL
     except ImportError as e:

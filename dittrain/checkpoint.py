@@ -13,11 +13,13 @@ synced (ditdata.store.files), so a file under its final name is always complete 
 survives a power cut; the last `keep` are kept. A write that fails (disk full, file-size
 limit) removes its temporary, keeps the previous files and raises a one-line
 CheckpointError. Loading uses torch.load(weights_only=True) or safetensors, never
-arbitrary pickle: everything saved is tensors and plain Python data.
+arbitrary pickle: everything saved is tensors and plain Python data (an int8 export of
+`dittrain export` also holds torchao's tensor subclasses: those, by name, are allowed).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 import re
@@ -32,6 +34,7 @@ from ditdata.store.files import atomic_file, atomic_path, error_reason
 
 CHECKPOINTS = "checkpoints"
 EMA_EXPORT = "ema.safetensors"
+INT8_FORMAT = "dittrain-int8"  # dittrain export --format int8: {"format", "config", "state_dict", "export"}
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 
 
@@ -193,18 +196,54 @@ def load_checkpoint(path, map_location="cpu", *, mmap: bool = False) -> dict:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint")
+    mmap = mmap and zipfile.is_zipfile(path)
     try:
-        return torch.load(path, map_location=map_location, weights_only=True,
-                          mmap=mmap and zipfile.is_zipfile(path))
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, foreign pickle, ...: one clear line
+        classes = _tensor_classes(path)
+        if classes:  # an int8 export: torchao's tensor subclasses, allowed by name
+            with torch.serialization.safe_globals(classes):
+                return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
         raise CheckpointError(
             f"{path}: unreadable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
             "it may be truncated: delete it to resume from the previous one"
         ) from e
 
 
-def export_weights(path, state_dict: dict, config: dict) -> Path:
-    """Save weights as safetensors with the run config (JSON) in the metadata."""
+def _tensor_classes(path: Path) -> list[type]:
+    """The torchao tensor subclasses a file pickles (an int8 export, dittrain.export), imported
+    so torch.load(weights_only=True) may rebuild them: only torch.Tensor subclasses of torchao
+    named in the file are allowed, nothing else. [] for any other file."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # not a zip, truncated: the caller reports the first error
+        return []
+    classes = []
+    if names:
+        from ditdata.vae import quiet_third_party_imports
+
+        quiet_third_party_imports()
+    for name in names:
+        module, _, attr = name.rpartition(".")
+        if module.split(".")[0] != "torchao":
+            return []  # something else is not allowed: refused as any foreign pickle
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except ImportError as e:
+            raise CheckpointError(f"{path}: an int8 export (torchao tensors); loading it needs torchao: "
+                                  "pip install 'ditkit[export]'") from e
+        except AttributeError as e:
+            raise CheckpointError(f"{path}: an int8 export made with another torchao (this one has no {name}); "
+                                  "load it with the torchao version that wrote it, or export it again") from e
+        if not (isinstance(cls, type) and issubclass(cls, torch.Tensor)):
+            return []
+        classes.append(cls)
+    return classes
+
+
+def export_weights(path, state_dict: dict, config: dict, *, metadata: dict[str, str] | None = None) -> Path:
+    """Save weights as safetensors with the run config (JSON) in the metadata (and `metadata`'s
+    extra string entries: dittrain.export's fp16 files say what made them)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -212,7 +251,7 @@ def export_weights(path, state_dict: dict, config: dict) -> Path:
     previous = path if path.is_file() else None
     try:
         with atomic_path(path) as tmp:
-            save_file(tensors, str(tmp), metadata={"dittrain_config": json.dumps(config)})
+            save_file(tensors, str(tmp), metadata={**(metadata or {}), "dittrain_config": json.dumps(config)})
     except Exception as e:  # safetensors raises its own SafetensorError on a full disk
         raise _write_failed(path, "the EMA weights", previous, e) from e
     return path
@@ -233,8 +272,9 @@ def weights_file(path) -> Path:
 
 
 def load_weights(path) -> tuple[dict, dict]:
-    """(state_dict, run config) from an EMA export (.safetensors), a checkpoint (.pt, its
-    EMA weights) or a run directory (its ema.safetensors, else its latest checkpoint)."""
+    """(state_dict, run config) from an EMA export (.safetensors, fp32 or dittrain export's
+    fp16), an int8 export (.pt, dittrain export), a checkpoint (.pt, its EMA weights) or a run
+    directory (its ema.safetensors, else its latest checkpoint)."""
     path = weights_file(path)
     if path.suffix == ".safetensors":
         from safetensors import safe_open
@@ -249,6 +289,8 @@ def load_weights(path) -> tuple[dict, dict]:
             raise CheckpointError(f"{path}: no dittrain_config in its metadata; not a dittrain export")
         return state, json.loads(meta["dittrain_config"])
     ckpt = load_checkpoint(path)
+    if isinstance(ckpt, dict) and ckpt.get("format") == INT8_FORMAT:
+        return ckpt["state_dict"], ckpt["config"]
     if "ema" not in ckpt or "config" not in ckpt:
         raise CheckpointError(f"{path}: not a dittrain checkpoint (no 'ema'/'config')")
     return ckpt["ema"], ckpt["config"]

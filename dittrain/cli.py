@@ -36,6 +36,8 @@ def main():
       dittrain sample --ckpt RUN --class 207 --cfg 4.0 --out grid.png
       dittrain sample --ckpt RUN --n 50000 --npz samples.npz    FID-50K samples (resumable)
       dittrain eval --samples samples.npz --ref VIRTUAL_imagenet256_labeled.npz
+      dittrain serve --ckpt RUN               a local web page: classes/prompt -> PNGs + the sample command
+      dittrain export --ckpt RUN --format onnx --out dit.onnx    also diffusers, fp16, int8
     """
 
 
@@ -190,11 +192,18 @@ def run_cmd(**options):
 
 
 @main.command("sample")
-@click.option("--ckpt", required=True, type=click.Path(exists=True, path_type=str),
+@click.option("--ckpt", default=None, type=click.Path(exists=True, path_type=str),
               help="A run directory (its ema.safetensors, else its latest checkpoint), an EMA "
-                   "export .safetensors, a checkpoint .pt (its EMA weights), or a plain state dict "
+                   "export .safetensors (fp32, or fp16 from `dittrain export`), an int8 export .pt, a "
+                   "checkpoint .pt (its EMA weights), or a plain state dict "
                    ".pt such as facebookresearch's DiT-XL-2-256x256.pt (the model inferred from its "
-                   "shapes; needs --vae or --latents).")
+                   "shapes; needs --vae or --latents). Required, except with --engine onnx.")
+@click.option("--engine", default="torch", show_default=True, type=click.Choice(["torch", "onnx"]),
+              help="torch: the PyTorch DiT of --ckpt; onnx: the --onnx file through onnxruntime (guidance "
+                   "and the sampler loop stay in PyTorch).")
+@click.option("--onnx", "onnx_file", default=None, type=click.Path(exists=True, dir_okay=False, path_type=str),
+              metavar="FILE.onnx", help="--engine onnx: a file from `dittrain export --format onnx` (its run "
+                                        "config is in it; --ckpt RUN for a file without it).")
 @click.option("--out", default=None, type=click.Path(path_type=str),
               help="NAME.png: the grid there, singles in NAME/. Otherwise a folder: DIR/grid.png, "
                    "singles in DIR/samples/. Optional with --npz: then only a grid of the first 64 samples.")
@@ -260,7 +269,7 @@ def run_cmd(**options):
               help="The text encoder's weights, if not where the store's manifest says.")
 def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow, cfg_scale, cfg_channels, steps,
                sampler, seed, device, batch_size, precision, latents, vae, model, text_pretrained,
-               grid_scale, npz, chunk_size, overwrite):
+               grid_scale, npz, chunk_size, overwrite, engine, onnx_file):
     """Sample a trained run with classifier-free guidance; write a PNG grid and every sample.
 
     Decodes with the autoencoder named in the store's manifest. Same --seed (and
@@ -281,6 +290,7 @@ def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow,
       dittrain sample --ckpt runs/exp1 --classes all --n-per-class 8 --out samples_dir
       dittrain sample --ckpt runs/t2i --prompt "a red fox in snow" --n 8 --out fox.png
       dittrain sample --ckpt DiT-XL-2-256x256.pt --vae sd-vae-ft-ema --class 207 --out panda.png
+      dittrain sample --engine onnx --onnx dit.onnx --class 207 --out grid.png   (dittrain export)
 
     \b
     Evaluation samples (--npz; the ADM evaluator's file, `dittrain eval` reads it):
@@ -296,6 +306,12 @@ def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow,
     def log(line):
         click.echo(line, err=line.startswith("note:"))
 
+    if (engine == "onnx") != (onnx_file is not None):
+        raise click.UsageError("--engine onnx and --onnx FILE go together")
+    if ckpt is None and engine == "torch":
+        raise click.UsageError("Missing option '--ckpt'")
+    if engine == "onnx" and npz is not None:
+        raise click.ClickException("--engine onnx writes --out samples; --npz samples with the torch engine")
     if npz is not None:
         from dittrain.npz import sample_to_npz
 
@@ -319,8 +335,66 @@ def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow,
         sample_to_files(ckpt, out, classes=classes, prompts=prompts, n=n, n_per_class=n_per_class,
                         per_class_dir=per_class_dir, nrow=nrow, settings=settings, device=device,
                         latents=latents, vae=vae, model=model, text_pretrained=text_pretrained, grid_scale=grid_scale,
-                        log=log)
+                        onnx=onnx_file, log=log)
     except SampleError as e:
+        raise click.ClickException(str(e)) from e
+
+
+@main.command("export")
+@click.option("--ckpt", required=True, type=click.Path(exists=True, path_type=str),
+              help="What `dittrain sample --ckpt` takes: a run directory (its EMA), an EMA export, a checkpoint or "
+                   "a plain state dict (not an int8 export).")
+@click.option("--format", "fmt", required=True, type=click.Choice(["onnx", "diffusers", "fp16", "int8"]),
+              help="onnx: FILE.onnx (the forward, dynamic batch); diffusers: a DiTPipeline folder; fp16: "
+                   "FILE.safetensors; int8: FILE.pt (torchao weight-only).")
+@click.option("--out", required=True, type=click.Path(path_type=str),
+              help="FILE.onnx, a folder (diffusers), FILE.safetensors (fp16) or FILE.pt (int8).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing --out.")
+@click.option("--latents", type=click.Path(file_okay=False, path_type=str), default=None,
+              help="The run's latent store, if not at the path it recorded (diffusers: its autoencoder and "
+                   "class names; onnx: the text length for the trtexec shapes).")
+@click.option("--vae", default=None, metavar="NAME_OR_DIR",
+              help="diffusers: the AutoencoderKL, if not where the store's manifest says (or, for a plain state "
+                   "dict, instead of a store).")
+@click.option("--model", default=None, metavar="NAME", help="A plain state dict's model (as sample's).")
+@click.option("--tolerance", default=1e-4, show_default=True, type=FiniteFloat(min=0),
+              help="onnx: the largest |onnxruntime - PyTorch| allowed, times max(1, max |output|).")
+@click.option("--max-batch", default=1024, show_default=True, type=click.IntRange(min=2),
+              help="onnx: the largest batch of the dynamic axis (guidance doubles the sampling batch).")
+@click.option("--opset", default=None, type=click.IntRange(min=17), help="onnx: the opset (default: the exporter's).")
+def export_cmd(ckpt, fmt, out, overwrite, latents, vae, model, tolerance, max_batch, opset):
+    """Export a run's EMA weights for other tools: ONNX (TensorRT, onnxruntime), a diffusers
+    DiTPipeline, or fp16 / int8 files that `dittrain sample` and `dittrain serve` load.
+
+    \b
+    Each export is reloaded and compared with the fp32 PyTorch model (the differences are
+    printed) and the sizes of the files written are shown; a refused export writes nothing
+    and says why in one line.
+
+    \b
+      onnx       x, t (and y, or text_pooled/text_tokens/text_mask) -> out, dynamic batch;
+                 run config in its metadata; prints the trtexec command for a TensorRT engine
+      diffusers  DiTPipeline.from_pretrained(DIR, local_files_only=True); class-conditional
+                 ddpm runs on an AutoencoderKL store only. Timesteps match exactly after
+                 dittrain.export.match_dit_timesteps(pipe) (diffusers does not save that
+                 setting); class 1000 is the null class of its guidance (fewer classes: padded)
+      fp16       half the size; sampling casts the weights back to float32
+      int8       torchao weight-only int8 linears (about 1/4 of fp32); needs torchao to load
+
+    \b
+    Examples:
+      dittrain export --ckpt runs/exp1 --format onnx --out dit.onnx
+      dittrain sample --engine onnx --onnx dit.onnx --class 207 --out grid.png
+      dittrain export --ckpt runs/exp1 --format diffusers --out dit-pipeline
+      dittrain export --ckpt runs/exp1 --format fp16 --out dit-fp16.safetensors
+      dittrain sample --ckpt dit-fp16.safetensors --class 207 --out grid.png
+    """
+    from dittrain.export import ExportError, export
+
+    try:
+        export(ckpt, fmt, out, overwrite=overwrite, latents=latents, vae=vae, model=model, tolerance=tolerance,
+               max_batch=max_batch, opset=opset, log=lambda line: click.echo(line, err=line.startswith("note:")))
+    except ExportError as e:
         raise click.ClickException(str(e)) from e
 
 
@@ -391,6 +465,51 @@ def eval_cmd(samples, ref, inception, json_out, batch_size, device, resolution, 
     click.echo(format_table(metrics))
     if json_out:
         click.echo(f"wrote {write_json(metrics, json_out)}")
+
+
+@main.command("serve")
+@click.option("--ckpt", required=True, type=click.Path(exists=True, path_type=str),
+              help="What `dittrain sample --ckpt` takes: a run directory, an EMA export, a checkpoint or a "
+                   "plain state dict (with --vae or --latents). Loaded once, at start.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="The address to listen on; 0.0.0.0 opens the page to the network (no login: trusted networks).")
+@click.option("--port", default=7860, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--precision", default=_sample_defaults().precision, show_default=True,
+              type=click.Choice(["auto", "fp32", "bf16", "fp16"]),
+              help="Model autocast; auto: bf16 on GPUs that have it, else fp32.")
+@click.option("--batch-size", default=_sample_defaults().batch_size, show_default=True, type=click.IntRange(min=1),
+              help="Samples per forward pass (CFG doubles it); part of what decides ddpm's images.")
+@click.option("--max-images", default=64, show_default=True, type=click.IntRange(min=1),
+              help="The most images one request may ask for.")
+@click.option("--max-steps", default=1000, show_default=True, type=click.IntRange(min=1),
+              help="The most sampling steps one request may ask for (ddpm: at most its timesteps).")
+@click.option("--queue-size", default=32, show_default=True, type=click.IntRange(min=1),
+              help="Requests waiting their turn (one runs at a time) before new ones are turned away.")
+@click.option("--latents", type=click.Path(file_okay=False, path_type=str), default=None,
+              help="The latent store, if not at the path the run recorded.")
+@click.option("--vae", default=None, metavar="NAME_OR_DIR", help="The autoencoder to decode with (as sample's).")
+@click.option("--model", default=None, metavar="NAME", help="A plain state dict's model (as sample's).")
+@click.option("--text-pretrained", default=None, metavar="FILE_OR_TAG",
+              help="The text encoder's weights, if not where the store's manifest says.")
+def serve_cmd(ckpt, host, port, **options):
+    """A local web page that samples a run: pick a class (or write a prompt), the number of
+    images, steps, CFG scale, sampler and seed; get the PNGs and the `dittrain sample`
+    command that writes exactly the same images.
+
+    \b
+    The model loads once; requests queue and run one at a time. Nothing is fetched from the
+    network (no analytics, no share link, fonts served locally). Ctrl-C stops.
+
+    \b
+    Examples:
+      dittrain serve --ckpt runs/exp1                     then open http://127.0.0.1:7860/
+      dittrain serve --ckpt runs/t2i --port 8080 --device cuda:1
+      ssh -L 7860:127.0.0.1:7860 gpu-box                  to reach a remote server's page
+    """
+    from dittrain.serve import serve
+
+    serve(ckpt, host=host, port=port, log=click.echo, **options)
 
 
 if __name__ == "__main__":

@@ -786,6 +786,7 @@ def sample_to_files(
     model: str | None = None,
     text_pretrained: str | None = None,
     grid_scale: int = 1,
+    onnx=None,
     log=print,
 ) -> dict:
     """The `dittrain sample` command: load, plan, sample, write, report.
@@ -795,17 +796,29 @@ def sample_to_files(
     Row layout (n_per_class = K): one row of K samples per class (default: all classes)
     or per prompt, singles under SINGLES/<class or prompt index>/ (as per_class_dir).
     settings: cfg scale, steps, sampler, seed, batch size and precision (SampleConfig).
-    model: the model name of a plain state dict (see load_for_sampling)."""
+    model: the model name of a plain state dict (see load_for_sampling).
+    onnx: an exported .onnx file (dittrain.onnx) to sample through onnxruntime instead of the
+    PyTorch DiT; ckpt may then be None (the file carries its run config)."""
     check_output(out)
-    weights, config, store, note = load_for_sampling(ckpt, latents=latents, vae=vae, model=model)
+    if onnx is None:
+        weights, config, store, note = load_for_sampling(ckpt, latents=latents, vae=vae, model=model)
+    else:
+        from dittrain.onnx import load_for_onnx_sampling
+
+        network, config, store, note = load_for_onnx_sampling(onnx, ckpt, latents=latents, vae=vae, model=model,
+                                                              device=device)
     plan = plan_samples(config, store, settings, device=device, classes=classes, prompts=list(prompts), n=n,
                         n_per_class=n_per_class, per_class_dir=per_class_dir, nrow=nrow)
     if note:
         log(note)
     log(plan.describe())
-    images = run_plan(load_model(weights, config, plan.device), plan, store, vae=vae,
-                      text_pretrained=text_pretrained)
-    meta = {"ckpt": str(Path(ckpt).resolve()), "store": str(store.root.resolve()), **plan.record()}
+    if onnx is None:
+        network = load_model(weights, config, plan.device)
+    else:
+        log(f"engine: onnxruntime {network.version} ({network.provider}) on {onnx}")
+    images = run_plan(network, plan, store, vae=vae, text_pretrained=text_pretrained)
+    meta = {"ckpt": str(Path(ckpt).resolve()) if ckpt is not None else None, "store": str(store.root.resolve()),
+            **({"engine": "onnx", "onnx": str(Path(onnx).resolve())} if onnx is not None else {}), **plan.record()}
     result = write_samples(images, out, nrow=plan.nrow, groups=plan.groups, records=plan.records, meta=meta,
                            grid_scale=grid_scale)
     _report(result, images, plan, log)

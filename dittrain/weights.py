@@ -44,7 +44,13 @@ import torch
 
 from ditdata.store import Conditioning, Schema, TensorSpec
 from ditdata.store.files import sha256_file
-from dittrain.checkpoint import CheckpointError, load_checkpoint, load_weights, weights_file
+from dittrain.checkpoint import (
+    INT8_FORMAT,
+    CheckpointError,
+    load_checkpoint,
+    load_weights,
+    weights_file,
+)
 from dittrain.config import TrainConfig
 from dittrain.diffusion import DiffusionConfig
 from dittrain.model import CONFIGS, DiT, DiTConfig
@@ -72,7 +78,7 @@ class Weights:
     state: dict  # key -> tensor, the wrapper prefixes stripped
     config: dict | None  # the run config of a dittrain source; None: a plain state dict
     file: Path  # the file read
-    kind: str  # "export" (.safetensors) | "checkpoint" (a run's .pt: its EMA) | "plain"
+    kind: str  # "export" (.safetensors) | "checkpoint" (a run's .pt: its EMA) | "int8" | "plain"
     step: int | None = None  # a checkpoint's step
 
     @property
@@ -94,14 +100,17 @@ def strip_prefixes(state: dict) -> dict:
 
 def read_weights(path) -> Weights:
     """The weights of a run directory (its ema.safetensors, else its latest checkpoint), an
-    EMA export, a dittrain checkpoint .pt (its EMA) or a plain state dict file: a dict of
-    tensors, or one wrapped as {"ema": ..., "model": ...} (the EMA taken when present)."""
+    EMA export (fp32, or fp16 from `dittrain export`), an int8 export (torchao weight-only, from
+    `dittrain export`), a dittrain checkpoint .pt (its EMA) or a plain state dict file: a dict
+    of tensors, or one wrapped as {"ema": ..., "model": ...} (the EMA taken when present)."""
     file = weights_file(path)
     if file.suffix == ".safetensors":
         state, config = load_weights(file)
         return Weights(strip_prefixes(state), config, file, "export")
     with torch.serialization.safe_globals([argparse.Namespace]):  # DiT training checkpoints' "args"
         obj = load_checkpoint(file, mmap=True)
+    if isinstance(obj, dict) and obj.get("format") == INT8_FORMAT:
+        return Weights(strip_prefixes(obj["state_dict"]), obj["config"], file, "int8")
     if isinstance(obj, dict) and "ema" in obj and "config" in obj:
         return Weights(strip_prefixes(obj["ema"]), obj["config"], file, "checkpoint", obj.get("step"))
     state = obj
@@ -334,6 +343,9 @@ def init_model(model: DiT, source) -> tuple[dict, list[str]]:
     if not path.exists():
         raise WeightsError(f"--init-from {source}: no such file or run directory")
     w = read_weights(path)
+    if w.kind == "int8":
+        raise WeightsError(f"--init-from {source} is an int8 export (for sampling only); fine-tune from "
+                           "the run it was exported from, or its fp32/fp16 weights")
     state, own, notes = dict(w.state), model.state_dict(), []
     have, want = _shape(state, LABEL_TABLE), _shape(own, LABEL_TABLE)
     if have != want and (have is None or want is None or have[1:] == want[1:]):
