@@ -1,7 +1,7 @@
 """DiT training speed on one GPU: images/s, MFU and peak memory, from a synthetic in-memory store.
 
     python3 bench/gpu_train.py [--models DiT-S/2,DiT-B/2,DiT-XL/2] [--batch-sizes 64,128,256]
-                               [--grad-ckpt none,every] [--steps 15] [--warmup 5] [--compile]
+                               [--grad-ckpt none,attn,mlp,every] [--steps 15] [--warmup 5] [--compile]
                                [--amp bf16|fp16|fp32] [--json results.json] [--device cuda]
     python3 bench/gpu_train.py --device cpu --models DiT-T/2 --steps 2      # smoke test, no GPU
 
@@ -212,7 +212,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="DiT-S/2,DiT-B/2,DiT-XL/2")
     ap.add_argument("--batch-sizes", default=None, help="comma list (default 64,128,256; 2,4 on the CPU)")
-    ap.add_argument("--grad-ckpt", default="none,every", help="comma list of none | every | k")
+    ap.add_argument("--grad-ckpt", default="none,every",
+                    help="comma list of none | every | k | attn | mlp (the --grad-checkpointing of dittrain run)")
     ap.add_argument("--steps", type=int, default=15, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; 1 on the CPU)")
     ap.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "fp32"],

@@ -38,6 +38,7 @@ def main():
       dittrain eval --samples samples.npz --ref VIRTUAL_imagenet256_labeled.npz
       dittrain serve --ckpt RUN               a local web page: classes/prompt -> PNGs + the sample command
       dittrain export --ckpt RUN --format onnx --out dit.onnx    also diffusers, fp16, int8
+      dittrain runs runs/* --plot loss.png    a table of runs (steps, loss, speed, FID) and their losses
     """
 
 
@@ -50,22 +51,34 @@ def main():
               help="Classes (0 = unconditional).")
 @click.option("--learn-sigma/--no-learn-sigma", default=True, show_default=True,
               help="Output the learned variance too (ddpm as in DiT).")
-def models_cmd(resolution, downsample, channels, num_classes, learn_sigma):
-    """The named DiT configs with parameters and forward GFLOPs (multiply-adds per sample)."""
-    from dittrain.model import CONFIGS, describe
+@click.option("--model", "specs", multiple=True, metavar="SPEC",
+              help="Also show this model (repeatable): a name, or a custom size "
+                   "custom:hidden=512,depth=8,heads=8,patch=2 (optional: ,mlp_ratio=R).")
+def models_cmd(resolution, downsample, channels, num_classes, learn_sigma, specs):
+    """The named DiT configs (and any --model SPEC) with parameters and forward GFLOPs
+    (multiply-adds per sample)."""
+    from dittrain.model import CONFIGS, architecture, describe
 
     if resolution % downsample:
         raise click.UsageError(f"--resolution {resolution} is not a multiple of --downsample {downsample}")
     size = resolution // downsample
+    for spec in specs:  # every --model checked before any output
+        try:
+            patch = architecture(spec)["patch_size"]
+        except (KeyError, ValueError) as e:
+            raise click.UsageError(f"--model: {e.args[0]}") from None
+        if size % patch:
+            raise click.UsageError(f"--model {spec}: patch {patch} does not split the {size}x{size} latent")
+    rows = [name for name, arch in CONFIGS.items() if size % arch["patch_size"] == 0]  # whole patches only
+    rows += [spec for spec in specs if spec not in rows]
+    width = max(10, *map(len, rows))
     click.echo(f"at {resolution} px: latent {channels}x{size}x{size}, {num_classes} classes, "
                f"learn_sigma={learn_sigma}; GFLOPs = multiply-adds per sample per forward")
-    click.echo(f"{'model':<10} {'depth':>5} {'hidden':>6} {'heads':>5} {'tokens':>6} {'params':>9} {'GFLOPs':>9}")
-    for name, arch in CONFIGS.items():
-        if size % arch["patch_size"]:
-            continue  # the latent does not split into whole patches
+    click.echo(f"{'model':<{width}} {'depth':>5} {'hidden':>6} {'heads':>5} {'tokens':>6} {'params':>9} {'GFLOPs':>9}")
+    for name in rows:
         row = describe(name, input_size=size, in_channels=channels, num_classes=num_classes,
                        learn_sigma=learn_sigma)
-        click.echo(f"{name:<10} {row['depth']:>5} {row['hidden']:>6} {row['heads']:>5} {row['tokens']:>6} "
+        click.echo(f"{name:<{width}} {row['depth']:>5} {row['hidden']:>6} {row['heads']:>5} {row['tokens']:>6} "
                    f"{row['params'] / 1e6:>8.1f}M {row['gflops']:>9.2f}")
 
 
@@ -103,7 +116,8 @@ def _opt(*names, field, **kw):
               help="The latent store written by `ditdata encode`.")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Run directory: config.json, metrics.jsonl, checkpoints/, ema.safetensors, samples/.")
-@_opt("--model", field="model", help="A name from `dittrain models`, e.g. DiT-XL/2.")
+@_opt("--model", field="model", help="A name from `dittrain models`, e.g. DiT-XL/2, or a custom size "
+      "custom:hidden=512,depth=8,heads=8,patch=2 (optional: ,mlp_ratio=R).")
 @_opt("--objective", field="objective", type=click.Choice(["ddpm", "flow"]),
       help="ddpm: epsilon prediction as in DiT; flow: rectified flow (velocity).")
 @_opt("--batch-size", field="batch_size", type=click.IntRange(min=1),
@@ -111,6 +125,9 @@ def _opt(*names, field, **kw):
 @_opt("--accumulation-steps", field="accumulation_steps", type=click.IntRange(min=1))
 @_opt("--lr", field="lr", type=FiniteFloat(min=0), help="Peak learning rate (AdamW).")
 @_opt("--weight-decay", field="weight_decay", type=FiniteFloat(min=0))
+@_opt("--optimizer", field="optimizer", type=click.Choice(["adamw", "adamw8bit"]),
+      help="adamw: torch AdamW (fp32 state, 8 bytes per parameter); adamw8bit: bitsandbytes' 8-bit "
+           "AdamW (about 2 bytes per parameter; pip install 'ditkit[optim]'). Same lr, betas, weight decay.")
 @_opt("--warmup-steps", field="warmup_steps", type=click.IntRange(min=0))
 @_opt("--lr-schedule", field="lr_schedule", type=click.Choice(["constant", "cosine"]))
 @_opt("--min-lr", field="min_lr", type=FiniteFloat(min=0), help="Cosine schedule floor.")
@@ -122,11 +139,27 @@ def _opt(*names, field, **kw):
 @click.option("--learn-sigma/--no-learn-sigma", default=None,
               help="Learned variance (default: on for ddpm, off for flow).")
 @_opt("--qk-norm/--no-qk-norm", field="qk_norm")
+@_opt("--latent-norm", field="latent_norm", type=click.Choice(["none", "channel"]),
+      help="channel: standardise each latent channel with the store's recorded mean/std before the model "
+           "(recorded in the run config; sampling undoes it before decoding). Helps scale-1 stores (TAEF2).")
+@_opt("--loss-weighting", field="loss_weighting", type=click.Choice(["none", "min-snr"]),
+      help="ddpm: min-snr weights the eps MSE by min(SNR, gamma) / SNR (the learned-variance VLB term "
+           "stays unweighted).")
+@_opt("--min-snr-gamma", field="min_snr_gamma", type=FiniteFloat(min=0, min_open=True), help="gamma of min-snr.")
+@_opt("--t-sampling", field="t_sampling", type=click.Choice(["logit-normal", "uniform"]),
+      help="flow: how training draws t in (0, 1).")
+@_opt("--t-mean", field="t_mean", type=FiniteFloat(), help="flow logit-normal: t = sigmoid(N(mean, std)).")
+@_opt("--t-std", field="t_std", type=FiniteFloat(min=0, min_open=True))
+@_opt("--t-shift", field="t_shift", type=FiniteFloat(min=0, min_open=True),
+      help="flow: SD3's shift t -> S t / (1 + (S - 1) t) of the training t and of the Euler/Heun "
+           "sampling grid (1: none; S > 1 spends more time near the noise).")
 @_opt("--amp", field="amp", type=click.Choice(["auto", "bf16", "fp16", "fp32"]),
       help="auto: bf16 on GPUs that have it, else fp16 with a grad scaler; fp32 on the CPU.")
 @_opt("--grad-checkpointing", field="grad_checkpointing", is_flag=False, flag_value="every",
-      help="Recompute activations in the backward pass to save memory: every (block; also what "
-           "the bare flag means), k (every k-th block) or none.")
+      help="Recompute activations in the backward pass to save memory: every (every block's, the "
+           "most saved; also what the bare flag means), k (every k-th block's), attn (each block's "
+           "attention branch: norm, modulate, self- and cross-attention), mlp (each block's MLP "
+           "branch, the widest activations) or none.")
 @_opt("--compile/--no-compile", field="compile", help="torch.compile the model.")
 @_opt("--tf32/--no-tf32", field="tf32")
 @_opt("--loader", field="loader", type=click.Choice(["auto", "resident", "streaming"]),
@@ -144,6 +177,11 @@ def _opt(*names, field, **kw):
       help="EMA sample grid every N steps and at the end (0: never).")
 @_opt("--sample-steps", field="sample_steps", type=click.IntRange(min=1))
 @_opt("--sample-cfg", field="sample_cfg", type=FiniteFloat())
+@_opt("--logger", field="logger", metavar="NAMES",
+      help="Where metrics and sample grids go, comma-separated: tensorboard, wandb, jsonl (metrics.jsonl, "
+           "always on). wandb needs the wandb extra, honours WANDB_MODE=offline|disabled and never stops a run.")
+@_opt("--wandb-project", field="wandb_project", help="W&B project (--logger wandb).")
+@click.option("--wandb-name", default=_defaults().wandb_name, help="W&B run name (default: the --out folder's name).")
 @_opt("--eval-every", field="eval_every", type=click.IntRange(min=0),
       help="FID of the EMA model every N steps and at the end, to metrics.jsonl and TensorBoard "
            "(0: never; needs --eval-ref and the Inception file, see `dittrain eval --help`).")
@@ -263,8 +301,9 @@ def run_cmd(**options):
                    "TAEF2 folder. Required for a plain state dict without --latents; for a run, where its "
                    "store's autoencoder is if not where the manifest says.")
 @click.option("--model", default=None, metavar="NAME",
-              help="A plain state dict's model (a name from `dittrain models`) instead of the one inferred "
-                   "from its shapes; needed when no named size has its hidden size and depth.")
+              help="A plain state dict's model (a name from `dittrain models`, or "
+                   "custom:hidden=H,depth=D,heads=N,patch=P) instead of the one inferred from its shapes; "
+                   "needed when no named size has its hidden size and depth.")
 @click.option("--text-pretrained", default=None, metavar="FILE_OR_TAG",
               help="The text encoder's weights, if not where the store's manifest says.")
 def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow, cfg_scale, cfg_channels, steps,
@@ -395,6 +434,39 @@ def export_cmd(ckpt, fmt, out, overwrite, latents, vae, model, tolerance, max_ba
         export(ckpt, fmt, out, overwrite=overwrite, latents=latents, vae=vae, model=model, tolerance=tolerance,
                max_batch=max_batch, opset=opset, log=lambda line: click.echo(line, err=line.startswith("note:")))
     except ExportError as e:
+        raise click.ClickException(str(e)) from e
+
+
+@main.command("runs")
+@click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR...", type=click.Path(path_type=str))
+@click.option("--plot", default=None, type=click.Path(dir_okay=False, path_type=str), metavar="FILE.png",
+              help="Also draw the runs' loss curves into this PNG (log scale, EMA-smoothed over the raw records).")
+def runs_cmd(run_dirs, plot):
+    """A table of runs: model, store, steps done / max steps, last loss, images/s and data-wait
+    share (means of the last records), best FID (with its step) and status.
+
+    \b
+    Status: finished (a checkpoint at max steps), has checkpoint (step N: resumable), no
+    checkpoint (logged, never saved), empty (nothing logged yet), or not a run (no config.json).
+    Torn metrics lines are skipped and counted.
+
+    \b
+    Examples:
+      dittrain runs runs/*
+      dittrain runs runs/exp1 runs/exp2 --plot loss.png
+    """
+    from pathlib import Path
+
+    from dittrain.runs import RunsError, format_table, plot_losses, summarize_all
+
+    if plot and not Path(plot).resolve().parent.is_dir():
+        raise click.UsageError(f"--plot {plot}: its folder does not exist")
+    try:
+        rows = summarize_all(run_dirs)
+        click.echo(format_table(rows))
+        if plot:
+            click.echo(f"wrote {plot_losses(rows, plot)}")
+    except RunsError as e:
         raise click.ClickException(str(e)) from e
 
 

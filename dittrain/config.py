@@ -6,7 +6,9 @@ is DERIVED from the latent store (never set by hand):
 
     {"train": asdict(TrainConfig),
      "model": asdict(DiTConfig)        in_channels, input_size, num_classes, text dims
-     "diffusion": asdict(DiffusionConfig),
+     "diffusion": asdict(DiffusionConfig),  loss weighting, flow t sampling and shift too
+     "latents": {"norm": "none"} or {"norm": "channel", "mean": [C], "std": [C], ...}
+                (dittrain.latents: the store's stats the model's inputs were standardised with)
      "store": {"path": absolute path, "identity": manifest digest, "num_samples": N},
      "init": what --init-from loaded (dittrain.weights.init_model's record), only with it}
 """
@@ -49,15 +51,24 @@ class EvalSampleConfig:
 class TrainConfig:
     latents: str = ""  # the latent store (ditdata encode --out)
     out: str = ""  # the run directory
-    model: str = "DiT-B/2"  # a name from `dittrain models`
+    model: str = "DiT-B/2"  # a name from `dittrain models` or custom:hidden=H,depth=D,heads=N,patch=P
     objective: str = "ddpm"  # ddpm (epsilon, DiT) | flow (rectified flow, velocity)
     learn_sigma: bool | None = None  # None: True for ddpm (as DiT), False for flow
     qk_norm: bool = False
+    # latents and loss (dittrain.latents, dittrain.diffusion.DiffusionConfig)
+    latent_norm: str = "none"  # none | channel (standardise with the store's per-channel mean/std)
+    loss_weighting: str = "none"  # ddpm: none | min-snr
+    min_snr_gamma: float = 5.0
+    t_sampling: str = "logit-normal"  # flow: logit-normal | uniform
+    t_mean: float = 0.0  # flow logit-normal: t = sigmoid(N(t_mean, t_std))
+    t_std: float = 1.0
+    t_shift: float = 1.0  # flow: t -> S t / (1 + (S - 1) t) in training and the sampling grid; 1: none
     # optimisation (DiT: AdamW, lr 1e-4, no weight decay, global batch 256)
     batch_size: int = 256  # GLOBAL batch per optimizer step, over ranks and accumulation
     accumulation_steps: int = 1
     lr: float = 1e-4
     weight_decay: float = 0.0
+    optimizer: str = "adamw"  # adamw (torch, fp32 state) | adamw8bit (bitsandbytes, 8-bit state)
     warmup_steps: int = 0
     lr_schedule: str = "constant"  # constant | cosine (to min_lr at max_steps)
     min_lr: float = 0.0
@@ -68,7 +79,7 @@ class TrainConfig:
     caption_dropout: float = 0.1  # captions -> the empty caption's embedding
     # speed and memory
     amp: str = "auto"  # auto (bf16 on GPUs that have it, else fp16; fp32 on CPU) | bf16 | fp16 | fp32
-    grad_checkpointing: str = "none"  # none | every | k (every k-th block)
+    grad_checkpointing: str = "none"  # none | every | k (every k-th block) | attn | mlp (that branch of each block)
     compile: bool = False
     tf32: bool = True
     loader: str = "auto"  # auto | resident | streaming
@@ -83,6 +94,10 @@ class TrainConfig:
     sample_every: int = 5000  # EMA sample grid every N steps and at the end (0: never)
     sample_steps: int = SampleConfig.steps
     sample_cfg: float = SampleConfig.cfg_scale
+    # where the figures go (dittrain.loggers): jsonl (metrics.jsonl) is always on
+    logger: str = "tensorboard,jsonl"  # comma-separated: jsonl, tensorboard, wandb
+    wandb_project: str = "ditkit"
+    wandb_name: str = ""  # "": the run directory's name
     # FID during training (off by default): FID-eval_n of the EMA model every eval_every steps
     eval_every: int = 0  # 0: never
     eval_n: int = 5000

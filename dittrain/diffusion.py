@@ -13,10 +13,15 @@ ddpm  (DDPM / improved DDPM, the DiT setting) linear betas 1e-4..0.02 over 1000 
       L = MSE(eps) + vlb_weight * L_vlb(t), where L_vlb sees the mean with a stop-gradient
       (so only the variance learns from it). L_vlb(t) is the single-step KL in bits per
       dimension; with vlb_weight = 1 this is DiT's loss and equals improved DDPM's
-      lambda = 0.001 on the T-step sum.
+      lambda = 0.001 on the T-step sum. loss_weighting "min-snr" (Hang et al. 2023,
+      min-SNR-gamma for epsilon prediction) weights the MSE term by
+      w(t) = min(SNR(t), gamma) / SNR(t), SNR(t) = abar_t / (1 - abar_t); the VLB term
+      stays unweighted: L = w(t) MSE(eps) + vlb_weight * L_vlb(t).
 flow  rectified flow: x_t = (1 - t) x0 + t eps, t in [0, 1], the model predicts the
-      velocity eps - x0; t ~ logit-normal(mean, std) in training (SD3); the model sees
-      1000 t.
+      velocity eps - x0; t ~ logit-normal(mean, std) in training (SD3; t_sampling
+      "uniform": t ~ U(0, 1)); the model sees 1000 t. t_shift S (SD3's resolution shift)
+      maps every t, drawn in training and on the Euler/Heun time grid alike, through
+      shift_t(t) = S t / (1 + (S - 1) t) (S > 1: more time near the noise end; 1: none).
 
 Samplers: "ddpm" (ancestral) and "ddim" (eta) for ddpm, "euler" and "heun" for flow.
 Everything random takes a torch.Generator, so a seed fixes samples and losses.
@@ -37,6 +42,16 @@ import torch
 ModelFn = Callable[..., torch.Tensor]
 
 SAMPLERS = {"ddpm": ("ddpm", "ddim"), "flow": ("euler", "heun")}
+LOSS_WEIGHTINGS = ("none", "min-snr")
+T_SAMPLINGS = ("logit-normal", "uniform")
+
+
+def shift_t(t, shift: float):
+    """SD3's timestep shift t' = S t / (1 + (S - 1) t) of flow times t in [0, 1] (a tensor
+    or a float); S = 1 is the identity, 0 and 1 stay put."""
+    if shift == 1.0:
+        return t
+    return shift * t / (1 + (shift - 1) * t)
 
 
 @dataclass(frozen=True)
@@ -49,10 +64,28 @@ class DiffusionConfig:
     vlb_weight: float = 1.0  # weight of the per-step VLB term in the hybrid loss
     logit_normal_mean: float = 0.0  # flow: t = sigmoid(N(mean, std))
     logit_normal_std: float = 1.0
+    loss_weighting: str = "none"  # ddpm: none | min-snr (weight min(SNR, gamma) / SNR on the MSE)
+    min_snr_gamma: float = 5.0
+    t_sampling: str = "logit-normal"  # flow: logit-normal | uniform
+    t_shift: float = 1.0  # flow: t -> S t / (1 + (S - 1) t) in training and sampling; 1: none
 
     def __post_init__(self):
         if self.objective not in SAMPLERS:
             raise ValueError(f"objective must be 'ddpm' or 'flow', got {self.objective!r}")
+        if self.loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}")
+        if self.t_sampling not in T_SAMPLINGS:
+            raise ValueError(f"t_sampling must be one of {T_SAMPLINGS}, got {self.t_sampling!r}")
+        if self.loss_weighting == "min-snr" and self.objective != "ddpm":
+            raise ValueError("min-snr loss weighting is for the ddpm objective (epsilon prediction)")
+        if not self.min_snr_gamma > 0:
+            raise ValueError(f"min_snr_gamma must be > 0, got {self.min_snr_gamma}")
+        if not (self.t_shift > 0 and math.isfinite(self.t_shift)):
+            raise ValueError(f"t_shift must be a finite number > 0, got {self.t_shift}")
+        if self.objective != "flow" and (self.t_shift != 1.0 or self.t_sampling != "logit-normal"):
+            raise ValueError("t_shift and t_sampling are flow options (ddpm draws integer steps uniformly)")
+        if not self.logit_normal_std > 0:
+            raise ValueError(f"logit_normal_std must be > 0, got {self.logit_normal_std}")
 
     @property
     def default_sampler(self) -> str:
@@ -125,13 +158,19 @@ def _rand(shape, generator, device):
 _ON_DEVICE: dict = {}
 
 
+def _table_on(values: torch.Tensor, device) -> torch.Tensor:
+    # a schedule table's copy on `device` (made once)
+    if values.device != device:
+        key = (id(values), device)
+        if key not in _ON_DEVICE:
+            _ON_DEVICE[key] = (values, values.to(device))
+        values = _ON_DEVICE[key][1]
+    return values
+
+
 def _bcast(values: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     # values (S,) float64 table, idx (N,) -> (N, 1, 1, 1) in x's dtype for broadcasting
-    if values.device != x.device:
-        key = (id(values), x.device)
-        if key not in _ON_DEVICE:
-            _ON_DEVICE[key] = (values, values.to(x.device))
-        values = _ON_DEVICE[key][1]
+    values = _table_on(values, x.device)
     out = values[idx.to(x.device)].to(x.dtype)
     return out.view(-1, *([1] * (x.dim() - 1)))
 
@@ -250,14 +289,38 @@ class Diffusion:
     # --- noising ---
 
     def sample_timesteps(self, n: int, generator=None, device="cpu") -> torch.Tensor:
-        """ddpm: uniform integers 0..T-1; flow: logit-normal t in (0, 1)."""
-        if self.config.objective == "flow":
-            z = _randn((n,), generator, device)
-            return torch.sigmoid(self.config.logit_normal_mean + self.config.logit_normal_std * z)
+        """ddpm: uniform integers 0..T-1; flow: logit-normal (or uniform) t in (0, 1),
+        then shifted by t_shift."""
+        c = self.config
+        if c.objective == "flow":
+            if c.t_sampling == "uniform":
+                t = _rand((n,), generator, device)
+            else:
+                t = torch.sigmoid(c.logit_normal_mean + c.logit_normal_std * _randn((n,), generator, device))
+            return shift_t(t, c.t_shift)
         gen_device = generator.device if generator is not None else device
         return torch.randint(
             0, self.config.num_timesteps, (n,), generator=generator, device=gen_device
         ).to(device)
+
+    def snr(self, t: torch.Tensor) -> torch.Tensor:
+        """ddpm: SNR(t) = abar_t / (1 - abar_t) at integer steps t, float64 on t's device."""
+        ac = _table_on(self.alphas_cumprod, t.device)[t]
+        return ac / (1 - ac)
+
+    def loss_weights(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The per-sample weight of the MSE term (None: unweighted). min-snr (ddpm, eps):
+        min(SNR(t), gamma) / SNR(t), i.e. 1 at noisy steps and gamma / SNR at clean ones."""
+        if self.config.loss_weighting != "min-snr":
+            return None
+        snr = self.snr(t)
+        return torch.clamp(snr, max=self.config.min_snr_gamma) / snr
+
+    def flow_time_grid(self, steps: int) -> list[float]:
+        """The flow samplers' (euler, heun) times from 1 (noise) to 0 (data): `steps` uniform
+        intervals, shifted by t_shift."""
+        ts = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
+        return shift_t(ts, self.config.t_shift).tolist()
 
     def q_sample(self, x0, t, noise):
         """x_t from x0: ddpm sqrt(abar_t) x0 + sqrt(1 - abar_t) noise (t int);
@@ -282,7 +345,8 @@ class Diffusion:
     ):
         """Per-sample loss (N,) for a batch of clean latents x0 (N, C, H, W).
         t and noise are drawn from `generator` unless given. With return_terms, a dict
-        {"loss", "mse", "vb"} of (N,) tensors (vb only with a learned variance)."""
+        {"loss", "mse", "vb"} of (N,) tensors (vb only with a learned variance; mse is the
+        unweighted MSE, loss the weighted sum)."""
         model_kwargs = model_kwargs or {}
         N, C = x0.shape[:2]
         if t is None:
@@ -298,8 +362,9 @@ class Diffusion:
             terms["loss"] = terms["mse"]
         else:
             terms["mse"] = mean_flat((out[:, :C].float() - noise.float()) ** 2)
-            terms["loss"] = terms["mse"]
-            if self.learn_sigma:
+            weights = self.loss_weights(t)
+            terms["loss"] = terms["mse"] if weights is None else weights.to(terms["mse"]) * terms["mse"]
+            if self.learn_sigma:  # the VLB term is never weighted
                 # stop-gradient on the eps part: the VLB term trains only the variance
                 frozen = torch.cat([out[:, :C].detach(), out[:, C:]], dim=1).float()
                 terms["vb"] = self._vb_bits(frozen, x0.float(), x_t.float(), t)
@@ -415,8 +480,8 @@ class Diffusion:
         return x
 
     def _sample_flow(self, fn, x, steps, heun: bool):
-        # integrate dx/dt = v from t = 1 (noise) to t = 0 (data) on a uniform grid
-        ts = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64).tolist()
+        # integrate dx/dt = v from t = 1 (noise) to t = 0 (data) on a uniform grid, shifted by t_shift
+        ts = self.flow_time_grid(steps)
         n = x.shape[0]
 
         def v(x, t):
@@ -437,4 +502,5 @@ class Diffusion:
         return x
 
 
-__all__ = ["SAMPLERS", "Diffusion", "DiffusionConfig", "guided", "mean_flat", "normal_kl"]
+__all__ = ["LOSS_WEIGHTINGS", "SAMPLERS", "T_SAMPLINGS", "Diffusion", "DiffusionConfig", "guided", "mean_flat",
+           "normal_kl", "shift_t"]

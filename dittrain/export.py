@@ -299,6 +299,9 @@ def diffusers_refusal(config: dict, store=None) -> str | None:
     if d.objective != "ddpm":
         return (f"its objective is {d.objective} (velocity) and DiTPipeline samples DDPM eps-prediction models "
                 "(a DDIM scheduler); export it as onnx, fp16 or int8")
+    if (config.get("latents") or {}).get("norm", "none") != "none":
+        return ("it was trained on per-channel standardised latents (--latent-norm channel) and DiTPipeline "
+                "decodes latents / scaling_factor only; export it as onnx, fp16 or int8")
     if cfg.num_classes > DIFFUSERS_NULL:
         return (f"it has {cfg.num_classes} classes and DiTPipeline's guidance uses class {DIFFUSERS_NULL} as the null "
                 "class, a real class here")

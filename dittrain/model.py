@@ -14,7 +14,8 @@ those of the released facebookresearch/DiT checkpoints, so they load strictly.
 QK-norm and the text layers add keys only when enabled.
 
 Public API:
-    DiTConfig, CONFIGS (the registry), build_model(name, **overrides), DiT(config),
+    DiTConfig, CONFIGS (the registry), get_config(name or "custom:hidden=..,depth=..,heads=..,patch=.."),
+    build_model(name, **overrides), DiT(config),
     flops_per_forward(config), num_params(config), drop_text_conditioning(...).
 """
 
@@ -47,7 +48,8 @@ class DiTConfig:
     qk_norm: bool = False  # RMSNorm on q and k per head (stabilises bf16 / large lr)
     text_pooled_dim: int | None = None  # pooled text embedding, added to c
     text_token_dim: int | None = None  # token embeddings, through cross-attention
-    grad_checkpointing: str | int = "none"  # "none" | "every" | k (every k-th block)
+    # "none" | "every" | k (every k-th block) | "attn" / "mlp" (that branch of every block)
+    grad_checkpointing: str | int = "none"
     frequency_embedding_size: int = 256  # sinusoidal timestep features
 
     def __post_init__(self):
@@ -81,10 +83,84 @@ CONFIGS: dict[str, dict] = {
 }
 
 
-def get_config(name: str, **overrides) -> DiTConfig:
+# Sizes outside the registry, named by their fields: "custom:hidden=512,depth=8,heads=8,patch=2"
+# (",mlp_ratio=R" optional). Such a name works wherever a registry name does.
+CUSTOM_PREFIX = "custom:"
+_CUSTOM_FIELDS = {"hidden": "hidden_size", "depth": "depth", "heads": "num_heads", "patch": "patch_size",
+                  "mlp_ratio": "mlp_ratio"}
+_CUSTOM_REQUIRED = ("hidden", "depth", "heads", "patch")
+CUSTOM_SPEC = "custom:hidden=H,depth=D,heads=N,patch=P"  # the grammar, for messages
+
+
+class ModelSpecError(ValueError):
+    """A custom model spec that does not parse; the message is one line."""
+
+
+def parse_custom(spec: str) -> dict:
+    """"custom:hidden=D,depth=N,heads=H,patch=p[,mlp_ratio=r]" -> the architecture fields of
+    DiTConfig (as CONFIGS holds them, plus mlp_ratio when given); ModelSpecError otherwise."""
+    valid = (f"valid keys: {', '.join(_CUSTOM_REQUIRED)} (positive integers, required), mlp_ratio "
+             f"(optional, default {DiTConfig.mlp_ratio:g}), e.g. custom:hidden=512,depth=8,heads=8,patch=2")
+
+    def fail(why: str):
+        raise ModelSpecError(f"model {spec!r}: {why}; {valid}")
+
+    if not spec.startswith(CUSTOM_PREFIX):
+        fail(f"a custom size starts with {CUSTOM_PREFIX!r}")
+    given: dict[str, str] = {}
+    for item in spec[len(CUSTOM_PREFIX):].split(","):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or not key or not value:
+            fail(f"{item.strip()!r} is not key=value")
+        if key not in _CUSTOM_FIELDS:
+            fail(f"unknown key {key!r}")
+        if key in given:
+            fail(f"{key} is given twice")
+        given[key] = value
+    missing = [k for k in _CUSTOM_REQUIRED if k not in given]
+    if missing:
+        fail(f"missing {', '.join(missing)}")
+    arch = {}
+    for key, value in given.items():
+        try:
+            number = float(value) if key == "mlp_ratio" else int(value)
+        except ValueError:
+            number = None
+        if number is None or not math.isfinite(number) or number <= 0:
+            fail(f"{key}={value} is not a positive {'number' if key == 'mlp_ratio' else 'integer'}")
+        arch[_CUSTOM_FIELDS[key]] = number
+    D, H = arch["hidden_size"], arch["num_heads"]
+    if D % H:
+        fail(f"hidden {D} is not divisible by heads {H}")
+    if D % 4:
+        fail(f"hidden {D} is not a multiple of 4 (the 2-D sin-cos position embedding needs it)")
+    if int(D * arch.get("mlp_ratio", DiTConfig.mlp_ratio)) < 1:
+        fail(f"mlp_ratio {arch['mlp_ratio']} leaves the MLP no hidden units")
+    return arch
+
+
+def custom_name(hidden_size: int, depth: int, num_heads: int | str, patch_size: int,
+                mlp_ratio: float = 4.0) -> str:
+    """The custom spec of these fields (mlp_ratio only when not the default; num_heads "?" for a
+    spec to complete)."""
+    ratio = f",mlp_ratio={mlp_ratio:g}" if mlp_ratio != DiTConfig.mlp_ratio else ""
+    return f"{CUSTOM_PREFIX}hidden={hidden_size},depth={depth},heads={num_heads},patch={patch_size}{ratio}"
+
+
+def architecture(name: str) -> dict:
+    """The architecture fields of a registry name or a custom spec (KeyError: an unknown name,
+    ModelSpecError: a custom spec that does not parse)."""
+    if name.startswith(CUSTOM_PREFIX):
+        return parse_custom(name)
     if name not in CONFIGS:
-        raise KeyError(f"unknown model {name!r}; choose one of {', '.join(CONFIGS)}")
-    return DiTConfig(**{**CONFIGS[name], **overrides})
+        raise KeyError(f"unknown model {name!r}; choose one of {', '.join(CONFIGS)}, or a custom size "
+                       f"{CUSTOM_SPEC}")
+    return dict(CONFIGS[name])
+
+
+def get_config(name: str, **overrides) -> DiTConfig:
+    """get_config("DiT-XL/2", input_size=32) or get_config("custom:hidden=512,depth=8,heads=8,patch=2")."""
+    return DiTConfig(**{**architecture(name), **overrides})
 
 
 def build_model(name: str, **overrides) -> DiT:
@@ -93,9 +169,14 @@ def build_model(name: str, **overrides) -> DiT:
     return DiT(get_config(name, **overrides))
 
 
+# grad_checkpointing values that recompute one branch of every block instead of whole blocks
+CHECKPOINT_BRANCHES = ("attn", "mlp")
+
+
 def checkpoint_every(granularity: str | int | None) -> int:
-    """The grad_checkpointing knob as "checkpoint every k-th block" (0 = never)."""
-    if granularity in (None, "none", 0, False):
+    """The grad_checkpointing knob as "checkpoint every k-th block" (0 = never; a branch
+    knob, "attn" or "mlp", checkpoints no whole block: see checkpoint_branch)."""
+    if granularity in (None, "none", 0, False) or granularity in CHECKPOINT_BRANCHES:
         return 0
     if granularity == "every":
         return 1
@@ -103,7 +184,14 @@ def checkpoint_every(granularity: str | int | None) -> int:
         return granularity
     if isinstance(granularity, str) and granularity.isdigit() and int(granularity) > 0:
         return int(granularity)
-    raise ValueError(f"grad_checkpointing must be 'none', 'every' or k >= 1, got {granularity!r}")
+    raise ValueError(f"grad_checkpointing must be 'none', 'every', k >= 1, 'attn' or 'mlp', got {granularity!r}")
+
+
+def checkpoint_branch(granularity: str | int | None) -> str | None:
+    """The branch every block recomputes in the backward pass: "attn" (norm1, modulate,
+    self-attention and the text cross-attention), "mlp" (norm2, modulate, MLP), or None."""
+    checkpoint_every(granularity)  # validates the knob
+    return granularity if granularity in CHECKPOINT_BRANCHES else None
 
 
 # -----------------------------------------------------------------------------
@@ -322,16 +410,30 @@ class DiTBlock(nn.Module):
         self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
 
-    def forward(self, x, c, context=None, context_mask=None):
-        # x (N, T, D), c (N, D)
+    def forward(self, x, c, context=None, context_mask=None, recompute=None):
+        # x (N, T, D), c (N, D); recompute: "attn" | "mlp" | None, the branch whose activations
+        # are recomputed in the backward pass instead of kept (DiT.forward passes the knob's)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(
             c
         ).chunk(6, dim=1)
-        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
+        attn_args = (x, shift_msa, scale_msa, gate_msa, context, context_mask)
+        if recompute == "attn":
+            x = checkpoint(self._attention, *attn_args, use_reentrant=False)
+        else:
+            x = self._attention(*attn_args)
+        if recompute == "mlp":
+            return checkpoint(self._mlp, x, shift_mlp, scale_mlp, gate_mlp, use_reentrant=False)
+        return self._mlp(x, shift_mlp, scale_mlp, gate_mlp)
+
+    def _attention(self, x, shift, scale, gate, context, context_mask):
+        # the attention branch with its residuals: self-attention, then (text) cross-attention
+        x = x + gate.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift, scale))
         if context is not None:
             x = x + self.cross_attn(self.norm_cross(x), context, context_mask)
-        x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
         return x
+
+    def _mlp(self, x, shift, scale, gate):
+        return x + gate.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift, scale))
 
 
 class FinalLayer(nn.Module):
@@ -418,7 +520,7 @@ class DiT(nn.Module):
         nn.init.zeros_(self.final_layer.linear.bias)
 
     def set_grad_checkpointing(self, granularity: str | int) -> None:
-        """Change the checkpointing knob of a built model ("none", "every" or k)."""
+        """Change the checkpointing knob of a built model ("none", "every", k, "attn" or "mlp")."""
         checkpoint_every(granularity)
         self.config = replace(self.config, grad_checkpointing=granularity)
 
@@ -486,17 +588,15 @@ class DiT(nn.Module):
                 )
             context = self.text_token_embedder(text_tokens.to(c.dtype))  # (N, L, D)
 
-        k = (
-            checkpoint_every(cfg.grad_checkpointing)
-            if self.training and torch.is_grad_enabled()
-            else 0
-        )
+        training = self.training and torch.is_grad_enabled()
+        k = checkpoint_every(cfg.grad_checkpointing) if training else 0
+        branch = checkpoint_branch(cfg.grad_checkpointing) if training else None
         for i, block in enumerate(self.blocks):
             if k and i % k == 0:
                 # recompute this block's activations in backward: memory for ~1/3 more compute
                 x = checkpoint(block, x, c, context, text_mask, use_reentrant=False)
             else:
-                x = block(x, c, context, text_mask)  # (N, T, D)
+                x = block(x, c, context, text_mask, recompute=branch)  # (N, T, D)
         x = self.final_layer(x, c)  # (N, T, p^2 * out_channels)
         return self.unpatchify(x)  # (N, out_channels, H, W)
 
@@ -581,9 +681,16 @@ def describe(name: str, **overrides) -> dict:
 
 __all__ = [
     "CONFIGS",
+    "CUSTOM_PREFIX",
+    "CUSTOM_SPEC",
+    "ModelSpecError",
+    "architecture",
+    "custom_name",
+    "parse_custom",
     "DiT",
     "DiTConfig",
     "build_model",
+    "checkpoint_branch",
     "checkpoint_every",
     "describe",
     "drop_text_conditioning",

@@ -54,6 +54,7 @@ from ditdata.store.devices import PRECISIONS, DeviceError, amp_dtype, autocast
 from ditdata.store.devices import resolve_device as _resolve_device
 from dittrain.config import SampleConfig
 from dittrain.diffusion import SAMPLERS, Diffusion, DiffusionConfig
+from dittrain.latents import LatentNorm
 from dittrain.model import DiT, DiTConfig
 from dittrain.weights import strip_prefixes
 
@@ -410,6 +411,7 @@ class SamplePlan:
     records: tuple[dict, ...] = ()  # what samples.json says of each sample
     nrow: int = 1
     rows_per_class: bool = False  # the layout: a grid row per class or prompt (else flat)
+    latents: dict | None = None  # the run's "latents" record (dittrain.latents): undone before decoding
 
     @property
     def guide(self) -> bool:
@@ -533,6 +535,7 @@ def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiT
         groups=_tuple(picks) if n_per_class is not None or per_class_dir else None,
         records=tuple(records) or tuple({} for _ in range(total)),
         nrow=nrow or n_per_class or _square(total), rows_per_class=n_per_class is not None,
+        latents=config.get("latents"),
     )
 
 
@@ -572,6 +575,7 @@ def run_plan(model, plan: SamplePlan, store, *, autoencoder=None, text_encoder=N
     if autoencoder is None:
         autoencoder = load_autoencoder(store, dev, vae)
     diffusion = Diffusion(plan.diffusion)
+    norm = LatentNorm(plan.latents)  # --latent-norm channel: back to the store's latents before decoding
     was_training = model.training
     model.eval()
     out = []
@@ -588,7 +592,7 @@ def run_plan(model, plan: SamplePlan, store, *, autoencoder=None, text_encoder=N
                     uncond_kwargs=uncond, generator=generator, device=dev, noise=noise[sl],
                 )
             with torch.no_grad():
-                out.append(to_uint8(autoencoder.decode(z.float())))
+                out.append(to_uint8(autoencoder.decode(norm.denormalize(z.float()))))
     finally:
         model.train(was_training)
     return np.concatenate(out)

@@ -13,7 +13,7 @@ The file in the order a run goes: setup (`_setup`: process group, device and pre
 the store and the config it implies), building the run's state (`_build`: a
 dittrain.checkpoint.RunState, every stateful part in one object, which is what a checkpoint
 holds) and resuming it (`_checkpoint_to_resume`, `_resume`), the loop itself (`_loop`), and
-what a run reports (`_Log`: metrics records and the progress bar).
+what a run reports (`_Log`: metrics records and sample grids to dittrain.loggers, the progress bar).
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ from dittrain.checkpoint import (
 from dittrain.config import TrainConfig
 from dittrain.data import LoaderStateError, build_loader
 from dittrain.diffusion import Diffusion, DiffusionConfig
+from dittrain.latents import LatentNorm, latent_record
+from dittrain.loggers import LoggerError, open_loggers, parse_loggers
 from dittrain.model import DiT, DiTConfig, drop_text_conditioning, flops_per_forward, get_config
 
 # Dense bf16/fp16 tensor-core peak FLOP/s by device name, for MFU. Unknown devices: no MFU.
@@ -104,7 +106,8 @@ def model_config_for(cfg: TrainConfig, store: Store) -> DiTConfig:
             grad_checkpointing=granularity,
         )
     except KeyError as e:
-        raise TrainError(f"unknown model {cfg.model!r}; see `dittrain models`") from e
+        raise TrainError(f"unknown model {cfg.model!r}; see `dittrain models`, or name a size "
+                         "custom:hidden=H,depth=D,heads=N,patch=P") from e
     except AssertionError as e:
         raise TrainError(f"{cfg.model} does not fit latents {c}x{h}x{w}: {e}") from e
     except ValueError as e:  # e.g. --grad-checkpointing foo
@@ -170,11 +173,12 @@ def _setup(cfg: TrainConfig) -> _Run:
     except StoreError as e:
         raise TrainError(str(e)) from e
     model_cfg = model_config_for(cfg, store)
-    diff_cfg = DiffusionConfig(objective=cfg.objective, learn_sigma=model_cfg.learn_sigma)
+    diff_cfg, latents = _diffusion_config(cfg, model_cfg, store)
     resolved = {
         "train": asdict(cfg),
         "model": asdict(model_cfg),
         "diffusion": asdict(diff_cfg),
+        "latents": latents,
         "store": {"path": str(Path(cfg.latents).resolve()), "identity": store.identity,
                   "num_samples": len(store)},
     }
@@ -182,9 +186,26 @@ def _setup(cfg: TrainConfig) -> _Run:
     if rem or per_rank == 0:
         raise TrainError(f"--batch-size {cfg.batch_size} must be a multiple of ranks ({world}) x "
                          f"--accumulation-steps ({cfg.accumulation_steps})")
+    try:  # an unknown --logger, or wandb without its extra, stops the run before it starts
+        parse_loggers(cfg.logger)
+    except LoggerError as e:
+        raise TrainError(str(e)) from e
     # auto: bf16 on GPUs that have it, else fp16 (with a grad scaler); fp32 on the CPU
     return _Run(cfg, rank, world, device, amp_dtype(device, cfg.amp), store, model_cfg,
                 Diffusion(diff_cfg), resolved, per_rank, _evaluator(cfg, store))
+
+
+def _diffusion_config(cfg: TrainConfig, model_cfg: DiTConfig, store: Store) -> tuple[DiffusionConfig, dict]:
+    """The objective with its loss and timestep options, and the run config's "latents"
+    section (dittrain.latents: the store's per-channel stats with --latent-norm channel)."""
+    try:  # DiffusionConfig refuses options of the other objective (min-snr on flow, a t-shift on ddpm)
+        diff_cfg = DiffusionConfig(
+            objective=cfg.objective, learn_sigma=model_cfg.learn_sigma, loss_weighting=cfg.loss_weighting,
+            min_snr_gamma=cfg.min_snr_gamma, logit_normal_mean=cfg.t_mean, logit_normal_std=cfg.t_std,
+            t_sampling=cfg.t_sampling, t_shift=cfg.t_shift)
+        return diff_cfg, latent_record(store, cfg.latent_norm)
+    except ValueError as e:  # LatentNormError too
+        raise TrainError(str(e)) from e
 
 
 def _evaluator(cfg: TrainConfig, store: Store):
@@ -223,7 +244,7 @@ def _build(run: _Run, ckpt: dict | None) -> RunState:
     ema.load_state_dict(model.state_dict())
     ema.eval()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+    opt = build_optimizer(cfg, params, device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, cfg) / cfg.lr if cfg.lr else 0.0)
     scaler = torch.amp.GradScaler(device.type, enabled=run.amp_dtype == torch.float16)
     # Noise, timesteps and label/caption dropout come from this generator, on the device (no
@@ -241,6 +262,30 @@ def _build(run: _Run, ckpt: dict | None) -> RunState:
         raise TrainError(str(e)) from e
     return RunState(model=model, ema=ema, optimizer=opt, lr_schedule=sched, scaler=scaler, loader=loader,
                     noise_gen=noise_gen, config=run.resolved, device=device, rank=run.rank, world=run.world)
+
+
+def build_optimizer(cfg: TrainConfig, params: list, device: torch.device) -> torch.optim.Optimizer:
+    """--optimizer: torch's AdamW (fp32 moments) or bitsandbytes' AdamW8bit (block-wise 8-bit
+    moments; tensors under 4096 elements keep fp32 ones), with the same hyperparameters."""
+    adam = dict(lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, **adam, fused=device.type == "cuda")
+    if cfg.optimizer != "adamw8bit":
+        raise TrainError(f"--optimizer {cfg.optimizer}: choose adamw or adamw8bit")
+    import logging
+
+    # On CPUs with AVX512-BF16 bitsandbytes' import warns that its optional 4-bit CPU kernel
+    # (the "kernels" package) is missing; the 8-bit optimizer does not use it.
+    cpu_ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = cpu_ops.level
+    cpu_ops.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise TrainError(f"--optimizer adamw8bit needs bitsandbytes: pip install 'ditkit[optim]' ({e})") from e
+    finally:
+        cpu_ops.setLevel(level)
+    return bnb.optim.AdamW8bit(params, **adam)
 
 
 def _init_from(run: _Run, model: DiT) -> None:
@@ -271,11 +316,32 @@ def _checkpoint_to_resume(run: _Run) -> tuple[dict | None, Path | None]:
             f"{latest}: made with another latent store ({saved['store']['path']}, "
             f"{saved['store']['identity'][:19]}...) than {cfg.latents} "
             f"({identity[:19]}...); resume with the same store, or start a new --out")
+    optimizer = saved["train"].get("optimizer", "adamw")  # runs from before --optimizer used AdamW
+    if optimizer != cfg.optimizer:
+        raise CheckpointError(f"{latest}: made with --optimizer {optimizer}, not {cfg.optimizer} (its optimizer "
+                              f"state is {optimizer}'s); resume with --optimizer {optimizer}, or start a new --out")
     if saved["model"] != run.resolved["model"]:
         raise CheckpointError(f"{latest}: model config differs from this run's "
                               f"({cfg.model} on {cfg.latents}); keep the original flags")
+    _same_objective(latest, saved, run)
     _keep_init(run, saved)
     return ckpt, latest
+
+
+def _same_objective(latest: Path, saved: dict, run: _Run) -> None:
+    """A resume keeps the loss, timestep and latent-normalisation options it was started with
+    (a config saved before they existed has their defaults)."""
+    old = asdict(DiffusionConfig(**{k: v for k, v in (saved.get("diffusion") or {}).items()
+                                    if k in DiffusionConfig.__dataclass_fields__}))
+    new = run.resolved["diffusion"]
+    changed = [k for k in new if old.get(k) != new[k]]
+    if changed:
+        raise CheckpointError(f"{latest}: diffusion options differ from this run's ({', '.join(changed)}: "
+                              f"{', '.join(f'{old.get(k)} -> {new[k]}' for k in changed)}); keep the original flags")
+    old_norm = (saved.get("latents") or {"norm": "none"})
+    if old_norm != run.resolved["latents"]:
+        raise CheckpointError(f"{latest}: trained with --latent-norm {old_norm.get('norm')}, not "
+                              f"{run.resolved['latents']['norm']}; keep the original flag")
 
 
 def _keep_init(run: _Run, saved: dict) -> None:
@@ -347,13 +413,14 @@ def _train(cfg: TrainConfig) -> dict:
                   f"{state.loader.kind} ({state.loader.reason}); global batch {cfg.batch_size} = {run.world} "
                   f"rank(s) x {cfg.accumulation_steps} accumulation x {run.per_rank}; "
                   f"{_origin(cfg, ckpt, state)}", file=sys.stderr)
-        with _Stop() as stop, _Log(run, state) as log:  # (the bar closes on errors too: its line stays whole)
+        with _Stop() as stop, _Log(run, state, resumed=ckpt is not None) as log:  # (the bar closes on errors too)
             _loop(run, state, train_model, log, stop)
+            step = state.step
+            if run.master and step == cfg.max_steps and cfg.sample_every > 0 and step % cfg.sample_every:
+                _sample_grid(run, state.ema, step, log)  # the last grid
     finally:
         state.loader.close()
     step = state.step
-    if run.master and step == cfg.max_steps and cfg.sample_every > 0 and step % cfg.sample_every:
-        _sample_grid(run, state.ema, step)
     if run.world > 1:
         dist.barrier()
     return {"step": step, "out": str(run.out), "nonfinite_skipped": state.nonfinite_total}
@@ -403,6 +470,7 @@ def _loop(run: _Run, state: RunState, train_model, log: _Log, stop: _Stop) -> No
     # compute what one process would.
     mine = slice(run.rank * run.per_rank, (run.rank + 1) * run.per_rank)
     global_micro = run.per_rank * world
+    norm = LatentNorm.from_config(run.resolved)  # --latent-norm: identity for none
     consecutive_bad = 0
     while state.step < cfg.max_steps:
         # ---- one optimizer step: accumulation micro-batches ----
@@ -410,7 +478,7 @@ def _loop(run: _Run, state: RunState, train_model, log: _Log, stop: _Stop) -> No
         loss_sum = torch.zeros((), device=device)
         for micro in range(cfg.accumulation_steps):
             batch = next(loader)
-            x0 = batch["x"]
+            x0 = norm.normalize(batch["x"])  # on the device, every loader (and flip) alike
             noise = torch.randn((global_micro, *x0.shape[1:]), generator=gen, device=device)[mine]
             t = diffusion.sample_timesteps(global_micro, generator=gen, device=device)[mine]
             u = torch.rand(global_micro, generator=gen, device=device)[mine]
@@ -452,7 +520,7 @@ def _loop(run: _Run, state: RunState, train_model, log: _Log, stop: _Stop) -> No
         if stopping or (stepped and (step % cfg.save_every == 0 or step == cfg.max_steps)):
             _save(run, state)
         if stepped and run.master and cfg.sample_every and step % cfg.sample_every == 0:
-            _sample_grid(run, state.ema, step)
+            _sample_grid(run, state.ema, step, log)
         if stepped and run.evaluator is not None and (step % cfg.eval_every == 0 or step == cfg.max_steps):
             _evaluate(run, state, step, log)
         if stopping:
@@ -516,18 +584,21 @@ def _mean_over_ranks(x: torch.Tensor, world: int) -> torch.Tensor:
 
 
 class _Log:
-    """What a run reports. Every log_every steps (and at the last) a metrics record: to
-    metrics.jsonl, TensorBoard and the progress bar's postfix, on rank 0. The bar advances
-    once per optimizer step; a skipped (non-finite) step shows in its postfix."""
+    """What a run reports. Every log_every steps (and at the last) a metrics record: to the
+    loggers (--logger: metrics.jsonl always, TensorBoard, W&B; dittrain.loggers) and the
+    progress bar's postfix, on rank 0; so are evaluations and the EMA sample grids. The bar
+    advances once per optimizer step; a skipped (non-finite) step shows in its postfix."""
 
-    def __init__(self, run: _Run, state: RunState):
+    def __init__(self, run: _Run, state: RunState, *, resumed: bool = False):
         cfg, device = run.cfg, run.device
         self.run, self.state = run, state
         # 2 FLOPs/MAC x (forward + 2 backward) per sample of the global batch
         self.flops_step = 6 * flops_per_forward(run.model_cfg, text_token_count(run.store)) * cfg.batch_size
         self.peak = next((v for k, v in PEAK_FLOPS.items() if device.type == "cuda"
                           and k in torch.cuda.get_device_name(device)), None)
-        self.writer = _tensorboard(run.out) if run.master else None
+        self.loggers = open_loggers(cfg.logger, run.out, config=run.resolved, resumed=resumed,
+                                    wandb_project=cfg.wandb_project, wandb_name=cfg.wandb_name,
+                                    note=_note) if run.master else []
         self.bar = _progress(run.master, state.step, cfg.max_steps)
         self.postfix, self.shown = "", 0.0
         self.t_last, self.wait_last, self.steps_since = time.perf_counter(), state.loader.wait_seconds, 0
@@ -537,8 +608,8 @@ class _Log:
 
     def __exit__(self, *exc) -> None:
         self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
+        for logger in self.loggers:
+            logger.close()
 
     def step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """After an optimizer step (state.step is its number)."""
@@ -547,12 +618,7 @@ class _Log:
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             rec, now = self._record(loss, grad_norm)
             if self.run.master:
-                with open(self.run.out / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-                if self.writer is not None:
-                    for k, v in rec.items():
-                        if k != "step":
-                            self.writer.add_scalar(f"train/{k}", v, step)
+                self._scalars("train", rec)
                 self.postfix = (f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} {rec['images_per_s']:.0f} img/s "
                                 f"wait {100 * rec['data_wait_frac']:.0f}%")
                 self.bar.set_postfix_str(self._postfix())
@@ -561,16 +627,26 @@ class _Log:
 
     def evaluation(self, rec: dict) -> None:
         """An evaluation's record {"step", "fid", "sfid", "inception_score", "eval_n", ...}:
-        to metrics.jsonl (a record without "loss"), eval/* in TensorBoard, and a line."""
-        with open(self.run.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        if self.writer is not None:
-            for k in ("fid", "sfid", "inception_score"):
-                self.writer.add_scalar(f"eval/{k}", rec[k], rec["step"])
-            self.writer.flush()
+        to the loggers as eval/* (in metrics.jsonl a record without "loss"), and a line."""
+        self._scalars("eval", rec)
         self.status("")
         self.bar.write(f"dittrain: step {rec['step']}: FID-{rec['eval_n']} {rec['fid']:.3f}, sFID {rec['sfid']:.3f}, "
                        f"IS {rec['inception_score']:.2f} ({rec['eval_seconds']:.0f} s)", file=sys.stderr)
+
+    def grid(self, step: int, path: Path) -> None:
+        """An EMA sample grid written at `path` (a PNG): to the loggers that show images."""
+        from PIL import Image
+
+        with Image.open(path) as im:
+            image = np.asarray(im.convert("RGB"))
+        for logger in self.loggers:
+            logger.image(step, "samples/ema", image)
+
+    def _scalars(self, group: str, rec: dict) -> None:
+        """A record {"step", name: value, ...} to every logger, as GROUP/name tags."""
+        values = {f"{group}/{k}": v for k, v in rec.items() if k != "step"}
+        for logger in self.loggers:
+            logger.scalars(rec["step"], values)
 
     def status(self, text: str) -> None:
         """Show what the run is doing besides training (e.g. evaluating) after the figures."""
@@ -629,12 +705,11 @@ def _write_text(path: Path, text: str) -> None:
         raise TrainError(f"{path}: could not write ({files.error_reason(e)})") from e
 
 
-def _tensorboard(out: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is the optional [train] extra
-        return None
-    return SummaryWriter(str(out / "tensorboard"))
+def _note(line: str) -> None:
+    """A line on stderr that leaves the progress bar whole."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
 
 
 def _progress(enabled: bool, start: int, total: int):
@@ -659,8 +734,9 @@ def _evaluate(run: _Run, state: RunState, step: int, log: _Log) -> None:
         log.evaluation({"step": step, **rec})
 
 
-def _sample_grid(run: _Run, ema: DiT, step: int) -> None:
-    """An EMA sample grid, when the store's autoencoder can be loaded here (else a note)."""
+def _sample_grid(run: _Run, ema: DiT, step: int, log: _Log) -> None:
+    """An EMA sample grid (a PNG in RUN/samples/, and to the loggers), when the store's
+    autoencoder can be loaded here (else a note)."""
     path = run.out / "samples" / f"step_{step:08d}.png"
     try:
         from dittrain.sample import write_training_grid
@@ -672,3 +748,5 @@ def _sample_grid(run: _Run, ema: DiT, step: int) -> None:
                             seed=cfg.seed, device=run.device)
     except Exception as e:  # samples are a convenience: never kill a run over them
         print(f"dittrain: no sample grid at {path.name} ({type(e).__name__}: {e})", file=sys.stderr)
+        return
+    log.grid(step, path)

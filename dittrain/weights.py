@@ -22,7 +22,8 @@ What the shapes say (facebookresearch/DiT's key names, which our DiT keeps):
 
 The attention heads are not in the shapes: they come from the named size (dittrain.model's
 CONFIGS) with the same hidden size and depth, or from `--model NAME`, which replaces the
-inferred name and architecture (its hidden size, depth and patch must be the weights').
+inferred name and architecture (its hidden size, depth and patch must be the weights'). A size
+outside the registry is named by its fields, `--model custom:hidden=D,depth=N,heads=H,patch=p`.
 The diffusion is DiT's: ddpm, 1000 steps, linear betas 1e-4..0.02 (DiffusionConfig's
 defaults); a plain file does not say its objective, so a flow model saved as one reads as ddpm.
 
@@ -53,7 +54,15 @@ from dittrain.checkpoint import (
 )
 from dittrain.config import TrainConfig
 from dittrain.diffusion import DiffusionConfig
-from dittrain.model import CONFIGS, DiT, DiTConfig
+from dittrain.model import (
+    CONFIGS,
+    CUSTOM_SPEC,
+    DiT,
+    DiTConfig,
+    ModelSpecError,
+    architecture,
+    custom_name,
+)
 
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile, DistributedDataParallel
 LABEL_TABLE = "y_embedder.embedding_table.weight"
@@ -173,18 +182,25 @@ def _name_and_heads(arch: dict, model: str | None, where) -> tuple[str, int]:
     """(model name, attention heads): --model's, else the named size with the weights'
     hidden size and depth (its name with the weights' patch)."""
     if model is not None:
-        spec = CONFIGS.get(model)
-        if spec is None:
-            raise WeightsError(f"--model {model}: unknown; choose one of {', '.join(CONFIGS)}")
-        if any(spec[k] != arch[k] for k in ("hidden_size", "depth", "patch_size")):
+        try:
+            spec = architecture(model)  # a registry name or a custom:hidden=..,depth=..,heads=..,patch=.. spec
+        except KeyError:
+            raise WeightsError(f"--model {model}: unknown; choose one of {', '.join(CONFIGS)}, or "
+                               f"{CUSTOM_SPEC}") from None
+        except ModelSpecError as e:
+            raise WeightsError(f"--model: {e}") from None
+        mlp = int(arch["hidden_size"] * spec.get("mlp_ratio", arch["mlp_ratio"]))  # a custom spec's ratio
+        if (any(spec[k] != arch[k] for k in ("hidden_size", "depth", "patch_size"))
+                or mlp != int(arch["hidden_size"] * arch["mlp_ratio"])):
             raise WeightsError(f"--model {model} ({_size(spec)}) does not fit {where} ({_size(arch)})")
         return model, spec["num_heads"]
     for name, spec in CONFIGS.items():
         if (spec["hidden_size"], spec["depth"]) == (arch["hidden_size"], arch["depth"]):
             return f"{name.rsplit('/', 1)[0]}/{arch['patch_size']}", spec["num_heads"]
+    suggestion = custom_name(arch["hidden_size"], arch["depth"], "?", arch["patch_size"], arch["mlp_ratio"])
     raise WeightsError(f"{where}: no named DiT size has hidden {arch['hidden_size']} and depth {arch['depth']}, "
                        "and the shapes do not tell the attention heads: pass --model NAME (see `dittrain "
-                       "models`) to say which model it is")
+                       f"models`) or --model {suggestion} with the heads it was trained with")
 
 
 def mismatch(state: dict, expected: dict) -> str | None:
