@@ -2,6 +2,10 @@
 
     python bench/loader.py [--n 100000] [--shard-size 10000] [--batch-size 256] [--workers 4]
                            [--device cpu|cuda] [--threads T] [--dir DIR]
+    python bench/loader.py --peers [--workers 2] [--rounds 2] [--budgets auto,1GiB] ...
+
+--peers: the streaming loader at each memory budget against mosaicml-streaming, litdata and
+webdataset (those that import), samples/s and peak PSS: see bench/loader_peers.py.
 
 Writes N latents of 4x32x32 fp16 (with int64 labels) twice:
   a latent store      ditdata.store, zarr backend, shards of --shard-size samples
@@ -147,7 +151,16 @@ def main():
     ap.add_argument("--passes", type=float, default=2.0, help="passes over the data timed per dittrain loader")
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in the consumer")
+    ap.add_argument("--peers", action="store_true", help="compare with mosaicml-streaming, litdata, webdataset")
+    ap.add_argument("--rounds", type=int, default=2, help="--peers: interleaved rounds")
+    ap.add_argument("--budgets", default="auto,1GiB", help="--peers: the streaming loader's --loader-memory values")
     args = ap.parse_args()
+    if args.peers:
+        from loader_peers import compare  # bench/loader_peers.py
+
+        with scratch_dir(args.dir, "ditkit-loader-peers-") as root:
+            compare(root, args)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -62,10 +62,12 @@ window is read again (a shuffle needs all of it) and its consumed part is skippe
 
 from __future__ import annotations
 
+import gc
 import math
 import multiprocessing
 import os
 import queue
+import re
 import signal
 import time
 import traceback
@@ -79,7 +81,7 @@ from ditdata.store import BFLOAT16, TEXT_FIELDS, Store, open_store
 
 __all__ = [
     "LoaderError", "LoaderStateError", "ResidentLoader", "StreamingLoader", "available_memory",
-    "build_loader", "choose_loader", "gpu_memory",
+    "build_loader", "choose_loader", "gpu_memory", "loader_budget", "parse_memory",
 ]
 
 _TORCH_DTYPES = {
@@ -343,16 +345,188 @@ def _check_resident_fits(rdev: torch.device, need: int, local: int, what: str) -
     return f"; {total / avail:.0%} of the available {_gib(avail)} of {where} ({source})"
 
 
+# ---------------------------------------------------------------------------------------
+# The streaming loader's memory budget
+# ---------------------------------------------------------------------------------------
+# memory="auto" is this share of the available RAM, split between the ranks of this machine
+# (each runs its own loader), and at most LOADER_MEMORY_CAP. A quarter leaves the rest to
+# what training needs besides the loader (model, optimizer, pinned staging, a resident eval
+# set) and to the page cache, which serves the store's shards again in the next epoch. The
+# cap: a window never grows past AUTO_MAX_WINDOW units, and 4 GiB already holds that window
+# for 4 workers over shards of 10,000 4x32x32 fp16 latents with flips (4 x 4 x 160 MB + the
+# rest); more budget would buy no better shuffle, only a higher peak.
+LOADER_MEMORY_FRACTION = 0.25
+LOADER_MEMORY_CAP = 4 * 2**30
+# A window or prefetch depth sized by the budget is at most this (the fixed defaults before
+# the budget existed): the budget lowers them where memory is short, never raises them.
+AUTO_MAX_WINDOW = 4
+AUTO_MAX_PREFETCH = 4
+# A sized prefetch is at least this where it fits: one slot being filled while the main
+# process copies out of the other keeps a worker busy (1 is still taken when 2 does not fit).
+AUTO_MIN_PREFETCH = 2
+# Private memory of one worker process beyond its window and piece: the copy-on-write pages
+# of the parent that it touches after the fork, its imports (zarr, pyarrow), allocator and
+# thread state. Measured here at 55-70 MiB of USS at the worker's peak (4x32x32 fp16 latents
+# with flips, windows of 1-4 shards); tests/test_loader_budget.py holds the estimate to a
+# measurement.
+WORKER_OVERHEAD = 80 * 2**20
+# A zarr shard is read in row pieces of about this many bytes, so that a worker holds its
+# window plus one piece rather than plus a second copy of a whole shard. A wds shard is read
+# whole: a row range of a tar is found by scanning it from the start.
+READ_PIECE_BYTES = 32 * 2**20
+# Per sample of a window besides its data: the permutation, the coin flips and the gather rows
+# (int64 each).
+_ORDER_BYTES = 24
+# Per sample of a shard whose columns are read: the zarr backend caches the shard's parquet
+# table (keys included) and the converted label column while the shard is being read.
+_COLUMN_BYTES = 64
+# Batches alive at once in the main process: the consumer's, the one being assembled, and the
+# staged one (GPU lookahead) or the float32 temporaries of a mean/std draw.
+_LIVE_BATCHES = 3
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+
+
+def parse_memory(value) -> int | None:
+    """A memory size in bytes: "2GiB", "512MiB", "1.5G" and "2g" (binary), "2GB" (decimal),
+    "1000000" or an int (bytes); None for "auto". Raises ValueError for anything else."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        n = float(value)
+    else:
+        m = _SIZE.match(str(value))
+        if m is None:
+            raise ValueError(f"loader memory {value!r}: use auto or a size such as 2GiB, 512MiB or 1.5G")
+        num, prefix, binary, byte = m.groups()
+        # "2GB" is decimal (as disks count); "2GiB", "2G" and "2g" are binary (as RAM is sold)
+        base = 1000 if (byte and not binary and prefix) else 1024
+        n = float(num) * base ** " kmgt".index(prefix.lower() or " ")
+    if not math.isfinite(n) or n <= 0:
+        raise ValueError(f"loader memory {value!r}: must be a positive size")
+    return int(n)
+
+
+def loader_budget(memory="auto", *, world_size: int = 1, local_world_size: int | None = None
+                  ) -> tuple[int, str]:
+    """(bytes, how they were chosen) of the streaming loader's memory budget for `memory`:
+    auto (LOADER_MEMORY_FRACTION of the available RAM over the ranks of this machine, at most
+    LOADER_MEMORY_CAP) or an explicit size (see parse_memory)."""
+    explicit = parse_memory(memory)
+    if explicit is not None:
+        return explicit, f"--loader-memory {memory}" if isinstance(memory, str) else f"memory={memory}"
+    local = _local_ranks(local_world_size, world_size)
+    avail, source = available_memory()
+    if avail is None:
+        return LOADER_MEMORY_CAP, f"auto: available memory unknown, the {_gib(LOADER_MEMORY_CAP)} cap"
+    share = int(LOADER_MEMORY_FRACTION * avail / local)
+    per = f" / {local} ranks" if local > 1 else ""
+    if share >= LOADER_MEMORY_CAP:
+        return LOADER_MEMORY_CAP, f"auto: the {_gib(LOADER_MEMORY_CAP)} cap ({LOADER_MEMORY_FRACTION:.0%} of {_gib(avail)} available{per} is more)"
+    return share, f"auto: {LOADER_MEMORY_FRACTION:.0%} of {_gib(avail)} available{per} ({source})"
+
+
+@dataclass(frozen=True)
+class StreamingMemory:
+    """The streaming loader's memory plan: its window and prefetch depth, the estimate of its
+    own peak (bytes, and what it is made of), and the budget it was sized to (None: none)."""
+
+    window: int
+    prefetch: int
+    estimate: int
+    parts: dict
+    budget: int | None = None
+    source: str = ""
+
+    def describe(self) -> str:
+        made = ", ".join(f"{k} {_gib(v)}" for k, v in self.parts.items() if v)
+        if self.budget is None:
+            return f"memory ~{_gib(self.estimate)} ({made}; no budget)"
+        return f"memory ~{_gib(self.estimate)} of budget {_gib(self.budget)} ({made}; budget {self.source})"
+
+
+def _read_piece_rows(store: Store, spec: _Spec) -> int | None:
+    """Rows per read of a shard (None: the whole shard at once, see READ_PIECE_BYTES)."""
+    if store.manifest["backend"] == "wds":
+        return None
+    lat = spec.V * spec.P * math.prod(spec.lat_shape) * spec.lat_dtype.itemsize
+    return max(1, READ_PIECE_BYTES // (lat + sum(e.nbytes for e in spec.extras)))
+
+
+def _estimate(spec: _Spec, sizes: list[int], piece: int | None, *, workers: int, window: int,
+              prefetch: int, slot_bytes: int, batch_size: int) -> dict[str, int]:
+    """The streaming loader's own peak memory, by part (bytes): each reader's window (the
+    largest `window` units of the store) and the piece of a shard being read into it, the
+    shared-memory slots, the main process's batches and each worker process's overhead."""
+    biggest = sorted(sizes, reverse=True)
+    win = sum(biggest[:window]) * (spec.resident_bytes + _ORDER_BYTES)
+    read = min(biggest[0], piece or biggest[0]) * (spec.resident_bytes - 8)
+    read += biggest[0] * _COLUMN_BYTES if spec.extras else 0
+    batch = batch_size * sum(math.prod(f.shape) * (4 if f.dtype.is_floating_point else f.dtype.itemsize)
+                             for f in spec.chunk_fields)
+    readers = max(1, workers)
+    return {"windows": readers * (win + read), "slots": max(1, workers) * (prefetch if workers else 1) * slot_bytes,
+            "batches": _LIVE_BATCHES * batch, "workers": workers * WORKER_OVERHEAD}
+
+
+def plan_streaming_memory(spec: _Spec, sizes: list[int], piece: int | None, *, workers: int,
+                          window: int | None, prefetch: int | None, slot_bytes: int, batch_size: int,
+                          budget: int | None = None, source: str = "") -> StreamingMemory:
+    """Window and prefetch depth for a budget, and the estimate of the loader's peak.
+
+    Without a budget, window and prefetch are as given (None: AUTO_MAX_*). With one, a given
+    window or prefetch is kept and checked, and one left None is sized: the largest window up
+    to AUTO_MAX_WINDOW units that fits with AUTO_MIN_PREFETCH slots per worker (or 1), then
+    the deepest prefetch up to AUTO_MAX_PREFETCH in what remains. Settings that cannot fit are
+    refused (LoaderError, one line with both figures), never lowered behind the user's back:
+    the window decides the data order, so a window that silently depended on the budget would
+    change the order (and break an exact resume) without a word. The result is a function of
+    (store, spec, workers, batch size, budget) only, so the same budget gives the same order.
+    """
+    def est(w, p):
+        return _estimate(spec, sizes, piece, workers=workers, window=w, prefetch=p, slot_bytes=slot_bytes,
+                         batch_size=batch_size)
+
+    def plan(w, p):
+        parts = est(w, p)
+        return StreamingMemory(w, p, sum(parts.values()), parts, budget, source)
+
+    units = len(sizes)
+    if budget is None:
+        return plan(window or AUTO_MAX_WINDOW, prefetch or AUTO_MAX_PREFETCH)
+    fits = lambda w, p: sum(est(w, p).values()) <= budget  # noqa: E731
+    floor_p = prefetch or (AUTO_MIN_PREFETCH if fits(window or 1, AUTO_MIN_PREFETCH) else 1)
+    if window is None:
+        top = min(AUTO_MAX_WINDOW, units)
+        window = next((w for w in range(top, 0, -1) if fits(w, floor_p)), None)
+        if window is None:
+            need = sum(est(1, 1).values())
+            raise LoaderError(
+                f"streaming loader: even 1-shard windows with {workers} workers need ~{_gib(need)}, over the "
+                f"loader memory budget of {_gib(budget)} ({source}); use fewer --workers or a larger "
+                "--loader-memory")
+    if prefetch is None:
+        prefetch = next(p for p in range(AUTO_MAX_PREFETCH, 0, -1) if p <= floor_p or fits(window, p))
+    result = plan(window, prefetch)
+    if result.estimate > budget:
+        raise LoaderError(
+            f"streaming loader: shuffle window {window} with {workers} workers and prefetch {prefetch} needs "
+            f"~{_gib(result.estimate)}, over the loader memory budget of {_gib(budget)} ({source}); use a "
+            "smaller --shuffle-window or fewer --workers, or a larger --loader-memory")
+    return result
+
+
 def build_loader(store, *, batch_size: int, kind: str = "auto", seed: int = 0, rank: int = 0,
                  world_size: int = 1, device="cpu", resident_device="cpu", workers: int = 4,
-                 shuffle_window: int = 4, prefetch: int = 4, with_index: bool = False,
+                 shuffle_window: int | None = None, prefetch: int | None = None, with_index: bool = False,
                  memory_fraction: float = 0.5, local_world_size: int | None = None,
-                 split: str = "part"):
+                 split: str = "part", memory=None):
     """A ResidentLoader or StreamingLoader over `store` (a Store or its path).
 
     batch_size is per rank (the micro-batch one forward pass sees). kind: auto | resident |
     streaming; the choice and its reason are in loader.kind and loader.reason. split: how
-    ranks share the data, "part" or "batch" (see the module's docstring).
+    ranks share the data, "part" or "batch" (see the module's docstring). memory: the
+    streaming loader's budget (see StreamingLoader); shuffle_window/prefetch None: sized by it.
     """
     store = _open(store)
     kind, rdev, reason = choose_loader(store, kind=kind, rank=rank, world_size=world_size,
@@ -363,7 +537,7 @@ def build_loader(store, *, batch_size: int, kind: str = "auto", seed: int = 0, r
     if kind == "resident":
         return ResidentLoader(store, resident_device=rdev, **common)
     return StreamingLoader(store, workers=workers, shuffle_window=shuffle_window, prefetch=prefetch,
-                           **common)
+                           memory=memory, local_world_size=local_world_size, **common)
 
 
 # ---------------------------------------------------------------------------------------
@@ -516,6 +690,15 @@ def _rank_part(n: int, seed: int, rank: int, world_size: int) -> np.ndarray:
     return np.sort(perm[rank::world_size])
 
 
+def _upload(arr: np.ndarray, device) -> torch.Tensor:
+    """An index array onto the loader's device; to a GPU through pinned memory, so the copy
+    does not make the host wait for the device (an epoch's order is made mid-run)."""
+    t = torch.from_numpy(arr)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class ResidentLoader(_Loader):
     """This rank's part of the store held in memory (RAM, or the GPU with resident_device="cuda").
 
@@ -571,7 +754,7 @@ class ResidentLoader(_Loader):
             order = rng.permutation(self.n)
             rows = order * self.spec.V + rng.integers(0, 2, self.n) if self.spec.V == 2 else order
             dev = self.resident_device
-            self._epochs[e] = (torch.from_numpy(order).to(dev), torch.from_numpy(rows).to(dev))
+            self._epochs[e] = (_upload(order, dev), _upload(rows, dev))
             for old in [k for k in self._epochs if k < e - 1]:
                 del self._epochs[old]
         return self._epochs[e]
@@ -720,22 +903,27 @@ class _Plan:
             phase, first, epoch = (phase - start) % self.batch_size, False, epoch + 1
 
 
-def _read_window(store: Store, spec: _Spec, plan: _Plan, job: _Job) -> _Block:
+def _read_window(store: Store, spec: _Spec, plan: _Plan, job: _Job, piece: int | None = None) -> _Block:
+    """The job's units read into one block, `piece` rows per read (None: a unit at once)."""
     block = _Block(spec, plan.window_size(job.units), "cpu")
     pos = 0
     for u in job.units:
         s, lo, hi = plan.units[u]
-        data = store.read(s, fields=spec.read_fields, start=lo, stop=hi)
-        first = plan.offsets[u] + lo
-        block.fill(pos, data, np.arange(first, first + hi - lo))
-        pos += hi - lo
+        step = piece or hi - lo
+        for a in range(lo, hi, step):
+            b = min(hi, a + step)
+            data = store.read(s, fields=spec.read_fields, start=a, stop=b)
+            first = plan.offsets[u] + a
+            block.fill(pos, data, np.arange(first, first + b - a))
+            del data  # before the next piece is read
+            pos += b - a
     return block
 
 
-def _job_chunks(store: Store, spec: _Spec, plan: _Plan, job: _Job):
+def _job_chunks(store: Store, spec: _Spec, plan: _Plan, job: _Job, piece: int | None = None):
     """Read the job's window, shuffle it; yield (a, m, last, gather) per chunk, where
     gather(out) writes the chunk's m samples into the views `out`."""
-    block = _read_window(store, spec, plan, job)
+    block = _read_window(store, spec, plan, job, piece)
     perm, flips = plan.window_order(job.epoch, job.window, block.n, spec.V == 2)
     perm_t, flips_t = torch.from_numpy(perm), torch.from_numpy(flips)
     rows_t = perm_t * spec.V + flips_t
@@ -770,6 +958,20 @@ def _slot_views(buf: torch.Tensor, layout, batch_size: int) -> dict[str, torch.T
             for f, off, nbytes in layout}
 
 
+def _return_large_frees() -> None:
+    """Have glibc's malloc serve every allocation of 1 MiB or more by mmap, so that a freed
+    window or shard piece goes back to the system at once. By default the threshold rises to
+    the size of the largest block freed, after which windows and pieces come from the heap,
+    whose freed parts are mostly kept: measured here, a worker then held about 1.5 windows'
+    worth more than its window and piece. A no-op off glibc."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (fixing it also stops the rise)
+    except (OSError, AttributeError):
+        pass
+
+
 def _worker_main(wid: int, nworkers: int, cfg: dict, slots: torch.Tensor, free_q, out_q,
                  stop) -> None:
     """A streaming worker: produce jobs wid, wid + nworkers, ... into free slots, in order."""
@@ -777,6 +979,7 @@ def _worker_main(wid: int, nworkers: int, cfg: dict, slots: torch.Tensor, free_q
     parent = multiprocessing.parent_process()  # to notice an orphaned worker
     try:
         torch.set_num_threads(1)
+        _return_large_frees()
         store = open_store(cfg["root"])
         spec = _Spec(store)
         plan = _Plan(store, seed=cfg["seed"], rank=cfg["rank"], world_size=cfg["world_size"],
@@ -786,7 +989,10 @@ def _worker_main(wid: int, nworkers: int, cfg: dict, slots: torch.Tensor, free_q
         for j, job in enumerate(plan.jobs(cfg["epoch"], cfg["offset"])):
             if j % nworkers != wid:
                 continue
-            for a, m, last, gather in _job_chunks(store, spec, plan, job):
+            # gather holds the window (its closure); drop the last one before the next window
+            # is read, or a worker holds two windows at once
+            gather = None
+            for a, m, last, gather in _job_chunks(store, spec, plan, job, cfg["piece"]):
                 slot = None
                 while slot is None:
                     if stop.is_set() or (parent is not None and not parent.is_alive()):
@@ -808,28 +1014,53 @@ class StreamingLoader(_Loader):
     workers: processes (0: read in this process, for debugging). shuffle_window: shards
     shuffled together (memory per worker is about one window). prefetch: batch slots per
     worker (shared memory), i.e. how far ahead each worker may run.
+
+    memory: a budget for the loader's own peak memory (worker windows, the piece of a shard
+    being read, shared-memory slots, the main process's batches, the workers' overhead):
+    "auto" (see loader_budget), a size ("2GiB", "512MiB") or bytes; None: no budget.
+    With a budget, shuffle_window/prefetch None are sized to fit it, and given ones that do
+    not fit are REFUSED (LoaderError naming the need and the budget), not lowered: the window
+    is the data order. `memory_plan` holds the sizing (estimate, budget, parts);
+    `memory_estimate` the estimated peak in bytes; `reason` ends with both. Without a budget,
+    None means 4 (AUTO_MAX_WINDOW, AUTO_MAX_PREFETCH: the defaults before the budget).
     """
 
     kind = "streaming"
 
     def __init__(self, store, *, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 device="cpu", workers: int = 4, shuffle_window: int = 4, prefetch: int = 4,
-                 with_index: bool = False, reason: str = "", split: str = "part",
-                 mp_context: str | None = None):
+                 device="cpu", workers: int = 4, shuffle_window: int | None = None,
+                 prefetch: int | None = None, with_index: bool = False, reason: str = "", split: str = "part",
+                 mp_context: str | None = None, memory=None, local_world_size: int | None = None):
         store = _open(store)
         super().__init__(store, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size,
                          device=device, with_index=with_index, reason=reason, split=split)
+        self.workers = max(0, workers)
+        self._layout, self._slot_bytes = _slot_layout(self.spec, self._stream_batch)
+        self._piece = _read_piece_rows(store, self.spec)
+        budget, source = (None, "") if memory is None else loader_budget(
+            memory, world_size=world_size, local_world_size=local_world_size)
+        if shuffle_window is not None and shuffle_window < 1:
+            raise ValueError(f"shuffle_window must be >= 1, got {shuffle_window}")
+        prefetch = None if prefetch is None else max(1, prefetch)
+        self.memory_plan = plan_streaming_memory(
+            self.spec, [b - a for _, a, b in _units(store, self._stream_world)], self._piece,
+            workers=self.workers, window=shuffle_window, prefetch=prefetch, slot_bytes=self._slot_bytes,
+            batch_size=self._stream_batch, budget=budget, source=source)
+        self.shuffle_window, self.prefetch = self.memory_plan.window, self.memory_plan.prefetch
         self.plan = _Plan(store, seed=seed, rank=self._stream_rank, world_size=self._stream_world,
-                          window=shuffle_window, batch_size=self._stream_batch)
-        self.shuffle_window = shuffle_window
-        self.workers, self.prefetch = max(0, workers), max(1, prefetch)
+                          window=self.shuffle_window, batch_size=self._stream_batch)
+        self.reason += f"; window {self.shuffle_window}, prefetch {self.prefetch}, {self.memory_plan.describe()}"
         self._ctx = torch.multiprocessing.get_context(
             mp_context or ("fork" if "fork" in torch.multiprocessing.get_all_start_methods() else None))
-        self._layout, self._slot_bytes = _slot_layout(self.spec, self._stream_batch)
         self._pin = self.device.type == "cuda"
         self._lookahead = self.device.type == "cuda"
         self._running = False
         self._procs: list = []
+
+    @property
+    def memory_estimate(self) -> int:
+        """The estimated peak of the loader's own memory, in bytes (see memory_plan)."""
+        return self.memory_plan.estimate
 
     @property
     def samples_per_epoch(self) -> int:
@@ -855,9 +1086,14 @@ class StreamingLoader(_Loader):
         else:
             cfg = {"root": str(self.store.root), "seed": self.seed, "rank": self._stream_rank,
                    "world_size": self._stream_world, "window": self.shuffle_window,
-                   "batch_size": self._stream_batch, "epoch": e, "offset": o}
+                   "batch_size": self._stream_batch, "epoch": e, "offset": o, "piece": self._piece}
             ctx = self._ctx
             self._stop = ctx.Event()
+            # Objects of this process that exist at the fork are moved out of the collector's
+            # reach in the workers: a worker's collections would otherwise touch (and so copy,
+            # page by page) the whole inherited Python heap, ~50 MiB of private memory per
+            # worker measured here. The parent's objects are put back after the forks.
+            gc.freeze()
             self._procs, self._free, self._out, self._views = [], [], [], []
             for wid in range(self.workers):
                 slots = torch.empty((self.prefetch, self._slot_bytes), dtype=torch.uint8).share_memory_()
@@ -872,6 +1108,7 @@ class StreamingLoader(_Loader):
                 self._out.append(out)
                 self._views.append([_slot_views(slots[s], self._layout, self._stream_batch)
                                     for s in range(self.prefetch)])
+            gc.unfreeze()
         self._running = True
 
     def _recv(self, wid: int):
@@ -897,7 +1134,7 @@ class StreamingLoader(_Loader):
             while True:
                 if self._chunks is None:
                     job = next(self._jobs)
-                    self._chunks = (job.epoch, _job_chunks(self.store, self.spec, self.plan, job))
+                    self._chunks = (job.epoch, _job_chunks(self.store, self.spec, self.plan, job, self._piece))
                 epoch, chunks = self._chunks
                 nxt = next(chunks, None)
                 if nxt is not None:
