@@ -12,17 +12,21 @@ A checkpoint is written to a hidden temporary name, synced, renamed, and its dir
 synced (ditdata.store.files), so a file under its final name is always complete and
 survives a power cut; the last `keep` are kept. A write that fails (disk full, file-size
 limit) removes its temporary, keeps the previous files and raises a one-line
-CheckpointError. Loading uses torch.load(weights_only=True) or safetensors, never
+CheckpointError. CheckpointWriter makes the same writes from a background thread
+after a host copy of the state (`dittrain run --async-save`, the default), so the step does
+not wait for the disk. Loading uses torch.load(weights_only=True) or safetensors, never
 arbitrary pickle: everything saved is tensors and plain Python data (an int8 export of
 `dittrain export` also holds torchao's tensor subclasses: those, by name, are allowed).
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import random
 import re
+import threading
 import zipfile
 from pathlib import Path
 
@@ -294,3 +298,125 @@ def load_weights(path) -> tuple[dict, dict]:
     if "ema" not in ckpt or "config" not in ckpt:
         raise CheckpointError(f"{path}: not a dittrain checkpoint (no 'ema'/'config')")
     return ckpt["ema"], ckpt["config"]
+
+
+# --------------------------------------------------------------------------- background writes
+
+
+class CheckpointWriter:
+    """Checkpoint saves off the training step (issue 17): `submit` copies the state to host
+    memory and returns; a background thread writes it (save_checkpoint: the same atomic
+    publish and keep-N pruning) and the EMA export (export_weights).
+
+    The copy is what makes this safe: the step after a submit mutates parameters, optimizer
+    state and counters IN PLACE, so the thread must never read live tensors. CPU tensors are
+    cloned; CUDA tensors are copied with non_blocking into pinned host buffers that are kept
+    for the next save (re-pinning an XL/2 state, ~11 GB, every save would cost seconds): the
+    copy is queued on the current stream, so the step's later kernels cannot overwrite a
+    tensor before it is copied, and the thread waits for the copy before it writes.
+
+    Memory: a CPU state's clones double its host memory only while its write lives (they are
+    dropped once written); the pinned buffers of a CUDA state hold one host copy of it until
+    close().
+
+    One write is in flight at most: a submit (or wait) first joins the previous write and
+    re-raises its failure, the CheckpointError the synchronous save would have raised (so a
+    failed write stops the run at the next save or at the end, never silently). Writes are
+    made in submit order, so pruning and `latest_checkpoint` see what a synchronous run would.
+    A process killed mid-write leaves only a hidden temporary (the atomic publish): the
+    previous checkpoint stays the latest and loadable.
+    """
+
+    def __init__(self):
+        self._thread = None
+        self._error: BaseException | None = None
+        self._pinned: dict[tuple, torch.Tensor] = {}  # CUDA: reusable host buffers by place in the state
+
+    def submit(self, run_dir, step: int, state: dict, *, keep: int = 3, ema_state: dict | None = None,
+               config: dict | None = None) -> Path:
+        """Copy `state` (and `ema_state`, exported to RUN/ema.safetensors with `config`) to the
+        host, start writing it, and return the checkpoint's path (complete after wait())."""
+        self.wait()
+        memo, devices = {}, set()
+        host = self._host(state, ("state",), memo, devices)
+        ema = self._host(ema_state, ("ema",), memo, devices) if ema_state is not None else None
+        copied = [_record(d) for d in devices]  # done when every copy queued on that stream is
+        # Not a daemon: an interpreter that exits (an error elsewhere) still finishes the file.
+        self._thread = threading.Thread(target=self._write, name=f"checkpoint-{step}",
+                                        args=(Path(run_dir), step, host, keep, ema, config, copied))
+        self._thread.start()
+        return checkpoint_path(run_dir, step)
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is on disk; re-raise its failure."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> BaseException | None:
+        """Wait for the write in flight and free the pinned buffers; returns (does not raise)
+        a failure not yet reported, for a caller already handling another error."""
+        try:
+            self.wait()
+        except BaseException as e:  # noqa: BLE001 - handed back to the caller
+            return e
+        finally:
+            self._pinned.clear()
+        return None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _write(self, run_dir: Path, step: int, state: dict, keep: int, ema: dict | None, config,
+               copied: list) -> None:
+        try:
+            for event in copied:  # the device-to-host copies submit queued
+                event.synchronize()
+            save_checkpoint(run_dir, step, state, keep=keep)
+            if ema is not None:
+                export_weights(run_dir / EMA_EXPORT, ema, config or {})
+        except CheckpointError as e:
+            self._error = e
+        except BaseException as e:  # noqa: BLE001 - a bug or an odd OSError (pruning): still one line, and raised
+            self._error = CheckpointError(f"{checkpoint_path(run_dir, step)}: background checkpoint write "
+                                          f"failed ({type(e).__name__}: {e})")
+            self._error.__cause__ = e
+        # the host copies die with this frame (state, ema): a CPU state's memory is released here
+
+    def _host(self, x, where: tuple, memo: dict, devices: set):
+        """x with every tensor copied to host memory and every container rebuilt (a loader's
+        state may hold lists it keeps appending to). A tensor seen twice (the EMA weights in the
+        checkpoint and in the export, tied weights) is copied once, as torch.save keeps sharing."""
+        if isinstance(x, torch.Tensor):
+            if id(x) not in memo:
+                memo[id(x)] = self._copy(x.detach(), where, devices)
+            return memo[id(x)]
+        if isinstance(x, dict):
+            out = copy.copy(x)  # keeps the type and attributes (a state_dict's OrderedDict _metadata)
+            for k in out:
+                out[k] = self._host(x[k], (*where, k), memo, devices)
+            return out
+        if type(x) in (list, tuple):
+            return type(x)(self._host(v, (*where, i), memo, devices) for i, v in enumerate(x))
+        return copy.deepcopy(x)  # ints, strings, arrays: small, and never shared with the live run
+
+    def _copy(self, t: torch.Tensor, where: tuple, devices: set) -> torch.Tensor:
+        if t.device.type != "cuda":
+            return t.clone()  # the step after a submit updates CPU tensors too (Adam's step counts)
+        buf = self._pinned.get(where)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self._pinned[where] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf.copy_(t, non_blocking=True)  # queued on the current stream, before the next step's kernels
+        devices.add(t.device)
+        return buf
+
+
+def _record(device: torch.device) -> torch.cuda.Event:
+    """An event on `device`'s current stream: complete once everything queued before it is."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
