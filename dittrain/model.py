@@ -16,18 +16,26 @@ QK-norm and the text layers add keys only when enabled.
 Public API:
     DiTConfig, CONFIGS (the registry), get_config(name or "custom:hidden=..,depth=..,heads=..,patch=.."),
     build_model(name, **overrides), DiT(config),
-    flops_per_forward(config), num_params(config), drop_text_conditioning(...).
+    flops_per_forward(config), num_params(config), drop_text_conditioning(...),
+    attention_backend(config, batch_size, dtype, device) (which SDPA kernel runs),
+    selective_checkpoint_context() (grad_checkpointing="selective").
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 # -----------------------------------------------------------------------------
 # Config and registry
@@ -48,7 +56,8 @@ class DiTConfig:
     qk_norm: bool = False  # RMSNorm on q and k per head (stabilises bf16 / large lr)
     text_pooled_dim: int | None = None  # pooled text embedding, added to c
     text_token_dim: int | None = None  # token embeddings, through cross-attention
-    # "none" | "every" | k (every k-th block) | "attn" / "mlp" (that branch of every block)
+    # "none" | "every" | k (every k-th block) | "attn" / "mlp" (that branch of every block) |
+    # "selective" (every block, keeping its matmul and attention outputs)
     grad_checkpointing: str | int = "none"
     frequency_embedding_size: int = 256  # sinusoidal timestep features
 
@@ -171,12 +180,14 @@ def build_model(name: str, **overrides) -> DiT:
 
 # grad_checkpointing values that recompute one branch of every block instead of whole blocks
 CHECKPOINT_BRANCHES = ("attn", "mlp")
+# grad_checkpointing value that checkpoints every block selectively (see selective_checkpoint_policy)
+CHECKPOINT_SELECTIVE = "selective"
 
 
 def checkpoint_every(granularity: str | int | None) -> int:
     """The grad_checkpointing knob as "checkpoint every k-th block" (0 = never; a branch
-    knob, "attn" or "mlp", checkpoints no whole block: see checkpoint_branch)."""
-    if granularity in (None, "none", 0, False) or granularity in CHECKPOINT_BRANCHES:
+    knob, "attn" or "mlp", and "selective" checkpoint no whole block: see block_recompute)."""
+    if granularity in (None, "none", 0, False) or granularity in (*CHECKPOINT_BRANCHES, CHECKPOINT_SELECTIVE):
         return 0
     if granularity == "every":
         return 1
@@ -184,7 +195,8 @@ def checkpoint_every(granularity: str | int | None) -> int:
         return granularity
     if isinstance(granularity, str) and granularity.isdigit() and int(granularity) > 0:
         return int(granularity)
-    raise ValueError(f"grad_checkpointing must be 'none', 'every', k >= 1, 'attn' or 'mlp', got {granularity!r}")
+    raise ValueError(f"grad_checkpointing must be 'none', 'every', k >= 1, 'attn', 'mlp' or 'selective', "
+                     f"got {granularity!r}")
 
 
 def checkpoint_branch(granularity: str | int | None) -> str | None:
@@ -192,6 +204,73 @@ def checkpoint_branch(granularity: str | int | None) -> str | None:
     self-attention and the text cross-attention), "mlp" (norm2, modulate, MLP), or None."""
     checkpoint_every(granularity)  # validates the knob
     return granularity if granularity in CHECKPOINT_BRANCHES else None
+
+
+def block_recompute(granularity: str | int | None) -> str | None:
+    """What DiTBlock.forward's `recompute` gets for this knob: "attn", "mlp", "selective" or None
+    (whole-block checkpointing, "every" / k, is done around the block by DiT.forward)."""
+    if granularity == CHECKPOINT_SELECTIVE:
+        return CHECKPOINT_SELECTIVE
+    return checkpoint_branch(granularity)
+
+
+# -----------------------------------------------------------------------------
+# Selective activation checkpointing
+
+_aten = torch.ops.aten
+# The ops whose outputs selective checkpointing keeps: the matmuls (nn.Linear reaches the
+# dispatcher as addmm / mm, batched products as bmm / baddbmm) and every fused SDPA kernel
+# (their outputs include the logsumexp the attention backward needs). Recomputing these
+# would cost as much as the forward itself; what is left to recompute (LayerNorm, modulate,
+# GELU, gates, residual adds, chunk/views) is element-wise, cheap in FLOPs.
+SELECTIVE_SAVE_OPS = frozenset(
+    op.default
+    for op in (
+        _aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten._scaled_mm,
+        _aten._scaled_dot_product_flash_attention,
+        _aten._scaled_dot_product_efficient_attention,
+        _aten._scaled_dot_product_cudnn_attention,
+        _aten._scaled_dot_product_flash_attention_for_cpu,
+        _aten._scaled_dot_product_fused_attention_overrideable,
+    )
+)
+
+
+def selective_checkpoint_policy(recompute_width: int | None = None):
+    """The policy of grad_checkpointing="selective": MUST_SAVE the outputs of SELECTIVE_SAVE_OPS,
+    PREFER_RECOMPUTE everything else (PREFER: torch.compile's partitioner may still choose to
+    keep a fused element-wise result; MUST: it may not drop a matmul output).
+
+    recompute_width: also recompute the matmuls whose output's last dim is this width (the
+    MLP's fc1, mlp_ratio * D wide: 4 of the ~10 D-wide tensors kept per token and block;
+    matched by width, so with mlp_ratio 3 it would catch qkv as well).
+
+    The knob keeps EVERY matmul output (recompute_width=None), measured on DiT-S/2, 32x32
+    latents, batch 16, fp32 (bench/activation_memory.py; bench/RESULTS.md, issue 17): it keeps
+    0.56x the activations of "none" (814 of 1463 MiB), about what checkpointing every 2nd
+    block keeps (0.53x), but recomputes no matmul at all where "2" recomputes half the model's
+    forward (+17% of the step's FLOPs): the same memory for only element-wise recompute.
+    Recomputing fc1 too keeps 0.36x (526 MiB) for +10% of the step's FLOPs (fc1 is a third of
+    a block's forward); that is a different trade, below "mlp" in both memory (0.46x) and
+    recompute (+20%), and stays a bench variant (DiTBlock.selective_recompute_width) until a
+    GPU measurement says whether it earns a knob value of its own.
+    An SDPA output includes its logsumexp ((N, heads, T) fp32), which the backward needs.
+    """
+
+    def policy(ctx, func, *args, **kwargs):
+        if func in SELECTIVE_SAVE_OPS:
+            out = getattr(ctx, "op_output", None)
+            if recompute_width is not None and isinstance(out, torch.Tensor) and out.shape[-1] == recompute_width:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def selective_checkpoint_context(recompute_width: int | None = None):
+    """A `context_fn` for torch.utils.checkpoint.checkpoint with the selective policy."""
+    return create_selective_checkpoint_contexts(selective_checkpoint_policy(recompute_width))
 
 
 # -----------------------------------------------------------------------------
@@ -347,6 +426,83 @@ class Attention(_Heads):
         return self.proj(x.transpose(1, 2).reshape(N, T, D))
 
 
+# -----------------------------------------------------------------------------
+# Which scaled_dot_product_attention kernel runs
+
+# torch's SDPBackend -> the name attention_backend reports; on the CPU torch's FLASH_ATTENTION
+# is its own fused kernel (not Dao's), reported as "cpu-flash"
+_SDPA_NAMES = {
+    SDPBackend.FLASH_ATTENTION: "flash",
+    SDPBackend.EFFICIENT_ATTENTION: "efficient",
+    SDPBackend.CUDNN_ATTENTION: "cudnn",
+    SDPBackend.MATH: "math",
+    SDPBackend.OVERRIDEABLE: "overrideable",
+}
+SDPA_BACKENDS = {**{name: backend for backend, name in _SDPA_NAMES.items()}, "cpu-flash": SDPBackend.FLASH_ATTENTION}
+
+
+def _self_attention_qkv(config: DiTConfig, batch_size: int, dtype: torch.dtype, device, requires_grad: bool):
+    # q, k, v as Attention.forward makes them: views of one (N, T, 3D) tensor, (N, heads, T, head_dim)
+    # with the strides of that permute (QK-norm makes q and k contiguous copies). torch.empty:
+    # the choice looks at shapes, strides, dtype and device, never at values
+    N, T, D, H = batch_size, config.num_tokens, config.hidden_size, config.num_heads
+    qkv = torch.empty(N, T, 3 * D, dtype=dtype, device=device, requires_grad=requires_grad)
+    q, k, v = qkv.reshape(N, T, 3, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
+    if config.qk_norm:
+        q, k = q.contiguous(), k.contiguous()
+    return q, k, v
+
+
+def _sdpa_choice(q, k, v, device) -> str:
+    # aten._fused_sdp_choice is the very selection F.scaled_dot_product_attention makes (same
+    # checks, same priority order: torch._C._get_sdp_priority_order(), honouring sdpa_kernel)
+    with torch.no_grad():
+        backend = SDPBackend(torch.ops.aten._fused_sdp_choice(q, k, v))
+    name = _SDPA_NAMES.get(backend, str(backend))
+    return "cpu-flash" if name == "flash" and torch.device(device).type == "cpu" else name
+
+
+def attention_backend(config: DiTConfig, batch_size: int, dtype: torch.dtype = torch.float32, device="cpu",
+                      requires_grad: bool = True) -> str:
+    """The scaled_dot_product_attention kernel the model's self-attention runs for this batch
+    size, dtype (the autocast dtype under AMP) and device: "flash", "efficient", "cudnn" or
+    "math" on CUDA, "cpu-flash" or "math" on the CPU. Asks torch's own dispatcher (no kernel
+    runs; it allocates the (N, T, 3D) qkv tensor uninitialised, once). requires_grad: the
+    training case (some kernels lack a backward for some head dims / GPUs). Honours an
+    enclosing torch.nn.attention.sdpa_kernel(...)."""
+    q, k, v = _self_attention_qkv(config, batch_size, dtype, device, requires_grad)
+    return _sdpa_choice(q, k, v, device)
+
+
+def attention_backends_available(config: DiTConfig, batch_size: int, dtype: torch.dtype = torch.float32,
+                                 device="cpu", requires_grad: bool = True) -> list[str]:
+    """The kernels that can run the model's self-attention at this shape, in torch's priority
+    order (the first is attention_backend's answer unless sdpa_kernel restricts it). Force one
+    for timing with `with attention_kernel(name):`."""
+    q, k, v = _self_attention_qkv(config, batch_size, dtype, device, requires_grad)
+    order = [SDPBackend(i) for i in torch._C._get_sdp_priority_order()]
+    available = []
+    for backend in order:
+        if backend not in _SDPA_NAMES:
+            continue
+        try:
+            with sdpa_kernel([backend]):
+                name = _sdpa_choice(q, k, v, device)
+        except RuntimeError:  # "No available kernel": this one cannot run these inputs
+            continue
+        if SDPA_BACKENDS[name] == backend:
+            available.append(name)
+    return available
+
+
+def attention_kernel(name: str):
+    """A context manager that lets scaled_dot_product_attention use only the named kernel
+    (a name attention_backend returns); inside it, an attention that kernel cannot run raises."""
+    if name not in SDPA_BACKENDS:
+        raise ValueError(f"unknown attention kernel {name!r}; choose one of {', '.join(SDPA_BACKENDS)}")
+    return sdpa_kernel([SDPA_BACKENDS[name]])
+
+
 class CrossAttention(_Heads):
     """Image tokens (queries) attend to text tokens (keys/values), with a padding mask."""
 
@@ -409,10 +565,22 @@ class DiTBlock(nn.Module):
         self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+        # recompute="selective" also recomputes matmul outputs this wide (None: keep them all);
+        # bench/activation_memory.py sets it to the MLP width to measure that variant
+        self.selective_recompute_width: int | None = None
 
     def forward(self, x, c, context=None, context_mask=None, recompute=None):
         # x (N, T, D), c (N, D); recompute: "attn" | "mlp" | None, the branch whose activations
-        # are recomputed in the backward pass instead of kept (DiT.forward passes the knob's)
+        # are recomputed in the backward pass instead of kept, or "selective", the whole block
+        # with its matmul/attention outputs kept (DiT.forward passes block_recompute(knob)).
+        # The checkpoint sits INSIDE forward so that a compiled block (block.compile()) traces
+        # it with its policy: an SAC region around a compiled block would run it eagerly.
+        if recompute == CHECKPOINT_SELECTIVE:
+            # a partial, not a lambda: dynamo accepts only a function or a partial as context_fn;
+            # respect_saved_tensors_hooks: save_on_cpu and the like see what the policy keeps
+            context_fn = partial(selective_checkpoint_context, self.selective_recompute_width)
+            return checkpoint(self.forward, x, c, context, context_mask, use_reentrant=False,
+                              context_fn=context_fn, respect_saved_tensors_hooks=True)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(
             c
         ).chunk(6, dim=1)
@@ -520,7 +688,8 @@ class DiT(nn.Module):
         nn.init.zeros_(self.final_layer.linear.bias)
 
     def set_grad_checkpointing(self, granularity: str | int) -> None:
-        """Change the checkpointing knob of a built model ("none", "every", k, "attn" or "mlp")."""
+        """Change the checkpointing knob of a built model ("none", "every", k, "attn", "mlp" or
+        "selective")."""
         checkpoint_every(granularity)
         self.config = replace(self.config, grad_checkpointing=granularity)
 
@@ -590,13 +759,13 @@ class DiT(nn.Module):
 
         training = self.training and torch.is_grad_enabled()
         k = checkpoint_every(cfg.grad_checkpointing) if training else 0
-        branch = checkpoint_branch(cfg.grad_checkpointing) if training else None
+        recompute = block_recompute(cfg.grad_checkpointing) if training else None
         for i, block in enumerate(self.blocks):
             if k and i % k == 0:
                 # recompute this block's activations in backward: memory for ~1/3 more compute
                 x = checkpoint(block, x, c, context, text_mask, use_reentrant=False)
             else:
-                x = block(x, c, context, text_mask, recompute=branch)  # (N, T, D)
+                x = block(x, c, context, text_mask, recompute=recompute)  # (N, T, D)
         x = self.final_layer(x, c)  # (N, T, p^2 * out_channels)
         return self.unpatchify(x)  # (N, out_channels, H, W)
 
@@ -687,8 +856,15 @@ __all__ = [
     "architecture",
     "custom_name",
     "parse_custom",
+    "CHECKPOINT_SELECTIVE",
     "DiT",
     "DiTConfig",
+    "SDPA_BACKENDS",
+    "SELECTIVE_SAVE_OPS",
+    "attention_backend",
+    "attention_backends_available",
+    "attention_kernel",
+    "block_recompute",
     "build_model",
     "checkpoint_branch",
     "checkpoint_every",
@@ -697,4 +873,6 @@ __all__ = [
     "flops_per_forward",
     "get_config",
     "num_params",
+    "selective_checkpoint_context",
+    "selective_checkpoint_policy",
 ]

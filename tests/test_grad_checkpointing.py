@@ -1,16 +1,24 @@
 """Gradient checkpointing by part: --grad-checkpointing attn | mlp recompute one branch of
-every block in the backward pass. The loss and every gradient equal the plain model's, the
-chosen branch (and only it) runs again during backward, and less is kept for backward."""
+every block in the backward pass, selective recomputes every block but keeps its matmul and
+attention outputs. The loss and every gradient equal the plain model's, the chosen part (and
+only it) runs again during backward, and less is kept for backward."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dittrain.model import build_model, checkpoint_branch, checkpoint_every, get_config
+import dittrain.model as model_mod
+from dittrain.model import (
+    block_recompute,
+    build_model,
+    checkpoint_branch,
+    checkpoint_every,
+    get_config,
+)
 
 TEXT = 24  # a text model: the attention branch holds the cross-attention too
-MODES = ["none", "attn", "mlp", "every", 2]
+MODES = ["none", "attn", "mlp", "every", 2, "selective"]
 
 
 def tiny(granularity):
@@ -44,11 +52,14 @@ def loss_of(model):
 
 
 def test_knob_validation():
-    assert [checkpoint_every(m) for m in MODES] == [0, 0, 0, 1, 2]
-    assert [checkpoint_branch(m) for m in MODES] == [None, "attn", "mlp", None, None]
+    assert [checkpoint_every(m) for m in MODES] == [0, 0, 0, 1, 2, 0]
+    assert [checkpoint_branch(m) for m in MODES] == [None, "attn", "mlp", None, None, None]
+    assert [block_recompute(m) for m in MODES] == [None, "attn", "mlp", None, None, "selective"]
     assert get_config("DiT-T/2", grad_checkpointing="mlp").grad_checkpointing == "mlp"
-    with pytest.raises(ValueError, match="'attn' or 'mlp'"):
-        get_config("DiT-T/2", grad_checkpointing="ffn")
+    assert get_config("DiT-T/2", grad_checkpointing="selective").grad_checkpointing == "selective"
+    for bad in ("ffn", "Selective", "selective-fc1"):
+        with pytest.raises(ValueError, match="'attn', 'mlp' or 'selective'"):
+            get_config("DiT-T/2", grad_checkpointing=bad)
 
 
 @pytest.mark.parametrize("mode", MODES[1:])
@@ -89,6 +100,7 @@ def forward_calls(mode) -> dict[str, tuple[int, int]]:
 
 @pytest.mark.parametrize("mode, recomputed", [
     ("none", ()), ("attn", ("attn", "cross_attn")), ("mlp", ("mlp",)), ("every", ("attn", "cross_attn", "mlp")),
+    ("selective", ("attn", "cross_attn", "mlp")),  # every module reruns; its matmuls come from the cache
 ])
 def test_the_branch_is_recomputed_in_backward(mode, recomputed):
     depth = 3
@@ -114,3 +126,86 @@ def test_checkpointing_keeps_less():
     kept = {mode: saved_bytes(mode) for mode in ("none", "attn", "mlp", "every")}
     assert kept["every"] < min(kept["attn"], kept["mlp"])
     assert max(kept["attn"], kept["mlp"]) < kept["none"]
+
+
+def kept_activation_bytes(mode, recompute_width=None) -> int:
+    """Bytes of activations one forward keeps for backward: what autograd saves and what selective
+    checkpointing caches (both reach saved_tensors_hooks), plus the inputs every checkpointed
+    region holds on to; distinct storages, parameters left out."""
+    model = randomized(mode)
+    for block in model.blocks:
+        block.selective_recompute_width = recompute_width
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    real = model_mod.checkpoint
+
+    def recording(fn, *args, **kwargs):
+        for a in args:
+            pack(a)
+        return real(fn, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mp.setattr(model_mod, "checkpoint", recording)
+        loss_of(model)
+    return sum(kept.values())
+
+
+def test_selective_keeps_between_every_and_none():
+    kept = {mode: kept_activation_bytes(mode) for mode in ("none", "every", "selective")}
+    assert kept["every"] < kept["selective"] < kept["none"]
+    # it keeps the matmul outputs: at least qkv (3D), proj, fc1 (4D) and fc2 per token per block
+    n, T, D, depth = 3, 16, 64, 3
+    assert kept["selective"] - kept["every"] >= depth * n * T * 9 * D * 4
+    # the variant that recomputes fc1 too keeps less (its (N, T, 4D) output per block)
+    fc1 = kept_activation_bytes("selective", recompute_width=4 * D)
+    assert kept["selective"] - fc1 >= depth * n * T * 4 * D * 4
+
+
+def test_selective_variant_same_gradients():
+    ref, sel = randomized("none"), randomized("selective")
+    for block in sel.blocks:
+        block.selective_recompute_width = block.mlp.fc1.out_features
+    for m in (ref, sel):
+        loss_of(m).backward()
+    for (name, p), q in zip(ref.named_parameters(), sel.parameters(), strict=True):
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow  # inductor compiles one block graph (the blocks share it), forward and backward
+def test_compiled_blocks_with_selective_checkpointing():
+    """Regional compilation (each DiTBlock compiled, as bench/gpu_train.py plans): the selective
+    checkpoint is traced into the compiled block and the gradients stay those of eager "none".
+    Cross-attention and QK-norm off, to keep the one compilation short."""
+    torch._dynamo.reset()
+    models = []
+    for mode in ("none", "selective"):
+        torch.manual_seed(0)
+        m = build_model("DiT-T/2", input_size=8, in_channels=4, num_classes=10, hidden_size=64, depth=2,
+                        num_heads=4, grad_checkpointing=mode).train()
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if name != "pos_embed":
+                    p.add_(0.05 * torch.randn(p.shape, generator=g))
+        models.append(m)
+    ref, sel = models
+    for block in sel.blocks:
+        block.compile(fullgraph=True)  # fullgraph: the checkpoint must not break the graph
+    b = batch()
+    del b["text_tokens"], b["text_mask"]
+    losses = []
+    for m in (ref, sel):
+        loss = (m(**b) ** 2).mean()
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(ref.named_parameters(), sel.parameters(), strict=True):
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
