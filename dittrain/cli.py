@@ -159,19 +159,40 @@ def _opt(*names, field, **kw):
       help="Recompute activations in the backward pass to save memory: every (every block's, the "
            "most saved; also what the bare flag means), k (every k-th block's), attn (each block's "
            "attention branch: norm, modulate, self- and cross-attention), mlp (each block's MLP "
-           "branch, the widest activations) or none.")
-@_opt("--compile/--no-compile", field="compile", help="torch.compile the model.")
+           "branch, the widest activations), selective (every block, keeping its matmul and "
+           "attention outputs: only element-wise ops are recomputed) or none.")
+@_opt("--compile", field="compile", type=click.Choice(["off", "auto", "blocks", "model"]), is_flag=False,
+      flag_value="blocks",
+      help="torch.compile: blocks (each transformer block, one graph for all: compiles in seconds to a "
+           "minute; also what the bare flag means), model (the whole forward, longer to compile), auto "
+           "(blocks on CUDA, off on the CPU) or off. The first step's time, compilation included, is printed.")
+@click.option("--no-compile", is_flag=True, help="The same as --compile off.")
+@_opt("--compile-mode", field="compile_mode",
+      type=click.Choice(["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]),
+      help="torch.compile mode: reduce-overhead replays CUDA graphs (for small models whose step is "
+           "bound by kernel launches; more memory); max-autotune searches kernels (long compiles).")
 @_opt("--tf32/--no-tf32", field="tf32")
 @_opt("--loader", field="loader", type=click.Choice(["auto", "resident", "streaming"]),
       help="auto: keep the store in RAM when it fits, else stream it.")
 @_opt("--resident-device", field="resident_device", type=click.Choice(["cpu", "cuda"]),
       help="Where a resident store lives (cuda: on the GPU, no host-to-device copies).")
 @_opt("--workers", field="workers", type=click.IntRange(min=0), help="Streaming loader processes.")
-@_opt("--shuffle-window", field="shuffle_window", type=click.IntRange(min=1),
-      help="Streaming: shards shuffled together in memory.")
+@_opt("--shuffle-window", field="shuffle_window", type=click.IntRange(min=0),
+      help="Streaming: shards shuffled together in memory (0: the most, up to 4, that fit --loader-memory). "
+           "It decides the data order: a resumed run keeps the window it was saved with.")
+@_opt("--loader-memory", field="loader_memory",
+      help="Streaming: budget for the loader's own memory (worker windows, shared-memory slots, batches): "
+           "auto (25% of the available RAM, split over this machine's ranks, at most 4 GiB) or a size such "
+           "as 2GiB or 512MiB. The window and prefetch depth are sized to fit it; an explicit "
+           "--shuffle-window or --workers that cannot fit is refused. The estimate is in the startup line.")
 @_opt("--seed", field="seed", type=int)
 @_opt("--save-every", field="save_every", type=click.IntRange(min=1))
 @_opt("--keep", field="keep", type=click.IntRange(min=1), help="Checkpoints kept.")
+@_opt("--async-save/--no-async-save", field="async_save",
+      help="Write each checkpoint (and ema.safetensors) from a background thread after a copy of the "
+           "state to host memory, so the step does not wait for the disk (an XL/2 checkpoint is ~11 GB); "
+           "costs one host copy of the state. The run waits for the last write before it exits; a "
+           "failed write stops the run at the next save. --no-async-save: write on the step.")
 @_opt("--log-every", field="log_every", type=click.IntRange(min=1))
 @_opt("--sample-every", field="sample_every", type=click.IntRange(min=0),
       help="EMA sample grid every N steps and at the end (0: never).")
@@ -222,6 +243,8 @@ def run_cmd(**options):
     from dittrain.config import TrainConfig
     from dittrain.train import TrainError, run
 
+    if options.pop("no_compile"):
+        options["compile"] = "off"
     try:
         result = run(TrainConfig(**options))
     except (TrainError, CheckpointError, StoreError, DirectoryBusy) as e:

@@ -79,17 +79,24 @@ class TrainConfig:
     caption_dropout: float = 0.1  # captions -> the empty caption's embedding
     # speed and memory
     amp: str = "auto"  # auto (bf16 on GPUs that have it, else fp16; fp32 on CPU) | bf16 | fp16 | fp32
-    grad_checkpointing: str = "none"  # none | every | k (every k-th block) | attn | mlp (that branch of each block)
-    compile: bool = False
+    grad_checkpointing: str = "none"  # none | every | k (every k-th block) | attn | mlp (that branch of each block) | selective
+    # torch.compile: off | auto (blocks on CUDA, off on the CPU) | blocks (each DiTBlock: regional,
+    # one short compile) | model (the whole forward). OFF by default until measured on a GPU.
+    compile: str = "off"
+    compile_mode: str = "default"  # default | reduce-overhead (CUDA graphs: launch-bound small models) | max-autotune
     tf32: bool = True
     loader: str = "auto"  # auto | resident | streaming
     resident_device: str = "cpu"  # cpu | cuda: where a resident store lives
     workers: int = 4  # streaming loader processes
-    shuffle_window: int = 4  # streaming: shards shuffled together in memory
+    shuffle_window: int = 0  # streaming: shards shuffled together in memory (0: the most, up to 4, that fit loader_memory)
+    # streaming: budget for the loader's own memory (windows, slots, batches): auto (25% of the
+    # available RAM over this machine's ranks, at most 4 GiB) or a size such as 2GiB, 512MiB
+    loader_memory: str = "auto"
     # bookkeeping
     seed: int = 0
     save_every: int = 5000
     keep: int = 3  # checkpoints kept
+    async_save: bool = True  # write checkpoints from a background thread after a host copy (issue 17)
     log_every: int = 100
     sample_every: int = 5000  # EMA sample grid every N steps and at the end (0: never)
     sample_steps: int = SampleConfig.steps

@@ -9,6 +9,11 @@ dims) comes from the store's manifest. Exact resume: a checkpoint holds every st
 part (model, EMA, optimizer, scaler, LR schedule, each rank's loader and RNG states), so
 N steps straight and N/2 + kill + resume + N/2 give the same losses and weights.
 
+The step itself is dittrain.step.TrainStep (shared with bench/gpu_train.py): queued on the
+device without host reads, a NaN/inf step skipped on the device, settled by the host one
+step late (`_Books`), except on the steps where the host acts (logs, checkpoints, samples,
+evaluations, the last step, a stop), which are settled at once.
+
 The file in the order a run goes: setup (`_setup`: process group, device and precision,
 the store and the config it implies), building the run's state (`_build`: a
 dittrain.checkpoint.RunState, every stateful part in one object, which is what a checkpoint
@@ -18,7 +23,6 @@ what a run reports (`_Log`: metrics records and sample grids to dittrain.loggers
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -33,12 +37,10 @@ import torch
 import torch.distributed as dist
 
 from ditdata.store import (
-    TEXT_FIELDS,
     DirLock,
     Store,
     StoreError,
     amp_dtype,
-    autocast,
     files,
     open_store,
     refuse_inside_store,
@@ -47,6 +49,7 @@ from ditdata.store import (
 from dittrain.checkpoint import (
     EMA_EXPORT,
     CheckpointError,
+    CheckpointWriter,
     RunState,
     export_weights,
     latest_checkpoint,
@@ -58,7 +61,8 @@ from dittrain.data import LoaderStateError, build_loader
 from dittrain.diffusion import Diffusion, DiffusionConfig
 from dittrain.latents import LatentNorm, latent_record
 from dittrain.loggers import LoggerError, open_loggers, parse_loggers
-from dittrain.model import DiT, DiTConfig, drop_text_conditioning, flops_per_forward, get_config
+from dittrain.model import DiT, DiTConfig, flops_per_forward, get_config
+from dittrain.step import Attempt, TrainStep, compile_model, compile_target, empty_text_on
 
 # Dense bf16/fp16 tensor-core peak FLOP/s by device name, for MFU. Unknown devices: no MFU.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "RTX 4090": 165e12,
@@ -146,6 +150,7 @@ class _Run:
     resolved: dict  # the config saved in config.json and every checkpoint (dittrain.config)
     per_rank: int  # the micro-batch of one rank
     evaluator: object | None = None  # --eval-every: dittrain.eval.TrainingEval (every rank shares the work)
+    saver: CheckpointWriter | None = None  # --async-save, rank 0: the background writer (made by the first _save)
 
     @property
     def master(self) -> bool:
@@ -188,7 +193,9 @@ def _setup(cfg: TrainConfig) -> _Run:
                          f"--accumulation-steps ({cfg.accumulation_steps})")
     try:  # an unknown --logger, or wandb without its extra, stops the run before it starts
         parse_loggers(cfg.logger)
-    except LoggerError as e:
+        compile_target(cfg.compile, device)
+        compile_model(None, "off", cfg.compile_mode)  # validates the mode before anything is written
+    except (LoggerError, ValueError) as e:
         raise TrainError(str(e)) from e
     # auto: bf16 on GPUs that have it, else fp16 (with a grad scaler); fp32 on the CPU
     return _Run(cfg, rank, world, device, amp_dtype(device, cfg.amp), store, model_cfg,
@@ -252,11 +259,15 @@ def _build(run: _Run, ckpt: dict | None) -> RunState:
     noise_gen = torch.Generator(device=device).manual_seed(cfg.seed)
     # A resumed run keeps the loader it was saved with (auto might choose another today).
     kind = ckpt["ranks"][run.rank]["loader"]["kind"] if ckpt is not None else cfg.loader
+    # ... and the window its order was cut into, unless --shuffle-window is given (the budget
+    # sized it; today's budget or free RAM might size another, and the order would differ).
+    window = cfg.shuffle_window or (ckpt["ranks"][run.rank]["loader"].get("shuffle_window")
+                                    if ckpt is not None else None)
     try:
         loader = build_loader(
             run.store, batch_size=run.per_rank, kind=kind, seed=cfg.seed, rank=run.rank,
             world_size=run.world, device=device, resident_device=cfg.resident_device,
-            workers=cfg.workers, shuffle_window=cfg.shuffle_window,
+            workers=cfg.workers, shuffle_window=window, memory=cfg.loader_memory,
         )
     except ValueError as e:  # LoaderError (does not fit) or settings the loader refuses
         raise TrainError(str(e)) from e
@@ -269,7 +280,9 @@ def build_optimizer(cfg: TrainConfig, params: list, device: torch.device) -> tor
     moments; tensors under 4096 elements keep fp32 ones), with the same hyperparameters."""
     adam = dict(lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, **adam, fused=device.type == "cuda")
+        # fused: one kernel for all parameters, and it can skip a step on the device (found_inf;
+        # dittrain.step), so a NaN/inf step costs no host sync; on the CPU too
+        return torch.optim.AdamW(params, **adam, fused=True)
     if cfg.optimizer != "adamw8bit":
         raise TrainError(f"--optimizer {cfg.optimizer}: choose adamw or adamw8bit")
     import logging
@@ -365,12 +378,29 @@ def _resume(state: RunState, ckpt: dict, path: Path) -> None:
 
 
 def _save(run: _Run, state: RunState) -> None:
-    """A checkpoint and the EMA export (every rank calls this: it gathers their states)."""
+    """A checkpoint and the EMA export (every rank calls this: it gathers their states).
+
+    --async-save: rank 0 hands a host copy of the state to run.saver and returns; the files
+    exist once run.saver.wait() returns (in the next _save, or at the end of _train), and a
+    failure of the previous write is raised here. Writes are made one at a time in step
+    order, so keep-N pruning and a resume's latest_checkpoint see what synchronous saves give.
+
+    Ranks: the gather in state_dict() is the collective, on the main thread at the same
+    point on every rank. A synchronous save ends with a barrier: when any rank goes on, the
+    file exists. With async writes a barrier here would promise nothing, so there is none;
+    what holds instead: every rank's state is in rank 0's host copy when the gather returns,
+    and the barrier at the end of _train comes after rank 0's wait, so no rank returns before
+    the last checkpoint is on disk.
+    """
     ckpt = state.state_dict()
-    if run.master:
+    if run.master and run.cfg.async_save:
+        if run.saver is None:
+            run.saver = CheckpointWriter()
+        run.saver.submit(run.out, state.step, ckpt, keep=run.cfg.keep, ema_state=ckpt["ema"], config=state.config)
+    elif run.master:
         save_checkpoint(run.out, state.step, ckpt, keep=run.cfg.keep)
         export_weights(run.out / EMA_EXPORT, state.ema.state_dict(), state.config)
-    if run.world > 1:
+    if run.world > 1 and not run.cfg.async_save:
         dist.barrier()
 
 
@@ -418,8 +448,13 @@ def _train(cfg: TrainConfig) -> dict:
             step = state.step
             if run.master and step == cfg.max_steps and cfg.sample_every > 0 and step % cfg.sample_every:
                 _sample_grid(run, state.ema, step, log)  # the last grid
+            if run.saver is not None:  # still under _Stop: a signal now cannot cut the last write short
+                run.saver.wait()  # the last checkpoint is on disk; a failed write stops the run here
     finally:
         state.loader.close()
+        if run.saver is not None and (error := run.saver.close()) is not None:
+            # another error is on its way out: the write it interrupted failed too
+            print(f"note: {error}", file=sys.stderr)
     step = state.step
     if run.world > 1:
         dist.barrier()
@@ -446,9 +481,9 @@ def _prepare_out(run: _Run, resumed_at: int | None) -> None:
 
 
 def _wrap(run: _Run, model: DiT) -> torch.nn.Module:
-    """The module the loop calls: the model, compiled (--compile), in DDP over several ranks."""
-    if run.cfg.compile:
-        model = torch.compile(model)
+    """The module the loop calls: the model, compiled (--compile: dittrain.step.compile_model),
+    in DDP over several ranks."""
+    model = compile_model(model, compile_target(run.cfg.compile, run.device), run.cfg.compile_mode)
     if run.world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -457,91 +492,88 @@ def _wrap(run: _Run, model: DiT) -> torch.nn.Module:
 
 
 def _loop(run: _Run, state: RunState, train_model, log: _Log, stop: _Stop) -> None:
-    """Optimizer steps until max_steps or a stop request (SIGTERM/SIGINT)."""
-    cfg, device, world, diffusion = run.cfg, run.device, run.world, run.diffusion
-    model, opt, sched, scaler, loader, gen = (state.model, state.optimizer, state.lr_schedule,
-                                              state.scaler, state.loader, state.noise_gen)
-    params = [p for p in model.parameters() if p.requires_grad]
-    ema_params, model_params = list(state.ema.parameters()), list(model.parameters())
-    empty_text = {k: torch.from_numpy(v.astype(np.float32) if v.dtype != bool else v).to(device)
-                  for k, v in run.store.empty_caption().items()}
-    # Every rank draws noise, timesteps and dropout for the GLOBAL micro-batch and keeps its
-    # own slice, so with a loader that hands each rank its slice of the global batch, N ranks
-    # compute what one process would.
-    mine = slice(run.rank * run.per_rank, (run.rank + 1) * run.per_rank)
-    global_micro = run.per_rank * world
-    norm = LatentNorm.from_config(run.resolved)  # --latent-norm: identity for none
-    consecutive_bad = 0
-    while state.step < cfg.max_steps:
-        # ---- one optimizer step: accumulation micro-batches ----
-        opt.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(cfg.accumulation_steps):
-            batch = next(loader)
-            x0 = norm.normalize(batch["x"])  # on the device, every loader (and flip) alike
-            noise = torch.randn((global_micro, *x0.shape[1:]), generator=gen, device=device)[mine]
-            t = diffusion.sample_timesteps(global_micro, generator=gen, device=device)[mine]
-            u = torch.rand(global_micro, generator=gen, device=device)[mine]
-            kwargs = _conditioning(batch, empty_text, cfg, u)
-            sync = micro == cfg.accumulation_steps - 1 or world == 1
-            with contextlib.nullcontext() if sync else train_model.no_sync():
-                with autocast(device, run.amp_dtype):
-                    loss = diffusion.training_loss(train_model, x0, kwargs, t=t, noise=noise).mean()
-                scaler.scale(loss / cfg.accumulation_steps).backward()
-            loss_sum += loss.detach()
-        loss_mean = _mean_over_ranks(loss_sum / cfg.accumulation_steps, world)
+    """Optimizer steps until max_steps or a stop request (SIGTERM/SIGINT).
 
-        # ---- NaN/inf: skip the update, count it, give up after too many in a row ----
-        stepped = bool(torch.isfinite(loss_mean))
-        if stepped:
-            consecutive_bad = 0
-            scaler.unscale_(opt)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-            scaler.step(opt)
-            scaler.update()
-            sched.step()
-            with torch.no_grad():  # EMA: e <- d e + (1 - d) p
-                torch._foreach_lerp_(ema_params, model_params, 1.0 - cfg.ema)
-            state.step += 1
-            log.step(loss_mean, grad_norm)
-        else:
-            consecutive_bad += 1
-            state.nonfinite_total += 1
-            opt.zero_grad(set_to_none=True)
-            if consecutive_bad >= cfg.max_nonfinite:
-                raise TrainError(
-                    f"{consecutive_bad} consecutive non-finite losses at step {state.step}: training "
-                    "diverged. Lower --lr, use --amp bf16/fp32, or resume from an earlier checkpoint")
-            log.skipped()
+    Step k+1's forward and backward are queued before step k is settled (dittrain.step), so
+    the host never makes the device wait; a step is settled at once where the host needs its
+    outcome now: a log, checkpoint, sample or evaluation step, the last step, a stop."""
+    cfg, world = run.cfg, run.world
+    step = TrainStep(model=state.model, train_model=train_model, ema=state.ema, optimizer=state.optimizer,
+                     scaler=state.scaler, diffusion=run.diffusion, cfg=cfg, gen=state.noise_gen, device=run.device,
+                     amp_dtype=run.amp_dtype, norm=LatentNorm.from_config(run.resolved),
+                     empty_text=empty_text_on(run.store, run.device), rank=run.rank, world=world)
+    books = _Books(run, state, step, log)
+    pending = None
+    compiling, t0 = compile_target(cfg.compile, run.device) != "off", time.perf_counter()
+    while state.step < cfg.max_steps:
+        queued = step.backward(state.loader, stop=stop.requested)
+        stopping = books.settle(pending)[1] if pending is not None else False
+        pending = step.update(queued)
+        # one process reads its own stop flag; ranks learn of any rank's request from a settle
+        stopping = stopping or (world == 1 and stop.requested)
+        if not (stopping or compiling or _due(cfg, state.step + 1, run.evaluator is not None)):
+            continue
+        stepped, stop_now = books.settle(pending)
+        pending, stopping = None, stopping or stop_now
+        if compiling:  # the first step compiles (the forward, and the backward it needs)
+            compiling = False
+            if run.master:
+                _note(f"dittrain: first step {time.perf_counter() - t0:.1f} s, torch.compile "
+                      f"({compile_target(cfg.compile, run.device)}, mode {cfg.compile_mode}) included")
 
         # ---- checkpoint, samples, stop requests (a skipped step honours a stop too) ----
-        step = state.step
-        stopping = _all_ranks_any(stop.requested, device, world)
-        if stopping or (stepped and (step % cfg.save_every == 0 or step == cfg.max_steps)):
+        n = state.step
+        if stopping or (stepped and (n % cfg.save_every == 0 or n == cfg.max_steps)):
             _save(run, state)
-        if stepped and run.master and cfg.sample_every and step % cfg.sample_every == 0:
-            _sample_grid(run, state.ema, step, log)
-        if stepped and run.evaluator is not None and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-            _evaluate(run, state, step, log)
+        if stepped and run.master and cfg.sample_every and n % cfg.sample_every == 0:
+            _sample_grid(run, state.ema, n, log)
+        if stepped and run.evaluator is not None and (n % cfg.eval_every == 0 or n == cfg.max_steps):
+            _evaluate(run, state, n, log)
         if stopping:
+            if run.saver is not None:  # "checkpoint saved" is said once it is on disk
+                run.saver.wait()
             if run.master:
-                print(f"\ndittrain: stopped by signal at step {step}; checkpoint saved, "
+                print(f"\ndittrain: stopped by signal at step {n}; checkpoint saved, "
                       f"resume with --resume", file=sys.stderr)
             break
 
 
-def _conditioning(batch: dict, empty_text: dict, cfg: TrainConfig, u: torch.Tensor) -> dict:
-    """Model kwargs of a batch. u (B,) uniform draws decide classifier-free-guidance
-    dropout: labels -> the null class (u < class_dropout), captions -> the store's
-    empty-caption embedding (u < caption_dropout)."""
-    kwargs = {}
-    if "y" in batch:
-        kwargs["y"] = batch["y"]
-        kwargs["force_drop_ids"] = u < cfg.class_dropout
-    text = {k: batch[k] for k in TEXT_FIELDS if k in batch}
-    if text:
-        kwargs |= drop_text_conditioning(text, empty_text, u < cfg.caption_dropout)
-    return kwargs
+def _due(cfg: TrainConfig, n: int, evaluating: bool) -> bool:
+    """Whether step n (if kept) is one the host acts on: a log record, a checkpoint, a sample
+    grid, an evaluation, the last step."""
+    return (n % cfg.log_every == 0 or n % cfg.save_every == 0 or n == cfg.max_steps
+            or bool(cfg.sample_every and n % cfg.sample_every == 0)
+            or (evaluating and n % cfg.eval_every == 0))
+
+
+class _Books:
+    """What the host does with a settled step: a kept step advances the step counter, the LR
+    schedule and the EMA and is logged; a skipped (NaN/inf) one is counted, and too many in a
+    row stop the run."""
+
+    def __init__(self, run: _Run, state: RunState, step: TrainStep, log: _Log):
+        self.run, self.state, self.step, self.log = run, state, step, log
+        self.consecutive_bad = 0
+
+    def settle(self, attempt: Attempt) -> tuple[bool, bool]:
+        """(kept, stop requested) of a queued step, its consequences applied."""
+        state, cfg = self.state, self.run.cfg
+        kept, stop = attempt.settle()
+        if kept:
+            self.consecutive_bad = 0
+            self.step.ema_update()
+            state.lr_schedule.step()
+            state.step += 1
+            self.log.step(attempt.loss, attempt.grad_norm)
+            return kept, stop
+        self.consecutive_bad += 1
+        state.nonfinite_total += 1
+        if self.consecutive_bad >= cfg.max_nonfinite:
+            raise TrainError(
+                f"{self.consecutive_bad} consecutive non-finite losses at step {state.step}: training "
+                "diverged. Lower --lr, use --amp bf16/fp32, or resume from an earlier checkpoint")
+        self.log.skipped()
+        return kept, stop
 
 
 class _Stop:
@@ -562,22 +594,6 @@ class _Stop:
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
-
-
-def _all_ranks_any(flag: bool, device, world: int) -> bool:
-    if world == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
-def _mean_over_ranks(x: torch.Tensor, world: int) -> torch.Tensor:
-    if world > 1:
-        x = x.clone()
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
-        x /= world
-    return x
 
 
 # --------------------------------------------------------------------------- what a run reports
