@@ -1,33 +1,41 @@
 #!/usr/bin/env bash
-# The one prepared script for a GPU device session (issue 7): DiT training and sampling speed on the GPU.
+# The one prepared script for a GPU device session (issues 7, 14, 17): DiT training step speed
+# (the trainer's own step: dittrain.step.TrainStep, eager against torch.compile, CUDA graphs,
+# checkpointing, host syncs, the SDPA kernel, the loaders' data wait) and sampling speed.
 #
-#   bash bench/gpu_check.sh                # on the device machine, from the repository root
+#   bash bench/device_wheels.sh     # HERE, once: zarr wheels into .whl/ (for the real loaders' rows)
+#   bash bench/gpu_check.sh         # on the device machine, from the repository root; carry .whl
 #
-# Needs python3 with torch (numpy) only: bench/gpu_train.py feeds the real training step from
-# a synthetic store held in GPU memory, so neither zarr nor webdataset is needed, and the
-# store module is not imported. (bench/loader.py --device cuda needs zarr: not run here.)
-# Writes $OUT/gpu_train.json (rewritten after every configuration, so a cut-short run keeps
-# what it measured), $OUT/gpu_train.md (the printed table), $OUT/sample_throughput.{json,md}
-# and $OUT/nvidia-smi.txt.
-# Expected: about 3-5 minutes on an H200 (18 training configurations, eager; --compile adds minutes;
-# then 8 sampling configurations).
+# Needs python3 with torch and numpy; with .whl/ present, zarr is installed from it into
+# /tmp/site first (the rows with the real resident and streaming loaders need it; without it
+# they are recorded as skipped). Writes $OUT/gpu_train.json (rewritten after every
+# configuration, so a cut-short run keeps what it measured), $OUT/gpu_train.md (the printed
+# table), $OUT/sample_throughput.{json,md} and $OUT/nvidia-smi.txt.
+# Expected: about 6-8 minutes on an H200 (15 training configurations, most compiled: each
+# compile 20-60 s; then 8 sampling configurations, about 1 minute).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_check}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 
 nvidia-smi | tee "$OUT/nvidia-smi.txt"
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
 
-# DiT-S/2, B/2, XL/2 at 256 px; no checkpointing and every block; batch 64/128/256; bf16 autocast
-timeout 300 python3 bench/gpu_train.py --json "$OUT/gpu_train.json" 2>&1 | tee "$OUT/gpu_train.md"
+# bench/gpu_train.py's default list: XL/2, S/2, B/2 at batch 256, eager / compiled (blocks,
+# model) / CUDA graphs, checkpointing every block / selective, the real loaders (in order of
+# importance: a cut-short run keeps the first rows)
+timeout 420 python3 bench/gpu_train.py --json "$OUT/gpu_train.json" 2>&1 | tee "$OUT/gpu_train.md"
 rc=${PIPESTATUS[0]}
 echo "gpu_train.py exit status: $rc"
 
 # Evaluation sampling (issue 14): DiT-S/2 and XL/2, 250 ddpm steps and 50 Euler steps with CFG 1.5;
 # about 30-60 s. Gives the FID-50K sampling time on this GPU.
-timeout 150 python3 bench/sample_throughput.py --json "$OUT/sample_throughput.json" 2>&1 | tee "$OUT/sample_throughput.md"
+timeout 120 python3 bench/sample_throughput.py --json "$OUT/sample_throughput.json" 2>&1 | tee "$OUT/sample_throughput.md"
 rc2=${PIPESTATUS[0]}
 echo "sample_throughput.py exit status: $rc2"
 [ "$rc" -eq 0 ] && rc=$rc2

@@ -1,47 +1,42 @@
-"""DiT training speed on one GPU: images/s, MFU and peak memory, from a synthetic in-memory store.
+"""DiT training speed on one GPU: the trainer's own step (dittrain.step.TrainStep), settled
+one step late as dittrain.train's loop does, per configuration.
 
-    python3 bench/gpu_train.py [--models DiT-S/2,DiT-B/2,DiT-XL/2] [--batch-sizes 64,128,256]
-                               [--grad-ckpt none,attn,mlp,every] [--steps 15] [--warmup 5] [--compile]
-                               [--amp bf16|fp16|fp32] [--json results.json] [--device cuda]
-    python3 bench/gpu_train.py --device cpu --models DiT-T/2 --steps 2      # smoke test, no GPU
+    python3 bench/gpu_train.py [--configs SPEC;SPEC;...] [--steps 10] [--warmup 3] [--json out.json]
+    python3 bench/gpu_train.py --device cpu --configs "DiT-T/2:4:none:off;DiT-T/2:4:selective:blocks"  # smoke test
 
-What one configuration measures (DiT at 256 px: 4x32x32 latents, 1000 classes, ddpm with
-learn_sigma, as DiT on ImageNet-256):
+A configuration SPEC is MODEL:BATCH:CKPT:COMPILE[:MODE[:LOADER]]
+  CKPT      --grad-checkpointing: none | every | k | attn | mlp | selective
+  COMPILE   --compile: off | blocks (each DiTBlock, regional) | model (the whole forward)
+  MODE      torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune-no-cudagraphs
+  LOADER    gpu (default: a synthetic store held on the device, a batch = one index_select, no
+            disk, torch only) | resident-cuda | resident | streaming (dittrain.data's loaders over
+            a real latent store written to --store-dir first: needs ditdata's store backends, zarr)
+The default list (CUDA) covers DiT-XL/2, B/2 and S/2 at batch 256, eager against compiled,
+CUDA graphs for the small models, checkpointing every block against selective checkpointing,
+and the loaders' data wait for DiT-S/2 (only where zarr imports).
 
-  ms/step, images/s   mean over --steps timed optimizer steps, after --warmup steps that are
-                      left out (allocator warm-up, cuDNN/cuBLAS heuristics, torch.compile)
-  TFLOP/s, MFU        model FLOPs: 2 (FLOPs per multiply-add) x 3 (forward + backward) x
-                      dittrain.model.flops_per_forward(config) x batch, per second, over the
-                      dense bf16 peak of the device (H100/H200: 989 TFLOP/s; --peak-tflops to
-                      override). The recomputed forward of gradient checkpointing is NOT
-                      counted (model FLOPs, not hardware FLOPs), so checkpointing shows as a
-                      lower MFU. A bf16 matmul (8192^3) is also timed to give the device's
-                      measured peak, and MFU against it is reported beside.
-  peak memory         torch.cuda.max_memory_allocated over the configuration: weights, EMA,
-                      gradients, AdamW state, activations, and the 64 MiB synthetic store
-                      (the allocator's reserve, also in the JSON, is more)
+What one configuration reports (DiT at 256 px: 4x32x32 latents, 1000 classes, ddpm with
+learn_sigma, bf16 autocast on the GPU; AdamW fused, lr 1e-4, clipping at 1.0, EMA 0.9999, TF32):
+  ms/step, images/s   wall time of --steps timed steps / steps, after --warmup untimed ones
+                      (compilation, CUDA-graph recording, allocator warm-up); no per-step sync,
+                      as in the trainer: step k+1's forward/backward is queued before step k
+                      is settled (dittrain.step)
+  compile s           the warm-up's time beyond --warmup eager-speed steps (~ the compile time)
+  MFU                 2 x 3 x dittrain.model.flops_per_forward(config) x batch per second over the
+                      dense bf16 peak (H100/H200: 989 TFLOP/s), and over a measured 8192^3 bf16
+                      matmul; recomputation of checkpointing is not counted (model FLOPs)
+  peak memory         torch.cuda.max_memory_allocated over the configuration
+  host syncs/step     calls torch.cuda.set_sync_debug_mode("warn") flags during the timed steps
+                      (item(), bool(), synchronizing copies...), per step. The settle's event
+                      wait on the PREVIOUS step is not one (the device is already busy with the
+                      next step) and is not counted.
+  data wait           time inside next(loader) / wall time, over the timed steps
+  SDPA                dittrain.model.attention_backend: the attention kernel for this shape/dtype
 
-THE STEP MIRRORS dittrain/train.py's loop; it is not imported from there, because the loop
-lives inside `run()` and needs a latent store on disk. It is built from the same public
-pieces, in the same order: DiT(get_config(...)) on the device with an EMA copy; Diffusion
-with the model's learn_sigma; noise, timesteps and class-dropout draws from one device
-generator; torch.autocast(bf16) around Diffusion.training_loss(...).mean(); GradScaler
-(enabled only for fp16); backward; the non-finite check (a host sync, as in the loop);
-unscale_; clip_grad_norm_(1.0); AdamW (fused on CUDA, lr 1e-4, no weight decay) step;
-scaler.update(); the LR schedule's step; EMA by torch._foreach_lerp_(ema, model, 1 - 0.9999).
-TF32 on. Gradient accumulation 1, one process (no DDP), no logging or checkpoints.
-
-THE DATA is a resident store in GPU memory (--store-size latents of 4x32x32 fp16 with labels,
-random numbers): a fresh permutation per epoch, a batch is one index_select + float32, as
-dittrain's ResidentLoader with resident_device=cuda. Nothing is read from disk: this script
-needs torch and numpy only (the store module and its zarr/webdataset backends are not
-imported), so it runs on a bare GPU machine with `PYTHONPATH=. python3 bench/gpu_train.py`.
-
-A configuration that runs out of memory is recorded as OOM and the larger batch sizes of
-the same model and checkpointing setting are skipped. Results are printed as a markdown
-table as they come and, with --json, rewritten to that file after every configuration (a
-run cut short keeps what it measured). Without CUDA (and without --device cpu) the script
-prints why and exits with status 2, measuring nothing.
+A configuration that runs out of memory or fails to compile is recorded with its error and
+the script goes on. Results print as a markdown table as they come and, with --json, are
+rewritten after every configuration (a run cut short keeps what it measured). Without CUDA
+(and without --device cpu) the script prints why and exits with status 2.
 """
 
 from __future__ import annotations
@@ -51,7 +46,9 @@ import gc
 import json
 import platform
 import sys
+import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -60,48 +57,134 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ditdata.store.devices import amp_dtype as trainer_amp  # noqa: E402
+from dittrain.config import TrainConfig  # noqa: E402
 from dittrain.diffusion import Diffusion, DiffusionConfig  # noqa: E402
-from dittrain.model import DiT, flops_per_forward, get_config  # noqa: E402
+from dittrain.model import DiT, attention_backend, flops_per_forward, get_config  # noqa: E402
+from dittrain.step import TrainStep, compile_model  # noqa: E402
 
 # A copy of dittrain.train.PEAK_FLOPS (dense bf16/fp16 tensor-core FLOP/s by device name):
-# importing dittrain.train would pull in the store module and its dependencies.
+# importing dittrain.train would pull in the store module and its backends.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "RTX 4090": 165e12,
               "RTX 3090": 71e12, "A6000": 155e12, "V100": 125e12}
 
 LATENT = (4, 32, 32)  # 256 px through an f8 autoencoder with 4 channels
 NUM_CLASSES = 1000
-CLASS_DROPOUT, EMA_DECAY, LR, GRAD_CLIP = 0.1, 0.9999, 1e-4, 1.0
+DEFAULT_CUDA = ";".join([  # the issue's targets first: a run cut short keeps what matters most
+    "DiT-XL/2:256:none:off", "DiT-XL/2:256:none:blocks",
+    "DiT-S/2:256:none:off", "DiT-S/2:256:none:model:reduce-overhead",
+    "DiT-XL/2:256:every:blocks", "DiT-XL/2:256:selective:blocks", "DiT-XL/2:256:every:off",
+    "DiT-S/2:256:none:blocks", "DiT-S/2:256:none:model", "DiT-S/2:256:none:blocks:reduce-overhead",
+    "DiT-B/2:256:none:off", "DiT-B/2:256:none:blocks", "DiT-B/2:256:none:model:reduce-overhead",
+    "DiT-S/2:256:none:model:reduce-overhead:resident-cuda", "DiT-S/2:256:none:model:reduce-overhead:streaming",
+])
+DEFAULT_CPU = "DiT-T/2:4:none:off;DiT-T/2:4:selective:off"
 
 
-class ResidentLatents:
-    """A synthetic store held on the device: x (n, C, h, w) fp16, y (n,) int64. Batches are
-    the next batch_size samples of a fresh permutation per epoch (index_select + float32)."""
+class DeviceLatents:
+    """A synthetic store held on the device: x (n, C, h, w) fp16, y (n,) int64; a batch is the
+    next batch_size samples of a fresh permutation per epoch (index_select + float32), as
+    dittrain's ResidentLoader with the store on the GPU. An iterator, as the trainer's loaders."""
 
-    def __init__(self, n: int, device: torch.device, seed: int = 0):
+    def __init__(self, n: int, batch_size: int, device: torch.device, seed: int = 0):
         g = torch.Generator(device=device).manual_seed(seed)
         self.x = torch.randn((n, *LATENT), generator=g, device=device).to(torch.float16)
         self.y = torch.randint(0, NUM_CLASSES, (n,), generator=g, device=device)
-        self.gen, self.n, self.pos = g, n, n
-        self.perm = None
+        self.gen, self.n, self.pos, self.batch_size = g, n, n, batch_size
+        self.perm, self.wait_seconds = None, 0.0
 
-    def next(self, batch_size: int) -> dict:
-        idx = []
-        need = batch_size
-        while need:
-            if self.pos == self.n:
-                self.perm, self.pos = torch.randperm(self.n, generator=self.gen, device=self.x.device), 0
-            take = min(need, self.n - self.pos)
-            idx.append(self.perm[self.pos:self.pos + take])
-            self.pos += take
-            need -= take
-        idx = idx[0] if len(idx) == 1 else torch.cat(idx)
-        return {"x": self.x.index_select(0, idx).float(), "y": self.y.index_select(0, idx)}
+    def __next__(self) -> dict:
+        t0 = time.perf_counter()
+        if self.pos + self.batch_size > self.n:
+            self.perm, self.pos = torch.randperm(self.n, generator=self.gen, device=self.x.device), 0
+        idx = self.perm[self.pos:self.pos + self.batch_size]
+        self.pos += self.batch_size
+        out = {"x": self.x.index_select(0, idx).float(), "y": self.y.index_select(0, idx)}
+        self.wait_seconds += time.perf_counter() - t0
+        return out
+
+    def close(self) -> None:
+        pass
 
 
-def amp_of(name: str, device: torch.device) -> tuple[torch.dtype | None, bool]:
-    """(autocast dtype or None, grad scaler needed): the trainer's rule (ditdata.store.devices)."""
-    dtype = trainer_amp(device, name)
-    return dtype, dtype is torch.float16
+def write_store(root: Path, n: int) -> Path:
+    """A zarr latent store of n random 4x32x32 fp16 latents with labels, in shards of 10,000."""
+    import numpy as np
+
+    from ditdata.store import Schema, StoreWriter, TensorSpec
+
+    store = root / f"store-{n}"
+    if (store / "manifest.json").exists():
+        return store
+    rng = np.random.default_rng(0)
+    schema = Schema(tensors={"latent": TensorSpec(LATENT, "float16")}, columns={"key": "string", "label": "int64"})
+    info = {"vae": {"name": "bench"}, "image": {"resolution": 256},
+            "conditioning": {"type": "class", "num_classes": NUM_CLASSES}}
+    w = StoreWriter(store, schema=schema, info=info, backend="zarr", chunk_samples=1024)
+    for s, start in enumerate(range(0, n, 10_000)):
+        m = min(n, start + 10_000) - start
+        w.write_shard(f"{s:05d}", {"latent": rng.standard_normal((m, *LATENT), dtype=np.float32).astype(np.float16)},
+                      {"key": [str(start + i) for i in range(m)], "label": rng.integers(0, NUM_CLASSES, m)})
+    w.finalize()
+    return store
+
+
+def make_loader(kind: str, batch: int, device: torch.device, args):
+    if kind == "gpu":
+        return DeviceLatents(args.store_size, batch, device)
+    from dittrain.data import build_loader
+
+    store = write_store(Path(args.store_dir), args.store_size)
+    loader_kind, resident_device = {"resident-cuda": ("resident", "cuda"), "resident": ("resident", "cpu"),
+                                    "streaming": ("streaming", "cpu")}[kind]
+    return build_loader(str(store), batch_size=batch, kind=loader_kind, seed=0, device=device,
+                        resident_device=resident_device if device.type == "cuda" else "cpu",
+                        workers=args.workers)
+
+
+def parse_spec(spec: str) -> dict:
+    parts = spec.strip().split(":")
+    if not 4 <= len(parts) <= 6:
+        raise SystemExit(f"gpu_train: config {spec!r}: want MODEL:BATCH:CKPT:COMPILE[:MODE[:LOADER]]")
+    model, batch, ckpt, comp = parts[:4]
+    mode = parts[4] if len(parts) > 4 else "default"
+    loader = parts[5] if len(parts) > 5 else "gpu"
+    return {"model": model, "batch": int(batch), "grad_ckpt": ckpt, "compile": comp, "mode": mode, "loader": loader}
+
+
+def build(spec: dict, device: torch.device, amp: str):
+    """Model, EMA, optimizer and TrainStep as dittrain.train builds them (one rank)."""
+    ckpt = int(spec["grad_ckpt"]) if spec["grad_ckpt"].isdigit() else spec["grad_ckpt"]
+    cfg = get_config(spec["model"], input_size=LATENT[-1], in_channels=LATENT[0], num_classes=NUM_CLASSES,
+                     class_dropout_prob=0.1, learn_sigma=True, grad_checkpointing=ckpt)
+    torch.manual_seed(0)
+    with device:  # initialised in place: the weights' values do not change the speed
+        model = DiT(cfg)
+        ema = DiT(cfg).requires_grad_(False)
+    ema.load_state_dict(model.state_dict())
+    ema.eval()
+    tcfg = TrainConfig(batch_size=spec["batch"], grad_clip=1.0, ema=0.9999, lr=1e-4)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=0.0, fused=True)  # dittrain.train.build_optimizer's
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    amp_dtype = trainer_amp(device, amp)
+    train_model = compile_model(model, spec["compile"], spec["mode"])  # as dittrain.train._wrap
+    step = TrainStep(model=model, train_model=train_model, ema=ema, optimizer=opt,
+                     scaler=torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16),
+                     diffusion=Diffusion(DiffusionConfig(objective="ddpm", learn_sigma=True)), cfg=tcfg,
+                     gen=torch.Generator(device=device).manual_seed(0), device=device, amp_dtype=amp_dtype)
+    return cfg, model, step, sched, amp_dtype
+
+
+def run_steps(step: TrainStep, sched, loader, n: int, pending=None):
+    """n steps as dittrain.train._loop runs them between log steps: step k+1 queued, then
+    step k settled (EMA and LR schedule for a kept step), then step k+1's update."""
+    for _ in range(n):
+        queued = step.backward(loader)
+        if pending is not None and pending.settle()[0]:
+            step.ema_update()
+            sched.step()
+        pending = step.update(queued)
+    return pending
 
 
 def sync(device: torch.device) -> None:
@@ -109,64 +192,45 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(name: str, batch: int, ckpt: str, data: ResidentLatents, device: torch.device, args) -> dict:
-    """Build model, EMA, optimizer as train.py does; run warm-up + timed steps; free everything."""
-    cfg = get_config(name, input_size=LATENT[-1], in_channels=LATENT[0], num_classes=NUM_CLASSES,
-                     class_dropout_prob=CLASS_DROPOUT, learn_sigma=True, grad_checkpointing=ckpt)
-    torch.manual_seed(0)
-    with device:  # initialised in place: the weights' values do not change the speed
-        model = DiT(cfg)
-        ema = DiT(cfg).requires_grad_(False)
-    ema.load_state_dict(model.state_dict())
-    ema.eval()
-    diffusion = Diffusion(DiffusionConfig(objective="ddpm", learn_sigma=cfg.learn_sigma))
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=device.type == "cuda")
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    amp_dtype, needs_scaler = amp_of(args.amp, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=needs_scaler)
-    noise_gen = torch.Generator(device=device).manual_seed(0)
-    train_model = torch.compile(model) if args.compile else model
-    ema_params, model_params = list(ema.parameters()), list(model.parameters())
-
-    def step() -> None:  # dittrain/train.py's optimizer step, accumulation 1, one rank
-        opt.zero_grad(set_to_none=True)
-        b = data.next(batch)
-        x0 = b["x"]
-        noise = torch.randn(x0.shape, generator=noise_gen, device=device)
-        t = diffusion.sample_timesteps(batch, generator=noise_gen, device=device)
-        u = torch.rand(batch, generator=noise_gen, device=device)
-        kwargs = {"y": b["y"], "force_drop_ids": u < CLASS_DROPOUT}
-        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-            loss = diffusion.training_loss(train_model, x0, kwargs, t=t, noise=noise).mean()
-        scaler.scale(loss).backward()
-        if not torch.isfinite(loss.detach()):  # the loop's NaN/inf check (a host sync)
-            raise RuntimeError(f"non-finite loss in {name} batch {batch}")
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
-        scaler.step(opt)
-        scaler.update()
-        sched.step()
-        with torch.no_grad():
-            torch._foreach_lerp_(ema_params, model_params, 1.0 - EMA_DECAY)
-
-    t0 = time.perf_counter()
-    for _ in range(args.warmup):
-        step()
-    sync(device)
-    warm = time.perf_counter() - t0
-    times = []
-    for _ in range(args.steps):
-        t1 = time.perf_counter()
-        step()
+def measure(spec: dict, device: torch.device, args) -> dict:
+    cfg, model, step, sched, amp_dtype = build(spec, device, args.amp)
+    loader = make_loader(spec["loader"], spec["batch"], device, args)
+    try:
+        t0 = time.perf_counter()
+        pending = run_steps(step, sched, loader, 1)
         sync(device)
-        times.append(time.perf_counter() - t1)
-    ms = 1e3 * sum(times) / len(times)
-    flops = 6 * flops_per_forward(cfg) * batch  # per optimizer step
-    row = {"model": name, "params_m": model.num_params() / 1e6, "grad_ckpt": ckpt, "batch": batch,
-           "ms_per_step": ms, "ms_min": 1e3 * min(times), "ms_max": 1e3 * max(times),
-           "images_per_s": batch / (ms / 1e3), "tflops": flops / (ms / 1e3) / 1e12,
-           "warmup_s": warm, "status": "ok"}
+        first = time.perf_counter() - t0
+        pending = run_steps(step, sched, loader, args.warmup - 1, pending)
+        sync(device)
+        warm = time.perf_counter() - t0
+        wait0 = loader.wait_seconds
+        syncs = []
+        t1 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                pending = run_steps(step, sched, loader, args.steps, pending)
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+        sync(device)
+        dt = time.perf_counter() - t1
+        pending.settle()
+    finally:
+        loader.close()
+    ms = 1e3 * dt / args.steps
+    flops = 6 * flops_per_forward(cfg) * spec["batch"]
+    row = {**spec, "params_m": model.num_params() / 1e6, "ms_per_step": ms,
+           "images_per_s": spec["batch"] / (ms / 1e3), "tflops": flops / (ms / 1e3) / 1e12,
+           "first_step_s": first, "warmup_s": warm,
+           "compile_s": max(0.0, first - ms / 1e3) if spec["compile"] != "off" else 0.0,
+           "host_syncs_per_step": len(syncs) / args.steps if device.type == "cuda" else None,
+           "sync_sites": sorted(set(s.split("\n")[0][:160] for s in syncs))[:5],
+           "data_wait_frac": (loader.wait_seconds - wait0) / dt if dt > 0 else 0.0,
+           "sdpa": attention_backend(cfg, spec["batch"], amp_dtype or torch.float32, device), "status": "ok"}
     if device.type == "cuda":
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
@@ -175,6 +239,7 @@ def measure(name: str, batch: int, ckpt: str, data: ResidentLatents, device: tor
 
 def free(device: torch.device) -> None:
     gc.collect()
+    torch._dynamo.reset()  # compiled graphs (and CUDA-graph pools) of the previous configuration
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -194,32 +259,35 @@ def matmul_peak(device: torch.device, n: int = 8192, reps: int = 50) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t)
 
 
-def fmt(row: dict, peak: float | None, measured: float | None) -> str:
+def fmt(row: dict) -> str:
+    head = (f"| {row['model']} | {row['batch']} | {row['grad_ckpt']} | {row['compile']} | {row['mode']} | "
+            f"{row['loader']} |")
     if row["status"] != "ok":
-        return f"| {row['model']} | {row['grad_ckpt']} | {row['batch']} | - | - | - | - | - | {row['status']} |"
+        return f"{head} - | - | - | - | - | - | - | - | {row['status']} |"
     mfu = f"{100 * row['mfu']:.1f}%" if row.get("mfu") is not None else "-"
     mfu_m = f"{100 * row['mfu_measured']:.1f}%" if row.get("mfu_measured") is not None else "-"
     mem = f"{row['peak_mem_gib']:.1f}" if "peak_mem_gib" in row else "-"
-    return (f"| {row['model']} | {row['grad_ckpt']} | {row['batch']} | {row['ms_per_step']:.1f} | "
-            f"{row['images_per_s']:.0f} | {row['tflops']:.1f} | {mfu} / {mfu_m} | {mem} | ok |")
+    syncs = f"{row['host_syncs_per_step']:.2f}" if row["host_syncs_per_step"] is not None else "-"
+    return (f"{head} {row['ms_per_step']:.1f} | {row['images_per_s']:.0f} | {mfu} / {mfu_m} | {mem} | "
+            f"{row['compile_s']:.1f} | {syncs} | {100 * row['data_wait_frac']:.2f}% | {row['sdpa']} | ok |")
 
 
-HEADER = ("| model | grad ckpt | batch | ms/step | images/s | TFLOP/s | MFU (spec / measured peak) | "
-          "peak mem (GiB) | status |\n|---|---|---:|---:|---:|---:|---:|---:|---|")
+HEADER = ("| model | batch | grad ckpt | compile | mode | loader | ms/step | images/s | MFU (spec / measured peak) | "
+          "peak mem (GiB) | compile s | host syncs/step | data wait | SDPA | status |\n"
+          "|---|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="DiT-S/2,DiT-B/2,DiT-XL/2")
-    ap.add_argument("--batch-sizes", default=None, help="comma list (default 64,128,256; 2,4 on the CPU)")
-    ap.add_argument("--grad-ckpt", default="none,every",
-                    help="comma list of none | every | k | attn | mlp (the --grad-checkpointing of dittrain run)")
-    ap.add_argument("--steps", type=int, default=15, help="timed steps per configuration")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; 1 on the CPU)")
+    ap.add_argument("--configs", default=None, help="SPEC;SPEC;... (see above; default: the list for the device)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first, >= 1 (default 3; 1 on the CPU)")
     ap.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                     help="auto: bf16 on GPUs that have it (else fp16 + grad scaler), fp32 on the CPU")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the model (compiles per configuration)")
-    ap.add_argument("--store-size", type=int, default=8192, help="latents in the in-memory store (at most 256 on the CPU)")
+    ap.add_argument("--store-size", type=int, default=None,
+                    help="latents in the store (default 20000 on CUDA, 64 on the CPU)")
+    ap.add_argument("--store-dir", default=None, help="where real loaders' store is written (default: a temp dir)")
+    ap.add_argument("--workers", type=int, default=4, help="streaming loader processes")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: by device name)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default=None, help="write the results here (after every configuration)")
@@ -227,14 +295,13 @@ def main():
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_train: CUDA is not available on this machine; nothing measured. "
-              "Run it on a GPU machine, or smoke-test with --device cpu --models DiT-T/2 --steps 2.",
-              file=sys.stderr)
+              "Run it on a GPU machine, or smoke-test with --device cpu.", file=sys.stderr)
         sys.exit(2)
     on_cpu = device.type == "cpu"
-    args.batch_sizes = args.batch_sizes or ("2,4" if on_cpu else "64,128,256")
-    batches = [int(b) for b in args.batch_sizes.split(",")]
-    args.warmup = args.warmup if args.warmup is not None else (1 if on_cpu else 5)
-    ckpts = [c.strip() for c in args.grad_ckpt.split(",")]
+    specs = [parse_spec(s) for s in (args.configs or (DEFAULT_CPU if on_cpu else DEFAULT_CUDA)).split(";") if s]
+    args.warmup = max(1, args.warmup if args.warmup is not None else (1 if on_cpu else 3))
+    args.store_size = args.store_size or (64 if on_cpu else 20_000)
+    args.store_dir = args.store_dir or tempfile.mkdtemp(prefix="gpu_train-")
     if device.type == "cuda":
         device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
@@ -245,18 +312,16 @@ def main():
         dev_name = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     peak = args.peak_tflops * 1e12 if args.peak_tflops else next(
         (v for k, v in PEAK_FLOPS.items() if device.type == "cuda" and k in dev_name), None)
-    amp_dtype, _ = amp_of(args.amp, device)
     measured = matmul_peak(device) if device.type == "cuda" else None
+    amp_dtype = trainer_amp(device, args.amp)
     env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": dev_name,
            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
            "amp": str(amp_dtype).replace("torch.", "") if amp_dtype else "fp32",
            "peak_flops": peak, "measured_bf16_matmul_flops": measured}
-    print(f"gpu_train: {dev_name}, torch {torch.__version__} (CUDA {torch.version.cuda}), amp {env['amp']}, "
-          f"{'compiled' if args.compile else 'eager'}; {args.warmup} warm-up + {args.steps} timed steps per "
-          f"configuration; peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s"
+    print(f"gpu_train: {dev_name}, torch {torch.__version__} (CUDA {torch.version.cuda}), amp {env['amp']}; "
+          f"{args.warmup} warm-up + {args.steps} timed steps per configuration; peak "
+          f"{peak / 1e12 if peak else float('nan'):.0f} TFLOP/s"
           + (f" (bf16 matmul 8192^3 measured: {measured / 1e12:.0f} TFLOP/s)" if measured else ""), flush=True)
-
-    data = ResidentLatents(args.store_size if not on_cpu else min(args.store_size, 256), device)
     rows: list[dict] = []
 
     def save() -> None:
@@ -266,28 +331,23 @@ def main():
 
     print(HEADER, flush=True)
     t_all = time.perf_counter()
-    for name in args.models.split(","):
-        for ckpt in ckpts:
-            oom_at = None
-            for batch in batches:
-                if oom_at is not None:
-                    row = {"model": name, "grad_ckpt": ckpt, "batch": batch,
-                           "status": f"skipped (OOM at batch {oom_at})"}
-                else:
-                    free(device)
-                    try:
-                        row = measure(name, batch, ckpt, data, device, args)
-                    except torch.cuda.OutOfMemoryError:
-                        row = {"model": name, "grad_ckpt": ckpt, "batch": batch, "status": "OOM"}
-                        oom_at = batch
-                    if row["status"] == "ok":
-                        ips_flops = row["tflops"] * 1e12
-                        row["mfu"] = ips_flops / peak if peak else None
-                        row["mfu_measured"] = ips_flops / measured if measured else None
-                    free(device)
-                rows.append(row)
-                print(fmt(row, peak, measured), flush=True)
-                save()
+    for spec in specs:
+        free(device)
+        try:
+            row = measure(spec, device, args)
+        except torch.cuda.OutOfMemoryError:
+            row = {**spec, "status": "OOM"}
+        except ImportError as e:  # a real loader without the store's backends (zarr)
+            row = {**spec, "status": f"skipped ({e})"}
+        except Exception as e:  # e.g. a compiler missing on this machine: say so, measure the rest
+            row = {**spec, "status": f"error: {type(e).__name__}: {' '.join(str(e).split())[:200]}"}
+        if row["status"] == "ok":
+            row["mfu"] = row["tflops"] * 1e12 / peak if peak else None
+            row["mfu_measured"] = row["tflops"] * 1e12 / measured if measured else None
+        free(device)
+        rows.append(row)
+        print(fmt(row), flush=True)
+        save()
     print(f"\n{len(rows)} configurations in {time.perf_counter() - t_all:.0f} s; MFU = 6 x flops_per_forward x "
           f"batch / step time / peak (recomputation of checkpointed blocks not counted)"
           + (f"; wrote {args.json}" if args.json else ""), flush=True)
