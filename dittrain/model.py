@@ -23,6 +23,7 @@ Public API:
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -36,6 +37,12 @@ from torch.utils.checkpoint import (
     checkpoint,
     create_selective_checkpoint_contexts,
 )
+
+# checkpoint(respect_saved_tensors_hooks=True) (newer torch): saved-tensors hooks (save_on_cpu,
+# bench/activation_memory.py's counter) see what a selective policy keeps; older torch has no
+# such argument, and the policy works the same without it.
+_SAC_HOOKS = ({"respect_saved_tensors_hooks": True}
+              if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
 
 # -----------------------------------------------------------------------------
 # Config and registry
@@ -580,7 +587,7 @@ class DiTBlock(nn.Module):
             # respect_saved_tensors_hooks: save_on_cpu and the like see what the policy keeps
             context_fn = partial(selective_checkpoint_context, self.selective_recompute_width)
             return checkpoint(self.forward, x, c, context, context_mask, use_reentrant=False,
-                              context_fn=context_fn, respect_saved_tensors_hooks=True)
+                              context_fn=context_fn, **_SAC_HOOKS)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(
             c
         ).chunk(6, dim=1)

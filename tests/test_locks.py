@@ -62,6 +62,21 @@ def listing(d: Path) -> dict[str, tuple[int, int]]:
             for p in sorted(d.rglob("*")) if p.is_file()}
 
 
+def settled_listing(d: Path, timeout: float = 10.0) -> dict[str, tuple[int, int]]:
+    """The listing of a directory whose writer was just SIGSTOPped: a write(2) already in the
+    kernel (the background checkpoint writer's, say) still completes, so wait until two
+    listings 0.2 s apart agree."""
+    deadline = time.time() + timeout
+    last = listing(d)
+    while time.time() < deadline:
+        time.sleep(0.2)
+        now = listing(d)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"{d} kept changing after SIGSTOP")
+
+
 # ----------------------------------------------------------------------------- the lock
 
 
@@ -121,7 +136,7 @@ def test_two_runs_on_one_out(tmp_path):
         time.sleep(0.05)
     first.send_signal(signal.SIGSTOP)  # alive, holding the lock, frozen for the checks
     try:
-        before = listing(out)
+        before = settled_listing(out)
         for extra in ([], ["--resume"]):
             r = CliRunner().invoke(dittrain_cli, run_args(store, out, "--max-steps", 5, *extra))
             assert r.exit_code == 1
