@@ -45,6 +45,8 @@ class FetchConfig:
     caption_col: str | None = None  # None: the first of fetch.CAPTION_COLUMNS present; "": none
     keep_cols: tuple[str, ...] = ()  # URL-list columns kept in each sample's json
     distributor: str = "multiprocessing"  # one of DISTRIBUTORS (URL lists)
+    spark_master: str | None = None  # pyspark: None: an active session, else local[processes]
+    ray_address: str | None = None  # ray: None: a running ray.init(), else a local instance
     timeout: int = 10  # download timeout in seconds
     retries: int = 0  # download retries per URL
     shuffle_seed: int | None = None  # folders: shuffle the sorted file list with this seed

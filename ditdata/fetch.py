@@ -137,6 +137,10 @@ def _check_choices(cfg: FetchConfig) -> None:
         raise DitdataError("--image-size must be positive")
     if cfg.distributor not in DISTRIBUTORS:
         raise DitdataError(f"--distributor {cfg.distributor!r}: expected one of {', '.join(DISTRIBUTORS)}")
+    for option, value, needs in (("--spark-master", cfg.spark_master, "pyspark"),
+                                 ("--ray-address", cfg.ray_address, "ray")):
+        if value is not None and cfg.distributor != needs:
+            raise DitdataError(f"{option} {value}: applies to --distributor {needs} only (got --distributor {cfg.distributor})")
 
 
 def _fetch_locked(src: Path, out: Path, cfg: FetchConfig) -> dict:
@@ -618,14 +622,9 @@ def _remove_tree(path: Path) -> None:
 
 
 def _run_img2dataset(lists: Path, out, opts: PackOptions, cfg: FetchConfig, *, url_col, caption_col) -> None:
-    import importlib.util
+    from ditdata import distributors
 
-    distributor = cfg.distributor
-    if distributor in ("pyspark", "ray") and importlib.util.find_spec(distributor) is None:
-        raise DitdataError(
-            f"--distributor {distributor} needs {distributor}, which is not installed: "
-            f"pip install 'ditkit[distributed]' (or pip install {distributor})"
-        )
+    distributors.check(cfg)  # before img2dataset's imports: a missing Java fails at once
     os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
     # img2dataset decodes with OpenCV, whose own limit is 2**30 pixels; the spawned
     # workers read this when cv2 loads, so bombs are refused before they are decoded.
@@ -637,7 +636,8 @@ def _run_img2dataset(lists: Path, out, opts: PackOptions, cfg: FetchConfig, *, u
 
     previous = signal.getsignal(signal.SIGINT)
     try:
-        with urls.guarded_img2dataset():  # the http(s)-only opener in every worker
+        # the http(s)-only opener in every worker; a Spark session or Ray for those distributors
+        with urls.guarded_img2dataset(), distributors.runtime(cfg):
             download(
                 url_list=str(lists),
                 output_folder=str(out),
@@ -657,7 +657,7 @@ def _run_img2dataset(lists: Path, out, opts: PackOptions, cfg: FetchConfig, *, u
                 oom_shard_count=shards.SHARD_DIGITS,
                 processes_count=cfg.processes,
                 thread_count=cfg.threads,
-                distributor=distributor,
+                distributor=cfg.distributor,
                 timeout=cfg.timeout,
                 retries=cfg.retries,
                 incremental_mode="incremental",

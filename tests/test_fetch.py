@@ -206,8 +206,8 @@ def test_url_list_errors(tmp_path):
         fetch(tmp_path / "u.parquet", tmp_path / "o2", url_col="link_x", keep_cols=["nope"])
     with pytest.raises(DitdataError, match="reserves"):
         fetch(tmp_path / "u.parquet", tmp_path / "o3", url_col="link_x", keep_cols=["width"])
-    with pytest.raises(DitdataError, match="pip install"):
-        fetch(tmp_path / "u.parquet", tmp_path / "o4", url_col="link_x", distributor="ray")
+    with pytest.raises(DitdataError, match="applies to --distributor pyspark"):  # more: test_fetch_spark.py
+        fetch(tmp_path / "u.parquet", tmp_path / "o4", url_col="link_x", spark_master="local[2]")
     # the CLI turns it into one line and exit status 1
     r = CliRunner().invoke(cli, ["fetch", str(tmp_path / "u.parquet"), "--out", str(tmp_path / "o5")])
     assert r.exit_code == 1 and "no URL column found" in r.output and "Traceback" not in r.output
