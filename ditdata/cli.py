@@ -107,6 +107,13 @@ def main():
 @_fetch_opt("--distributor", field="distributor", type=click.Choice(DISTRIBUTORS),
             help="img2dataset's distributor (URL lists); pyspark and ray are optional "
                  "extras: pip install 'ditkit[distributed]'.")
+@_fetch_opt("--spark-master", field="spark_master", metavar="URL",
+            help="--distributor pyspark: the cluster to run on, e.g. spark://HOST:7077 (--out must then be "
+                 "a path every executor can write). Default: the active Spark session (spark-submit), "
+                 "else a local[--processes] session on 127.0.0.1, stopped when the fetch ends. Needs Java.")
+@_fetch_opt("--ray-address", field="ray_address", metavar="ADDRESS",
+            help="--distributor ray: the cluster to join, e.g. ray://HOST:10001 or auto. Default: an "
+                 "initialised Ray, else a local Ray with --processes CPUs, shut down when the fetch ends.")
 @_fetch_opt("--timeout", field="timeout", type=click.IntRange(min=1), help="Download timeout in seconds (URL lists).")
 @_fetch_opt("--retries", field="retries", type=click.IntRange(min=0), help="Download retries per URL (URL lists).")
 @_fetch_opt("--shuffle-seed", field="shuffle_seed", type=int,
@@ -245,6 +252,20 @@ def filter_(shards, min_clip_score, top_fraction, min_width, min_height, max_asp
     click.echo(f"{shards}: {report(summary)}")
 
 
+def _cache_opts(f):
+    """--cache-dir and --cache-limit: where a STORE given as a URL is cached (ditdata.store.remote)."""
+    f = click.option("--cache-limit", default=None,
+                     help="URL stores: the cache's size limit, e.g. 20GiB (default 50GiB).")(f)
+    return click.option("--cache-dir", default=None, type=click.Path(file_okay=False, path_type=str),
+                        help="URL stores (s3://, gs://, http(s)://): the local cache of verified shards "
+                             "(default $XDG_CACHE_HOME/ditkit/stores, else ~/.cache/ditkit/stores).")(f)
+
+
+def _cache(cache_dir, cache_limit) -> dict:
+    """The cache options given (none for a local store's usual call)."""
+    return {k: v for k, v in (("cache_dir", cache_dir), ("cache_limit", cache_limit)) if v is not None}
+
+
 @main.command()
 @click.argument("store", type=click.Path(file_okay=False, path_type=str))
 @click.option("--decode", "decode_n", type=click.IntRange(min=1), default=None,
@@ -255,7 +276,8 @@ def filter_(shards, min_clip_score, top_fraction, min_width, min_height, max_asp
               help="Where to find the store's autoencoder if not where it was recorded "
                    "(a directory or preset name).")
 @click.option("--device", default="cpu", show_default=True)
-def inspect(store, decode_n, out, vae, device):
+@_cache_opts
+def inspect(store, decode_n, out, vae, device, cache_dir, cache_limit):
     """Print a readable summary of a latent STORE: samples, shards, latent shape and dtype,
     autoencoder, conditioning, per-channel statistics and size on disk.
 
@@ -275,17 +297,18 @@ def inspect(store, decode_n, out, vae, device):
         from ditdata.store import refuse_inside_store
 
         refuse_inside_store(out, "--out")
-    click.echo(describe(store))
+    click.echo(describe(store, **_cache(cache_dir, cache_limit)))
     if decode_n:
         from ditdata.summary import decode_samples
 
-        paths = decode_samples(store, decode_n, out, vae=vae, device=device)
+        paths = decode_samples(store, decode_n, out, vae=vae, device=device, **_cache(cache_dir, cache_limit))
         click.echo(f"decoded {len(paths)} samples into {out}")
 
 
 @main.command()
 @click.argument("store", type=click.Path(file_okay=False, path_type=str))
-def verify(store):
+@_cache_opts
+def verify(store, cache_dir, cache_limit):
     """Recompute every checksum of a latent STORE and read every shard to check shapes and
     counts. Exits non-zero, naming each faulty file, if anything is wrong.
 
@@ -295,7 +318,7 @@ def verify(store):
     """
     from ditdata.summary import verify_store
 
-    faults, n = verify_store(store)
+    faults, n = verify_store(store, **_cache(cache_dir, cache_limit))
     for f in faults:
         click.echo(f"FAULT {f}", err=True)
     if faults:

@@ -27,13 +27,13 @@ def _conditioning(cond) -> list[str]:
     return [f"conditioning: {cond.kind}"]
 
 
-def describe(path) -> str:
-    s = open_store(path)
+def describe(path, **remote) -> str:
+    s = open_store(path, **remote)
     m = s.manifest
     lat = m["latent"]
     vae = m["vae"]
     lines = [
-        f"store:        {s.root}",
+        f"store:        {s.url or s.root}" + (f" (cached in {s.root})" if s.url else ""),
         f"format:       version {m['format_version']}, backend {m['backend']}",
         f"samples:      {m['num_samples']} in {len(s.shards)} shards",
         f"latent:       {tuple(lat['shape'])} {lat['dtype']}, stored as {lat['stored']}"
@@ -63,10 +63,11 @@ def describe(path) -> str:
     return "\n".join(lines)
 
 
-def verify_store(path) -> tuple[list[str], int]:
+def verify_store(path, **remote) -> tuple[list[str], int]:
+    """Faults (one line each) and samples; a URL store downloads every shard into its cache."""
     from tqdm import tqdm
 
-    s = open_store(path)
+    s = open_store(path, **remote)
     faults = s.verify(progress=lambda xs: tqdm(xs, desc="verify", unit="shard", leave=False))
     return faults, len(s)
 
@@ -78,7 +79,7 @@ def _filename(key: str) -> str:
 
 
 def decode_samples(path, n: int, out, *, vae: str | None = None, device: str = "cpu",
-                   batch_size: int = 16) -> list:
+                   batch_size: int = 16, **remote) -> list:
     """Decode the first n latents of a store with its own autoencoder; write PNGs by key."""
     from pathlib import Path
 
@@ -89,7 +90,7 @@ def decode_samples(path, n: int, out, *, vae: str | None = None, device: str = "
     from ditdata.store.devices import resolve_device
     from ditdata.vae import autoencoder_from_manifest
 
-    s = open_store(path)
+    s = open_store(path, **remote)
     ae = autoencoder_from_manifest(s.manifest["vae"], device=resolve_device(device), source=vae)
     field = s.schema.primary  # "latent", or "mean" for mean+std stores
     out = Path(out)

@@ -113,7 +113,12 @@ def _opt(*names, field, **kw):
 
 @main.command("run")
 @click.option("--latents", required=True, type=click.Path(file_okay=False, path_type=str),
-              help="The latent store written by `ditdata encode`.")
+              help="The latent store written by `ditdata encode`, or its URL in object storage "
+                   "(s3://, gs://, http(s)://; pip install 'ditkit[remote]'), read through --cache-dir.")
+@_opt("--cache-dir", field="cache_dir", help="URL stores: the local cache of verified shards "
+      "(default $XDG_CACHE_HOME/ditkit/stores, else ~/.cache/ditkit/stores); shared by runs and workers.")
+@_opt("--cache-limit", field="cache_limit", help="URL stores: the cache's size limit, e.g. 20GiB (default "
+      "50GiB); least recently used shards not being read are removed; at least the largest shard.")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Run directory: config.json, metrics.jsonl, checkpoints/, ema.safetensors, samples/.")
 @_opt("--model", field="model", help="A name from `dittrain models`, e.g. DiT-XL/2, or a custom size "

@@ -49,7 +49,9 @@ class EvalSampleConfig:
 
 @dataclass
 class TrainConfig:
-    latents: str = ""  # the latent store (ditdata encode --out)
+    latents: str = ""  # the latent store (ditdata encode --out), or its URL (s3://, gs://, http(s)://)
+    cache_dir: str = ""  # a URL store's local cache ("": $XDG_CACHE_HOME/ditkit/stores, ditdata.store.remote)
+    cache_limit: str = ""  # its size limit ("": 50 GiB, remote.DEFAULT_CACHE_LIMIT); LRU shards are removed
     out: str = ""  # the run directory
     model: str = "DiT-B/2"  # a name from `dittrain models` or custom:hidden=H,depth=D,heads=N,patch=P
     objective: str = "ddpm"  # ddpm (epsilon, DiT) | flow (rectified flow, velocity)

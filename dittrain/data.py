@@ -107,7 +107,7 @@ def _as_torch(arr: np.ndarray) -> torch.Tensor:
 
 
 def _open(store) -> Store:
-    return store if isinstance(store, Store) else open_store(Path(store))
+    return store if isinstance(store, Store) else open_store(store if isinstance(store, str) else Path(store))
 
 
 # ---------------------------------------------------------------------------------------
@@ -980,7 +980,7 @@ def _worker_main(wid: int, nworkers: int, cfg: dict, slots: torch.Tensor, free_q
     try:
         torch.set_num_threads(1)
         _return_large_frees()
-        store = open_store(cfg["root"])
+        store = open_store(**cfg["store"])
         spec = _Spec(store)
         plan = _Plan(store, seed=cfg["seed"], rank=cfg["rank"], world_size=cfg["world_size"],
                      window=cfg["window"], batch_size=cfg["batch_size"])
@@ -1084,7 +1084,7 @@ class StreamingLoader(_Loader):
             self._local = _slot_views(torch.empty(self._slot_bytes, dtype=torch.uint8), self._layout,
                                       self._stream_batch)
         else:
-            cfg = {"root": str(self.store.root), "seed": self.seed, "rank": self._stream_rank,
+            cfg = {"store": self.store.open_args(), "seed": self.seed, "rank": self._stream_rank,
                    "world_size": self._stream_world, "window": self.shuffle_window,
                    "batch_size": self._stream_batch, "epoch": e, "offset": o, "piece": self._piece}
             ctx = self._ctx

@@ -174,7 +174,7 @@ def _setup(cfg: TrainConfig) -> _Run:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     try:
-        store = open_store(cfg.latents)
+        store = open_store(cfg.latents, cache_dir=cfg.cache_dir or None, cache_limit=cfg.cache_limit)
     except StoreError as e:
         raise TrainError(str(e)) from e
     model_cfg = model_config_for(cfg, store)
@@ -184,7 +184,7 @@ def _setup(cfg: TrainConfig) -> _Run:
         "model": asdict(model_cfg),
         "diffusion": asdict(diff_cfg),
         "latents": latents,
-        "store": {"path": str(Path(cfg.latents).resolve()), "identity": store.identity,
+        "store": {"path": store.location, "identity": store.identity,
                   "num_samples": len(store)},
     }
     per_rank, rem = divmod(cfg.batch_size, world * cfg.accumulation_steps)

@@ -26,6 +26,7 @@ _EXPORTS = {
     "BFLOAT16": "schema", "LATENT_FIELDS": "schema", "TEXT_FIELDS": "schema", "Schema": "schema",
     "TensorSpec": "schema",
     "StoreWriter": "writer",
+    "RemoteStore": "remote", "is_url": "remote", "parse_size": "remote",
     "DeviceError": "devices", "amp_dtype": "devices", "autocast": "devices", "resolve_device": "devices",
 }
 __all__ = sorted(_EXPORTS)

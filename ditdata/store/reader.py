@@ -70,9 +70,14 @@ class Shard:
 
 
 class Store:
+    url: str | None = None  # where a store read from object storage lives (remote.RemoteStore)
+
     def __init__(self, root, *, verify: bool = False):
         self.root = Path(root)
-        self.manifest = manifest.load(self.root)
+        self._load(manifest.load(self.root), verify)
+
+    def _load(self, m: dict, verify: bool) -> None:
+        self.manifest = m
         self.schema = Schema.from_json(self.manifest["fields"])
         self.backend = get_backend(self.manifest["backend"])
         self.shards: list[Shard] = []
@@ -94,6 +99,15 @@ class Store:
     @property
     def identity(self) -> str:
         return manifest.identity(self.manifest)
+
+    @property
+    def location(self) -> str:
+        """Where the store is, as a run records it: its absolute path (a remote store: its URL)."""
+        return str(self.root.resolve())
+
+    def open_args(self) -> dict:
+        """open_store(**these) opens this store again (in another process: a loader's worker)."""
+        return {"root": str(self.root)}
 
     @property
     def latent_shape(self) -> tuple[int, ...]:
@@ -248,5 +262,11 @@ def _non_finite(shard: Shard, data: dict, schema: Schema) -> list[str]:
     return faults
 
 
-def open_store(root, *, verify: bool = False) -> Store:
+def open_store(root, *, verify: bool = False, **remote) -> Store:
+    """The store at `root`: a directory, or a URL (s3://, gs://, http(s)://, ...) read through
+    a local cache (remote.RemoteStore; `remote` holds its cache_dir, cache_limit, storage_options)."""
+    from .remote import RemoteStore, is_url
+
+    if is_url(root):
+        return RemoteStore(root, verify=verify, **remote)
     return Store(root, verify=verify)
