@@ -106,34 +106,14 @@ class DeviceLatents:
         pass
 
 
-def write_store(root: Path, n: int) -> Path:
-    """A zarr latent store of n random 4x32x32 fp16 latents with labels, in shards of 10,000."""
-    import numpy as np
-
-    from ditdata.store import Schema, StoreWriter, TensorSpec
-
-    store = root / f"store-{n}"
-    if (store / "manifest.json").exists():
-        return store
-    rng = np.random.default_rng(0)
-    schema = Schema(tensors={"latent": TensorSpec(LATENT, "float16")}, columns={"key": "string", "label": "int64"})
-    info = {"vae": {"name": "bench"}, "image": {"resolution": 256},
-            "conditioning": {"type": "class", "num_classes": NUM_CLASSES}}
-    w = StoreWriter(store, schema=schema, info=info, backend="zarr", chunk_samples=1024)
-    for s, start in enumerate(range(0, n, 10_000)):
-        m = min(n, start + 10_000) - start
-        w.write_shard(f"{s:05d}", {"latent": rng.standard_normal((m, *LATENT), dtype=np.float32).astype(np.float16)},
-                      {"key": [str(start + i) for i in range(m)], "label": rng.integers(0, NUM_CLASSES, m)})
-    w.finalize()
-    return store
-
-
 def make_loader(kind: str, batch: int, device: torch.device, args):
     if kind == "gpu":
         return DeviceLatents(args.store_size, batch, device)
+    from scratch import synthetic_store  # bench/scratch.py (imports the store module: zarr)
+
     from dittrain.data import build_loader
 
-    store = write_store(Path(args.store_dir), args.store_size)
+    store = synthetic_store(Path(args.store_dir) / f"store-{args.store_size}", args.store_size, 10_000)
     loader_kind, resident_device = {"resident-cuda": ("resident", "cuda"), "resident": ("resident", "cpu"),
                                     "streaming": ("streaming", "cpu")}[kind]
     return build_loader(str(store), batch_size=batch, kind=loader_kind, seed=0, device=device,

@@ -25,37 +25,12 @@ import http.server
 import shutil
 import threading
 import time
-from pathlib import Path
 
-import numpy as np
 import torch
-from scratch import add_store_args, scratch_dir  # bench/scratch.py
+from scratch import SHAPE, add_store_args, scratch_dir, synthetic_store  # bench/scratch.py
 
-from ditdata.store import Schema, StoreWriter, TensorSpec, open_store
+from ditdata.store import open_store
 from dittrain.data import StreamingLoader
-
-SHAPE = (4, 32, 32)
-INFO = {"vae": {"name": "bench"}, "image": {"resolution": 256},
-        "conditioning": {"type": "class", "num_classes": 1000}}
-
-
-def write_store(root: Path, n: int, shard: int, backend: str) -> Path:
-    store = root / f"store-{backend}"
-    done = root / f".complete-{backend}"
-    if done.is_file() and done.read_text() == f"{n} {shard}":
-        return store
-    shutil.rmtree(store, ignore_errors=True)
-    rng = np.random.default_rng(0)
-    schema = Schema(tensors={"latent": TensorSpec(SHAPE, "float16")}, columns={"key": "string", "label": "int64"})
-    w = StoreWriter(store, schema=schema, info=INFO, backend=backend, chunk_samples=1024)
-    for s, start in enumerate(range(0, n, shard)):
-        m = min(n, start + shard) - start
-        x = rng.standard_normal((m, *SHAPE), dtype=np.float32).astype(np.float16)
-        w.write_shard(f"{s:05d}", {"latent": x},
-                      {"key": [str(i) for i in range(start, start + m)], "label": rng.integers(0, 1000, m)})
-    w.finalize()
-    done.write_text(f"{n} {shard}")
-    return store
 
 
 def epochs(store, args, count: int) -> list[float]:
@@ -84,7 +59,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     with scratch_dir(args.dir, "remote-read-") as root:
-        store = write_store(root, args.n, args.shard_size, args.backend)
+        store = synthetic_store(root / f"store-{args.backend}", args.n, args.shard_size, backend=args.backend)
         handler = functools.partial(_Quiet, directory=str(root))
         srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         srv.daemon_threads = True

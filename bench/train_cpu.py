@@ -39,37 +39,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-from scratch import add_store_args, scratch_dir  # bench/scratch.py
+from scratch import SHAPE, add_store_args, scratch_dir, synthetic_store  # bench/scratch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ditdata.store import Schema, StoreWriter, TensorSpec  # noqa: E402
 
-SHAPE = (4, 32, 32)
-INFO = {"vae": {"name": "bench"}, "image": {"resolution": 256, "crop": "center"},
-        "conditioning": {"type": "class", "num_classes": 1000}}
-
-
-def write_store(root: Path, n: int, shard: int) -> Path:
-    """n latents (4x32x32 fp16, labels 0..999) in a zarr store of shards of `shard` samples."""
-    store, done = root / "store", root / ".complete"
-    tag = f"{n} {shard}"
-    if done.is_file() and done.read_text() == tag:
-        return store
-    shutil.rmtree(store, ignore_errors=True)
-    rng = np.random.default_rng(0)
-    schema = Schema(tensors={"latent": TensorSpec(SHAPE, "float16")}, columns={"key": "string", "label": "int64"})
-    w = StoreWriter(store, schema=schema, info=INFO, backend="zarr", chunk_samples=1024)
-    for s, start in enumerate(range(0, n, shard)):
-        m = min(n, start + shard) - start
-        x = rng.standard_normal((m, *SHAPE), dtype=np.float32).astype(np.float16)
-        w.write_shard(f"{s:05d}", {"latent": x},
-                      {"key": [str(i) for i in range(start, start + m)], "label": rng.integers(0, 1000, m)})
-    w.finalize()
-    done.write_text(tag)
-    return store
 
 
 def train(store: Path, out: Path, kind: str, args) -> tuple[list[dict], str, float]:
@@ -132,7 +107,7 @@ def main():
     args = ap.parse_args()
     with scratch_dir(args.dir, "ditkit-train-cpu-") as root:
         t = time.perf_counter()
-        store = write_store(root, args.n, args.shard_size)
+        store = synthetic_store(root / "store", args.n, args.shard_size)
         shards = -(-args.n // args.shard_size)
         load = os.getloadavg()
         print(f"{args.n} latents {SHAPE} fp16 in {shards} zarr shards under {store} "
