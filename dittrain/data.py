@@ -67,7 +67,6 @@ import math
 import multiprocessing
 import os
 import queue
-import re
 import signal
 import time
 import traceback
@@ -78,6 +77,7 @@ import numpy as np
 import torch
 
 from ditdata.store import BFLOAT16, TEXT_FIELDS, Store, open_store
+from ditdata.store.sizes import parse_size
 
 __all__ = [
     "LoaderError", "LoaderStateError", "ResidentLoader", "StreamingLoader", "available_memory",
@@ -384,27 +384,12 @@ _COLUMN_BYTES = 64
 # staged one (GPU lookahead) or the float32 temporaries of a mean/std draw.
 _LIVE_BATCHES = 3
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
-
-
 def parse_memory(value) -> int | None:
-    """A memory size in bytes: "2GiB", "512MiB", "1.5G" and "2g" (binary), "2GB" (decimal),
-    "1000000" or an int (bytes); None for "auto". Raises ValueError for anything else."""
+    """--loader-memory in bytes (ditdata.store.sizes: "2GiB", "512MiB", "1.5G", "2GB" decimal,
+    bytes); None for "auto". Raises ValueError for anything else."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return None
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        n = float(value)
-    else:
-        m = _SIZE.match(str(value))
-        if m is None:
-            raise ValueError(f"loader memory {value!r}: use auto or a size such as 2GiB, 512MiB or 1.5G")
-        num, prefix, binary, byte = m.groups()
-        # "2GB" is decimal (as disks count); "2GiB", "2G" and "2g" are binary (as RAM is sold)
-        base = 1000 if (byte and not binary and prefix) else 1024
-        n = float(num) * base ** " kmgt".index(prefix.lower() or " ")
-    if not math.isfinite(n) or n <= 0:
-        raise ValueError(f"loader memory {value!r}: must be a positive size")
-    return int(n)
+    return parse_size(value, "loader memory")
 
 
 def loader_budget(memory="auto", *, world_size: int = 1, local_world_size: int | None = None

@@ -43,12 +43,11 @@ import asyncio
 import fcntl
 import json
 import os
-import re
 import time
 import uuid
 from pathlib import Path
 
-from . import files, manifest
+from . import files, manifest, sizes
 from .errors import StoreError
 from .reader import Store
 
@@ -61,23 +60,17 @@ INSTALL_HINT = "pip install 'ditkit[remote]'"
 CREDENTIALS_HINT = ("set credentials for it: s3:// AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), "
                     "gs:// GOOGLE_APPLICATION_CREDENTIALS (or `gcloud auth application-default login`)")
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-
-
 def is_url(root) -> bool:
     """A store location read through fsspec: anything with '://' except file://."""
     return isinstance(root, str) and "://" in root and not root.startswith("file://")
 
 
 def parse_size(text, what: str = "--cache-limit") -> int:
-    """Bytes from 123, "500MB", "20GiB", "1.5 GiB" (decimal and binary units)."""
-    if isinstance(text, int | float) and not isinstance(text, bool):
-        return int(text)
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise StoreError(f"{what} {text!r}: not a size; write bytes or a number with a unit, e.g. 20GiB or 500MB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """Bytes of a size flag (ditdata.store.sizes), a bad one as a StoreError."""
+    try:
+        return sizes.parse_size(text, what)
+    except ValueError as e:
+        raise StoreError(str(e)) from None
 
 
 def default_cache_dir() -> Path:
