@@ -172,16 +172,20 @@ def check_store(store, config: dict) -> str | None:
 def open_run_store(config: dict, latents: str | Path | None = None):
     """(store, note): the store at `latents`, else at the path the run recorded; checked
     with check_store. SampleError when it is missing, not a store, or incompatible."""
-    from ditdata.store import StoreError, open_store
+    from ditdata.store import StoreError, is_url, open_store
 
     path = latents if latents is not None else (config.get("store") or {}).get("path")
     if not path:
         raise SampleError("the run records no latent store; pass --latents STORE")
-    if latents is None and not Path(path).is_dir():
+    remote = {}
+    if is_url(str(path)):  # a store in object storage: through the cache the run trained with
+        train = config.get("train") or {}
+        remote = {"cache_dir": train.get("cache_dir") or None, "cache_limit": train.get("cache_limit") or None}
+    elif latents is None and not Path(path).is_dir():
         raise SampleError(f"the run's latent store {path} is not there (moved or deleted?); "
                           "pass --latents STORE to say where it is now")
     try:
-        store = open_store(path)
+        store = open_store(str(path) if remote else path, **remote)
     except StoreError as e:
         hint = "" if latents is not None else "; pass --latents STORE to use another copy"
         raise SampleError(_line(e) + hint) from e

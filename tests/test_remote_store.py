@@ -134,6 +134,10 @@ def test_http_run_equals_local_and_records_the_url(server, local, baseline, tmp_
     r = dittrain(*run_args(url, tmp_path / "r", "--max-steps", 4, "--cache-dir", tmp_path / "cache", "--resume"))
     assert r.exit_code == 0, r.output
     assert [s for s, _ in _losses(tmp_path / "r")][-1] == 4
+    # sampling the run opens its recorded URL through the run's cache (only the manifest is read)
+    r = dittrain("sample", "--ckpt", tmp_path / "r", "--n", 2, "--steps", 2, "--device", "cpu",
+                 "--out", tmp_path / "grid.png")
+    assert r.exit_code == 0 and (tmp_path / "grid.png").is_file(), r.output
     r = ditdata("verify", url, "--cache-dir", tmp_path / "cache")
     assert r.exit_code == 0 and "OK (48 samples verified)" in r.output, r.output
     r = ditdata("inspect", url, "--cache-dir", tmp_path / "cache")
