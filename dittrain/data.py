@@ -888,11 +888,13 @@ class _Plan:
             phase, first, epoch = (phase - start) % self.batch_size, False, epoch + 1
 
 
-def _read_window(store: Store, spec: _Spec, plan: _Plan, job: _Job, piece: int | None = None) -> _Block:
-    """The job's units read into one block, `piece` rows per read (None: a unit at once)."""
+def _read_window(store: Store, spec: _Spec, plan: _Plan, job: _Job, piece: int | None = None,
+                 probe=None) -> _Block:
+    """The job's units read into one block, `piece` rows per read (None: a unit at once).
+    probe(): called once, at the reader's peak (the block filled, the last piece still held)."""
     block = _Block(spec, plan.window_size(job.units), "cpu")
     pos = 0
-    for u in job.units:
+    for i, u in enumerate(job.units):
         s, lo, hi = plan.units[u]
         step = piece or hi - lo
         for a in range(lo, hi, step):
@@ -900,15 +902,29 @@ def _read_window(store: Store, spec: _Spec, plan: _Plan, job: _Job, piece: int |
             data = store.read(s, fields=spec.read_fields, start=a, stop=b)
             first = plan.offsets[u] + a
             block.fill(pos, data, np.arange(first, first + b - a))
+            if probe is not None and b == hi and i == len(job.units) - 1:
+                probe()
             del data  # before the next piece is read
             pos += b - a
     return block
 
 
-def _job_chunks(store: Store, spec: _Spec, plan: _Plan, job: _Job, piece: int | None = None):
+def _private_bytes() -> int | None:
+    """This process's private (unshared) memory in bytes: what a forked worker allocated or
+    copied since the fork. None where /proc/self/smaps_rollup cannot be read (not Linux).
+    About 4 ms (the kernel walks every mapping), so it is read once per window."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return sum(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("Private_"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _job_chunks(store: Store, spec: _Spec, plan: _Plan, job: _Job, piece: int | None = None,
+                probe=None):
     """Read the job's window, shuffle it; yield (a, m, last, gather) per chunk, where
     gather(out) writes the chunk's m samples into the views `out`."""
-    block = _read_window(store, spec, plan, job, piece)
+    block = _read_window(store, spec, plan, job, piece, probe)
     perm, flips = plan.window_order(job.epoch, job.window, block.n, spec.V == 2)
     perm_t, flips_t = torch.from_numpy(perm), torch.from_numpy(flips)
     rows_t = perm_t * spec.V + flips_t
@@ -958,8 +974,9 @@ def _return_large_frees() -> None:
 
 
 def _worker_main(wid: int, nworkers: int, cfg: dict, slots: torch.Tensor, free_q, out_q,
-                 stop) -> None:
-    """A streaming worker: produce jobs wid, wid + nworkers, ... into free slots, in order."""
+                 stop, peaks: torch.Tensor) -> None:
+    """A streaming worker: produce jobs wid, wid + nworkers, ... into free slots, in order.
+    peaks[wid] (shared memory) keeps the largest private memory measured at a window's read."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     parent = multiprocessing.parent_process()  # to notice an orphaned worker
     try:
@@ -971,13 +988,18 @@ def _worker_main(wid: int, nworkers: int, cfg: dict, slots: torch.Tensor, free_q
                      window=cfg["window"], batch_size=cfg["batch_size"])
         layout, _ = _slot_layout(spec, plan.batch_size)
         views = [_slot_views(slots[s], layout, plan.batch_size) for s in range(len(slots))]
+
+        def probe():
+            if (now := _private_bytes()) is not None and now > peaks[wid]:
+                peaks[wid] = now
+
         for j, job in enumerate(plan.jobs(cfg["epoch"], cfg["offset"])):
             if j % nworkers != wid:
                 continue
             # gather holds the window (its closure); drop the last one before the next window
             # is read, or a worker holds two windows at once
             gather = None
-            for a, m, last, gather in _job_chunks(store, spec, plan, job, cfg["piece"]):
+            for a, m, last, gather in _job_chunks(store, spec, plan, job, cfg["piece"], probe):
                 slot = None
                 while slot is None:
                     if stop.is_set() or (parent is not None and not parent.is_alive()):
@@ -1041,11 +1063,37 @@ class StreamingLoader(_Loader):
         self._lookahead = self.device.type == "cuda"
         self._running = False
         self._procs: list = []
+        # each worker's largest private memory at a window's read, kept across restarts
+        self._peaks = torch.zeros(max(1, self.workers), dtype=torch.int64).share_memory_()
 
     @property
     def memory_estimate(self) -> int:
         """The estimated peak of the loader's own memory, in bytes (see memory_plan)."""
         return self.memory_plan.estimate
+
+    def measured_memory(self) -> dict | None:
+        """What the workers measured of the loader's peak so far, in bytes: "workers" (the sum
+        of each worker's largest private memory, read at the end of each window's read, where a
+        worker peaks; an upper bound of what they held at once), "slots" (the shared memory,
+        allocated once), "measured" (their sum) and "estimate" (the plan's figure for the same
+        parts. None with workers=0 (the reading is the main process's own memory) or before
+        a window was read, or off Linux."""
+        if self.workers == 0 or not int(self._peaks.max()):
+            return None
+        parts = self.memory_plan.parts
+        workers, slots = int(self._peaks.sum()), parts["slots"]
+        return {"workers": workers, "slots": slots, "measured": workers + slots,
+                "estimate": parts["windows"] + parts["workers"] + slots}
+
+    def describe_measured(self) -> str | None:
+        """The end-of-run line for measured_memory(); None where nothing was measured."""
+        m = self.measured_memory()
+        if m is None:
+            return None
+        return (f"streaming loader memory: measured peak ~{_gib(m['measured'])} (workers' private "
+                f"{_gib(m['workers'])} + shared slots {_gib(m['slots'])}) against the estimate "
+                f"~{_gib(m['estimate'])} for the same parts"
+                + (f"; budget {_gib(self.memory_plan.budget)}" if self.memory_plan.budget else ""))
 
     @property
     def samples_per_epoch(self) -> int:
@@ -1086,7 +1134,7 @@ class StreamingLoader(_Loader):
                 for s in range(self.prefetch):
                     free.put(s)
                 p = ctx.Process(target=_worker_main, name=f"dittrain-stream-{wid}", daemon=True,
-                                args=(wid, self.workers, cfg, slots, free, out, self._stop))
+                                args=(wid, self.workers, cfg, slots, free, out, self._stop, self._peaks))
                 p.start()
                 self._procs.append(p)
                 self._free.append(free)

@@ -450,6 +450,9 @@ def _train(cfg: TrainConfig) -> dict:
                 _sample_grid(run, state.ema, step, log)  # the last grid
             if run.saver is not None:  # still under _Stop: a signal now cannot cut the last write short
                 run.saver.wait()  # the last checkpoint is on disk; a failed write stops the run here
+        measured = getattr(state.loader, "describe_measured", None)
+        if run.master and measured is not None and (line := measured()) is not None:
+            print(f"dittrain: {line}", file=sys.stderr)  # the startup line gave the estimate
     finally:
         state.loader.close()
         if run.saver is not None and (error := run.saver.close()) is not None:

@@ -121,6 +121,22 @@ def test_measured_peak_stays_under_the_budget(store, budget):
         assert peak <= loader.memory_estimate, (peak / MiB, loader.reason)
         # and the figure is real: it sees the windows (at least one shard per worker)
         assert peak >= 2 * SHARD * data._Spec(store).resident_bytes
+        # the loader's own measurement (the end-of-run line) agrees with the sampled one: each
+        # worker reads its private memory once per window, at the end of the window's read
+        own = loader.measured_memory()
+        slots = loader.workers * loader.prefetch * loader._slot_bytes
+        assert own["slots"] == slots and own["measured"] == own["workers"] + slots
+        assert own["measured"] <= own["estimate"] <= loader.memory_estimate, (own, loader.reason)
+        assert 0.8 * (peak - slots) <= own["workers"] <= 1.25 * (peak - slots), (own, peak)
+        line = loader.describe_measured()
+        assert line.startswith("streaming loader memory: measured peak ~") and "against the estimate ~" in line
+
+
+def test_nothing_is_measured_without_worker_processes(store):
+    """workers=0 reads in the main process, whose memory is not the loader's alone: no figure."""
+    with StreamingLoader(store, batch_size=64, workers=0, memory="300MiB") as loader:
+        next(loader)
+        assert loader.measured_memory() is None and loader.describe_measured() is None
 
 
 def test_an_impossible_budget_is_refused_in_one_line(store):
@@ -202,3 +218,15 @@ def test_run_resume_keeps_the_saved_window(tmp_path):
     assert "resuming at step 2" in r.output and "window 1," in r.output
     ckpt = load_checkpoint(latest_checkpoint(tmp_path / "r"))
     assert ckpt["ranks"][0]["loader"]["shuffle_window"] == 1
+
+
+@pytest.mark.skipif(not data.Path("/proc/self/smaps_rollup").exists(), reason="needs /proc smaps_rollup")
+@pytest.mark.usefixtures("one_thread")
+def test_a_run_ends_with_the_measured_loader_memory(tmp_path):
+    """The startup line gives the estimate; the end of the run gives what the workers measured."""
+    src = make_store(tmp_path / "s")
+    r = cli(*run_args(src, tmp_path / "r", "--max-steps", 3, "--loader", "streaming", "--workers", "1"))
+    assert r.exit_code == 0, r.output
+    assert "memory ~" in r.output  # the estimate, at the start
+    end = [ln for ln in r.output.splitlines() if "streaming loader memory: measured peak ~" in ln]
+    assert len(end) == 1 and "against the estimate ~" in end[0], r.output
