@@ -308,7 +308,8 @@ def _encode(cfg: EncodeConfig) -> dict:
         selection = load_selection(cfg.select)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = resolve_device(cfg.device)
-    if world > 1 and not dist.is_initialized():
+    own_group = world > 1 and not dist.is_initialized()  # a group we join, we also leave
+    if own_group:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=dt.timedelta(hours=12))
     torch.manual_seed(cfg.seed)
     enc = Encoder(cfg, device)
@@ -322,7 +323,12 @@ def _encode(cfg: EncodeConfig) -> dict:
     )
     plan = _plan_shards(cfg, folder, writer, rank, world)
     run = _encode_shards(cfg, enc, layout, plan, None if selection is None else selection.keys, writer)
-    return _finish(cfg, folder, writer, plan, run)
+    summary = _finish(cfg, folder, writer, plan, run)
+    if own_group:
+        # after _finish's last barrier: a gloo rank that exits with the group open can die at
+        # shutdown when its peer closes first (and torchrun's other agent then waits 300 s)
+        dist.destroy_process_group()
+    return summary
 
 
 # ------------------------------------------------------------------- the steps of a run

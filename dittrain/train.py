@@ -427,6 +427,7 @@ def _check_out(out: Path) -> None:
 
 
 def _train(cfg: TrainConfig) -> dict:
+    own_group = not dist.is_initialized()  # a group we join, we also leave (one the caller made, not)
     run = _setup(cfg)
     ckpt, latest = _checkpoint_to_resume(run)
     state = _build(run, ckpt)
@@ -461,6 +462,11 @@ def _train(cfg: TrainConfig) -> dict:
     step = state.step
     if run.world > 1:
         dist.barrier()
+        if own_group:
+            # Leave the group before exiting: a gloo rank that exits with it still open can die
+            # at interpreter shutdown when a peer closes first, and torchrun's agent on the
+            # other node then waits out its 300 s exit barrier for an agent that failed.
+            dist.destroy_process_group()
     return {"step": step, "out": str(run.out), "nonfinite_skipped": state.nonfinite_total}
 
 

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,23 +57,34 @@ def two_nodes(module: str, args, *, timeout: float = 300, args1=None, check: boo
     still running after `timeout` seconds is killed and the test fails with what it wrote.
     With `check`, both must succeed."""
     port = free_port()
-    # each node in its own process group, so that a timeout kills its workers with it
+    # Output to files, not pipes: polling (below) does not read pipes, and a full one would
+    # block a node. Each node in its own process group, so that a kill takes its workers too.
+    logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in (0, 1)]
     procs = [subprocess.Popen(node_command(r, port, module, args if r == 0 or args1 is None else args1),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                              stdout=logs[r][0], stderr=logs[r][1], text=True, env=ENV,
                               start_new_session=True) for r in (0, 1)]
-    done, deadline = [], time.time() + timeout
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                if q.poll() is None:
-                    os.killpg(q.pid, signal.SIGKILL)
-            out, err = p.communicate()
-            pytest.fail(f"a node did not finish in {timeout} s:\n{err[-3000:]}")
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    for r, c in enumerate(done):
-        assert c.returncode == 0 or not check, f"node {r}:\n{c.stderr[-3000:]}"
+    # Wait for both at once: a node that fails leaves the other's torchrun agent waiting out
+    # its 300 s exit barrier, so with `check` a failure ends the wait at once.
+    deadline = time.time() + timeout
+    while any(p.poll() is None for p in procs) and time.time() < deadline:
+        if check and any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.2)
+    hung = [r for r, p in enumerate(procs) if p.poll() is None]
+    for r in hung:
+        os.killpg(procs[r].pid, signal.SIGKILL)
+        procs[r].wait()
+    done = []
+    for p, (out, err) in zip(procs, logs, strict=True):
+        with out, err:
+            out.seek(0)
+            err.seek(0)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read()))
+    both = "\n".join(f"node {r} (exit {c.returncode}):\n{c.stderr[-3000:]}" for r, c in enumerate(done))
+    if check and any(c.returncode for c in done):
+        pytest.fail(f"a node failed{f' (node(s) {hung} killed after it)' if hung else ''}:\n{both}")
+    if hung:
+        pytest.fail(f"node(s) {hung} did not finish in {timeout} s:\n{both}")
     return done
 
 
