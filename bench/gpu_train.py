@@ -56,7 +56,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ditdata.store.devices import amp_dtype as trainer_amp  # noqa: E402
+from ditdata.common.devices import amp_dtype as trainer_amp  # noqa: E402
 from dittrain.config import TrainConfig  # noqa: E402
 from dittrain.diffusion import Diffusion, DiffusionConfig  # noqa: E402
 from dittrain.model import DiT, attention_backend, flops_per_forward, get_config  # noqa: E402

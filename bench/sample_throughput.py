@@ -41,7 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ditdata.store.devices import amp_dtype, autocast  # noqa: E402
+from ditdata.common.devices import amp_dtype, autocast  # noqa: E402
 from dittrain.diffusion import Diffusion, DiffusionConfig  # noqa: E402
 from dittrain.model import DiT, get_config  # noqa: E402
 

@@ -17,6 +17,7 @@ from functools import partial
 
 import click
 
+from ditdata.common.cli import FiniteFloat, OneLineErrors
 from ditdata.config import (
     CLIP_MODEL,
     DEFAULT_URL_IMAGE_SIZE,
@@ -30,7 +31,6 @@ from ditdata.config import (
     EncodeConfig,
     FetchConfig,
 )
-from ditdata.store.cli import FiniteFloat, OneLineErrors
 from ditdata.store.defaults import BACKENDS
 
 
@@ -46,16 +46,7 @@ _fetch_opt = partial(_opt, FetchConfig)
 _encode_opt = partial(_opt, EncodeConfig)
 
 
-def user_errors() -> tuple[type[Exception], ...]:
-    """Failures the user can act on: their message is the whole story (one line, exit 1)."""
-    from ditdata.errors import DitdataError
-    from ditdata.store import DeviceError, DirectoryBusy
-    from ditdata.store.errors import StoreError
-
-    return (DitdataError, StoreError, DirectoryBusy, DeviceError)
-
-
-@click.group(cls=OneLineErrors, user_errors=user_errors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="ditkit")
 def main():
     """Turn images into a cached latent store for DiT training.

@@ -13,7 +13,7 @@ embeddings for text-conditioned training).
 - an open_clip pretrained TAG of the model (`open_clip.list_pretrained_tags_by_model`),
   e.g. "laion2b_s34b_b79k" or "openai". Nothing is downloaded: the weights file open_clip
   would fetch for the tag is looked up in the local Hugging Face cache
-  (`ditdata.hub.hub_cache_dir`: HF_HUB_CACHE, else HF_HOME/hub, else
+  (`ditdata.common.hub.hub_cache_dir`: HF_HUB_CACHE, else HF_HOME/hub, else
   ~/.cache/huggingface/hub; the safetensors variant first, as open_clip does) and in
   open_clip's URL cache (~/.cache/clip). When it is there, the model is built by the
   real open_clip path `create_model_and_transforms(name, pretrained=<that file>)`
@@ -31,7 +31,7 @@ embeddings for text-conditioned training).
 open_clip's model_configs/*.json). It is registered with `open_clip.add_model_config`; the
 model name is then the file's stem, so small or custom architectures work offline.
 
-Devices and precision follow `ditdata.store.devices`: inference runs under bf16 autocast
+Devices and precision follow `ditdata.common.devices`: inference runs under bf16 autocast
 on CUDA devices (fp16 where the GPU has no bf16) and in fp32 on the CPU; embeddings and
 scores come back as float32 (masks as bool) on the CPU, pixels (`pixels`,
 `preprocess_images`) on the model's device.
@@ -45,9 +45,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ditdata.common import files
+from ditdata.common.hub import hub_cache_dir
 from ditdata.errors import DitdataError
-from ditdata.hub import hub_cache_dir
-from ditdata.store import files
 
 if TYPE_CHECKING:
     import torch
@@ -218,7 +218,7 @@ def load_clip(name: str, pretrained: str | None, device="cpu", *, config: str | 
 
     import open_clip
 
-    from ditdata.store.devices import resolve_device
+    from ditdata.common.devices import resolve_device
 
     res = resolve_pretrained(name, pretrained, config=config)
     dev = resolve_device(device)
@@ -291,7 +291,7 @@ class ClipModel:
     def __init__(self, model, preprocess, tokenizer, info: dict, device):
         import torch
 
-        from ditdata.store.devices import amp_dtype
+        from ditdata.common.devices import amp_dtype
 
         self.model = model
         self.preprocess = preprocess
@@ -306,7 +306,7 @@ class ClipModel:
         self.info["token_dim"] = int(token_dim)
 
     def _autocast(self):
-        from ditdata.store.devices import autocast
+        from ditdata.common.devices import autocast
 
         return autocast(self.device, self._amp)
 

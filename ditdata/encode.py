@@ -38,12 +38,13 @@ import torch
 import torch.distributed as dist
 
 from ditdata import imageshards
+from ditdata.common.devices import amp_dtype, autocast, resolve_device
+from ditdata.common.lock import DirLock
 from ditdata.config import DTYPES, MAX_RESOLUTION, POSTERIORS, EncodeConfig  # noqa: F401  (EncodeConfig: re-exported)
 from ditdata.errors import DitdataError
 from ditdata.preprocess import CROP_RULE, center_crop
 from ditdata.score import score_path
-from ditdata.store import BFLOAT16, DirLock, Schema, StoreWriter, TensorSpec, encode_array
-from ditdata.store.devices import amp_dtype, autocast, resolve_device
+from ditdata.store import BFLOAT16, Schema, StoreWriter, TensorSpec, encode_array
 from ditdata.vae import load_autoencoder
 
 NON_FINITE = "non-finite latent"
@@ -191,7 +192,7 @@ class Encoder:
             self.ae.module.to(memory_format=torch.channels_last)
         self.micro = cfg.batch_size if cuda else 1
         # bf16 autocast on GPUs that have it, fp16 on older ones; the CPU stays in fp32 (bf16
-        # is very slow there): ditdata.store.devices' rule.
+        # is very slow there): ditdata.common.devices' rule.
         self.amp = amp_dtype(device)
 
     def latent_names(self) -> list[str]:
@@ -284,8 +285,8 @@ def _check_out(out: Path, shards: Path) -> None:
         return
     if out.resolve() == shards.resolve() or shards.resolve() in out.resolve().parents:
         raise DitdataError(f"--out {out}: must not be the image-shard folder {shards} or inside it")
+    from ditdata.common.lock import LOCK_FILE
     from ditdata.store import MANIFEST
-    from ditdata.store.lock import LOCK_FILE
     from ditdata.store.writer import CONFIG, SHARDS
 
     names = {p.name for p in out.iterdir()} - {LOCK_FILE}

@@ -47,10 +47,10 @@ from pathlib import Path
 
 from ditdata import imageshards as shards
 from ditdata import urls
+from ditdata.common.lock import LOCK_FILE, DirLock
 from ditdata.config import DEFAULT_URL_IMAGE_SIZE, DISTRIBUTORS, ENCODE_FORMATS, KINDS, FetchConfig
 from ditdata.errors import DitdataError
 from ditdata.images import DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, RESIZE_MODES
-from ditdata.store.lock import LOCK_FILE, DirLock
 
 URL_LIST_FORMATS = ("parquet", "csv", "tsv", "jsonl", "json", "txt")  # (+ .gz except parquet)
 URL_COLUMNS = ("url", "URL", "image_url", "img_url", "link")

@@ -54,6 +54,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ditdata.common.files import TMP_MARK, is_tmp, tmp_name  # noqa: F401  (the store's temporaries: one scheme)
 from ditdata.config import KINDS
 from ditdata.errors import DitdataError
 from ditdata.images import (  # noqa: F401  (re-exported: readers need only this module)
@@ -61,7 +62,6 @@ from ditdata.images import (  # noqa: F401  (re-exported: readers need only this
     BadImageError,
     decode_rgb,
 )
-from ditdata.store.files import TMP_MARK, is_tmp, tmp_name  # noqa: F401  (the store's temporaries: one scheme)
 
 FORMAT = "ditdata-images"
 VERSION = 1
@@ -422,16 +422,16 @@ def remove_stale_tmp(shards_dir) -> int:
 
 def _write_error(path, what: str, e: BaseException) -> DitdataError:
     """One line naming the file that could not be written (disk full, file-size limit)."""
-    from ditdata.store.files import error_reason
+    from ditdata.common.files import error_reason
 
     return DitdataError(f"{path}: could not write {what} ({error_reason(e)}); it was not published "
                         "and what was there before is unchanged")
 
 
 def write_json_atomic(path, obj) -> None:
-    """JSON at path, durably (ditdata.store.files: tmp, fsync, rename, fsync the folder);
+    """JSON at path, durably (ditdata.common.files: tmp, fsync, rename, fsync the folder);
     on failure the temporary is removed and a DitdataError names the path."""
-    from ditdata.store import files
+    from ditdata.common import files
 
     try:
         files.write_json_atomic(Path(path), obj, indent=1, ensure_ascii=False)
@@ -443,7 +443,7 @@ def write_parquet_atomic(path, table, compression: str = "zstd") -> None:
     """A pyarrow table as parquet at path, written like write_json_atomic."""
     import pyarrow.parquet as pq
 
-    from ditdata.store import files
+    from ditdata.common import files
 
     try:
         with files.atomic_file(Path(path), "wb") as f:
@@ -498,7 +498,7 @@ class ShardWriter:
 
     def close(self) -> Path:
         """Finish the tar and publish it durably (synced, renamed, folder synced)."""
-        from ditdata.store import files
+        from ditdata.common import files
 
         try:
             self._tar.close()

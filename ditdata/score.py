@@ -278,7 +278,7 @@ def score(
     `clip` (default ViT-B-32; the config's stem with `clip_config`). Returns a summary:
     {model, pretrained, weights_sha256, shards, scored_shards, skipped_shards, samples,
     scored, counts (status -> n over all shards), seconds, samples_per_s}."""
-    from ditdata.store import DirLock
+    from ditdata.common.lock import DirLock
 
     d = Path(shards_dir)
     if batch_size < 1:

@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
+from ditdata.common.sizes import format_size
 from ditdata.store import open_store
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return ""
 
 
 def _conditioning(cond) -> list[str]:
@@ -57,7 +50,7 @@ def describe(path, **remote) -> str:
         lost = b.get("samples_lost")
         lines.append(f"skipped:      image shard {b.get('shard') or b['name']} ({b.get('reason')}; "
                      f"{'unknown number of' if lost is None else lost} samples lost)")
-    lines.append(f"size on disk: {_size(s.nbytes_on_disk())}")
+    lines.append(f"size on disk: {format_size(s.nbytes_on_disk())}")
     prov = m.get("provenance", {})
     lines.append(f"created:      {prov.get('created_at')} with ditkit {prov.get('tools', {}).get('ditkit')}")
     return "\n".join(lines)
@@ -87,7 +80,7 @@ def decode_samples(path, n: int, out, *, vae: str | None = None, device: str = "
     import torch
     from PIL import Image
 
-    from ditdata.store.devices import resolve_device
+    from ditdata.common.devices import resolve_device
     from ditdata.vae import autoencoder_from_manifest
 
     s = open_store(path, **remote)

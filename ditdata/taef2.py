@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ditdata.store.files import sha256_file  # noqa: F401  (re-exported: the weights' digest)
+from ditdata.common.files import sha256_file  # noqa: F401  (re-exported: the weights' digest)
 from ditdata.vae import TAEF2_FILES
 
 LATENT_CHANNELS = 32

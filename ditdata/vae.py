@@ -10,7 +10,7 @@
    diffusers pipeline directory with such a ``vae/`` subfolder) is a diffusers AutoencoderKL
    whose scaling and shift come from its config;
 3. a hub id ``org/name`` or ``org/name/subfolder``: a diffusers AutoencoderKL from the
-   LOCAL Hugging Face cache only (``ditdata.hub.hub_cache_dir``: ``$HF_HUB_CACHE``, else
+   LOCAL Hugging Face cache only (``ditdata.common.hub.hub_cache_dir``: ``$HF_HUB_CACHE``, else
    ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``, in huggingface_hub's order).
 
 Nothing is ever downloaded: a model that is not on disk fails at once with a
@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ditdata.common.files import sha256_file
+from ditdata.common.hub import hub_cache_dir
 from ditdata.errors import DitdataError
-from ditdata.hub import hub_cache_dir
-from ditdata.store.files import sha256_file
 
 if TYPE_CHECKING:
     import torch

@@ -9,7 +9,7 @@ What a checkpoint holds is RunState.state_dict() and a resume is RunState.load_s
 (torchtitan's idea: the stateful parts listed once, each with state_dict/load_state_dict).
 
 A checkpoint is written to a hidden temporary name, synced, renamed, and its directory
-synced (ditdata.store.files), so a file under its final name is always complete and
+synced (ditdata.common.files), so a file under its final name is always complete and
 survives a power cut; the last `keep` are kept. A write that fails (disk full, file-size
 limit) removes its temporary, keeps the previous files and raises a one-line
 CheckpointError. CheckpointWriter makes the same writes from a background thread
@@ -34,7 +34,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ditdata.store.files import atomic_file, atomic_path, error_reason
+from ditdata.common.errors import UserError
+from ditdata.common.files import atomic_file, atomic_path, error_reason
 
 CHECKPOINTS = "checkpoints"
 EMA_EXPORT = "ema.safetensors"
@@ -42,7 +43,7 @@ INT8_FORMAT = "dittrain-int8"  # dittrain export --format int8: {"format", "conf
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """A checkpoint is missing, truncated, or belongs to another run or store."""
 
 

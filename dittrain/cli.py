@@ -8,23 +8,10 @@ import sys
 
 import click
 
-from ditdata.store.cli import FiniteFloat, OneLineErrors
+from ditdata.common.cli import FiniteFloat, OneLineErrors
 
 
-def user_errors() -> tuple[type[Exception], ...]:
-    """Failures the user can act on: their message is the whole story (one line, exit 1)."""
-    from ditdata.store import DeviceError, DirectoryBusy, StoreError
-    from dittrain.checkpoint import CheckpointError
-    from dittrain.data import LoaderError
-    from dittrain.eval import EvalError
-    from dittrain.sample import SampleError
-    from dittrain.train import TrainError
-
-    return (TrainError, CheckpointError, SampleError, LoaderError, StoreError, DirectoryBusy, DeviceError,
-            EvalError)
-
-
-@click.group(cls=OneLineErrors, user_errors=user_errors,
+@click.group(cls=OneLineErrors,
              context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="ditkit")
 def main():
@@ -243,17 +230,12 @@ def run_cmd(**options):
       dittrain run --latents ./store --model DiT-XL/2 --out runs/exp1 --resume
       torchrun --standalone --nproc_per_node 8 -m dittrain.cli run --latents ./store --out runs/ddp
     """
-    from ditdata.store import DirectoryBusy, StoreError
-    from dittrain.checkpoint import CheckpointError
     from dittrain.config import TrainConfig
-    from dittrain.train import TrainError, run
+    from dittrain.train import run
 
     if options.pop("no_compile"):
         options["compile"] = "off"
-    try:
-        result = run(TrainConfig(**options))
-    except (TrainError, CheckpointError, StoreError, DirectoryBusy) as e:
-        raise click.ClickException(str(e)) from e
+    result = run(TrainConfig(**options))
     click.echo(f"{result['out']}: finished at step {result['step']}")
 
 
@@ -368,7 +350,7 @@ def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow,
       text models cycle the --prompt values (arr_1: the prompt's index); unconditional: no arr_1.
     """
     from dittrain.config import SampleConfig
-    from dittrain.sample import SampleError, sample_to_files
+    from dittrain.sample import sample_to_files
 
     def log(line):
         click.echo(line, err=line.startswith("note:"))
@@ -398,13 +380,10 @@ def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow,
     settings = SampleConfig(cfg_scale=d.cfg_scale if cfg_scale is None else cfg_scale,
                             steps=d.steps if steps is None else steps, sampler=sampler, seed=seed,
                             batch_size=batch_size, precision=precision, cfg_channels=cfg_channels)
-    try:
-        sample_to_files(ckpt, out, classes=classes, prompts=prompts, n=n, n_per_class=n_per_class,
-                        per_class_dir=per_class_dir, nrow=nrow, settings=settings, device=device,
-                        latents=latents, vae=vae, model=model, text_pretrained=text_pretrained, grid_scale=grid_scale,
-                        onnx=onnx_file, log=log)
-    except SampleError as e:
-        raise click.ClickException(str(e)) from e
+    sample_to_files(ckpt, out, classes=classes, prompts=prompts, n=n, n_per_class=n_per_class,
+                    per_class_dir=per_class_dir, nrow=nrow, settings=settings, device=device,
+                    latents=latents, vae=vae, model=model, text_pretrained=text_pretrained, grid_scale=grid_scale,
+                    onnx=onnx_file, log=log)
 
 
 @main.command("export")
@@ -456,13 +435,10 @@ def export_cmd(ckpt, fmt, out, overwrite, latents, vae, model, tolerance, max_ba
       dittrain export --ckpt runs/exp1 --format fp16 --out dit-fp16.safetensors
       dittrain sample --ckpt dit-fp16.safetensors --class 207 --out grid.png
     """
-    from dittrain.export import ExportError, export
+    from dittrain.export import export
 
-    try:
-        export(ckpt, fmt, out, overwrite=overwrite, latents=latents, vae=vae, model=model, tolerance=tolerance,
-               max_batch=max_batch, opset=opset, log=lambda line: click.echo(line, err=line.startswith("note:")))
-    except ExportError as e:
-        raise click.ClickException(str(e)) from e
+    export(ckpt, fmt, out, overwrite=overwrite, latents=latents, vae=vae, model=model, tolerance=tolerance,
+           max_batch=max_batch, opset=opset, log=lambda line: click.echo(line, err=line.startswith("note:")))
 
 
 @main.command("runs")
@@ -485,17 +461,14 @@ def runs_cmd(run_dirs, plot):
     """
     from pathlib import Path
 
-    from dittrain.runs import RunsError, format_table, plot_losses, summarize_all
+    from dittrain.runs import format_table, plot_losses, summarize_all
 
     if plot and not Path(plot).resolve().parent.is_dir():
         raise click.UsageError(f"--plot {plot}: its folder does not exist")
-    try:
-        rows = summarize_all(run_dirs)
-        click.echo(format_table(rows))
-        if plot:
-            click.echo(f"wrote {plot_losses(rows, plot)}")
-    except RunsError as e:
-        raise click.ClickException(str(e)) from e
+    rows = summarize_all(run_dirs)
+    click.echo(format_table(rows))
+    if plot:
+        click.echo(f"wrote {plot_losses(rows, plot)}")
 
 
 @main.command("eval")

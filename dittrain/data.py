@@ -76,8 +76,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ditdata.common.errors import UserError
+from ditdata.common.sizes import parse_size
 from ditdata.store import BFLOAT16, TEXT_FIELDS, Store, open_store
-from ditdata.store.sizes import parse_size
 
 __all__ = [
     "LoaderError", "LoaderStateError", "ResidentLoader", "StreamingLoader", "available_memory",
@@ -198,12 +199,12 @@ class _Block:
 # ---------------------------------------------------------------------------------------
 # Choosing a loader
 # ---------------------------------------------------------------------------------------
-class LoaderError(ValueError):
+class LoaderError(UserError, ValueError):
     """The requested loader cannot work here (a resident store larger than the memory it
     would live in); the message is one line with the sizes and what to use instead."""
 
 
-class LoaderStateError(ValueError):
+class LoaderStateError(UserError, ValueError):
     """A saved loader state that this loader cannot continue exactly (another kind, seed,
     batch size, world size, store size or window); the message lists what differs."""
 
@@ -385,7 +386,7 @@ _COLUMN_BYTES = 64
 _LIVE_BATCHES = 3
 
 def parse_memory(value) -> int | None:
-    """--loader-memory in bytes (ditdata.store.sizes: "2GiB", "512MiB", "1.5G", "2GB" decimal,
+    """--loader-memory in bytes (ditdata.common.sizes: "2GiB", "512MiB", "1.5G", "2GB" decimal,
     bytes); None for "auto". Raises ValueError for anything else."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return None

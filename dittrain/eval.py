@@ -50,6 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ditdata.common.errors import UserError
+
 INCEPTION_FILES = ("weights-inception-2015-12-05-6726825d.pth",  # torch-fidelity's name
                    "pt_inception-2015-12-05-6726825d.pth")  # pytorch-fid's: same keys and shapes
 INCEPTION_ENV = "DITKIT_INCEPTION"
@@ -67,7 +69,7 @@ _PRECOMPUTED = ("mu", "sigma", "mu_s", "sigma_s")  # an ADM reference batch's st
 FEATURES = ("pool", "spatial", "logits")  # what Inception.features returns
 
 
-class EvalError(Exception):
+class EvalError(UserError):
     """Something the user can fix (missing weights, bad input file): one line, no traceback."""
 
 
@@ -310,7 +312,7 @@ class Inception:
 
     @cached_property
     def sha256(self) -> str:
-        from ditdata.store.files import sha256_file
+        from ditdata.common.files import sha256_file
 
         return sha256_file(self.path)
 
@@ -367,7 +369,7 @@ class _exact_fp32:
 def load_inception(path=None, device="cpu") -> Inception:
     """The FID network from its weights file (find_inception: `path`, $DITKIT_INCEPTION or
     the torch hub cache), checked to be a plain state dict of the right keys and shapes."""
-    from ditdata.store.devices import resolve_device
+    from ditdata.common.devices import resolve_device
 
     dev = resolve_device(device)
     p = find_inception(path)
@@ -421,7 +423,7 @@ _SHA_MEMO: dict[tuple, str] = {}
 
 def _file_sha256(path: Path) -> str:
     """sha256 of a file, remembered per (path, size, mtime) for repeated evals in one process."""
-    from ditdata.store.files import sha256_file
+    from ditdata.common.files import sha256_file
 
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
@@ -771,7 +773,7 @@ def _read_cache(path: Path, with_pool: bool, log) -> RefStats | None:
 def _write_cache(stats: RefStats, paths: list[Path], log) -> Path | None:
     """Write the statistics atomically beside the reference, else (read-only) in the cache
     dir; an eval never fails for want of a cache."""
-    from ditdata.store import files
+    from ditdata.common import files
 
     arrays = {"mu": stats.mu, "sigma": stats.sigma, "mu_s": stats.mu_s, "sigma_s": stats.sigma_s,
               "n": np.int64(-1 if stats.n is None else stats.n), "precomputed": np.bool_(stats.precomputed),
@@ -945,7 +947,7 @@ def _skipped(n) -> str:
 
 
 def write_json(metrics: dict, path) -> Path:
-    from ditdata.store import files
+    from ditdata.common import files
 
     p = Path(path)
     files.write_json_atomic(p, metrics, indent=2)

@@ -66,7 +66,8 @@ from pathlib import Path
 
 import torch
 
-from ditdata.store.files import atomic_file, atomic_path
+from ditdata.common.errors import UserError
+from ditdata.common.files import atomic_file, atomic_path
 from dittrain.checkpoint import INT8_FORMAT, export_weights
 from dittrain.model import DiT, DiTConfig
 from dittrain.sample import class_names, diffusion_config, load_model
@@ -80,7 +81,7 @@ DIFFUSERS_NULL = 1000  # DiTPipeline's hard-coded null class
 DIFFUSERS_RECORD = "dittrain_export.json"
 
 
-class ExportError(Exception):
+class ExportError(UserError):
     """An export that cannot be made as asked: one line, nothing written."""
 
 

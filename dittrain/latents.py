@@ -22,10 +22,12 @@ import math
 
 import torch
 
+from ditdata.common.errors import UserError
+
 LATENT_NORMS = ("none", "channel")
 
 
-class LatentNormError(ValueError):
+class LatentNormError(UserError, ValueError):
     """The store cannot give what --latent-norm asks for."""
 
 

@@ -28,14 +28,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ditdata.store import files
+from ditdata.common import files
+from ditdata.common.errors import UserError
 
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 WANDB_ID = "wandb_id.txt"  # in the run directory
 WANDB_INIT_TIMEOUT = 20.0  # seconds (wandb's own default is 90); $WANDB_INIT_TIMEOUT overrides it
 
 
-class LoggerError(ValueError):
+class LoggerError(UserError, ValueError):
     """--logger names a logger that does not exist or is not installed (one line)."""
 
 

@@ -38,6 +38,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from ditdata.common.errors import UserError
+
 # checkpoint(respect_saved_tensors_hooks=True) (newer torch): saved-tensors hooks (save_on_cpu,
 # bench/activation_memory.py's counter) see what a selective policy keeps; older torch has no
 # such argument, and the policy works the same without it.
@@ -108,7 +110,7 @@ _CUSTOM_REQUIRED = ("hidden", "depth", "heads", "patch")
 CUSTOM_SPEC = "custom:hidden=H,depth=D,heads=N,patch=P"  # the grammar, for messages
 
 
-class ModelSpecError(ValueError):
+class ModelSpecError(UserError, ValueError):
     """A custom model spec that does not parse; the message is one line."""
 
 

@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ditdata.store import files as files_api
+from ditdata.common import files as files_api
 from dittrain.config import EvalSampleConfig, SampleConfig
 from dittrain.sample import (
     SampleError,
@@ -417,7 +417,7 @@ def sample_to_npz(
     "random" (the default) / "balanced". prompts (text models): cycled over the n samples.
     preview: --out, where a grid of the first 64 samples goes (optional).
     Returns {"npz", "total", "drawn" (chunks this process drew), "resumed" (chunks found)}."""
-    from ditdata.store import DirLock
+    from ditdata.common.lock import DirLock
 
     path = check_npz_path(npz, overwrite=overwrite)
     if preview is not None:

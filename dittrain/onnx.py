@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ditdata.store.files import fsync_dir, publish, tmp_name
+from ditdata.common.files import fsync_dir, publish, tmp_name
 from dittrain.export import ExportError
 from dittrain.model import DiT, DiTConfig
 from dittrain.sample import SampleError, model_config

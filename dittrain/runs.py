@@ -23,11 +23,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ditdata.common.errors import UserError
+
 LAST_RECORDS = 5  # images/s and data wait: the mean over the last this many training records
 SMOOTHING = 0.9  # the EMA weight of the plotted curves (TensorBoard's slider; debiased)
 
 
-class RunsError(Exception):
+class RunsError(UserError):
     """No run among the directories, or nothing to plot; the message is one line."""
 
 
@@ -205,7 +207,7 @@ def plot_losses(rows: list[RunSummary], out, *, weight: float = SMOOTHING) -> Pa
     matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt
 
-    from ditdata.store.files import atomic_file
+    from ditdata.common.files import atomic_file
 
     out = Path(out)
     fig, ax = plt.subplots(figsize=(8, 5), dpi=100)

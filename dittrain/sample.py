@@ -48,10 +48,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ditdata.common import files as files_api
+from ditdata.common.devices import PRECISIONS, DeviceError, amp_dtype, autocast
+from ditdata.common.devices import resolve_device as _resolve_device
+from ditdata.common.errors import UserError
 from ditdata.store import TEXT_FIELDS
-from ditdata.store import files as files_api
-from ditdata.store.devices import PRECISIONS, DeviceError, amp_dtype, autocast
-from ditdata.store.devices import resolve_device as _resolve_device
 from dittrain.config import SampleConfig
 from dittrain.diffusion import SAMPLERS, Diffusion, DiffusionConfig
 from dittrain.latents import LatentNorm
@@ -65,7 +66,7 @@ TEXT_POOLED, TEXT_TOKENS, TEXT_MASK = TEXT_FIELDS
 _S = SampleConfig()  # the defaults of every sampling entry point
 
 
-class SampleError(Exception):
+class SampleError(UserError):
     """A problem the user can fix (missing store, bad class, ...): one line, no traceback."""
 
 
@@ -79,7 +80,7 @@ def _line(e: BaseException) -> str:
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
-    """The shared rule (ditdata.store.devices: auto -> cuda when available, else cpu), with an
+    """The shared rule (ditdata.common.devices: auto -> cuda when available, else cpu), with an
     unusable device as a SampleError in sampling's words."""
     try:
         return _resolve_device(device)

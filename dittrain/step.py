@@ -36,7 +36,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ditdata.store import TEXT_FIELDS, autocast
+from ditdata.common.devices import autocast
+from ditdata.store import TEXT_FIELDS
 from dittrain.config import TrainConfig
 from dittrain.diffusion import Diffusion
 from dittrain.latents import LatentNorm

@@ -36,16 +36,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ditdata.store import (
-    DirLock,
-    Store,
-    StoreError,
-    amp_dtype,
-    files,
-    open_store,
-    refuse_inside_store,
-    resolve_device,
-)
+from ditdata.common import files
+from ditdata.common.devices import amp_dtype, resolve_device
+from ditdata.common.errors import UserError
+from ditdata.common.lock import DirLock
+from ditdata.store import Store, StoreError, open_store, refuse_inside_store
 from dittrain.checkpoint import (
     EMA_EXPORT,
     CheckpointError,
@@ -69,7 +64,7 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "R
               "RTX 3090": 71e12, "A6000": 155e12, "V100": 125e12}
 
 
-class TrainError(Exception):
+class TrainError(UserError):
     """A run cannot start or continue; the message says why and what to do."""
 
 
@@ -82,7 +77,7 @@ def _distributed() -> tuple[int, int]:
 
 
 def _training_device(name: str) -> torch.device:
-    """--device as ditdata.store.devices reads it (auto: cuda:LOCAL_RANK when there is a
+    """--device as ditdata.common.devices reads it (auto: cuda:LOCAL_RANK when there is a
     GPU, else cpu; DeviceError for an unknown name or CUDA without a GPU), cpu or cuda only."""
     device = resolve_device(name)
     if device.type not in ("cpu", "cuda"):

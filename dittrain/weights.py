@@ -43,8 +43,8 @@ from pathlib import Path
 
 import torch
 
+from ditdata.common.files import sha256_file
 from ditdata.store import Conditioning, Schema, TensorSpec
-from ditdata.store.files import sha256_file
 from dittrain.checkpoint import (
     INT8_FORMAT,
     CheckpointError,

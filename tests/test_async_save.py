@@ -30,7 +30,7 @@ from cliutil import run_args
 from storeutil import make_store
 
 import dittrain.checkpoint as checkpoint
-from ditdata.store import files
+from ditdata.common import files
 from dittrain.checkpoint import (
     CheckpointError,
     CheckpointWriter,

@@ -15,12 +15,12 @@ from PIL import Image
 
 from ditdata import config
 from ditdata.cli import main as cli
+from ditdata.common.hub import hub_cache_dir
 from ditdata.config import EncodeConfig, FetchConfig
-from ditdata.hub import hub_cache_dir
 
 
 def test_importing_config_is_cheap():
-    code = ("import sys, ditdata.config, ditdata.hub; "
+    code = ("import sys, ditdata.config, ditdata.common.hub; "
             "print(' '.join(m for m in ('torch', 'numpy', 'PIL', 'pyarrow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""

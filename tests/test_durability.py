@@ -28,8 +28,9 @@ from PIL import Image
 from storeutil import INFO, make_store, schema, shard_data, write_store
 
 from ditdata import imageshards
+from ditdata.common import files
 from ditdata.errors import DitdataError
-from ditdata.store import MANIFEST, StoreError, StoreWriter, files
+from ditdata.store import MANIFEST, StoreError, StoreWriter
 from dittrain.checkpoint import (
     CheckpointError,
     export_weights,

@@ -183,7 +183,7 @@ def test_cli_matches_direct_computation_and_caches_the_reference(tmp_path, sets,
 
 
 def test_read_only_reference_caches_in_the_cache_dir(tmp_path, sets, inception, monkeypatch):
-    from ditdata.store import files
+    from ditdata.common import files
 
     a, _ = sets
     ref = tmp_path / "ref.npz"

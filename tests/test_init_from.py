@@ -22,7 +22,7 @@ from storeutil import (
 )
 
 import dittrain.train as train_mod
-from ditdata.store.files import sha256_file
+from ditdata.common.files import sha256_file
 from dittrain.checkpoint import latest_checkpoint, load_checkpoint, load_weights
 from dittrain.model import DiT, get_config
 from dittrain.weights import LABEL_TABLE

@@ -18,8 +18,8 @@ from cliutil import one_error_line, run_args
 from storeutil import make_store
 
 from ditdata.cli import main as ditdata_cli
-from ditdata.store import DirectoryBusy, DirLock, open_store
-from ditdata.store.lock import LOCK_FILE
+from ditdata.common.lock import LOCK_FILE, DirectoryBusy, DirLock
+from ditdata.store import open_store
 from dittrain.checkpoint import latest_checkpoint
 from dittrain.cli import main as dittrain_cli
 
@@ -30,7 +30,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")
 # the test can start a second writer while the first is certainly alive and holding it.
 STOP_AFTER_LOCK = """
 import os, signal, sys
-from ditdata.store import lock
+from ditdata.common import lock
 take = lock.DirLock.acquire
 def acquire(self):
     held = take(self)
@@ -101,7 +101,7 @@ def test_a_failed_start_leaves_no_directory(tmp_path):
 def test_sigkill_releases_even_with_a_forked_child_alive(tmp_path):
     """The holder forks a long-lived child (as the streaming loader's workers are) and is
     SIGKILLed: the orphaned child must not keep the lock."""
-    code = ("import os, sys, time\nfrom ditdata.store import DirLock\n"
+    code = ("import os, sys, time\nfrom ditdata.common.lock import DirLock\n"
             f"DirLock({str(tmp_path / 'run')!r}, 'dittrain run').acquire()\n"
             "if os.fork() == 0:\n"
             # the child's own code runs only after the fork hooks did: then it says so

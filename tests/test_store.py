@@ -131,7 +131,8 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from ditdata.store import files, writer
+    from ditdata.common import files
+    from ditdata.store import writer
     from storeutil import schema, write_store
 
     root, backend, where = sys.argv[1], sys.argv[2], sys.argv[3]

@@ -6,10 +6,9 @@ A store is a directory with `manifest.json` (written last, atomically) and one s
 per input shard under `shards/`, in the `zarr` or `wds` backend. See manifest.py for
 the manifest's fields and writer.py for how shards are published.
 
-The package also holds what both command-line tools share without dittrain reaching
-further into ditdata: files.py (atomic writes, digests), lock.py (one writer per output),
-cli.py (one-line errors) and devices.py (device and precision choice). Names are imported on first use, so `ditdata --help`, which
-needs only cli.py, does not pay for numpy.
+The package holds the contract and nothing else; what both command-line tools share
+(atomic files, locks, devices, one-line errors, sizes) is in ditdata.common. Names are
+imported on first use, so importing the package does not pay for numpy.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import importlib
 
 _EXPORTS = {
     "StoreError": "errors",
-    "DirectoryBusy": "lock", "DirLock": "lock",
     "FORMAT_VERSION": "manifest", "MANIFEST": "manifest", "decode_array": "manifest",
     "encode_array": "manifest", "identity": "manifest", "enclosing_store": "manifest",
     "refuse_inside_store": "manifest",
@@ -27,7 +25,6 @@ _EXPORTS = {
     "TensorSpec": "schema",
     "StoreWriter": "writer",
     "RemoteStore": "remote", "is_url": "remote", "parse_size": "remote",
-    "DeviceError": "devices", "amp_dtype": "devices", "autocast": "devices", "resolve_device": "devices",
 }
 __all__ = sorted(_EXPORTS)
 

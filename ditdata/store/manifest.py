@@ -28,19 +28,20 @@ and those two numbers live here and nowhere else in a store.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import math
 from pathlib import Path
 
 import numpy as np
 
+from ditdata.common import files
+
+from .defaults import BACKENDS
 from .errors import StoreError
 from .schema import Schema, disk_dtype, dtype_name, from_disk, to_disk
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-BACKENDS = ("zarr", "wds")
 # Supplied by the producer of a store (ditdata encode); the writer adds the rest.
 INFO_KEYS = ("vae", "image", "conditioning")
 REQUIRED_KEYS = (
@@ -96,9 +97,7 @@ def identity(manifest: dict) -> str:
     """A store's identity: the digest of what it holds (its manifest without provenance,
     so re-finalizing the same shards, at another time, keeps it). Runs record it to refuse
     other stores."""
-    content = {k: v for k, v in manifest.items() if k != "provenance"}
-    canon = json.dumps(content, sort_keys=True, separators=(",", ":"))
-    return "sha256:" + hashlib.sha256(canon.encode()).hexdigest()
+    return "sha256:" + files.json_digest({k: v for k, v in manifest.items() if k != "provenance"})
 
 
 def enclosing_store(path) -> Path | None:
@@ -131,7 +130,7 @@ def load(root: Path) -> dict:
             "finished: the manifest is written last). Rerun `ditdata encode` to complete it."
         )
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = files.read_json(path)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise StoreError(f"{path}: not valid JSON ({e})") from e
     validate(manifest, path)

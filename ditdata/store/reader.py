@@ -14,7 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import files, manifest
+from ditdata.common import files
+
+from . import manifest
 from .backends import get_backend
 from .errors import StoreError
 from .schema import Schema

@@ -47,7 +47,9 @@ import time
 import uuid
 from pathlib import Path
 
-from . import files, manifest, sizes
+from ditdata.common import cache, files, sizes
+
+from . import manifest
 from .errors import StoreError
 from .reader import Store
 
@@ -66,7 +68,7 @@ def is_url(root) -> bool:
 
 
 def parse_size(text, what: str = "--cache-limit") -> int:
-    """Bytes of a size flag (ditdata.store.sizes), a bad one as a StoreError."""
+    """Bytes of a size flag (ditdata.common.sizes), a bad one as a StoreError."""
     try:
         return sizes.parse_size(text, what)
     except ValueError as e:
@@ -74,12 +76,7 @@ def parse_size(text, what: str = "--cache-limit") -> int:
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ditkit" / "stores"
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return cache.cache_dir("stores")
 
 
 # ---------------------------------------------------------------------------------------
@@ -277,8 +274,8 @@ class RemoteStore(Store):
         self._lazy = False
         largest = max(self.shards, key=lambda s: _shard_bytes(s.record), default=None)
         if largest is not None and _shard_bytes(largest.record) > self.cache.limit:
-            raise StoreError(f"--cache-limit {_size(self.cache.limit)} is smaller than the largest shard of "
-                             f"{self.url} ({largest.name}, {_size(_shard_bytes(largest.record))}); "
+            raise StoreError(f"--cache-limit {sizes.format_size(self.cache.limit)} is smaller than the largest shard of "
+                             f"{self.url} ({largest.name}, {sizes.format_size(_shard_bytes(largest.record))}); "
                              "give at least that (a few shards' worth is better)")
         self._mirror(m)
         if verify:

@@ -25,7 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import files, manifest
+from ditdata.common import files
+
+from . import manifest
 from .backends import get_backend
 from .defaults import CHUNK_SAMPLES, DEFAULT_BACKEND
 from .errors import StoreError

@@ -1,7 +1,7 @@
 """How `ditdata` and `dittrain` fail: one line on stderr, a non-zero exit, no traceback.
 
 Both command groups use `OneLineErrors` (shared here, in the package both sides may
-import). Expected failures (the group's user errors: a broken store, a missing model, a
+import). Expected failures (a UserError of any module: a broken store, a missing model, a
 busy output, ...) and operating-system errors (disk full, permission denied) print their
 message; click's usage errors print theirs with a pointer to --help instead of the usage
 block; anything else is a bug, reported in one line that says how to get the traceback
@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
 
 import click
+
+from ditdata.common.errors import UserError, one_line
 
 DEBUG_ENV = "DITKIT_DEBUG"
 
 
 def _debug() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
 
 
 def os_error_message(e: OSError) -> str:
@@ -35,13 +32,8 @@ def os_error_message(e: OSError) -> str:
 
 
 class OneLineErrors(click.Group):
-    """A click group whose failures are one line each (module docstring). `user_errors`
-    returns the exception types whose message is meant for the user (imported lazily,
-    so --help stays instant)."""
-
-    def __init__(self, *args, user_errors: Callable[[], tuple[type[BaseException], ...]] = tuple, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.user_errors = user_errors
+    """A click group whose failures are one line each (module docstring): a UserError's
+    message is meant for the user as it is."""
 
     def invoke(self, ctx):
         try:
@@ -51,14 +43,14 @@ class OneLineErrors(click.Group):
         except Exception as e:
             if _debug():
                 raise
-            if isinstance(e, self.user_errors()):
-                raise click.ClickException(_one_line(e)) from e
+            if isinstance(e, UserError):
+                raise click.ClickException(one_line(e)) from e
             if isinstance(e, OSError):
-                raise click.ClickException(_one_line(os_error_message(e))) from e
+                raise click.ClickException(one_line(os_error_message(e))) from e
             if isinstance(e, MemoryError):
                 raise click.ClickException("out of memory; use smaller batches or a smaller input") from e
             raise click.ClickException(
-                f"internal error ({type(e).__name__}: {_one_line(e)[:300]}); rerun with "
+                f"internal error ({type(e).__name__}: {one_line(e, 300)}); rerun with "
                 f"{DEBUG_ENV}=1 for the traceback and please report it"
             ) from e
 
@@ -70,10 +62,10 @@ class OneLineErrors(click.Group):
         except click.exceptions.UsageError as e:
             # click prints the whole usage block; one line and where to read more is enough
             cmd = e.ctx.command_path if e.ctx is not None else self.name
-            click.echo(f"Error: {_one_line(e.format_message())} (see '{cmd} --help')", err=True)
+            click.echo(f"Error: {one_line(e.format_message())} (see '{cmd} --help')", err=True)
             sys.exit(e.exit_code)
         except click.ClickException as e:
-            click.echo(f"Error: {_one_line(e.format_message())}", err=True)
+            click.echo(f"Error: {one_line(e.format_message())}", err=True)
             sys.exit(e.exit_code)
         except click.exceptions.Abort:
             click.echo("Aborted!", err=True)

@@ -29,3 +29,17 @@ def parse_size(value, what: str = "size") -> int:
     if not math.isfinite(n) or n <= 0:
         raise ValueError(f"{what} {value!r}: must be a positive size")
     return int(n)
+
+
+def format_size(n: float, *, decimal: bool = False) -> str:
+    """Bytes as a person reads them: "512 B", "1.5 KiB", "37.2 MiB", "1.07 GiB" (binary), or
+    "1.5 kB", "37.2 MB" with decimal=True (file sizes compared with other tools')."""
+    base, units = (1000, ("B", "kB", "MB", "GB", "TB")) if decimal else (1024, ("B", "KiB", "MiB", "GiB", "TiB"))
+    n = float(n)
+    for i, unit in enumerate(units):
+        if abs(n) < base or i == len(units) - 1:
+            if i == 0:
+                return f"{int(n)} B"
+            return f"{n:.2f} {unit}" if i >= 3 else f"{n:.1f} {unit}"
+        n /= base
+    return ""

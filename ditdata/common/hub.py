@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ditdata.common.cache import xdg_cache_home
+
 
 def hub_cache_dir() -> Path:
     """The hub cache folder as huggingface_hub resolves it, read from the environment at
@@ -18,8 +20,7 @@ def hub_cache_dir() -> Path:
             return _expand(os.environ[var])
     home = os.environ.get("HF_HOME")
     if not home:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        home = os.path.join(base, "huggingface")
+        home = str(xdg_cache_home() / "huggingface")
     return _expand(home) / "hub"
 
 

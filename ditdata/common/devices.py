@@ -16,11 +16,13 @@ from contextlib import nullcontext
 
 import torch
 
+from ditdata.common.errors import UserError
+
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class DeviceError(ValueError):
+class DeviceError(UserError, ValueError):
     """An unusable --device or --precision; the message is one line that says what works."""
 
 

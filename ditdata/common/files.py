@@ -195,3 +195,15 @@ def combined_checksum(files: dict[str, dict]) -> str:
     for rel in sorted(files):
         h.update(f"{rel}\0{files[rel]['size']}\0{files[rel]['sha256']}\n".encode())
     return "sha256:" + h.hexdigest()
+
+
+def read_json(path: Path, encoding: str = "utf-8"):
+    """A JSON file's content (OSError or json.JSONDecodeError for the caller to word)."""
+    return json.loads(Path(path).read_text(encoding=encoding))
+
+
+def json_digest(obj) -> str:
+    """sha256 (hex) of a JSON value in canonical form (sorted keys, no spaces; anything JSON
+    cannot hold as its str()): equal content, equal digest, on every machine."""
+    canon = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canon.encode()).hexdigest()

@@ -30,6 +30,8 @@ import socket
 import time
 from pathlib import Path
 
+from ditdata.common.errors import UserError
+
 LOCK_FILE = ".ditkit.lock"
 
 _held: set[int] = set()  # descriptors of the locks this process holds
@@ -47,7 +49,7 @@ def _close_in_child() -> None:
 os.register_at_fork(after_in_child=_close_in_child)
 
 
-class DirectoryBusy(Exception):
+class DirectoryBusy(UserError):
     """Another live process is writing the same output directory."""
 
 

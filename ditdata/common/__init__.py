@@ -1,0 +1,15 @@
+"""What ditdata and dittrain share, and nothing of either: the toolkit under both.
+
+    errors.py   UserError, the one base of failures a user can act on; one_line()
+    files.py    atomic writes, digests, JSON files
+    lock.py     one writer per output directory
+    devices.py  device and precision choice
+    cli.py      one-line errors for both command groups, FiniteFloat
+    sizes.py    sizes written by people, and sizes shown to them
+    dist.py     torchrun's environment and the process group's join/leave
+    extras.py   "this needs the extra X" in one wording
+    hub.py      the local Hugging Face cache; cache.py ditkit's own cache base
+
+Stdlib only at import time (torch, where needed, inside functions), so the command-line
+tools' --help stays instant.
+"""
