@@ -10,7 +10,8 @@ load strictly. Conventions:
 - decoder output: (B, 3, H, W), approximately [0, 1] (clamp for images).
 
 The weights are fp16; load them into an fp32 module on the CPU (``load_state_dict``
-converts). The module itself has no hub or download logic: see ``ditdata.vae``.
+converts). The module itself has no hub or download logic: see ``ditdata.vae``; the weight
+file names come from ``ditdata.presets`` (torch-free, shared with the loader).
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ditdata.common.files import sha256_file  # noqa: F401  (re-exported: the weights' digest)
-from ditdata.vae import TAEF2_FILES
+from ditdata.presets import TAEF2_FILES
 
 LATENT_CHANNELS = 32
 DOWNSAMPLE = 8

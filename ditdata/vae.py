@@ -22,6 +22,10 @@ the SCALED posterior mean ``z = (mean - shift) * scale`` and the scaled std
 ``std * scale`` (None for deterministic autoencoders); ``decode`` inverts the scaling and
 returns images in [0, 1], clamped. A sample of the posterior is ``z + std * eps``.
 
+Kinds are a table: ``KINDS`` maps each kind (``ditdata.presets``: a diffusers AutoencoderKL,
+TAEF2, pixels) to its adapter (``AutoencoderKind``: encode, decode, and how it is found as a
+preset, a directory or a manifest entry); the presets themselves live in ``ditdata.presets``.
+
 ``Autoencoder.info`` is exactly the store manifest's ``"vae"`` entry;
 ``autoencoder_from_manifest`` rebuilds the autoencoder a store was made with, trusting the
 manifest's scaling and shift. Importing this module is cheap (torch and diffusers are
@@ -31,62 +35,32 @@ imported inside the functions that need them).
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ditdata.common.files import sha256_file
+from ditdata.common.errors import described
+from ditdata.common.extras import missing_extra
+from ditdata.common.files import read_json, sha256_file
 from ditdata.common.hub import hub_cache_dir
 from ditdata.errors import DitdataError
+from ditdata.presets import (  # noqa: F401  (re-exported: the presets' names, as before)
+    KIND_KL,
+    KIND_PIXELS,
+    KIND_TAEF2,
+    PRESETS,
+    RANGE_01,
+    RANGE_PM1,
+    TAEF2_ENV,
+    TAEF2_FILES,
+    TAEF2_SOURCE,
+    Preset,
+)
 
 if TYPE_CHECKING:
     import torch
-
-KIND_KL = "autoencoder_kl"
-KIND_TAEF2 = "taef2"
-KIND_PIXELS = "pixels"
-RANGE_PM1 = "[-1,1]"
-RANGE_01 = "[0,1]"
-TAEF2_ENV = "DITKIT_TAEF2"
-TAEF2_FILES = ("taef2_encoder.pth", "taef2_decoder.pth")
-TAEF2_SOURCE = "https://github.com/madebyollin/taesd"
-
-
-@dataclass(frozen=True)
-class Preset:
-    name: str
-    kind: str  # KIND_KL | KIND_TAEF2 | KIND_PIXELS
-    repo_id: str | None  # hub id (KIND_KL only)
-    subfolder: str | None
-    scaling_factor: float
-    shift_factor: float
-    latent_channels: int
-    downsample: int
-    input_range: str  # value range the model itself takes: RANGE_PM1 | RANGE_01
-    note: str = ""
-
-
-PRESETS: dict[str, Preset] = {
-    p.name: p
-    for p in (
-        Preset("sd-vae-ft-ema", KIND_KL, "stabilityai/sd-vae-ft-ema", None, 0.18215, 0.0, 4, 8,
-               RANGE_PM1, "SD 1.x VAE, EMA fine-tune (the DiT paper's choice)"),
-        Preset("sd-vae-ft-mse", KIND_KL, "stabilityai/sd-vae-ft-mse", None, 0.18215, 0.0, 4, 8,
-               RANGE_PM1, "SD 1.x VAE, MSE fine-tune (smoother decodes)"),
-        Preset("sdxl-vae", KIND_KL, "stabilityai/sdxl-vae", None, 0.13025, 0.0, 4, 8,
-               RANGE_PM1, "SDXL VAE (overflows in fp16; use fp32 or bf16)"),
-        Preset("flux-vae", KIND_KL, "black-forest-labs/FLUX.1-schnell", "vae", 0.3611, 0.1159,
-               16, 8, RANGE_PM1, "FLUX.1 VAE, 16 channels"),
-        Preset("taef2", KIND_TAEF2, None, None, 1.0, 0.0, 32, 8, RANGE_01,
-               f"tiny FLUX.2-latent autoencoder, weights from ${TAEF2_ENV} or a directory"),
-        Preset("pixels", KIND_PIXELS, None, None, 1.0, 0.0, 3, 1, RANGE_PM1,
-               "no autoencoder: the image itself in [-1,1]"),
-    )
-}
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(/[\w.-]+)*")
 
@@ -131,7 +105,9 @@ class Autoencoder:
     ``info`` is the manifest entry: name, id, subfolder, revision, weights_sha256,
     scaling_factor, shift_factor, latent_channels, downsample, input_range, kind.
     ``weights_sha256`` maps each weight file actually loaded (path relative to the model
-    directory) to its sha256; None for ``pixels``.
+    directory) to its sha256; None for ``pixels``. What the module itself does with the
+    pixels is its kind's business (``KINDS``); the scaling and value range are done here,
+    the same for every kind.
     """
 
     def __init__(self, module: Any, info: dict[str, Any]):
@@ -139,6 +115,7 @@ class Autoencoder:
 
         self.module = module
         self.info = dict(info)
+        self.adapter = KINDS[self.info["kind"]]
         self._device = torch.device("cpu")
         self._dtype = torch.float32
         if module is not None:
@@ -157,7 +134,7 @@ class Autoencoder:
     @property
     def deterministic(self) -> bool:
         """True when ``encode`` returns no std (TAEF2, pixels)."""
-        return self.kind != KIND_KL
+        return self.adapter.deterministic
 
     @property
     def device(self) -> torch.device:
@@ -209,15 +186,8 @@ class Autoencoder:
         x = images.to(device=self._device, dtype=self._dtype)
         if self.info["input_range"] == RANGE_PM1:
             x = x * 2.0 - 1.0
-        std = None
         with torch.no_grad():
-            if self.kind == KIND_PIXELS:
-                mean = x
-            elif self.kind == KIND_TAEF2:
-                mean = self.module.encode(x)
-            else:
-                dist = self.module.encode(x).latent_dist
-                mean, std = dist.mean, dist.std
+            mean, std = self.adapter.encode(self.module, x)
         scale, shift = self.scaling_factor, self.shift_factor
         z = (mean.float() - shift) * scale
         if std is not None:
@@ -235,24 +205,132 @@ class Autoencoder:
         latents = z.to(device=self._device, dtype=torch.float32) / self.scaling_factor
         latents = (latents + self.shift_factor).to(self._dtype)
         with torch.no_grad():
-            if self.kind == KIND_PIXELS:
-                x = latents
-            elif self.kind == KIND_TAEF2:
-                x = self.module.decode(latents)
-            else:
-                x = self.module.decode(latents).sample
+            x = self.adapter.decode(self.module, latents)
         x = x.float()
         if self.info["input_range"] == RANGE_PM1:
             x = (x + 1.0) / 2.0
         return x.clamp(0.0, 1.0)
 
 
+# --------------------------------------------------------------------------- kinds
+
+
+class AutoencoderKind:
+    """One kind of autoencoder: what its module does to (value-ranged, unscaled) tensors and
+    how it is found on disk. A new kind is a subclass, an entry in ``KINDS`` (and in
+    ``ditdata.presets``) and a test; ``Autoencoder``, ``load_autoencoder`` and
+    ``autoencoder_from_manifest`` dispatch through the table and need no change.
+
+    ``dir_hint`` names, for the error about an unrecognised directory, what a directory of
+    this kind holds (None: the kind has no directory). ``has_weights`` False: the kind
+    loads nothing, so a manifest's entry suffices and ``source`` is never consulted."""
+
+    name: str
+    deterministic = True  # encode returns no std
+    has_weights = True
+    dir_hint: str | None = None
+
+    def encode(self, module, x) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x (B, 3, H, W) in the kind's input range -> (mean, std or None), unscaled."""
+        raise NotImplementedError
+
+    def decode(self, module, latents) -> torch.Tensor:
+        """Unscaled latents -> images in the kind's input range (not clamped)."""
+        raise NotImplementedError
+
+    def from_preset(self, preset: Preset, device: Any, dtype: torch.dtype) -> Autoencoder:
+        raise NotImplementedError
+
+    def from_dir(self, path: Path, device: Any, dtype: torch.dtype) -> Autoencoder | None:
+        """The autoencoder in directory `path`, or None when it is not one of this kind."""
+        return None
+
+    def from_manifest(self, entry: dict[str, Any], device: Any, dtype: torch.dtype) -> Autoencoder:
+        """The autoencoder a store's manifest entry records, found where it was recorded."""
+        raise NotImplementedError
+
+
+class _TAEF2Kind(AutoencoderKind):
+    name = KIND_TAEF2
+    dir_hint = f"{' + '.join(TAEF2_FILES)} (TAEF2)"
+
+    def encode(self, module, x):
+        return module.encode(x), None
+
+    def decode(self, module, latents):
+        return module.decode(latents)
+
+    def from_preset(self, preset, device, dtype):
+        return _taef2(_taef2_from_env(), device, dtype)
+
+    def from_dir(self, path, device, dtype):
+        return _taef2(path, device, dtype) if _is_taef2_dir(path) else None
+
+    def from_manifest(self, entry, device, dtype):
+        # a TAEF2 whose recorded directory is gone is found through $DITKIT_TAEF2
+        d = Path(entry["id"]) if entry.get("id") else None
+        return _taef2(d if d and _is_taef2_dir(d) else _taef2_from_env(), device, dtype)
+
+
+class _KLKind(AutoencoderKind):
+    name = KIND_KL
+    deterministic = False
+    dir_hint = "a diffusers AutoencoderKL (config.json + diffusion_pytorch_model.safetensors)"
+
+    def encode(self, module, x):
+        dist = module.encode(x).latent_dist
+        return dist.mean, dist.std
+
+    def decode(self, module, latents):
+        return module.decode(latents).sample
+
+    def from_preset(self, preset, device, dtype):
+        return _kl_from_hub(preset.repo_id, preset.subfolder, device, dtype, name=preset.name,
+                            scaling=preset.scaling_factor, shift=preset.shift_factor)
+
+    def from_dir(self, path, device, dtype):
+        for cand in (path, path / "vae"):  # a model directory, or a pipeline's vae/
+            cfg = _kl_config(cand)
+            if cfg is not None and cfg.get("_class_name") == "AutoencoderKL":
+                return _kl_from_dir(cand, device, dtype)
+        return None
+
+    def from_manifest(self, entry, device, dtype):
+        ident, name = entry.get("id"), entry.get("name")
+        if ident and Path(ident).is_absolute():  # local directories are recorded absolute
+            if not Path(ident).is_dir():
+                raise DitdataError(f"store autoencoder {name!r}: {ident} is not on "
+                                   "this machine; pass its directory (--vae DIR)")
+            return _kl_from_dir(Path(ident), device, dtype)
+        if ident and _HUB_ID.fullmatch(ident):
+            return _kl_from_hub_pinned(ident, entry.get("subfolder"), entry.get("revision"),
+                                       name or ident, device, dtype)
+        raise DitdataError(f"store autoencoder {name!r}: unusable id {ident!r}; "
+                           "pass its directory (--vae DIR)")
+
+
+class _PixelsKind(AutoencoderKind):
+    name = KIND_PIXELS
+    has_weights = False
+
+    def encode(self, module, x):
+        return x, None
+
+    def decode(self, module, latents):
+        return latents
+
+    def from_preset(self, preset, device, dtype):
+        return _pixels(device, dtype)
+
+    def from_manifest(self, entry, device, dtype):
+        return _pixels(device, dtype)
+
+
+# kind -> adapter; directories are recognised in this order
+KINDS: dict[str, AutoencoderKind] = {k.name: k for k in (_TAEF2Kind(), _KLKind(), _PixelsKind())}
+
+
 # --------------------------------------------------------------------------- helpers
-
-
-def _one_line(e: BaseException) -> str:
-    """A library's exception as one short line for the CLI."""
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
 def _is_taef2_dir(path: Path) -> bool:
@@ -264,7 +342,7 @@ def _kl_config(path: Path) -> dict[str, Any] | None:
     if not cfg.is_file():
         return None
     try:
-        return json.loads(cfg.read_text())
+        return read_json(cfg)
     except (OSError, ValueError):
         return None
 
@@ -278,7 +356,7 @@ def _kl_weight_files(model_dir: Path) -> tuple[list[str], bool]:
             return [single], safe
         index = model_dir / f"diffusion_pytorch_model.{ext}.index.json"
         if index.is_file():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            shards = sorted(set(read_json(index)["weight_map"].values()))
             return shards, safe
     raise DitdataError(f"no diffusion_pytorch_model.safetensors or .bin weights in {model_dir}")
 
@@ -302,13 +380,13 @@ def _load_kl(model_dir: Path, dtype: torch.dtype, label: str) -> tuple[Any, dict
     try:
         from diffusers import AutoencoderKL
     except ImportError as e:
-        raise DitdataError(f"autoencoder {label} needs diffusers: pip install 'ditkit[vae]'") from e
+        raise missing_extra(f"autoencoder {label}", "vae", e, error=DitdataError) from e
     try:
         module = AutoencoderKL.from_pretrained(
             str(model_dir), torch_dtype=dtype, use_safetensors=safe, local_files_only=True,
             low_cpu_mem_usage=importlib.util.find_spec("accelerate") is not None)
     except Exception as e:  # corrupt or incompatible files: one line for the CLI
-        raise DitdataError(f"cannot load AutoencoderKL {label} from {model_dir}: {_one_line(e)}") from e
+        raise DitdataError(f"cannot load AutoencoderKL {label} from {model_dir}: {described(e)}") from e
     return module, sha
 
 
@@ -346,8 +424,7 @@ def _snapshot(repo_id: str, subfolder: str | None, revision: str | None, name: s
     try:
         from huggingface_hub import snapshot_download
     except ImportError as e:
-        raise DitdataError(f"autoencoder {name} ({repo_id}) needs huggingface_hub: "
-                           "pip install 'ditkit[vae]'") from e
+        raise missing_extra(f"autoencoder {name} ({repo_id})", "vae", e, error=DitdataError) from e
     try:
         path = snapshot_download(
             repo_id, revision=revision, cache_dir=str(cache), local_files_only=True,
@@ -370,7 +447,7 @@ def _taef2(weights_dir: Path, device: Any, dtype: torch.dtype) -> Autoencoder:
     try:
         module = TAEF2.from_dir(weights_dir)
     except Exception as e:
-        raise DitdataError(f"cannot load TAEF2 weights from {weights_dir}: {_one_line(e)}") from e
+        raise DitdataError(f"cannot load TAEF2 weights from {weights_dir}: {described(e)}") from e
     info = _preset_info(PRESETS["taef2"], str(weights_dir), sha)
     return Autoencoder(module, info).to(device, dtype)
 
@@ -417,18 +494,14 @@ def _kl_from_hub(repo_id: str, subfolder: str | None, device: Any, dtype: torch.
 
 
 def _resolve_dir(path: Path, device: Any, dtype: torch.dtype) -> Autoencoder:
-    if _is_taef2_dir(path):
-        return _taef2(path, device, dtype)
-    for cand in (path, path / "vae"):
-        cfg = _kl_config(cand)
-        if cfg is not None and cfg.get("_class_name") == "AutoencoderKL":
-            return _kl_from_dir(cand, device, dtype)
+    for kind in KINDS.values():
+        ae = kind.from_dir(path, device, dtype)
+        if ae is not None:
+            return ae
     cfg = _kl_config(path)
     found = f"a {cfg.get('_class_name')} config" if cfg else "no config.json"
-    raise DitdataError(
-        f"{path}: not a recognised autoencoder directory ({found}); expected "
-        f"{' + '.join(TAEF2_FILES)} (TAEF2) or a diffusers AutoencoderKL "
-        "(config.json + diffusion_pytorch_model.safetensors)")
+    expected = " or ".join(k.dir_hint for k in KINDS.values() if k.dir_hint)
+    raise DitdataError(f"{path}: not a recognised autoencoder directory ({found}); expected {expected}")
 
 
 def load_autoencoder(name_or_path: str, device: Any = "cpu",
@@ -441,12 +514,7 @@ def load_autoencoder(name_or_path: str, device: Any = "cpu",
     s = str(name_or_path).strip()
     preset = PRESETS.get(s)
     if preset is not None:
-        if preset.kind == KIND_PIXELS:
-            return _pixels(device, dtype)
-        if preset.kind == KIND_TAEF2:
-            return _taef2(_taef2_from_env(), device, dtype)
-        return _kl_from_hub(preset.repo_id, preset.subfolder, device, dtype, name=preset.name,
-                            scaling=preset.scaling_factor, shift=preset.shift_factor)
+        return KINDS[preset.kind].from_preset(preset, device, dtype)
     path = Path(s).expanduser()
     if path.is_dir():
         return _resolve_dir(path, device, dtype)
@@ -475,7 +543,7 @@ def _kl_from_hub_pinned(repo_id: str, subfolder: str | None, revision: str | Non
         except DitdataError:
             raise pinned_error from None
     warnings.warn(f"autoencoder {name!r}: revision {revision} of {repo_id} is not cached, "
-                  f"using {ae.info['revision']}", stacklevel=3)
+                  f"using {ae.info['revision']}", stacklevel=4)
     return ae
 
 
@@ -494,32 +562,26 @@ def autoencoder_from_manifest(vae_entry: dict[str, Any], device: Any = "cpu",
 
     dtype = dtype or torch.float32
     e = dict(vae_entry)
-    kind = e.get("kind")
-    ident = e.get("id")
-    if kind == KIND_PIXELS:
-        ae = _pixels(device, dtype)
-    elif source is not None:
+    kind = KINDS.get(e.get("kind"))
+    if source is not None and (kind is None or kind.has_weights):
         ae = load_autoencoder(source, device, dtype)
-    elif kind == KIND_TAEF2:
-        d = Path(ident) if ident else None
-        ae = _taef2(d if d and _is_taef2_dir(d) else _taef2_from_env(), device, dtype)
-    elif kind == KIND_KL:
-        if ident and Path(ident).is_absolute():  # local directories are recorded absolute
-            if not Path(ident).is_dir():
-                raise DitdataError(f"store autoencoder {e.get('name')!r}: {ident} is not on "
-                                   "this machine; pass its directory (--vae DIR)")
-            ae = _kl_from_dir(Path(ident), device, dtype)
-        elif ident and _HUB_ID.fullmatch(ident):
-            ae = _kl_from_hub_pinned(ident, e.get("subfolder"), e.get("revision"),
-                                     e.get("name") or ident, device, dtype)
-        else:
-            raise DitdataError(f"store autoencoder {e.get('name')!r}: unusable id {ident!r}; "
-                               "pass its directory (--vae DIR)")
+    elif kind is None:
+        raise DitdataError(f"store manifest names an unknown autoencoder kind {e.get('kind')!r}")
     else:
-        raise DitdataError(f"store manifest names an unknown autoencoder kind {kind!r}")
+        ae = kind.from_manifest(e, device, dtype)
+    _check_against_manifest(ae, e, strict)
+    ae.info["scaling_factor"] = float(e["scaling_factor"])
+    ae.info["shift_factor"] = float(e.get("shift_factor") or 0.0)
+    if e.get("name"):
+        ae.info["name"] = e["name"]
+    return ae
 
-    if ae.kind != kind:
-        raise DitdataError(f"store was encoded with a {kind} autoencoder, got a {ae.kind}")
+
+def _check_against_manifest(ae: Autoencoder, e: dict[str, Any], strict: bool) -> None:
+    """The loaded autoencoder is the one the entry records: kind and shapes must agree (an
+    error), weights should (a warning; an error when `strict`)."""
+    if ae.kind != e.get("kind"):
+        raise DitdataError(f"store was encoded with a {e.get('kind')} autoencoder, got a {ae.kind}")
     for key in ("latent_channels", "downsample", "input_range"):
         if key in e and e[key] != ae.info[key]:
             raise DitdataError(f"store autoencoder {e.get('name')!r}: {key} is {e[key]} in the "
@@ -530,9 +592,4 @@ def autoencoder_from_manifest(vae_entry: dict[str, Any], device: Any = "cpu",
                f"differ from those the store was encoded with (sha256 {got} != {want})")
         if strict:
             raise DitdataError(msg)
-        warnings.warn(msg, stacklevel=2)
-    ae.info["scaling_factor"] = float(e["scaling_factor"])
-    ae.info["shift_factor"] = float(e.get("shift_factor") or 0.0)
-    if e.get("name"):
-        ae.info["name"] = e["name"]
-    return ae
+        warnings.warn(msg, stacklevel=3)

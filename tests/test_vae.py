@@ -225,3 +225,40 @@ def test_taef2_dir_and_preset(taef2_dir, monkeypatch, tmp_path):
     entry = dict(ae.info, id=str(tmp_path / "moved"))
     back = autoencoder_from_manifest(entry)
     torch.testing.assert_close(back.decode(z), y)
+
+
+def test_presets_need_no_torch_and_every_kind_has_an_adapter():
+    code = ("import sys, ditdata.presets, ditdata.vae; assert 'torch' not in sys.modules; "
+            "assert {p.kind for p in ditdata.presets.PRESETS.values()} == set(ditdata.vae.KINDS)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_new_kind_is_one_adapter(monkeypatch):
+    """KINDS is the extension point: an adapter (here: latents are twice the pixels) is all
+    Autoencoder and autoencoder_from_manifest need; scaling and value range stay theirs."""
+    from ditdata import vae
+
+    class Doubling(vae.AutoencoderKind):
+        name = "doubling"
+        has_weights = False
+
+        def encode(self, module, x):
+            return x * 2, None
+
+        def decode(self, module, latents):
+            return latents / 2
+
+        def from_manifest(self, entry, device, dtype):
+            return vae.Autoencoder(None, entry).to(device, dtype)
+
+    monkeypatch.setitem(vae.KINDS, "doubling", Doubling())
+    entry = dict(load_autoencoder("pixels").info, name="doubling", kind="doubling", scaling_factor=0.5)
+    ae = autoencoder_from_manifest(entry, source="pixels")  # a kind without weights ignores --vae
+    assert ae.kind == "doubling" and ae.deterministic
+    x = _images(size=8)
+    z, std = ae.encode(x)
+    assert std is None
+    torch.testing.assert_close(z, (x * 2 - 1) * 2 * 0.5)
+    torch.testing.assert_close(ae.decode(z), x)
+    with pytest.raises(DitdataError, match="unknown autoencoder kind 'gone'"):
+        autoencoder_from_manifest(dict(entry, kind="gone"))
