@@ -21,10 +21,9 @@ import pytest
 from test_fetch import real_images, run_cli, serve
 from test_imageshards import encode
 
-from ditdata import distributors
 from ditdata.config import FetchConfig
 from ditdata.errors import DitdataError
-from ditdata.fetch import fetch
+from ditdata.fetch import distributors, fetch
 
 # img2dataset's per-shard stats record when the shard was downloaded
 TIMING_FIELDS = ("start_time", "end_time", "duration")

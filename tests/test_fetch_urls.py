@@ -24,9 +24,8 @@ from PIL import Image
 from test_fetch import real_images, run_cli, serve
 from test_imageshards import encode
 
-from ditdata import urls
 from ditdata.errors import DitdataError
-from ditdata.fetch import URL_COPIES, _clear_previous, _screened_copies, fetch
+from ditdata.fetch import URL_COPIES, _clear_previous, _screened_copies, fetch, urls
 from ditdata.images import resize_image
 from ditdata.imageshards import iter_samples, list_shards, read_dataset_info, read_shard_stats
 

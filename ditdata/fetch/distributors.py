@@ -13,7 +13,7 @@ per shard to whatever `ray.init()` is in effect (starting a default one on first
   local instance with `processes` CPUs, shut down at the end.
 
 Only what we started is stopped. The executors run img2dataset's Downloader (wrapped by
-ditdata.urls.GuardedDownloader), so they need ditkit and img2dataset installed, and they
+ditdata.fetch.urls.GuardedDownloader), so they need ditkit and img2dataset installed, and they
 write the shards straight into --out: a path every executor can write.
 """
 

@@ -8,7 +8,7 @@ Two engines, one output:
   downloading, resizing, per-shard stats and incremental resume; we check the columns
   first, record the settings, and write dataset.json once every shard has its stats.
   Only http and https URLs are fetched: img2dataset reads a screened copy of the list
-  (SHARDS_DIR/.urls) and downloads through an http(s)-only opener, see ditdata/urls.py;
+  (SHARDS_DIR/.urls) and downloads through an http(s)-only opener, see ditdata/fetch/urls.py;
   every other row fails with a "refused URL: ..." reason and keeps its key.
 - Folders are packed here: a sorted file list is cut into shards of `samples_per_shard`
   files, each shard is packed by a worker process (decode, EXIF-rotate, convert to RGB,
@@ -46,10 +46,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ditdata import imageshards as shards
-from ditdata import urls
 from ditdata.common.lock import LOCK_FILE, DirLock
 from ditdata.config import DEFAULT_URL_IMAGE_SIZE, DISTRIBUTORS, ENCODE_FORMATS, KINDS, FetchConfig
 from ditdata.errors import DitdataError
+from ditdata.fetch import urls
 from ditdata.images import DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, RESIZE_MODES
 
 URL_LIST_FORMATS = ("parquet", "csv", "tsv", "jsonl", "json", "txt")  # (+ .gz except parquet)
@@ -622,7 +622,7 @@ def _remove_tree(path: Path) -> None:
 
 
 def _run_img2dataset(lists: Path, out, opts: PackOptions, cfg: FetchConfig, *, url_col, caption_col) -> None:
-    from ditdata import distributors
+    from ditdata.fetch import distributors
 
     distributors.check(cfg)  # before img2dataset's imports: a missing Java fails at once
     os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
