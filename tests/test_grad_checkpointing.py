@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import assert_grads_close, backward_each
 
 import dittrain.model as model_mod
 from dittrain.model import (
@@ -27,16 +28,20 @@ def tiny(granularity):
                        num_heads=4, qk_norm=True, text_token_dim=TEXT, grad_checkpointing=granularity).train()
 
 
-def randomized(granularity):
-    """The same non-zero weights for every mode (adaLN-Zero makes a fresh model's block
-    gradients exactly zero, which would compare nothing)."""
-    model = tiny(granularity)
+def perturbed(model):
+    """`model` with the same noise added to every weight but pos_embed, whatever the mode
+    (adaLN-Zero makes a fresh model's block gradients exactly zero, which would compare nothing)."""
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name != "pos_embed":
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
     return model
+
+
+def randomized(granularity):
+    """The same non-zero weights for every mode."""
+    return perturbed(tiny(granularity))
 
 
 def batch():
@@ -65,19 +70,9 @@ def test_knob_validation():
 @pytest.mark.parametrize("mode", MODES[1:])
 def test_same_loss_and_gradients(mode):
     ref, ckpt = randomized("none"), randomized(mode)
-    losses = []
-    for m in (ref, ckpt):
-        loss = loss_of(m)
-        loss.backward()
-        losses.append(loss)
+    losses = backward_each(loss_of, ref, ckpt)
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
-    grads = 0
-    for (name, p), q in zip(ref.named_parameters(), ckpt.parameters(), strict=True):
-        if p.grad is None:
-            assert q.grad is None, name
-            continue
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
-        grads += bool(p.grad.abs().sum() > 0)
+    grads = assert_grads_close(ref, ckpt, rtol=1e-6, atol=1e-7)
     assert grads > 30  # the comparison covers real gradients of every block
 
 
@@ -189,22 +184,13 @@ def test_compiled_blocks_with_selective_checkpointing():
         torch.manual_seed(0)
         m = build_model("DiT-T/2", input_size=8, in_channels=4, num_classes=10, hidden_size=64, depth=2,
                         num_heads=4, grad_checkpointing=mode).train()
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for name, p in m.named_parameters():
-                if name != "pos_embed":
-                    p.add_(0.05 * torch.randn(p.shape, generator=g))
-        models.append(m)
+        models.append(perturbed(m))
     ref, sel = models
     for block in sel.blocks:
         block.compile(fullgraph=True)  # fullgraph: the checkpoint must not break the graph
     b = batch()
     del b["text_tokens"], b["text_mask"]
-    losses = []
-    for m in (ref, sel):
-        loss = (m(**b) ** 2).mean()
-        loss.backward()
-        losses.append(loss)
+    losses = backward_each(lambda m: (m(**b) ** 2).mean(), ref, sel)
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(ref.named_parameters(), sel.parameters(), strict=True):
         if p.grad is not None:

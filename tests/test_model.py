@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from tiny import assert_grads_close, backward_each
 
 import dittrain.model as model_mod
 from dittrain.cli import main as cli
@@ -293,18 +294,10 @@ def test_grad_checkpointing_matches(monkeypatch, granularity, calls):
     n_calls = []
     real = model_mod.checkpoint
     monkeypatch.setattr(model_mod, "checkpoint", lambda *a, **k: n_calls.append(1) or real(*a, **k))
-    losses = []
-    for m in (ref, ckpt):
-        loss = (m(x, t, y, **kw) ** 2).mean()
-        loss.backward()
-        losses.append(loss)
+    losses = backward_each(lambda m: (m(x, t, y, **kw) ** 2).mean(), ref, ckpt)
     assert len(n_calls) == calls  # 3 blocks: every -> 3, every 2nd -> blocks 0 and 2
     torch.testing.assert_close(losses[0], losses[1])
-    for (name, p), q in zip(ref.named_parameters(), ckpt.parameters(), strict=True):
-        if p.grad is None:
-            assert q.grad is None, name
-            continue
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert_grads_close(ref, ckpt, rtol=1e-5, atol=1e-6)
     assert any(
         p.grad.abs().sum() > 0 for n, p in ref.named_parameters() if n.startswith("blocks.0.")
     )

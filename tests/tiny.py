@@ -1,4 +1,5 @@
-"""Tiny randomly initialised models and small real-image datasets for tests."""
+"""Tiny randomly initialised models, small real-image datasets, and the gradients of two
+models compared, for tests."""
 
 from __future__ import annotations
 
@@ -107,3 +108,28 @@ def save_random_inception(path: Path, seed: int = 0) -> Path:
             m.reset_parameters()
     torch.save(net.state_dict(), path)
     return path
+
+
+def backward_each(loss_of, *models) -> list:
+    """loss_of(model).backward() for each model in turn: the losses (the gradients stay in .grad)."""
+    losses = []
+    for m in models:
+        loss = loss_of(m)
+        loss.backward()
+        losses.append(loss)
+    return losses
+
+
+def assert_grads_close(ref, other, *, rtol: float, atol: float) -> int:
+    """Each parameter's gradient in `other` within rtol/atol of `ref`'s, parameter by parameter
+    in order (None where `ref`'s is None): how many of `ref`'s gradients are not all zero."""
+    import torch
+
+    nonzero = 0
+    for (name, p), q in zip(ref.named_parameters(), other.parameters(), strict=True):
+        if p.grad is None:
+            assert q.grad is None, name
+            continue
+        torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=name)
+        nonzero += bool(p.grad.abs().sum() > 0)
+    return nonzero
