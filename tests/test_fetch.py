@@ -457,7 +457,8 @@ def test_url_list_formats_are_read(tmp_path):
     """Column detection and row counting for each URL-list format (no download)."""
     import gzip
 
-    from ditdata.fetch import _columns, _count_rows, _pick_columns, _url_files, detect_kind
+    from ditdata.fetch import detect_kind
+    from ditdata.fetch.urllists import _columns, _count_rows, _pick_columns, _url_files
 
     urls = [f"http://127.0.0.1:9/{i}.jpg" for i in range(5)]
     (tmp_path / "a.csv").write_text("URL,TEXT,similarity\n" + "".join(f"{u},cap {i},0.3\n" for i, u in enumerate(urls)))

@@ -25,7 +25,10 @@ from test_fetch import real_images, run_cli, serve
 from test_imageshards import encode
 
 from ditdata.errors import DitdataError
-from ditdata.fetch import URL_COPIES, _clear_previous, _screened_copies, fetch, urls
+from ditdata.fetch import fetch, urls
+from ditdata.fetch.state import URL_COPIES
+from ditdata.fetch.state import clear_previous as _clear_previous
+from ditdata.fetch.urllists import _screened_copies
 from ditdata.images import resize_image
 from ditdata.imageshards import iter_samples, list_shards, read_dataset_info, read_shard_stats
 
