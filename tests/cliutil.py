@@ -1,8 +1,13 @@
 """The CLIs run in-process (click's CliRunner, arguments passed through str) for tests,
-and the `dittrain run` command line the tests train a store with."""
+the `dittrain run` command line the tests train a store with, and `dittrain` as a child
+process (to kill one and resume it)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from click.testing import CliRunner, Result
@@ -47,3 +52,77 @@ def kill_when(proc, ready, *, timeout: float, too_late: str, poll: float = 0.02)
         time.sleep(poll)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+
+
+BIN = Path(sys.executable).parent  # the venv's console scripts
+
+
+def spawn(args: list) -> subprocess.Popen:
+    """`dittrain ARGS` (as strings) as a child process on one OpenMP thread, stdout and stderr
+    piped as text."""
+    return subprocess.Popen([str(BIN / "dittrain"), *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def losses(out: Path) -> list[tuple[int, float]]:
+    """(step, loss) of every line of run `out`'s metrics.jsonl."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows]
+
+
+def resume_after_sigkill(store: Path, root: Path, common: list, *, steps: int, half: int) -> str:
+    """`run_args(store, OUT, *common)` twice: OUT=root/straight to the end, and OUT=root/killed
+    SIGKILLed as soon as its step-`half` checkpoint exists, then resumed (--resume) to the end.
+    Both end with status 0, the resume starts at step `half`, and both runs log the same loss at
+    every step 1..steps. Returns the straight run's stderr."""
+    from dittrain.checkpoint import latest_checkpoint
+
+    straight = spawn(run_args(store, root / "straight", *common))
+    killed = spawn(run_args(store, root / "killed", *common))
+    ckpt = root / "killed" / "checkpoints" / f"step_{half:08d}.pt"
+    kill_when(killed, ckpt.exists, timeout=300, too_late="the run ended before the kill", poll=0.01)
+    _, straight_err = straight.communicate(timeout=600)
+    assert straight.returncode == 0, straight_err[-2000:]
+    assert latest_checkpoint(root / "killed") == ckpt, "the kill landed after the run ended"
+
+    resumed = spawn(run_args(store, root / "killed", *common, "--resume"))
+    _, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-2000:]
+    assert f"resuming at step {half}" in err
+    a, b = losses(root / "straight"), losses(root / "killed")
+    assert [s for s, _ in a] == list(range(1, steps + 1)) == [s for s, _ in b]
+    assert a == b  # identical losses at every step, before and after the kill
+    return straight_err
+
+
+def stop_once_set_up(proc: subprocess.Popen, out: Path, stop, *, settle: float, timeout: float,
+                     wait: float) -> str:
+    """Once run `out` has its config.json (written when setup is done, before the loop; `proc`
+    must still be running, at most `timeout` s) and `settle` more seconds have passed, `stop()`
+    (a signal to the run); `proc`'s stderr when it has ended (at most `wait` s). `proc` is
+    killed if it is still running after that, or when anything here fails."""
+    import time
+
+    try:
+        deadline = time.time() + timeout
+        while not (out / "config.json").exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.time() < deadline, f"no config.json after {timeout} s"
+            time.sleep(0.05)
+        time.sleep(settle)
+        stop()
+        return proc.communicate(timeout=wait)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    """Two checkpoints' model and EMA weights and optimizer state: equal, tensor for tensor."""
+    import torch
+
+    for part in ("model", "ema"):
+        assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])

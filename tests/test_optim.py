@@ -4,22 +4,19 @@ moments, resumes exactly after SIGKILL, and a resume with another optimizer is r
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from cliutil import dittrain as cli
-from cliutil import kill_when, one_error_line, run_args
+from cliutil import one_error_line, resume_after_sigkill, run_args
 from storeutil import make_store
 
 from dittrain.checkpoint import latest_checkpoint, load_checkpoint
 from dittrain.config import TrainConfig
 from dittrain.train import build_optimizer
 
-BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.usefixtures("one_thread")
 bnb = pytest.importorskip("bitsandbytes")
 QUANT = "__bnb_optimizer_quant_state__"  # where bitsandbytes' state dict keeps a parameter's state
@@ -28,11 +25,6 @@ QUANT = "__bnb_optimizer_quant_state__"  # where bitsandbytes' state dict keeps 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
     return make_store(tmp_path_factory.mktemp("store") / "s")
-
-
-def losses(out: Path) -> list[tuple[int, float]]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in rows]
 
 
 def assert_equal(a, b, where="") -> None:
@@ -56,31 +48,12 @@ def moments(ckpt: dict) -> list[dict]:
     return [s[QUANT] for s in ckpt["optimizer"]["state"].values()]
 
 
-def _spawn(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([str(BIN / "dittrain"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-
-
 def test_exact_resume_after_sigkill(store, tmp_path):
     steps, half = 40, 20
     common = ["--optimizer", "adamw8bit", "--loader", "resident", "--max-steps", steps, "--save-every", half,
               "--lr", "1e-3", "--ema", "0.9", "--weight-decay", "0.01"]
-    straight = _spawn(run_args(store, tmp_path / "straight", *common))
-    killed = _spawn(run_args(store, tmp_path / "killed", *common))
-    ckpt = tmp_path / "killed" / "checkpoints" / f"step_{half:08d}.pt"
-    kill_when(killed, ckpt.exists, timeout=300, too_late="the run ended before the kill", poll=0.01)
-    _, err = straight.communicate(timeout=600)
-    assert straight.returncode == 0, err[-2000:]
+    err = resume_after_sigkill(store, tmp_path, common, steps=steps, half=half)
     assert "kernels" not in err  # bitsandbytes' note about its optional 4-bit CPU kernel stays quiet
-    assert latest_checkpoint(tmp_path / "killed") == ckpt, "the kill landed after the run ended"
-
-    resumed = _spawn(run_args(store, tmp_path / "killed", *common, "--resume"))
-    _, err = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, err[-2000:]
-    assert "resuming at step 20" in err
-    a, b = losses(tmp_path / "straight"), losses(tmp_path / "killed")
-    assert [s for s, _ in a] == list(range(1, steps + 1)) == [s for s, _ in b]
-    assert a == b  # identical losses at every step, before and after the kill
     ca, cb = (load_checkpoint(latest_checkpoint(tmp_path / d)) for d in ("straight", "killed"))
     assert ca["step"] == steps and ca["config"]["train"]["optimizer"] == "adamw8bit"
     for part in ("model", "ema", "optimizer"):

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import random
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from cliutil import spawn, stop_once_set_up
 from storeutil import make_store, tiny_store
 
 from ditdata.store import encode_array, open_store
@@ -116,21 +114,10 @@ def test_sigterm_during_nonfinite_steps_saves_and_exits(tmp_path):
     out = tmp_path / "r"
     args = ["run", "--latents", nan, "--out", out, "--model", "DiT-T/4", "--batch-size", 8, "--max-steps", 10,
             "--max-nonfinite", 10**9, "--sample-every", 0, "--device", "cpu", "--loader", "resident"]
-    proc = subprocess.Popen([str(BIN / "dittrain"), *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
-        deadline = time.time() + 120
-        while not (out / "config.json").exists():  # written once setup is done, before the loop
-            assert proc.poll() is None, proc.communicate()[1][-2000:]
-            assert time.time() < deadline
-            time.sleep(0.05)
-        time.sleep(2.0)  # skipped steps for a while (the bar redraws at most once a second)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)  # without the stop check on skipped steps: never
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    proc = spawn(args)
+    # 2 s of skipped steps after setup (the bar redraws at most once a second), then SIGTERM;
+    # without the stop check on skipped steps the run would never end
+    err = stop_once_set_up(proc, out, lambda: proc.send_signal(signal.SIGTERM), settle=2.0, timeout=120, wait=60)
     assert proc.returncode == 0, err[-2000:]
     assert "stopped by signal at step 0" in err
     assert "non-finite skipped" in err  # the bar's postfix

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cliutil import assert_same_state, run_args, stop_once_set_up
 from cliutil import dittrain as cli
-from cliutil import run_args
 from storeutil import make_store
 
 from dittrain.checkpoint import latest_checkpoint, load_checkpoint
@@ -140,10 +140,7 @@ def test_settling_one_step_late_equals_settling_every_step(tmp_path):
     assert a["step"] == b["step"] == 9 and a["nonfinite_total"] == b["nonfinite_total"] > 0
     assert a["ranks"][0]["loader"]["batches"] == b["ranks"][0]["loader"]["batches"] == 9 + a["nonfinite_total"]
     assert a["lr_schedule"] == b["lr_schedule"]
-    for part in ("model", "ema"):
-        assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+    assert_same_state(a, b)
 
 
 def _rank_pid(parent: int, rank: int, timeout: float = 60) -> int:
@@ -175,19 +172,9 @@ def test_a_stop_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     proc = subprocess.Popen([BIN / "torchrun", "--standalone", "--nproc_per_node", "2", "-m", "dittrain.cli",
                              *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
-        rank1 = _rank_pid(proc.pid, 1)
-        deadline = time.time() + 180
-        while not (out / "config.json").exists():
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
-            time.sleep(0.1)
-        time.sleep(3.0)  # some steps
-        os.kill(rank1, signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # some steps (3 s after setup), then SIGTERM to rank 1
+    err = stop_once_set_up(proc, out, lambda: os.kill(_rank_pid(proc.pid, 1), signal.SIGTERM), settle=3.0,
+                           timeout=180, wait=120)
     assert proc.returncode == 0, err[-3000:]
     assert "stopped by signal at step" in err
     ckpt = state_of(out)

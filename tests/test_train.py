@@ -14,18 +14,13 @@ import numpy as np
 import pytest
 import torch
 from cliutil import dittrain as cli
-from cliutil import kill_when, run_args
+from cliutil import losses, resume_after_sigkill, run_args, spawn
 from storeutil import make_store
 
 from dittrain.checkpoint import latest_checkpoint, load_checkpoint, load_weights
 
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def losses(out: Path) -> list[tuple[int, float]]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in rows]
 
 
 def assert_same_state(a: dict, b: dict) -> None:
@@ -45,36 +40,18 @@ def store(tmp_path_factory) -> Path:
     return make_store(tmp_path_factory.mktemp("store") / "s")
 
 
-def _spawn(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([str(BIN / "dittrain"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-
-
 @pytest.mark.parametrize("loader", ["resident", "streaming"])
 def test_exact_resume_after_sigkill(store, tmp_path, loader):
     steps, half = 120, 60
     common = ["--loader", loader, "--workers", "2", "--shuffle-window", "2", "--max-steps", steps,
               "--save-every", half, "--lr", "1e-3", "--ema", "0.9"]
-    straight = _spawn(run_args(store, tmp_path / "straight", *common))
-    killed = _spawn(run_args(store, tmp_path / "killed", *common))
-    ckpt = tmp_path / "killed" / "checkpoints" / f"step_{half:08d}.pt"
-    kill_when(killed, ckpt.exists, timeout=300, too_late="the run ended before the kill", poll=0.01)
-    assert straight.wait(timeout=600) == 0, straight.communicate()[1][-2000:]
-    assert latest_checkpoint(tmp_path / "killed") == ckpt, "the kill landed after the run ended"
-
-    resumed = _spawn(run_args(store, tmp_path / "killed", *common, "--resume"))
-    _, err = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, err[-2000:]
-    assert "resuming at step 60" in err
-    a, b = losses(tmp_path / "straight"), losses(tmp_path / "killed")
-    assert [s for s, _ in a] == list(range(1, steps + 1)) == [s for s, _ in b]
-    assert a == b  # identical losses at every step, before and after the kill
+    resume_after_sigkill(store, tmp_path, common, steps=steps, half=half)
     assert_same_state(load_checkpoint(latest_checkpoint(tmp_path / "straight")),
                       load_checkpoint(latest_checkpoint(tmp_path / "killed")))
 
 
 def test_sigterm_saves_and_exits_zero(store, tmp_path):
-    proc = _spawn(run_args(store, tmp_path / "r", "--max-steps", 100000, "--save-every", 100000))
+    proc = spawn(run_args(store, tmp_path / "r", "--max-steps", 100000, "--save-every", 100000))
     metrics = tmp_path / "r" / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
