@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from scratch import add_device_args, open_device, sync  # bench/scratch.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -100,11 +101,6 @@ def autocast(device):
     return contextlib.nullcontext()
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure(args, mode: str, device: torch.device) -> dict:
     model = make(args, mode, device)
     inputs = batch(args, device)
@@ -142,12 +138,9 @@ def main():
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=None)
+    add_device_args(ap)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = open_device(args)
     dtype = "bf16 autocast" if device.type == "cuda" else "fp32"
     print(f"{args.model}, {args.input_size}x{args.input_size}x4 latents, batch {args.batch_size}, {dtype}, "
           f"{device}, attention {model_mod.attention_backend(model_mod.get_config(args.model, input_size=args.input_size), args.batch_size, torch.bfloat16 if device.type == 'cuda' else torch.float32, device)}")

@@ -25,6 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from scratch import add_device_args, open_device  # bench/scratch.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -124,10 +125,10 @@ def main() -> None:
     ap.add_argument("--model", default="DiT-B/2")
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--steps-between", type=int, default=60, help="proxy steps after each save")
-    ap.add_argument("--device", default="cpu")
+    add_device_args(ap, threads=False)
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary folder)")
     args = ap.parse_args()
-    device = torch.device(args.device)
+    device = open_device(args)
     state = build_state(args.model, device)
     size = state_bytes(state.state_dict())
     print(f"{args.model}: state {size / 2**20:.0f} MiB (model, EMA, AdamW moments) on {device}; "

@@ -16,7 +16,6 @@ Images/s is images encoded per wall-clock second, model loading excluded.
 
 from __future__ import annotations
 
-import argparse
 import io
 import shutil
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+from scratch import add_device_args, parser  # bench/scratch.py
 
 
 def make_photos(root: Path, n: int, seed: int = 0) -> Path:
@@ -69,11 +69,11 @@ def naive(shards: Path, out: Path, ae, resolution: int, device: str) -> int:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--taef2", required=True, help="directory with taef2_encoder.pth and taef2_decoder.pth")
     ap.add_argument("--n", type=int, default=96, help="images")
     ap.add_argument("--resolution", type=int, default=256)
-    ap.add_argument("--device", default="cpu")
+    add_device_args(ap, threads=False)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--samples-per-shard", type=int, default=16)

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from scratch import add_device_args, open_device, sync  # bench/scratch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -55,11 +56,6 @@ from dittrain.model import DiT, get_config  # noqa: E402
 from dittrain.sample import load_model, pick_labels, to_uint8  # noqa: E402
 
 FILES = {"fp32": None, "fp16": "dit-fp16.safetensors", "int8": "dit-int8.pt", "onnx": "dit.onnx"}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def make_run(root: Path, args) -> tuple[Path, dict]:
@@ -138,19 +134,13 @@ def main(argv=None) -> int:
     p.add_argument("--cfg", type=float, default=4.0)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    add_device_args(p)
     p.add_argument("--vae", default=None)
     p.add_argument("--inception", default=None)
     p.add_argument("--rounds", type=int, default=3, help="forward timings per format, round-robin; the fastest counts")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: use --device cpu", file=sys.stderr)
-        return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    device = open_device(args, "no CUDA device: use --device cpu")
     formats = args.formats.split(",")
     if "fp32" not in formats:
         formats.insert(0, "fp32")  # the reference

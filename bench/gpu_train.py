@@ -41,7 +41,6 @@ rewritten after every configuration (a run cut short keeps what it measured). Wi
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import platform
@@ -52,6 +51,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from scratch import add_device_args, open_device, parser, sync  # bench/scratch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -167,11 +167,6 @@ def run_steps(step: TrainStep, sched, loader, n: int, pending=None):
     return pending
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure(spec: dict, device: torch.device, args) -> dict:
     cfg, model, step, sched, amp_dtype = build(spec, device, args.amp)
     loader = make_loader(spec["loader"], spec["batch"], device, args)
@@ -266,7 +261,7 @@ HEADER = ("| model | batch | grad ckpt | compile | mode | loader | ms/step | ima
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--configs", default=None, help="SPEC;SPEC;... (see above; default: the list for the device)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first, >= 1 (default 3; 1 on the CPU)")
@@ -277,14 +272,11 @@ def main():
     ap.add_argument("--store-dir", default=None, help="where real loaders' store is written (default: a temp dir)")
     ap.add_argument("--workers", type=int, default=4, help="streaming loader processes")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: by device name)")
-    ap.add_argument("--device", default="cuda")
+    add_device_args(ap, "cuda", threads=False)
     ap.add_argument("--json", default=None, help="write the results here (after every configuration)")
     args = ap.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("gpu_train: CUDA is not available on this machine; nothing measured. "
-              "Run it on a GPU machine, or smoke-test with --device cpu.", file=sys.stderr)
-        sys.exit(2)
+    device = open_device(args, "gpu_train: CUDA is not available on this machine; nothing measured. "
+                               "Run it on a GPU machine, or smoke-test with --device cpu.")
     on_cpu = device.type == "cpu"
     specs = [parse_spec(s) for s in (args.configs or (DEFAULT_CPU if on_cpu else DEFAULT_CUDA)).split(";") if s]
     args.warmup = max(1, args.warmup if args.warmup is not None else (1 if on_cpu else 3))

@@ -28,7 +28,6 @@ loaders' own costs are compared, not the disk).
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import time
@@ -36,7 +35,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from scratch import add_store_args, scratch_dir  # bench/scratch.py
+from scratch import (  # bench/scratch.py
+    add_device_args,
+    add_store_args,
+    open_device,
+    parser,
+    scratch_dir,
+    sync,
+)
 
 from ditdata.store import Schema, StoreWriter, TensorSpec, open_store
 from dittrain.data import ResidentLoader, StreamingLoader
@@ -88,11 +94,6 @@ class NpyDataset(torch.utils.data.Dataset):
         return torch.from_numpy(features), torch.from_numpy(labels)
 
 
-def sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_baseline(root: Path, args, device: torch.device) -> tuple[float, float]:
     t0 = time.perf_counter()
     ds = NpyDataset(root / "features", root / "labels")
@@ -142,15 +143,14 @@ def run_ceiling(store, passes: float, batch_size: int) -> float:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     add_store_args(ap, n=100_000, shard_size=10_000)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--shuffle-window", type=int, default=4)
-    ap.add_argument("--device", default="cpu")
+    add_device_args(ap)
     ap.add_argument("--passes", type=float, default=2.0, help="passes over the data timed per dittrain loader")
     ap.add_argument("--skip-baseline", action="store_true")
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in the consumer")
     ap.add_argument("--peers", action="store_true", help="compare with mosaicml-streaming, litdata, webdataset")
     ap.add_argument("--rounds", type=int, default=2, help="--peers: interleaved rounds")
     ap.add_argument("--budgets", default="auto,1GiB", help="--peers: the streaming loader's --loader-memory values")
@@ -161,9 +161,7 @@ def main():
         with scratch_dir(args.dir, "ditkit-loader-peers-") as root:
             compare(root, args)
         return
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = open_device(args)  # --threads: the consumer's
     with scratch_dir(args.dir, "ditkit-loader-bench-") as root:
         t = time.perf_counter()
         write_data(root, args.n, args.shard_size)

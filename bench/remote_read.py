@@ -19,7 +19,6 @@ Each figure is one whole epoch, timed from the first next() (the workers' start 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import http.server
 import shutil
@@ -27,7 +26,7 @@ import threading
 import time
 
 import torch
-from scratch import SHAPE, add_store_args, scratch_dir, synthetic_store  # bench/scratch.py
+from scratch import SHAPE, add_store_args, parser, scratch_dir, synthetic_store  # bench/scratch.py
 
 from ditdata.store import open_store
 from dittrain.data import StreamingLoader
@@ -51,7 +50,7 @@ def epochs(store, args, count: int) -> list[float]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     add_store_args(ap, n=50_000, shard_size=5_000)
     ap.add_argument("--backend", default="wds", choices=["wds", "zarr"])
     ap.add_argument("--batch-size", type=int, default=256)

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+from scratch import add_device_args, open_device, sync  # bench/scratch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -50,11 +51,6 @@ NUM_CLASSES = 1000
 FID_N = 50_000
 # protocol -> (objective, sampler, steps, cfg scale)
 PROTOCOLS = {"ddpm250": ("ddpm", "ddpm", 250, 1.5), "euler50": ("flow", "euler", 50, 1.5)}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure(name: str, protocol: str, batch: int, device: torch.device, args) -> dict:
@@ -101,16 +97,10 @@ def main(argv=None) -> int:
     p.add_argument("--protocols", default="ddpm250,euler50")
     p.add_argument("--timed-steps", type=int, default=10)
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    add_device_args(p, "cuda")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: nothing measured (use --device cpu for a smoke test)", file=sys.stderr)
-        return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    device = open_device(args, "no CUDA device: nothing measured (use --device cpu for a smoke test)")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

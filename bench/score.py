@@ -20,7 +20,6 @@ architecture, the scores mean nothing. fp32 on the CPU, bf16 autocast on CUDA.
 
 from __future__ import annotations
 
-import argparse
 import io
 import os
 import platform
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+from scratch import parser  # bench/scratch.py
 
 from ditdata import imageshards
 
@@ -73,7 +73,7 @@ def make_shards(folder: Path, n: int, per_shard: int = 128, seed: int = 0) -> Pa
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--n", type=int, default=256)
     ap.add_argument("--batch-sizes", default="32,64")
     ap.add_argument("--clip", default="ViT-B-32")

@@ -1,9 +1,13 @@
-"""The benchmarks' scratch directory: --dir DIR (kept, and its inputs reused when complete)
-or a temporary directory removed at the end."""
+"""What the benchmarks share: their command line (the docstring as --help, --device and
+--threads), the torch device and its sync, the scratch directory (--dir DIR, kept and its
+inputs reused when complete, or a temporary directory removed at the end) and the synthetic
+latent store. Imports only the standard library at the top: torch and the store when called."""
 
 from __future__ import annotations
 
+import argparse
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +23,40 @@ def scratch_dir(path: str | None, prefix: str) -> Iterator[Path]:
     finally:
         if path is None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's command line, its module docstring as the --help text (layout kept)."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_device_args(ap, device: str = "cpu", *, threads: bool = True) -> None:
+    """--device (a torch device) and, with `threads`, --threads (torch's CPU threads)."""
+    ap.add_argument("--device", default=device, help=f"torch device: cpu, cuda, cuda:1 (default {device})")
+    if threads:
+        ap.add_argument("--threads", type=int, default=None, help="torch's CPU threads (default: torch's)")
+
+
+def open_device(args, no_cuda: str = "no CUDA device here: use --device cpu"):
+    """torch.device(args.device), torch's CPU threads set to args.threads where given; where
+    it names CUDA on a machine without, prints `no_cuda` and exits with status 2."""
+    import torch
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(no_cuda, file=sys.stderr)
+        sys.exit(2)
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    return device
+
+
+def sync(device) -> None:
+    """Wait for the work queued on a CUDA device (timings); nothing on the CPU."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
 
 
 def add_store_args(ap, *, n: int, shard_size: int) -> None:

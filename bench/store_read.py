@@ -16,12 +16,11 @@ large allocation cost about as much as the read itself: compare like with like (
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
 import numpy as np
-from scratch import add_store_args, scratch_dir  # bench/scratch.py
+from scratch import add_store_args, parser, scratch_dir  # bench/scratch.py
 
 from ditdata.store import Schema, StoreWriter, TensorSpec, open_store
 
@@ -78,7 +77,7 @@ def timed(fn, repeat: int) -> float:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     add_store_args(ap, n=100_000, shard_size=10_000)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()

@@ -30,7 +30,6 @@ run touched. DiT-T/4 at batch 16 takes about 0.5-1 s a step on a 2-core CPU.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -39,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from scratch import SHAPE, add_store_args, scratch_dir, synthetic_store  # bench/scratch.py
+from scratch import SHAPE, add_store_args, parser, scratch_dir, synthetic_store  # bench/scratch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -91,7 +90,7 @@ def summarise(rows: list[dict], batch: int) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     add_store_args(ap, n=20_000, shard_size=500)
     ap.add_argument("--model", default="DiT-T/4")
     ap.add_argument("--batch-size", type=int, default=16)
