@@ -1,4 +1,4 @@
-"""Shared test fixtures: paths to offline assets and small real images."""
+"""Shared test fixtures: paths to offline assets, small real images, a fabricated run."""
 
 from __future__ import annotations
 
@@ -28,6 +28,19 @@ def class_shards(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("class-shards")
     return fetch_tree(class_tree(root / "tree", per_class=2, size=40), root / "shards", samples_per_shard=2)
+
+
+@pytest.fixture(scope="module")
+def pixel_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(run, store): a fabricated "trained" run (test_sample.make_run) over a one-shard 16 px
+    pixels store (storeutil.tiny_store: 6 latents, classes astronaut, chelsea, coffee).
+    Module-scoped: tests read it, never change it."""
+    from storeutil import tiny_store
+    from test_sample import make_run
+
+    root = tmp_path_factory.mktemp("pix")
+    store = tiny_store(root / "store")
+    return make_run(root / "run", store), store
 
 
 @pytest.fixture

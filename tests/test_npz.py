@@ -1,6 +1,6 @@
 """dittrain/npz.py and `dittrain sample --npz`: the ADM evaluator's sample file, drawn in
 chunks that survive a SIGKILL, shared over torchrun ranks, the same bytes either way; on a
-fabricated run (test_sample.make_run) over a 16 px pixels store."""
+fabricated run (the pixel_run fixture: test_sample.make_run) over a 16 px pixels store."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from cliutil import dittrain, kill_when, one_error_line
 from storeutil import tiny_store
-from test_sample import make_run
+from test_sample import cli, make_run
 
 from ditdata.store import encode_array, open_store
 from dittrain.checkpoint import load_weights
@@ -28,25 +28,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 JOB = ["--n", 24, "--chunk-size", 2, "--steps", 12, "--batch-size", 2, "--seed", 5, "--device", "cpu"]
 
 
-def cli(*args):
-    return dittrain("sample", *args)
-
-
 def child_env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1")
 
 
 @pytest.fixture(scope="module")
-def class_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("npz")
-    store = tiny_store(root / "store")
-    return make_run(root / "run", store), store
-
-
-@pytest.fixture(scope="module")
-def reference(class_run, tmp_path_factory):
+def reference(pixel_run, tmp_path_factory):
     """The uninterrupted one-process npz of JOB."""
-    run, _ = class_run
+    run, _ = pixel_run
     out = tmp_path_factory.mktemp("ref") / "ref.npz"
     r = cli("--ckpt", run, "--npz", out, *JOB)
     assert r.exit_code == 0, r.output
@@ -95,8 +84,8 @@ def test_write_npz_streams_the_same_entries_as_np_savez(tmp_path):
     assert not (tmp_path / "t.npz").exists() and not list(tmp_path.glob(".t.npz*"))
 
 
-def test_killed_and_resumed_equals_uninterrupted(class_run, reference, tmp_path):
-    run, _ = class_run
+def test_killed_and_resumed_equals_uninterrupted(pixel_run, reference, tmp_path):
+    run, _ = pixel_run
     out = tmp_path / "k.npz"
     parts = tmp_path / "k.npz.parts"
     args = [sys.executable, "-m", "dittrain.cli", "sample", "--ckpt", run, "--npz", out, *map(str, JOB)]
@@ -124,8 +113,8 @@ def test_killed_and_resumed_equals_uninterrupted(class_run, reference, tmp_path)
     assert not parts.exists()
 
 
-def test_torchrun_two_ranks_equal_one_process(class_run, reference, tmp_path):
-    run, _ = class_run
+def test_torchrun_two_ranks_equal_one_process(pixel_run, reference, tmp_path):
+    run, _ = pixel_run
     out = tmp_path / "t.npz"
     job = [str(a) if a != "--n" else "--num-samples" for a in JOB]  # torchrun's parser takes --n
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -139,8 +128,8 @@ def test_torchrun_two_ranks_equal_one_process(class_run, reference, tmp_path):
     assert not (tmp_path / "t.npz.parts").exists()
 
 
-def test_balanced_classes(class_run, tmp_path):
-    run, store = class_run
+def test_balanced_classes(pixel_run, tmp_path):
+    run, store = pixel_run
     out = tmp_path / "b.npz"
     r = cli("--ckpt", run, "--npz", out, "--n", 10, "--classes", "balanced", "--chunk-size", 4, "--steps", 2,
             "--seed", 1, "--device", "cpu", "--out", tmp_path / "preview.png")
@@ -171,7 +160,7 @@ def test_balanced_classes(class_run, tmp_path):
     assert sorted(s["class"] for s in index["samples"]) == [0, 0, 1, 1, 2, 2]
 
 
-def test_fid_protocol_defaults(class_run, tmp_path):
+def test_fid_protocol_defaults(pixel_run, tmp_path):
     assert eval_settings("ddpm").steps == 250 and eval_settings("flow").steps == 50
     assert eval_settings("ddpm").cfg_scale == eval_settings("flow").cfg_scale == 1.5
     assert eval_settings("ddpm", steps=4, cfg_scale=2.0).steps == 4
@@ -182,7 +171,7 @@ def test_fid_protocol_defaults(class_run, tmp_path):
     text = " ".join(r.output.split())
     assert "with --npz 250" in text and "with --npz 1.5" in text and "Default 50" in text and "4.0" in text
     assert "balanced" in text and "--num-samples" in text
-    run, _ = class_run
+    run, _ = pixel_run
     r = cli("--ckpt", run, "--npz", tmp_path / "d.npz", "--n", 2, "--device", "cpu")
     assert r.exit_code == 0, r.output
     assert "250 steps, cfg 1.5" in r.output  # the FID protocol unless --steps / --cfg say
@@ -225,8 +214,8 @@ def test_text_model_cycles_the_prompts(tmp_path, monkeypatch):
     assert not np.array_equal(a["arr_0"][0], b["arr_0"][0])  # "x" against "zzz"
 
 
-def test_bad_npz_calls_are_one_line(class_run, tmp_path):
-    run, store = class_run
+def test_bad_npz_calls_are_one_line(pixel_run, tmp_path):
+    run, store = pixel_run
     small = ["--n", 2, "--steps", 2, "--device", "cpu"]
     assert "NAME.npz" in one_error_line(cli("--ckpt", run, "--npz", tmp_path / "s.np", *small).output)
     assert "inside the latent store" in one_error_line(cli("--ckpt", run, "--npz", store / "s.npz", *small).output)

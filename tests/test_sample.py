@@ -62,13 +62,6 @@ def make_run(run_dir: Path, store_root: Path, *, model="DiT-T/4", objective="ddp
     return run_dir
 
 
-@pytest.fixture(scope="module")
-def pixel_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pix")
-    store = tiny_store(root / "store")
-    return make_run(root / "run", store), store
-
-
 def cli(*args):
     return dittrain("sample", *args)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from storeutil import SAMPLE_CLASSES, tiny_store
-from test_sample import make_run, pixel_run  # noqa: F401  (pixel_run: a fixture)
+from test_sample import make_run
 
 from ditdata.store import open_store
 from dittrain.checkpoint import load_weights
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def class_run(pixel_run):  # noqa: F811  (the fixture imported from test_sample)
+def class_run(pixel_run):  # pixel_run: conftest.py
     run, store = pixel_run
     weights, config = load_weights(run)
     return config, open_store(store), weights

@@ -18,9 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cliutil import dittrain, one_error_line
-from PIL import Image
 from storeutil import tiny_store
-from test_sample import make_run
+from test_sample import make_run, read_png
 
 from ditdata.store import encode_array
 from dittrain.serve import Request, Server
@@ -39,12 +38,6 @@ def class_run(tmp_path_factory) -> Path:
 def server(class_run) -> Server:
     # batch size 2 < images: ddpm's ancestral noise is drawn batch after batch, so it must match
     return Server(class_run, device="cpu", batch_size=2, max_images=8, log=lambda line: None)
-
-
-def read_png(path) -> np.ndarray:
-    with Image.open(path) as im:
-        assert im.format == "PNG"
-        return np.asarray(im.convert("RGB"))
 
 
 def run_shown_command(command: str, out: Path) -> list[np.ndarray]:
