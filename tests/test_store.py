@@ -390,3 +390,25 @@ def test_zarr_reads_other_layouts_through_zarr(tmp_path):
     zarr.create_array(str(lat), data=want, chunks=(3, 4, 8, 8))  # zstd by default
     assert _read_plain_chunks(lat, 0, 7) is None
     assert np.array_equal(store.read(0, fields=["latent"], start=1, stop=6)["latent"], want[1:6])
+
+
+@pytest.mark.parametrize("backend", ["zarr", "wds"])
+def test_backend_flags_are_what_the_readers_rely_on(tmp_path, backend):
+    """The backend table (backends.py) names defaults.BACKENDS, each entry is a Backend, and
+    its random_access flag is what the readers plan by: sample() on a zarr store reads the one
+    row it needs; on a wds store (a tar, readable front to back) it reads the shard whole, once,
+    and answers the next samples of that shard from it."""
+    from ditdata.store import BACKEND_CLASSES, Backend
+    from ditdata.store.defaults import BACKENDS
+
+    assert tuple(BACKEND_CLASSES) == BACKENDS
+    assert {n: c.random_access for n, c in BACKEND_CLASSES.items()} == {"zarr": True, "wds": False}
+    write_store(tmp_path / "s", schema("float16"), [6], backend, chunk_samples=4)
+    store = open_store(tmp_path / "s")
+    assert isinstance(store.backend, Backend) and store.backend.name == backend
+    reads, real = [], store.backend.read
+    store.backend.read = lambda path, sch, fields, start, stop: reads.append((start, stop)) or real(
+        path, sch, fields, start, stop)
+    keys = [store.sample(i)["key"] for i in (4, 1, 5)]
+    assert reads == ([(4, 5), (1, 2), (5, 6)] if store.backend.random_access else [(0, 6)])
+    assert keys == list(real(store.shards[0].path, store.schema, ["key"], 0, 6)["key"][[4, 1, 5]])

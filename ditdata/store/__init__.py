@@ -4,7 +4,9 @@
 
 A store is a directory with `manifest.json` (written last, atomically) and one shard
 per input shard under `shards/`, in the `zarr` or `wds` backend. See manifest.py for
-the manifest's fields and writer.py for how shards are published.
+the manifest's fields, writer.py for how shards are published, backends.py for the shard
+formats (a table of Backend classes with capability flags), reader.py for reading a local
+store, remote.py for a store at a URL and open.py for opening either.
 
 The package holds the contract and nothing else; what both command-line tools share
 (atomic files, locks, devices, one-line errors, sizes) is in ditdata.common. Names are
@@ -20,11 +22,13 @@ _EXPORTS = {
     "FORMAT_VERSION": "manifest", "MANIFEST": "manifest", "decode_array": "manifest",
     "encode_array": "manifest", "identity": "manifest", "enclosing_store": "manifest",
     "refuse_inside_store": "manifest",
-    "Conditioning": "reader", "Shard": "reader", "Store": "reader", "open_store": "reader",
+    "Conditioning": "reader", "Shard": "reader", "Store": "reader",
+    "open_store": "open", "is_url": "open",
+    "Backend": "backends", "BACKEND_CLASSES": "backends",
     "BFLOAT16": "schema", "LATENT_FIELDS": "schema", "TEXT_FIELDS": "schema", "Schema": "schema",
     "TensorSpec": "schema",
     "StoreWriter": "writer",
-    "RemoteStore": "remote", "is_url": "remote", "parse_size": "remote",
+    "RemoteStore": "remote", "parse_size": "remote",
 }
 __all__ = sorted(_EXPORTS)
 

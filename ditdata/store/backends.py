@@ -13,7 +13,12 @@ wds   a tar file `NAME.tar` in WebDataset layout for sequential streaming (objec
       safe; the real keys are in the columns.
 
 Each backend writes a complete shard to a path it is given (the writer handles
-temporary names) and reads a field subset over a sample range as stacked arrays.
+temporary names) and reads a field subset over a sample range as stacked arrays; what
+reading costs is in its capability flags (see Backend), which the readers plan by.
+
+Adding a backend: one class with the Backend attributes and methods, listed in BACKEND_CLASSES
+(and its name in defaults.BACKENDS, which command lines show without importing numpy), plus
+a test of its flags and round trip (tests/test_store.py).
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
+from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
+
+from ditdata.common import files
 
 from .defaults import BACKENDS, CHUNK_SAMPLES
 from .schema import Schema, disk_dtype, from_disk, to_disk
@@ -49,9 +57,34 @@ def _json_value(v):
     return v.item()
 
 
+@runtime_checkable
+class Backend(Protocol):
+    """A shard format. A backend object may keep caches between reads (of the last shard).
+
+    name            as the manifest's "backend" and --backend spell it
+    suffix          of a shard's data on disk (a directory or a file): NAME + suffix
+    random_access   True: any row range of a shard is read at the cost of its rows, so a
+                    reader may read a shard in pieces, or one sample. False: a row range is
+                    found by reading the shard from its start (sequential streaming), so a
+                    reader reads such a shard whole, once, and keeps what it needs.
+    """
+
+    name: ClassVar[str]
+    suffix: ClassVar[str]
+    random_access: ClassVar[bool]
+    chunk_samples: int
+
+    def write(self, path: Path, schema: Schema, tensors: dict, columns: dict, n: int) -> None:
+        """Write a complete shard of n samples at `path`."""
+
+    def read(self, path: Path, schema: Schema, fields, start: int, stop: int) -> dict:
+        """{field: stacked array} of samples [start, stop) of the shard at `path`."""
+
+
 class ZarrBackend:
     name = "zarr"
     suffix = ".zarr"
+    random_access = True
 
     def __init__(self, chunk_samples: int = CHUNK_SAMPLES):
         self.chunk_samples = chunk_samples
@@ -128,7 +161,7 @@ def _read_plain_chunks(array_dir: Path, start: int, stop: int, cache: dict | Non
         key = (str(meta_file), st.st_ino, st.st_mtime_ns)
         meta = (cache or {}).get(key)
         if meta is None:
-            meta = json.loads(meta_file.read_text())
+            meta = files.read_json(meta_file)
             if cache is not None:
                 cache[key] = meta
     except (OSError, ValueError):
@@ -161,6 +194,7 @@ def _read_plain_chunks(array_dir: Path, start: int, stop: int, cache: dict | Non
 class WdsBackend:
     name = "wds"
     suffix = ".tar"
+    random_access = False
 
     def __init__(self, chunk_samples: int = CHUNK_SAMPLES):
         self.chunk_samples = chunk_samples
@@ -226,10 +260,11 @@ class WdsBackend:
         return result
 
 
-_CLASSES = {b.name: b for b in (ZarrBackend, WdsBackend)}  # named in defaults.BACKENDS
+# The backends by name: the names of defaults.BACKENDS, in its order.
+BACKEND_CLASSES: dict[str, type[Backend]] = {b.name: b for b in (ZarrBackend, WdsBackend)}
 
 
-def get_backend(name: str, **options):
-    if name not in _CLASSES:
+def get_backend(name: str, **options) -> Backend:
+    if name not in BACKEND_CLASSES:
         raise ValueError(f"unknown store backend {name!r}; choose {' or '.join(map(repr, BACKENDS))}")
-    return _CLASSES[name](**options)
+    return BACKEND_CLASSES[name](**options)

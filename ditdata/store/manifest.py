@@ -140,6 +140,18 @@ def load(root: Path) -> dict:
 def validate(m: dict, path: Path) -> None:
     """Refuse (StoreError naming the manifest and the field) anything a reader would trip
     over later: missing keys, wrong types, shard paths that leave the store."""
+    schema = _check_header(m, path)
+    _check_description(m, schema, path)
+    _check_shards(m, path)
+
+
+def _need(path, ok: bool, what: str) -> None:
+    if not ok:
+        raise StoreError(f"{path}: {what}; the manifest is damaged (re-encode the store or restore it)")
+
+
+def _check_header(m, path) -> Schema:
+    """A version-1 manifest with every key, a known backend and valid fields: their Schema."""
     if not isinstance(m, dict):
         raise StoreError(f"{path}: expected a JSON object")
     if "format_version" not in m:
@@ -155,51 +167,54 @@ def validate(m: dict, path: Path) -> None:
     if m["backend"] not in BACKENDS:
         raise StoreError(f"{path}: unknown backend {m['backend']!r}; expected one of {BACKENDS}")
     try:
-        schema = Schema.from_json(m["fields"])
+        return Schema.from_json(m["fields"])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise StoreError(f"{path}: invalid fields: {e}") from e
 
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            raise StoreError(f"{path}: {what}; the manifest is damaged (re-encode the store or restore it)")
 
+def _check_description(m: dict, schema: Schema, path) -> None:
+    """latent, vae, image, stats, provenance, filter and conditioning have their types."""
     lat = m["latent"]
-    need(isinstance(lat, dict) and lat.get("shape") == list(schema.tensors[schema.primary].shape)
-         and lat.get("dtype") == schema.tensors[schema.primary].dtype,
-         "latent must be {shape, dtype, ...} matching its fields")
+    _need(path, isinstance(lat, dict) and lat.get("shape") == list(schema.tensors[schema.primary].shape)
+          and lat.get("dtype") == schema.tensors[schema.primary].dtype,
+          "latent must be {shape, dtype, ...} matching its fields")
     for key in ("vae", "image", "stats", "provenance"):
-        need(isinstance(m[key], dict), f"{key} must be a JSON object")
-    need(all(m["vae"].get(k) is None or _number(m["vae"][k]) for k in ("scaling_factor", "shift_factor")),
-         "vae.scaling_factor and vae.shift_factor must be numbers")
-    need(m["filter"] is None or isinstance(m["filter"], dict), "filter must be null or an object")
+        _need(path, isinstance(m[key], dict), f"{key} must be a JSON object")
+    _need(path, all(m["vae"].get(k) is None or _number(m["vae"][k]) for k in ("scaling_factor", "shift_factor")),
+          "vae.scaling_factor and vae.shift_factor must be numbers")
+    _need(path, m["filter"] is None or isinstance(m["filter"], dict), "filter must be null or an object")
     cond = m["conditioning"]
-    need(isinstance(cond, dict) and cond.get("type") in ("class", "text", "none"),
-         "conditioning must be an object with type class, text or none")
+    _need(path, isinstance(cond, dict) and cond.get("type") in ("class", "text", "none"),
+          "conditioning must be an object with type class, text or none")
     if cond["type"] == "class":
         n, names = cond.get("num_classes"), cond.get("class_names")
-        need(_count(n) and n >= 1, "conditioning.num_classes must be a positive integer")
-        need(names is None or (isinstance(names, list) and len(names) == n),
-             "conditioning.class_names must list num_classes names")
+        _need(path, _count(n) and n >= 1, "conditioning.num_classes must be a positive integer")
+        _need(path, names is None or (isinstance(names, list) and len(names) == n),
+              "conditioning.class_names must list num_classes names")
     if cond["type"] == "text":
         text = cond.get("text")
-        need(isinstance(text, dict) and (text.get("pooled_dim") is None or _count(text["pooled_dim"])),
-             "conditioning.text must be an object (pooled_dim an integer)")
-    need(isinstance(m["shards"], list), "shards must be a list")
+        _need(path, isinstance(text, dict) and (text.get("pooled_dim") is None or _count(text["pooled_dim"])),
+              "conditioning.text must be an object (pooled_dim an integer)")
+
+
+def _check_shards(m: dict, path) -> None:
+    """Every shard record complete and inside the store; the counts add up."""
+    _need(path, isinstance(m["shards"], list), "shards must be a list")
     for i, s in enumerate(m["shards"]):
-        need(isinstance(s, dict), f"shard #{i} must be an object")
+        _need(path, isinstance(s, dict), f"shard #{i} must be an object")
         lost = [k for k in SHARD_KEYS if k not in s]
         if lost:
             raise StoreError(f"{path}: shard #{i} lacks {lost}")
-        need(isinstance(s["name"], str) and _count(s["num_samples"]) and isinstance(s["checksum"], str),
-             f"shard #{i}: name, num_samples or checksum has the wrong type")
-        need(_inside(s["path"]) and isinstance(s["files"], dict)
-             and all(_inside(f) and isinstance(v, dict) and _count(v.get("size")) and isinstance(v.get("sha256"), str)
-                     for f, v in s["files"].items()),
-             f"shard #{i}: path and files must be relative paths inside the store with sizes and digests")
+        _need(path, isinstance(s["name"], str) and _count(s["num_samples"]) and isinstance(s["checksum"], str),
+              f"shard #{i}: name, num_samples or checksum has the wrong type")
+        _need(path, _inside(s["path"]) and isinstance(s["files"], dict)
+              and all(_inside(f) and isinstance(v, dict) and _count(v.get("size"))
+                      and isinstance(v.get("sha256"), str) for f, v in s["files"].items()),
+              f"shard #{i}: path and files must be relative paths inside the store with sizes and digests")
     skipped = m.get("skipped_shards", [])
     if not isinstance(skipped, list) or not all(isinstance(x, dict) and "name" in x for x in skipped):
         raise StoreError(f"{path}: skipped_shards must be a list of shard records")
-    need(_count(m["num_samples"]), "num_samples must be a non-negative integer")
+    _need(path, _count(m["num_samples"]), "num_samples must be a non-negative integer")
     total = sum(s["num_samples"] for s in m["shards"])
     if total != m["num_samples"]:
         raise StoreError(f"{path}: num_samples is {m['num_samples']} but the shards hold {total}")

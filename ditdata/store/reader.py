@@ -3,7 +3,8 @@
 Opening checks the manifest and that every shard file exists with its recorded size
 (cheap: one stat per file); `verify()` also recomputes digests and reads every shard.
 Reading never writes anything to the store, so any number of readers and training
-runs can share it.
+runs can share it. This module knows local stores only: open.py opens a path or a URL
+(remote.py, a Store read through a local cache).
 """
 
 from __future__ import annotations
@@ -193,8 +194,8 @@ class Store:
     def sample(self, index: int) -> dict:
         """One sample by global index, for inspection (not for training: use read())."""
         shard, local = self.locate(index)
-        if self.manifest["backend"] == "wds":
-            # A tar is only readable front to back: keep the last shard decoded.
+        if not self.backend.random_access:
+            # A shard readable only front to back (a tar): keep the last one decoded.
             if self._cache is None or self._cache[0] != shard.index:
                 self._cache = (shard.index, self.read(shard))
             data = self._cache[1]
@@ -263,12 +264,3 @@ def _non_finite(shard: Shard, data: dict, schema: Schema) -> list[str]:
                           f"{int(bad.sum())} sample(s), the first at row {first} (key {key!r})")
     return faults
 
-
-def open_store(root, *, verify: bool = False, **remote) -> Store:
-    """The store at `root`: a directory, or a URL (s3://, gs://, http(s)://, ...) read through
-    a local cache (remote.RemoteStore; `remote` holds its cache_dir, cache_limit, storage_options)."""
-    from .remote import RemoteStore, is_url
-
-    if is_url(root):
-        return RemoteStore(root, verify=verify, **remote)
-    return Store(root, verify=verify)

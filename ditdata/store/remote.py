@@ -48,6 +48,8 @@ import uuid
 from pathlib import Path
 
 from ditdata.common import cache, files, sizes
+from ditdata.common.errors import described
+from ditdata.common.extras import missing_extra
 
 from . import manifest
 from .errors import StoreError
@@ -58,13 +60,8 @@ RETRIES = 5  # tries per file for transient errors
 BACKOFF_S = 0.5  # the wait after the first failed try; doubles after each
 MAX_BACKOFF_S = 8.0
 CACHE_LOCK = ".ditkit-cache.lock"
-INSTALL_HINT = "pip install 'ditkit[remote]'"
 CREDENTIALS_HINT = ("set credentials for it: s3:// AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), "
                     "gs:// GOOGLE_APPLICATION_CREDENTIALS (or `gcloud auth application-default login`)")
-
-def is_url(root) -> bool:
-    """A store location read through fsspec: anything with '://' except file://."""
-    return isinstance(root, str) and "://" in root and not root.startswith("file://")
 
 
 def parse_size(text, what: str = "--cache-limit") -> int:
@@ -105,10 +102,6 @@ def _kind(e: BaseException) -> str:
     return "fatal"
 
 
-def _reason(e: BaseException) -> str:
-    return " ".join(f"{type(e).__name__}: {e}".split())[:300]
-
-
 class Remote:
     """A store's location in object storage: fetch its files, retrying what may pass."""
 
@@ -116,14 +109,14 @@ class Remote:
         self.url = url.rstrip("/")
         try:
             import fsspec
-        except ImportError:
-            raise StoreError(f"{url}: reading stores from URLs needs fsspec: {INSTALL_HINT}") from None
+        except ImportError as e:
+            raise missing_extra(f"{url}: reading stores from URLs", "remote", e, StoreError) from None
         try:
             self.fs, self.base = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         except ImportError as e:  # the protocol's package (aiohttp, s3fs, gcsfs) is absent
-            raise StoreError(f"{url}: {_reason(e)}; {INSTALL_HINT}") from None
+            raise missing_extra(f"{url}: reading this URL", "remote", e, StoreError) from None
         except ValueError as e:
-            raise StoreError(f"{url}: not a URL fsspec can read ({_reason(e)})") from None
+            raise StoreError(f"{url}: not a URL fsspec can read ({described(e)})") from None
         self.base = self.base.rstrip("/")
 
     def _retry(self, rel: str, action):
@@ -137,11 +130,11 @@ class Remote:
                     raise StoreError(f"{url}: not found (missing object); check the URL, or finish uploading "
                                      "the store") from None
                 if kind == "auth":
-                    raise StoreError(f"{url}: access denied ({_reason(e)}); the credentials are missing or "
+                    raise StoreError(f"{url}: access denied ({described(e)}); the credentials are missing or "
                                      f"invalid: {CREDENTIALS_HINT}") from None
                 if kind == "fatal" or attempt == RETRIES - 1:
                     tries = f" after {attempt + 1} tries" if attempt else ""
-                    raise StoreError(f"{url}: download failed{tries} ({_reason(e)})") from None
+                    raise StoreError(f"{url}: download failed{tries} ({described(e)})") from None
                 time.sleep(min(MAX_BACKOFF_S, BACKOFF_S * 2**attempt))
 
     def read_bytes(self, rel: str) -> bytes:
@@ -215,7 +208,7 @@ class Cache:
         """(last use, bytes, lock file, path) of every complete shard in the cache."""
         for mirror in self.dir.iterdir():
             try:
-                m = json.loads((mirror / manifest.MANIFEST).read_text(encoding="utf-8"))
+                m = files.read_json(mirror / manifest.MANIFEST)
                 records = list(enumerate(m["shards"]))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
@@ -287,7 +280,7 @@ class RemoteStore(Store):
         if identity is not None:  # a worker of a loader: the mirror's copy, no request
             local = self.cache.dir / identity.removeprefix("sha256:")[:16] / manifest.MANIFEST
             if local.is_file():
-                m = json.loads(local.read_text(encoding="utf-8"))
+                m = files.read_json(local)
                 manifest.validate(m, local)
                 if manifest.identity(m) == identity:
                     return m

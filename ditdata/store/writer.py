@@ -278,7 +278,7 @@ def _write_json(path: Path, obj, what: str) -> None:
 def _read_config(path: Path) -> dict | None:
     """The config.json of an existing store, None when there is none yet."""
     try:
-        old = json.loads(path.read_text(encoding="utf-8"))
+        old = files.read_json(path)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
@@ -295,6 +295,6 @@ def _read_config(path: Path) -> dict | None:
 def _read_json(path: Path) -> dict | None:
     """A JSON file's content, None when it is absent or damaged (ValueError: bad JSON or UTF-8)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return files.read_json(path)
     except (FileNotFoundError, ValueError):
         return None
