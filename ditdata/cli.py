@@ -18,6 +18,7 @@ from functools import partial
 import click
 
 from ditdata.common.cli import FiniteFloat, OneLineErrors
+from ditdata.common.extras import install_hint
 from ditdata.config import (
     CLIP_MODEL,
     DEFAULT_URL_IMAGE_SIZE,
@@ -97,7 +98,7 @@ def main():
             help="JPEG/WebP quality of re-encoded images (0-100).")
 @_fetch_opt("--distributor", field="distributor", type=click.Choice(DISTRIBUTORS),
             help="img2dataset's distributor (URL lists); pyspark and ray are optional "
-                 "extras: pip install 'ditkit[distributed]'.")
+                 f"extras: {install_hint('distributed')}.")
 @_fetch_opt("--spark-master", field="spark_master", metavar="URL",
             help="--distributor pyspark: the cluster to run on, e.g. spark://HOST:7077 (--out must then be "
                  "a path every executor can write). Default: the active Spark session (spark-submit), "

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ditdata.common import files
+from ditdata.common.errors import described
 from ditdata.common.hub import hub_cache_dir
 from ditdata.errors import DitdataError
 
@@ -68,15 +69,13 @@ def openclip_url_cache() -> Path:
 
 def register_config(config) -> str:
     """Register a model-config JSON with open_clip; returns the model name (file stem)."""
-    import json
-
     import open_clip
 
     p = Path(config)
     if not p.is_file():
         raise DitdataError(f"{p}: CLIP model config not found")
     try:
-        cfg = json.loads(p.read_text(encoding="utf-8"))
+        cfg = files.read_json(p)
     except (OSError, ValueError) as e:
         raise DitdataError(f"{p}: unreadable CLIP model config ({e})") from None
     missing = [k for k in ("embed_dim", "vision_cfg", "text_cfg") if not isinstance(cfg, dict) or k not in cfg]
@@ -246,7 +245,7 @@ def load_clip(name: str, pretrained: str | None, device="cpu", *, config: str | 
         raise
     except Exception as e:
         what = f"{res['model']} with weights {res['file']}" if res["file"] else res["model"]
-        raise DitdataError(f"cannot build CLIP model {what}: {type(e).__name__}: {e}") from e
+        raise DitdataError(f"cannot build CLIP model {what}: {described(e)}") from e
     finally:
         root.setLevel(level)
     model.eval()

@@ -26,7 +26,6 @@ dtype (fp16 overflow in an autoencoder happens), which are never written.
 from __future__ import annotations
 
 import datetime as dt
-import os
 import sys
 import time
 from collections import Counter
@@ -39,6 +38,7 @@ import torch.distributed as dist
 
 from ditdata import imageshards
 from ditdata.common.devices import amp_dtype, autocast, resolve_device
+from ditdata.common.dist import join, launch_env, leave
 from ditdata.common.lock import DirLock
 from ditdata.config import DTYPES, MAX_RESOLUTION, POSTERIORS, EncodeConfig  # noqa: F401  (EncodeConfig: re-exported)
 from ditdata.errors import DitdataError
@@ -48,6 +48,8 @@ from ditdata.store import BFLOAT16, Schema, StoreWriter, TensorSpec, encode_arra
 from ditdata.vae import load_autoencoder
 
 NON_FINITE = "non-finite latent"
+# Ranks wait for each other at the manifest: a rank with more (or slower) shards may take hours.
+GROUP_TIMEOUT = dt.timedelta(hours=12)
 
 
 # --------------------------------------------------------------------------- workers
@@ -267,7 +269,7 @@ def encode(cfg: EncodeConfig) -> dict:
     if cfg.batch_size < 1 or cfg.chunk_samples < 1 or cfg.workers < 0:
         raise DitdataError("--batch-size and --chunk-samples must be at least 1, --workers at least 0")
     _check_out(Path(cfg.out), Path(cfg.shards))
-    if int(os.environ.get("RANK", 0)) != 0:
+    if launch_env().rank != 0:
         return _encode(cfg)
     # One encode per store: rank 0 takes the lock before the ranks meet, so the other ranks
     # of a second job wait in the rendezvous (and are stopped with it) instead of writing.
@@ -307,11 +309,9 @@ def _encode(cfg: EncodeConfig) -> dict:
         from ditdata.selection import load_selection
 
         selection = load_selection(cfg.select)
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    env = launch_env()
     device = resolve_device(cfg.device)
-    own_group = world > 1 and not dist.is_initialized()  # a group we join, we also leave
-    if own_group:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=dt.timedelta(hours=12))
+    own_group = join(device, timeout=GROUP_TIMEOUT)  # a group we join, we also leave
     torch.manual_seed(cfg.seed)
     enc = Encoder(cfg, device)
     layout = _store_layout(cfg, enc, folder)
@@ -322,13 +322,12 @@ def _encode(cfg: EncodeConfig) -> dict:
               "conditioning": layout.conditioning,
               "filter": None if selection is None else {**selection.rule, "selection": str(Path(cfg.select).resolve())}},
     )
-    plan = _plan_shards(cfg, folder, writer, rank, world)
+    plan = _plan_shards(cfg, folder, writer, env.rank, env.world_size)
     run = _encode_shards(cfg, enc, layout, plan, None if selection is None else selection.keys, writer)
     summary = _finish(cfg, folder, writer, plan, run)
-    if own_group:
-        # after _finish's last barrier: a gloo rank that exits with the group open can die at
-        # shutdown when its peer closes first (and torchrun's other agent then waits 300 s)
-        dist.destroy_process_group()
+    # after _finish's last barrier: a gloo rank that exits with the group open can die at
+    # shutdown when its peer closes first (and torchrun's other agent then waits 300 s)
+    leave(own_group)
     return summary
 
 
@@ -507,8 +506,7 @@ def report(summary: dict) -> str | None:
     if r["num_samples"] is None:
         return None
     skipped = ", ".join(f"{k}: {v}" for k, v in r["skipped"].items()) or "none"
-    bad = "; ".join(f"{Path(b['shard']).name} ({b['reason']}; "
-                    f"{'?' if b['samples_lost'] is None else b['samples_lost']} samples lost)"
+    bad = "; ".join(imageshards.left_out(Path(b["shard"]).name, b["reason"], b["samples_lost"])
                     for b in r["skipped_shards"])
     return (f"{r['num_samples']} samples; this run encoded {r['encoded']} images in "
             f"{r['shards_written']} shards ({r['shards_skipped']} already done) at "
@@ -537,13 +535,8 @@ def _refuse_bad_shards(bad: list[dict], cfg: EncodeConfig) -> None:
     if not bad or cfg.skip_bad_shards:
         return
     first = bad[0]
-    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-    stats = Path(first["shard"]).name[: -len(".tar")] + "_stats.json"
-    raise DitdataError(
-        f"image shard {first['shard']} {first['reason']}{more}: refetch it (delete {stats} and rerun "
-        f"the same `ditdata fetch`), or pass --skip-bad-shards to leave such shards out (recorded in "
-        f"the store's manifest)"
-    )
+    raise imageshards.bad_shard_error(first["shard"], first["reason"], len(bad) - 1,
+                                      " (recorded in the store's manifest)")
 
 
 def _gather_lists(items: list, world: int) -> list:

@@ -54,7 +54,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ditdata.common.files import TMP_MARK, is_tmp, tmp_name  # noqa: F401  (the store's temporaries: one scheme)
+from ditdata.common.files import TMP_MARK, is_tmp, read_json, tmp_name  # noqa: F401  (the store's temporaries: one scheme)
 from ditdata.config import KINDS
 from ditdata.errors import DitdataError
 from ditdata.images import (  # noqa: F401  (re-exported: readers need only this module)
@@ -119,6 +119,12 @@ def stats_path(shards_dir, index: int) -> Path:
     return Path(shards_dir) / f"{shard_name(index)}_stats.json"
 
 
+def beside(shard_tar, suffix: str) -> Path:
+    """NNNNN.tar -> NNNNN{suffix} beside it (e.g. "_stats.json", ".clip.parquet")."""
+    p = Path(shard_tar)
+    return p.with_name(p.name[: -len(".tar")] + suffix)
+
+
 def shard_index(path) -> int:
     m = _SHARD_RE.match(Path(path).name)
     if not m:
@@ -139,9 +145,7 @@ def list_shards(shards_dir, *, finished_only: bool = True) -> list[Path]:
     """The shard tars of SHARDS_DIR sorted by index. A shard is finished when its
     NNNNN_stats.json exists (both img2dataset and the folder packer write it after the
     tar is complete); unfinished tars are left out unless finished_only=False."""
-    d = Path(shards_dir)
-    if not d.is_dir():
-        raise DitdataError(f"{d}: no such directory")
+    d = _folder(shards_dir)
     out = []
     for p in d.iterdir():
         m = _SHARD_RE.match(p.name)
@@ -152,9 +156,7 @@ def list_shards(shards_dir, *, finished_only: bool = True) -> list[Path]:
 
 def read_dataset_info(shards_dir) -> dict:
     """dataset.json of a finished fetch; DitdataError naming the problem otherwise."""
-    d = Path(shards_dir)
-    if not d.is_dir():
-        raise DitdataError(f"{d}: no such directory")
+    d = _folder(shards_dir)
     p = d / DATASET_INFO
     if not p.is_file():
         hint = (
@@ -196,9 +198,7 @@ class ShardFolder:
 def read_folder(shards_dir) -> ShardFolder:
     """The shards of a finished `ditdata fetch` (DitdataError if it is unfinished), or of a
     folder of tars written by another tool (module docstring)."""
-    d = Path(shards_dir)
-    if not d.is_dir():
-        raise DitdataError(f"{d}: no such directory")
+    d = _folder(shards_dir)
     tars = sorted(p for p in d.glob("*.tar") if not p.name.startswith(".") and p.is_file())
     foreign = not (d / DATASET_INFO).exists() and not (d / FETCH_STATE).exists() and bool(tars)
     if foreign:
@@ -209,21 +209,28 @@ def read_folder(shards_dir) -> ShardFolder:
     return ShardFolder(d, info, tars, {t.name: _recorded_samples(t) for t in tars}, foreign)
 
 
+def _folder(shards_dir) -> Path:
+    d = Path(shards_dir)
+    if not d.is_dir():
+        raise DitdataError(f"{d}: no such directory")
+    return d
+
+
 def load_json(path: Path, problem: str):
     """The JSON document at `path`, or DitdataError "PATH: {problem} (why)"."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        return read_json(path)
     except (OSError, ValueError) as e:
         raise DitdataError(f"{path}: {problem} ({e})") from None
 
 
 def _recorded_samples(tar: Path) -> int | None:
     """The sample count NNNNN_stats.json records for a tar (None without a stats file)."""
-    p = tar.with_name(tar.name[: -len(".tar")] + "_stats.json")
+    p = beside(tar, "_stats.json")
     if not p.is_file():
         return None
     try:
-        n = json.loads(p.read_text(encoding="utf-8"))["successes"]
+        n = read_json(p)["successes"]
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"successes is {n!r}")
         return n
@@ -283,6 +290,22 @@ def check_shard(path, expected: int | None) -> str | None:
     if expected is not None and found != expected:
         return f"holds {found} samples but its stats file records {expected}"
     return None
+
+
+def left_out(shard: str, reason: str, samples_lost: int | None) -> str:
+    """A damaged shard that a run left out, as the end-of-run reports name it:
+    "NAME (REASON; N samples lost)" ("?" samples when its stats file recorded no count)."""
+    return f"{shard} ({reason}; {'?' if samples_lost is None else samples_lost} samples lost)"
+
+
+def bad_shard_error(tar, reason: str, others: int = 0, recorded: str = "") -> DitdataError:
+    """The error that stops a run at the damaged shard `tar` (`others`: how many more there
+    are), with the two ways on: refetch it, or leave such shards out (`recorded`: where)."""
+    more = f" (and {others} more)" if others else ""
+    return DitdataError(
+        f"image shard {tar} {reason}{more}: refetch it (delete {beside(tar, '_stats.json').name} and "
+        f"rerun the same `ditdata fetch`), or pass --skip-bad-shards to leave such shards out{recorded}"
+    )
 
 
 def iter_samples(shards_dir) -> Iterator[ImageSample]:
@@ -362,10 +385,7 @@ def read_shard_stats(shards_dir) -> dict[int, dict]:
     for p in Path(shards_dir).iterdir():
         m = _STATS_RE.match(p.name)
         if m:
-            try:
-                out[int(m.group(1))] = json.loads(p.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as e:
-                raise DitdataError(f"{p}: unreadable stats file ({e})") from None
+            out[int(m.group(1))] = load_json(p, "unreadable stats file")
     return dict(sorted(out.items()))
 
 

@@ -58,6 +58,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ditdata import imageshards as shards
+from ditdata.common.files import read_json
 from ditdata.config import CLIP_MODEL, SCORE_BATCH_SIZE
 from ditdata.errors import DitdataError
 
@@ -75,23 +76,18 @@ _TMP_RE = re.compile(r"^\.\d{5,}\.clip\.parquet" + re.escape(shards.TMP_MARK))
 
 def score_path(shard_tar) -> Path:
     """NNNNN.tar -> NNNNN.clip.parquet beside it."""
-    return _beside(shard_tar, SUFFIX)
+    return shards.beside(shard_tar, SUFFIX)
 
 
 def skipped_path(shard_tar) -> Path:
     """NNNNN.tar -> NNNNN.clip.skipped.json beside it."""
-    return _beside(shard_tar, SKIPPED_SUFFIX)
-
-
-def _beside(shard_tar, suffix: str) -> Path:
-    p = Path(shard_tar)
-    return p.with_name(p.name[: -len(".tar")] + suffix)
+    return shards.beside(shard_tar, SKIPPED_SUFFIX)
 
 
 def read_skipped(shard_tar) -> dict | None:
     """The record of a shard that score left out, if it is about the shard as it is now."""
     try:
-        rec = json.loads(skipped_path(shard_tar).read_text(encoding="utf-8"))
+        rec = read_json(skipped_path(shard_tar))
     except (OSError, ValueError):
         return None
     if not isinstance(rec, dict) or rec.get("format") != SKIPPED_FORMAT:
@@ -230,20 +226,25 @@ def score_shard(clip, shard_tar, *, batch_size: int = SCORE_BATCH_SIZE, workers:
     n = len(rows["key"])
     rows["model"] = [info["model"]] * n
     rows["pretrained"] = [info["pretrained"]] * n
-    meta = {
+    meta = _score_meta(tar, info, n, counts)
+    write_scores(score_path(tar), rows, meta)
+    return meta
+
+
+def _score_meta(tar: Path, info: dict, num_samples: int, counts: Counter) -> dict:
+    """A score file's metadata (module docstring): what it scores and with which weights."""
+    return {
         "format": FORMAT,
         "version": VERSION,
         "shard": tar.name,
         "shard_bytes": tar.stat().st_size,
-        "num_samples": n,
+        "num_samples": num_samples,
         "model": info["model"],
         "pretrained": info["pretrained"],
         "weights_sha256": info["weights_sha256"],
         "counts": dict(sorted(counts.items())),
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
-    write_scores(score_path(tar), rows, meta)
-    return meta
 
 
 def _int_or_none(v):
@@ -379,11 +380,7 @@ def _leave_out_bad(folder, todo: list[Path], skip_bad_shards: bool) -> tuple[lis
     bad = {t.name: p for t in todo if (p := shards.check_shard(t, folder.expected[t.name]))}
     if bad and not skip_bad_shards:
         name, why = next(iter(bad.items()))
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise DitdataError(
-            f"image shard {folder.path / name} {why}{more}: refetch it (delete its _stats.json and rerun the "
-            f"same `ditdata fetch`), or pass --skip-bad-shards to leave such shards out"
-        )
+        raise shards.bad_shard_error(folder.path / name, why, len(bad) - 1)
     skipped = []
     for t in todo:
         if t.name in bad:
@@ -406,8 +403,7 @@ def report(summary: dict) -> str:
     if s["skipped_shards"]:
         lines.append(f"  skipped {s['skipped_shards']} shard(s) already scored with these weights")
     for b in s.get("bad_shards", []):
-        lost = "?" if b["samples_lost"] is None else b["samples_lost"]
-        lines.append(f"  left out the damaged shard {b['shard']} ({b['reason']}; {lost} samples lost)")
+        lines.append(f"  left out the damaged shard {shards.left_out(b['shard'], b['reason'], b['samples_lost'])}")
     counts = s["counts"]
     bad = {k: v for k, v in counts.items() if k not in (OK, NO_CAPTION)}
     lines.append(f"  with a score:      {counts.get(OK, 0)}")

@@ -290,16 +290,23 @@ def filter_shards(
     if rule["kept"] == 0:
         rng = f"scores range {np.nanmin(scores):.4f}..{np.nanmax(scores):.4f}" if scored else "no sample has a score"
         raise DitdataError(f"no sample passes the rule ({rng}); nothing written")
-    shard_col = table.column("shard").to_pylist()
+    by_shard, kept_scores = _kept(table.column("shard").to_pylist(), keys, scores, keep)
+    write_selection(out, by_shard, rule, kept_scores)
+    sel = Selection(keys={k for ks in by_shard.values() for k in ks}, rule=rule, shards=by_shard, path=str(out))
+    summary = {"rule": rule, "drops": dict(drops.most_common()), "scores": scores, "keep": keep, "out": str(out)}
+    return sel, summary
+
+
+def _kept(shard_col: list[str], keys: list[str], scores, keep) -> tuple[dict[str, list[str]], list]:
+    """The kept samples: {shard: keys in stored order} and their scores (None: null)."""
+    import numpy as np
+
     by_shard: dict[str, list[str]] = {}
     kept_scores = []
     for i in np.flatnonzero(keep):
         by_shard.setdefault(shard_col[i], []).append(keys[i])
         kept_scores.append(float(scores[i]) if not np.isnan(scores[i]) else None)
-    write_selection(out, by_shard, rule, kept_scores)
-    sel = Selection(keys={k for ks in by_shard.values() for k in ks}, rule=rule, shards=by_shard, path=str(out))
-    summary = {"rule": rule, "drops": dict(drops.most_common()), "scores": scores, "keep": keep, "out": str(out)}
-    return sel, summary
+    return by_shard, kept_scores
 
 
 # ----------------------------------------------------------------------------- the file
@@ -423,6 +430,8 @@ def histogram(scores, keep=None, threshold: float | None = None, *, max_bins: in
 def report(summary: dict) -> str:
     """What `ditdata filter` prints: kept / total, the threshold, why samples were
     dropped, and the score histogram."""
+    from ditdata.imageshards import left_out
+
     r = summary["rule"]
     total, kept = r["total"], r["kept"]
     pct = 100 * kept / total if total else 0.0
@@ -437,8 +446,7 @@ def report(summary: dict) -> str:
     if extra:
         lines.append("  and: " + ", ".join(extra))
     for b in r.get("skipped_shards", []):
-        lines.append(f"  left out: shard {b['shard']} ({b['reason']}; "
-                     f"{'?' if b['samples_lost'] is None else b['samples_lost']} samples lost)")
+        lines.append(f"  left out: shard {left_out(b['shard'], b['reason'], b['samples_lost'])}")
     if summary["drops"]:
         lines.append("  dropped (first failed condition):")
         lines += [f"    {v:>8}  {k}" for k, v in summary["drops"].items()]

@@ -26,6 +26,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from ditdata.common.extras import missing_extra
 from ditdata.config import FetchConfig
 from ditdata.errors import DitdataError
 
@@ -53,10 +54,8 @@ def check(cfg: FetchConfig) -> None:
     if cfg.distributor == "multiprocessing":
         return
     if importlib.util.find_spec(cfg.distributor) is None:
-        raise DitdataError(
-            f"--distributor {cfg.distributor} needs {cfg.distributor}, which is not installed: "
-            f"pip install 'ditkit[distributed]' (or pip install {cfg.distributor})"
-        )
+        raise missing_extra(f"--distributor {cfg.distributor}", "distributed",
+                            ModuleNotFoundError(f"{cfg.distributor} is not installed"), error=DitdataError)
     if cfg.distributor == "pyspark" and "pyspark" in sys.modules:
         from pyspark.sql import SparkSession
 
@@ -122,7 +121,7 @@ def _spark(cfg: FetchConfig):
         except Exception as e:  # the JVM did not start or the master is unreachable
             raise DitdataError(
                 f"--distributor pyspark: cannot start a Spark session on {cfg.spark_master or 'local'} "
-                f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+                f"({_first_line(e)})"
             ) from None
     spark.sparkContext.setLogLevel("ERROR")
     try:
@@ -148,12 +147,18 @@ def _ray(cfg: FetchConfig):
     except Exception as e:
         raise DitdataError(
             f"--distributor ray: cannot start or join Ray at {cfg.ray_address or 'a local instance'} "
-            f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+            f"({_first_line(e)})"
         ) from None
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def _first_line(e: BaseException) -> str:
+    """"Type: the message's first line": a JVM's or Ray's error carries its whole trace."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 @contextlib.contextmanager
