@@ -219,7 +219,8 @@ def _evaluator(cfg: TrainConfig, store: Store):
         raise TrainError("--eval-every needs --eval-ref REF (an ADM reference batch, an .npz or folder of "
                          "images, or image shards)")
     try:
-        from dittrain.eval import EvalError, TrainingEval
+        from dittrain.eval import EvalError
+        from dittrain.train_eval import TrainingEval
     except ImportError as e:
         raise TrainError(f"--eval-every needs the eval extra (pip install 'ditkit[eval]'): {e}") from e
     try:

@@ -45,8 +45,8 @@ def _scalars(out: Path, tag: str) -> list[tuple[int, float]]:
 
 def test_fid_of_the_ema_is_logged_to_metrics_and_tensorboard(tmp_path, inception_file, ref):
     from dittrain.checkpoint import load_weights
-    from dittrain.eval import TrainingEval
     from dittrain.sample import load_model, open_run_store
+    from dittrain.train_eval import TrainingEval
 
     store, out = make_store(tmp_path / "store"), tmp_path / "run"
     r = dittrain(*run_args(store, out, *EVAL, "--eval-ref", ref, "--eval-inception", inception_file))
@@ -67,7 +67,7 @@ def test_fid_of_the_ema_is_logged_to_metrics_and_tensorboard(tmp_path, inception
 
 
 def test_a_failed_evaluation_does_not_stop_the_run(tmp_path, inception_file, ref, monkeypatch):
-    from dittrain import eval as ev
+    from dittrain import train_eval as ev
 
     def broken(self, model, config, store, **ranks):
         raise RuntimeError("out of memory (simulated)")
@@ -99,7 +99,7 @@ def test_eval_settings_are_checked_before_the_first_step(tmp_path, inception_fil
 
 SHARDED = """
 import sys, numpy as np, torch.distributed as dist
-from dittrain import eval as ev
+from dittrain import train_eval as ev
 from dittrain.checkpoint import load_weights
 from dittrain.sample import load_model, open_run_store
 run, ref, inception, dump = sys.argv[1:5]
