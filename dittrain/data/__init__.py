@@ -1,32 +1,149 @@
-"""Loaders over a latent store (dittrain.data). For this commit the loaders are in streaming.py,
-moved there whole from the one-module dittrain/data.py; the next commit splits it into the
-loader interface, the resident and streaming loaders and the memory budget."""
+"""Loaders over a latent store: infinite, seeded, exactly resumable batches for the trainer.
+
+    from dittrain.data import build_loader
+    loader = build_loader(store, batch_size=64, seed=0, rank=rank, world_size=world, device="cuda")
+    log(loader.kind, loader.reason)        # which loader was chosen, and why
+    batch = next(loader)                   # {"x": (B, C, h, w) float32, "y": (B,) int64, ...}
+    state = loader.state_dict()            # ints and strings: torch.save / weights_only safe
+    ...
+    loader = build_loader(...); loader.load_state_dict(state)   # the next batches are identical
+    loader.close()                         # stops the streaming worker processes
+
+Two loaders, one contract:
+
+ResidentLoader   the whole store (this rank's part of it) held in memory in its stored dtype
+                 (fp16/bf16), in RAM or on the GPU; a batch is one index_select.
+StreamingLoader  for stores larger than memory: worker processes read WINDOWS of whole
+                 shards in bulk, shuffle each window in memory and cut it into batches that
+                 travel through shared-memory slots; the main process puts them back into
+                 the canonical order, pins them and copies them to the GPU ahead of the step.
+
+THE SAMPLE STREAM. Each rank's loader yields an infinite stream of samples: epoch 0's order,
+then epoch 1's, and so on. A batch is the next `batch_size` samples of that stream, so the
+last batch of an epoch is completed with the first samples of the next epoch. Nothing is
+dropped or repeated: every sample of the rank's part appears exactly once per epoch, and every
+batch is full. The same holds for the remainder of a streaming window (< batch_size samples
+left when the window runs out): the batch is completed with the head of the NEXT window
+(which another worker may have read), never padded, dropped or shortened.
+
+    resident   epoch e = a permutation of this rank's part, seeded by (seed, rank, e)
+    streaming  epoch e = the store's shards (the UNITS) in an order seeded by (seed, e), the
+               same on every rank; rank r takes units r, r+W, r+2W, ... of that order; they
+               form windows of `shuffle_window` units, and window w's samples are permuted
+               by a permutation seeded by (seed, rank, e, w). A window is a pure function of
+               (seed, rank, e, w); worker i of n produces windows i, i+n, ... and the result
+               does not depend on the number of workers (workers=0 reads in-process).
+
+DDP. split="part" (the default): rank r of W sees a disjoint part of the store and the parts
+cover it, each rank with its own order. Resident: a fixed seeded random partition of the
+samples (sizes differ by at most one; memory per rank is 1/W of the store). Streaming: in
+each epoch a different disjoint set of shards (when a store has fewer shards than ranks, the
+shards are split into W row ranges); a rank's epoch length then depends on its shards, so
+use many more shards than ranks. split="batch": rank r gets rows [r*B, (r+1)*B) of the batch
+that ONE process would get with batch_size B*W, flips and fresh draws included, so W ranks
+see exactly the data of one process (for exact single- vs multi-process comparisons); each
+rank then holds (resident) or reads (streaming) the whole store. Every iterator is
+infinite: ranks never hang at an epoch end.
+
+PER-SAMPLE RANDOMNESS. Where the store keeps a flipped variant, each sample's variant is a
+fair coin drawn with the epoch's (window's) order, so it changes between epochs. Where the
+store keeps mean and std, x = mean + std * eps with eps drawn on `device` from a generator
+seeded by (seed, rank, epoch, offset) of the batch: fresh every epoch, identical at resume
+(on the same device type: CPU and CUDA generators differ).
+
+STATE. `state_dict()` = {"kind", "batches", "epoch", "offset", "seed", "batch_size", "rank",
+"world_size", "split", "num_samples", ...}. The position is a function of `batches` alone, so the
+state saved by rank 0 resumes every rank exactly (each recomputes its own epoch and offset).
+A streaming resume skips the windows already consumed without reading them; the current
+window is read again (a shuffle needs all of it) and its consumed part is skipped.
+
+`loader.wait_seconds` is the cumulative time the consumer spent inside `next(loader)`.
+
+THE MODULES. base.py: the loader interface (what a batch is made of, the seeded streams, the
+errors, _Loader). resident.py: ResidentLoader. streaming.py: StreamingLoader, its plan, windows,
+workers and shared-memory slots. budget.py: the memory available (RAM, a container's limit, a
+GPU), choose_loader, and the streaming loader's memory budget. build_loader is here.
+"""
+
+from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path  # noqa: F401  (dittrain.data.Path, as the one-module data.py had it: tests use it)
 
-from . import streaming
-from .streaming import *  # noqa: F403
-from .streaming import (  # noqa: F401  (names tests reach here, as data.py had them)
-    _EPS,
+# (_EPS, _seed64, _Spec and _gib: private, re-exported because tests reach them here)
+from . import budget
+from .base import _EPS as _EPS
+from .base import LoaderError, LoaderStateError, _open
+from .base import _seed64 as _seed64
+from .base import _Spec as _Spec
+from .budget import (
     AUTO_MAX_PREFETCH,
     AUTO_MAX_WINDOW,
+    AUTO_MIN_PREFETCH,
     LOADER_MEMORY_CAP,
-    Path,
-    _gib,
-    _seed64,
-    _Spec,
+    LOADER_MEMORY_FRACTION,
+    READ_PIECE_BYTES,
+    RESIDENT_MAX_FRACTION,
+    WORKER_OVERHEAD,
+    StreamingMemory,
+    available_memory,
+    choose_loader,
+    gpu_memory,
+    loader_budget,
+    parse_memory,
     plan_streaming_memory,
 )
-from .streaming import __all__ as __all__  # noqa: F401
+from .budget import _gib as _gib
+from .resident import ResidentLoader
+from .streaming import StreamingLoader
+
+__all__ = [
+    "LoaderError", "LoaderStateError", "ResidentLoader", "StreamingLoader", "available_memory",
+    "build_loader", "choose_loader", "gpu_memory", "loader_budget", "parse_memory",
+    # the streaming loader's memory plan and the budget's settings (budget.py)
+    "StreamingMemory", "plan_streaming_memory", "RESIDENT_MAX_FRACTION", "LOADER_MEMORY_FRACTION",
+    "LOADER_MEMORY_CAP", "AUTO_MAX_WINDOW", "AUTO_MAX_PREFETCH", "AUTO_MIN_PREFETCH",
+    "WORKER_OVERHEAD", "READ_PIECE_BYTES",
+]
+
+
+def build_loader(store, *, batch_size: int, kind: str = "auto", seed: int = 0, rank: int = 0,
+                 world_size: int = 1, device="cpu", resident_device="cpu", workers: int = 4,
+                 shuffle_window: int | None = None, prefetch: int | None = None, with_index: bool = False,
+                 memory_fraction: float = 0.5, local_world_size: int | None = None,
+                 split: str = "part", memory=None):
+    """A ResidentLoader or StreamingLoader over `store` (a Store or its path).
+
+    batch_size is per rank (the micro-batch one forward pass sees). kind: auto | resident |
+    streaming; the choice and its reason are in loader.kind and loader.reason. split: how
+    ranks share the data, "part" or "batch" (see the module's docstring). memory: the
+    streaming loader's budget (see StreamingLoader); shuffle_window/prefetch None: sized by it.
+    """
+    store = _open(store)
+    kind, rdev, reason = choose_loader(store, kind=kind, rank=rank, world_size=world_size,
+                                       resident_device=resident_device, memory_fraction=memory_fraction,
+                                       local_world_size=local_world_size, split=split)
+    common = dict(batch_size=batch_size, seed=seed, rank=rank, world_size=world_size, device=device,
+                  with_index=with_index, reason=reason, split=split)
+    if kind == "resident":
+        return ResidentLoader(store, resident_device=rdev, **common)
+    return StreamingLoader(store, workers=workers, shuffle_window=shuffle_window, prefetch=prefetch,
+                           memory=memory, local_world_size=local_world_size, **common)
+
+
+# The memory probes are looked up where the loaders call them, in budget.py. Replacing one
+# here (a test's fake RAM: monkeypatch.setattr(dittrain.data, "available_memory", ...)) replaces
+# it there too, as it did when the loaders were one module.
+_PROBES = ("available_memory", "gpu_memory")
 
 
 class _Package(types.ModuleType):
-    """Replacing a memory probe here (a test's fake RAM) replaces it where the loaders call it."""
+    """dittrain.data itself (its class is set below)."""
 
     def __setattr__(self, name: str, value) -> None:
-        if name in ("available_memory", "gpu_memory"):
-            setattr(streaming, name, value)
+        if name in _PROBES:
+            setattr(budget, name, value)
         super().__setattr__(name, value)
 
 

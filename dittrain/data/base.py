@@ -1,0 +1,287 @@
+"""The loader interface both loaders share: what a batch is made of, the seeded streams, the
+errors, and _Loader (iteration, timing, finishing a batch on the device, state).
+
+A batch is read from the store's fields as a _Spec says: the latents as one block
+(n, V, P, C, h, w) of V variants (the flipped twin) and P parts (a frozen sample, or mean and
+std), the conditioning extras beside them. A _Loader subclass makes raw batches (`_make`) and
+says where batch k starts (`_position`); the rest (the trainer's float32 batch, fresh draws
+from mean/std, state_dict/load_state_dict, the lookahead copy to the GPU) is here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ditdata.common.errors import UserError
+from ditdata.store import BFLOAT16, TEXT_FIELDS, Store, open_store
+
+_TORCH_DTYPES = {
+    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+    "bool": torch.bool, "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64,
+}
+# Tags that keep the seeded streams of different purposes independent.
+_PART, _EPOCH, _UNITS, _WINDOW, _EPS = 1, 2, 3, 4, 5
+
+
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(k) for k in key])))
+
+
+def _seed64(*key: int) -> int:
+    return int(np.random.SeedSequence([int(k) for k in key]).generate_state(1, np.uint64)[0])
+
+
+def _as_torch(arr: np.ndarray) -> torch.Tensor:
+    if arr.dtype == BFLOAT16:
+        return torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def _open(store) -> Store:
+    return store if isinstance(store, Store) else open_store(store if isinstance(store, str) else Path(store))
+
+
+# ---------------------------------------------------------------------------------------
+# What a batch is made of
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Field:
+    name: str  # its name in the batch
+    source: str | None  # the store field or column it comes from
+    dtype: torch.dtype  # as held in memory (the stored dtype)
+    shape: tuple[int, ...]  # per sample
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class _Spec:
+    """The store fields a loader reads and how they become a batch.
+
+    Latents are held as one block (n, V, P, C, h, w): V variants (1, or 2 with the flipped
+    twin), P parts (1: a frozen sample; 2: mean and std). Choosing a variant is then picking
+    row i * V + v of the (n * V, P * C * h * w) view: one index_select per batch.
+    """
+
+    def __init__(self, store: Store):
+        schema = store.schema
+        self.stored = schema.latent_kind()  # "sample" | "mean_std"
+        parts = ["latent"] if self.stored == "sample" else ["mean", "std"]
+        flipped = [f"{p}_flip" for p in parts]
+        self.variants = [parts] + ([flipped] if all(f in schema.tensors for f in flipped) else [])
+        specs = [schema.tensors[f] for v in self.variants for f in v]
+        if len({s.shape for s in specs}) != 1:
+            raise ValueError(f"{store.root}: latent fields differ in shape: {[s.shape for s in specs]}")
+        dtypes = {s.dtype for s in specs}
+        self.lat_dtype = _TORCH_DTYPES[dtypes.pop()] if len(dtypes) == 1 else torch.float32
+        self.lat_shape = tuple(specs[0].shape)
+        self.V, self.P = len(self.variants), len(parts)
+        self.extras: list[_Field] = []
+        if store.conditioning.kind == "class" and "label" in schema.columns:
+            self.extras.append(_Field("y", "label", torch.int64, ()))
+        for name in TEXT_FIELDS:
+            if name in schema.tensors:
+                t = schema.tensors[name]
+                self.extras.append(_Field(name, name, _TORCH_DTYPES[t.dtype], tuple(t.shape)))
+        self.read_fields = [f for v in self.variants for f in v] + [e.source for e in self.extras]
+        # what one chunk of a batch carries (the variant already chosen)
+        self.chunk_fields = [
+            _Field("lat", None, self.lat_dtype, (self.P, *self.lat_shape)), *self.extras,
+            _Field("index", None, torch.int64, ()), _Field("flip", None, torch.bool, ()),
+        ]
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes per sample held by the resident loader."""
+        lat = self.V * self.P * math.prod(self.lat_shape) * self.lat_dtype.itemsize
+        return lat + sum(e.nbytes for e in self.extras) + 8
+
+
+class _Block:
+    """n samples in memory: lat (n, V, P, C, h, w), the extras, and global sample indices."""
+
+    def __init__(self, spec: _Spec, n: int, device):
+        self.spec, self.n = spec, n
+        self.lat = torch.empty((n, spec.V, spec.P, *spec.lat_shape), dtype=spec.lat_dtype, device=device)
+        self.extras = {e.name: torch.empty((n, *e.shape), dtype=e.dtype, device=device) for e in spec.extras}
+        self.index = torch.empty(n, dtype=torch.int64, device=device)
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """(n * V, P * C * h * w): row i * V + v is variant v of sample i (2-D: the fastest gather)."""
+        return self.lat.view(self.n * self.spec.V, -1)
+
+    def fill(self, pos: int, data: dict, global_index: np.ndarray, local: np.ndarray | None = None):
+        """Copy one store.read() result (rows `local` of it, or all) to [pos, pos + m)."""
+        m = len(global_index)
+        sl = slice(pos, pos + m)
+        for v, names in enumerate(self.spec.variants):
+            for p, name in enumerate(names):
+                arr = data[name] if local is None else data[name][local]
+                self.lat[sl, v, p].copy_(_as_torch(arr))
+        for e in self.spec.extras:
+            arr = data[e.source] if local is None else data[e.source][local]
+            self.extras[e.name][sl].copy_(_as_torch(np.asarray(arr)))
+        self.index[sl].copy_(torch.from_numpy(np.asarray(global_index, dtype=np.int64)))
+
+
+
+# ---------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------
+class LoaderError(UserError, ValueError):
+    """The requested loader cannot work here (a resident store larger than the memory it
+    would live in); the message is one line with the sizes and what to use instead."""
+
+
+class LoaderStateError(UserError, ValueError):
+    """A saved loader state that this loader cannot continue exactly (another kind, seed,
+    batch size, world size, store size or window); the message lists what differs."""
+
+
+
+# ---------------------------------------------------------------------------------------
+# The common part: iteration, timing, finishing a batch on the device, state
+# ---------------------------------------------------------------------------------------
+class _Loader:
+    kind = ""
+
+    def __init__(self, store: Store, *, batch_size: int, seed: int, rank: int, world_size: int,
+                 device, with_index: bool, reason: str, split: str):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        if split not in ("part", "batch"):
+            raise ValueError(f"unknown split {split!r}; use 'part' or 'batch'")
+        if len(store) < world_size:
+            raise ValueError(f"{store.root}: {len(store)} samples cannot be split over {world_size} ranks")
+        self.store = store
+        self.spec = _Spec(store)
+        self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
+        self.split = split
+        # The stream this loader follows, as (rank, world size, batch size) of the stream: its
+        # own part (rank, world_size, batch_size), or, for split="batch", the single-process
+        # stream (0, 1, B*W). Of each batch of that stream it keeps the rows `_my_rows`.
+        if split == "batch":
+            self._stream_rank, self._stream_world, self._stream_batch = 0, 1, batch_size * world_size
+            first = rank * batch_size
+        else:
+            self._stream_rank, self._stream_world, self._stream_batch = rank, world_size, batch_size
+            first = 0
+        self._my_rows = slice(first, first + batch_size)
+        self.device = torch.device(device)
+        self.with_index = with_index
+        self.reason = reason or f"{self.kind}: requested"
+        self.batches = 0  # batches handed to the consumer
+        self.wait_seconds = 0.0  # cumulative time spent inside __next__
+        self._staged = None  # the next batch, already on its way to the device
+        self._lookahead = False
+        self._gen = torch.Generator(device=self.device) if self.spec.P == 2 else None
+
+    # -- iteration -------------------------------------------------------------------
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        t0 = time.perf_counter()
+        try:
+            batch = self._staged if self._staged is not None else self._make(self.batches)
+            self._staged = None
+            self.batches += 1
+            if self._lookahead:  # start the next batch's copy now, so it is there at the next step
+                self._staged = self._make(self.batches)
+            return batch
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
+
+    def _make(self, k: int) -> dict:
+        raise NotImplementedError
+
+    def _position(self, k: int) -> tuple[int, int]:
+        raise NotImplementedError
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next batch's first sample."""
+        return self._position(self.batches)[0]
+
+    def _finish(self, raw: dict, epoch: int, offset: int) -> dict:
+        """Raw batch (stored dtypes, on the device) -> the trainer's batch."""
+        lat = raw["lat"]
+        if self.spec.P == 1:
+            x = lat[:, 0].float()
+        else:
+            self._gen.manual_seed(_seed64(self.seed, _EPS, self._stream_rank, epoch, offset))
+            mean, std = lat[:, 0].float(), lat[:, 1].float()
+            eps = torch.randn((self._stream_batch, *mean.shape[1:]), generator=self._gen, device=mean.device,
+                              dtype=torch.float32)
+            x = torch.addcmul(mean, std, eps[self._my_rows])
+        out = {"x": x}
+        for e in self.spec.extras:
+            t = raw[e.name]
+            out[e.name] = t.float() if t.is_floating_point() else t
+        if self.with_index:
+            out["index"], out["flip"] = raw["index"], raw["flip"]
+        return out
+
+    def _to_device(self, raw: dict) -> dict:
+        if self.device.type == "cpu":
+            return raw
+        return {k: v.to(self.device, non_blocking=True) for k, v in raw.items()}
+
+    # -- state -----------------------------------------------------------------------
+    def _identity(self) -> dict:
+        return {"kind": self.kind, "seed": self.seed, "batch_size": self.batch_size,
+                "world_size": self.world_size, "split": self.split, "num_samples": len(self.store)}
+
+    def state_dict(self) -> dict:
+        e, o = self._position(self.batches)
+        return {**self._identity(), "batches": self.batches, "epoch": e, "offset": o, "rank": self.rank}
+
+    def load_state_dict(self, state: dict, *, strict: bool = True) -> None:
+        """Continue after state["batches"] batches. The state of any rank resumes every rank.
+
+        strict: refuse a state made with another seed, batch size, world size, store size or
+        window (the continuation would not be exact); strict=False takes the batch count only.
+        """
+        mine = self._identity()
+        if state.get("kind") != self.kind:
+            raise LoaderStateError(
+                f"loader state is for a {state.get('kind')!r} loader, this one is {self.kind!r}; "
+                f"build the loader with kind={state.get('kind')!r} to resume exactly")
+        diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+        if diff and strict:
+            raise LoaderStateError(
+                "loader state does not match this loader (saved, now): "
+                + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in diff.items())
+                + "; exact resume needs the same settings (strict=False continues approximately)")
+        self._reset()
+        self.batches = int(state["batches"])
+
+    def _reset(self) -> None:
+        self._staged = None
+
+    # -- lifetime --------------------------------------------------------------------
+    def close(self) -> None:
+        self._reset()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(batch_size={self.batch_size}, rank={self.rank}/{self.world_size}, "
+                f"device={self.device}, batches={self.batches}; {self.reason})")
+

@@ -1,0 +1,324 @@
+"""The memory a loader may use: what is available (RAM, a container's limit, a GPU), the choice
+between the resident and the streaming loader, and the streaming loader's budget, which sizes
+its shuffle window and prefetch depth (StreamingMemory, plan_streaming_memory).
+
+Sizes in messages are MiB below 1 GiB and GiB above (_gib). The memory probes
+(available_memory, gpu_memory) are called through this module's globals, so replacing them here
+(or on the package, which forwards) fakes the machine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ditdata.common.dist import launch_env
+from ditdata.common.sizes import parse_size
+from ditdata.store import Store
+
+from .base import LoaderError, _open, _Spec
+
+# ---------------------------------------------------------------------------------------
+# The memory available, and choosing a loader
+# ---------------------------------------------------------------------------------------
+# A resident loader asked for explicitly may use up to this fraction of the available
+# memory, and is refused beyond it, at once rather than by the kernel's OOM killer part
+# way through filling it. The rest is headroom for what the process needs besides the
+# block (one shard read at a time while filling it, the model and optimizer, allocator
+# slack) and for the estimate itself (MemAvailable counts page cache that the kernel may
+# not hand back in time). `auto` keeps its stricter memory_fraction: it has a fallback.
+RESIDENT_MAX_FRACTION = 0.9
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_available() -> int | None:
+    """Room left under a container's memory limit (cgroup v2 or v1), if there is one."""
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            lim = Path(limit).read_text().strip()
+            if lim == "max" or int(lim) >= 1 << 60:
+                return None
+            return max(0, int(lim) - int(Path(usage).read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def available_memory() -> tuple[int | None, str]:
+    """(bytes of RAM available to new allocations, where that figure came from)."""
+    avail, source = _meminfo_available(), "MemAvailable in /proc/meminfo"
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            source = "free physical pages (sysconf)"
+        except (ValueError, OSError, AttributeError):
+            return None, "unknown"
+    cg = _cgroup_available()
+    if cg is not None and cg < avail:
+        avail, source = cg, "the container's cgroup memory limit"
+    return avail, source
+
+
+def gpu_memory(device) -> tuple[int | None, str]:
+    """(free bytes on a CUDA device, where that figure came from); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None, "CUDA is not available"
+    device = torch.device(device)
+    free, _ = torch.cuda.mem_get_info(device)
+    return free, f"free memory of {device} (torch.cuda.mem_get_info)"
+
+
+def _part_size(n: int, rank: int, world_size: int) -> int:
+    return n // world_size + (1 if rank < n % world_size else 0)
+
+
+def _gib(b: float) -> str:
+    """Bytes as the loaders' messages have always given them: MiB below 1 GiB, else GiB (so a
+    tiny figure reads "0.0 MiB"; ditdata.common.sizes.format_size would say KiB or TiB, and
+    tests hold these messages to MiB/GiB)."""
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+
+def choose_loader(store, *, kind: str = "auto", rank: int = 0, world_size: int = 1,
+                  resident_device="cpu", memory_fraction: float = 0.5,
+                  local_world_size: int | None = None, split: str = "part") -> tuple[str, str, str]:
+    """(kind, resident_device, reason): "resident" when this rank's part of the store fits
+    in under `memory_fraction` of the available memory (GPU memory for resident_device
+    "cuda", else RAM shared by the `local_world_size` ranks of this machine), else "streaming".
+    """
+    store = _open(store)
+    spec = _Spec(store)
+    n = _part_size(len(store), rank, world_size) if split == "part" else len(store)
+    need = n * spec.resident_bytes
+    what = (f"this rank's part ({n:,} samples, {_gib(need)} as stored)" if split == "part"
+            else f"the whole store for this rank (split='batch': {n:,} samples, {_gib(need)} as stored)")
+    rdev = torch.device(resident_device)
+    local = _local_ranks(local_world_size, world_size)
+    if kind == "streaming":
+        return kind, str(rdev), f"{kind}: requested (loader={kind!r}); {what}"
+    if kind == "resident":
+        fit = _check_resident_fits(rdev, need, local, what)
+        return kind, str(rdev), f"{kind}: requested (loader={kind!r}); {what}{fit}"
+    if kind != "auto":
+        raise ValueError(f"unknown loader kind {kind!r}; use auto, resident or streaming")
+    note = ""
+    if rdev.type == "cuda":
+        free, _ = gpu_memory(rdev)
+        if free is not None and need <= memory_fraction * free:
+            return "resident", str(rdev), (
+                f"resident on {rdev}: {what} is {need / free:.0%} of the free GPU memory "
+                f"({_gib(free)}; limit {memory_fraction:.0%})")
+        note = f" (too large for {rdev}: {_gib(free)} free)" if free is not None else ""
+    avail, source = available_memory()
+    total = need * local
+    share = f" x {local} ranks on this machine" if local > 1 else ""
+    if avail is None:
+        return "streaming", "cpu", f"streaming: available memory unknown; {what}{note}"
+    frac = f"{total / avail:.0%} of the available memory ({_gib(avail)}, {source})"
+    if total <= memory_fraction * avail:
+        return "resident", "cpu", f"resident in RAM: {what}{share} is {frac}; limit {memory_fraction:.0%}{note}"
+    return "streaming", "cpu", (
+        f"streaming: {what}{share} is {frac}, over the {memory_fraction:.0%} limit for a resident store{note}")
+
+
+def _local_ranks(local_world_size: int | None, world_size: int) -> int:
+    """How many ranks share this machine's RAM (each holds its own resident part)."""
+    local = local_world_size or launch_env().local_world_size
+    return max(1, min(local, world_size))
+
+
+def _check_resident_fits(rdev: torch.device, need: int, local: int, what: str) -> str:
+    """Refuse (LoaderError) an explicitly requested resident loader that cannot fit where
+    it would live: the GPU's free memory for resident_device "cuda" (one rank per GPU),
+    else the RAM shared by the `local` ranks of this machine. Returns a note for the reason."""
+    if rdev.type == "cuda":
+        total, share, where = need, "", str(rdev)
+        avail, source = gpu_memory(rdev)
+    else:
+        total, where = need * local, "RAM"
+        share = f" x {local} ranks on this machine" if local > 1 else ""
+        avail, source = available_memory()
+    if avail is None:  # nothing to compare with: let it try, and say so
+        return f"; available memory unknown ({source}), not checked"
+    if total > RESIDENT_MAX_FRACTION * avail:
+        raise LoaderError(
+            f"loader 'resident' needs {_gib(total)} of {where} for {what}{share}, but only "
+            f"{_gib(avail)} is available ({source}) and a resident store may use at most "
+            f"{RESIDENT_MAX_FRACTION:.0%} of it; use --loader streaming (or --loader auto), "
+            "which reads the store from disk in windows")
+    return f"; {total / avail:.0%} of the available {_gib(avail)} of {where} ({source})"
+
+
+
+# ---------------------------------------------------------------------------------------
+# The streaming loader's memory budget
+# ---------------------------------------------------------------------------------------
+# memory="auto" is this share of the available RAM, split between the ranks of this machine
+# (each runs its own loader), and at most LOADER_MEMORY_CAP. A quarter leaves the rest to
+# what training needs besides the loader (model, optimizer, pinned staging, a resident eval
+# set) and to the page cache, which serves the store's shards again in the next epoch. The
+# cap: a window never grows past AUTO_MAX_WINDOW units, and 4 GiB already holds that window
+# for 4 workers over shards of 10,000 4x32x32 fp16 latents with flips (4 x 4 x 160 MB + the
+# rest); more budget would buy no better shuffle, only a higher peak.
+LOADER_MEMORY_FRACTION = 0.25
+LOADER_MEMORY_CAP = 4 * 2**30
+# A window or prefetch depth sized by the budget is at most this (the fixed defaults before
+# the budget existed): the budget lowers them where memory is short, never raises them.
+AUTO_MAX_WINDOW = 4
+AUTO_MAX_PREFETCH = 4
+# A sized prefetch is at least this where it fits: one slot being filled while the main
+# process copies out of the other keeps a worker busy (1 is still taken when 2 does not fit).
+AUTO_MIN_PREFETCH = 2
+# Private memory of one worker process beyond its window and piece: the copy-on-write pages
+# of the parent that it touches after the fork, its imports (zarr, pyarrow), allocator and
+# thread state. Measured here at 55-70 MiB of USS at the worker's peak (4x32x32 fp16 latents
+# with flips, windows of 1-4 shards); tests/test_loader_budget.py holds the estimate to a
+# measurement.
+WORKER_OVERHEAD = 80 * 2**20
+# A shard of a backend with random access (zarr) is read in row pieces of about this many
+# bytes, so that a worker holds its window plus one piece rather than plus a second copy of a
+# whole shard. Any other (wds) is read whole: a row range of a tar is found by scanning it
+# from the start.
+READ_PIECE_BYTES = 32 * 2**20
+# Per sample of a window besides its data: the permutation, the coin flips and the gather rows
+# (int64 each).
+_ORDER_BYTES = 24
+# Per sample of a shard whose columns are read: the zarr backend caches the shard's parquet
+# table (keys included) and the converted label column while the shard is being read.
+_COLUMN_BYTES = 64
+# Batches alive at once in the main process: the consumer's, the one being assembled, and the
+# staged one (GPU lookahead) or the float32 temporaries of a mean/std draw.
+_LIVE_BATCHES = 3
+
+def parse_memory(value) -> int | None:
+    """--loader-memory in bytes (ditdata.common.sizes: "2GiB", "512MiB", "1.5G", "2GB" decimal,
+    bytes); None for "auto". Raises ValueError for anything else."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    return parse_size(value, "loader memory")
+
+
+def loader_budget(memory="auto", *, world_size: int = 1, local_world_size: int | None = None
+                  ) -> tuple[int, str]:
+    """(bytes, how they were chosen) of the streaming loader's memory budget for `memory`:
+    auto (LOADER_MEMORY_FRACTION of the available RAM over the ranks of this machine, at most
+    LOADER_MEMORY_CAP) or an explicit size (see parse_memory)."""
+    explicit = parse_memory(memory)
+    if explicit is not None:
+        return explicit, f"--loader-memory {memory}" if isinstance(memory, str) else f"memory={memory}"
+    local = _local_ranks(local_world_size, world_size)
+    avail, source = available_memory()
+    if avail is None:
+        return LOADER_MEMORY_CAP, f"auto: available memory unknown, the {_gib(LOADER_MEMORY_CAP)} cap"
+    share = int(LOADER_MEMORY_FRACTION * avail / local)
+    per = f" / {local} ranks" if local > 1 else ""
+    if share >= LOADER_MEMORY_CAP:
+        return LOADER_MEMORY_CAP, f"auto: the {_gib(LOADER_MEMORY_CAP)} cap ({LOADER_MEMORY_FRACTION:.0%} of {_gib(avail)} available{per} is more)"
+    return share, f"auto: {LOADER_MEMORY_FRACTION:.0%} of {_gib(avail)} available{per} ({source})"
+
+
+@dataclass(frozen=True)
+class StreamingMemory:
+    """The streaming loader's memory plan: its window and prefetch depth, the estimate of its
+    own peak (bytes, and what it is made of), and the budget it was sized to (None: none)."""
+
+    window: int
+    prefetch: int
+    estimate: int
+    parts: dict
+    budget: int | None = None
+    source: str = ""
+
+    def describe(self) -> str:
+        made = ", ".join(f"{k} {_gib(v)}" for k, v in self.parts.items() if v)
+        if self.budget is None:
+            return f"memory ~{_gib(self.estimate)} ({made}; no budget)"
+        return f"memory ~{_gib(self.estimate)} of budget {_gib(self.budget)} ({made}; budget {self.source})"
+
+
+def _read_piece_rows(store: Store, spec: _Spec) -> int | None:
+    """Rows per read of a shard (None: the whole shard at once, see READ_PIECE_BYTES)."""
+    if not store.backend.random_access:
+        return None
+    lat = spec.V * spec.P * math.prod(spec.lat_shape) * spec.lat_dtype.itemsize
+    return max(1, READ_PIECE_BYTES // (lat + sum(e.nbytes for e in spec.extras)))
+
+
+def _estimate(spec: _Spec, sizes: list[int], piece: int | None, *, workers: int, window: int,
+              prefetch: int, slot_bytes: int, batch_size: int) -> dict[str, int]:
+    """The streaming loader's own peak memory, by part (bytes): each reader's window (the
+    largest `window` units of the store) and the piece of a shard being read into it, the
+    shared-memory slots, the main process's batches and each worker process's overhead."""
+    biggest = sorted(sizes, reverse=True)
+    win = sum(biggest[:window]) * (spec.resident_bytes + _ORDER_BYTES)
+    read = min(biggest[0], piece or biggest[0]) * (spec.resident_bytes - 8)
+    read += biggest[0] * _COLUMN_BYTES if spec.extras else 0
+    batch = batch_size * sum(math.prod(f.shape) * (4 if f.dtype.is_floating_point else f.dtype.itemsize)
+                             for f in spec.chunk_fields)
+    readers = max(1, workers)
+    return {"windows": readers * (win + read), "slots": max(1, workers) * (prefetch if workers else 1) * slot_bytes,
+            "batches": _LIVE_BATCHES * batch, "workers": workers * WORKER_OVERHEAD}
+
+
+def plan_streaming_memory(spec: _Spec, sizes: list[int], piece: int | None, *, workers: int,
+                          window: int | None, prefetch: int | None, slot_bytes: int, batch_size: int,
+                          budget: int | None = None, source: str = "") -> StreamingMemory:
+    """Window and prefetch depth for a budget, and the estimate of the loader's peak.
+
+    Without a budget, window and prefetch are as given (None: AUTO_MAX_*). With one, a given
+    window or prefetch is kept and checked, and one left None is sized: the largest window up
+    to AUTO_MAX_WINDOW units that fits with AUTO_MIN_PREFETCH slots per worker (or 1), then
+    the deepest prefetch up to AUTO_MAX_PREFETCH in what remains. Settings that cannot fit are
+    refused (LoaderError, one line with both figures), never lowered behind the user's back:
+    the window decides the data order, so a window that silently depended on the budget would
+    change the order (and break an exact resume) without a word. The result is a function of
+    (store, spec, workers, batch size, budget) only, so the same budget gives the same order.
+    """
+    def est(w, p):
+        return _estimate(spec, sizes, piece, workers=workers, window=w, prefetch=p, slot_bytes=slot_bytes,
+                         batch_size=batch_size)
+
+    def plan(w, p):
+        parts = est(w, p)
+        return StreamingMemory(w, p, sum(parts.values()), parts, budget, source)
+
+    units = len(sizes)
+    if budget is None:
+        return plan(window or AUTO_MAX_WINDOW, prefetch or AUTO_MAX_PREFETCH)
+    fits = lambda w, p: sum(est(w, p).values()) <= budget  # noqa: E731
+    floor_p = prefetch or (AUTO_MIN_PREFETCH if fits(window or 1, AUTO_MIN_PREFETCH) else 1)
+    if window is None:
+        top = min(AUTO_MAX_WINDOW, units)
+        window = next((w for w in range(top, 0, -1) if fits(w, floor_p)), None)
+        if window is None:
+            need = sum(est(1, 1).values())
+            raise LoaderError(
+                f"streaming loader: even 1-shard windows with {workers} workers need ~{_gib(need)}, over the "
+                f"loader memory budget of {_gib(budget)} ({source}); use fewer --workers or a larger "
+                "--loader-memory")
+    if prefetch is None:
+        prefetch = next(p for p in range(AUTO_MAX_PREFETCH, 0, -1) if p <= floor_p or fits(window, p))
+    result = plan(window, prefetch)
+    if result.estimate > budget:
+        raise LoaderError(
+            f"streaming loader: shuffle window {window} with {workers} workers and prefetch {prefetch} needs "
+            f"~{_gib(result.estimate)}, over the loader memory budget of {_gib(budget)} ({source}); use a "
+            "smaller --shuffle-window or fewer --workers, or a larger --loader-memory")
+    return result
+

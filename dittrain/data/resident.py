@@ -1,0 +1,126 @@
+"""ResidentLoader: this rank's part of the store held in memory, a batch one index_select.
+
+The part is a fixed seeded random split of the store (DDP, split="part"); epoch e is a
+permutation of it seeded by (seed, rank, e), drawn with each sample's flip variant.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .base import _EPOCH, _PART, _Block, _Loader, _open, _rng
+
+
+def _rank_part(n: int, seed: int, rank: int, world_size: int) -> np.ndarray:
+    """The global indices this rank holds (sorted): a fixed seeded random split of [0, n)."""
+    if world_size == 1:
+        return np.arange(n, dtype=np.int64)
+    perm = _rng(seed, _PART, world_size).permutation(n)
+    return np.sort(perm[rank::world_size])
+
+
+def _upload(arr: np.ndarray, device) -> torch.Tensor:
+    """An index array onto the loader's device; to a GPU through pinned memory, so the copy
+    does not make the host wait for the device (an epoch's order is made mid-run)."""
+    t = torch.from_numpy(arr)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class ResidentLoader(_Loader):
+    """This rank's part of the store held in memory (RAM, or the GPU with resident_device="cuda").
+
+    Epoch e is a permutation of the part seeded by (seed, rank, e), with the flip variant of
+    each sample drawn alongside; a batch is an index_select from the block, converted to
+    float32 on `device`. State: the number of batches consumed (epoch, offset follow).
+    """
+
+    kind = "resident"
+
+    def __init__(self, store, *, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 device="cpu", resident_device="cpu", with_index: bool = False, reason: str = "",
+                 split: str = "part"):
+        store = _open(store)
+        super().__init__(store, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size,
+                         device=device, with_index=with_index, reason=reason, split=split)
+        self.resident_device = torch.device(resident_device)
+        if self.resident_device.type == "cuda" and self.device.type != "cuda":
+            raise ValueError("--resident-device cuda needs --device cuda (the store would live on the GPU)")
+        if self.resident_device.type == "cuda":
+            self.device = self.resident_device
+        part = _rank_part(len(store), seed, self._stream_rank, self._stream_world)
+        self.n = len(part)
+        self._block = _Block(self.spec, self.n, self.resident_device)
+        for shard in store.shards:
+            a, b = np.searchsorted(part, [shard.offset, shard.offset + shard.num_samples])
+            if a == b:
+                continue
+            data = store.read(shard, fields=self.spec.read_fields)
+            local = None if b - a == shard.num_samples else part[a:b] - shard.offset
+            self._block.fill(int(a), data, part[a:b], local)
+        self._flat = self._block.flat
+        self._epochs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Data kept in RAM but trained on the GPU: gather into pinned memory, copy ahead.
+        self._lookahead = self.device.type == "cuda" and self.resident_device.type != "cuda"
+
+    @property
+    def nbytes(self) -> int:
+        b = self._block
+        return sum(t.numel() * t.element_size() for t in [b.lat, b.index, *b.extras.values()])
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.n
+
+    def _position(self, k: int) -> tuple[int, int]:
+        return divmod(k * self._stream_batch, self.n)
+
+    def _epoch(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(order, rows) of epoch e: sample positions, and their rows i * V + variant."""
+        if e not in self._epochs:
+            rng = _rng(self.seed, _EPOCH, self._stream_rank, e)
+            order = rng.permutation(self.n)
+            rows = order * self.spec.V + rng.integers(0, 2, self.n) if self.spec.V == 2 else order
+            dev = self.resident_device
+            self._epochs[e] = (_upload(order, dev), _upload(rows, dev))
+            for old in [k for k in self._epochs if k < e - 1]:
+                del self._epochs[old]
+        return self._epochs[e]
+
+    def _make(self, k: int) -> dict:
+        e, o = self._position(k)
+        B, n = self._stream_batch, self.n
+        if o + B <= n:
+            order, rows = (t[o:o + B] for t in self._epoch(e))
+        else:  # the batch runs into the next epoch(s)
+            order_parts, row_parts = [], []
+            epoch, offset, need = e, o, B  # where the next piece of the batch starts
+            while need:
+                take = min(need, n - offset)
+                epoch_order, epoch_rows = self._epoch(epoch)
+                order_parts.append(epoch_order[offset:offset + take])
+                row_parts.append(epoch_rows[offset:offset + take])
+                need, offset = need - take, offset + take
+                if offset == n:
+                    epoch, offset = epoch + 1, 0
+            order, rows = torch.cat(order_parts), torch.cat(row_parts)
+        if self.split == "batch":  # this rank's rows of the one-process batch
+            order, rows = order[self._my_rows], rows[self._my_rows]
+        pin = self._lookahead
+        raw = {"lat": self._select(self._flat, rows, pin).view(-1, self.spec.P, *self.spec.lat_shape)}
+        for name, t in self._block.extras.items():
+            raw[name] = self._select(t, order, pin)
+        if self.with_index:
+            raw["index"] = self._select(self._block.index, order, pin)
+            raw["flip"] = (rows % self.spec.V).bool()
+        return self._finish(self._to_device(raw), e, o)
+
+    @staticmethod
+    def _select(t: torch.Tensor, idx: torch.Tensor, pin: bool) -> torch.Tensor:
+        if not pin:
+            return t.index_select(0, idx)
+        out = torch.empty((len(idx), *t.shape[1:]), dtype=t.dtype, pin_memory=True)
+        return torch.index_select(t, 0, idx, out=out)
+
