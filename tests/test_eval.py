@@ -1,4 +1,4 @@
-"""dittrain/eval.py and `dittrain eval`: ADM's FID / sFID / IS / precision-recall on a randomly
+"""dittrain/eval/ and `dittrain eval`: ADM's FID / sFID / IS / precision-recall on a randomly
 initialised Inception loaded through the real loading path, with real photos.
 
 Costs on this CPU: ~0.1 s per image through the network and ~10 s per 2048 x 2048 scipy
