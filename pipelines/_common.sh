@@ -4,14 +4,22 @@
 #   param VAR --flag DEFAULT "help" [shown default]   a value: --flag X, --flag=X or VAR=X in the environment
 #   switch VAR --flag 0|1 "help"                      on/off: --flag / --no-flag, or VAR=1 / VAR=0
 #   list VAR --flag "a|b" "help"                      '|'-separated; each --flag X adds one item
+#   default VAR VALUE ["help" [shown]]                another default (and help) for a declared one
+#   run_params STAGES / store_params / train_params / sample_params
+#                           the parameters both recipes declare, in groups (each further down)
 #   parse_params "$@"       flags win over the environment, which wins over the default; defaults are
 #                           evaluated in declaration order, so one may name an earlier one ('$OUT/store')
+#   need VAR "message"      VAR must be set: die with the message, or in a dry run show <VAR> instead
+#   extra_args STAGE ...    the array extra_STAGE of $EXTRA_STAGE_ARGS (split on spaces), for each
+#   on_off VAR --flag       --flag when $VAR is 1, else --no-flag
 #   check_stages A B ...    refuse a stage name in $STAGES that is not one of these
 #   want STAGE              is STAGE listed in $STAGES?
 #   stage NAME "what"       start a stage: prints "# [NAME] what"
 #   run CMD ARGS...         print the command, then (unless --dry-run) run it and time it
 #   skip "why"              the stage has nothing to do
 #   skip_if_done FILE "why" skip the stage (true) when FILE, the mark of its finished output, exists
+#   fetch_stage / encode_stage / train_stage / sample_stage
+#                           the stages both recipes run, with the recipe's own arguments (further down)
 #   resume_flag RUN_DIR     sets resume=(--resume) when RUN_DIR holds checkpoints, else resume=()
 #   finish                  the time each stage took
 #
@@ -34,6 +42,11 @@ switch() {
 
 list() {
     param "$@"; _KIND[$1]=list
+}
+
+default() {
+    _DEFAULT[$1]=$2; _SHOWN[$1]=${4-$2}
+    if (($# > 2)); then _HELP[$1]=$3; fi
 }
 
 die() { echo "$(basename "$0"): $*" >&2; exit 2; }
@@ -121,6 +134,125 @@ find_cli() {
     else
         die "'$name' not found: activate the project's venv (pip install -e '.[all]'), or set ${var}=/path/to/$name"
     fi
+}
+
+# ---- the parameter groups the recipes share (in each recipe's --help where it calls them) ----
+
+# run_params STAGES: the run and its samples (after OUT and the data folders), the stages
+# (STAGES: the default list) and where and how wide they run
+run_params() {
+    param RUN_DIR --run '$OUT/run' "training run: checkpoints, metrics, EMA weights, sample grids"
+    param SAMPLES_OUT --samples-out '$RUN_DIR/final' "final samples: grid.png and samples/"
+    param STAGES --stages "$1" "which stages to run"
+    param DEVICE --device auto "auto, cpu, cuda, cuda:1 (the stages that run a model)"
+    param NPROC --nproc 1 "processes (GPUs) for encode and train; above 1 they run under torchrun"
+    param WORKERS --workers '$(( $(nproc) < 8 ? $(nproc) : 8 ))' "fetch processes and image decoding workers" "CPU cores, at most 8"
+}
+
+# store_params: how encode writes the latent store
+store_params() {
+    param BACKEND --backend zarr "store backend: zarr (random access) or wds (tar streaming)"
+    param ENCODE_BATCH --encode-batch 32 "images per autoencoder forward"
+    param EXTRA_ENCODE_ARGS --encode-args "" "more options for ditdata encode"
+}
+
+# train_params: dittrain run's settings (a recipe's own defaults: `default VAR VALUE`)
+train_params() {
+    param MODEL --model DiT-B/2 "DiT size and patch (dittrain models)"
+    param BATCH --batch 256 "GLOBAL batch per optimizer step"
+    param ACCUM --accum 1 "gradient accumulation steps (the batch is split into ACCUM micro-batches)"
+    param GRAD_CKPT --grad-ckpt none "gradient checkpointing: none, every (block) or k (every k-th block)"
+    param STEPS --steps 400000 "optimizer steps"
+    param LR --lr 1e-4 "AdamW learning rate"
+    param WEIGHT_DECAY --weight-decay 0 "AdamW weight decay"
+    param GRAD_CLIP --grad-clip 1.0 "max gradient norm (0: none)"
+    param EMA --ema 0.9999 "EMA decay"
+    param OBJECTIVE --objective ddpm "ddpm (epsilon + learned sigma) or flow (rectified flow)"
+    param AMP --amp bf16 "autocast: bf16, fp16 (with a grad scaler), fp32 or auto"
+    switch COMPILE --compile 0 "torch.compile the model"
+    param LOADER --loader auto "auto (keep the store in RAM when it fits), resident or streaming"
+    param SAVE_EVERY --save-every 5000 "checkpoint every N steps"
+    param SAMPLE_EVERY --sample-every 10000 "EMA sample grid every N steps (0: never)"
+    param LOG_EVERY --log-every 100 "metrics line every N steps"
+    param SEED --seed 0 "training and sampling seed"
+    param EXTRA_TRAIN_ARGS --train-args "" "more options for dittrain run"
+}
+
+# sample_params: dittrain sample's settings for the final grid (after the recipe's own: what to sample)
+sample_params() {
+    param CFG --cfg 4.0 "classifier-free guidance scale"
+    param SAMPLE_STEPS --sample-steps 250 "sampling steps"
+    param EXTRA_SAMPLE_ARGS --sample-args "" "more options for dittrain sample"
+}
+
+# ---- the stages the recipes share: each runs when `want`ed ----
+
+# fetch_stage "what" VAR "message" ARGS...: `ditdata fetch $VAR` into SHARDS_DIR with ARGS,
+# skipped when SHARDS_DIR holds a finished fetch; VAR (the input) must be set (need)
+fetch_stage() {
+    want fetch || return 0
+    local what=$1 var=$2 message=$3
+    shift 3
+    stage fetch "$what"
+    skip_if_done "$SHARDS_DIR/dataset.json" "a finished fetch" && return 0
+    need "$var" "$message"
+    run "$DITDATA" fetch "${!var}" --out "$SHARDS_DIR" "$@"
+}
+
+# encode_stage "what" ARGS...: SHARDS_DIR -> the latent store in STORE_DIR (ARGS: the autoencoder
+# and the conditioning), skipped when the store is finished (an interrupted encode resumes)
+encode_stage() {
+    want encode || return 0
+    stage encode "$1"
+    shift
+    # a finished store: skip loading the autoencoder just to find every shard done
+    skip_if_done "$STORE_DIR/manifest.json" "a finished store; for other settings choose another --store" \
+        && return 0
+    run "${encode_cmd[@]}" "$SHARDS_DIR" --out "$STORE_DIR" "$@" --backend "$BACKEND" --device "$DEVICE" \
+        --batch-size "$ENCODE_BATCH" --workers "$WORKERS" "${extra_encode[@]}"
+}
+
+# train_stage ARGS...: MODEL on the store into RUN_DIR (ARGS: the objective, batch, optimizer and
+# conditioning settings), continued from its latest checkpoint when it has one
+train_stage() {
+    want train || return 0
+    stage train "$MODEL on $STORE_DIR -> $RUN_DIR"
+    resume_flag "$RUN_DIR"
+    run "${train_cmd[@]}" --latents "$STORE_DIR" --out "$RUN_DIR" --model "$MODEL" "$@" \
+        --max-steps "$STEPS" --amp "$AMP" "$(on_off COMPILE --compile)" --loader "$LOADER" \
+        --save-every "$SAVE_EVERY" --sample-every "$SAMPLE_EVERY" --log-every "$LOG_EVERY" --seed "$SEED" \
+        --device "$DEVICE" "${resume[@]}" "${extra_train[@]}"
+}
+
+# sample_stage "what" ARGS...: the final grid of RUN_DIR's EMA weights in SAMPLES_OUT (ARGS: what
+# to sample and how many of each)
+sample_stage() {
+    want sample || return 0
+    stage sample "$1, cfg $CFG -> $SAMPLES_OUT"
+    shift
+    run "$DITTRAIN" sample --ckpt "$RUN_DIR" --out "$SAMPLES_OUT" "$@" --cfg "$CFG" --steps "$SAMPLE_STEPS" \
+        --seed "$SEED" --device "$DEVICE" "${extra_sample[@]}"
+    [[ $DRY_RUN == 1 ]] || echo "# grid: $SAMPLES_OUT/grid.png"
+}
+
+# ---- small helpers ----
+
+need() {
+    [[ -n ${!1} ]] && return 0
+    [[ $DRY_RUN == 1 ]] || die "$2"
+    printf -v "$1" '<%s>' "$1"
+}
+
+extra_args() {
+    local stage var
+    for stage in "$@"; do
+        var=EXTRA_${stage^^}_ARGS
+        read -r -a "extra_$stage" <<<"${!var}"
+    done
+}
+
+on_off() {
+    if [[ ${!1} == 1 ]]; then echo "$2"; else echo "--no-${2#--}"; fi
 }
 
 want() { [[ ",${STAGES// /,}," == *",$1,"* ]]; }

@@ -36,45 +36,29 @@ param IMAGENET_DIR --imagenet "" "ILSVRC2012 train folder, one folder per class 
 param OUT --out "imagenet256-out" "where shards, store and run go"
 param SHARDS_DIR --shards '$OUT/shards' "image shards (ditdata fetch)"
 param STORE_DIR --store '$OUT/store' "latent store (ditdata encode)"
-param RUN_DIR --run '$OUT/run' "training run: checkpoints, metrics, EMA weights, sample grids"
-param SAMPLES_OUT --samples-out '$RUN_DIR/final' "final samples: grid.png and samples/"
-param STAGES --stages "fetch,encode,train,sample" "which stages to run"
-param DEVICE --device auto "auto, cpu, cuda, cuda:1 (encode, train, sample)"
-param NPROC --nproc 1 "processes (GPUs) for encode and train; above 1 they run under torchrun"
-param WORKERS --workers '$(( $(nproc) < 8 ? $(nproc) : 8 ))' "fetch processes and encode decoding workers" "CPU cores, at most 8"
+run_params "fetch,encode,train,sample"  # RUN_DIR SAMPLES_OUT STAGES DEVICE NPROC WORKERS
 # fetch
 param FETCH_SIZE --fetch-size "" "resize while packing (e.g. 288: smaller side, centre square) to save disk; none keeps the originals"
 param SAMPLES_PER_SHARD --samples-per-shard 10000 "images per shard"
+param EXTRA_FETCH_ARGS --fetch-args "" "more options for ditdata fetch"
 # encode
 param VAE --vae sd-vae-ft-ema "autoencoder: a preset (sd-vae-ft-ema, sd-vae-ft-mse, sdxl-vae, flux-vae, taef2, pixels), a local folder or a cached hub id"
 param RESOLUTION --resolution 256 "image size in pixels (resize the short side, centre crop)"
 switch FLIP --flip 1 "also store the latent of the flipped image (the paper's only augmentation)"
-param BACKEND --backend zarr "store backend: zarr (random access) or wds (tar streaming)"
-param ENCODE_BATCH --encode-batch 32 "images per autoencoder forward"
+store_params  # BACKEND ENCODE_BATCH EXTRA_ENCODE_ARGS
 # train
-param MODEL --model DiT-XL/2 "DiT size and patch (dittrain models)"
-param BATCH --batch 256 "GLOBAL batch per optimizer step"
-param ACCUM --accum 1 "gradient accumulation steps (the batch is split into ACCUM micro-batches)"
-param GRAD_CKPT --grad-ckpt none "gradient checkpointing: none, every (block) or k (every k-th block)"
-param STEPS --steps 400000 "optimizer steps"
-param LR --lr 1e-4 "AdamW learning rate (constant)"
-param WEIGHT_DECAY --weight-decay 0 "AdamW weight decay"
-param GRAD_CLIP --grad-clip 0 "max gradient norm (0: none, as in the paper)"
-param EMA --ema 0.9999 "EMA decay"
+train_params  # MODEL BATCH ACCUM GRAD_CKPT STEPS LR ... SEED EXTRA_TRAIN_ARGS; then this recipe's own
+default MODEL DiT-XL/2
+default LR 1e-4 "AdamW learning rate (constant)"
+default GRAD_CLIP 0 "max gradient norm (0: none, as in the paper)"
+default OBJECTIVE ddpm "ddpm (epsilon + learned sigma, as in the paper) or flow"
 param CLASS_DROPOUT --class-dropout 0.1 "label dropout, for classifier-free guidance"
-param OBJECTIVE --objective ddpm "ddpm (epsilon + learned sigma, as in the paper) or flow"
-param AMP --amp bf16 "autocast: bf16, fp16 (with a grad scaler), fp32 or auto"
-switch COMPILE --compile 0 "torch.compile the model"
-param LOADER --loader auto "auto (keep the store in RAM when it fits), resident or streaming"
-param SAVE_EVERY --save-every 5000 "checkpoint every N steps"
-param SAMPLE_EVERY --sample-every 10000 "EMA sample grid every N steps (0: never)"
-param LOG_EVERY --log-every 100 "metrics line every N steps"
-param SEED --seed 0 "training and sampling seed"
 # sample
 param SAMPLE_CLASSES --sample-classes "207,360,387,974,88,979,417,279" "classes to sample: indices, names or all (the default: the paper's figure classes)"
 param SAMPLE_PER_CLASS --sample-per-class 4 "samples per class (one grid row each)"
-param CFG --cfg 4.0 "classifier-free guidance scale (the paper: 4.0 for pictures, 1.5 for FID)"
-param SAMPLE_STEPS --sample-steps 250 "sampling steps (the paper: 250 DDPM steps)"
+sample_params  # CFG SAMPLE_STEPS EXTRA_SAMPLE_ARGS
+default CFG 4.0 "classifier-free guidance scale (the paper: 4.0 for pictures, 1.5 for FID)"
+default SAMPLE_STEPS 250 "sampling steps (the paper: 250 DDPM steps)"
 # fid (the DiT paper's FID-50K protocol)
 param FID_REF --fid-ref "" "FID reference: ADM's VIRTUAL_imagenet256_labeled.npz (required for the fid stage)"
 param FID_N --fid-n 50000 "samples for FID"
@@ -82,80 +66,38 @@ param FID_CFG --fid-cfg 1.5 "guidance scale for FID (the paper: 1.5)"
 param FID_STEPS --fid-steps 250 "ddpm steps for FID (the paper: 250)"
 param FID_DIR --fid-dir '$RUN_DIR/fid' "where samples.npz and fid.json go"
 param INCEPTION --inception "" "the FID Inception weights file (default: \$DITKIT_INCEPTION or the torch hub cache)"
-# anything else, passed through as is (split on spaces)
-param EXTRA_FETCH_ARGS --fetch-args "" "more options for ditdata fetch"
-param EXTRA_ENCODE_ARGS --encode-args "" "more options for ditdata encode"
-param EXTRA_TRAIN_ARGS --train-args "" "more options for dittrain run"
-param EXTRA_SAMPLE_ARGS --sample-args "" "more options for dittrain sample"
 parse_params "$@"
 check_stages fetch encode train sample fid
 
 setup_commands  # DITDATA, DITTRAIN, encode_cmd, train_cmd (torchrun when NPROC > 1)
-read -r -a extra_fetch <<<"$EXTRA_FETCH_ARGS"
-read -r -a extra_encode <<<"$EXTRA_ENCODE_ARGS"
-read -r -a extra_train <<<"$EXTRA_TRAIN_ARGS"
-read -r -a extra_sample <<<"$EXTRA_SAMPLE_ARGS"
-flip_flag=$([[ $FLIP == 1 ]] && echo --flip || echo --no-flip)
-compile_flag=$([[ $COMPILE == 1 ]] && echo --compile || echo --no-compile)
+extra_args fetch encode train sample  # extra_fetch=(...) from EXTRA_FETCH_ARGS, ...
 sigma=()
 [[ $OBJECTIVE == ddpm ]] && sigma=(--learn-sigma)  # DiT's learned variance (on for ddpm anyway)
 
-# ---- 1 fetch: class folders -> image shards ----
-if want fetch; then
-    stage fetch "ImageNet class folders -> image shards in $SHARDS_DIR"
-    if ! skip_if_done "$SHARDS_DIR/dataset.json" "a finished fetch"; then
-        if [[ -z $IMAGENET_DIR ]]; then
-            [[ $DRY_RUN == 1 ]] || die "--imagenet DIR (or IMAGENET_DIR) is required to fetch"
-            IMAGENET_DIR='<IMAGENET_DIR>'
-        fi
-        # an interrupted fetch into the same folder resumes: its finished shards are kept
-        run "$DITDATA" fetch "$IMAGENET_DIR" --out "$SHARDS_DIR" --kind classes \
-            ${FETCH_SIZE:+--image-size "$FETCH_SIZE"} \
-            --samples-per-shard "$SAMPLES_PER_SHARD" --processes "$WORKERS" "${extra_fetch[@]}"
-    fi
-fi
+# ---- 1 fetch: class folders -> image shards (an interrupted fetch resumes: finished shards are kept) ----
+fetch_stage "ImageNet class folders -> image shards in $SHARDS_DIR" \
+    IMAGENET_DIR "--imagenet DIR (or IMAGENET_DIR) is required to fetch" \
+    --kind classes ${FETCH_SIZE:+--image-size "$FETCH_SIZE"} \
+    --samples-per-shard "$SAMPLES_PER_SHARD" --processes "$WORKERS" "${extra_fetch[@]}"
 
 # ---- 2 encode: image shards -> latent store (an interrupted encode resumes: finished shards are kept) ----
-if want encode; then
-    stage encode "$VAE latents at $RESOLUTION px -> latent store in $STORE_DIR"
-    # a finished store: skip loading the autoencoder just to find every shard done
-    if ! skip_if_done "$STORE_DIR/manifest.json" "a finished store; for other settings choose another --store"; then
-        run "${encode_cmd[@]}" "$SHARDS_DIR" --out "$STORE_DIR" --vae "$VAE" --resolution "$RESOLUTION" \
-            "$flip_flag" --backend "$BACKEND" \
-            --device "$DEVICE" --batch-size "$ENCODE_BATCH" --workers "$WORKERS" "${extra_encode[@]}"
-    fi
-fi
+encode_stage "$VAE latents at $RESOLUTION px -> latent store in $STORE_DIR" \
+    --vae "$VAE" --resolution "$RESOLUTION" "$(on_off FLIP --flip)"
 
 # ---- 3 train: DiT on the latents (in_channels, size, classes come from the store) ----
-if want train; then
-    stage train "$MODEL on $STORE_DIR -> $RUN_DIR"
-    resume_flag "$RUN_DIR"
-    run "${train_cmd[@]}" --latents "$STORE_DIR" --out "$RUN_DIR" --model "$MODEL" \
-        --objective "$OBJECTIVE" "${sigma[@]}" \
-        --batch-size "$BATCH" --accumulation-steps "$ACCUM" --grad-checkpointing "$GRAD_CKPT" \
-        --lr "$LR" --weight-decay "$WEIGHT_DECAY" --lr-schedule constant --warmup-steps 0 \
-        --grad-clip "$GRAD_CLIP" --ema "$EMA" --class-dropout "$CLASS_DROPOUT" \
-        --max-steps "$STEPS" --amp "$AMP" "$compile_flag" \
-        --loader "$LOADER" --save-every "$SAVE_EVERY" --sample-every "$SAMPLE_EVERY" \
-        --log-every "$LOG_EVERY" --seed "$SEED" --device "$DEVICE" "${resume[@]}" "${extra_train[@]}"
-fi
+train_stage --objective "$OBJECTIVE" "${sigma[@]}" \
+    --batch-size "$BATCH" --accumulation-steps "$ACCUM" --grad-checkpointing "$GRAD_CKPT" \
+    --lr "$LR" --weight-decay "$WEIGHT_DECAY" --lr-schedule constant --warmup-steps 0 \
+    --grad-clip "$GRAD_CLIP" --ema "$EMA" --class-dropout "$CLASS_DROPOUT"
 
 # ---- 4 sample: the EMA weights, one grid row per class ----
-if want sample; then
-    stage sample "$SAMPLE_PER_CLASS per class of $SAMPLE_CLASSES, cfg $CFG -> $SAMPLES_OUT"
-    run "$DITTRAIN" sample --ckpt "$RUN_DIR" --out "$SAMPLES_OUT" --classes "$SAMPLE_CLASSES" \
-        --n-per-class "$SAMPLE_PER_CLASS" --cfg "$CFG" --steps "$SAMPLE_STEPS" --seed "$SEED" \
-        --device "$DEVICE" "${extra_sample[@]}"
-    [[ $DRY_RUN == 1 ]] || echo "# grid: $SAMPLES_OUT/grid.png"
-fi
+sample_stage "$SAMPLE_PER_CLASS per class of $SAMPLE_CLASSES" \
+    --classes "$SAMPLE_CLASSES" --n-per-class "$SAMPLE_PER_CLASS"
 
 # ---- 5 fid: FID-50K samples (resumable chunks; torchrun when NPROC > 1), then the metrics ----
 if want fid; then
     stage fid "FID-$FID_N of $RUN_DIR against ${FID_REF:-<FID_REF>} -> $FID_DIR/fid.json"
-    if [[ -z $FID_REF ]]; then
-        [[ $DRY_RUN == 1 ]] || die "--fid-ref REF (or FID_REF) is required for the fid stage"
-        FID_REF='<FID_REF>'
-    fi
+    need FID_REF "--fid-ref REF (or FID_REF) is required for the fid stage"
     [[ $DRY_RUN == 1 ]] || mkdir -p "$FID_DIR"
     run "${sample_cmd[@]}" --ckpt "$RUN_DIR" --num-samples "$FID_N" --npz "$FID_DIR/samples.npz" \
         --cfg "$FID_CFG" --steps "$FID_STEPS" --seed "$SEED" --device "$DEVICE"

@@ -39,12 +39,7 @@ param OUT --out "laion-t2i-out" "where shards, selection, store and run go"
 param SHARDS_DIR --shards '$OUT/shards' "image shards and their CLIP scores (fetch, score)"
 param SELECTION --selection '$OUT/selection.parquet' "the kept keys (ditdata filter)"
 param STORE_DIR --store '$OUT/store' "latent store (ditdata encode)"
-param RUN_DIR --run '$OUT/run' "training run: checkpoints, metrics, EMA weights, sample grids"
-param SAMPLES_OUT --samples-out '$RUN_DIR/final' "final samples: grid.png and samples/"
-param STAGES --stages "fetch,score,filter,encode,train,sample" "which stages to run"
-param DEVICE --device auto "auto, cpu, cuda, cuda:1 (score, encode, train, sample)"
-param NPROC --nproc 1 "processes (GPUs) for encode and train; above 1 they run under torchrun"
-param WORKERS --workers '$(( $(nproc) < 8 ? $(nproc) : 8 ))' "fetch processes, score and encode decoding workers" "CPU cores, at most 8"
+run_params "fetch,score,filter,encode,train,sample"  # RUN_DIR SAMPLES_OUT STAGES DEVICE NPROC WORKERS
 # fetch
 param RESOLUTION --resolution 256 "training image size in pixels (encode: resize the short side, centre crop)"
 param IMAGE_SIZE --image-size '$RESOLUTION' "fetch: resize to this (smaller side, centre square)"
@@ -52,6 +47,7 @@ param MIN_IMAGE_SIZE --min-image-size '$RESOLUTION' "fetch: skip images whose sm
 param MAX_ASPECT_RATIO --max-aspect-ratio 2 "fetch: skip images longer than this on one side"
 param SAMPLES_PER_SHARD --samples-per-shard 10000 "images per shard"
 param THREADS --threads 64 "download threads per fetch process"
+param EXTRA_FETCH_ARGS --fetch-args "" "more options for ditdata fetch"
 # score and filter
 param CLIP_CONFIG --clip-config "" "an open_clip model-config JSON, for an architecture open_clip does not know"
 clip_default() { if [[ -n $CLIP_CONFIG ]]; then basename "${CLIP_CONFIG%.json}"; else echo ViT-B-32; fi; }
@@ -59,6 +55,8 @@ param CLIP_MODEL --clip '$(clip_default)' "open_clip model that scores the pairs
 param CLIP_PRETRAINED --clip-pretrained laion2b_s34b_b79k "its pretrained tag (from the local HF cache) or a weights file"
 param MIN_CLIP_SCORE --min-clip-score 0.28 "keep pairs with at least this CLIP score (LAION-5B: 0.28 with ViT-B-32)"
 param TOP_FRACTION --top-fraction "" "keep this top fraction of the scores instead (DataComp: 0.3 with ViT-L-14)"
+param EXTRA_SCORE_ARGS --score-args "" "more options for ditdata score"
+param EXTRA_FILTER_ARGS --filter-args "" "more options for ditdata filter (e.g. --min-caption-length 5)"
 # encode
 param VAE --vae sd-vae-ft-ema "autoencoder: a preset (sd-vae-ft-ema, sd-vae-ft-mse, sdxl-vae, flux-vae, taef2, pixels), a local folder or a cached hub id"
 param TEXT_ENCODER --text-encoder '$CLIP_MODEL' "open_clip model that embeds the captions"
@@ -66,51 +64,22 @@ param TEXT_PRETRAINED --text-pretrained '$CLIP_PRETRAINED' "its pretrained tag o
 param TEXT_CONFIG --text-config '$CLIP_CONFIG' "its model-config JSON, if custom"
 switch TEXT_TOKENS --text-tokens 1 "store per-token embeddings too, for cross-attention (off: pooled only)"
 switch FLIP --flip 0 "also store flipped latents (off: captions may say left or right)"
-param BACKEND --backend zarr "store backend: zarr (random access) or wds (tar streaming)"
-param ENCODE_BATCH --encode-batch 32 "images per autoencoder forward"
+store_params  # BACKEND ENCODE_BATCH EXTRA_ENCODE_ARGS
 # train
-param MODEL --model DiT-B/2 "DiT size and patch (dittrain models)"
-param BATCH --batch 256 "GLOBAL batch per optimizer step"
-param ACCUM --accum 1 "gradient accumulation steps (the batch is split into ACCUM micro-batches)"
-param GRAD_CKPT --grad-ckpt none "gradient checkpointing: none, every (block) or k (every k-th block)"
-param STEPS --steps 400000 "optimizer steps"
-param LR --lr 1e-4 "AdamW learning rate"
+train_params  # MODEL BATCH ACCUM GRAD_CKPT STEPS LR ... SEED EXTRA_TRAIN_ARGS; then this recipe's own
+default SAMPLE_EVERY 10000 "EMA sample grid (of the store's own captions) every N steps (0: never)"
 param WARMUP --warmup 0 "linear warmup steps"
-param WEIGHT_DECAY --weight-decay 0 "AdamW weight decay"
-param GRAD_CLIP --grad-clip 1.0 "max gradient norm (0: none)"
-param EMA --ema 0.9999 "EMA decay"
 param CAPTION_DROPOUT --caption-dropout 0.1 "caption dropout (the empty caption), for classifier-free guidance"
-param OBJECTIVE --objective ddpm "ddpm (epsilon + learned sigma) or flow (rectified flow)"
 switch QK_NORM --qk-norm 0 "normalise queries and keys (steadier attention logits)"
-param AMP --amp bf16 "autocast: bf16, fp16 (with a grad scaler), fp32 or auto"
-switch COMPILE --compile 0 "torch.compile the model"
-param LOADER --loader auto "auto (keep the store in RAM when it fits), resident or streaming"
-param SAVE_EVERY --save-every 5000 "checkpoint every N steps"
-param SAMPLE_EVERY --sample-every 10000 "EMA sample grid (of the store's own captions) every N steps (0: never)"
-param LOG_EVERY --log-every 100 "metrics line every N steps"
-param SEED --seed 0 "training and sampling seed"
 # sample
 list PROMPTS --prompt "a photograph of a cat sitting on a sofa|a red sports car on a mountain road|a bowl of fruit on a wooden table|a lighthouse on a cliff at sunset" "prompts to sample, '|'-separated (the flag is repeatable)"
 param SAMPLE_PER_PROMPT --sample-per-prompt 4 "samples per prompt (one grid row each)"
-param CFG --cfg 4.0 "classifier-free guidance scale"
-param SAMPLE_STEPS --sample-steps 250 "sampling steps"
-# anything else, passed through as is (split on spaces)
-param EXTRA_FETCH_ARGS --fetch-args "" "more options for ditdata fetch"
-param EXTRA_SCORE_ARGS --score-args "" "more options for ditdata score"
-param EXTRA_FILTER_ARGS --filter-args "" "more options for ditdata filter (e.g. --min-caption-length 5)"
-param EXTRA_ENCODE_ARGS --encode-args "" "more options for ditdata encode"
-param EXTRA_TRAIN_ARGS --train-args "" "more options for dittrain run"
-param EXTRA_SAMPLE_ARGS --sample-args "" "more options for dittrain sample"
+sample_params  # CFG SAMPLE_STEPS EXTRA_SAMPLE_ARGS
 parse_params "$@"
 check_stages fetch score filter encode train sample
 
 setup_commands  # DITDATA, DITTRAIN, encode_cmd, train_cmd (torchrun when NPROC > 1)
-read -r -a extra_fetch <<<"$EXTRA_FETCH_ARGS"
-read -r -a extra_score <<<"$EXTRA_SCORE_ARGS"
-read -r -a extra_filter <<<"$EXTRA_FILTER_ARGS"
-read -r -a extra_encode <<<"$EXTRA_ENCODE_ARGS"
-read -r -a extra_train <<<"$EXTRA_TRAIN_ARGS"
-read -r -a extra_sample <<<"$EXTRA_SAMPLE_ARGS"
+extra_args fetch score filter encode train sample  # extra_fetch=(...) from EXTRA_FETCH_ARGS, ...
 keep_col_args=()
 IFS=',' read -r -a cols <<<"$KEEP_COLS"
 for c in "${cols[@]}"; do keep_col_args+=(--keep-col "$c"); done
@@ -119,29 +88,17 @@ clip_config=()
 text_config=()
 [[ -n $TEXT_CONFIG ]] && text_config=(--text-config "$TEXT_CONFIG")
 if [[ -n $TOP_FRACTION ]]; then rule=(--top-fraction "$TOP_FRACTION"); else rule=(--min-clip-score "$MIN_CLIP_SCORE"); fi
-tokens_flag=$([[ $TEXT_TOKENS == 1 ]] && echo --text-tokens || echo --no-text-tokens)
-flip_flag=$([[ $FLIP == 1 ]] && echo --flip || echo --no-flip)
-qk_flag=$([[ $QK_NORM == 1 ]] && echo --qk-norm || echo --no-qk-norm)
-compile_flag=$([[ $COMPILE == 1 ]] && echo --compile || echo --no-compile)
 prompt_args=()
 IFS='|' read -r -a items <<<"$PROMPTS"
 for p in "${items[@]}"; do prompt_args+=(--prompt "$p"); done
 
 # ---- 1 fetch: URLs -> image shards (img2dataset; a rerun resumes, finished shards are kept) ----
-if want fetch; then
-    stage fetch "download $LAION_PARQUET -> image shards in $SHARDS_DIR"
-    if ! skip_if_done "$SHARDS_DIR/dataset.json" "a finished fetch"; then
-        if [[ -z $LAION_PARQUET ]]; then
-            [[ $DRY_RUN == 1 ]] || die "--parquet FILE (or LAION_PARQUET) is required to fetch"
-            LAION_PARQUET='<LAION_PARQUET>'
-        fi
-        run "$DITDATA" fetch "$LAION_PARQUET" --out "$SHARDS_DIR" --kind urls \
-            --url-col "$URL_COL" --caption-col "$CAPTION_COL" "${keep_col_args[@]}" \
-            --image-size "$IMAGE_SIZE" --resize-mode center_crop --min-image-size "$MIN_IMAGE_SIZE" \
-            --max-aspect-ratio "$MAX_ASPECT_RATIO" --samples-per-shard "$SAMPLES_PER_SHARD" \
-            --processes "$WORKERS" --threads "$THREADS" "${extra_fetch[@]}"
-    fi
-fi
+fetch_stage "download $LAION_PARQUET -> image shards in $SHARDS_DIR" \
+    LAION_PARQUET "--parquet FILE (or LAION_PARQUET) is required to fetch" \
+    --kind urls --url-col "$URL_COL" --caption-col "$CAPTION_COL" "${keep_col_args[@]}" \
+    --image-size "$IMAGE_SIZE" --resize-mode center_crop --min-image-size "$MIN_IMAGE_SIZE" \
+    --max-aspect-ratio "$MAX_ASPECT_RATIO" --samples-per-shard "$SAMPLES_PER_SHARD" \
+    --processes "$WORKERS" --threads "$THREADS" "${extra_fetch[@]}"
 
 # ---- 2 score: CLIP similarity per pair, NNNNN.clip.parquet beside each shard (a rerun skips scored shards) ----
 if want score; then
@@ -157,37 +114,17 @@ if want filter; then
 fi
 
 # ---- 4 encode: the selected images -> latents + caption embeddings (the filter goes in the manifest) ----
-if want encode; then
-    stage encode "$VAE latents at $RESOLUTION px + $TEXT_ENCODER text embeddings -> latent store in $STORE_DIR"
-    # a finished store: skip loading the autoencoder just to find every shard done
-    if ! skip_if_done "$STORE_DIR/manifest.json" "a finished store; for other settings choose another --store"; then
-        run "${encode_cmd[@]}" "$SHARDS_DIR" --out "$STORE_DIR" --select "$SELECTION" \
-            --vae "$VAE" --resolution "$RESOLUTION" "$flip_flag" \
-            --text-encoder "$TEXT_ENCODER" --text-pretrained "$TEXT_PRETRAINED" "${text_config[@]}" "$tokens_flag" \
-            --backend "$BACKEND" --device "$DEVICE" --batch-size "$ENCODE_BATCH" --workers "$WORKERS" \
-            "${extra_encode[@]}"
-    fi
-fi
+encode_stage "$VAE latents at $RESOLUTION px + $TEXT_ENCODER text embeddings -> latent store in $STORE_DIR" \
+    --select "$SELECTION" --vae "$VAE" --resolution "$RESOLUTION" "$(on_off FLIP --flip)" \
+    --text-encoder "$TEXT_ENCODER" --text-pretrained "$TEXT_PRETRAINED" "${text_config[@]}" \
+    "$(on_off TEXT_TOKENS --text-tokens)"
 
 # ---- 5 train: a text-conditioned DiT (text widths come from the store) ----
-if want train; then
-    stage train "$MODEL on $STORE_DIR -> $RUN_DIR"
-    resume_flag "$RUN_DIR"
-    run "${train_cmd[@]}" --latents "$STORE_DIR" --out "$RUN_DIR" --model "$MODEL" --objective "$OBJECTIVE" \
-        --batch-size "$BATCH" --accumulation-steps "$ACCUM" --grad-checkpointing "$GRAD_CKPT" \
-        --lr "$LR" --warmup-steps "$WARMUP" --weight-decay "$WEIGHT_DECAY" --grad-clip "$GRAD_CLIP" \
-        --ema "$EMA" --caption-dropout "$CAPTION_DROPOUT" "$qk_flag" --max-steps "$STEPS" \
-        --amp "$AMP" "$compile_flag" --loader "$LOADER" --save-every "$SAVE_EVERY" \
-        --sample-every "$SAMPLE_EVERY" --log-every "$LOG_EVERY" --seed "$SEED" --device "$DEVICE" \
-        "${resume[@]}" "${extra_train[@]}"
-fi
+train_stage --objective "$OBJECTIVE" \
+    --batch-size "$BATCH" --accumulation-steps "$ACCUM" --grad-checkpointing "$GRAD_CKPT" \
+    --lr "$LR" --warmup-steps "$WARMUP" --weight-decay "$WEIGHT_DECAY" --grad-clip "$GRAD_CLIP" \
+    --ema "$EMA" --caption-dropout "$CAPTION_DROPOUT" "$(on_off QK_NORM --qk-norm)"
 
 # ---- 6 sample: one grid row per prompt, embedded with the store's text encoder ----
-if want sample; then
-    stage sample "$SAMPLE_PER_PROMPT per prompt, cfg $CFG -> $SAMPLES_OUT"
-    run "$DITTRAIN" sample --ckpt "$RUN_DIR" --out "$SAMPLES_OUT" "${prompt_args[@]}" \
-        --n-per-class "$SAMPLE_PER_PROMPT" --cfg "$CFG" --steps "$SAMPLE_STEPS" --seed "$SEED" \
-        --device "$DEVICE" "${extra_sample[@]}"
-    [[ $DRY_RUN == 1 ]] || echo "# grid: $SAMPLES_OUT/grid.png"
-fi
+sample_stage "$SAMPLE_PER_PROMPT per prompt" "${prompt_args[@]}" --n-per-class "$SAMPLE_PER_PROMPT"
 finish

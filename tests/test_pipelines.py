@@ -28,6 +28,7 @@ from ditdata.store import open_store
 REPO = Path(__file__).resolve().parents[1]
 IMAGENET = REPO / "pipelines" / "imagenet256.sh"
 LAION = REPO / "pipelines" / "laion_t2i.sh"
+COMMON = REPO / "pipelines" / "_common.sh"  # the recipes' shared helpers and parameter groups
 VENV_BIN = REPO / ".venv" / "bin"
 
 # the HTTP server and the real photos of the fetch tests
@@ -36,9 +37,12 @@ images = test_fetch.images
 
 
 def params_of(script: Path) -> dict[str, str]:
-    """{VARIABLE: --flag} of every `param`/`switch`/`list` line of a recipe."""
-    found = re.findall(r"^(?:param|switch|list) (\w+) (--[\w-]+)", script.read_text(), re.M)
-    return dict(found)
+    """{VARIABLE: --flag} of every `param`/`switch`/`list` line of a recipe, and of every
+    parameter group of _common.sh (`run_params`, `train_params`, ...) it calls."""
+    text = script.read_text()
+    groups = dict(re.findall(r"^(\w+_params)\(\) \{\n(.*?)^\}", COMMON.read_text(), re.M | re.S))
+    text += "".join(groups.get(name, "") for name in re.findall(r"^(\w+_params)\b", text, re.M))
+    return dict(re.findall(r"^\s*(?:param|switch|list) (\w+) (--[\w-]+)", text, re.M))
 
 
 def recipe_env(**overrides) -> dict:
@@ -65,20 +69,18 @@ def commands(stdout: str) -> list[list[str]]:
     return [shlex.split(line) for line in stdout.splitlines() if line.strip() and not line.startswith("#")]
 
 
-def default_workers() -> str:
-    return str(min(len(os.sched_getaffinity(0)), 8))
+WORKERS = str(min(len(os.sched_getaffinity(0)), 8))  # the recipes' default --workers: CPU cores, at most 8
 
 
 # ============================================================================ imagenet256: dry run
 
 
 def imagenet_defaults(data: str, out: str = "imagenet256-out") -> list[list[str]]:
-    w = default_workers()
     return [
         ["ditdata", "fetch", data, "--out", f"{out}/shards", "--kind", "classes", "--samples-per-shard", "10000",
-         "--processes", w],
+         "--processes", WORKERS],
         ["ditdata", "encode", f"{out}/shards", "--out", f"{out}/store", "--vae", "sd-vae-ft-ema", "--resolution",
-         "256", "--flip", "--backend", "zarr", "--device", "auto", "--batch-size", "32", "--workers", w],
+         "256", "--flip", "--backend", "zarr", "--device", "auto", "--batch-size", "32", "--workers", WORKERS],
         ["dittrain", "run", "--latents", f"{out}/store", "--out", f"{out}/run", "--model", "DiT-XL/2",
          "--objective", "ddpm", "--learn-sigma", "--batch-size", "256", "--accumulation-steps", "1",
          "--grad-checkpointing", "none", "--lr", "1e-4", "--weight-decay", "0", "--lr-schedule", "constant",
@@ -91,14 +93,9 @@ def imagenet_defaults(data: str, out: str = "imagenet256-out") -> list[list[str]
     ]
 
 
-def test_imagenet_dry_run_defaults(tmp_path):
-    r = recipe(IMAGENET, "--dry-run", "--imagenet", "/data/imagenet/train", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert commands(r.stdout) == imagenet_defaults("/data/imagenet/train")
-    for name in ("fetch", "encode", "train", "sample"):
-        assert f"# [{name}] " in r.stdout
-    assert not list(tmp_path.iterdir())  # nothing was run nor created
-    # DRY_RUN=1 is the same; without the data folder the command shows where it goes
+def test_imagenet_dry_run_from_the_environment(tmp_path):
+    """DRY_RUN=1 is --dry-run; without the data folder the command shows where it goes (the
+    defaults with --imagenet: test_dry_run_defaults)."""
     r = recipe(IMAGENET, env=recipe_env(DRY_RUN=1), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert commands(r.stdout) == imagenet_defaults("<IMAGENET_DIR>")
@@ -220,18 +217,17 @@ def test_clis_are_found_in_the_venv_or_given(tmp_path):
 
 
 def laion_defaults(parquet: str, out: str = "laion-t2i-out") -> list[list[str]]:
-    w = default_workers()
     return [
         ["ditdata", "fetch", parquet, "--out", f"{out}/shards", "--kind", "urls", "--url-col", "URL",
          "--caption-col", "TEXT", "--image-size", "256", "--resize-mode", "center_crop", "--min-image-size", "256",
-         "--max-aspect-ratio", "2", "--samples-per-shard", "10000", "--processes", w, "--threads", "64"],
+         "--max-aspect-ratio", "2", "--samples-per-shard", "10000", "--processes", WORKERS, "--threads", "64"],
         ["ditdata", "score", f"{out}/shards", "--clip", "ViT-B-32", "--pretrained", "laion2b_s34b_b79k",
-         "--device", "auto", "--workers", w],
+         "--device", "auto", "--workers", WORKERS],
         ["ditdata", "filter", f"{out}/shards", "--min-clip-score", "0.28", "--out", f"{out}/selection.parquet"],
         ["ditdata", "encode", f"{out}/shards", "--out", f"{out}/store", "--select", f"{out}/selection.parquet",
          "--vae", "sd-vae-ft-ema", "--resolution", "256", "--no-flip", "--text-encoder", "ViT-B-32",
          "--text-pretrained", "laion2b_s34b_b79k", "--text-tokens", "--backend", "zarr", "--device", "auto",
-         "--batch-size", "32", "--workers", w],
+         "--batch-size", "32", "--workers", WORKERS],
         ["dittrain", "run", "--latents", f"{out}/store", "--out", f"{out}/run", "--model", "DiT-B/2",
          "--objective", "ddpm", "--batch-size", "256", "--accumulation-steps", "1", "--grad-checkpointing", "none",
          "--lr", "1e-4", "--warmup-steps", "0", "--weight-decay", "0", "--grad-clip", "1.0", "--ema", "0.9999",
@@ -245,13 +241,18 @@ def laion_defaults(parquet: str, out: str = "laion-t2i-out") -> list[list[str]]:
     ]
 
 
-def test_laion_dry_run_defaults(tmp_path):
-    r = recipe(LAION, "--dry-run", "--parquet", "part-00000.parquet", cwd=tmp_path)
+@pytest.mark.parametrize(("script", "flag", "data", "defaults", "stages"), [
+    (IMAGENET, "--imagenet", "/data/imagenet/train", imagenet_defaults, ("fetch", "encode", "train", "sample")),
+    (LAION, "--parquet", "part-00000.parquet", laion_defaults,
+     ("fetch", "score", "filter", "encode", "train", "sample")),
+], ids=["imagenet256", "laion_t2i"])
+def test_dry_run_defaults(script, flag, data, defaults, stages, tmp_path):
+    r = recipe(script, "--dry-run", flag, data, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert commands(r.stdout) == laion_defaults("part-00000.parquet")
-    for name in ("fetch", "score", "filter", "encode", "train", "sample"):
+    assert commands(r.stdout) == defaults(data)
+    for name in stages:
         assert f"# [{name}] " in r.stdout
-    assert not list(tmp_path.iterdir())
+    assert not list(tmp_path.iterdir())  # nothing was run nor created
 
 
 def test_laion_dry_run_overrides(tmp_path):
@@ -317,6 +318,17 @@ def check_run(run: Path, steps: int, save_every: int) -> list[dict]:
     return cfg
 
 
+def check_samples(final: Path, rows: int, cols: int, size: int, mode: str | None = None) -> list[dict]:
+    """The final samples: final/grid.png of rows x cols (check_grid), each row's cols singles
+    final/samples/ROW/NNNN.png of size x size px (and `mode`); the entries of samples.json."""
+    check_grid(final / "grid.png", rows=rows, cols=cols, size=size)
+    for row in range(rows):
+        for i in range(cols):
+            with Image.open(final / "samples" / str(row) / f"{i:04d}.png") as im:
+                assert im.size == (size, size) and (mode is None or im.mode == mode)
+    return json.loads((final / "samples" / "samples.json").read_text())["samples"]
+
+
 def verify(store: Path) -> None:
     r = subprocess.run(["ditdata", "verify", str(store)], capture_output=True, text=True, env=recipe_env(),
                        timeout=60)
@@ -357,14 +369,8 @@ def test_imagenet256_end_to_end(tmp_path):
     assert cfg["train"]["ema"] == 0.9999 and cfg["train"]["class_dropout"] == 0.1
     assert cfg["train"]["weight_decay"] == 0 and cfg["train"]["batch_size"] == 8
 
-    final = out / "run" / "final"
-    check_grid(final / "grid.png", rows=4, cols=2, size=16)
-    for c in range(4):
-        for i in range(2):
-            with Image.open(final / "samples" / str(c) / f"{i:04d}.png") as im:
-                assert im.size == (16, 16) and im.mode == "RGB"
-    index = json.loads((final / "samples" / "samples.json").read_text())
-    assert sorted(s["class"] for s in index["samples"]) == [0, 0, 1, 1, 2, 2, 3, 3]
+    samples = check_samples(out / "run" / "final", rows=4, cols=2, size=16, mode="RGB")
+    assert sorted(s["class"] for s in samples) == [0, 0, 1, 1, 2, 2, 3, 3]
 
     # rerun with more steps: fetch and encode skip, training resumes from step 4 to 6
     r = recipe(IMAGENET, *args, "--stages", "fetch,encode,train", "--steps", 6, timeout=120)
@@ -436,11 +442,5 @@ def test_laion_t2i_end_to_end(tmp_path, http_files, images):
     assert cfg["model"]["text_pooled_dim"] == 32 and cfg["model"]["text_token_dim"] == 32
     assert cfg["model"]["num_classes"] == 0 and cfg["train"]["caption_dropout"] == 0.1
 
-    final = out / "run" / "final"
-    check_grid(final / "grid.png", rows=2, cols=2, size=16)
-    index = json.loads((final / "samples" / "samples.json").read_text())
-    assert [s["prompt"] for s in index["samples"]] == ["a photo of a cat"] * 2 + ["a rocket on the launch pad"] * 2
-    for p in range(2):
-        for i in range(2):
-            with Image.open(final / "samples" / str(p) / f"{i:04d}.png") as im:
-                assert im.size == (16, 16)
+    samples = check_samples(out / "run" / "final", rows=2, cols=2, size=16)
+    assert [s["prompt"] for s in samples] == ["a photo of a cat"] * 2 + ["a rocket on the launch pad"] * 2
