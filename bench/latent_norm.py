@@ -49,18 +49,6 @@ def sh(*args, env=None, log=None) -> None:
     print(f"  {Path(str(args[0])).name} {args[1]}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
 
-def digits_tree(root: Path) -> None:
-    from PIL import Image
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    for i, (img, label) in enumerate(zip(d.images, d.target, strict=True)):
-        folder = root / str(label)
-        folder.mkdir(parents=True, exist_ok=True)
-        pixels = np.round(img * (255 / 16)).astype(np.uint8)
-        Image.fromarray(pixels, "L").resize((RES, RES), Image.Resampling.BICUBIC).save(folder / f"{i:04d}.png")
-
-
 def build_store(root: Path, taef2: str, env: dict) -> Path:
     store, done = root / "store", root / ".store-complete"
     if done.is_file() and done.read_text() == taef2:
@@ -68,7 +56,7 @@ def build_store(root: Path, taef2: str, env: dict) -> Path:
     if not (root / "shards" / "dataset.json").is_file():  # else fetched already: encode resumes its shards
         for p in ("digits", "shards", "store"):
             subprocess.run(["rm", "-rf", str(root / p)], check=True)
-        digits_tree(root / "digits")
+        sh(sys.executable, ROOT / "pipelines" / "digits.py", root / "digits", RES)  # demo.sh's digits
         sh(BIN / "ditdata", "fetch", root / "digits", "--out", root / "shards", "--kind", "classes",
            "--samples-per-shard", 512, "-q", env=env)
     sh(BIN / "ditdata", "encode", root / "shards", "--vae", taef2, "--resolution", RES, "--out", store,

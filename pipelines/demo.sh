@@ -60,23 +60,7 @@ stage() {  # stage NAME COMMAND...: run, time and remember it
 }
 
 digits_tree() {  # real scanned digits (8x8, 0-16) as upscaled greyscale PNGs, one folder per class
-  "$PYTHON" - "$OUT/digits" "$RES" <<'EOF'
-import sys
-from pathlib import Path
-
-import numpy as np
-from PIL import Image
-from sklearn.datasets import load_digits
-
-root, size = Path(sys.argv[1]), int(sys.argv[2])
-digits = load_digits()
-for i, (img, label) in enumerate(zip(digits.images, digits.target)):
-    folder = root / str(label)
-    folder.mkdir(parents=True, exist_ok=True)
-    pixels = np.round(img * (255 / 16)).astype(np.uint8)
-    Image.fromarray(pixels, "L").resize((size, size), Image.Resampling.BICUBIC).save(folder / f"{i:04d}.png")
-print(f"{len(digits.images)} digits written to {root}", file=sys.stderr)
-EOF
+  "$PYTHON" "$repo/pipelines/digits.py" "$OUT/digits" "$RES"
 }
 
 stage digits digits_tree
