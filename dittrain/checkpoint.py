@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ditdata.common.errors import UserError
+from ditdata.common.extras import missing_extra
 from ditdata.common.files import atomic_file, atomic_path, error_reason
 
 CHECKPOINTS = "checkpoints"
@@ -235,8 +236,8 @@ def _tensor_classes(path: Path) -> list[type]:
         try:
             cls = getattr(importlib.import_module(module), attr)
         except ImportError as e:
-            raise CheckpointError(f"{path}: an int8 export (torchao tensors); loading it needs torchao: "
-                                  "pip install 'ditkit[export]'") from e
+            raise missing_extra(f"{path}: loading an int8 export (torchao tensors)", "export", e,
+                                CheckpointError) from e
         except AttributeError as e:
             raise CheckpointError(f"{path}: an int8 export made with another torchao (this one has no {name}); "
                                   "load it with the torchao version that wrote it, or export it again") from e

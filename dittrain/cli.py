@@ -9,6 +9,7 @@ import sys
 import click
 
 from ditdata.common.cli import FiniteFloat, OneLineErrors
+from dittrain import config
 
 
 @click.group(cls=OneLineErrors,
@@ -44,7 +45,8 @@ def main():
 def models_cmd(resolution, downsample, channels, num_classes, learn_sigma, specs):
     """The named DiT configs (and any --model SPEC) with parameters and forward GFLOPs
     (multiply-adds per sample)."""
-    from dittrain.model import CONFIGS, architecture, describe
+    from dittrain.sizes import describe
+    from dittrain.specs import CONFIGS, architecture
 
     if resolution % downsample:
         raise click.UsageError(f"--resolution {resolution} is not a multiple of --downsample {downsample}")
@@ -110,18 +112,18 @@ def _opt(*names, field, **kw):
               help="Run directory: config.json, metrics.jsonl, checkpoints/, ema.safetensors, samples/.")
 @_opt("--model", field="model", help="A name from `dittrain models`, e.g. DiT-XL/2, or a custom size "
       "custom:hidden=512,depth=8,heads=8,patch=2 (optional: ,mlp_ratio=R).")
-@_opt("--objective", field="objective", type=click.Choice(["ddpm", "flow"]),
+@_opt("--objective", field="objective", type=click.Choice(config.OBJECTIVES),
       help="ddpm: epsilon prediction as in DiT; flow: rectified flow (velocity).")
 @_opt("--batch-size", field="batch_size", type=click.IntRange(min=1),
       help="GLOBAL batch per optimizer step (split over ranks and accumulation steps).")
 @_opt("--accumulation-steps", field="accumulation_steps", type=click.IntRange(min=1))
 @_opt("--lr", field="lr", type=FiniteFloat(min=0), help="Peak learning rate (AdamW).")
 @_opt("--weight-decay", field="weight_decay", type=FiniteFloat(min=0))
-@_opt("--optimizer", field="optimizer", type=click.Choice(["adamw", "adamw8bit"]),
+@_opt("--optimizer", field="optimizer", type=click.Choice(config.OPTIMIZERS),
       help="adamw: torch AdamW (fp32 state, 8 bytes per parameter); adamw8bit: bitsandbytes' 8-bit "
            "AdamW (about 2 bytes per parameter; pip install 'ditkit[optim]'). Same lr, betas, weight decay.")
 @_opt("--warmup-steps", field="warmup_steps", type=click.IntRange(min=0))
-@_opt("--lr-schedule", field="lr_schedule", type=click.Choice(["constant", "cosine"]))
+@_opt("--lr-schedule", field="lr_schedule", type=click.Choice(config.LR_SCHEDULES))
 @_opt("--min-lr", field="min_lr", type=FiniteFloat(min=0), help="Cosine schedule floor.")
 @_opt("--grad-clip", field="grad_clip", type=FiniteFloat(min=0), help="Max gradient norm (0: no clipping).")
 @_opt("--max-steps", field="max_steps", type=click.IntRange(min=1))
@@ -131,21 +133,21 @@ def _opt(*names, field, **kw):
 @click.option("--learn-sigma/--no-learn-sigma", default=None,
               help="Learned variance (default: on for ddpm, off for flow).")
 @_opt("--qk-norm/--no-qk-norm", field="qk_norm")
-@_opt("--latent-norm", field="latent_norm", type=click.Choice(["none", "channel"]),
+@_opt("--latent-norm", field="latent_norm", type=click.Choice(config.LATENT_NORMS),
       help="channel: standardise each latent channel with the store's recorded mean/std before the model "
            "(recorded in the run config; sampling undoes it before decoding). Helps scale-1 stores (TAEF2).")
-@_opt("--loss-weighting", field="loss_weighting", type=click.Choice(["none", "min-snr"]),
+@_opt("--loss-weighting", field="loss_weighting", type=click.Choice(config.LOSS_WEIGHTINGS),
       help="ddpm: min-snr weights the eps MSE by min(SNR, gamma) / SNR (the learned-variance VLB term "
            "stays unweighted).")
 @_opt("--min-snr-gamma", field="min_snr_gamma", type=FiniteFloat(min=0, min_open=True), help="gamma of min-snr.")
-@_opt("--t-sampling", field="t_sampling", type=click.Choice(["logit-normal", "uniform"]),
+@_opt("--t-sampling", field="t_sampling", type=click.Choice(config.T_SAMPLINGS),
       help="flow: how training draws t in (0, 1).")
 @_opt("--t-mean", field="t_mean", type=FiniteFloat(), help="flow logit-normal: t = sigmoid(N(mean, std)).")
 @_opt("--t-std", field="t_std", type=FiniteFloat(min=0, min_open=True))
 @_opt("--t-shift", field="t_shift", type=FiniteFloat(min=0, min_open=True),
       help="flow: SD3's shift t -> S t / (1 + (S - 1) t) of the training t and of the Euler/Heun "
            "sampling grid (1: none; S > 1 spends more time near the noise).")
-@_opt("--amp", field="amp", type=click.Choice(["auto", "bf16", "fp16", "fp32"]),
+@_opt("--amp", field="amp", type=click.Choice(config.AMP_MODES),
       help="auto: bf16 on GPUs that have it, else fp16 with a grad scaler; fp32 on the CPU.")
 @_opt("--grad-checkpointing", field="grad_checkpointing", is_flag=False, flag_value="every",
       help="Recompute activations in the backward pass to save memory: every (every block's, the "
@@ -153,20 +155,19 @@ def _opt(*names, field, **kw):
            "attention branch: norm, modulate, self- and cross-attention), mlp (each block's MLP "
            "branch, the widest activations), selective (every block, keeping its matmul and "
            "attention outputs: only element-wise ops are recomputed) or none.")
-@_opt("--compile", field="compile", type=click.Choice(["off", "auto", "blocks", "model"]), is_flag=False,
+@_opt("--compile", field="compile", type=click.Choice(config.COMPILE), is_flag=False,
       flag_value="blocks",
       help="torch.compile: blocks (each transformer block, one graph for all: compiles in seconds to a "
            "minute; also what the bare flag means), model (the whole forward, longer to compile), auto "
            "(blocks on CUDA, off on the CPU) or off. The first step's time, compilation included, is printed.")
 @click.option("--no-compile", is_flag=True, help="The same as --compile off.")
-@_opt("--compile-mode", field="compile_mode",
-      type=click.Choice(["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]),
+@_opt("--compile-mode", field="compile_mode", type=click.Choice(config.COMPILE_MODES),
       help="torch.compile mode: reduce-overhead replays CUDA graphs (for small models whose step is "
            "bound by kernel launches; more memory); max-autotune searches kernels (long compiles).")
 @_opt("--tf32/--no-tf32", field="tf32")
-@_opt("--loader", field="loader", type=click.Choice(["auto", "resident", "streaming"]),
+@_opt("--loader", field="loader", type=click.Choice(config.LOADERS),
       help="auto: keep the store in RAM when it fits, else stream it.")
-@_opt("--resident-device", field="resident_device", type=click.Choice(["cpu", "cuda"]),
+@_opt("--resident-device", field="resident_device", type=click.Choice(config.RESIDENT_DEVICES),
       help="Where a resident store lives (cuda: on the GPU, no host-to-device copies).")
 @_opt("--workers", field="workers", type=click.IntRange(min=0), help="Streaming loader processes.")
 @_opt("--shuffle-window", field="shuffle_window", type=click.IntRange(min=0),

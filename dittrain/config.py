@@ -17,6 +17,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# ------------------------------------------------------------------------------ choices
+# Every choice list of dittrain, in one place and without torch: the CLI's click.Choice
+# lists read these (so `dittrain --help` loads nothing heavy), and the modules that check a
+# value use the same tuples (tests/test_train_config.py checks both).
+
+OBJECTIVES = ("ddpm", "flow")  # ddpm: epsilon (DiT); flow: rectified flow, velocity (dittrain.diffusion)
+SAMPLERS = ("ddpm", "ddim", "euler", "heun")  # dittrain sample --sampler: ddpm/ddim for ddpm runs, euler/heun for flow
+LOSS_WEIGHTINGS = ("none", "min-snr")  # ddpm
+T_SAMPLINGS = ("logit-normal", "uniform")  # flow: how training draws t
+LATENT_NORMS = ("none", "channel")  # dittrain.latents
+OPTIMIZERS = ("adamw", "adamw8bit")  # dittrain.optim
+LR_SCHEDULES = ("constant", "cosine")  # dittrain.optim.lr_at
+AMP_MODES = ("auto", "bf16", "fp16", "fp32")  # --amp: ditdata.common.devices.PRECISIONS, in --help's order
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # sample / serve --precision: ditdata.common.devices.PRECISIONS
+# --grad-checkpointing (dittrain.grad_checkpointing): these, or k >= 1 (every k-th block)
+GRAD_CHECKPOINTING = ("none", "every", "attn", "mlp", "selective")
+CHECKPOINT_BRANCHES = ("attn", "mlp")  # recompute one branch of every block instead of whole blocks
+CHECKPOINT_SELECTIVE = "selective"  # every block, keeping its matmul and attention outputs
+COMPILE = ("off", "auto", "blocks", "model")  # --compile (dittrain.step.compile_target)
+COMPILE_TARGETS = ("off", "blocks", "model")  # what --compile resolves to
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+LOADERS = ("auto", "resident", "streaming")  # dittrain.data
+RESIDENT_DEVICES = ("cpu", "cuda")  # where a resident store lives
+LOGGERS = ("jsonl", "tensorboard", "wandb")  # dittrain.loggers
+
 
 @dataclass(frozen=True)
 class SampleConfig:

@@ -23,8 +23,7 @@ import math
 import torch
 
 from ditdata.common.errors import UserError
-
-LATENT_NORMS = ("none", "channel")
+from dittrain.config import LATENT_NORMS
 
 
 class LatentNormError(UserError, ValueError):

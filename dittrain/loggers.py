@@ -2,7 +2,7 @@
 
     --logger tensorboard,wandb,jsonl -> open_loggers(...) -> [JsonlLogger, TensorBoardLogger, WandbLogger]
 
-Every logger has the same three calls, made by rank 0 only (dittrain.train._Log):
+Every logger has the same three calls, made by rank 0 only (dittrain.report.Log):
 
     scalars(step, {"train/loss": 0.12, ...})   tags are GROUP/NAME (train/*, eval/*)
     image(step, tag, uint8 array (H, W, 3))     the EMA sample grids
@@ -29,9 +29,10 @@ from pathlib import Path
 import numpy as np
 
 from ditdata.common import files
-from ditdata.common.errors import UserError
+from ditdata.common.errors import UserError, described
+from ditdata.common.extras import install_hint, require
+from dittrain.config import LOGGERS
 
-LOGGERS = ("jsonl", "tensorboard", "wandb")
 WANDB_ID = "wandb_id.txt"  # in the run directory
 WANDB_INIT_TIMEOUT = 20.0  # seconds (wandb's own default is 90); $WANDB_INIT_TIMEOUT overrides it
 
@@ -50,10 +51,7 @@ def parse_loggers(spec: str) -> list[str]:
         if name and name not in names:
             names.append(name)
     if "wandb" in names:
-        try:
-            import wandb  # noqa: F401
-        except ImportError as e:
-            raise LoggerError(f"--logger wandb needs the wandb extra (pip install 'ditkit[wandb]'): {e}") from e
+        require("wandb", "--logger wandb", "wandb", LoggerError)
     return names
 
 
@@ -69,7 +67,7 @@ def open_loggers(spec: str, out: Path, *, config: dict, resumed: bool, wandb_pro
             try:
                 loggers.append(TensorBoardLogger(out / "tensorboard"))
             except ImportError:
-                note("note: TensorBoard is not installed (pip install 'ditkit[train]'); no TensorBoard logs")
+                note(f"note: TensorBoard is not installed ({install_hint('train')}); no TensorBoard logs")
         elif name == "wandb":
             logger = WandbLogger.start(out, config=config, resumed=resumed, project=wandb_project,
                                        name=wandb_name or out.resolve().name, note=note)
@@ -176,5 +174,4 @@ class WandbLogger:
 
 
 def _reason(e: BaseException) -> str:
-    text = " ".join(str(e).split())[:300]
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return described(e) if str(e).strip() else type(e).__name__

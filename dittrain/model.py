@@ -7,280 +7,62 @@ embedding and, for text models, the projected pooled text embedding; every block
 regresses scale/shift/gate from c (adaLN-Zero). Text token embeddings, when present,
 enter each block through an extra cross-attention layer.
 
-This file is the network only: no I/O and no diffusion math (see diffusion.py).
+This file is the network only: no I/O and no diffusion math (see diffusion.py). Its
+neighbours: dittrain.specs (DiTConfig, the registry of sizes, custom sizes, FLOPs),
+dittrain.grad_checkpointing (the knob and the selective policy), dittrain.sdpa (which
+attention kernel runs), dittrain.sizes (parameter counts, the `dittrain models` rows).
+Their public names are importable from here too.
 
 With learn_sigma=True and class conditioning the state-dict names and shapes are
 those of the released facebookresearch/DiT checkpoints, so they load strictly.
 QK-norm and the text layers add keys only when enabled.
 
 Public API:
-    DiTConfig, CONFIGS (the registry), get_config(name or "custom:hidden=..,depth=..,heads=..,patch=.."),
-    build_model(name, **overrides), DiT(config),
-    flops_per_forward(config), num_params(config), drop_text_conditioning(...),
-    attention_backend(config, batch_size, dtype, device) (which SDPA kernel runs),
-    selective_checkpoint_context() (grad_checkpointing="selective").
+    DiT(config), build_model(name, **overrides), drop_text_conditioning(...),
+    and, from the modules above, DiTConfig, CONFIGS, get_config(name or
+    "custom:hidden=..,depth=..,heads=..,patch=.."), flops_per_forward(config),
+    attention_backend(config, batch_size, dtype, device), selective_checkpoint_context().
 """
 
 from __future__ import annotations
 
-import inspect
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
+from torch.utils.checkpoint import checkpoint
+
+from dittrain.grad_checkpointing import (
+    CHECKPOINT_SELECTIVE,
+    SAC_HOOKS,
+    SELECTIVE_SAVE_OPS,
+    block_recompute,
+    checkpoint_branch,
+    checkpoint_every,
+    selective_checkpoint_context,
+    selective_checkpoint_policy,
 )
-
-from ditdata.common.errors import UserError
-
-# checkpoint(respect_saved_tensors_hooks=True) (newer torch): saved-tensors hooks (save_on_cpu,
-# bench/activation_memory.py's counter) see what a selective policy keeps; older torch has no
-# such argument, and the policy works the same without it.
-_SAC_HOOKS = ({"respect_saved_tensors_hooks": True}
-              if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
-
-# -----------------------------------------------------------------------------
-# Config and registry
-
-
-@dataclass(frozen=True)
-class DiTConfig:
-    input_size: int = 32  # latent height = width (256 px / VAE downsample 8)
-    in_channels: int = 4  # latent channels
-    patch_size: int = 2
-    hidden_size: int = 1152
-    depth: int = 28
-    num_heads: int = 16
-    mlp_ratio: float = 4.0
-    num_classes: int = 1000  # 0 = no class conditioning
-    class_dropout_prob: float = 0.1  # label -> null class, for classifier-free guidance
-    learn_sigma: bool = True  # output 2C channels: eps and the variance interpolation v
-    qk_norm: bool = False  # RMSNorm on q and k per head (stabilises bf16 / large lr)
-    text_pooled_dim: int | None = None  # pooled text embedding, added to c
-    text_token_dim: int | None = None  # token embeddings, through cross-attention
-    # "none" | "every" | k (every k-th block) | "attn" / "mlp" (that branch of every block) |
-    # "selective" (every block, keeping its matmul and attention outputs)
-    grad_checkpointing: str | int = "none"
-    frequency_embedding_size: int = 256  # sinusoidal timestep features
-
-    def __post_init__(self):
-        assert self.input_size % self.patch_size == 0, "input_size must be a multiple of patch_size"
-        assert self.hidden_size % self.num_heads == 0, "hidden_size must be a multiple of num_heads"
-        checkpoint_every(self.grad_checkpointing)  # validates the knob
-
-    @property
-    def out_channels(self) -> int:
-        return self.in_channels * 2 if self.learn_sigma else self.in_channels
-
-    @property
-    def num_tokens(self) -> int:
-        return (self.input_size // self.patch_size) ** 2
-
-
-# The sizes of the DiT paper (Table 1) plus a tiny one for CPU tests and demos.
-_SIZES = {
-    "T": dict(depth=6, hidden_size=192, num_heads=4),
-    "S": dict(depth=12, hidden_size=384, num_heads=6),
-    "B": dict(depth=12, hidden_size=768, num_heads=12),
-    "L": dict(depth=24, hidden_size=1024, num_heads=16),
-    "XL": dict(depth=28, hidden_size=1152, num_heads=16),
-}
-_PATCHES = {"T": (2, 4), "S": (2, 4, 8), "B": (2, 4, 8), "L": (2, 4, 8), "XL": (2, 4, 8)}
-
-# The one registry: "DiT-XL/2" -> the architecture fields of DiTConfig. Data-dependent
-# fields (input_size, in_channels, num_classes, text dims) come from the latent store.
-CONFIGS: dict[str, dict] = {
-    f"DiT-{size}/{p}": dict(_SIZES[size], patch_size=p) for size in _SIZES for p in _PATCHES[size]
-}
-
-
-# Sizes outside the registry, named by their fields: "custom:hidden=512,depth=8,heads=8,patch=2"
-# (",mlp_ratio=R" optional). Such a name works wherever a registry name does.
-CUSTOM_PREFIX = "custom:"
-_CUSTOM_FIELDS = {"hidden": "hidden_size", "depth": "depth", "heads": "num_heads", "patch": "patch_size",
-                  "mlp_ratio": "mlp_ratio"}
-_CUSTOM_REQUIRED = ("hidden", "depth", "heads", "patch")
-CUSTOM_SPEC = "custom:hidden=H,depth=D,heads=N,patch=P"  # the grammar, for messages
-
-
-class ModelSpecError(UserError, ValueError):
-    """A custom model spec that does not parse; the message is one line."""
-
-
-def parse_custom(spec: str) -> dict:
-    """"custom:hidden=D,depth=N,heads=H,patch=p[,mlp_ratio=r]" -> the architecture fields of
-    DiTConfig (as CONFIGS holds them, plus mlp_ratio when given); ModelSpecError otherwise."""
-    valid = (f"valid keys: {', '.join(_CUSTOM_REQUIRED)} (positive integers, required), mlp_ratio "
-             f"(optional, default {DiTConfig.mlp_ratio:g}), e.g. custom:hidden=512,depth=8,heads=8,patch=2")
-
-    def fail(why: str):
-        raise ModelSpecError(f"model {spec!r}: {why}; {valid}")
-
-    if not spec.startswith(CUSTOM_PREFIX):
-        fail(f"a custom size starts with {CUSTOM_PREFIX!r}")
-    given: dict[str, str] = {}
-    for item in spec[len(CUSTOM_PREFIX):].split(","):
-        key, eq, value = (part.strip() for part in item.partition("="))
-        if not eq or not key or not value:
-            fail(f"{item.strip()!r} is not key=value")
-        if key not in _CUSTOM_FIELDS:
-            fail(f"unknown key {key!r}")
-        if key in given:
-            fail(f"{key} is given twice")
-        given[key] = value
-    missing = [k for k in _CUSTOM_REQUIRED if k not in given]
-    if missing:
-        fail(f"missing {', '.join(missing)}")
-    arch = {}
-    for key, value in given.items():
-        try:
-            number = float(value) if key == "mlp_ratio" else int(value)
-        except ValueError:
-            number = None
-        if number is None or not math.isfinite(number) or number <= 0:
-            fail(f"{key}={value} is not a positive {'number' if key == 'mlp_ratio' else 'integer'}")
-        arch[_CUSTOM_FIELDS[key]] = number
-    D, H = arch["hidden_size"], arch["num_heads"]
-    if D % H:
-        fail(f"hidden {D} is not divisible by heads {H}")
-    if D % 4:
-        fail(f"hidden {D} is not a multiple of 4 (the 2-D sin-cos position embedding needs it)")
-    if int(D * arch.get("mlp_ratio", DiTConfig.mlp_ratio)) < 1:
-        fail(f"mlp_ratio {arch['mlp_ratio']} leaves the MLP no hidden units")
-    return arch
-
-
-def custom_name(hidden_size: int, depth: int, num_heads: int | str, patch_size: int,
-                mlp_ratio: float = 4.0) -> str:
-    """The custom spec of these fields (mlp_ratio only when not the default; num_heads "?" for a
-    spec to complete)."""
-    ratio = f",mlp_ratio={mlp_ratio:g}" if mlp_ratio != DiTConfig.mlp_ratio else ""
-    return f"{CUSTOM_PREFIX}hidden={hidden_size},depth={depth},heads={num_heads},patch={patch_size}{ratio}"
-
-
-def architecture(name: str) -> dict:
-    """The architecture fields of a registry name or a custom spec (KeyError: an unknown name,
-    ModelSpecError: a custom spec that does not parse)."""
-    if name.startswith(CUSTOM_PREFIX):
-        return parse_custom(name)
-    if name not in CONFIGS:
-        raise KeyError(f"unknown model {name!r}; choose one of {', '.join(CONFIGS)}, or a custom size "
-                       f"{CUSTOM_SPEC}")
-    return dict(CONFIGS[name])
-
-
-def get_config(name: str, **overrides) -> DiTConfig:
-    """get_config("DiT-XL/2", input_size=32) or get_config("custom:hidden=512,depth=8,heads=8,patch=2")."""
-    return DiTConfig(**{**architecture(name), **overrides})
-
-
-def build_model(name: str, **overrides) -> DiT:
-    """build_model("DiT-XL/2", input_size=32, num_classes=1000) -> DiT.
-    Build under `with torch.device("meta"):` to count parameters of big models for free."""
-    return DiT(get_config(name, **overrides))
-
-
-# grad_checkpointing values that recompute one branch of every block instead of whole blocks
-CHECKPOINT_BRANCHES = ("attn", "mlp")
-# grad_checkpointing value that checkpoints every block selectively (see selective_checkpoint_policy)
-CHECKPOINT_SELECTIVE = "selective"
-
-
-def checkpoint_every(granularity: str | int | None) -> int:
-    """The grad_checkpointing knob as "checkpoint every k-th block" (0 = never; a branch
-    knob, "attn" or "mlp", and "selective" checkpoint no whole block: see block_recompute)."""
-    if granularity in (None, "none", 0, False) or granularity in (*CHECKPOINT_BRANCHES, CHECKPOINT_SELECTIVE):
-        return 0
-    if granularity == "every":
-        return 1
-    if isinstance(granularity, int) and granularity > 0:
-        return granularity
-    if isinstance(granularity, str) and granularity.isdigit() and int(granularity) > 0:
-        return int(granularity)
-    raise ValueError(f"grad_checkpointing must be 'none', 'every', k >= 1, 'attn', 'mlp' or 'selective', "
-                     f"got {granularity!r}")
-
-
-def checkpoint_branch(granularity: str | int | None) -> str | None:
-    """The branch every block recomputes in the backward pass: "attn" (norm1, modulate,
-    self-attention and the text cross-attention), "mlp" (norm2, modulate, MLP), or None."""
-    checkpoint_every(granularity)  # validates the knob
-    return granularity if granularity in CHECKPOINT_BRANCHES else None
-
-
-def block_recompute(granularity: str | int | None) -> str | None:
-    """What DiTBlock.forward's `recompute` gets for this knob: "attn", "mlp", "selective" or None
-    (whole-block checkpointing, "every" / k, is done around the block by DiT.forward)."""
-    if granularity == CHECKPOINT_SELECTIVE:
-        return CHECKPOINT_SELECTIVE
-    return checkpoint_branch(granularity)
-
-
-# -----------------------------------------------------------------------------
-# Selective activation checkpointing
-
-_aten = torch.ops.aten
-# The ops whose outputs selective checkpointing keeps: the matmuls (nn.Linear reaches the
-# dispatcher as addmm / mm, batched products as bmm / baddbmm) and every fused SDPA kernel
-# (their outputs include the logsumexp the attention backward needs). Recomputing these
-# would cost as much as the forward itself; what is left to recompute (LayerNorm, modulate,
-# GELU, gates, residual adds, chunk/views) is element-wise, cheap in FLOPs.
-SELECTIVE_SAVE_OPS = frozenset(
-    op.default
-    for op in (
-        _aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten._scaled_mm,
-        _aten._scaled_dot_product_flash_attention,
-        _aten._scaled_dot_product_efficient_attention,
-        _aten._scaled_dot_product_cudnn_attention,
-        _aten._scaled_dot_product_flash_attention_for_cpu,
-        _aten._scaled_dot_product_fused_attention_overrideable,
-    )
+from dittrain.sdpa import (
+    SDPA_BACKENDS,
+    attention_backend,
+    attention_backends_available,
+    attention_kernel,
 )
-
-
-def selective_checkpoint_policy(recompute_width: int | None = None):
-    """The policy of grad_checkpointing="selective": MUST_SAVE the outputs of SELECTIVE_SAVE_OPS,
-    PREFER_RECOMPUTE everything else (PREFER: torch.compile's partitioner may still choose to
-    keep a fused element-wise result; MUST: it may not drop a matmul output).
-
-    recompute_width: also recompute the matmuls whose output's last dim is this width (the
-    MLP's fc1, mlp_ratio * D wide: 4 of the ~10 D-wide tensors kept per token and block;
-    matched by width, so with mlp_ratio 3 it would catch qkv as well).
-
-    The knob keeps EVERY matmul output (recompute_width=None), measured on DiT-S/2, 32x32
-    latents, batch 16, fp32 (bench/activation_memory.py; bench/RESULTS.md, issue 17): it keeps
-    0.56x the activations of "none" (814 of 1463 MiB), about what checkpointing every 2nd
-    block keeps (0.53x), but recomputes no matmul at all where "2" recomputes half the model's
-    forward (+17% of the step's FLOPs): the same memory for only element-wise recompute.
-    Recomputing fc1 too keeps 0.36x (526 MiB) for +10% of the step's FLOPs (fc1 is a third of
-    a block's forward); that is a different trade, below "mlp" in both memory (0.46x) and
-    recompute (+20%), and stays a bench variant (DiTBlock.selective_recompute_width) until a
-    GPU measurement says whether it earns a knob value of its own.
-    An SDPA output includes its logsumexp ((N, heads, T) fp32), which the backward needs.
-    """
-
-    def policy(ctx, func, *args, **kwargs):
-        if func in SELECTIVE_SAVE_OPS:
-            out = getattr(ctx, "op_output", None)
-            if recompute_width is not None and isinstance(out, torch.Tensor) and out.shape[-1] == recompute_width:
-                return CheckpointPolicy.PREFER_RECOMPUTE
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
-
-
-def selective_checkpoint_context(recompute_width: int | None = None):
-    """A `context_fn` for torch.utils.checkpoint.checkpoint with the selective policy."""
-    return create_selective_checkpoint_contexts(selective_checkpoint_policy(recompute_width))
-
+from dittrain.specs import (
+    CONFIGS,
+    CUSTOM_PREFIX,
+    CUSTOM_SPEC,
+    DiTConfig,
+    ModelSpecError,
+    architecture,
+    custom_name,
+    flops_per_forward,
+    get_config,
+    parse_custom,
+)
 
 # -----------------------------------------------------------------------------
 # Embedders
@@ -435,83 +217,6 @@ class Attention(_Heads):
         return self.proj(x.transpose(1, 2).reshape(N, T, D))
 
 
-# -----------------------------------------------------------------------------
-# Which scaled_dot_product_attention kernel runs
-
-# torch's SDPBackend -> the name attention_backend reports; on the CPU torch's FLASH_ATTENTION
-# is its own fused kernel (not Dao's), reported as "cpu-flash"
-_SDPA_NAMES = {
-    SDPBackend.FLASH_ATTENTION: "flash",
-    SDPBackend.EFFICIENT_ATTENTION: "efficient",
-    SDPBackend.CUDNN_ATTENTION: "cudnn",
-    SDPBackend.MATH: "math",
-    SDPBackend.OVERRIDEABLE: "overrideable",
-}
-SDPA_BACKENDS = {**{name: backend for backend, name in _SDPA_NAMES.items()}, "cpu-flash": SDPBackend.FLASH_ATTENTION}
-
-
-def _self_attention_qkv(config: DiTConfig, batch_size: int, dtype: torch.dtype, device, requires_grad: bool):
-    # q, k, v as Attention.forward makes them: views of one (N, T, 3D) tensor, (N, heads, T, head_dim)
-    # with the strides of that permute (QK-norm makes q and k contiguous copies). torch.empty:
-    # the choice looks at shapes, strides, dtype and device, never at values
-    N, T, D, H = batch_size, config.num_tokens, config.hidden_size, config.num_heads
-    qkv = torch.empty(N, T, 3 * D, dtype=dtype, device=device, requires_grad=requires_grad)
-    q, k, v = qkv.reshape(N, T, 3, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
-    if config.qk_norm:
-        q, k = q.contiguous(), k.contiguous()
-    return q, k, v
-
-
-def _sdpa_choice(q, k, v, device) -> str:
-    # aten._fused_sdp_choice is the very selection F.scaled_dot_product_attention makes (same
-    # checks, same priority order: torch._C._get_sdp_priority_order(), honouring sdpa_kernel)
-    with torch.no_grad():
-        backend = SDPBackend(torch.ops.aten._fused_sdp_choice(q, k, v))
-    name = _SDPA_NAMES.get(backend, str(backend))
-    return "cpu-flash" if name == "flash" and torch.device(device).type == "cpu" else name
-
-
-def attention_backend(config: DiTConfig, batch_size: int, dtype: torch.dtype = torch.float32, device="cpu",
-                      requires_grad: bool = True) -> str:
-    """The scaled_dot_product_attention kernel the model's self-attention runs for this batch
-    size, dtype (the autocast dtype under AMP) and device: "flash", "efficient", "cudnn" or
-    "math" on CUDA, "cpu-flash" or "math" on the CPU. Asks torch's own dispatcher (no kernel
-    runs; it allocates the (N, T, 3D) qkv tensor uninitialised, once). requires_grad: the
-    training case (some kernels lack a backward for some head dims / GPUs). Honours an
-    enclosing torch.nn.attention.sdpa_kernel(...)."""
-    q, k, v = _self_attention_qkv(config, batch_size, dtype, device, requires_grad)
-    return _sdpa_choice(q, k, v, device)
-
-
-def attention_backends_available(config: DiTConfig, batch_size: int, dtype: torch.dtype = torch.float32,
-                                 device="cpu", requires_grad: bool = True) -> list[str]:
-    """The kernels that can run the model's self-attention at this shape, in torch's priority
-    order (the first is attention_backend's answer unless sdpa_kernel restricts it). Force one
-    for timing with `with attention_kernel(name):`."""
-    q, k, v = _self_attention_qkv(config, batch_size, dtype, device, requires_grad)
-    order = [SDPBackend(i) for i in torch._C._get_sdp_priority_order()]
-    available = []
-    for backend in order:
-        if backend not in _SDPA_NAMES:
-            continue
-        try:
-            with sdpa_kernel([backend]):
-                name = _sdpa_choice(q, k, v, device)
-        except RuntimeError:  # "No available kernel": this one cannot run these inputs
-            continue
-        if SDPA_BACKENDS[name] == backend:
-            available.append(name)
-    return available
-
-
-def attention_kernel(name: str):
-    """A context manager that lets scaled_dot_product_attention use only the named kernel
-    (a name attention_backend returns); inside it, an attention that kernel cannot run raises."""
-    if name not in SDPA_BACKENDS:
-        raise ValueError(f"unknown attention kernel {name!r}; choose one of {', '.join(SDPA_BACKENDS)}")
-    return sdpa_kernel([SDPA_BACKENDS[name]])
-
-
 class CrossAttention(_Heads):
     """Image tokens (queries) attend to text tokens (keys/values), with a padding mask."""
 
@@ -589,7 +294,7 @@ class DiTBlock(nn.Module):
             # respect_saved_tensors_hooks: save_on_cpu and the like see what the policy keeps
             context_fn = partial(selective_checkpoint_context, self.selective_recompute_width)
             return checkpoint(self.forward, x, c, context, context_mask, use_reentrant=False,
-                              context_fn=context_fn, **_SAC_HOOKS)
+                              context_fn=context_fn, **SAC_HOOKS)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(
             c
         ).chunk(6, dim=1)
@@ -803,60 +508,13 @@ def sincos_pos_embed_2d(dim: int, grid_size: int) -> torch.Tensor:
     return torch.cat([emb_1d(cols), emb_1d(rows)], dim=1).float()
 
 
-# -----------------------------------------------------------------------------
-# Counting
+def build_model(name: str, **overrides) -> DiT:
+    """build_model("DiT-XL/2", input_size=32, num_classes=1000) -> DiT.
+    Build under `with torch.device("meta"):` to count parameters of big models for free."""
+    return DiT(get_config(name, **overrides))
 
 
-def num_params(config: DiTConfig, trainable_only: bool = True) -> int:
-    """Parameter count without allocating: builds on the meta device."""
-    with torch.device("meta"):
-        return DiT(config).num_params(trainable_only)
-
-
-def flops_per_forward(config: DiTConfig, text_tokens: int = 0) -> int:
-    """Multiply-adds of ONE sample's forward pass (multiply by 2 for FLOPs, by 3 for
-    forward + backward). Counts every matmul: patch embedding, timestep MLP, the adaLN
-    regressions (once per sample, not per token), per block q/k/v/out projections, the
-    attention scores QK^T and the weighted sum AV, the MLP, the final layer; with text,
-    the text embedders and the cross-attention (L = text_tokens). Leaves out
-    element-wise work (norms, softmax, activations, modulation, the label lookup).
-    This is the convention of the DiT paper's Gflops: XL/2 at 256 px gives 118.62 G."""
-    D, T, p = config.hidden_size, config.num_tokens, config.patch_size
-    H = int(D * config.mlp_ratio)
-    L = text_tokens if config.text_token_dim else 0
-
-    per_block = T * (3 * D * D + D * D + 2 * D * H)  # qkv, proj, fc1 + fc2
-    per_block += 2 * T * T * D  # QK^T and AV, all heads together
-    per_block += 6 * D * D  # adaLN modulation, once per sample
-    if L:
-        per_block += T * D * D + L * 2 * D * D + T * D * D  # q, kv, proj
-        per_block += 2 * T * L * D  # QK^T and AV
-    total = config.depth * per_block
-    total += T * config.in_channels * p * p * D  # patch embedding
-    total += config.frequency_embedding_size * D + D * D  # timestep MLP
-    total += 2 * D * D + T * D * p * p * config.out_channels  # final adaLN + linear
-    if config.text_pooled_dim:
-        total += config.text_pooled_dim * D + D * D
-    if L:
-        total += L * (config.text_token_dim * D + D * D)
-    return total
-
-
-def describe(name: str, **overrides) -> dict:
-    """One row of `dittrain models`: name, size fields, parameters and GMACs per forward."""
-    cfg = get_config(name, **overrides)
-    return dict(
-        name=name,
-        depth=cfg.depth,
-        hidden=cfg.hidden_size,
-        heads=cfg.num_heads,
-        patch=cfg.patch_size,
-        tokens=cfg.num_tokens,
-        params=num_params(cfg),
-        gflops=flops_per_forward(cfg) / 1e9,
-    )
-
-
+# the names of the modules above, importable from here as before
 __all__ = [
     "CONFIGS",
     "CUSTOM_PREFIX",
@@ -877,11 +535,9 @@ __all__ = [
     "build_model",
     "checkpoint_branch",
     "checkpoint_every",
-    "describe",
     "drop_text_conditioning",
     "flops_per_forward",
     "get_config",
-    "num_params",
     "selective_checkpoint_context",
     "selective_checkpoint_policy",
 ]

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ditdata.common.errors import UserError
+from ditdata.common.extras import require
+from ditdata.common.files import read_json
 
 LAST_RECORDS = 5  # images/s and data wait: the mean over the last this many training records
 SMOOTHING = 0.9  # the EMA weight of the plotted curves (TensorBoard's slider; debiased)
@@ -94,7 +96,7 @@ def summarize(path) -> RunSummary:
     if not path.is_dir():
         return RunSummary(name, run=False, status="not a run (no such directory)")
     try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        config = read_json(path / "config.json")
     except FileNotFoundError:
         return RunSummary(name, run=False, status="not a run (no config.json)")
     except (OSError, ValueError) as e:
@@ -200,10 +202,7 @@ def plot_losses(rows: list[RunSummary], out, *, weight: float = SMOOTHING) -> Pa
     curves = [(name, c) for name, c in curves if c]
     if not curves:
         raise RunsError("no run has training losses to plot (metrics.jsonl is missing or empty)")
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise RunsError(f"--plot needs matplotlib ({e}): pip install 'ditkit[train]'") from e
+    matplotlib = require("matplotlib", "--plot", "train", RunsError)
     matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt
 

@@ -22,7 +22,7 @@ parameters (step k+1's forward and backward do not change them), so the result i
 as updating it right after the optimizer step. An optimizer without device-side skipping
 (bitsandbytes' 8-bit AdamW) falls back to a host read of the verdict before its step.
 
-Scalars (loss, grad norm) stay on the device; `_Log` reads them every --log-every steps only.
+Scalars (loss, grad norm) stay on the device; dittrain.report.Log reads them every --log-every steps only.
 With several ranks the loss and every rank's stop request travel in one all-reduce per step
 (a collective on the device stream, not a host read), so every rank settles the same verdict.
 """
@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 
 from ditdata.common.devices import autocast
+from ditdata.common.errors import UserError
 from ditdata.store import TEXT_FIELDS
-from dittrain.config import TrainConfig
+from dittrain.config import COMPILE_MODES, COMPILE_TARGETS, TrainConfig
 from dittrain.diffusion import Diffusion
 from dittrain.latents import LatentNorm
 from dittrain.model import drop_text_conditioning
@@ -157,8 +158,8 @@ class TrainStep:
         torch._foreach_lerp_(self.ema_params, self.model_params, 1.0 - self.cfg.ema)
 
 
-COMPILE_TARGETS = ("off", "blocks", "model")
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+class CompileError(UserError, ValueError):
+    """A --compile or --compile-mode value torch.compile does not have here (one line)."""
 
 
 def compile_target(knob: str, device: torch.device) -> str:
@@ -167,7 +168,7 @@ def compile_target(knob: str, device: torch.device) -> str:
     if knob == "auto":
         return "blocks" if device.type == "cuda" else "off"
     if knob not in COMPILE_TARGETS:
-        raise ValueError(f"--compile {knob}: choose off, auto, blocks or model")
+        raise CompileError(f"--compile {knob}: choose off, auto, blocks or model")
     return knob
 
 
@@ -177,7 +178,7 @@ def compile_model(model, how: str, mode: str = "default"):
     names; checkpointing lives inside DiTBlock.forward, so it is compiled with its policy);
     model: the whole forward as one graph (a wrapper; the model itself stays eager)."""
     if mode not in COMPILE_MODES:
-        raise ValueError(f"--compile-mode {mode}: choose one of {', '.join(COMPILE_MODES)}")
+        raise CompileError(f"--compile-mode {mode}: choose one of {', '.join(COMPILE_MODES)}")
     if how == "off":
         return model
     kw = {} if mode == "default" else {"mode": mode}

@@ -14,33 +14,30 @@ device without host reads, a NaN/inf step skipped on the device, settled by the 
 step late (`_Books`), except on the steps where the host acts (logs, checkpoints, samples,
 evaluations, the last step, a stop), which are settled at once.
 
-The file in the order a run goes: setup (`_setup`: process group, device and precision,
-the store and the config it implies), building the run's state (`_build`: a
-dittrain.checkpoint.RunState, every stateful part in one object, which is what a checkpoint
-holds) and resuming it (`_checkpoint_to_resume`, `_resume`), the loop itself (`_loop`), and
-what a run reports (`_Log`: metrics records and sample grids to dittrain.loggers, the progress bar).
+The file in the order a run goes: setup (dittrain.launch.setup: process group, device and
+precision, the store and the config it implies; here the FID evaluator), building the run's
+state (`_build`: a dittrain.checkpoint.RunState, every stateful part in one object, which is
+what a checkpoint holds; the optimizer and schedule from dittrain.optim) and resuming it
+(`_checkpoint_to_resume`, `_resume`), the loop itself (`_loop`), and what a run reports
+(dittrain.report.Log: metrics records and sample grids to dittrain.loggers, the progress bar).
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.distributed as dist
+import torch.distributed as torch_dist
 
-from ditdata.common import files
-from ditdata.common.devices import amp_dtype, resolve_device
-from ditdata.common.errors import UserError
+from ditdata.common import dist, files
+from ditdata.common.extras import missing_extra
 from ditdata.common.lock import DirLock
-from ditdata.store import Store, StoreError, open_store, refuse_inside_store
+from ditdata.store import Store, refuse_inside_store
 from dittrain.checkpoint import (
     EMA_EXPORT,
     CheckpointError,
@@ -53,161 +50,15 @@ from dittrain.checkpoint import (
 )
 from dittrain.config import TrainConfig
 from dittrain.data import LoaderStateError, build_loader
-from dittrain.diffusion import Diffusion, DiffusionConfig
-from dittrain.latents import LatentNorm, latent_record
-from dittrain.loggers import LoggerError, open_loggers, parse_loggers
-from dittrain.model import DiT, DiTConfig, flops_per_forward, get_config
+from dittrain.diffusion import DiffusionConfig
+from dittrain.latents import LatentNorm
+from dittrain.launch import Run, TrainError, model_config_for, setup, text_token_count
+from dittrain.model import DiT
+from dittrain.optim import build_optimizer, build_schedule
+from dittrain.report import Log, evaluate, note, sample_grid
 from dittrain.step import Attempt, TrainStep, compile_model, compile_target, empty_text_on
 
-# Dense bf16/fp16 tensor-core peak FLOP/s by device name, for MFU. Unknown devices: no MFU.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "RTX 4090": 165e12,
-              "RTX 3090": 71e12, "A6000": 155e12, "V100": 125e12}
-
-
-class TrainError(UserError):
-    """A run cannot start or continue; the message says why and what to do."""
-
-
-# --------------------------------------------------------------------------- setup
-
-
-def _distributed() -> tuple[int, int]:
-    """(rank, world size) as torchrun sets them; (0, 1) for a single process."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-def _training_device(name: str) -> torch.device:
-    """--device as ditdata.common.devices reads it (auto: cuda:LOCAL_RANK when there is a
-    GPU, else cpu; DeviceError for an unknown name or CUDA without a GPU), cpu or cuda only."""
-    device = resolve_device(name)
-    if device.type not in ("cpu", "cuda"):
-        raise TrainError(f"--device {name}: dittrain trains on cpu or cuda")
-    return device
-
-
-def model_config_for(cfg: TrainConfig, store: Store) -> DiTConfig:
-    """The DiT config a store implies: in_channels, input size, classes and text dims come
-    from the store (its latent shape and conditioning); the architecture from the named size."""
-    c, h, w = store.latent_shape
-    if h != w:
-        raise TrainError(f"latents are {h}x{w}; DiT here needs square latents")
-    cond = store.conditioning  # num_classes is 0 and the text dims None unless the store has them
-    learn_sigma = cfg.learn_sigma if cfg.learn_sigma is not None else cfg.objective == "ddpm"
-    # --grad-checkpointing 2 is recorded as the int 2 (the model config is compared on resume)
-    granularity = cfg.grad_checkpointing
-    granularity = int(granularity) if str(granularity).isdigit() else granularity
-    try:
-        return get_config(
-            cfg.model, input_size=h, in_channels=c, num_classes=cond.num_classes,
-            class_dropout_prob=cfg.class_dropout, learn_sigma=learn_sigma, qk_norm=cfg.qk_norm,
-            text_pooled_dim=cond.pooled_dim,
-            text_token_dim=cond.tokens_shape[-1] if cond.tokens_shape else None,
-            grad_checkpointing=granularity,
-        )
-    except KeyError as e:
-        raise TrainError(f"unknown model {cfg.model!r}; see `dittrain models`, or name a size "
-                         "custom:hidden=H,depth=D,heads=N,patch=P") from e
-    except AssertionError as e:
-        raise TrainError(f"{cfg.model} does not fit latents {c}x{h}x{w}: {e}") from e
-    except ValueError as e:  # e.g. --grad-checkpointing foo
-        raise TrainError(str(e)) from e
-
-
-def text_token_count(store: Store) -> int:
-    """Caption tokens per sample the model cross-attends to (0 for a store without them)."""
-    shape = store.conditioning.tokens_shape
-    return shape[0] if shape else 0
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup from 0, then constant or cosine down to min_lr at max_steps."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "cosine":
-        span = max(1, cfg.max_steps - cfg.warmup_steps)
-        progress = min(1.0, (step - cfg.warmup_steps) / span)
-        return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-    return cfg.lr
-
-
-@dataclass
-class _Run:
-    """What a run is, besides its state: the settings, where it runs, its data and its loss."""
-
-    cfg: TrainConfig
-    rank: int
-    world: int
-    device: torch.device
-    amp_dtype: torch.dtype | None  # autocast dtype; None: fp32
-    store: Store
-    model_cfg: DiTConfig
-    diffusion: Diffusion
-    resolved: dict  # the config saved in config.json and every checkpoint (dittrain.config)
-    per_rank: int  # the micro-batch of one rank
-    evaluator: object | None = None  # --eval-every: dittrain.eval.TrainingEval (every rank shares the work)
-    saver: CheckpointWriter | None = None  # --async-save, rank 0: the background writer (made by the first _save)
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def out(self) -> Path:
-        return Path(self.cfg.out)
-
-
-def _setup(cfg: TrainConfig) -> _Run:
-    """Join the process group, choose the device and precision, open the store and resolve
-    the config it implies. Nothing is written anywhere."""
-    rank, world = _distributed()
-    device = _training_device(cfg.device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if cfg.tf32:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    try:
-        store = open_store(cfg.latents, cache_dir=cfg.cache_dir or None, cache_limit=cfg.cache_limit)
-    except StoreError as e:
-        raise TrainError(str(e)) from e
-    model_cfg = model_config_for(cfg, store)
-    diff_cfg, latents = _diffusion_config(cfg, model_cfg, store)
-    resolved = {
-        "train": asdict(cfg),
-        "model": asdict(model_cfg),
-        "diffusion": asdict(diff_cfg),
-        "latents": latents,
-        "store": {"path": store.location, "identity": store.identity,
-                  "num_samples": len(store)},
-    }
-    per_rank, rem = divmod(cfg.batch_size, world * cfg.accumulation_steps)
-    if rem or per_rank == 0:
-        raise TrainError(f"--batch-size {cfg.batch_size} must be a multiple of ranks ({world}) x "
-                         f"--accumulation-steps ({cfg.accumulation_steps})")
-    try:  # an unknown --logger, or wandb without its extra, stops the run before it starts
-        parse_loggers(cfg.logger)
-        compile_target(cfg.compile, device)
-        compile_model(None, "off", cfg.compile_mode)  # validates the mode before anything is written
-    except (LoggerError, ValueError) as e:
-        raise TrainError(str(e)) from e
-    # auto: bf16 on GPUs that have it, else fp16 (with a grad scaler); fp32 on the CPU
-    return _Run(cfg, rank, world, device, amp_dtype(device, cfg.amp), store, model_cfg,
-                Diffusion(diff_cfg), resolved, per_rank, _evaluator(cfg, store))
-
-
-def _diffusion_config(cfg: TrainConfig, model_cfg: DiTConfig, store: Store) -> tuple[DiffusionConfig, dict]:
-    """The objective with its loss and timestep options, and the run config's "latents"
-    section (dittrain.latents: the store's per-channel stats with --latent-norm channel)."""
-    try:  # DiffusionConfig refuses options of the other objective (min-snr on flow, a t-shift on ddpm)
-        diff_cfg = DiffusionConfig(
-            objective=cfg.objective, learn_sigma=model_cfg.learn_sigma, loss_weighting=cfg.loss_weighting,
-            min_snr_gamma=cfg.min_snr_gamma, logit_normal_mean=cfg.t_mean, logit_normal_std=cfg.t_std,
-            t_sampling=cfg.t_sampling, t_shift=cfg.t_shift)
-        return diff_cfg, latent_record(store, cfg.latent_norm)
-    except ValueError as e:  # LatentNormError too
-        raise TrainError(str(e)) from e
+# --------------------------------------------------------------------------- setup (dittrain.launch) and FID
 
 
 def _evaluator(cfg: TrainConfig, store: Store):
@@ -222,7 +73,7 @@ def _evaluator(cfg: TrainConfig, store: Store):
         from dittrain.eval import EvalError
         from dittrain.train_eval import TrainingEval
     except ImportError as e:
-        raise TrainError(f"--eval-every needs the eval extra (pip install 'ditkit[eval]'): {e}") from e
+        raise missing_extra("--eval-every", "eval", e, TrainError) from e
     try:
         return TrainingEval(cfg.eval_ref, n=cfg.eval_n, resolution=(store.manifest.get("image") or {}).get("resolution"),
                             inception=cfg.eval_inception or None, steps=cfg.eval_steps or None,
@@ -235,7 +86,7 @@ def _evaluator(cfg: TrainConfig, store: Store):
 # --------------------------------------------------------------------------- building and resuming
 
 
-def _build(run: _Run, ckpt: dict | None) -> RunState:
+def _build(run: Run, ckpt: dict | None) -> RunState:
     """A fresh RunState: model, EMA, optimizer, LR schedule, grad scaler, noise generator
     and this rank's loader (the kind a checkpoint to resume was saved with)."""
     cfg, device = run.cfg, run.device
@@ -248,7 +99,7 @@ def _build(run: _Run, ckpt: dict | None) -> RunState:
     ema.eval()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(cfg, params, device)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, cfg) / cfg.lr if cfg.lr else 0.0)
+    sched = build_schedule(opt, cfg)
     scaler = torch.amp.GradScaler(device.type, enabled=run.amp_dtype == torch.float16)
     # Noise, timesteps and label/caption dropout come from this generator, on the device (no
     # host round trip per step); its state is part of every checkpoint.
@@ -271,44 +122,18 @@ def _build(run: _Run, ckpt: dict | None) -> RunState:
                     noise_gen=noise_gen, config=run.resolved, device=device, rank=run.rank, world=run.world)
 
 
-def build_optimizer(cfg: TrainConfig, params: list, device: torch.device) -> torch.optim.Optimizer:
-    """--optimizer: torch's AdamW (fp32 moments) or bitsandbytes' AdamW8bit (block-wise 8-bit
-    moments; tensors under 4096 elements keep fp32 ones), with the same hyperparameters."""
-    adam = dict(lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adamw":
-        # fused: one kernel for all parameters, and it can skip a step on the device (found_inf;
-        # dittrain.step), so a NaN/inf step costs no host sync; on the CPU too
-        return torch.optim.AdamW(params, **adam, fused=True)
-    if cfg.optimizer != "adamw8bit":
-        raise TrainError(f"--optimizer {cfg.optimizer}: choose adamw or adamw8bit")
-    import logging
-
-    # On CPUs with AVX512-BF16 bitsandbytes' import warns that its optional 4-bit CPU kernel
-    # (the "kernels" package) is missing; the 8-bit optimizer does not use it.
-    cpu_ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    level = cpu_ops.level
-    cpu_ops.setLevel(logging.ERROR)
-    try:
-        import bitsandbytes as bnb
-    except ImportError as e:
-        raise TrainError(f"--optimizer adamw8bit needs bitsandbytes: pip install 'ditkit[optim]' ({e})") from e
-    finally:
-        cpu_ops.setLevel(level)
-    return bnb.optim.AdamW8bit(params, **adam)
-
-
-def _init_from(run: _Run, model: DiT) -> None:
+def _init_from(run: Run, model: DiT) -> None:
     """--init-from: a fresh run whose model (and so its EMA) starts from outside weights
     (dittrain.weights.init_model); recorded as the run config's "init"."""
     from dittrain.weights import init_model
 
     record, notes = init_model(model, run.cfg.init_from)
     run.resolved["init"] = record
-    for note in notes if run.master else ():
-        print(note, file=sys.stderr)
+    for line in notes if run.master else ():
+        print(line, file=sys.stderr)
 
 
-def _checkpoint_to_resume(run: _Run) -> tuple[dict | None, Path | None]:
+def _checkpoint_to_resume(run: Run) -> tuple[dict | None, Path | None]:
     """(checkpoint, its path) to continue from, or (None, None) for a fresh run; refuses a
     run directory with checkpoints but no --resume, and a checkpoint of another store or model."""
     cfg, out = run.cfg, run.out
@@ -337,7 +162,7 @@ def _checkpoint_to_resume(run: _Run) -> tuple[dict | None, Path | None]:
     return ckpt, latest
 
 
-def _same_objective(latest: Path, saved: dict, run: _Run) -> None:
+def _same_objective(latest: Path, saved: dict, run: Run) -> None:
     """A resume keeps the loss, timestep and latent-normalisation options it was started with
     (a config saved before they existed has their defaults)."""
     old = asdict(DiffusionConfig(**{k: v for k, v in (saved.get("diffusion") or {}).items()
@@ -353,7 +178,7 @@ def _same_objective(latest: Path, saved: dict, run: _Run) -> None:
                               f"{run.resolved['latents']['norm']}; keep the original flag")
 
 
-def _keep_init(run: _Run, saved: dict) -> None:
+def _keep_init(run: Run, saved: dict) -> None:
     """A resume continues the run's own weights: --init-from is ignored (with a note) and the
     record of what the run started from is kept."""
     first = saved["train"].get("init_from", "")
@@ -373,7 +198,7 @@ def _resume(state: RunState, ckpt: dict, path: Path) -> None:
                          "--batch-size, --seed and loader flags") from e
 
 
-def _save(run: _Run, state: RunState) -> None:
+def _save(run: Run, state: RunState) -> None:
     """A checkpoint and the EMA export (every rank calls this: it gathers their states).
 
     --async-save: rank 0 hands a host copy of the state to run.saver and returns; the files
@@ -408,7 +233,7 @@ def run(cfg: TrainConfig) -> dict:
     second `dittrain run` (or --resume) on the same --out fails at once instead of writing
     into it too (DirectoryBusy). A run that fails before writing anything leaves no trace."""
     _check_out(Path(cfg.out))
-    if _distributed()[0] != 0:
+    if dist.launch_env().rank != 0:
         return _train(cfg)
     with DirLock(cfg.out, "dittrain run"):
         return _train(cfg)
@@ -423,8 +248,8 @@ def _check_out(out: Path) -> None:
 
 
 def _train(cfg: TrainConfig) -> dict:
-    own_group = not dist.is_initialized()  # a group we join, we also leave (one the caller made, not)
-    run = _setup(cfg)
+    run = setup(cfg)  # a group it joins, the run also leaves (one the caller made, not: run.created_group)
+    run.evaluator = _evaluator(cfg, run.store)
     ckpt, latest = _checkpoint_to_resume(run)
     state = _build(run, ckpt)
     try:
@@ -440,11 +265,11 @@ def _train(cfg: TrainConfig) -> dict:
                   f"{state.loader.kind} ({state.loader.reason}); global batch {cfg.batch_size} = {run.world} "
                   f"rank(s) x {cfg.accumulation_steps} accumulation x {run.per_rank}; "
                   f"{_origin(cfg, ckpt, state)}", file=sys.stderr)
-        with _Stop() as stop, _Log(run, state, resumed=ckpt is not None) as log:  # (the bar closes on errors too)
+        with _Stop() as stop, Log(run, state, resumed=ckpt is not None) as log:  # (the bar closes on errors too)
             _loop(run, state, train_model, log, stop)
             step = state.step
             if run.master and step == cfg.max_steps and cfg.sample_every > 0 and step % cfg.sample_every:
-                _sample_grid(run, state.ema, step, log)  # the last grid
+                sample_grid(run, state.ema, step, log)  # the last grid
             if run.saver is not None:  # still under _Stop: a signal now cannot cut the last write short
                 run.saver.wait()  # the last checkpoint is on disk; a failed write stops the run here
         measured = getattr(state.loader, "describe_measured", None)
@@ -457,12 +282,11 @@ def _train(cfg: TrainConfig) -> dict:
             print(f"note: {error}", file=sys.stderr)
     step = state.step
     if run.world > 1:
-        dist.barrier()
-        if own_group:
-            # Leave the group before exiting: a gloo rank that exits with it still open can die
-            # at interpreter shutdown when a peer closes first, and torchrun's agent on the
-            # other node then waits out its 300 s exit barrier for an agent that failed.
-            dist.destroy_process_group()
+        torch_dist.barrier()
+        # Leave the group before exiting: a gloo rank that exits with it still open can die
+        # at interpreter shutdown when a peer closes first, and torchrun's agent on the
+        # other node then waits out its 300 s exit barrier for an agent that failed.
+        dist.leave(run.created_group)
     return {"step": step, "out": str(run.out), "nonfinite_skipped": state.nonfinite_total}
 
 
@@ -473,7 +297,7 @@ def _origin(cfg: TrainConfig, ckpt: dict | None, state: RunState) -> str:
     return f"initialised from {cfg.init_from}" if cfg.init_from else "from scratch"
 
 
-def _prepare_out(run: _Run, resumed_at: int | None) -> None:
+def _prepare_out(run: Run, resumed_at: int | None) -> None:
     """The run directory, its config.json, and a resumed run's metrics cut back to its step."""
     if not run.master:
         return
@@ -485,7 +309,7 @@ def _prepare_out(run: _Run, resumed_at: int | None) -> None:
         _truncate_metrics(out / "metrics.jsonl", resumed_at)
 
 
-def _wrap(run: _Run, model: DiT) -> torch.nn.Module:
+def _wrap(run: Run, model: DiT) -> torch.nn.Module:
     """The module the loop calls: the model, compiled (--compile: dittrain.step.compile_model),
     in DDP over several ranks."""
     model = compile_model(model, compile_target(run.cfg.compile, run.device), run.cfg.compile_mode)
@@ -496,7 +320,7 @@ def _wrap(run: _Run, model: DiT) -> torch.nn.Module:
     return model
 
 
-def _loop(run: _Run, state: RunState, train_model, log: _Log, stop: _Stop) -> None:
+def _loop(run: Run, state: RunState, train_model, log: Log, stop: _Stop) -> None:
     """Optimizer steps until max_steps or a stop request (SIGTERM/SIGINT).
 
     Step k+1's forward and backward are queued before step k is settled (dittrain.step), so
@@ -523,7 +347,7 @@ def _loop(run: _Run, state: RunState, train_model, log: _Log, stop: _Stop) -> No
         if compiling:  # the first step compiles (the forward, and the backward it needs)
             compiling = False
             if run.master:
-                _note(f"dittrain: first step {time.perf_counter() - t0:.1f} s, torch.compile "
+                note(f"dittrain: first step {time.perf_counter() - t0:.1f} s, torch.compile "
                       f"({compile_target(cfg.compile, run.device)}, mode {cfg.compile_mode}) included")
 
         # ---- checkpoint, samples, stop requests (a skipped step honours a stop too) ----
@@ -531,9 +355,9 @@ def _loop(run: _Run, state: RunState, train_model, log: _Log, stop: _Stop) -> No
         if stopping or (stepped and (n % cfg.save_every == 0 or n == cfg.max_steps)):
             _save(run, state)
         if stepped and run.master and cfg.sample_every and n % cfg.sample_every == 0:
-            _sample_grid(run, state.ema, n, log)
+            sample_grid(run, state.ema, n, log)
         if stepped and run.evaluator is not None and (n % cfg.eval_every == 0 or n == cfg.max_steps):
-            _evaluate(run, state, n, log)
+            evaluate(run, state, n, log)
         if stopping:
             if run.saver is not None:  # "checkpoint saved" is said once it is on disk
                 run.saver.wait()
@@ -556,7 +380,7 @@ class _Books:
     schedule and the EMA and is logged; a skipped (NaN/inf) one is counted, and too many in a
     row stop the run."""
 
-    def __init__(self, run: _Run, state: RunState, step: TrainStep, log: _Log):
+    def __init__(self, run: Run, state: RunState, step: TrainStep, log: Log):
         self.run, self.state, self.step, self.log = run, state, step, log
         self.consecutive_bad = 0
 
@@ -601,108 +425,6 @@ class _Stop:
             signal.signal(sig, old)
 
 
-# --------------------------------------------------------------------------- what a run reports
-
-
-class _Log:
-    """What a run reports. Every log_every steps (and at the last) a metrics record: to the
-    loggers (--logger: metrics.jsonl always, TensorBoard, W&B; dittrain.loggers) and the
-    progress bar's postfix, on rank 0; so are evaluations and the EMA sample grids. The bar
-    advances once per optimizer step; a skipped (non-finite) step shows in its postfix."""
-
-    def __init__(self, run: _Run, state: RunState, *, resumed: bool = False):
-        cfg, device = run.cfg, run.device
-        self.run, self.state = run, state
-        # 2 FLOPs/MAC x (forward + 2 backward) per sample of the global batch
-        self.flops_step = 6 * flops_per_forward(run.model_cfg, text_token_count(run.store)) * cfg.batch_size
-        self.peak = next((v for k, v in PEAK_FLOPS.items() if device.type == "cuda"
-                          and k in torch.cuda.get_device_name(device)), None)
-        self.loggers = open_loggers(cfg.logger, run.out, config=run.resolved, resumed=resumed,
-                                    wandb_project=cfg.wandb_project, wandb_name=cfg.wandb_name,
-                                    note=_note) if run.master else []
-        self.bar = _progress(run.master, state.step, cfg.max_steps)
-        self.postfix, self.shown = "", 0.0
-        self.t_last, self.wait_last, self.steps_since = time.perf_counter(), state.loader.wait_seconds, 0
-
-    def __enter__(self) -> _Log:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.bar.close()
-        for logger in self.loggers:
-            logger.close()
-
-    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """After an optimizer step (state.step is its number)."""
-        cfg, step = self.run.cfg, self.state.step
-        self.steps_since += 1
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
-            rec, now = self._record(loss, grad_norm)
-            if self.run.master:
-                self._scalars("train", rec)
-                self.postfix = (f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} {rec['images_per_s']:.0f} img/s "
-                                f"wait {100 * rec['data_wait_frac']:.0f}%")
-                self.bar.set_postfix_str(self._postfix())
-            self.t_last, self.wait_last, self.steps_since = now, self.state.loader.wait_seconds, 0
-        self.bar.update(1)
-
-    def evaluation(self, rec: dict) -> None:
-        """An evaluation's record {"step", "fid", "sfid", "inception_score", "eval_n", ...}:
-        to the loggers as eval/* (in metrics.jsonl a record without "loss"), and a line."""
-        self._scalars("eval", rec)
-        self.status("")
-        self.bar.write(f"dittrain: step {rec['step']}: FID-{rec['eval_n']} {rec['fid']:.3f}, sFID {rec['sfid']:.3f}, "
-                       f"IS {rec['inception_score']:.2f} ({rec['eval_seconds']:.0f} s)", file=sys.stderr)
-
-    def grid(self, step: int, path: Path) -> None:
-        """An EMA sample grid written at `path` (a PNG): to the loggers that show images."""
-        from PIL import Image
-
-        with Image.open(path) as im:
-            image = np.asarray(im.convert("RGB"))
-        for logger in self.loggers:
-            logger.image(step, "samples/ema", image)
-
-    def _scalars(self, group: str, rec: dict) -> None:
-        """A record {"step", name: value, ...} to every logger, as GROUP/name tags."""
-        values = {f"{group}/{k}": v for k, v in rec.items() if k != "step"}
-        for logger in self.loggers:
-            logger.scalars(rec["step"], values)
-
-    def status(self, text: str) -> None:
-        """Show what the run is doing besides training (e.g. evaluating) after the figures."""
-        self.bar.set_postfix_str(f"{self._postfix()} {text}".strip())
-
-    def skipped(self) -> None:
-        """After a step skipped for a non-finite loss: the postfix counts it (redrawn at most
-        once a second; the bar does not advance)."""
-        self.bar.set_postfix_str(self._postfix(), refresh=False)
-        if time.monotonic() - self.shown >= 1.0:
-            self.bar.refresh()
-            self.shown = time.monotonic()
-
-    def _postfix(self) -> str:
-        """The last record's figures, and the count of skipped steps when there are any."""
-        n = self.state.nonfinite_total
-        return f"{self.postfix} non-finite skipped {n}".strip() if n else self.postfix
-
-    def _record(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[dict, float]:
-        """(the metrics record since the last one, its time)."""
-        device, state = self.run.device, self.state
-        now = time.perf_counter()
-        dt = now - self.t_last
-        wait = state.loader.wait_seconds - self.wait_last
-        rec = {"step": state.step, "loss": loss.item(), "lr": state.lr_schedule.get_last_lr()[0],
-               "grad_norm": float(grad_norm),
-               "images_per_s": self.steps_since * self.run.cfg.batch_size / dt if dt > 0 else 0.0,
-               "data_wait_frac": wait / dt if dt > 0 else 0.0, "nonfinite_skipped": state.nonfinite_total}
-        if device.type == "cuda":
-            rec["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-        if self.peak:
-            rec["mfu"] = self.flops_step * self.steps_since / dt / (self.peak * self.run.world)
-        return rec, now
-
-
 def _truncate_metrics(path: Path, step: int) -> None:
     """Drop log lines past the checkpoint we resume from: they will be logged again. A line
     that does not parse (torn by a crash mid-write) is dropped too."""
@@ -726,48 +448,5 @@ def _write_text(path: Path, text: str) -> None:
         raise TrainError(f"{path}: could not write ({files.error_reason(e)})") from e
 
 
-def _note(line: str) -> None:
-    """A line on stderr that leaves the progress bar whole."""
-    from tqdm import tqdm
-
-    tqdm.write(line, file=sys.stderr)
-
-
-def _progress(enabled: bool, start: int, total: int):
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=start, disable=not enabled, unit="step", dynamic_ncols=True,
-                file=sys.stderr, mininterval=1.0)
-
-
-def _evaluate(run: _Run, state: RunState, step: int, log: _Log) -> None:
-    """FID of the EMA model, every rank drawing its share, logged by rank 0. A failure is a
-    note: an evaluation never stops the run."""
-    log.status(f"evaluating FID-{run.cfg.eval_n}")
-    try:
-        rec = run.evaluator(state.ema, run.resolved, run.store, rank=run.rank, world=run.world)
-    except Exception as e:
-        print(f"\ndittrain: evaluation at step {step} failed on rank {run.rank} ({type(e).__name__}: "
-              f"{' '.join(str(e).split())[:300]}); training goes on", file=sys.stderr)
-        log.status("")
-        return
-    if run.master:
-        log.evaluation({"step": step, **rec})
-
-
-def _sample_grid(run: _Run, ema: DiT, step: int, log: _Log) -> None:
-    """An EMA sample grid (a PNG in RUN/samples/, and to the loggers), when the store's
-    autoencoder can be loaded here (else a note)."""
-    path = run.out / "samples" / f"step_{step:08d}.png"
-    try:
-        from dittrain.sample import write_training_grid
-    except ImportError:
-        return
-    cfg = run.cfg
-    try:
-        write_training_grid(ema, run.resolved, run.store, path, steps=cfg.sample_steps, cfg_scale=cfg.sample_cfg,
-                            seed=cfg.seed, device=run.device)
-    except Exception as e:  # samples are a convenience: never kill a run over them
-        print(f"dittrain: no sample grid at {path.name} ({type(e).__name__}: {e})", file=sys.stderr)
-        return
-    log.grid(step, path)
+# build_optimizer, model_config_for and text_token_count live in dittrain.optim / dittrain.launch
+__all__ = ["TrainError", "build_optimizer", "model_config_for", "run", "text_token_count"]

@@ -19,10 +19,9 @@ from dittrain.model import (
     ModelSpecError,
     architecture,
     custom_name,
-    describe,
     get_config,
-    num_params,
 )
+from dittrain.sizes import describe, num_params
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,8 +17,8 @@ from dittrain.model import (
     drop_text_conditioning,
     flops_per_forward,
     get_config,
-    num_params,
 )
+from dittrain.sizes import num_params
 
 # The DiT paper at 256 px: 4 latent channels, 32x32 latents, 1000 classes, learned sigma.
 PAPER_256 = dict(input_size=32, in_channels=4, num_classes=1000, learn_sigma=True)

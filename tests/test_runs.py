@@ -1,5 +1,5 @@
 """dittrain/runs.py and `dittrain runs`: the table of run directories and the loss plot, on two
-real tiny runs (plus evaluation records as _Log.evaluation writes them, a torn line, a lost
+real tiny runs (plus evaluation records as report.Log.evaluation writes them, a torn line, a lost
 checkpoint) and directories that are not runs."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def evaluation(step: int, fid: float) -> dict:
-    """A record as the trainer's _Log.evaluation writes it (no "loss")."""
+    """A record as the trainer's report.Log.evaluation writes it (no "loss")."""
     return {"step": step, "fid": fid, "sfid": fid + 1, "inception_score": 1.5, "precision": 0.5, "recall": 0.5,
             "eval_n": 6, "eval_seconds": 1.0}
 

@@ -1,0 +1,152 @@
+"""What a run is before it trains: the process group, the device and precision, the store
+and the configs it implies (`setup`), with nothing written anywhere.
+
+    run = setup(cfg)        a Run: settings, rank / world, device, autocast dtype, store,
+                            DiT config, diffusion, the resolved config, the per-rank batch
+
+The resolved config (dittrain.config's docstring) is what config.json and every checkpoint
+hold. dittrain.train builds the run's state from a Run and trains it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ditdata.common import dist
+from ditdata.common.devices import amp_dtype, resolve_device
+from ditdata.common.errors import UserError
+from ditdata.store import Store, open_store
+from dittrain.checkpoint import CheckpointWriter
+from dittrain.config import TrainConfig
+from dittrain.diffusion import Diffusion, DiffusionConfig
+from dittrain.latents import latent_record
+from dittrain.loggers import parse_loggers
+from dittrain.specs import DiTConfig, get_config
+from dittrain.step import compile_model, compile_target
+
+
+class TrainError(UserError):
+    """A run cannot start or continue; the message says why and what to do."""
+
+
+def training_device(name: str) -> torch.device:
+    """--device as ditdata.common.devices reads it (auto: cuda:LOCAL_RANK when there is a
+    GPU, else cpu; DeviceError for an unknown name or CUDA without a GPU), cpu or cuda only."""
+    device = resolve_device(name)
+    if device.type not in ("cpu", "cuda"):
+        raise TrainError(f"--device {name}: dittrain trains on cpu or cuda")
+    return device
+
+
+def model_config_for(cfg: TrainConfig, store: Store) -> DiTConfig:
+    """The DiT config a store implies: in_channels, input size, classes and text dims come
+    from the store (its latent shape and conditioning); the architecture from the named size."""
+    c, h, w = store.latent_shape
+    if h != w:
+        raise TrainError(f"latents are {h}x{w}; DiT here needs square latents")
+    cond = store.conditioning  # num_classes is 0 and the text dims None unless the store has them
+    learn_sigma = cfg.learn_sigma if cfg.learn_sigma is not None else cfg.objective == "ddpm"
+    # --grad-checkpointing 2 is recorded as the int 2 (the model config is compared on resume)
+    granularity = cfg.grad_checkpointing
+    granularity = int(granularity) if str(granularity).isdigit() else granularity
+    try:
+        return get_config(
+            cfg.model, input_size=h, in_channels=c, num_classes=cond.num_classes,
+            class_dropout_prob=cfg.class_dropout, learn_sigma=learn_sigma, qk_norm=cfg.qk_norm,
+            text_pooled_dim=cond.pooled_dim,
+            text_token_dim=cond.tokens_shape[-1] if cond.tokens_shape else None,
+            grad_checkpointing=granularity,
+        )
+    except KeyError as e:
+        raise TrainError(f"unknown model {cfg.model!r}; see `dittrain models`, or name a size "
+                         "custom:hidden=H,depth=D,heads=N,patch=P") from e
+    except AssertionError as e:
+        raise TrainError(f"{cfg.model} does not fit latents {c}x{h}x{w}: {e}") from e
+
+
+def text_token_count(store: Store) -> int:
+    """Caption tokens per sample the model cross-attends to (0 for a store without them)."""
+    shape = store.conditioning.tokens_shape
+    return shape[0] if shape else 0
+
+
+@dataclass
+class Run:
+    """What a run is, besides its state: the settings, where it runs, its data and its loss."""
+
+    cfg: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    amp_dtype: torch.dtype | None  # autocast dtype; None: fp32
+    store: Store
+    model_cfg: DiTConfig
+    diffusion: Diffusion
+    resolved: dict  # the config saved in config.json and every checkpoint (dittrain.config)
+    per_rank: int  # the micro-batch of one rank
+    created_group: bool = False  # this process joined the process group (and so leaves it)
+    evaluator: object | None = None  # --eval-every: the FID evaluator (every rank shares the work)
+    saver: CheckpointWriter | None = None  # --async-save, rank 0: the background writer (made by the first save)
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.out)
+
+
+def setup(cfg: TrainConfig) -> Run:
+    """Join the process group, choose the device and precision, open the store and resolve
+    the config it implies. Nothing is written anywhere."""
+    env = dist.launch_env()
+    rank, world = env.rank, env.world_size
+    device = training_device(cfg.device)
+    created_group = dist.join(device)  # several ranks (torchrun) and no group yet: nccl on CUDA, else gloo
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if cfg.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    store = open_store(cfg.latents, cache_dir=cfg.cache_dir or None, cache_limit=cfg.cache_limit)
+    model_cfg = model_config_for(cfg, store)
+    diff_cfg, latents = diffusion_config(cfg, model_cfg, store)
+    resolved = {
+        "train": asdict(cfg),
+        "model": asdict(model_cfg),
+        "diffusion": asdict(diff_cfg),
+        "latents": latents,
+        "store": {"path": store.location, "identity": store.identity,
+                  "num_samples": len(store)},
+    }
+    per_rank, rem = divmod(cfg.batch_size, world * cfg.accumulation_steps)
+    if rem or per_rank == 0:
+        raise TrainError(f"--batch-size {cfg.batch_size} must be a multiple of ranks ({world}) x "
+                         f"--accumulation-steps ({cfg.accumulation_steps})")
+    parse_loggers(cfg.logger)  # an unknown --logger, or wandb without its extra, stops the run before it starts
+    compile_target(cfg.compile, device)
+    compile_model(None, "off", cfg.compile_mode)  # validates the mode before anything is written
+    # auto: bf16 on GPUs that have it, else fp16 (with a grad scaler); fp32 on the CPU
+    return Run(cfg, rank, world, device, amp_dtype(device, cfg.amp), store, model_cfg,
+               Diffusion(diff_cfg), resolved, per_rank, created_group)
+
+
+def diffusion_config(cfg: TrainConfig, model_cfg: DiTConfig, store: Store) -> tuple[DiffusionConfig, dict]:
+    """The objective with its loss and timestep options, and the run config's "latents"
+    section (dittrain.latents: the store's per-channel stats with --latent-norm channel)."""
+    try:  # DiffusionConfig refuses options of the other objective (min-snr on flow, a t-shift on ddpm)
+        diff_cfg = DiffusionConfig(
+            objective=cfg.objective, learn_sigma=model_cfg.learn_sigma, loss_weighting=cfg.loss_weighting,
+            min_snr_gamma=cfg.min_snr_gamma, logit_normal_mean=cfg.t_mean, logit_normal_std=cfg.t_std,
+            t_sampling=cfg.t_sampling, t_shift=cfg.t_shift)
+    except ValueError as e:  # a plain ValueError: as a one-line user error
+        raise TrainError(str(e)) from e
+    return diff_cfg, latent_record(store, cfg.latent_norm)  # LatentNormError: a user error already
+
+
+__all__ = ["Run", "TrainError", "diffusion_config", "model_config_for", "setup", "text_token_count",
+           "training_device"]

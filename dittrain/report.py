@@ -1,0 +1,179 @@
+"""What a run reports, on rank 0: metrics records and sample grids to the loggers
+(dittrain.loggers: metrics.jsonl always, TensorBoard, W&B), the progress bar and its notes,
+FID evaluations during training.
+
+    with Log(run, state, resumed=...) as log:    the loggers and the bar, closed on errors too
+        log.step(loss, grad_norm)                after every kept optimizer step
+        log.skipped()                            after a step skipped for a non-finite loss
+    sample_grid(run, ema, step, log)             an EMA grid in RUN/samples/ (never stops a run)
+    evaluate(run, state, step, log)              FID of the EMA model (never stops a run)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ditdata.common.errors import described
+from dittrain.checkpoint import RunState
+from dittrain.launch import Run, text_token_count
+from dittrain.loggers import open_loggers
+from dittrain.model import DiT
+from dittrain.specs import flops_per_forward
+
+# Dense bf16/fp16 tensor-core peak FLOP/s by device name, for MFU. Unknown devices: no MFU.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "RTX 4090": 165e12,
+              "RTX 3090": 71e12, "A6000": 155e12, "V100": 125e12}
+
+
+class Log:
+    """What a run reports. Every log_every steps (and at the last) a metrics record: to the
+    loggers (--logger: metrics.jsonl always, TensorBoard, W&B; dittrain.loggers) and the
+    progress bar's postfix, on rank 0; so are evaluations and the EMA sample grids. The bar
+    advances once per optimizer step; a skipped (non-finite) step shows in its postfix."""
+
+    def __init__(self, run: Run, state: RunState, *, resumed: bool = False):
+        cfg, device = run.cfg, run.device
+        self.run, self.state = run, state
+        # 2 FLOPs/MAC x (forward + 2 backward) per sample of the global batch
+        self.flops_step = 6 * flops_per_forward(run.model_cfg, text_token_count(run.store)) * cfg.batch_size
+        self.peak = next((v for k, v in PEAK_FLOPS.items() if device.type == "cuda"
+                          and k in torch.cuda.get_device_name(device)), None)
+        self.loggers = open_loggers(cfg.logger, run.out, config=run.resolved, resumed=resumed,
+                                    wandb_project=cfg.wandb_project, wandb_name=cfg.wandb_name,
+                                    note=note) if run.master else []
+        self.bar = _progress(run.master, state.step, cfg.max_steps)
+        self.postfix, self.shown = "", 0.0
+        self.t_last, self.wait_last, self.steps_since = time.perf_counter(), state.loader.wait_seconds, 0
+
+    def __enter__(self) -> Log:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+        for logger in self.loggers:
+            logger.close()
+
+    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """After an optimizer step (state.step is its number)."""
+        cfg, step = self.run.cfg, self.state.step
+        self.steps_since += 1
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            rec, now = self._record(loss, grad_norm)
+            if self.run.master:
+                self._scalars("train", rec)
+                self.postfix = (f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} {rec['images_per_s']:.0f} img/s "
+                                f"wait {100 * rec['data_wait_frac']:.0f}%")
+                self.bar.set_postfix_str(self._postfix())
+            self.t_last, self.wait_last, self.steps_since = now, self.state.loader.wait_seconds, 0
+        self.bar.update(1)
+
+    def evaluation(self, rec: dict) -> None:
+        """An evaluation's record {"step", "fid", "sfid", "inception_score", "eval_n", ...}:
+        to the loggers as eval/* (in metrics.jsonl a record without "loss"), and a line."""
+        self._scalars("eval", rec)
+        self.status("")
+        self.bar.write(f"dittrain: step {rec['step']}: FID-{rec['eval_n']} {rec['fid']:.3f}, sFID {rec['sfid']:.3f}, "
+                       f"IS {rec['inception_score']:.2f} ({rec['eval_seconds']:.0f} s)", file=sys.stderr)
+
+    def grid(self, step: int, path: Path) -> None:
+        """An EMA sample grid written at `path` (a PNG): to the loggers that show images."""
+        from PIL import Image
+
+        with Image.open(path) as im:
+            image = np.asarray(im.convert("RGB"))
+        for logger in self.loggers:
+            logger.image(step, "samples/ema", image)
+
+    def _scalars(self, group: str, rec: dict) -> None:
+        """A record {"step", name: value, ...} to every logger, as GROUP/name tags."""
+        values = {f"{group}/{k}": v for k, v in rec.items() if k != "step"}
+        for logger in self.loggers:
+            logger.scalars(rec["step"], values)
+
+    def status(self, text: str) -> None:
+        """Show what the run is doing besides training (e.g. evaluating) after the figures."""
+        self.bar.set_postfix_str(f"{self._postfix()} {text}".strip())
+
+    def skipped(self) -> None:
+        """After a step skipped for a non-finite loss: the postfix counts it (redrawn at most
+        once a second; the bar does not advance)."""
+        self.bar.set_postfix_str(self._postfix(), refresh=False)
+        if time.monotonic() - self.shown >= 1.0:
+            self.bar.refresh()
+            self.shown = time.monotonic()
+
+    def _postfix(self) -> str:
+        """The last record's figures, and the count of skipped steps when there are any."""
+        n = self.state.nonfinite_total
+        return f"{self.postfix} non-finite skipped {n}".strip() if n else self.postfix
+
+    def _record(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[dict, float]:
+        """(the metrics record since the last one, its time)."""
+        device, state = self.run.device, self.state
+        now = time.perf_counter()
+        dt = now - self.t_last
+        wait = state.loader.wait_seconds - self.wait_last
+        rec = {"step": state.step, "loss": loss.item(), "lr": state.lr_schedule.get_last_lr()[0],
+               "grad_norm": float(grad_norm),
+               "images_per_s": self.steps_since * self.run.cfg.batch_size / dt if dt > 0 else 0.0,
+               "data_wait_frac": wait / dt if dt > 0 else 0.0, "nonfinite_skipped": state.nonfinite_total}
+        if device.type == "cuda":
+            rec["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if self.peak:
+            rec["mfu"] = self.flops_step * self.steps_since / dt / (self.peak * self.run.world)
+        return rec, now
+
+
+def note(line: str) -> None:
+    """A line on stderr that leaves the progress bar whole."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+
+
+def _progress(enabled: bool, start: int, total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, disable=not enabled, unit="step", dynamic_ncols=True,
+                file=sys.stderr, mininterval=1.0)
+
+
+def evaluate(run: Run, state: RunState, step: int, log: Log) -> None:
+    """FID of the EMA model, every rank drawing its share, logged by rank 0. A failure is a
+    note: an evaluation never stops the run."""
+    log.status(f"evaluating FID-{run.cfg.eval_n}")
+    try:
+        rec = run.evaluator(state.ema, run.resolved, run.store, rank=run.rank, world=run.world)
+    except Exception as e:
+        print(f"\ndittrain: evaluation at step {step} failed on rank {run.rank} ({described(e)}); "
+              "training goes on", file=sys.stderr)
+        log.status("")
+        return
+    if run.master:
+        log.evaluation({"step": step, **rec})
+
+
+def sample_grid(run: Run, ema: DiT, step: int, log: Log) -> None:
+    """An EMA sample grid (a PNG in RUN/samples/, and to the loggers), when the store's
+    autoencoder can be loaded here (else a note)."""
+    path = run.out / "samples" / f"step_{step:08d}.png"
+    try:
+        from dittrain.sample import write_training_grid
+    except ImportError:
+        return
+    cfg = run.cfg
+    try:
+        write_training_grid(ema, run.resolved, run.store, path, steps=cfg.sample_steps, cfg_scale=cfg.sample_cfg,
+                            seed=cfg.seed, device=run.device)
+    except Exception as e:  # samples are a convenience: never kill a run over them
+        print(f"dittrain: no sample grid at {path.name} ({type(e).__name__}: {e})", file=sys.stderr)
+        return
+    log.grid(step, path)
+
+
+__all__ = ["PEAK_FLOPS", "Log", "evaluate", "note", "sample_grid"]

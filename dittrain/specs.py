@@ -1,0 +1,184 @@
+"""The DiT sizes: the model's config, the one registry of named sizes, custom sizes, and
+what one forward costs.
+
+    DiTConfig                        every field of a DiT (architecture + what the data implies)
+    CONFIGS                          "DiT-XL/2" -> the architecture fields (the paper's Table 1, plus T)
+    get_config(name, **overrides)    a registry name or "custom:hidden=..,depth=..,heads=..,patch=.."
+    flops_per_forward(config)        multiply-adds of one sample's forward (the paper's Gflops)
+
+Arithmetic on names and numbers only (the grad-checkpointing knob is read by
+dittrain.grad_checkpointing): the network itself is dittrain.model; parameter counts and
+the rows of `dittrain models` are dittrain.sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ditdata.common.errors import UserError
+from dittrain.grad_checkpointing import checkpoint_every
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    input_size: int = 32  # latent height = width (256 px / VAE downsample 8)
+    in_channels: int = 4  # latent channels
+    patch_size: int = 2
+    hidden_size: int = 1152
+    depth: int = 28
+    num_heads: int = 16
+    mlp_ratio: float = 4.0
+    num_classes: int = 1000  # 0 = no class conditioning
+    class_dropout_prob: float = 0.1  # label -> null class, for classifier-free guidance
+    learn_sigma: bool = True  # output 2C channels: eps and the variance interpolation v
+    qk_norm: bool = False  # RMSNorm on q and k per head (stabilises bf16 / large lr)
+    text_pooled_dim: int | None = None  # pooled text embedding, added to c
+    text_token_dim: int | None = None  # token embeddings, through cross-attention
+    # "none" | "every" | k (every k-th block) | "attn" / "mlp" (that branch of every block) |
+    # "selective" (every block, keeping its matmul and attention outputs)
+    grad_checkpointing: str | int = "none"
+    frequency_embedding_size: int = 256  # sinusoidal timestep features
+
+    def __post_init__(self):
+        assert self.input_size % self.patch_size == 0, "input_size must be a multiple of patch_size"
+        assert self.hidden_size % self.num_heads == 0, "hidden_size must be a multiple of num_heads"
+        checkpoint_every(self.grad_checkpointing)  # validates the knob
+
+    @property
+    def out_channels(self) -> int:
+        return self.in_channels * 2 if self.learn_sigma else self.in_channels
+
+    @property
+    def num_tokens(self) -> int:
+        return (self.input_size // self.patch_size) ** 2
+
+
+# The sizes of the DiT paper (Table 1) plus a tiny one for CPU tests and demos.
+_SIZES = {
+    "T": dict(depth=6, hidden_size=192, num_heads=4),
+    "S": dict(depth=12, hidden_size=384, num_heads=6),
+    "B": dict(depth=12, hidden_size=768, num_heads=12),
+    "L": dict(depth=24, hidden_size=1024, num_heads=16),
+    "XL": dict(depth=28, hidden_size=1152, num_heads=16),
+}
+_PATCHES = {"T": (2, 4), "S": (2, 4, 8), "B": (2, 4, 8), "L": (2, 4, 8), "XL": (2, 4, 8)}
+
+# The one registry: "DiT-XL/2" -> the architecture fields of DiTConfig. Data-dependent
+# fields (input_size, in_channels, num_classes, text dims) come from the latent store.
+CONFIGS: dict[str, dict] = {
+    f"DiT-{size}/{p}": dict(_SIZES[size], patch_size=p) for size in _SIZES for p in _PATCHES[size]
+}
+
+
+# Sizes outside the registry, named by their fields: "custom:hidden=512,depth=8,heads=8,patch=2"
+# (",mlp_ratio=R" optional). Such a name works wherever a registry name does.
+CUSTOM_PREFIX = "custom:"
+_CUSTOM_FIELDS = {"hidden": "hidden_size", "depth": "depth", "heads": "num_heads", "patch": "patch_size",
+                  "mlp_ratio": "mlp_ratio"}
+_CUSTOM_REQUIRED = ("hidden", "depth", "heads", "patch")
+CUSTOM_SPEC = "custom:hidden=H,depth=D,heads=N,patch=P"  # the grammar, for messages
+
+
+class ModelSpecError(UserError, ValueError):
+    """A custom model spec that does not parse; the message is one line."""
+
+
+def parse_custom(spec: str) -> dict:
+    """"custom:hidden=D,depth=N,heads=H,patch=p[,mlp_ratio=r]" -> the architecture fields of
+    DiTConfig (as CONFIGS holds them, plus mlp_ratio when given); ModelSpecError otherwise."""
+    valid = (f"valid keys: {', '.join(_CUSTOM_REQUIRED)} (positive integers, required), mlp_ratio "
+             f"(optional, default {DiTConfig.mlp_ratio:g}), e.g. custom:hidden=512,depth=8,heads=8,patch=2")
+
+    def fail(why: str):
+        raise ModelSpecError(f"model {spec!r}: {why}; {valid}")
+
+    if not spec.startswith(CUSTOM_PREFIX):
+        fail(f"a custom size starts with {CUSTOM_PREFIX!r}")
+    given: dict[str, str] = {}
+    for item in spec[len(CUSTOM_PREFIX):].split(","):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or not key or not value:
+            fail(f"{item.strip()!r} is not key=value")
+        if key not in _CUSTOM_FIELDS:
+            fail(f"unknown key {key!r}")
+        if key in given:
+            fail(f"{key} is given twice")
+        given[key] = value
+    missing = [k for k in _CUSTOM_REQUIRED if k not in given]
+    if missing:
+        fail(f"missing {', '.join(missing)}")
+    arch = {}
+    for key, value in given.items():
+        try:
+            number = float(value) if key == "mlp_ratio" else int(value)
+        except ValueError:
+            number = None
+        if number is None or not math.isfinite(number) or number <= 0:
+            fail(f"{key}={value} is not a positive {'number' if key == 'mlp_ratio' else 'integer'}")
+        arch[_CUSTOM_FIELDS[key]] = number
+    D, H = arch["hidden_size"], arch["num_heads"]
+    if D % H:
+        fail(f"hidden {D} is not divisible by heads {H}")
+    if D % 4:
+        fail(f"hidden {D} is not a multiple of 4 (the 2-D sin-cos position embedding needs it)")
+    if int(D * arch.get("mlp_ratio", DiTConfig.mlp_ratio)) < 1:
+        fail(f"mlp_ratio {arch['mlp_ratio']} leaves the MLP no hidden units")
+    return arch
+
+
+def custom_name(hidden_size: int, depth: int, num_heads: int | str, patch_size: int,
+                mlp_ratio: float = 4.0) -> str:
+    """The custom spec of these fields (mlp_ratio only when not the default; num_heads "?" for a
+    spec to complete)."""
+    ratio = f",mlp_ratio={mlp_ratio:g}" if mlp_ratio != DiTConfig.mlp_ratio else ""
+    return f"{CUSTOM_PREFIX}hidden={hidden_size},depth={depth},heads={num_heads},patch={patch_size}{ratio}"
+
+
+def architecture(name: str) -> dict:
+    """The architecture fields of a registry name or a custom spec (KeyError: an unknown name,
+    ModelSpecError: a custom spec that does not parse)."""
+    if name.startswith(CUSTOM_PREFIX):
+        return parse_custom(name)
+    if name not in CONFIGS:
+        raise KeyError(f"unknown model {name!r}; choose one of {', '.join(CONFIGS)}, or a custom size "
+                       f"{CUSTOM_SPEC}")
+    return dict(CONFIGS[name])
+
+
+def get_config(name: str, **overrides) -> DiTConfig:
+    """get_config("DiT-XL/2", input_size=32) or get_config("custom:hidden=512,depth=8,heads=8,patch=2")."""
+    return DiTConfig(**{**architecture(name), **overrides})
+
+
+def flops_per_forward(config: DiTConfig, text_tokens: int = 0) -> int:
+    """Multiply-adds of ONE sample's forward pass (multiply by 2 for FLOPs, by 3 for
+    forward + backward). Counts every matmul: patch embedding, timestep MLP, the adaLN
+    regressions (once per sample, not per token), per block q/k/v/out projections, the
+    attention scores QK^T and the weighted sum AV, the MLP, the final layer; with text,
+    the text embedders and the cross-attention (L = text_tokens). Leaves out
+    element-wise work (norms, softmax, activations, modulation, the label lookup).
+    This is the convention of the DiT paper's Gflops: XL/2 at 256 px gives 118.62 G."""
+    D, T, p = config.hidden_size, config.num_tokens, config.patch_size
+    H = int(D * config.mlp_ratio)
+    L = text_tokens if config.text_token_dim else 0
+
+    per_block = T * (3 * D * D + D * D + 2 * D * H)  # qkv, proj, fc1 + fc2
+    per_block += 2 * T * T * D  # QK^T and AV, all heads together
+    per_block += 6 * D * D  # adaLN modulation, once per sample
+    if L:
+        per_block += T * D * D + L * 2 * D * D + T * D * D  # q, kv, proj
+        per_block += 2 * T * L * D  # QK^T and AV
+    total = config.depth * per_block
+    total += T * config.in_channels * p * p * D  # patch embedding
+    total += config.frequency_embedding_size * D + D * D  # timestep MLP
+    total += 2 * D * D + T * D * p * p * config.out_channels  # final adaLN + linear
+    if config.text_pooled_dim:
+        total += config.text_pooled_dim * D + D * D
+    if L:
+        total += L * (config.text_token_dim * D + D * D)
+    return total
+
+
+__all__ = ["CONFIGS", "CUSTOM_PREFIX", "CUSTOM_SPEC", "DiTConfig", "ModelSpecError", "architecture", "custom_name",
+           "flops_per_forward", "get_config", "parse_custom"]

@@ -1,0 +1,86 @@
+"""dittrain's choice lists in one place: dittrain/config.py holds them without torch, the CLI's
+click.Choice lists are exactly these tuples, and the modules that check a value accept every
+value listed (and refuse one that is not)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from dittrain import config
+from dittrain.cli import main as cli
+
+
+def test_importing_config_loads_no_torch():
+    code = ("import sys, dittrain.config, dittrain.cli; "
+            "print(' '.join(m for m in ('torch', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def _choices(command: str) -> dict[str, tuple]:
+    return {p.name: tuple(p.type.choices) for p in cli.commands[command].params if hasattr(p.type, "choices")}
+
+
+def test_run_choices_are_the_config_constants():
+    assert _choices("run") == {
+        "objective": config.OBJECTIVES, "optimizer": config.OPTIMIZERS, "lr_schedule": config.LR_SCHEDULES,
+        "latent_norm": config.LATENT_NORMS, "loss_weighting": config.LOSS_WEIGHTINGS,
+        "t_sampling": config.T_SAMPLINGS, "amp": config.AMP_MODES, "compile": config.COMPILE,
+        "compile_mode": config.COMPILE_MODES, "loader": config.LOADERS, "resident_device": config.RESIDENT_DEVICES,
+    }
+
+
+def test_sample_samplers_are_the_config_constant():
+    assert _choices("sample")["sampler"] == config.SAMPLERS
+
+
+def test_the_constants_are_what_their_modules_check():
+    from ditdata.common import devices
+    from dittrain import grad_checkpointing, latents, loggers, step
+
+    assert latents.LATENT_NORMS is config.LATENT_NORMS and loggers.LOGGERS is config.LOGGERS
+    assert config.PRECISIONS == devices.PRECISIONS and set(config.AMP_MODES) == set(devices.PRECISIONS)
+    assert set(config.COMPILE_TARGETS) < set(config.COMPILE)
+    for knob in config.COMPILE:
+        assert step.compile_target(knob, devices.resolve_device("cpu")) in config.COMPILE_TARGETS
+    for mode in config.COMPILE_MODES:
+        step.compile_model(None, "off", mode)
+    with pytest.raises(step.CompileError):
+        step.compile_model(None, "off", "fastest")
+    for knob in config.GRAD_CHECKPOINTING:
+        grad_checkpointing.checkpoint_every(knob)
+    assert {grad_checkpointing.block_recompute(k) for k in config.GRAD_CHECKPOINTING} == {
+        None, *config.CHECKPOINT_BRANCHES, config.CHECKPOINT_SELECTIVE}
+    with pytest.raises(grad_checkpointing.GradCheckpointingError):
+        grad_checkpointing.checkpoint_every("sometimes")
+
+
+def test_diffusion_accepts_the_listed_objectives_and_options():
+    from dittrain.diffusion import DiffusionConfig
+
+    for objective in config.OBJECTIVES:
+        DiffusionConfig(objective=objective)
+    for weighting in config.LOSS_WEIGHTINGS:
+        DiffusionConfig(objective="ddpm", loss_weighting=weighting)
+    for sampling in config.T_SAMPLINGS:
+        DiffusionConfig(objective="flow", t_sampling=sampling)
+    for bad in (dict(objective="edm"), dict(loss_weighting="p2"), dict(objective="flow", t_sampling="cosmap")):
+        with pytest.raises(ValueError):
+            DiffusionConfig(**bad)
+
+
+def test_optimizers_and_schedules():
+    import torch
+
+    from dittrain.optim import OptimizerError, build_optimizer, lr_at
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    assert isinstance(build_optimizer(config.TrainConfig(optimizer="adamw"), params, torch.device("cpu")),
+                      torch.optim.AdamW)
+    with pytest.raises(OptimizerError, match="choose adamw or adamw8bit"):
+        build_optimizer(config.TrainConfig(optimizer="sgd"), params, torch.device("cpu"))
+    cfg = dict(lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=10)
+    assert [lr_at(5, config.TrainConfig(lr_schedule=s, **cfg)) for s in config.LR_SCHEDULES] == [1.0, 0.5]
