@@ -45,6 +45,13 @@ def _opt(config, *names, field, **kw):
 
 _fetch_opt = partial(_opt, FetchConfig)
 _encode_opt = partial(_opt, EncodeConfig)
+_quiet = click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+
+
+def _skip_bad_shards_help(recorded: str) -> str:
+    """--skip-bad-shards of score and encode: what a left-out shard leaves behind."""
+    return ("Leave out image shards whose tar is damaged or holds fewer samples than its stats "
+            f"file says ({recorded}) instead of stopping.")
 
 
 @click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -113,7 +120,7 @@ def main():
                  "Default: sorted order (ImageNet shards then hold consecutive classes).")
 @_fetch_opt("--overwrite", field="overwrite", is_flag=True,
             help="Delete a previous fetch in --out first instead of resuming it.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@_quiet
 def fetch(source, out, quiet, **options):
     """Fetch SOURCE into WebDataset image shards in SHARDS_DIR (--out): NNNNN.tar with
     {key}.jpg, {key}.json (key, source, size, caption or label) and {key}.txt captions,
@@ -173,10 +180,8 @@ def fetch(source, out, quiet, **options):
 @click.option("--overwrite", is_flag=True,
               help="Recompute every shard, replacing scores made by another model or weights.")
 @click.option("--skip-bad-shards", is_flag=True,
-              help="Leave out shards whose tar is damaged or holds fewer samples than its stats "
-                   "file says (each gets NNNNN.clip.skipped.json; filter selects nothing from it) "
-                   "instead of stopping.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+              help=_skip_bad_shards_help("each gets NNNNN.clip.skipped.json; filter selects nothing from it"))
+@_quiet
 def score(shards, clip_name, pretrained, clip_config, device, batch_size, workers, overwrite,
           skip_bad_shards, quiet):
     """CLIP-score every image-caption pair of the image SHARDS folder (from `ditdata fetch`).
@@ -349,8 +354,7 @@ def verify(store, cache_dir, cache_limit):
 @_encode_opt("--chunk-samples", field="chunk_samples", type=click.IntRange(min=1),
              help="Samples per storage chunk (large chunks read fast).")
 @_encode_opt("--skip-bad-shards", field="skip_bad_shards", is_flag=True,
-             help="Leave out image shards whose tar is damaged or holds fewer samples than its "
-                  "stats file says (each is recorded in the manifest) instead of stopping.")
+             help=_skip_bad_shards_help("each is recorded in the manifest"))
 def encode(shards, out, **options):
     """Encode the image SHARDS folder (from `ditdata fetch`) into a latent store.
 

@@ -478,3 +478,11 @@ def test_url_list_formats_are_read(tmp_path):
         cols = _columns(p, fmt)
         assert _pick_columns(cols, fmt, None, None, [], p) == (url_col, cap_col)
         assert _count_rows(p, fmt, url_col) == 5
+
+
+def test_importing_fetch_starts_nothing():
+    """img2dataset's workers (spawned processes, Spark or Ray executors) import this package
+    to unpickle their downloader: importing it must not import img2dataset or a cluster."""
+    code = ("import sys, ditdata.fetch, ditdata.fetch.urls, ditdata.fetch.distributors; "
+            "assert not {'img2dataset', 'pyspark', 'ray', 'torch'} & set(sys.modules), sys.modules.keys()")
+    subprocess.run([sys.executable, "-c", code], check=True)
