@@ -86,24 +86,23 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan, iterative)."""
-    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+    index, low, on, stack, out, work = {}, {}, set(), [], [], []
+
+    def visit(v: str) -> None:  # first sight of v: numbered, on the stack, its imports walked next
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        work.append((v, iter(sorted(graph.get(v, ())))))
+
     for start in sorted(graph):
         if start in index:
             continue
-        work = [(start, iter(sorted(graph[start])))]
-        index[start] = low[start] = counter[0]
-        counter[0] += 1
-        stack.append(start)
-        on.add(start)
+        visit(start)
         while work:
             v, children = work[-1]
             for w in children:
                 if w not in index:
-                    index[w] = low[w] = counter[0]
-                    counter[0] += 1
-                    stack.append(w)
-                    on.add(w)
-                    work.append((w, iter(sorted(graph.get(w, ())))))
+                    visit(w)
                     break
                 if w in on:
                     low[v] = min(low[v], index[w])
