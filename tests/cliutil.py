@@ -1,6 +1,7 @@
-"""The CLIs run in-process (click's CliRunner, arguments passed through str) for tests,
-the `dittrain run` command line the tests train a store with, and `dittrain` as a child
-process (to kill one and resume it)."""
+"""The CLIs run in-process (click's CliRunner, arguments passed through str) for tests, what
+their results must say (ok, one_error_line; raises_one_line for a raised error), the
+`dittrain run` command line the tests train a store with, and `dittrain` as a child process
+(to kill one and resume it)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,30 @@ def run_args(store: Path, out: Path, *extra, model: str = "DiT-T/4") -> list[str
     on the CPU with seed 3; `extra` appended (as strings)."""
     return ["run", "--latents", str(store), "--out", str(out), "--model", model, "--batch-size", "8",
             "--log-every", "1", "--sample-every", "0", "--device", "cpu", "--seed", "3", *map(str, extra)]
+
+
+def assert_has(text: str, *needles: str) -> None:
+    """Each of `needles` is in `text` (the text is the failure message)."""
+    for needle in needles:
+        assert needle in text, text
+
+
+def ok(result: Result, *needles: str) -> Result:
+    """`result` of a command that succeeded (exit code 0), each of `needles` in its output."""
+    assert result.exit_code == 0, result.output
+    assert_has(result.output, *needles)
+    return result
+
+
+def raises_one_line(error: type[BaseException], call) -> str:
+    """The message of the `error` that call() raises: one line (no newline)."""
+    import pytest
+
+    with pytest.raises(error) as e:
+        call()
+    message = str(e.value)
+    assert "\n" not in message, message
+    return message
 
 
 def one_error_line(output: str) -> str:

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from cliutil import dittrain, one_error_line, run_args
+from cliutil import dittrain, one_error_line, raises_one_line, run_args
 from storeutil import make_store
 from test_sample import read_png
 
@@ -84,10 +84,8 @@ def test_spec_grammar():
     ("custom:", "is not key=value"),
 ])
 def test_bad_specs_are_one_line_errors(spec, needle):
-    with pytest.raises(ModelSpecError) as e:
-        get_config(spec)
-    message = str(e.value)
-    assert needle in message and "\n" not in message
+    message = raises_one_line(ModelSpecError, lambda: get_config(spec))
+    assert needle in message
     assert "valid keys: hidden, depth, heads, patch" in message and "mlp_ratio" in message
     with pytest.raises(KeyError, match="custom:hidden=H,depth=D,heads=N,patch=P"):
         get_config("DiT-Q/2")

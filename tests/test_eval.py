@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cliutil import dittrain, one_error_line
+from cliutil import dittrain, one_error_line, raises_one_line
 from PIL import Image
 from tiny import random_crops, save_random_inception
 
@@ -298,10 +298,8 @@ def test_inception_file_that_is_not_a_state_dict_is_refused(tmp_path, inception_
     sd["fc.weight"] = sd["fc.weight"][:10]
     sd.pop("Mixed_7c.branch_pool.conv.weight")
     torch.save(sd, tmp_path / "wrong.pth")
-    with pytest.raises(ev.EvalError) as e:
-        ev.load_inception(tmp_path / "wrong.pth")
-    msg = str(e.value)
-    assert "\n" not in msg and "1 missing keys (e.g. Mixed_7c.branch_pool.conv.weight)" in msg
+    msg = raises_one_line(ev.EvalError, lambda: ev.load_inception(tmp_path / "wrong.pth"))
+    assert "1 missing keys (e.g. Mixed_7c.branch_pool.conv.weight)" in msg
     assert "fc.weight (10, 2048) (expected (1008, 2048))" in msg
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cliutil import dittrain, one_error_line
+from cliutil import dittrain, ok, one_error_line
 from storeutil import tiny_store
 from test_sample import make_run, read_png
 from tiny import save_tiny_kl
@@ -76,8 +76,7 @@ def test_onnx_export_checks_and_samples_like_torch(kl_run, torch_samples, tmp_pa
 
     run, _ = kl_run
     f = tmp_path / "dit.onnx"
-    r = export("--ckpt", run, "--format", "onnx", "--out", f)
-    assert r.exit_code == 0, r.output
+    r = ok(export("--ckpt", run, "--format", "onnx", "--out", f))
     m = re.search(r"max abs diff (\S+) at batch 2, (\S+) at batch 3 \(tolerance 1e-04", r.output)
     assert m, r.output
     assert all(float(v) <= 1e-4 for v in m.groups())  # measured ~5e-7
@@ -161,10 +160,8 @@ def test_diffusers_pipeline_reloads_offline_matches_and_samples(kl_run, tmp_path
 
     run, store = kl_run
     d = tmp_path / "pipe"
-    r = export("--ckpt", run, "--format", "diffusers", "--out", d)
-    assert r.exit_code == 0, r.output
-    assert "max abs diff 0.0e+00 after match_dit_timesteps(pipe)" in r.output
-    assert "class table has 1001 rows" in r.output
+    r = ok(export("--ckpt", run, "--format", "diffusers", "--out", d),
+           "max abs diff 0.0e+00 after match_dit_timesteps(pipe)", "class table has 1001 rows")
     for part in ("transformer/", "vae/", "scheduler/", "model_index.json"):
         assert re.search(rf"  {part}  \d+\.\d (MB|kB)", r.output), r.output
     pipe = DiTPipeline.from_pretrained(str(d), local_files_only=True)

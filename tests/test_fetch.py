@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from cliutil import assert_has
 from PIL import Image
 from skimage import data as skdata
 from sklearn.datasets import load_sample_images
@@ -168,11 +169,8 @@ def test_fetch_url_parquet_killed_and_resumed(tmp_path, http_files, images):
     assert r.returncode == 0, r.stderr + r.stdout
     assert "resuming:" in r.stderr
     # the summary: 16 rows, 14 images, one 404 and one undecodable
-    assert "total:        16" in r.stdout
-    assert "successes:    14 (87.5%)" in r.stdout
-    assert "failed:       2" in r.stdout
-    assert "1  HTTP Error 404: Not Found" in r.stdout
-    assert "1  Image decoding error" in r.stdout
+    assert_has(r.stdout, "total:        16", "successes:    14 (87.5%)", "failed:       2",
+               "1  HTTP Error 404: Not Found", "1  Image decoding error")
     info = read_dataset_info(out)
     assert (info["kind"], info["num_shards"], info["num_samples"]) == ("urls", 4, 14)
     assert info["summary"]["reasons"] == {"HTTP Error 404: Not Found": 1, "Image decoding error": 1}

@@ -18,6 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from cliutil import raises_one_line
 from test_fetch import real_images, run_cli, serve
 from test_imageshards import encode
 
@@ -127,10 +128,8 @@ def test_ray_fetch_equals_multiprocessing_fetch(url_list, reference, tmp_path):
 def test_missing_java_is_one_line(tmp_path, monkeypatch):
     monkeypatch.delenv("JAVA_HOME", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no java on it
-    with pytest.raises(DitdataError) as e:
-        distributors.java_home()
-    msg = str(e.value)
-    assert "\n" not in msg and "apt-get install default-jre-headless" in msg and "JAVA_HOME" in msg
+    msg = raises_one_line(DitdataError, distributors.java_home)
+    assert "apt-get install default-jre-headless" in msg and "JAVA_HOME" in msg
     monkeypatch.setenv("JAVA_HOME", str(tmp_path / "nojre"))
     with pytest.raises(DitdataError, match="JAVA_HOME=.*nojre has no bin/java") as e:
         distributors.java_home()

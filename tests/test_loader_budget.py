@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from cliutil import dittrain as cli
-from cliutil import run_args
+from cliutil import raises_one_line, run_args
 from storeutil import LABELLED, latent_data, make_store, schema, write_store
 
 import dittrain.data as data
@@ -140,10 +140,8 @@ def test_nothing_is_measured_without_worker_processes(store):
 
 
 def test_an_impossible_budget_is_refused_in_one_line(store):
-    with pytest.raises(LoaderError) as e:
-        StreamingLoader(store, batch_size=64, workers=4, memory="100MiB")
-    msg = str(e.value)
-    assert "\n" not in msg and "4 workers" in msg and "100.0 MiB" in msg and "--loader-memory" in msg
+    msg = raises_one_line(LoaderError, lambda: StreamingLoader(store, batch_size=64, workers=4, memory="100MiB"))
+    assert "4 workers" in msg and "100.0 MiB" in msg and "--loader-memory" in msg
     # an explicit window is kept and checked, not lowered: both figures are named
     with pytest.raises(LoaderError) as e:
         StreamingLoader(store, batch_size=64, workers=2, shuffle_window=4, memory="300MiB")

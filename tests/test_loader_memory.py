@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from cliutil import raises_one_line
 from storeutil import schema, write_store
 
 import dittrain.data as data
@@ -30,10 +31,7 @@ def fake_ram(monkeypatch, nbytes: int) -> None:
 
 def test_explicit_resident_refuses_a_store_larger_than_ram(store, monkeypatch):
     fake_ram(monkeypatch, need(store) // 2)
-    with pytest.raises(LoaderError) as e:
-        choose_loader(store, kind="resident")
-    msg = str(e.value)
-    assert "\n" not in msg
+    msg = raises_one_line(LoaderError, lambda: choose_loader(store, kind="resident"))
     assert data._gib(need(store)) in msg and data._gib(need(store) // 2) in msg  # need and available
     assert "test figure" in msg and "RAM" in msg  # where the figure came from
     assert "--loader streaming" in msg

@@ -183,16 +183,18 @@ def test_a_failed_wandb_log_call_is_one_note(store, tmp_path, wandb_env, monkeyp
     assert [rec["step"] for rec in _records(out)] == [1, 2, 3]
 
 
-def test_an_unknown_logger_is_one_line(store, tmp_path):
-    r = dittrain(*run_args(store, tmp_path / "run", "--max-steps", 2, "--logger", "tensorboard,nonsense"))
+def refused(store, tmp_path, loggers: str) -> str:
+    """`dittrain run --logger LOGGERS` fails before the run starts (no run folder): its one error line."""
+    r = dittrain(*run_args(store, tmp_path / "run", "--max-steps", 2, "--logger", loggers))
     assert r.exit_code != 0
-    assert "unknown logger 'nonsense'" in one_error_line(r.output)
     assert not (tmp_path / "run").exists()
+    return one_error_line(r.output)
+
+
+def test_an_unknown_logger_is_one_line(store, tmp_path):
+    assert "unknown logger 'nonsense'" in refused(store, tmp_path, "tensorboard,nonsense")
 
 
 def test_wandb_without_its_extra_is_one_line(store, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb: ImportError
-    r = dittrain(*run_args(store, tmp_path / "run", "--max-steps", 2, "--logger", "wandb"))
-    assert r.exit_code != 0
-    assert "pip install 'ditkit[wandb]'" in one_error_line(r.output)
-    assert not (tmp_path / "run").exists()
+    assert "pip install 'ditkit[wandb]'" in refused(store, tmp_path, "wandb")

@@ -12,7 +12,7 @@ import zipfile
 
 import numpy as np
 import pytest
-from cliutil import dittrain, kill_when, one_error_line
+from cliutil import dittrain, kill_when, ok, one_error_line
 from storeutil import tiny_store
 from test_sample import cli, make_run
 
@@ -131,9 +131,8 @@ def test_torchrun_two_ranks_equal_one_process(pixel_run, reference, tmp_path):
 def test_balanced_classes(pixel_run, tmp_path):
     run, store = pixel_run
     out = tmp_path / "b.npz"
-    r = cli("--ckpt", run, "--npz", out, "--n", 10, "--classes", "balanced", "--chunk-size", 4, "--steps", 2,
-            "--seed", 1, "--device", "cpu", "--out", tmp_path / "preview.png")
-    assert r.exit_code == 0, r.output
+    ok(cli("--ckpt", run, "--npz", out, "--n", 10, "--classes", "balanced", "--chunk-size", 4, "--steps", 2,
+           "--seed", 1, "--device", "cpu", "--out", tmp_path / "preview.png"))
     labels = arrays(out)["arr_1"]
     assert sorted(np.bincount(labels, minlength=3).tolist()) == [3, 3, 4]  # 10 // 3, one class once more
     assert labels.tolist() == balanced_labels(10, 3, 1) and labels.tolist() != sorted(labels.tolist())

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cliutil import dittrain
+from cliutil import dittrain, ok
 from PIL import Image
 from storeutil import SAMPLE_CLASSES, tiny_store
 
@@ -91,9 +91,8 @@ def one_line_error(result, *needles):
 def test_sample_png_grid_and_singles(pixel_run, tmp_path):
     run, _ = pixel_run
     out = tmp_path / "grid.png"
-    r = cli("--ckpt", run, "--out", out, "--class", 1, "--class", "coffee", "--n", 6, "--steps", 4,
-            "--cfg", 4.0, "--device", "cpu")
-    assert r.exit_code == 0, r.output
+    r = ok(cli("--ckpt", run, "--out", out, "--class", 1, "--class", "coffee", "--n", 6, "--steps", 4,
+               "--cfg", 4.0, "--device", "cpu"))
     # NAME.png -> grid at NAME.png, singles in NAME/
     grid = read_png(out)
     # 6 samples, ceil(sqrt(6)) = 3 per row -> 2 rows x 3 cols of 16 px tiles, 2 px padding

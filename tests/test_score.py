@@ -10,6 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from cliutil import ditdata as run_cli
+from cliutil import ok
 from PIL import Image
 
 open_clip = pytest.importorskip("open_clip")
@@ -87,10 +88,7 @@ def test_scores_equal_open_clip_and_are_deterministic(tiny, tmp_path):
     shutil.copytree(a, b)
     r = run_cli("score", a, "--clip-config", config, "--pretrained", weights, "--device", "cpu",
                 "--batch-size", 4, "--workers", 2, "--quiet")
-    assert r.exit_code == 0, r.output
-    assert "12 samples in 2 shards" in r.output
-    assert "no caption:        2" in r.output
-    assert "undecodable image: 1 (null score): corrupt image 1" in r.output
+    ok(r, "12 samples in 2 shards", "no caption:        2", "undecodable image: 1 (null score): corrupt image 1")
     rows = read_all(a)
     assert [x["key"] for x in rows] == [f"{i:09d}" for i in range(12)]
     assert {x["model"] for x in rows} == {"tiny-clip"}

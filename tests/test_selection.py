@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from cliutil import ok
 
 from ditdata import imageshards
 from ditdata.cli import main
@@ -200,12 +201,9 @@ def test_filter_refuses_unscored_mixed_and_stale(tmp_path):
 
 def test_cli_filter(scored, tmp_path):
     out = tmp_path / "keep.parquet"
-    r = CliRunner().invoke(main, ["filter", str(scored), "--top-fraction", "0.4", "--min-width", "200",
-                                  "--out", str(out)])
-    assert r.exit_code == 0, r.output
-    assert "kept 4 / 9 samples (44.4%)" in r.output
-    assert "top 40% of 7 scored -> threshold 0.2800" in r.output
-    assert "<- threshold" in r.output
+    ok(CliRunner().invoke(main, ["filter", str(scored), "--top-fraction", "0.4", "--min-width", "200",
+                                 "--out", str(out)]),
+       "kept 4 / 9 samples (44.4%)", "top 40% of 7 scored -> threshold 0.2800", "<- threshold")
     assert load_selection(out).keys == {"k00", "k03", "k04", "k10"}
     for args in (["--min-clip-score", "0.2", "--top-fraction", "0.3"], []):
         r = CliRunner().invoke(main, ["filter", str(scored), *args, "--out", str(out)])
