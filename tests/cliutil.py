@@ -151,3 +151,12 @@ def assert_same_state(a: dict, b: dict) -> None:
         assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a child process to take)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cliutil import run_args
+from cliutil import free_port, run_args
 from storeutil import make_store
 
 from ditdata.store import open_store
@@ -33,12 +32,6 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
 # resolve to an address no socket listens on); torchrun's --local-addr does the same for
 # the MASTER_ADDR the workers get. OMP_NUM_THREADS=1: the single-process runs round alike.
 ENV = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_command(rank: int, port: int, module: str, args, *, nnodes: int = 2, conf: str = "") -> list[str]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cliutil import dittrain, one_error_line
+from cliutil import dittrain, free_port, one_error_line
 from storeutil import tiny_store
 from test_sample import make_run, read_png
 
@@ -165,17 +165,11 @@ def test_startup_errors_are_one_line(class_run, tmp_path):
     assert "in use" in one_error_line(r.output)
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert "ema.safetensors" in one_error_line(dittrain("serve", "--ckpt", empty, "--port", _free_port()).output)
+    assert "ema.safetensors" in one_error_line(dittrain("serve", "--ckpt", empty, "--port", free_port()).output)
 
 
 # -----------------------------------------------------------------------------
 # a real browser
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _browser():
@@ -199,7 +193,7 @@ def test_browser_generates_the_commands_images(class_run, tmp_path, monkeypatch)
 
     monkeypatch.setenv("SE_OFFLINE", "true")  # Selenium Manager must not try to download a driver
     browser = _browser()
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GRADIO_TEMP_DIR": str(tmp_path / "gradio")}
     proc = subprocess.Popen([sys.executable, "-m", "dittrain.cli", "serve", "--ckpt", str(class_run), "--port",
