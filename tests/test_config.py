@@ -33,7 +33,7 @@ def test_repeated_values_agree_with_their_homes():
 
     assert config.RESIZE_MODES == images.RESIZE_MODES
     assert imageshards.KINDS is config.KINDS
-    assert tuple(backends._CLASSES) == BACKENDS and DEFAULT_BACKEND in BACKENDS
+    assert tuple(backends.BACKEND_CLASSES) == BACKENDS and DEFAULT_BACKEND in BACKENDS
     assert backends.get_backend("zarr").chunk_samples == backends.get_backend("wds").chunk_samples == CHUNK_SAMPLES
     assert EncodeConfig("a", "b").chunk_samples == CHUNK_SAMPLES
     assert writer.StoreWriter.__init__.__kwdefaults__["chunk_samples"] == CHUNK_SAMPLES
