@@ -91,7 +91,7 @@ def measure(state: RunState, out: Path, *, async_save: bool, saves: int, steps_b
 
     checkpoint.save_checkpoint, checkpoint.export_weights = timed(real_save), timed(real_export)
     train.save_checkpoint, train.export_weights = checkpoint.save_checkpoint, checkpoint.export_weights
-    cfg = TrainConfig(out=str(out), keep=2, async_save=async_save)
+    cfg = TrainConfig.from_flat(out=str(out), keep=2, async_save=async_save)
     run = SimpleNamespace(cfg=cfg, master=True, world=1, out=out, saver=None)
     a = torch.randn(768, 768, device=state.device)
     blocking, steps = [], []  # steps: (start, duration)

@@ -43,7 +43,7 @@ def measure(name: str, optimizer: str, model: DiT, device: torch.device) -> dict
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
-    opt = build_optimizer(TrainConfig(optimizer=optimizer), params, device)
+    opt = build_optimizer(TrainConfig.from_flat(optimizer=optimizer), params, device)
     t0 = time.perf_counter()
     opt.step()
     if device.type == "cuda":

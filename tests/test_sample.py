@@ -16,18 +16,18 @@ from PIL import Image
 from storeutil import SAMPLE_CLASSES, tiny_store
 
 from ditdata.store import encode_array, open_store
-from dittrain.checkpoint import export_weights, load_weights, save_checkpoint
+from dittrain.checkpoint import export_weights, save_checkpoint
 from dittrain.diffusion import DiffusionConfig
 from dittrain.model import DiT, get_config
+from dittrain.opened import SampleError, open_run_store
 from dittrain.sample import (
-    SampleError,
     make_grid,
-    open_run_store,
     output_paths,
     parse_classes,
     sample_images,
     write_training_grid,
 )
+from dittrain.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -139,7 +139,7 @@ def test_batch_size_does_not_change_deterministic_samplers(pixel_run):
     assert a.dtype == np.uint8 and a.shape == (5, 16, 16, 3)
     assert np.abs(a.astype(int) - b.astype(int)).max() <= 1  # same noise, per-batch float rounding
     # the trainer's path: the EMA module itself, left in the mode it was in
-    model = DiT(get_config(config["train"]["model"], **{k: config["model"][k] for k in (
+    model = DiT(get_config(config["train"]["model"]["model"], **{k: config["model"][k] for k in (
         "input_size", "in_channels", "num_classes", "learn_sigma")}))
     model.load_state_dict(weights)
     model.train()
@@ -154,7 +154,7 @@ def test_training_grid_from_the_ema_module(pixel_run, tmp_path):
     run, _ = pixel_run
     weights, config = load_weights(run)
     store, _ = open_run_store(config)
-    ema = DiT(get_config(config["train"]["model"], **{k: config["model"][k] for k in (
+    ema = DiT(get_config(config["train"]["model"]["model"], **{k: config["model"][k] for k in (
         "input_size", "in_channels", "num_classes", "learn_sigma")}))
     ema.load_state_dict(weights)
     a = write_training_grid(ema, config, store, tmp_path / "step_1.png", n=5, steps=2, device="cpu")
@@ -353,3 +353,30 @@ def test_text_model_with_prompts(tmp_path, monkeypatch):
     r = cli("--ckpt", run, "--out", tmp_path / "y.png", "--prompt", "a", "--n", 1, "--steps", 2,
             "--device", "cpu", "--text-pretrained", tmp_path / "elsewhere.pt")
     assert r.exit_code == 0, r.output
+
+
+def test_the_command_draws_with_the_engine_it_is_given(pixel_run, tmp_path):
+    """sample_to_files takes its engine from the command (--engine): it opens the run through
+    it, gets the network for the plan's device from it, and records what it says of itself."""
+    from dittrain.config import SampleConfig
+    from dittrain.opened import TorchEngine
+    from dittrain.sample import sample_to_files
+
+    class Counting(TorchEngine):
+        def network(self, device):
+            asked.append(device)
+            return super().network(device)
+
+        def describe(self):
+            return "engine: counting"
+
+        def record(self):
+            return {"engine": "counting"}
+
+    run, _ = pixel_run
+    asked, lines = [], []
+    out = sample_to_files(Counting(run), tmp_path / "g.png", n=2, settings=SampleConfig(steps=2), device="cpu",
+                          log=lines.append)
+    assert asked == [torch.device("cpu")] and "engine: counting" in lines and len(out["files"]) == 2
+    index = json.loads((tmp_path / "g" / "samples.json").read_text())
+    assert index["engine"] == "counting" and index["ckpt"] == str(Path(run).resolve())
