@@ -5,20 +5,16 @@ value listed (and refuse one that is not)."""
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
+from cliutil import loaded_after
 
 from dittrain import config
 from dittrain.cli import main as cli
 
 
 def test_importing_config_loads_no_torch():
-    code = ("import sys, dittrain.config, dittrain.cli; "
-            "print(' '.join(m for m in ('torch', 'numpy') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == ""
+    assert loaded_after("import dittrain.config, dittrain.cli", ("torch", "numpy")) == []
 
 
 def _choices(command: str) -> dict[str, tuple]:
