@@ -23,6 +23,7 @@ summary.json, and prints a table:
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -31,7 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from scratch import parser, scratch_dir  # bench/scratch.py
+from scratch import scratch_dir  # bench/scratch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -121,7 +122,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    ap = parser(__doc__)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--taef2", default=os.environ.get("DITKIT_TAEF2") or str(ROOT.parent / "shared/models/taef2"),
                     help="directory with taef2_encoder.pth and taef2_decoder.pth (default $DITKIT_TAEF2)")
     ap.add_argument("--steps", type=int, default=400)

@@ -245,3 +245,51 @@ def _cmyk_to_rgb(img: Image.Image) -> Image.Image:
 def _msg(e: BaseException) -> str:
     text = str(e).strip() or type(e).__name__
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+# ----------------------------------------------------------------------------- for dittrain
+# The pixel surface dittrain may use beside the decoder above (dittrain.eval reads its
+# image folders and `ditdata fetch` image-shard references through it): the encoder's ADM
+# centre crop and the shard readers. Imported inside the functions: ditdata.imageshards
+# imports this module.
+
+
+def center_crop(img: Image.Image, resolution: int) -> np.ndarray:
+    """The encoder's ADM centre crop of an RGB image to uint8 (N, N, 3) (ditdata.preprocess)."""
+    from ditdata.preprocess import center_crop as crop
+
+    return crop(img, resolution)
+
+
+def is_shard_folder(path) -> bool:
+    """Whether folder `path` holds image shards: a `ditdata fetch` output, finished or not, or
+    tars written by another tool."""
+    from pathlib import Path
+
+    from ditdata import imageshards
+
+    p = Path(path)
+    return ((p / imageshards.DATASET_INFO).exists() or (p / imageshards.FETCH_STATE).exists()
+            or any(p.glob("*.tar")))
+
+
+def read_shard_folder(path):
+    """The shard tars of an image-shard folder and the sample counts their stats files
+    record (ditdata.imageshards.ShardFolder; DitdataError for an unfinished fetch)."""
+    from ditdata import imageshards
+
+    return imageshards.read_folder(path)
+
+
+def check_shard(tar, expected: int | None) -> str | None:
+    """Why a shard tar cannot be trusted (damaged, or not `expected` samples), or None."""
+    from ditdata import imageshards
+
+    return imageshards.check_shard(tar, expected)
+
+
+def iter_shard(tar):
+    """The samples of one shard tar, in order (.key, .decode() -> RGB image or BadImageError)."""
+    from ditdata import imageshards
+
+    return imageshards.iter_shard(tar)

@@ -95,6 +95,26 @@ def _eval_defaults():
     return EvalSampleConfig()
 
 
+def _say(line: str) -> None:
+    """A command's log line: notes on stderr, the rest on stdout (sample, export)."""
+    click.echo(line, err=line.startswith("note:"))
+
+
+def _sampling_options(batch_help: str):
+    """--device, --batch-size and --precision of the sampling commands (sample, serve)."""
+    def add(f):
+        for option in reversed((
+                click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
+                click.option("--batch-size", default=_sample_defaults().batch_size, show_default=True,
+                             type=click.IntRange(min=1), help=batch_help),
+                click.option("--precision", default=_sample_defaults().precision, show_default=True,
+                             type=click.Choice(config.PRECISIONS),
+                             help="Model autocast; auto: bf16 on GPUs that have it, else fp32."))):
+            f = option(f)
+        return f
+    return add
+
+
 def _opt(*names, field, **kw):
     """A click option whose default is TrainConfig's (the one place defaults live)."""
     return click.option(*names, default=getattr(_defaults(), field), show_default=True, **kw)
@@ -296,15 +316,10 @@ def run_cmd(**options):
 @click.option("--steps", default=None, type=click.IntRange(min=1),
               help=f"Sampling steps. Default {_sample_defaults().steps}; with --npz {_eval_defaults().ddpm_steps} "
                    f"for a ddpm run (DiT's FID protocol), {_eval_defaults().flow_steps} Euler steps for a flow run.")
-@click.option("--sampler", type=click.Choice(["ddpm", "ddim", "euler", "heun"]), default=None,
-              help="Default: ddpm for the ddpm objective, euler for flow.")
+@click.option("--sampler", type=click.Choice(config.SAMPLERS), default=None,
+              help="Default: ddpm for the ddpm objective, euler for flow (dittrain.diffusion.SAMPLER_TABLE).")
 @click.option("--seed", default=_sample_defaults().seed, show_default=True, type=int)
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--batch-size", default=_sample_defaults().batch_size, show_default=True, type=click.IntRange(min=1),
-              help="Samples per forward pass (CFG doubles it).")
-@click.option("--precision", default=_sample_defaults().precision, show_default=True,
-              type=click.Choice(["auto", "fp32", "bf16", "fp16"]),
-              help="Model autocast; auto: bf16 on GPUs that have it, else fp32.")
+@_sampling_options("Samples per forward pass (CFG doubles it).")
 @click.option("--latents", type=click.Path(file_okay=False, path_type=str), default=None,
               help="The latent store, if not at the path the run recorded (e.g. moved).")
 @click.option("--vae", default=None, metavar="NAME_OR_DIR",
@@ -353,25 +368,17 @@ def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow,
     from dittrain.config import SampleConfig
     from dittrain.sample import sample_to_files
 
-    def log(line):
-        click.echo(line, err=line.startswith("note:"))
-
-    if (engine == "onnx") != (onnx_file is not None):
-        raise click.UsageError("--engine onnx and --onnx FILE go together")
-    if ckpt is None and engine == "torch":
-        raise click.UsageError("Missing option '--ckpt'")
-    if engine == "onnx" and npz is not None:
-        raise click.ClickException("--engine onnx writes --out samples; --npz samples with the torch engine")
+    drawer = _sample_engine(engine, onnx_file, ckpt, npz, latents=latents, vae=vae, model=model)
     if npz is not None:
         from dittrain.npz import sample_to_npz
 
         if n_per_class is not None or per_class_dir:
             raise click.ClickException("--npz writes --n samples into one file: not with --n-per-class or "
                                        "--per-class-dir (--classes balanced gives every class alike)")
-        sample_to_npz(ckpt, npz, n=n, classes=classes, prompts=prompts, steps=steps, cfg_scale=cfg_scale,
+        sample_to_npz(drawer, npz, n=n, classes=classes, prompts=prompts, steps=steps, cfg_scale=cfg_scale,
                       cfg_channels=cfg_channels, sampler=sampler, seed=seed, batch_size=batch_size, precision=precision,
-                      chunk_size=chunk_size or _eval_defaults().chunk_size, device=device, latents=latents, vae=vae,
-                      model=model, text_pretrained=text_pretrained, overwrite=overwrite, preview=out, log=log)
+                      chunk_size=chunk_size or _eval_defaults().chunk_size, device=device,
+                      text_pretrained=text_pretrained, overwrite=overwrite, preview=out, log=_say)
         return
     if out is None:
         raise click.ClickException("give --out (a PNG grid and every sample) or --npz (evaluation samples)")
@@ -381,10 +388,27 @@ def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow,
     settings = SampleConfig(cfg_scale=d.cfg_scale if cfg_scale is None else cfg_scale,
                             steps=d.steps if steps is None else steps, sampler=sampler, seed=seed,
                             batch_size=batch_size, precision=precision, cfg_channels=cfg_channels)
-    sample_to_files(ckpt, out, classes=classes, prompts=prompts, n=n, n_per_class=n_per_class,
+    sample_to_files(drawer, out, classes=classes, prompts=prompts, n=n, n_per_class=n_per_class,
                     per_class_dir=per_class_dir, nrow=nrow, settings=settings, device=device,
-                    latents=latents, vae=vae, model=model, text_pretrained=text_pretrained, grid_scale=grid_scale,
-                    onnx=onnx_file, log=log)
+                    text_pretrained=text_pretrained, grid_scale=grid_scale, log=_say)
+
+
+def _sample_engine(engine: str, onnx_file, ckpt, npz, *, latents, vae, model):
+    """What `dittrain sample --engine` draws with, its options checked (nothing loads yet):
+    dittrain.opened.TorchEngine or dittrain.onnx.OnnxEngine."""
+    if (engine == "onnx") != (onnx_file is not None):
+        raise click.UsageError("--engine onnx and --onnx FILE go together")
+    if ckpt is None and engine == "torch":
+        raise click.UsageError("Missing option '--ckpt'")
+    if engine == "onnx" and npz is not None:
+        raise click.ClickException("--engine onnx writes --out samples; --npz samples with the torch engine")
+    if engine == "onnx":
+        from dittrain.onnx import OnnxEngine
+
+        return OnnxEngine(onnx_file, ckpt, latents=latents, vae=vae, model=model)
+    from dittrain.opened import TorchEngine
+
+    return TorchEngine(ckpt, latents=latents, vae=vae, model=model)
 
 
 @main.command("export")
@@ -439,7 +463,7 @@ def export_cmd(ckpt, fmt, out, overwrite, latents, vae, model, tolerance, max_ba
     from dittrain.export import export
 
     export(ckpt, fmt, out, overwrite=overwrite, latents=latents, vae=vae, model=model, tolerance=tolerance,
-           max_batch=max_batch, opset=opset, log=lambda line: click.echo(line, err=line.startswith("note:")))
+           max_batch=max_batch, opset=opset, log=_say)
 
 
 @main.command("runs")
@@ -548,12 +572,7 @@ def eval_cmd(samples, ref, inception, json_out, batch_size, device, resolution, 
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="The address to listen on; 0.0.0.0 opens the page to the network (no login: trusted networks).")
 @click.option("--port", default=7860, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--precision", default=_sample_defaults().precision, show_default=True,
-              type=click.Choice(["auto", "fp32", "bf16", "fp16"]),
-              help="Model autocast; auto: bf16 on GPUs that have it, else fp32.")
-@click.option("--batch-size", default=_sample_defaults().batch_size, show_default=True, type=click.IntRange(min=1),
-              help="Samples per forward pass (CFG doubles it); part of what decides ddpm's images.")
+@_sampling_options("Samples per forward pass (CFG doubles it); part of what decides ddpm's images.")
 @click.option("--max-images", default=64, show_default=True, type=click.IntRange(min=1),
               help="The most images one request may ask for.")
 @click.option("--max-steps", default=1000, show_default=True, type=click.IntRange(min=1),

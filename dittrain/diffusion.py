@@ -23,12 +23,15 @@ flow  rectified flow: x_t = (1 - t) x0 + t eps, t in [0, 1], the model predicts 
       maps every t, drawn in training and on the Euler/Heun time grid alike, through
       shift_t(t) = S t / (1 + (S - 1) t) (S > 1: more time near the noise end; 1: none).
 
-Samplers: "ddpm" (ancestral) and "ddim" (eta) for ddpm, "euler" and "heun" for flow.
-Everything random takes a torch.Generator, so a seed fixes samples and losses.
+Samplers: "ddpm" (ancestral) and "ddim" (eta) for ddpm, "euler" and "heun" for flow, one
+entry each of SAMPLER_TABLE (name -> the objective, the chain it walks, its step); SAMPLERS
+is objective -> the names that fit it. Everything random takes a torch.Generator, so a seed
+fixes samples and losses.
 
 Public API:
     DiffusionConfig, Diffusion(config), Diffusion.q_sample, Diffusion.training_loss,
-    Diffusion.sample, guided(model_fn, cfg_scale, cond_kwargs, uncond_kwargs).
+    Diffusion.sample, guided(model_fn, cfg_scale, cond_kwargs, uncond_kwargs), SAMPLER_TABLE,
+    SAMPLERS.
 """
 
 from __future__ import annotations
@@ -39,11 +42,9 @@ from dataclasses import dataclass
 
 import torch
 
-ModelFn = Callable[..., torch.Tensor]
+from dittrain.config import LOSS_WEIGHTINGS, OBJECTIVES, T_SAMPLINGS  # the torch-free choice lists
 
-SAMPLERS = {"ddpm": ("ddpm", "ddim"), "flow": ("euler", "heun")}
-LOSS_WEIGHTINGS = ("none", "min-snr")
-T_SAMPLINGS = ("logit-normal", "uniform")
+ModelFn = Callable[..., torch.Tensor]
 
 
 def shift_t(t, shift: float):
@@ -70,7 +71,7 @@ class DiffusionConfig:
     t_shift: float = 1.0  # flow: t -> S t / (1 + (S - 1) t) in training and sampling; 1: none
 
     def __post_init__(self):
-        if self.objective not in SAMPLERS:
+        if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be 'ddpm' or 'flow', got {self.objective!r}")
         if self.loss_weighting not in LOSS_WEIGHTINGS:
             raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}")
@@ -435,7 +436,8 @@ class Diffusion:
             the ddpm objective; "euler" or "heun" (2 evaluations per step) for flow.
         generator: the only source of randomness (initial noise and ancestral noise)."""
         sampler = sampler or self.config.default_sampler
-        if sampler not in SAMPLERS[self.config.objective]:
+        method = SAMPLER_TABLE.get(sampler)
+        if method is None or method.objective != self.config.objective:
             raise ValueError(
                 f"sampler {sampler!r} does not fit objective {self.config.objective!r}; "
                 f"choose one of {SAMPLERS[self.config.objective]}"
@@ -452,11 +454,11 @@ class Diffusion:
                 device = "cpu"
         fn = guided(model, cfg_scale, model_kwargs or {}, uncond_kwargs, channels=cfg_channels)
         x = noise.to(device) if noise is not None else _randn(tuple(shape), generator, device)
-        if self.config.objective == "flow":
-            return self._sample_flow(fn, x, steps, heun=sampler == "heun")
-        return self._sample_ddpm(fn, x, steps, generator, ddim=sampler == "ddim", eta=eta)
+        chain = self._ddpm_chain if method.chain == "ddpm" else self._flow_chain
+        return chain(fn, x, steps, method.update, generator=generator, eta=eta)
 
-    def _sample_ddpm(self, fn, x, steps, generator, ddim: bool, eta: float):
+    def _ddpm_chain(self, fn, x, steps, update, *, generator, eta: float):
+        """Walk the respaced DDPM chain from the last kept step to 0; `update` makes each step."""
         s = _Schedule(self.alphas_cumprod, self.respaced_timesteps(steps))
         C = x.shape[1]
         for i in reversed(range(len(s.timesteps))):
@@ -464,23 +466,12 @@ class Diffusion:
             t = torch.full((x.shape[0],), float(s.timesteps[i]), device=x.device)
             out = fn(x, t).to(x.dtype)
             self._check_channels(out, C)
-            if ddim:
-                eps = out[:, :C]
-                x0 = s.predict_x0(x, idx, eps)
-                ac, ac_prev = s.alphas_cumprod[i], s.alphas_cumprod_prev[i]
-                sigma = eta * math.sqrt((1 - ac_prev) / (1 - ac)) * math.sqrt(1 - ac / ac_prev)
-                x = math.sqrt(ac_prev) * x0 + math.sqrt(max(1 - ac_prev - sigma**2, 0.0)) * eps
-                if sigma > 0:
-                    x = x + sigma * _randn(x.shape, generator, x.device, x.dtype)
-            else:
-                mean, logvar, _, _ = s.p_mean_logvar(out, x, idx, self.learn_sigma)
-                x = mean
-                if i > 0:  # no noise on the last step
-                    x = x + torch.exp(0.5 * logvar) * _randn(x.shape, generator, x.device, x.dtype)
+            x = update(s, x, out, i, idx, learn_sigma=self.learn_sigma, generator=generator, eta=eta)
         return x
 
-    def _sample_flow(self, fn, x, steps, heun: bool):
-        # integrate dx/dt = v from t = 1 (noise) to t = 0 (data) on a uniform grid, shifted by t_shift
+    def _flow_chain(self, fn, x, steps, update, *, generator=None, eta: float = 0.0):
+        """Integrate dx/dt = v from t = 1 (noise) to t = 0 (data) on a uniform grid, shifted by
+        t_shift; `update` makes each step from the velocity field v(x, t)."""
         ts = self.flow_time_grid(steps)
         n = x.shape[0]
 
@@ -492,15 +483,70 @@ class Diffusion:
             return out
 
         for t, t_next in zip(ts[:-1], ts[1:], strict=True):
-            dt = t_next - t  # negative
-            d = v(x, t)
-            if heun:
-                x_euler = x + dt * d
-                x = x + dt * 0.5 * (d + v(x_euler, t_next))
-            else:
-                x = x + dt * d
+            x = update(v, x, t, t_next)
         return x
 
 
-__all__ = ["LOSS_WEIGHTINGS", "SAMPLERS", "T_SAMPLINGS", "Diffusion", "DiffusionConfig", "guided", "mean_flat",
-           "normal_kl", "shift_t"]
+# -----------------------------------------------------------------------------
+# Samplers: one entry of SAMPLER_TABLE each (its chain and its step); add one there, its
+# name to dittrain.config.SAMPLERS (the CLI's choices; a test keeps the two equal) and a test.
+
+
+def _ancestral_step(s: _Schedule, x, out, i, idx, *, learn_sigma, generator, eta):
+    """ddpm: x_{i-1} ~ p(x_{i-1} | x_i), the model's mean plus its noise (none on the last step)."""
+    mean, logvar, _, _ = s.p_mean_logvar(out, x, idx, learn_sigma)
+    x = mean
+    if i > 0:  # no noise on the last step
+        x = x + torch.exp(0.5 * logvar) * _randn(x.shape, generator, x.device, x.dtype)
+    return x
+
+
+def _ddim_step(s: _Schedule, x, out, i, idx, *, learn_sigma, generator, eta):
+    """ddim: x0 and eps from the prediction, re-noised to step i-1 (eta 0: deterministic)."""
+    C = x.shape[1]
+    eps = out[:, :C]
+    x0 = s.predict_x0(x, idx, eps)
+    ac, ac_prev = s.alphas_cumprod[i], s.alphas_cumprod_prev[i]
+    sigma = eta * math.sqrt((1 - ac_prev) / (1 - ac)) * math.sqrt(1 - ac / ac_prev)
+    x = math.sqrt(ac_prev) * x0 + math.sqrt(max(1 - ac_prev - sigma**2, 0.0)) * eps
+    if sigma > 0:
+        x = x + sigma * _randn(x.shape, generator, x.device, x.dtype)
+    return x
+
+
+def _euler_step(v, x, t: float, t_next: float):
+    dt = t_next - t  # negative
+    return x + dt * v(x, t)
+
+
+def _heun_step(v, x, t: float, t_next: float):
+    """Euler's prediction, then the mean of the slopes at both ends (2 evaluations)."""
+    dt = t_next - t  # negative
+    d = v(x, t)
+    x_euler = x + dt * d
+    return x + dt * 0.5 * (d + v(x_euler, t_next))
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """A sampling method: the objective it serves, the chain it walks ("ddpm": the respaced
+    posterior chain; "flow": the velocity ODE's time grid) and its step."""
+
+    objective: str
+    chain: str
+    update: Callable
+    about: str
+
+
+SAMPLER_TABLE: dict[str, Sampler] = {
+    "ddpm": Sampler("ddpm", "ddpm", _ancestral_step, "ancestral DDPM (DiT's)"),
+    "ddim": Sampler("ddpm", "ddpm", _ddim_step, "DDIM (eta: 0 deterministic, 1 ~ ancestral)"),
+    "euler": Sampler("flow", "flow", _euler_step, "Euler steps of the flow ODE"),
+    "heun": Sampler("flow", "flow", _heun_step, "Heun's method (2 evaluations per step)"),
+}
+# objective -> the names of its samplers, in table order
+SAMPLERS = {o: tuple(n for n, m in SAMPLER_TABLE.items() if m.objective == o) for o in OBJECTIVES}
+
+
+__all__ = ["LOSS_WEIGHTINGS", "OBJECTIVES", "SAMPLERS", "SAMPLER_TABLE", "T_SAMPLINGS", "Diffusion", "DiffusionConfig",
+           "Sampler", "guided", "mean_flat", "normal_kl", "shift_t"]

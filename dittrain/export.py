@@ -66,11 +66,22 @@ from pathlib import Path
 
 import torch
 
-from ditdata.common.errors import UserError
+from ditdata.common.extras import install_hint
 from ditdata.common.files import atomic_file, atomic_path
 from dittrain.checkpoint import INT8_FORMAT, export_weights
 from dittrain.model import DiT, DiTConfig
-from dittrain.sample import class_names, diffusion_config, load_model
+from dittrain.onnx import MAX_BATCH, TOLERANCE, export_onnx, random_inputs
+from dittrain.opened import (
+    ExportError,
+    class_names,
+    diffusion_config,
+    load_autoencoder,
+    load_model,
+    model_config,
+    open_run_store,
+    run_store,
+)
+from dittrain.weights import infer_run_config, read_weights
 
 FORMATS = ("onnx", "diffusers", "fp16", "int8")
 SUFFIX = {"fp16": ".safetensors", "int8": ".pt", "onnx": ".onnx", "diffusers": None}
@@ -81,14 +92,6 @@ DIFFUSERS_NULL = 1000  # DiTPipeline's hard-coded null class
 DIFFUSERS_RECORD = "dittrain_export.json"
 
 
-class ExportError(UserError):
-    """An export that cannot be made as asked: one line, nothing written."""
-
-
-def _line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:300] or type(e).__name__
-
-
 def file_size(path) -> int:
     """Bytes of a file, or of every file under a folder."""
     path = Path(path)
@@ -96,6 +99,8 @@ def file_size(path) -> int:
 
 
 def human(n: int) -> str:
+    """Bytes in MB (kB below 0.1 MB) with one decimal, as the export's lines print them (not
+    ditdata.common.sizes.format_size: that writes small files in bytes)."""
     return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
 
 
@@ -122,7 +127,7 @@ def check_request(fmt: str, out, overwrite: bool = False) -> Path:
     missing = [m for m in NEEDS[fmt] if not _importable(m)]
     if missing:
         raise ExportError(f"--format {fmt} needs {', '.join(missing)}, which is not installed: "
-                          "pip install 'ditkit[export]'")
+                          f"{install_hint('export')}")
     return out
 
 
@@ -144,21 +149,9 @@ def _record(fmt: str, source) -> dict:
             "ditkit": version, "torch": str(torch.__version__)}
 
 
-def _store(config: dict, latents, vae, file):
-    """The run's store (or --latents), or a stand-in with --vae for plain weights."""
-    from dittrain.sample import open_run_store
-    from dittrain.weights import stand_in_store
-
-    if latents is not None or (config.get("store") or {}).get("path"):
-        return open_run_store(config, latents)[0]
-    return stand_in_store(config, vae, file)[0]
-
-
 def _text_length(config: dict, latents) -> int | None:
     """The store's text length, for the trtexec shapes (None when it cannot be read)."""
     try:
-        from dittrain.sample import open_run_store
-
         spec = open_run_store(config, latents)[0].schema.tensors.get("text_tokens")
         return int(spec.shape[0]) if spec is not None else None
     except Exception:
@@ -174,8 +167,6 @@ def export(ckpt, fmt: str, out, *, overwrite: bool = False, latents=None, vae: s
            opset: int | None = None, log=print) -> dict:
     """`dittrain export`: read `ckpt`, write it as `fmt` at `out`, check it, say where and how
     big. Returns {"format", "files": [Path], "sizes": {path: bytes}}."""
-    from dittrain.weights import infer_run_config, read_weights
-
     out = check_request(fmt, out, overwrite)
     source = read_weights(ckpt)
     if source.kind == "int8":
@@ -190,7 +181,7 @@ def export(ckpt, fmt: str, out, *, overwrite: bool = False, latents=None, vae: s
     if fmt == "diffusers":
         refusal = diffusers_refusal(config)  # before the store: a text run's store need not be here
         if not refusal:
-            store = _store(config, latents, vae, source.file)
+            store = run_store(config, latents, vae, source.file)[0]
             refusal = diffusers_refusal(config, store)
         if refusal:
             raise ExportError(f"cannot export {source.file} to diffusers: {refusal}")
@@ -205,8 +196,6 @@ def export(ckpt, fmt: str, out, *, overwrite: bool = False, latents=None, vae: s
     elif fmt == "int8":
         files = [export_int8(dit, config, out, record, log=log)]
     elif fmt == "onnx":
-        from dittrain.onnx import MAX_BATCH, TOLERANCE, export_onnx
-
         tokens = _text_length(config, latents) if dit.config.text_token_dim else None
         files = export_onnx(dit, config, out, record, tolerance=TOLERANCE if tolerance is None else tolerance,
                             max_batch=max_batch or MAX_BATCH, opset=opset, tokens=tokens, log=log)
@@ -226,15 +215,11 @@ def export(ckpt, fmt: str, out, *, overwrite: bool = False, latents=None, vae: s
 
 
 def _probe(cfg: DiTConfig) -> dict:
-    from dittrain.onnx import random_inputs
-
     return random_inputs(cfg, 4, torch.Generator().manual_seed(2))
 
 
 def _reload_diff(path: Path, inputs: dict, ref: torch.Tensor) -> float:
     """max |forward of the file, loaded as `dittrain sample --ckpt FILE` loads it - ref|."""
-    from dittrain.weights import read_weights
-
     w = read_weights(path)
     with torch.no_grad():
         return float((load_model(w.state, w.config, "cpu")(**inputs) - ref).abs().max())
@@ -289,8 +274,6 @@ def export_int8(dit: DiT, config: dict, out, record: dict, *, log=print) -> Path
 
 def diffusers_refusal(config: dict, store=None) -> str | None:
     """Why a run cannot be a DiTPipeline (None: it can); with `store`, its autoencoder too."""
-    from dittrain.sample import model_config
-
     cfg, d = model_config(config), diffusion_config(config)
     if cfg.text_pooled_dim or cfg.text_token_dim:
         return ("it is a text-conditioned DiT and no diffusers pipeline matches it (DiTPipeline is class-conditional); "
@@ -394,53 +377,26 @@ def export_diffusers(dit: DiT, config: dict, store, out, record: dict, *, vae: s
     from ditdata.vae import quiet_third_party_imports
 
     quiet_third_party_imports()
-    from diffusers import DDIMScheduler, DiTPipeline, DiTTransformer2DModel
-
-    from dittrain.onnx import random_inputs
-    from dittrain.sample import load_autoencoder
+    from diffusers import DiTPipeline
 
     refusal = diffusers_refusal(config, store)
     if refusal:
         raise ExportError(f"cannot export to diffusers: {refusal}")
-    cfg, d = dit.config, diffusion_config(config)
     ae = load_autoencoder(store, "cpu", vae)
     if ae.kind != "autoencoder_kl":
         raise ExportError(f"cannot export to diffusers: --vae {vae} is a {ae.kind} autoencoder, not a diffusers "
                           "AutoencoderKL")
     ae.module.register_to_config(scaling_factor=float(store.manifest["vae"]["scaling_factor"]))
+    K, names = dit.config.num_classes, class_names(store)
     with _quiet_diffusers():
-        transformer = DiTTransformer2DModel(
-            num_attention_heads=cfg.num_heads, attention_head_dim=cfg.hidden_size // cfg.num_heads,
-            in_channels=cfg.in_channels, out_channels=cfg.out_channels, num_layers=cfg.depth,
-            sample_size=cfg.input_size, patch_size=cfg.patch_size, num_embeds_ada_norm=DIFFUSERS_NULL, norm_eps=1e-6)
-        transformer.load_state_dict(diffusers_state_dict(dit.state_dict(), cfg), strict=True)
-        match_dit_timesteps(transformer.eval())
-        scheduler = DDIMScheduler(num_train_timesteps=d.num_timesteps, beta_start=d.beta_start, beta_end=d.beta_end,
-                                  beta_schedule="linear", prediction_type="epsilon", clip_sample=False,
-                                  set_alpha_to_one=True, steps_offset=0, timestep_spacing="trailing")
-        pipe = DiTPipeline(transformer=transformer, vae=ae.module, scheduler=scheduler)
-        names = class_names(store)
-        if names:
-            pipe.register_to_config(id2label=dict(enumerate(names)))
-        inputs = random_inputs(cfg, 3, torch.Generator().manual_seed(3))
-        K = cfg.num_classes
-        notes = {
-            "timesteps": "DiTPipeline.from_pretrained builds time_proj with downscale_freq_shift=1 (no config key "
-                         "carries it); call dittrain.export.match_dit_timesteps(pipe) after loading for outputs "
-                         "equal to dittrain's (or set transformer_blocks[i].norm1.emb.time_proj."
-                         "downscale_freq_shift = 0 in every block)",
-            "null_class": f"class {DIFFUSERS_NULL} is the null class of guidance" + (
-                f"; rows {K}..{DIFFUSERS_NULL - 1} of the class table are the null embedding too (this run has "
-                f"{K} classes)" if K < DIFFUSERS_NULL else ""),
-            "learned_sigma": "out_channels = 2 x in_channels: DiTPipeline drops the variance channels"
-                             if cfg.learn_sigma else None,
-        }
+        pipe = _pipeline(dit, config, ae, names)
+        inputs = random_inputs(dit.config, 3, torch.Generator().manual_seed(3))
         out = Path(out)
         with atomic_path(out) as tmp:
             pipe.save_pretrained(str(tmp), safe_serialization=True)
             (tmp / DIFFUSERS_RECORD).write_text(json.dumps(
-                {"export": record, "config": config, "num_classes": K, "class_names": names, "notes": notes},
-                indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+                {"export": record, "config": config, "num_classes": K, "class_names": names,
+                 "notes": _diffusers_notes(dit.config)}, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
             loaded = DiTPipeline.from_pretrained(str(tmp), local_files_only=True)
             as_loaded = _versus(loaded.transformer, dit, inputs)
             match_dit_timesteps(loaded)
@@ -455,6 +411,43 @@ def export_diffusers(dit: DiT, config: dict, store, out, record: dict, *, vae: s
         log(f"note: DiTPipeline's null class is {DIFFUSERS_NULL}: the class table has {DIFFUSERS_NULL + 1} rows, this "
             f"run's {K} classes then the null embedding, so guidance_scale > 1 works")
     return out
+
+
+def _pipeline(dit: DiT, config: dict, ae, names: list[str] | None):
+    """The DiTPipeline of `dit` (its weights mapped, DiT's timesteps), the autoencoder `ae` and
+    a DDIM scheduler of the run's schedule; id2label from the store's class names."""
+    from diffusers import DDIMScheduler, DiTPipeline, DiTTransformer2DModel
+
+    cfg, d = dit.config, diffusion_config(config)
+    transformer = DiTTransformer2DModel(
+        num_attention_heads=cfg.num_heads, attention_head_dim=cfg.hidden_size // cfg.num_heads,
+        in_channels=cfg.in_channels, out_channels=cfg.out_channels, num_layers=cfg.depth,
+        sample_size=cfg.input_size, patch_size=cfg.patch_size, num_embeds_ada_norm=DIFFUSERS_NULL, norm_eps=1e-6)
+    transformer.load_state_dict(diffusers_state_dict(dit.state_dict(), cfg), strict=True)
+    match_dit_timesteps(transformer.eval())
+    scheduler = DDIMScheduler(num_train_timesteps=d.num_timesteps, beta_start=d.beta_start, beta_end=d.beta_end,
+                              beta_schedule="linear", prediction_type="epsilon", clip_sample=False,
+                              set_alpha_to_one=True, steps_offset=0, timestep_spacing="trailing")
+    pipe = DiTPipeline(transformer=transformer, vae=ae.module, scheduler=scheduler)
+    if names:
+        pipe.register_to_config(id2label=dict(enumerate(names)))
+    return pipe
+
+
+def _diffusers_notes(cfg: DiTConfig) -> dict:
+    """What dittrain_export.json says a user of the folder must know."""
+    K = cfg.num_classes
+    return {
+        "timesteps": "DiTPipeline.from_pretrained builds time_proj with downscale_freq_shift=1 (no config key "
+                     "carries it); call dittrain.export.match_dit_timesteps(pipe) after loading for outputs "
+                     "equal to dittrain's (or set transformer_blocks[i].norm1.emb.time_proj."
+                     "downscale_freq_shift = 0 in every block)",
+        "null_class": f"class {DIFFUSERS_NULL} is the null class of guidance" + (
+            f"; rows {K}..{DIFFUSERS_NULL - 1} of the class table are the null embedding too (this run has "
+            f"{K} classes)" if K < DIFFUSERS_NULL else ""),
+        "learned_sigma": "out_channels = 2 x in_channels: DiTPipeline drops the variance channels"
+                         if cfg.learn_sigma else None,
+    }
 
 
 __all__ = [

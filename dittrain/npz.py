@@ -40,7 +40,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
 import sys
 import zipfile
@@ -51,29 +50,32 @@ import numpy as np
 import torch
 
 from ditdata.common import files as files_api
+from ditdata.common.dist import LaunchEnv, launch_env, process_group
+from ditdata.common.files import json_digest, read_json
 from dittrain.config import EvalSampleConfig, SampleConfig
-from dittrain.sample import (
+from dittrain.opened import (
     SampleError,
-    SamplePlan,
-    class_mode,
     class_names,
     diffusion_config,
-    embed_prompts,
     load_autoencoder,
-    load_for_sampling,
-    load_model,
+    sampling_device,
+)
+from dittrain.sample import (
+    SamplePlan,
+    check_output,
+    class_mode,
+    embed_prompts,
     make_grid,
     output_paths,
     parse_classes,
     plan_samples,
-    resolve_device,
     run_plan,
     save_png,
 )
 
 _E, _S = EvalSampleConfig(), SampleConfig()
 JOB_NAME = "job.json"
-JOB_VERSION = 1
+JOB_VERSION = 2  # 2: the config and stand-in store digests are ditdata.common.files.json_digest
 PARTS_SUFFIX = ".parts"
 PREVIEW = 64  # --out with --npz: a grid of the first 64 samples
 _CHUNK = re.compile(r"^(\d{6})\.npy$")
@@ -111,10 +113,6 @@ def weights_digest(weights: dict) -> str:
         h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
-
-
-def _digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
 # -----------------------------------------------------------------------------
@@ -223,8 +221,8 @@ def job_record(job: NpzJob, *, weights: dict, config: dict, store, classes=(), c
     return {
         "version": JOB_VERSION,
         "weights_sha256": weights_digest(weights),
-        "config_sha256": _digest({"model": asdict(p.model), "diffusion": asdict(p.diffusion)}),
-        "store_identity": store.identity or "vae:" + _digest((store.manifest or {}).get("vae")),
+        "config_sha256": json_digest({"model": asdict(p.model), "diffusion": asdict(p.diffusion)}),
+        "store_identity": store.identity or "vae:" + json_digest((store.manifest or {}).get("vae")),
         "n": job.total,
         "seed": s.seed,
         "sampler": s.sampler,
@@ -258,7 +256,7 @@ def check_job(job: NpzJob, record: dict) -> bool:
                               f"delete {parts}/ to start over, or give another --npz")
         return False
     try:
-        old = json.loads(path.read_text(encoding="utf-8"))
+        old = read_json(path)
     except (OSError, ValueError) as e:
         raise SampleError(f"{path}: unreadable ({files_api.error_reason(e)}); delete {parts}/ to start over") from e
     for key, option in OPTIONS.items():
@@ -349,23 +347,18 @@ def write_npz(path, chunks: list[Path], shape: tuple[int, ...], labels: np.ndarr
 # Ranks
 
 
-def _ranks() -> tuple[int, int]:
-    """(rank, world size) as torchrun sets them; (0, 1) for one process."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-def _rank_device(device, world: int) -> torch.device:
+def _rank_device(device, env: LaunchEnv) -> torch.device:
     """--device for this rank: a bare `cuda` under torchrun is cuda:LOCAL_RANK."""
-    dev = resolve_device(device)
-    if world > 1 and dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    dev = sampling_device(device)
+    if env.distributed and dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", env.local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     return dev
 
 
-def _barrier(world: int, device: torch.device) -> None:
-    if world > 1:
+def _barrier(env: LaunchEnv, device: torch.device) -> None:
+    if env.distributed:
         import torch.distributed as dist
 
         if device.type == "cuda":
@@ -386,7 +379,7 @@ def _progress(job: NpzJob, enabled: bool):
 
 
 def sample_to_npz(
-    ckpt,
+    engine,
     npz,
     *,
     n: int | None = None,
@@ -401,9 +394,6 @@ def sample_to_npz(
     precision: str = _S.precision,
     chunk_size: int = _E.chunk_size,
     device="auto",
-    latents=None,
-    vae: str | None = None,
-    model: str | None = None,
     text_pretrained: str | None = None,
     overwrite: bool = False,
     preview=None,
@@ -413,63 +403,61 @@ def sample_to_npz(
     """`dittrain sample --npz`: draw n samples (default 50,000) into the ADM evaluator's .npz,
     in resumable chunks, on every torchrun rank; see the module docstring.
 
-    steps / cfg_scale: None is the FID protocol (eval_settings). classes: as --class, or
-    "random" (the default) / "balanced". prompts (text models): cycled over the n samples.
-    preview: --out, where a grid of the first 64 samples goes (optional).
+    engine: a dittrain.opened.TorchEngine (--ckpt, --latents, --vae, --model): the job
+    records a digest of its weights. steps / cfg_scale: None is the FID protocol
+    (eval_settings). classes: as --class, or "random" (the default) / "balanced". prompts
+    (text models): cycled over the n samples. preview: --out, where a grid of the first 64
+    samples goes (optional).
     Returns {"npz", "total", "drawn" (chunks this process drew), "resumed" (chunks found)}."""
-    from ditdata.common.lock import DirLock
-
     path = check_npz_path(npz, overwrite=overwrite)
     if preview is not None:
-        from dittrain.sample import check_output
-
         check_output(preview)
-    rank, world = _ranks()
-    dev = _rank_device(device, world)
-    if world > 1:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    say = log if rank == 0 else (lambda line: None)
-    try:
-        weights, config, store, note = load_for_sampling(ckpt, latents=latents, vae=vae, model=model)
-        objective = diffusion_config(config).objective
-        settings = eval_settings(objective, steps=steps, cfg_scale=cfg_scale, cfg_channels=cfg_channels,
-                                 sampler=sampler, seed=seed,
-                                 batch_size=batch_size, precision=precision)
+    env = launch_env()
+    dev = _rank_device(device, env)
+    say = log if env.rank == 0 else (lambda line: None)
+    with process_group(dev):
+        config, store, note = engine.open(dev)
+        settings = eval_settings(diffusion_config(config).objective, steps=steps, cfg_scale=cfg_scale,
+                                 cfg_channels=cfg_channels, sampler=sampler, seed=seed, batch_size=batch_size,
+                                 precision=precision)
         job = plan_npz(config, store, path, settings, n=_E.n if n is None else n, classes=classes, prompts=prompts,
                        chunk_size=chunk_size, device=dev)
-        record = job_record(job, weights=weights, config=config, store=store, classes=classes, ckpt=ckpt)
+        record = job_record(job, weights=engine.weights, config=config, store=store, classes=classes,
+                            ckpt=engine.ckpt)
         resuming = check_job(job, record)  # every rank, before any waits: all fail alike
         if note:
             say(note)
         say(job.plan.describe() + f"; {job.num_chunks} chunk{'s' if job.num_chunks > 1 else ''} of "
-            f"{job.chunk_size}" + (f" over {world} ranks" if world > 1 else ""))
-        lock = DirLock(job.parts, "dittrain sample --npz") if rank == 0 else None
-        if lock is not None:
-            lock.acquire()
-        try:
-            if rank == 0:
-                _prepare(job, record, resuming, say)
-            _barrier(world, dev)
-            result = _draw(job, rank, world, weights, config, store, vae, text_pretrained, progress)
-            _barrier(world, dev)
-            if rank == 0:
-                _assemble(job, preview, say)
-        finally:
-            if lock is not None:
-                lock.release()
-        if rank == 0:
-            files_api.remove(job.parts)
-        _barrier(world, dev)
-    finally:
-        if world > 1:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            f"{job.chunk_size}" + (f" over {env.world_size} ranks" if env.distributed else ""))
+        result = _run_job(job, record, resuming, engine, store, env, dev, preview=preview,
+                          text_pretrained=text_pretrained, progress=progress, say=say)
     return {"npz": path, "total": job.total, **result}
+
+
+def _run_job(job: NpzJob, record: dict, resuming: bool, engine, store, env: LaunchEnv, dev: torch.device, *,
+             preview, text_pretrained, progress, say) -> dict:
+    """Every rank: rank 0 takes the parts folder's lock and prepares it, all draw their chunks,
+    rank 0 assembles the file and removes the folder."""
+    from ditdata.common.lock import DirLock
+
+    lock = DirLock(job.parts, "dittrain sample --npz") if env.rank == 0 else None
+    if lock is not None:
+        lock.acquire()
+    try:
+        if env.rank == 0:
+            _prepare(job, record, resuming, say)
+        _barrier(env, dev)
+        result = _draw(job, env, engine, store, text_pretrained, progress)
+        _barrier(env, dev)
+        if env.rank == 0:
+            _assemble(job, preview, say)
+    finally:
+        if lock is not None:
+            lock.release()
+    if env.rank == 0:
+        files_api.remove(job.parts)
+    _barrier(env, dev)
+    return result
 
 
 def _prepare(job: NpzJob, record: dict, resuming: bool, say) -> None:
@@ -487,18 +475,18 @@ def _prepare(job: NpzJob, record: dict, resuming: bool, say) -> None:
         files_api.write_json_atomic(job.parts / JOB_NAME, record)
 
 
-def _draw(job: NpzJob, rank: int, world: int, weights, config, store, vae, text_pretrained, progress) -> dict:
+def _draw(job: NpzJob, env: LaunchEnv, engine, store, text_pretrained, progress) -> dict:
     """Draw this rank's missing chunks (r, r + K, ...); rank 0 shows all ranks' progress."""
     done = job.done()
-    mine = [i for i in range(rank, job.num_chunks, world) if i not in done]
+    mine = [i for i in range(env.rank, job.num_chunks, env.world_size) if i not in done]
     result = {"drawn": len(mine), "resumed": len(done)}
-    bar = _progress(job, progress and rank == 0)
+    bar = _progress(job, progress and env.rank == 0)
     try:
         if not mine:
             return result
-        plan = job.plan
-        model = load_model(weights, config, plan.device)
-        autoencoder = load_autoencoder(store, plan.device, vae)
+        plan, config = job.plan, engine.config
+        model = engine.network(plan.device)
+        autoencoder = load_autoencoder(store, plan.device, engine.vae)
         text = None
         if plan.kind == "text":  # the prompts embedded once, gathered per chunk
             text = embed_prompts(store, list(job.prompts), tokens=bool(plan.model.text_token_dim),

@@ -41,10 +41,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ditdata.common.errors import one_line
+from ditdata.common.extras import missing_extra
 from ditdata.common.files import fsync_dir, publish, tmp_name
-from dittrain.export import ExportError
 from dittrain.model import DiT, DiTConfig
-from dittrain.sample import SampleError, model_config
+from dittrain.opened import (
+    ExportError,
+    SampleError,
+    load_for_sampling,
+    model_config,
+    run_store,
+    sampling_device,
+)
 
 CONFIG_KEY, EXPORT_KEY = "dittrain_config", "dittrain_export"  # metadata_props
 OUTPUT = "out"
@@ -112,8 +120,7 @@ def _trace(model: DiT, names: list[str], max_batch: int, opset: int | None):
                                      input_names=names, output_names=[OUTPUT],
                                      dynamic_shapes=_dynamic_shapes(names, max_batch), verbose=False, **kw)
         except Exception as e:
-            msg = " ".join(str(e).split())[:300]
-            raise ExportError(f"torch.onnx.export failed ({type(e).__name__}: {msg})") from e
+            raise ExportError(f"torch.onnx.export failed ({type(e).__name__}: {one_line(e, 300)})") from e
 
 
 def _session(path: Path, device: torch.device | None = None):
@@ -229,13 +236,13 @@ class OnnxDiT(torch.nn.Module):
         try:
             import onnxruntime
         except ImportError as e:
-            raise SampleError("--engine onnx needs onnxruntime: pip install 'ditkit[export]'") from e
+            raise missing_extra("--engine onnx", "export", e, SampleError) from e
         self.path = Path(path)
         try:
             self.session = _session(self.path, torch.device(device))
         except Exception as e:
             raise SampleError(f"{path}: not an ONNX file onnxruntime can run ({type(e).__name__}: "
-                              f"{' '.join(str(e).split())[:200]})") from e
+                              f"{one_line(e, 200)})") from e
         self.run_config = read_config(self.session) or config
         if self.run_config is None:
             raise SampleError(f"{path} carries no dittrain run config (metadata {CONFIG_KEY}); pass --ckpt RUN, the "
@@ -276,12 +283,8 @@ def load_for_onnx_sampling(path, ckpt=None, *, latents=None, vae: str | None = N
     """(network, run config, store, note) for `dittrain sample --engine onnx --onnx FILE`: the
     run config from the file's metadata, or from --ckpt (a run, an export or a plain state dict,
     as load_for_sampling reads it: then the file must be its model); the store is the run's
-    (or --latents, or a stand-in with --vae, as for plain weights). SampleError on any problem."""
-    from dittrain.checkpoint import CheckpointError
-    from dittrain.sample import load_for_sampling, open_run_store, resolve_device
-    from dittrain.weights import stand_in_store
-
-    dev = resolve_device(device)
+    (or --latents, or a stand-in with --vae, as for plain weights). A UserError on any problem."""
+    dev = sampling_device(device)
     if ckpt is not None:
         _, config, store, note = load_for_sampling(ckpt, latents=latents, vae=vae, model=model)
         net = OnnxDiT(path, config, dev)
@@ -289,18 +292,34 @@ def load_for_onnx_sampling(path, ckpt=None, *, latents=None, vae: str | None = N
             raise SampleError(f"--onnx {path} is not a model of --ckpt {ckpt}: their model configs differ")
         return net, config, store, note
     net = OnnxDiT(path, None, dev)
-    config = net.run_config
-    if latents is not None or (config.get("store") or {}).get("path"):
-        store, note = open_run_store(config, latents)
-        return net, config, store, note
-    try:
-        store, note = stand_in_store(config, vae, path)
-    except CheckpointError as e:
-        raise SampleError(" ".join(str(e).split())) from e
-    return net, config, store, note
+    return (net, net.run_config, *run_store(net.run_config, latents, vae, path))
+
+
+class OnnxEngine:
+    """`dittrain sample --engine onnx --onnx FILE`: every network call through onnxruntime
+    (load_for_onnx_sampling), guidance and the sampler loop in PyTorch; the engine interface
+    of dittrain.opened (open, network, describe, record)."""
+
+    def __init__(self, path, ckpt=None, *, latents=None, vae: str | None = None, model: str | None = None):
+        self.path, self.ckpt, self.latents, self.vae, self.model = path, ckpt, latents, vae, model
+        self.net = None
+
+    def open(self, device="auto") -> tuple[dict, object, str | None]:
+        self.net, config, store, note = load_for_onnx_sampling(self.path, self.ckpt, latents=self.latents,
+                                                               vae=self.vae, model=self.model, device=device)
+        return config, store, note
+
+    def network(self, device) -> OnnxDiT:
+        return self.net  # made for the device open() was given, which is the plan's
+
+    def describe(self) -> str:
+        return f"engine: onnxruntime {self.net.version} ({self.net.provider}) on {self.path}"
+
+    def record(self) -> dict:
+        return {"engine": "onnx", "onnx": str(Path(self.path).resolve())}
 
 
 __all__ = [
-    "OnnxDiT", "TOLERANCE", "check_onnx", "export_onnx", "input_names", "load_for_onnx_sampling", "random_inputs",
+    "OnnxDiT", "OnnxEngine", "TOLERANCE", "check_onnx", "export_onnx", "input_names", "load_for_onnx_sampling", "random_inputs",
     "read_config", "trtexec_command",
 ]

@@ -1,23 +1,15 @@
 """`dittrain sample`: a run's EMA weights + its latent store -> PNG samples and a grid.
 
-    weights, config = load_weights(RUN)            ema.safetensors, a step_N.pt, or a run dir
-    store, note = open_run_store(config)           the store the run was trained on (or --latents)
+    weights, config, store, note = load_for_sampling(RUN)    dittrain.opened: weights, config, store
     images = sample_images(weights, config, store, labels=[207] * 16, cfg_scale=4.0)
     save_png(make_grid(images, nrow=4), "grid.png")
 
 Everything the model needs besides its weights comes from the store: the autoencoder
 that turns sampled latents into pixels (with the manifest's scaling and shift), the class
 names, the text encoder that embeds prompts, and the empty-caption embedding that is the
-unconditional input of classifier-free guidance for text models.
-
-The store a run recorded, or another one. A run records its store's path and identity
-(the digest of its manifest). Sampling opens the recorded path unless --latents names
-another. A store with a different identity (re-encoded, appended to, copied and edited)
-is accepted when it is COMPATIBLE with the model: the same latent shape and the
-conditioning the model needs (the same number of classes; text embeddings of the same
-widths). Then a note says so and its autoencoder and encoders are used. An incompatible
-store is refused. Decoding needs only the latent space to be the same; the identity check
-cannot prove that (two autoencoders may share a shape), which is why it is a note.
+unconditional input of classifier-free guidance for text models. Opening a run (its
+weights, config and store, the store another one may replace, plain state dicts) is
+dittrain.opened's.
 
 Determinism: the initial noise of all samples is drawn first from one CPU generator seeded
 with --seed, then ancestral noise (ddpm sampler) batch after batch from the same generator,
@@ -28,13 +20,14 @@ same images on every run with the same --batch-size and device; the deterministi
 One pass checks and plans: plan_samples turns the run's config, its store and the user's
 choices into a frozen SamplePlan (conditions per sample, layout, sampler, device, precision)
 before any weights or encoders load; run_plan draws it. sample_images (the API and the
-trainer's grids) and sample_to_files (the command) both go through them.
+trainer's grids) and sample_to_files (the command) both go through them. The command draws
+with the engine it is given (dittrain.opened.TorchEngine, dittrain.onnx.OnnxEngine).
 
 Public API:
-    SampleError, resolve_device, open_run_store, check_store, store_mismatches,
-    model_config, load_model, pick_labels, balanced_labels, class_mode, parse_classes, embed_prompts, SamplePlan,
+    pick_labels, balanced_labels, class_mode, parse_classes, embed_prompts, check_sampler, SamplePlan,
     plan_samples, run_plan, sample_images, make_grid, save_png, output_paths, write_samples,
-    sample_to_files (the command), write_training_grid (the trainer's EMA grids), store_text.
+    sample_to_files (the command), write_training_grid (the trainer's EMA grids), store_text;
+    and, from dittrain.opened, SampleError, load_for_sampling, load_model, open_run_store.
 """
 
 from __future__ import annotations
@@ -42,22 +35,33 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ditdata.common import files as files_api
-from ditdata.common.devices import PRECISIONS, DeviceError, amp_dtype, autocast
-from ditdata.common.devices import resolve_device as _resolve_device
-from ditdata.common.errors import UserError
+from ditdata.common.devices import autocast
 from ditdata.store import TEXT_FIELDS
 from dittrain.config import SampleConfig
 from dittrain.diffusion import SAMPLERS, Diffusion, DiffusionConfig
 from dittrain.latents import LatentNorm
 from dittrain.model import DiT, DiTConfig
-from dittrain.weights import strip_prefixes
+from dittrain.opened import (
+    SampleError,
+    class_names,
+    conditioning_kind,
+    diffusion_config,
+    load_autoencoder,
+    load_for_sampling,
+    load_model,
+    load_text_encoder,
+    model_config,
+    open_run_store,
+    sampling_amp,
+    sampling_device,
+)
 
 GRID_NAME = "grid.png"  # --out DIR: DIR/grid.png
 SINGLES_DIR = "samples"  # --out DIR: DIR/samples/NNNN.png
@@ -66,193 +70,8 @@ TEXT_POOLED, TEXT_TOKENS, TEXT_MASK = TEXT_FIELDS
 _S = SampleConfig()  # the defaults of every sampling entry point
 
 
-class SampleError(UserError):
-    """A problem the user can fix (missing store, bad class, ...): one line, no traceback."""
-
-
-def _line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text[:500] or type(e).__name__
-
-
-# -----------------------------------------------------------------------------
-# Device, store, model
-
-
-def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
-    """The shared rule (ditdata.common.devices: auto -> cuda when available, else cpu), with an
-    unusable device as a SampleError in sampling's words."""
-    try:
-        return _resolve_device(device)
-    except DeviceError:
-        pass
-    try:
-        torch.device(device)  # parses: then the trouble is CUDA
-    except (RuntimeError, ValueError):
-        raise SampleError(f"bad device {device!r}: use auto, cpu, cuda or cuda:N") from None
-    raise SampleError(f"device {device!r} requested but CUDA is not available (use --device cpu)")
-
-
-def _amp_dtype(device: torch.device, precision: str) -> torch.dtype | None:
-    """The model's autocast dtype (None: fp32); sampling's auto never picks fp16."""
-    try:
-        return amp_dtype(device, precision, without_bf16="fp32")
-    except DeviceError:
-        raise SampleError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}") from None
-
-
-def _known(cls, d: dict) -> dict:
-    names = {f.name for f in fields(cls)}
-    return {k: v for k, v in d.items() if k in names}
-
-
-def model_config(config: dict) -> DiTConfig:
-    """The DiTConfig of a resolved run config (keys this version does not know are ignored)."""
-    if "model" not in config:
-        raise SampleError("the run config has no 'model' section; not a dittrain run")
-    return DiTConfig(**_known(DiTConfig, config["model"]))
-
-
-def diffusion_config(config: dict) -> DiffusionConfig:
-    return DiffusionConfig(**_known(DiffusionConfig, config.get("diffusion") or {}))
-
-
-def conditioning_kind(cfg: DiTConfig) -> str:
-    if cfg.num_classes:
-        return "class"
-    if cfg.text_pooled_dim or cfg.text_token_dim:
-        return "text"
-    return "none"
-
-
-def store_mismatches(store, cfg: DiTConfig) -> list[str]:
-    """Why `store` cannot serve a model of config `cfg` (empty when it can): the latent shape
-    must be the model's input and the store must hold the conditioning the model takes."""
-    problems = []
-    want = (cfg.in_channels, cfg.input_size, cfg.input_size)
-    if tuple(store.latent_shape) != want:
-        problems.append(f"latents are {'x'.join(map(str, store.latent_shape))}, the model takes "
-                        f"{'x'.join(map(str, want))}")
-    cond = store.conditioning
-    if cfg.num_classes:
-        if cond.kind != "class":
-            problems.append(f"the model is class-conditional ({cfg.num_classes} classes) but the "
-                            f"store's conditioning is {cond.kind!r}")
-        elif cond.num_classes not in (0, cfg.num_classes):  # 0: not recorded
-            problems.append(f"the store has {cond.num_classes} classes, the model {cfg.num_classes}")
-    tensors = store.schema.tensors
-    for field, dim in ((TEXT_POOLED, cfg.text_pooled_dim), (TEXT_TOKENS, cfg.text_token_dim)):
-        if not dim:
-            continue
-        spec = tensors.get(field)
-        if spec is None:
-            problems.append(f"the model takes {field} (width {dim}) but the store has none")
-        elif spec.shape[-1] != dim:
-            problems.append(f"the store's {field} have width {spec.shape[-1]}, the model takes {dim}")
-    return problems
-
-
-def check_store(store, config: dict) -> str | None:
-    """Raise SampleError when `store` cannot serve the run's model; return a note when it is
-    compatible but not the store the run recorded (another identity); None when it is."""
-    cfg = model_config(config)
-    recorded = (config.get("store") or {}).get("identity")
-    same = recorded is not None and store.identity == recorded
-    problems = store_mismatches(store, cfg)
-    if problems:
-        what = "the run's own store, but" if same else "not the store this run was trained on, and"
-        raise SampleError(f"{store.root}: {what} incompatible with its model: {'; '.join(problems)}")
-    if same:
-        return None
-    why = (f"identity {store.identity[:19]}... != recorded {recorded[:19]}..." if recorded
-           else "the run records no store identity")
-    return (f"note: {store.root} is not the store this run was trained on ({why}); its latent shape and "
-            "conditioning match the model, so its autoencoder and encoders are used")
-
-
-def open_run_store(config: dict, latents: str | Path | None = None):
-    """(store, note): the store at `latents`, else at the path the run recorded; checked
-    with check_store. SampleError when it is missing, not a store, or incompatible."""
-    from ditdata.store import StoreError, is_url, open_store
-
-    path = latents if latents is not None else (config.get("store") or {}).get("path")
-    if not path:
-        raise SampleError("the run records no latent store; pass --latents STORE")
-    remote = {}
-    if is_url(str(path)):  # a store in object storage: through the cache the run trained with
-        train = config.get("train") or {}
-        remote = {"cache_dir": train.get("cache_dir") or None, "cache_limit": train.get("cache_limit") or None}
-    elif latents is None and not Path(path).is_dir():
-        raise SampleError(f"the run's latent store {path} is not there (moved or deleted?); "
-                          "pass --latents STORE to say where it is now")
-    try:
-        store = open_store(str(path) if remote else path, **remote)
-    except StoreError as e:
-        hint = "" if latents is not None else "; pass --latents STORE to use another copy"
-        raise SampleError(_line(e) + hint) from e
-    return store, check_store(store, config)
-
-
-def load_for_sampling(ckpt, *, latents=None, vae: str | None = None,
-                      model: str | None = None) -> tuple[dict, dict, object, str | None]:
-    """(weights, run config, store, note) for sampling `ckpt` (a run directory, an EMA export,
-    a checkpoint): the one place every sampling entry point (the command, --npz, eval, serve)
-    turns --ckpt/--latents/--vae/--model into what it samples. SampleError on any problem.
-
-    `ckpt` may also be a plain state dict (facebookresearch/DiT's DiT-XL-2-256x256.pt, or
-    torch.save(model.state_dict())): its run config is inferred from the shapes (`model`: a
-    name from `dittrain models` instead, dittrain.weights), and, having no store, it needs
-    `vae` (then the store is a dittrain.weights.StandInStore) or `latents`."""
-    from dittrain.checkpoint import CheckpointError
-    from dittrain.weights import describe, infer_run_config, read_weights, stand_in_store
-
-    try:
-        source = read_weights(ckpt)
-        if not source.plain:
-            _check_model_name(source.config, model, ckpt)
-            store, note = open_run_store(source.config, latents)
-            return source.state, source.config, store, note
-        config = infer_run_config(source.state, model, where=source.file)
-        if latents is None:
-            return (source.state, config, *stand_in_store(config, vae, source.file))
-    except CheckpointError as e:
-        raise SampleError(_line(e)) from e
-    store, _ = open_run_store(config, latents)  # checked: shape and conditioning fit the model
-    return source.state, config, store, (f"note: {describe(config, source.file)}; {store.root}'s autoencoder "
-                                         "and class names are used (its latents and conditioning fit)")
-
-
-def _check_model_name(config: dict, model: str | None, ckpt) -> None:
-    recorded = (config.get("train") or {}).get("model")
-    if model is not None and model != recorded:
-        raise SampleError(f"--model {model}: {ckpt} is a dittrain run of {recorded}; --model names the model "
-                          "of a plain state dict")
-
-
-def load_model(weights: dict, config: dict, device="cpu") -> DiT:
-    """The DiT of `config` with `weights` loaded strictly, in eval mode, float32, on `device`.
-    Built on the meta device and filled by assignment, so no time goes into an init that the
-    weights overwrite."""
-    cfg = model_config(config)
-    with torch.device("meta"):
-        model = DiT(cfg)
-    weights = strip_prefixes(weights)  # saved from a compiled or DDP-wrapped model
-    try:
-        model.load_state_dict(weights, strict=True, assign=True)
-    except RuntimeError as e:
-        raise SampleError(f"the weights do not fit the run's model config ({cfg.depth} blocks, "
-                          f"hidden {cfg.hidden_size}): {_line(e)[:300]}") from e
-    model.pos_embed.requires_grad_(False)
-    return model.to(device=resolve_device(device), dtype=torch.float32).eval().requires_grad_(False)
-
-
 # -----------------------------------------------------------------------------
 # Conditions
-
-
-def class_names(store) -> list[str] | None:
-    cond = store.conditioning
-    return list(cond.class_names) if cond.kind == "class" and cond.class_names else None
 
 
 def parse_classes(values, num_classes: int, names: list[str] | None = None) -> list[int]:
@@ -326,13 +145,7 @@ def embed_prompts(store, prompts: list[str], *, tokens: bool, device="cpu", text
     """Prompts -> {"text_pooled" (N, Dp)[, "text_tokens" (N, L, Dt), "text_mask" (N, L)]} with
     the store's text encoder, rounded to the store's storage dtype (what training saw)."""
     if text_encoder is None:
-        try:
-            text_encoder = store.text_encoder(device, pretrained=pretrained)
-        except ImportError as e:
-            raise SampleError(f"cannot embed prompts: the text encoder module is not available ({_line(e)})") from e
-        except Exception as e:  # DitdataError / StoreError: the model is not on this machine
-            raise SampleError(f"cannot load the store's text encoder: {_line(e)} "
-                              "(pass --text-pretrained FILE_OR_TAG to say where its weights are)") from e
+        text_encoder = load_text_encoder(store, device, pretrained)
     emb = text_encoder.embed_text(list(prompts), tokens=tokens)
     out = {}
     for k, v in emb.items():
@@ -355,16 +168,6 @@ def empty_caption(store) -> dict[str, torch.Tensor]:
 
 # -----------------------------------------------------------------------------
 # Sampling
-
-
-def load_autoencoder(store, device="cpu", vae: str | None = None):
-    """The store's autoencoder (or the one at `vae`), with a one-line SampleError."""
-    try:
-        return store.autoencoder(resolve_device(device), source=vae)
-    except Exception as e:  # DitdataError: the model is not on this machine, or differs
-        msg = _line(e)
-        hint = "" if "--vae" in msg else " (pass --vae DIR to say where it is)"
-        raise SampleError(f"cannot load the store's autoencoder: {msg}{hint}") from e
 
 
 def check_sampler(config: DiffusionConfig, sampler: str | None, steps: int) -> str:
@@ -513,7 +316,7 @@ def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiT
     _check_choices(kind, settings, classes=classes, prompts=prompts, text=text, n=n, n_per_class=n_per_class,
                    nrow=nrow)
     settings = replace(settings, sampler=check_sampler(diffusion, settings.sampler, settings.steps))
-    dev = resolve_device(device)
+    dev = sampling_device(device)
     count = settings.n if n is None else n
     picks = labels = texts = None
     records: list[dict] = []
@@ -534,7 +337,7 @@ def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiT
     if total < 1:
         raise SampleError("nothing to sample: n must be at least 1")
     return SamplePlan(
-        model=cfg, diffusion=diffusion, settings=settings, device=dev, amp=_amp_dtype(dev, settings.precision),
+        model=cfg, diffusion=diffusion, settings=settings, device=dev, amp=sampling_amp(dev, settings.precision),
         name=(config.get("train") or {}).get("model", "DiT"), kind=kind, total=total,
         labels=_tuple(labels), prompts=_tuple(texts), text=text,
         groups=_tuple(picks) if n_per_class is not None or per_class_dir else None,
@@ -768,7 +571,7 @@ def write_training_grid(model, config: dict, store, path, *, n: int = _S.n, step
     needed); unconditional: n samples. The store's autoencoder is loaded once per store and
     device and kept. Writes an (about) square PNG grid at `path` and returns it."""
     cfg = model.config if isinstance(model, DiT) else model_config(config)
-    dev = next(model.parameters()).device if device is None else resolve_device(device)
+    dev = next(model.parameters()).device if device is None else sampling_device(device)
     kind = conditioning_kind(cfg)
     labels = pick_labels(n, cfg.num_classes, seed) if kind == "class" else None
     text = store_text(store, n) if kind == "text" else None
@@ -779,7 +582,7 @@ def write_training_grid(model, config: dict, store, path, *, n: int = _S.n, step
 
 
 def sample_to_files(
-    ckpt,
+    engine,
     out,
     *,
     classes=(),
@@ -790,44 +593,33 @@ def sample_to_files(
     nrow: int | None = None,
     settings: SampleConfig = _S,
     device="auto",
-    latents=None,
-    vae: str | None = None,
-    model: str | None = None,
     text_pretrained: str | None = None,
     grid_scale: int = 1,
-    onnx=None,
     log=print,
 ) -> dict:
-    """The `dittrain sample` command: load, plan, sample, write, report.
+    """The `dittrain sample` command: open, plan, sample, write, report.
 
+    engine: what draws the network calls, as the command chose it (--engine):
+    dittrain.opened.TorchEngine (the PyTorch DiT of --ckpt, with --latents, --vae, --model)
+    or dittrain.onnx.OnnxEngine (an exported .onnx file through onnxruntime).
     Flat layout: n samples (default settings.n); classes / prompts are cycled over them
     (classes drawn at random with the seed when none are given); nrow = ceil(sqrt(n)).
     Row layout (n_per_class = K): one row of K samples per class (default: all classes)
     or per prompt, singles under SINGLES/<class or prompt index>/ (as per_class_dir).
-    settings: cfg scale, steps, sampler, seed, batch size and precision (SampleConfig).
-    model: the model name of a plain state dict (see load_for_sampling).
-    onnx: an exported .onnx file (dittrain.onnx) to sample through onnxruntime instead of the
-    PyTorch DiT; ckpt may then be None (the file carries its run config)."""
+    settings: cfg scale, steps, sampler, seed, batch size and precision (SampleConfig)."""
     check_output(out)
-    if onnx is None:
-        weights, config, store, note = load_for_sampling(ckpt, latents=latents, vae=vae, model=model)
-    else:
-        from dittrain.onnx import load_for_onnx_sampling
-
-        network, config, store, note = load_for_onnx_sampling(onnx, ckpt, latents=latents, vae=vae, model=model,
-                                                              device=device)
+    config, store, note = engine.open(device)
     plan = plan_samples(config, store, settings, device=device, classes=classes, prompts=list(prompts), n=n,
                         n_per_class=n_per_class, per_class_dir=per_class_dir, nrow=nrow)
     if note:
         log(note)
     log(plan.describe())
-    if onnx is None:
-        network = load_model(weights, config, plan.device)
-    else:
-        log(f"engine: onnxruntime {network.version} ({network.provider}) on {onnx}")
-    images = run_plan(network, plan, store, vae=vae, text_pretrained=text_pretrained)
-    meta = {"ckpt": str(Path(ckpt).resolve()) if ckpt is not None else None, "store": str(store.root.resolve()),
-            **({"engine": "onnx", "onnx": str(Path(onnx).resolve())} if onnx is not None else {}), **plan.record()}
+    network = engine.network(plan.device)
+    if engine.describe():
+        log(engine.describe())
+    images = run_plan(network, plan, store, vae=engine.vae, text_pretrained=text_pretrained)
+    meta = {"ckpt": str(Path(engine.ckpt).resolve()) if engine.ckpt is not None else None,
+            "store": str(store.root.resolve()), **engine.record(), **plan.record()}
     result = write_samples(images, out, nrow=plan.nrow, groups=plan.groups, records=plan.records, meta=meta,
                            grid_scale=grid_scale)
     _report(result, images, plan, log)
@@ -850,10 +642,8 @@ def _report(result: dict, images: np.ndarray, plan: SamplePlan, log) -> None:
 
 
 __all__ = [
-    "CLASS_MODES", "SampleError", "SamplePlan", "balanced_labels", "check_sampler", "check_store", "class_mode",
-    "embed_prompts", "load_autoencoder",
-    "load_for_sampling", "load_model",
-    "make_grid", "model_config", "open_run_store", "output_paths", "parse_classes", "pick_labels", "plan_samples",
-    "resolve_device", "run_plan", "sample_images", "sample_to_files", "save_png", "store_mismatches",
-    "store_text", "write_samples", "write_training_grid",
+    "CLASS_MODES", "SampleError", "SamplePlan", "balanced_labels", "check_sampler", "class_mode", "embed_prompts",
+    "load_for_sampling", "load_model", "make_grid", "open_run_store", "output_paths", "parse_classes",
+    "pick_labels", "plan_samples", "run_plan", "sample_images", "sample_to_files", "save_png", "store_text",
+    "write_samples", "write_training_grid",
 ]

@@ -1,6 +1,6 @@
 """`dittrain serve`: a local web page that samples a run, over the one sampling path.
 
-    server = Server(RUN, device="auto")              load_for_sampling + load_model, once
+    server = Server(RUN, device="auto")              opened.TorchEngine: the run and its DiT, once
     out = server.generate(Request(choice="207", n=4, steps=50, seed=None))
     out.images, out.command, out.message, out.seed   PNG-ready uint8 images, the `dittrain sample`
                                                      line that gives them, a note, the seed used
@@ -15,7 +15,7 @@ is turned into ONE call (classes or prompt, n and a SampleConfig) from which bot
 command line and the plan are made: plan_samples gets exactly what `dittrain sample`
 gives it for that line (its cfg_channels default, no layout options), with the resolved
 device and precision written out (`auto` could resolve otherwise elsewhere). run_plan
-then draws it with the model load_model made at startup (eval mode, no state between
+then draws it with the model the engine made at startup (eval mode, no state between
 calls) and the autoencoder run_plan would load itself (load_autoencoder of the store, or
 --vae), kept. A random seed is drawn before planning and shown (seed box, message,
 command). When the weights file changes under a running server (training goes on), the
@@ -53,20 +53,21 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ditdata.common.errors import UserError, one_line
+from ditdata.common.extras import missing_extra
 from dittrain.config import SampleConfig
 from dittrain.diffusion import SAMPLERS
-from dittrain.sample import (
+from dittrain.opened import (
     SampleError,
+    TorchEngine,
     class_names,
     conditioning_kind,
     diffusion_config,
     load_autoencoder,
-    load_for_sampling,
-    load_model,
+    load_text_encoder,
     model_config,
-    plan_samples,
-    run_plan,
 )
+from dittrain.sample import plan_samples, run_plan
 
 _S = SampleConfig()
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes any int up to 2**64 - 1; the CLI any int
@@ -138,7 +139,7 @@ def _free_cuda(device) -> None:
 
 def _fingerprint(ckpt) -> tuple | None:
     """(file, mtime, size) of the weights file `ckpt` reads now (None: cannot tell)."""
-    from dittrain.checkpoint import weights_file
+    from dittrain.weights import weights_file
 
     try:
         f = weights_file(ckpt)
@@ -161,7 +162,8 @@ class Server:
         self.ckpt, self.latents, self.vae, self.model_name = ckpt, latents, vae, model
         self.text_pretrained, self.log = text_pretrained, log
         self._loaded = _fingerprint(ckpt)  # before loading: a change while it loads is seen too
-        weights, self.config, self.store, note = load_for_sampling(ckpt, latents=latents, vae=vae, model=model)
+        engine = TorchEngine(ckpt, latents=latents, vae=vae, model=model)
+        self.config, self.store, note = engine.open(device)
         if note:
             log(note)
         self.model_cfg, self.diffusion = model_config(self.config), diffusion_config(self.config)
@@ -178,8 +180,8 @@ class Server:
         self._steps_limit = " (ddpm: the run's timesteps)" if ddpm_limit <= max_steps else " (the server's --max-steps)"
         self.samplers = tuple(SAMPLERS[self.diffusion.objective])
         self.names = class_names(self.store) if self.kind == "class" else None
-        self.model = load_model(weights, self.config, self.device)
-        del weights
+        self.model = engine.network(self.device)
+        del engine  # and its reference to the state dict
         self.autoencoder = load_autoencoder(self.store, self.device, vae)  # what run_plan would load
         self._text_encoder = text_encoder
         self._lock = threading.Lock()
@@ -218,14 +220,8 @@ class Server:
 
     def text_encoder(self):
         if self._text_encoder is None:
-            try:
-                self._text_encoder = self.store.text_encoder(self.device, pretrained=self.text_pretrained)
-            except ImportError as e:
-                raise SampleError(f"cannot embed prompts: the text encoder module is not available ({e})") from e
-            except Exception as e:  # the model is not on this machine
-                line = " ".join(str(e).split())[:400] or type(e).__name__
-                raise SampleError(f"cannot load the store's text encoder: {line} (restart serve with "
-                                  "--text-pretrained FILE_OR_TAG to say where its weights are)") from e
+            self._text_encoder = load_text_encoder(self.store, self.device, self.text_pretrained,
+                                                   how="restart serve with")
         return self._text_encoder
 
     # -- one request
@@ -288,7 +284,7 @@ class Server:
             with self._lock:  # gradio's queue runs one request at a time; direct callers too
                 encoder = self.text_encoder() if plan.kind == "text" else None
                 images = run_plan(self.model, plan, self.store, autoencoder=self.autoencoder, text_encoder=encoder)
-        except SampleError as e:
+        except UserError as e:  # a bad request, or a text encoder that cannot load
             self.log(f"request refused: {e}")
             return Generated([], "", str(e), seed if isinstance(seed, int) else None)
         except Exception as e:  # a bug or out of memory: this request fails, the server stays up
@@ -296,7 +292,7 @@ class Server:
                 _free_cuda(self.device)
                 msg = "out of memory: ask for fewer images, or restart serve with a smaller --batch-size"
             else:
-                msg = f"internal error ({type(e).__name__}: {' '.join(str(e).split())[:300]}); see the server's log"
+                msg = f"internal error ({type(e).__name__}: {one_line(e, 300)}); see the server's log"
             print(traceback.format_exc(), file=sys.stderr, end="")
             return Generated([], "", msg, seed if isinstance(seed, int) else None)
         took = time.perf_counter() - t0
@@ -331,7 +327,7 @@ def _gradio():
     try:
         import gradio as gr
     except ImportError as e:
-        raise SampleError(f"dittrain serve needs gradio ({e}): pip install 'ditkit[serve]'") from e
+        raise missing_extra("dittrain serve", "serve", e, SampleError) from e
     return gr
 
 
@@ -393,7 +389,7 @@ def _check_port(host: str, port: int) -> None:
         with socket.create_server((host, port)):
             pass
     except OSError as e:
-        why = "in use" if e.errno in (98, 48, 10048) else " ".join(str(e).split())
+        why = "in use" if e.errno in (98, 48, 10048) else one_line(e)
         raise SampleError(f"cannot listen on {host}:{port}: {why} (pass --port N, or --host)") from None
 
 
@@ -409,7 +405,7 @@ def serve(ckpt, *, host: str = "127.0.0.1", port: int = 7860, queue_size: int = 
                     quiet=True, show_error=False, ssr_mode=False, mcp_server=False, pwa=False,
                     enable_monitoring=False, footer_links=["api", "settings"], css=APP_CSS)
     except OSError as e:
-        raise SampleError(f"cannot listen on {host}:{port}: {' '.join(str(e).split())[:200]}") from e
+        raise SampleError(f"cannot listen on {host}:{port}: {one_line(e, 200)}") from e
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
     log(f"serving {server.describe()}")
     log(f"open {url}  (Ctrl-C stops)")

@@ -6,6 +6,7 @@ sampling them without a latent store, and starting a run from them (--init-from)
     config = infer_run_config(source.state)        the run config the shapes imply (DiT-XL/2, ...)
     store, note = stand_in_store(config, "sd-vae-ft-ema", source.file)   a store's part in sampling
     record, notes = init_model(model, "runs/exp1")  a fresh model <- a run's EMA (or any source)
+    state, config = load_weights(RUN)              a dittrain source's own (weights_file: which file)
 
 What the shapes say (facebookresearch/DiT's key names, which our DiT keeps):
 
@@ -43,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from ditdata.common.errors import one_line
 from ditdata.common.files import sha256_file
 from ditdata.store import Conditioning, Schema, TensorSpec
 from dittrain.checkpoint import (
@@ -71,10 +73,6 @@ _BLOCK = re.compile(r"^blocks\.(\d+)\.")
 
 class WeightsError(CheckpointError):
     """Weights that cannot be read, do not describe a DiT, or do not fit a model."""
-
-
-def _line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:500] or type(e).__name__
 
 
 # --------------------------------------------------------------------------- reading
@@ -269,7 +267,7 @@ def _load_autoencoder(vae: str, in_channels: int):
     try:
         ae = load_autoencoder(vae, "cpu")
     except Exception as e:  # DitdataError: not on this machine, not an autoencoder, ...
-        raise WeightsError(f"cannot load --vae {vae}: {_line(e)}") from e
+        raise WeightsError(f"cannot load --vae {vae}: {one_line(e)}") from e
     if ae.latent_channels != in_channels:
         raise WeightsError(f"--vae {vae} makes {ae.latent_channels}-channel latents; the model takes "
                            f"{in_channels} channels")
@@ -385,5 +383,5 @@ def init_model(model: DiT, source) -> tuple[dict, list[str]]:
 
 __all__ = [
     "LABEL_TABLE", "StandInStore", "Weights", "WeightsError", "describe", "infer_model", "infer_run_config",
-    "init_model", "mismatch", "read_weights", "stand_in_store", "strip_prefixes",
+    "init_model", "load_weights", "mismatch", "read_weights", "stand_in_store", "strip_prefixes", "weights_file",
 ]

@@ -191,6 +191,31 @@ def test_samplers_reproduce_gaussian_data(objective, learn_sigma, sampler, steps
     assert x.std().item() == pytest.approx(S, abs=std_tol)
 
 
+def test_the_sampler_table_is_the_one_list_of_samplers():
+    """A sampler is one SAMPLER_TABLE entry: the CLI's --sampler choices (dittrain.config.SAMPLERS,
+    torch-free) are its names, SAMPLERS splits them by objective, and every entry samples."""
+    from click.testing import CliRunner
+
+    from dittrain import config
+    from dittrain.cli import main
+    from dittrain.diffusion import OBJECTIVES, SAMPLER_TABLE, SAMPLERS
+
+    choices = next(p for p in main.commands["sample"].params if p.name == "sampler").type.choices
+    assert tuple(choices) == tuple(SAMPLER_TABLE) == config.SAMPLERS
+    assert set(SAMPLERS) == set(OBJECTIVES)
+    assert sorted(n for names in SAMPLERS.values() for n in names) == sorted(SAMPLER_TABLE)
+    assert all(SAMPLER_TABLE[n].objective == o for o, names in SAMPLERS.items() for n in names)
+    for objective in OBJECTIVES:
+        assert DiffusionConfig(objective=objective, learn_sigma=False).default_sampler in SAMPLERS[objective]
+    for name, method in SAMPLER_TABLE.items():
+        d = Diffusion(objective=method.objective, learn_sigma=False)
+        fn = gaussian_velocity if method.objective == "flow" else gaussian_eps(d, False)
+        x = d.sample(fn, (64, 1, 2, 2), steps=4, sampler=name, generator=seeded(0))
+        assert x.shape == (64, 1, 2, 2) and torch.isfinite(x).all(), name
+    r = CliRunner().invoke(main, ["sample", "--sampler", "nonsense", "--ckpt", "."])
+    assert r.exit_code != 0 and all(n in r.output for n in SAMPLER_TABLE)
+
+
 def test_ddim_and_ddpm_match_diffusers_schedulers():
     diffusers = pytest.importorskip("diffusers")
     d = Diffusion(objective="ddpm", learn_sigma=True)

@@ -25,10 +25,11 @@ from storeutil import tiny_store
 from test_sample import make_run, read_png
 from tiny import save_tiny_kl
 
-from dittrain.checkpoint import export_weights, load_weights
+from dittrain.checkpoint import export_weights
 from dittrain.diffusion import DiffusionConfig
 from dittrain.model import DiT, get_config
-from dittrain.sample import load_for_sampling, load_model
+from dittrain.opened import load_for_sampling, load_model
+from dittrain.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SAMPLE = ["--class", "0,1,2", "--n", 3, "--steps", 4, "--cfg", 3.0, "--device", "cpu", "--seed", 5]

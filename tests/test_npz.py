@@ -17,10 +17,11 @@ from storeutil import tiny_store
 from test_sample import cli, make_run
 
 from ditdata.store import encode_array, open_store
-from dittrain.checkpoint import load_weights
 from dittrain.config import EvalSampleConfig
 from dittrain.npz import JOB_NAME, chunk_seed, eval_settings, write_npz
-from dittrain.sample import SampleError, balanced_labels, class_mode, pick_labels, plan_samples
+from dittrain.opened import SampleError
+from dittrain.sample import balanced_labels, class_mode, pick_labels, plan_samples
+from dittrain.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,20 +14,18 @@ from storeutil import SAMPLE_CLASSES, tiny_store
 from test_sample import make_run
 
 from ditdata.store import open_store
-from dittrain.checkpoint import load_weights
 from dittrain.cli import main as dittrain_cli
 from dittrain.config import SampleConfig
-from dittrain.sample import (
+from dittrain.opened import (
     SampleError,
     class_names,
     load_model,
     model_config,
-    plan_samples,
-    resolve_device,
-    run_plan,
-    sample_images,
     store_mismatches,
 )
+from dittrain.opened import sampling_device as resolve_device
+from dittrain.sample import plan_samples, run_plan, sample_images
+from dittrain.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
