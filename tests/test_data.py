@@ -356,32 +356,35 @@ def test_shard_data_is_what_the_store_holds(stores):
 
 # -- CUDA (skipped without a GPU): pinned copies, lookahead, GPU-resident, device eps -----
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# (kind, workers, resident_device): each loader with CUDA batches, the resident one kept on either side
+CUDA_LOADERS = [("resident", 0, "cpu"), ("resident", 0, "cuda"), ("streaming", 2, "cpu")]
+
+
+def on_cuda(kind: str, resident_device: str) -> dict:
+    """make()'s keywords for CUDA batches (the resident loader's data kept on resident_device)."""
+    return {"device": "cuda", **({"resident_device": resident_device} if kind == "resident" else {})}
 
 
 @cuda
-@pytest.mark.parametrize("kind,workers,resident_device",
-                         [("resident", 0, "cpu"), ("resident", 0, "cuda"), ("streaming", 2, "cpu")])
+@pytest.mark.parametrize("kind,workers,resident_device", CUDA_LOADERS)
 def test_cuda_batches_equal_cpu_batches(stores, kind, workers, resident_device):
-    kw = {"resident_device": resident_device} if kind == "resident" else {}
     with make(stores["fp16"], kind, workers) as cpu, \
-            make(stores["fp16"], kind, workers, device="cuda", **kw) as gpu:
+            make(stores["fp16"], kind, workers, **on_cuda(kind, resident_device)) as gpu:
         for want, got in zip(take(cpu, 15), take(gpu, 15), strict=True):
             assert got["x"].is_cuda and got["x"].dtype == torch.float32
             assert all(torch.equal(want[k], got[k].cpu()) for k in want)
 
 
 @cuda
-@pytest.mark.parametrize("kind,workers,resident_device",
-                         [("resident", 0, "cpu"), ("resident", 0, "cuda"), ("streaming", 2, "cpu")])
+@pytest.mark.parametrize("kind,workers,resident_device", CUDA_LOADERS)
 def test_cuda_exact_resume_with_fresh_draws(stores, kind, workers, resident_device):
-    kw = {"resident_device": resident_device} if kind == "resident" else {}
-    store = stores["meanstd"]
-    with make(store, kind, workers, device="cuda", **kw) as a:
+    kw, store = on_cuda(kind, resident_device), stores["meanstd"]
+    with make(store, kind, workers, **kw) as a:
         straight = [b["x"].cpu() for b in take(a, 12)]
-    with make(store, kind, workers, device="cuda", **kw) as b:
+    with make(store, kind, workers, **kw) as b:
         first = [b_["x"].cpu() for b_ in take(b, 7)]
         state = roundtrip(b.state_dict())
-    with make(store, kind, workers, device="cuda", **kw) as c:
+    with make(store, kind, workers, **kw) as c:
         c.load_state_dict(state)
         rest = [b_["x"].cpu() for b_ in take(c, 5)]
     assert all(torch.equal(w, g) for w, g in zip(straight, first + rest, strict=True))
