@@ -23,7 +23,6 @@ memory-bound on a GPU); the kept bytes are the same on any device for the same d
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import sys
@@ -31,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from scratch import add_device_args, open_device, sync  # bench/scratch.py
+from scratch import add_device_args, open_device, parser, sync  # bench/scratch.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -132,7 +131,7 @@ def measure(args, mode: str, device: torch.device) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--model", default="DiT-S/2")
     ap.add_argument("--input-size", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=16)

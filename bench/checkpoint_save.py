@@ -16,7 +16,6 @@ bench/RESULTS.md. Needs about 2x the state in RAM (the host copy) and 2 checkpoi
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from scratch import add_device_args, open_device  # bench/scratch.py
+from scratch import add_device_args, open_device, parser  # bench/scratch.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -92,7 +91,7 @@ def measure(state: RunState, out: Path, *, async_save: bool, saves: int, steps_b
 
     checkpoint.save_checkpoint, checkpoint.export_weights = timed(real_save), timed(real_export)
     train.save_checkpoint, train.export_weights = checkpoint.save_checkpoint, checkpoint.export_weights
-    cfg = TrainConfig(out=str(out), keep=2, async_save=async_save)
+    cfg = TrainConfig.from_flat(out=str(out), keep=2, async_save=async_save)
     run = SimpleNamespace(cfg=cfg, master=True, world=1, out=out, saver=None)
     a = torch.randn(768, 768, device=state.device)
     blocking, steps = [], []  # steps: (start, duration)
@@ -121,7 +120,7 @@ def measure(state: RunState, out: Path, *, async_save: bool, saves: int, steps_b
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--model", default="DiT-B/2")
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--steps-between", type=int, default=60, help="proxy steps after each save")

@@ -32,7 +32,6 @@ Needs the export extra (onnx, onnxscript, onnxruntime, torchao); diffusers for a
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -44,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from scratch import add_device_args, open_device, sync  # bench/scratch.py
+from scratch import add_device_args, open_device, parser, sync  # bench/scratch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -124,7 +123,7 @@ def psnr(a: np.ndarray, ref: np.ndarray, peak: float) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--model", default="DiT-S/2")
     p.add_argument("--latent", default="4x32x32")
     p.add_argument("--num-classes", type=int, default=1000)

@@ -20,7 +20,6 @@ CPU-bound packing, not disk reading. --append adds a section to bench/RESULTS.md
 
 from __future__ import annotations
 
-import argparse
 import io
 import os
 import platform
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+from scratch import parser  # bench/scratch.py
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 SECTION = "## ditdata fetch: folder packing"
@@ -98,7 +98,7 @@ def cpu_name() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--n", type=int, default=3000)
     ap.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--dir", type=Path, default=Path("/tmp/ditkit-bench-fetch"))

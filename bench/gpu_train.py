@@ -142,9 +142,9 @@ def build(spec: dict, device: torch.device, amp: str):
         ema = DiT(cfg).requires_grad_(False)
     ema.load_state_dict(model.state_dict())
     ema.eval()
-    tcfg = TrainConfig(batch_size=spec["batch"], grad_clip=1.0, ema=0.9999, lr=1e-4)
+    tcfg = TrainConfig.from_flat(batch_size=spec["batch"], grad_clip=1.0, ema=0.9999, lr=1e-4)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=0.0, fused=True)  # dittrain.train.build_optimizer's
+    opt = torch.optim.AdamW(params, lr=tcfg.optim.lr, weight_decay=0.0, fused=True)  # dittrain.train.build_optimizer's
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     amp_dtype = trainer_amp(device, amp)
     train_model = compile_model(model, spec["compile"], spec["mode"])  # as dittrain.train._wrap

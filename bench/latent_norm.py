@@ -23,7 +23,6 @@ summary.json, and prints a table:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -32,7 +31,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from scratch import scratch_dir  # bench/scratch.py
+from scratch import parser, scratch_dir  # bench/scratch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -122,7 +121,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--taef2", default=os.environ.get("DITKIT_TAEF2") or str(ROOT.parent / "shared/models/taef2"),
                     help="directory with taef2_encoder.pth and taef2_decoder.pth (default $DITKIT_TAEF2)")
     ap.add_argument("--steps", type=int, default=400)

@@ -37,7 +37,6 @@ import numpy as np
 import torch
 from scratch import (  # bench/scratch.py
     add_device_args,
-    add_store_args,
     open_device,
     parser,
     scratch_dir,
@@ -143,8 +142,7 @@ def run_ceiling(store, passes: float, batch_size: int) -> float:
 
 
 def main():
-    ap = parser(__doc__)
-    add_store_args(ap, n=100_000, shard_size=10_000)
+    ap = parser(__doc__, n=100_000, shard_size=10_000)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--shuffle-window", type=int, default=4)

@@ -13,13 +13,13 @@ about 4x the fp32 model in RAM for adamw (weights, gradients, two moments): ~11 
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
+from scratch import parser  # bench/scratch.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -43,7 +43,7 @@ def measure(name: str, optimizer: str, model: DiT, device: torch.device) -> dict
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
-    opt = build_optimizer(TrainConfig(optimizer=optimizer), params, device)
+    opt = build_optimizer(TrainConfig.from_flat(optimizer=optimizer), params, device)
     t0 = time.perf_counter()
     opt.step()
     if device.type == "cuda":
@@ -60,7 +60,7 @@ def measure(name: str, optimizer: str, model: DiT, device: torch.device) -> dict
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--model", default="DiT-XL/2")
     ap.add_argument("--resolution", type=int, default=256, help="image px (latents: /8, 4 channels)")
     ap.add_argument("--classes", type=int, default=1000)

@@ -26,7 +26,7 @@ import threading
 import time
 
 import torch
-from scratch import SHAPE, add_store_args, parser, scratch_dir, synthetic_store  # bench/scratch.py
+from scratch import SHAPE, parser, scratch_dir, synthetic_store  # bench/scratch.py
 
 from ditdata.store import open_store
 from dittrain.data import StreamingLoader
@@ -50,8 +50,7 @@ def epochs(store, args, count: int) -> list[float]:
 
 
 def main():
-    ap = parser(__doc__)
-    add_store_args(ap, n=50_000, shard_size=5_000)
+    ap = parser(__doc__, n=50_000, shard_size=5_000)
     ap.add_argument("--backend", default="wds", choices=["wds", "zarr"])
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--workers", type=int, default=2)

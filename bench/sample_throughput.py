@@ -29,7 +29,6 @@ Without CUDA (and without --device cpu) it prints why and exits with status 2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
@@ -37,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from scratch import add_device_args, open_device, sync  # bench/scratch.py
+from scratch import add_device_args, open_device, parser, sync  # bench/scratch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -91,7 +90,7 @@ def measure(name: str, protocol: str, batch: int, device: torch.device, args) ->
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--models", default="DiT-S/2,DiT-XL/2")
     p.add_argument("--batch-sizes", default="64,256")
     p.add_argument("--protocols", default="ddpm250,euler50")

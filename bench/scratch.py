@@ -25,9 +25,13 @@ def scratch_dir(path: str | None, prefix: str) -> Iterator[Path]:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def parser(doc: str) -> argparse.ArgumentParser:
-    """A benchmark's command line, its module docstring as the --help text (layout kept)."""
-    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(doc: str, *, n: int | None = None, shard_size: int | None = None) -> argparse.ArgumentParser:
+    """A benchmark's command line, its module docstring as the --help text (layout kept); with
+    n and shard_size, the synthetic store's arguments too (add_store_args)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if n is not None:
+        add_store_args(ap, n=n, shard_size=shard_size)
+    return ap
 
 
 def add_device_args(ap, device: str = "cpu", *, threads: bool = True) -> None:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from scratch import add_store_args, parser, scratch_dir  # bench/scratch.py
+from scratch import parser, scratch_dir  # bench/scratch.py
 
 from ditdata.store import Schema, StoreWriter, TensorSpec, open_store
 
@@ -77,8 +77,7 @@ def timed(fn, repeat: int) -> float:
 
 
 def main():
-    ap = parser(__doc__)
-    add_store_args(ap, n=100_000, shard_size=10_000)
+    ap = parser(__doc__, n=100_000, shard_size=10_000)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     with scratch_dir(args.dir, "ditkit-bench-") as root:

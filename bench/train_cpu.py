@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from scratch import SHAPE, add_store_args, parser, scratch_dir, synthetic_store  # bench/scratch.py
+from scratch import SHAPE, parser, scratch_dir, synthetic_store  # bench/scratch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -90,8 +90,7 @@ def summarise(rows: list[dict], batch: int) -> dict:
 
 
 def main():
-    ap = parser(__doc__)
-    add_store_args(ap, n=20_000, shard_size=500)
+    ap = parser(__doc__, n=20_000, shard_size=500)
     ap.add_argument("--model", default="DiT-T/4")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=100)

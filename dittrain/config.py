@@ -1,10 +1,11 @@
 """Run configuration: every training knob with its default, in one place.
 
-`TrainConfig` is what a user sets (the `dittrain run` flags map 1:1 onto it). The
-resolved config saved in config.json, in every checkpoint and in the EMA export adds what
-is DERIVED from the latent store (never set by hand):
+`TrainConfig` is what a user sets, in sections (data, model, diffusion, optim,
+checkpointing, logging, eval, performance); the `dittrain run` flags map 1:1 onto its
+field names. The resolved config saved in config.json, in every checkpoint and in the EMA
+export adds what is DERIVED from the latent store (never set by hand):
 
-    {"train": asdict(TrainConfig),
+    {"train": asdict(TrainConfig)      by section: {"data": {"latents", ...}, "optim": {"lr", ...}, ...}
      "model": asdict(DiTConfig)        in_channels, input_size, num_classes, text dims
      "diffusion": asdict(DiffusionConfig),  loss weighting, flow t sampling and shift too
      "latents": {"norm": "none"} or {"norm": "channel", "mean": [C], "std": [C], ...}
@@ -15,7 +16,7 @@ is DERIVED from the latent store (never set by hand):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 # ------------------------------------------------------------------------------ choices
 # Every choice list of dittrain, in one place and without torch: the CLI's click.Choice
@@ -72,25 +73,58 @@ class EvalSampleConfig:
     chunk_size: int = 256
 
 
+# ------------------------------------------------------------------------------ TrainConfig
+# `dittrain run`'s knobs in sections; the flags map 1:1 onto the field names (unique over all
+# sections), `dittrain run --help` lists them under the same headings, and config.json keeps
+# the same sections ({"train": {"data": {...}, "model": {...}, ...}}).
+
+
 @dataclass
-class TrainConfig:
+class DataSection:
+    """The latent store and how it is read (dittrain.data)."""
+
     latents: str = ""  # the latent store (ditdata encode --out), or its URL (s3://, gs://, http(s)://)
     cache_dir: str = ""  # a URL store's local cache ("": $XDG_CACHE_HOME/ditkit/stores, ditdata.store.remote)
     cache_limit: str = ""  # its size limit ("": 50 GiB, remote.DEFAULT_CACHE_LIMIT); LRU shards are removed
-    out: str = ""  # the run directory
+    latent_norm: str = "none"  # none | channel (standardise with the store's per-channel mean/std)
+    loader: str = "auto"  # auto | resident | streaming
+    resident_device: str = "cpu"  # cpu | cuda: where a resident store lives
+    workers: int = 4  # streaming loader processes
+    shuffle_window: int = 0  # streaming: shards shuffled together in memory (0: the most, up to 4, that fit loader_memory)
+    # streaming: budget for the loader's own memory (windows, slots, batches): auto (25% of the
+    # available RAM over this machine's ranks, at most 4 GiB) or a size such as 2GiB, 512MiB
+    loader_memory: str = "auto"
+
+
+@dataclass
+class ModelSection:
+    """The network (dittrain.model) and where its first weights come from."""
+
     model: str = "DiT-B/2"  # a name from `dittrain models` or custom:hidden=H,depth=D,heads=N,patch=P
-    objective: str = "ddpm"  # ddpm (epsilon, DiT) | flow (rectified flow, velocity)
     learn_sigma: bool | None = None  # None: True for ddpm (as DiT), False for flow
     qk_norm: bool = False
-    # latents and loss (dittrain.latents, dittrain.diffusion.DiffusionConfig)
-    latent_norm: str = "none"  # none | channel (standardise with the store's per-channel mean/std)
+    init_from: str = ""  # fine-tune from these weights: a plain state dict, an EMA export, a run, a checkpoint
+
+
+@dataclass
+class DiffusionSection:
+    """The objective and its loss (dittrain.diffusion.DiffusionConfig), and CFG dropout."""
+
+    objective: str = "ddpm"  # ddpm (epsilon, DiT) | flow (rectified flow, velocity)
     loss_weighting: str = "none"  # ddpm: none | min-snr
     min_snr_gamma: float = 5.0
     t_sampling: str = "logit-normal"  # flow: logit-normal | uniform
     t_mean: float = 0.0  # flow logit-normal: t = sigmoid(N(t_mean, t_std))
     t_std: float = 1.0
     t_shift: float = 1.0  # flow: t -> S t / (1 + (S - 1) t) in training and the sampling grid; 1: none
-    # optimisation (DiT: AdamW, lr 1e-4, no weight decay, global batch 256)
+    class_dropout: float = 0.1  # labels -> null class, for classifier-free guidance
+    caption_dropout: float = 0.1  # captions -> the empty caption's embedding
+
+
+@dataclass
+class OptimSection:
+    """The optimisation (DiT: AdamW, lr 1e-4, no weight decay, global batch 256, EMA 0.9999)."""
+
     batch_size: int = 256  # GLOBAL batch per optimizer step, over ranks and accumulation
     accumulation_steps: int = 1
     lr: float = 1e-4
@@ -102,37 +136,38 @@ class TrainConfig:
     grad_clip: float = 1.0  # max grad norm; 0 disables clipping (the norm is still logged)
     max_steps: int = 400_000
     ema: float = 0.9999
-    class_dropout: float = 0.1  # labels -> null class, for classifier-free guidance
-    caption_dropout: float = 0.1  # captions -> the empty caption's embedding
-    # speed and memory
-    amp: str = "auto"  # auto (bf16 on GPUs that have it, else fp16; fp32 on CPU) | bf16 | fp16 | fp32
-    grad_checkpointing: str = "none"  # none | every | k (every k-th block) | attn | mlp (that branch of each block) | selective
-    # torch.compile: off | auto (blocks on CUDA, off on the CPU) | blocks (each DiTBlock: regional,
-    # one short compile) | model (the whole forward). OFF by default until measured on a GPU.
-    compile: str = "off"
-    compile_mode: str = "default"  # default | reduce-overhead (CUDA graphs: launch-bound small models) | max-autotune
-    tf32: bool = True
-    loader: str = "auto"  # auto | resident | streaming
-    resident_device: str = "cpu"  # cpu | cuda: where a resident store lives
-    workers: int = 4  # streaming loader processes
-    shuffle_window: int = 0  # streaming: shards shuffled together in memory (0: the most, up to 4, that fit loader_memory)
-    # streaming: budget for the loader's own memory (windows, slots, batches): auto (25% of the
-    # available RAM over this machine's ranks, at most 4 GiB) or a size such as 2GiB, 512MiB
-    loader_memory: str = "auto"
-    # bookkeeping
-    seed: int = 0
+    max_nonfinite: int = 20  # consecutive NaN/inf losses before giving up
+    seed: int = 0  # the data order, the noise and the initial weights
+
+
+@dataclass
+class CheckpointingSection:
+    """The run directory and its checkpoints (dittrain.checkpoint)."""
+
+    out: str = ""  # the run directory
+    resume: bool = False
     save_every: int = 5000
     keep: int = 3  # checkpoints kept
-    async_save: bool = True  # write checkpoints from a background thread after a host copy (issue 17)
+    async_save: bool = True  # write checkpoints from a background thread after a host copy
+
+
+@dataclass
+class LoggingSection:
+    """Where the figures and sample grids go (dittrain.loggers; jsonl is always on)."""
+
     log_every: int = 100
     sample_every: int = 5000  # EMA sample grid every N steps and at the end (0: never)
     sample_steps: int = SampleConfig.steps
     sample_cfg: float = SampleConfig.cfg_scale
-    # where the figures go (dittrain.loggers): jsonl (metrics.jsonl) is always on
     logger: str = "tensorboard,jsonl"  # comma-separated: jsonl, tensorboard, wandb
     wandb_project: str = "ditkit"
     wandb_name: str = ""  # "": the run directory's name
-    # FID during training (off by default): FID-eval_n of the EMA model every eval_every steps
+
+
+@dataclass
+class EvalSection:
+    """FID during training (off by default): FID-eval_n of the EMA model every eval_every steps."""
+
     eval_every: int = 0  # 0: never
     eval_n: int = 5000
     eval_ref: str = ""  # the reference: an ADM batch .npz, an .npz or folder of images, image shards
@@ -140,7 +175,79 @@ class TrainConfig:
     eval_steps: int = 0  # 0: the FID protocol's (EvalSampleConfig: 250 ddpm steps, 50 Euler for flow)
     eval_cfg: float = EvalSampleConfig.cfg_scale
     eval_batch_size: int = 64  # samples per forward while evaluating (CFG doubles it)
-    max_nonfinite: int = 20  # consecutive NaN/inf losses before giving up
-    resume: bool = False
-    init_from: str = ""  # fine-tune from these weights: a plain state dict, an EMA export, a run, a checkpoint
+
+
+@dataclass
+class PerformanceSection:
+    """Speed and memory on the device."""
+
     device: str = "auto"  # auto | cpu | cuda
+    amp: str = "auto"  # auto (bf16 on GPUs that have it, else fp16; fp32 on CPU) | bf16 | fp16 | fp32
+    grad_checkpointing: str = "none"  # none | every | k (every k-th block) | attn | mlp | selective
+    # torch.compile: off | auto (blocks on CUDA, off on the CPU) | blocks (each DiTBlock: regional,
+    # one short compile) | model (the whole forward). OFF by default until measured on a GPU.
+    compile: str = "off"
+    compile_mode: str = "default"  # default | reduce-overhead (CUDA graphs: launch-bound small models) | max-autotune
+    tf32: bool = True
+
+
+SECTIONS = {"data": DataSection, "model": ModelSection, "diffusion": DiffusionSection, "optim": OptimSection,
+            "checkpointing": CheckpointingSection, "logging": LoggingSection, "eval": EvalSection,
+            "performance": PerformanceSection}
+# field name -> its section: every flag of `dittrain run` is the name of one field
+SECTION_OF = {f.name: section for section, cls in SECTIONS.items() for f in fields(cls)}
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a training run, by section: cfg.optim.lr, cfg.data.latents, ..."""
+
+    data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    diffusion: DiffusionSection = field(default_factory=DiffusionSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    checkpointing: CheckpointingSection = field(default_factory=CheckpointingSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    performance: PerformanceSection = field(default_factory=PerformanceSection)
+
+    @classmethod
+    def from_flat(cls, **values) -> TrainConfig:
+        """From field names alone (the command line's options): TrainConfig.from_flat(lr=3e-4)."""
+        unknown = sorted(set(values) - set(SECTION_OF))
+        if unknown:
+            raise TypeError(f"TrainConfig has no field {', '.join(unknown)}")
+        by_section: dict[str, dict] = {}
+        for name, value in values.items():
+            by_section.setdefault(SECTION_OF[name], {})[name] = value
+        return cls(**{s: SECTIONS[s](**kw) for s, kw in by_section.items()})
+
+    @classmethod
+    def from_record(cls, record: dict) -> TrainConfig:
+        """From a run's recorded "train" (config.json, a checkpoint, an EMA export): by section,
+        or flat as runs recorded it before the sections. Fields the record lacks (knobs added
+        later) take their defaults; names this version does not know are ignored."""
+        record = record or {}
+        flat = {}
+        for key, value in record.items():
+            if key in SECTIONS and isinstance(value, dict):
+                flat.update(value)
+            else:
+                flat[key] = value
+        return cls.from_flat(**{k: v for k, v in flat.items() if k in SECTION_OF})
+
+    def flat(self) -> dict:
+        """Field name -> value over all sections (what the command line's defaults read)."""
+        return {name: getattr(getattr(self, section), name) for name, section in SECTION_OF.items()}
+
+
+def recorded(config: dict | None, name: str, default=None):
+    """One knob of a run's recorded config (config.json, a checkpoint, an EMA export, an ONNX
+    file's metadata): config["train"] by section, or flat as runs recorded it before the
+    sections; `default` where the record has none (weights without a run config)."""
+    train = (config or {}).get("train") or {}
+    section = train.get(SECTION_OF.get(name, ""))
+    if isinstance(section, dict) and name in section:
+        return section[name]
+    value = train.get(name, default)
+    return default if isinstance(value, dict) else value

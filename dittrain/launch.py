@@ -48,23 +48,23 @@ def model_config_for(cfg: TrainConfig, store: Store) -> DiTConfig:
     if h != w:
         raise TrainError(f"latents are {h}x{w}; DiT here needs square latents")
     cond = store.conditioning  # num_classes is 0 and the text dims None unless the store has them
-    learn_sigma = cfg.learn_sigma if cfg.learn_sigma is not None else cfg.objective == "ddpm"
+    learn_sigma = cfg.model.learn_sigma if cfg.model.learn_sigma is not None else cfg.diffusion.objective == "ddpm"
     # --grad-checkpointing 2 is recorded as the int 2 (the model config is compared on resume)
-    granularity = cfg.grad_checkpointing
+    granularity = cfg.performance.grad_checkpointing
     granularity = int(granularity) if str(granularity).isdigit() else granularity
     try:
         return get_config(
-            cfg.model, input_size=h, in_channels=c, num_classes=cond.num_classes,
-            class_dropout_prob=cfg.class_dropout, learn_sigma=learn_sigma, qk_norm=cfg.qk_norm,
+            cfg.model.model, input_size=h, in_channels=c, num_classes=cond.num_classes,
+            class_dropout_prob=cfg.diffusion.class_dropout, learn_sigma=learn_sigma, qk_norm=cfg.model.qk_norm,
             text_pooled_dim=cond.pooled_dim,
             text_token_dim=cond.tokens_shape[-1] if cond.tokens_shape else None,
             grad_checkpointing=granularity,
         )
     except KeyError as e:
-        raise TrainError(f"unknown model {cfg.model!r}; see `dittrain models`, or name a size "
+        raise TrainError(f"unknown model {cfg.model.model!r}; see `dittrain models`, or name a size "
                          "custom:hidden=H,depth=D,heads=N,patch=P") from e
     except AssertionError as e:
-        raise TrainError(f"{cfg.model} does not fit latents {c}x{h}x{w}: {e}") from e
+        raise TrainError(f"{cfg.model.model} does not fit latents {c}x{h}x{w}: {e}") from e
 
 
 def text_token_count(store: Store) -> int:
@@ -97,7 +97,7 @@ class Run:
 
     @property
     def out(self) -> Path:
-        return Path(self.cfg.out)
+        return Path(self.cfg.checkpointing.out)
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -105,14 +105,14 @@ def setup(cfg: TrainConfig) -> Run:
     the config it implies. Nothing is written anywhere."""
     env = dist.launch_env()
     rank, world = env.rank, env.world_size
-    device = training_device(cfg.device)
+    device = training_device(cfg.performance.device)
     created_group = dist.join(device)  # several ranks (torchrun) and no group yet: nccl on CUDA, else gloo
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if cfg.tf32:
+    if cfg.performance.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    store = open_store(cfg.latents, cache_dir=cfg.cache_dir or None, cache_limit=cfg.cache_limit)
+    store = open_store(cfg.data.latents, cache_dir=cfg.data.cache_dir or None, cache_limit=cfg.data.cache_limit)
     model_cfg = model_config_for(cfg, store)
     diff_cfg, latents = diffusion_config(cfg, model_cfg, store)
     resolved = {
@@ -123,15 +123,15 @@ def setup(cfg: TrainConfig) -> Run:
         "store": {"path": store.location, "identity": store.identity,
                   "num_samples": len(store)},
     }
-    per_rank, rem = divmod(cfg.batch_size, world * cfg.accumulation_steps)
+    per_rank, rem = divmod(cfg.optim.batch_size, world * cfg.optim.accumulation_steps)
     if rem or per_rank == 0:
-        raise TrainError(f"--batch-size {cfg.batch_size} must be a multiple of ranks ({world}) x "
-                         f"--accumulation-steps ({cfg.accumulation_steps})")
-    parse_loggers(cfg.logger)  # an unknown --logger, or wandb without its extra, stops the run before it starts
-    compile_target(cfg.compile, device)
-    compile_model(None, "off", cfg.compile_mode)  # validates the mode before anything is written
+        raise TrainError(f"--batch-size {cfg.optim.batch_size} must be a multiple of ranks ({world}) x "
+                         f"--accumulation-steps ({cfg.optim.accumulation_steps})")
+    parse_loggers(cfg.logging.logger)  # an unknown --logger, or wandb without its extra, stops the run before it starts
+    compile_target(cfg.performance.compile, device)
+    compile_model(None, "off", cfg.performance.compile_mode)  # validates the mode before anything is written
     # auto: bf16 on GPUs that have it, else fp16 (with a grad scaler); fp32 on the CPU
-    return Run(cfg, rank, world, device, amp_dtype(device, cfg.amp), store, model_cfg,
+    return Run(cfg, rank, world, device, amp_dtype(device, cfg.performance.amp), store, model_cfg,
                Diffusion(diff_cfg), resolved, per_rank, created_group)
 
 
@@ -140,12 +140,12 @@ def diffusion_config(cfg: TrainConfig, model_cfg: DiTConfig, store: Store) -> tu
     section (dittrain.latents: the store's per-channel stats with --latent-norm channel)."""
     try:  # DiffusionConfig refuses options of the other objective (min-snr on flow, a t-shift on ddpm)
         diff_cfg = DiffusionConfig(
-            objective=cfg.objective, learn_sigma=model_cfg.learn_sigma, loss_weighting=cfg.loss_weighting,
-            min_snr_gamma=cfg.min_snr_gamma, logit_normal_mean=cfg.t_mean, logit_normal_std=cfg.t_std,
-            t_sampling=cfg.t_sampling, t_shift=cfg.t_shift)
+            objective=cfg.diffusion.objective, learn_sigma=model_cfg.learn_sigma, loss_weighting=cfg.diffusion.loss_weighting,
+            min_snr_gamma=cfg.diffusion.min_snr_gamma, logit_normal_mean=cfg.diffusion.t_mean, logit_normal_std=cfg.diffusion.t_std,
+            t_sampling=cfg.diffusion.t_sampling, t_shift=cfg.diffusion.t_shift)
     except ValueError as e:  # a plain ValueError: as a one-line user error
         raise TrainError(str(e)) from e
-    return diff_cfg, latent_record(store, cfg.latent_norm)  # LatentNormError: a user error already
+    return diff_cfg, latent_record(store, cfg.data.latent_norm)  # LatentNormError: a user error already
 
 
 __all__ = ["Run", "TrainError", "diffusion_config", "model_config_for", "setup", "text_token_count",

@@ -24,30 +24,30 @@ class OptimizerError(UserError, ValueError):
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup from 0, then constant or cosine down to min_lr at max_steps."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "cosine":
-        span = max(1, cfg.max_steps - cfg.warmup_steps)
-        progress = min(1.0, (step - cfg.warmup_steps) / span)
-        return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-    return cfg.lr
+    if cfg.optim.warmup_steps and step < cfg.optim.warmup_steps:
+        return cfg.optim.lr * (step + 1) / cfg.optim.warmup_steps
+    if cfg.optim.lr_schedule == "cosine":
+        span = max(1, cfg.optim.max_steps - cfg.optim.warmup_steps)
+        progress = min(1.0, (step - cfg.optim.warmup_steps) / span)
+        return cfg.optim.min_lr + 0.5 * (cfg.optim.lr - cfg.optim.min_lr) * (1 + math.cos(math.pi * progress))
+    return cfg.optim.lr
 
 
 def build_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     """lr_at as a LambdaLR (a factor of --lr; a checkpoint holds its state)."""
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, cfg) / cfg.lr if cfg.lr else 0.0)
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, cfg) / cfg.optim.lr if cfg.optim.lr else 0.0)
 
 
 def build_optimizer(cfg: TrainConfig, params: list, device: torch.device) -> torch.optim.Optimizer:
     """--optimizer: torch's AdamW (fp32 moments) or bitsandbytes' AdamW8bit (block-wise 8-bit
     moments; tensors under 4096 elements keep fp32 ones), with the same hyperparameters."""
-    adam = dict(lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adamw":
+    adam = dict(lr=cfg.optim.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=cfg.optim.weight_decay)
+    if cfg.optim.optimizer == "adamw":
         # fused: one kernel for all parameters, and it can skip a step on the device (found_inf;
         # dittrain.step), so a NaN/inf step costs no host sync; on the CPU too
         return torch.optim.AdamW(params, **adam, fused=True)
-    if cfg.optimizer not in OPTIMIZERS:
-        raise OptimizerError(f"--optimizer {cfg.optimizer}: choose {' or '.join(OPTIMIZERS)}")
+    if cfg.optim.optimizer not in OPTIMIZERS:
+        raise OptimizerError(f"--optimizer {cfg.optim.optimizer}: choose {' or '.join(OPTIMIZERS)}")
     # On CPUs with AVX512-BF16 bitsandbytes' import warns that its optional 4-bit CPU kernel
     # (the "kernels" package) is missing; the 8-bit optimizer does not use it.
     cpu_ops = logging.getLogger("bitsandbytes.backends.cpu.ops")

@@ -40,13 +40,13 @@ class Log:
         cfg, device = run.cfg, run.device
         self.run, self.state = run, state
         # 2 FLOPs/MAC x (forward + 2 backward) per sample of the global batch
-        self.flops_step = 6 * flops_per_forward(run.model_cfg, text_token_count(run.store)) * cfg.batch_size
+        self.flops_step = 6 * flops_per_forward(run.model_cfg, text_token_count(run.store)) * cfg.optim.batch_size
         self.peak = next((v for k, v in PEAK_FLOPS.items() if device.type == "cuda"
                           and k in torch.cuda.get_device_name(device)), None)
-        self.loggers = open_loggers(cfg.logger, run.out, config=run.resolved, resumed=resumed,
-                                    wandb_project=cfg.wandb_project, wandb_name=cfg.wandb_name,
+        self.loggers = open_loggers(cfg.logging.logger, run.out, config=run.resolved, resumed=resumed,
+                                    wandb_project=cfg.logging.wandb_project, wandb_name=cfg.logging.wandb_name,
                                     note=note) if run.master else []
-        self.bar = _progress(run.master, state.step, cfg.max_steps)
+        self.bar = _progress(run.master, state.step, cfg.optim.max_steps)
         self.postfix, self.shown = "", 0.0
         self.t_last, self.wait_last, self.steps_since = time.perf_counter(), state.loader.wait_seconds, 0
 
@@ -62,7 +62,7 @@ class Log:
         """After an optimizer step (state.step is its number)."""
         cfg, step = self.run.cfg, self.state.step
         self.steps_since += 1
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
+        if step % cfg.logging.log_every == 0 or step == cfg.optim.max_steps:
             rec, now = self._record(loss, grad_norm)
             if self.run.master:
                 self._scalars("train", rec)
@@ -120,7 +120,7 @@ class Log:
         wait = state.loader.wait_seconds - self.wait_last
         rec = {"step": state.step, "loss": loss.item(), "lr": state.lr_schedule.get_last_lr()[0],
                "grad_norm": float(grad_norm),
-               "images_per_s": self.steps_since * self.run.cfg.batch_size / dt if dt > 0 else 0.0,
+               "images_per_s": self.steps_since * self.run.cfg.optim.batch_size / dt if dt > 0 else 0.0,
                "data_wait_frac": wait / dt if dt > 0 else 0.0, "nonfinite_skipped": state.nonfinite_total}
         if device.type == "cuda":
             rec["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -146,7 +146,7 @@ def _progress(enabled: bool, start: int, total: int):
 def evaluate(run: Run, state: RunState, step: int, log: Log) -> None:
     """FID of the EMA model, every rank drawing its share, logged by rank 0. A failure is a
     note: an evaluation never stops the run."""
-    log.status(f"evaluating FID-{run.cfg.eval_n}")
+    log.status(f"evaluating FID-{run.cfg.eval.eval_n}")
     try:
         rec = run.evaluator(state.ema, run.resolved, run.store, rank=run.rank, world=run.world)
     except Exception as e:
@@ -168,8 +168,8 @@ def sample_grid(run: Run, ema: DiT, step: int, log: Log) -> None:
         return
     cfg = run.cfg
     try:
-        write_training_grid(ema, run.resolved, run.store, path, steps=cfg.sample_steps, cfg_scale=cfg.sample_cfg,
-                            seed=cfg.seed, device=run.device)
+        write_training_grid(ema, run.resolved, run.store, path, steps=cfg.logging.sample_steps, cfg_scale=cfg.logging.sample_cfg,
+                            seed=cfg.optim.seed, device=run.device)
     except Exception as e:  # samples are a convenience: never kill a run over them
         print(f"dittrain: no sample grid at {path.name} ({type(e).__name__}: {e})", file=sys.stderr)
         return

@@ -26,6 +26,7 @@ from pathlib import Path
 from ditdata.common.errors import UserError
 from ditdata.common.extras import require
 from ditdata.common.files import read_json
+from dittrain.config import TrainConfig
 
 LAST_RECORDS = 5  # images/s and data wait: the mean over the last this many training records
 SMOOTHING = 0.9  # the EMA weight of the plotted curves (TensorBoard's slider; debiased)
@@ -103,8 +104,8 @@ def summarize(path) -> RunSummary:
         return RunSummary(name, run=False, status=f"not a run (config.json unreadable: {type(e).__name__})")
     if not isinstance(config, dict) or not isinstance(config.get("train"), dict):
         return RunSummary(name, run=False, status="not a run (config.json is not a dittrain run config)")
-    train, store = config["train"], config.get("store") or {}
-    s = RunSummary(name, model=train.get("model"), max_steps=train.get("max_steps"),
+    train, store = TrainConfig.from_record(config["train"]), config.get("store") or {}
+    s = RunSummary(name, model=train.model.model, max_steps=train.optim.max_steps,
                    store=Path(store["path"]).name if store.get("path") else None)
 
     records, s.skipped_lines = read_metrics(path / "metrics.jsonl")

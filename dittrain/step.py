@@ -97,9 +97,9 @@ class TrainStep:
         self.norm, self.empty_text, self.world = norm, empty_text or {}, world
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.ema_params, self.model_params = list(ema.parameters()), list(model.parameters())
-        self.per_rank = cfg.batch_size // (world * cfg.accumulation_steps)
+        self.per_rank = cfg.optim.batch_size // (world * cfg.optim.accumulation_steps)
         self.mine = slice(rank * self.per_rank, (rank + 1) * self.per_rank)
-        self.max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        self.max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         self.device_skip = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
     def backward(self, loader, *, stop: bool = False) -> Pending:
@@ -108,20 +108,20 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         global_micro = self.per_rank * world
         loss_sum = torch.zeros((), device=device)
-        for micro in range(cfg.accumulation_steps):
+        for micro in range(cfg.optim.accumulation_steps):
             batch = next(loader)
             x0 = batch["x"] if self.norm is None else self.norm.normalize(batch["x"])  # on the device
             noise = torch.randn((global_micro, *x0.shape[1:]), generator=gen, device=device)[self.mine]
             t = self.diffusion.sample_timesteps(global_micro, generator=gen, device=device)[self.mine]
             u = torch.rand(global_micro, generator=gen, device=device)[self.mine]
             kwargs = conditioning(batch, self.empty_text, cfg, u)
-            sync = micro == cfg.accumulation_steps - 1 or world == 1
+            sync = micro == cfg.optim.accumulation_steps - 1 or world == 1
             with contextlib.nullcontext() if sync else self.train_model.no_sync():
                 with autocast(device, self.amp_dtype):
                     loss = self.diffusion.training_loss(self.train_model, x0, kwargs, t=t, noise=noise).mean()
-                self.scaler.scale(loss / cfg.accumulation_steps).backward()
+                self.scaler.scale(loss / cfg.optim.accumulation_steps).backward()
             loss_sum += loss.detach()
-        return Pending(loss_sum / cfg.accumulation_steps, stop)
+        return Pending(loss_sum / cfg.optim.accumulation_steps, stop)
 
     def update(self, pending: Pending) -> Attempt:
         """Clip and step, unless the loss or the gradient norm is non-finite (decided on the
@@ -155,7 +155,7 @@ class TrainStep:
     @torch.no_grad()
     def ema_update(self) -> None:
         """e <- d e + (1 - d) p for the step just settled as kept."""
-        torch._foreach_lerp_(self.ema_params, self.model_params, 1.0 - self.cfg.ema)
+        torch._foreach_lerp_(self.ema_params, self.model_params, 1.0 - self.cfg.optim.ema)
 
 
 class CompileError(UserError, ValueError):
@@ -200,10 +200,10 @@ def conditioning(batch: dict, empty_text: dict, cfg: TrainConfig, u: torch.Tenso
     kwargs = {}
     if "y" in batch:
         kwargs["y"] = batch["y"]
-        kwargs["force_drop_ids"] = u < cfg.class_dropout
+        kwargs["force_drop_ids"] = u < cfg.diffusion.class_dropout
     text = {k: batch[k] for k in TEXT_FIELDS if k in batch}
     if text:
-        kwargs |= drop_text_conditioning(text, empty_text, u < cfg.caption_dropout)
+        kwargs |= drop_text_conditioning(text, empty_text, u < cfg.diffusion.caption_dropout)
     return kwargs
 
 

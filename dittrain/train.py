@@ -64,9 +64,9 @@ from dittrain.step import Attempt, TrainStep, compile_model, compile_target, emp
 def _evaluator(cfg: TrainConfig, store: Store):
     """--eval-every: the FID evaluator, made now so that a missing reference or Inception file
     stops the run before its first step (once it trains, a failed evaluation never stops it)."""
-    if not cfg.eval_every:
+    if not cfg.eval.eval_every:
         return None
-    if not cfg.eval_ref:
+    if not cfg.eval.eval_ref:
         raise TrainError("--eval-every needs --eval-ref REF (an ADM reference batch, an .npz or folder of "
                          "images, or image shards)")
     try:
@@ -75,9 +75,9 @@ def _evaluator(cfg: TrainConfig, store: Store):
     except ImportError as e:
         raise missing_extra("--eval-every", "eval", e, TrainError) from e
     try:
-        return TrainingEval(cfg.eval_ref, n=cfg.eval_n, resolution=(store.manifest.get("image") or {}).get("resolution"),
-                            inception=cfg.eval_inception or None, steps=cfg.eval_steps or None,
-                            cfg_scale=cfg.eval_cfg, seed=cfg.seed, batch_size=cfg.eval_batch_size,
+        return TrainingEval(cfg.eval.eval_ref, n=cfg.eval.eval_n, resolution=(store.manifest.get("image") or {}).get("resolution"),
+                            inception=cfg.eval.eval_inception or None, steps=cfg.eval.eval_steps or None,
+                            cfg_scale=cfg.eval.eval_cfg, seed=cfg.optim.seed, batch_size=cfg.eval.eval_batch_size,
                             log=lambda line: print(f"dittrain: {line}", file=sys.stderr))
     except EvalError as e:
         raise TrainError(f"--eval-every: {e}") from e
@@ -90,9 +90,9 @@ def _build(run: Run, ckpt: dict | None) -> RunState:
     """A fresh RunState: model, EMA, optimizer, LR schedule, grad scaler, noise generator
     and this rank's loader (the kind a checkpoint to resume was saved with)."""
     cfg, device = run.cfg, run.device
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.optim.seed)
     model = DiT(run.model_cfg).to(device)
-    if cfg.init_from and ckpt is None:
+    if cfg.model.init_from and ckpt is None:
         _init_from(run, model)
     ema = DiT(run.model_cfg).to(device).requires_grad_(False)
     ema.load_state_dict(model.state_dict())
@@ -103,18 +103,18 @@ def _build(run: Run, ckpt: dict | None) -> RunState:
     scaler = torch.amp.GradScaler(device.type, enabled=run.amp_dtype == torch.float16)
     # Noise, timesteps and label/caption dropout come from this generator, on the device (no
     # host round trip per step); its state is part of every checkpoint.
-    noise_gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    noise_gen = torch.Generator(device=device).manual_seed(cfg.optim.seed)
     # A resumed run keeps the loader it was saved with (auto might choose another today).
-    kind = ckpt["ranks"][run.rank]["loader"]["kind"] if ckpt is not None else cfg.loader
+    kind = ckpt["ranks"][run.rank]["loader"]["kind"] if ckpt is not None else cfg.data.loader
     # ... and the window its order was cut into, unless --shuffle-window is given (the budget
     # sized it; today's budget or free RAM might size another, and the order would differ).
-    window = cfg.shuffle_window or (ckpt["ranks"][run.rank]["loader"].get("shuffle_window")
+    window = cfg.data.shuffle_window or (ckpt["ranks"][run.rank]["loader"].get("shuffle_window")
                                     if ckpt is not None else None)
     try:
         loader = build_loader(
-            run.store, batch_size=run.per_rank, kind=kind, seed=cfg.seed, rank=run.rank,
-            world_size=run.world, device=device, resident_device=cfg.resident_device,
-            workers=cfg.workers, shuffle_window=window, memory=cfg.loader_memory,
+            run.store, batch_size=run.per_rank, kind=kind, seed=cfg.optim.seed, rank=run.rank,
+            world_size=run.world, device=device, resident_device=cfg.data.resident_device,
+            workers=cfg.data.workers, shuffle_window=window, memory=cfg.data.loader_memory,
         )
     except ValueError as e:  # LoaderError (does not fit) or settings the loader refuses
         raise TrainError(str(e)) from e
@@ -127,7 +127,7 @@ def _init_from(run: Run, model: DiT) -> None:
     (dittrain.weights.init_model); recorded as the run config's "init"."""
     from dittrain.weights import init_model
 
-    record, notes = init_model(model, run.cfg.init_from)
+    record, notes = init_model(model, run.cfg.model.init_from)
     run.resolved["init"] = record
     for line in notes if run.master else ():
         print(line, file=sys.stderr)
@@ -138,7 +138,7 @@ def _checkpoint_to_resume(run: Run) -> tuple[dict | None, Path | None]:
     run directory with checkpoints but no --resume, and a checkpoint of another store or model."""
     cfg, out = run.cfg, run.out
     latest = latest_checkpoint(out)
-    if latest is not None and not cfg.resume:
+    if latest is not None and not cfg.checkpointing.resume:
         raise TrainError(f"{out} already holds checkpoints (latest {latest.name}); "
                          "pass --resume to continue it, or choose another --out")
     if latest is None:
@@ -148,17 +148,18 @@ def _checkpoint_to_resume(run: Run) -> tuple[dict | None, Path | None]:
     if saved["store"]["identity"] != identity:
         raise CheckpointError(
             f"{latest}: made with another latent store ({saved['store']['path']}, "
-            f"{saved['store']['identity'][:19]}...) than {cfg.latents} "
+            f"{saved['store']['identity'][:19]}...) than {cfg.data.latents} "
             f"({identity[:19]}...); resume with the same store, or start a new --out")
-    optimizer = saved["train"].get("optimizer", "adamw")  # runs from before --optimizer used AdamW
-    if optimizer != cfg.optimizer:
-        raise CheckpointError(f"{latest}: made with --optimizer {optimizer}, not {cfg.optimizer} (its optimizer "
+    recorded = TrainConfig.from_record(saved["train"])  # by section, or flat (runs before the sections)
+    optimizer = recorded.optim.optimizer  # runs from before --optimizer have its default, adamw
+    if optimizer != cfg.optim.optimizer:
+        raise CheckpointError(f"{latest}: made with --optimizer {optimizer}, not {cfg.optim.optimizer} (its optimizer "
                               f"state is {optimizer}'s); resume with --optimizer {optimizer}, or start a new --out")
     if saved["model"] != run.resolved["model"]:
         raise CheckpointError(f"{latest}: model config differs from this run's "
-                              f"({cfg.model} on {cfg.latents}); keep the original flags")
+                              f"({cfg.model.model} on {cfg.data.latents}); keep the original flags")
     _same_objective(latest, saved, run)
-    _keep_init(run, saved)
+    _keep_init(run, saved, recorded.model.init_from)
     return ckpt, latest
 
 
@@ -178,14 +179,13 @@ def _same_objective(latest: Path, saved: dict, run: Run) -> None:
                               f"{run.resolved['latents']['norm']}; keep the original flag")
 
 
-def _keep_init(run: Run, saved: dict) -> None:
+def _keep_init(run: Run, saved: dict, first: str) -> None:
     """A resume continues the run's own weights: --init-from is ignored (with a note) and the
-    record of what the run started from is kept."""
-    first = saved["train"].get("init_from", "")
-    if run.cfg.init_from and run.master:
-        print(f"note: resuming {run.out}: --init-from {run.cfg.init_from} is ignored (the run continues its "
+    record of what the run started from (`first`) is kept."""
+    if run.cfg.model.init_from and run.master:
+        print(f"note: resuming {run.out}: --init-from {run.cfg.model.init_from} is ignored (the run continues its "
               f"own weights{'; it started from ' + first if first else ''})", file=sys.stderr)
-    run.resolved["train"]["init_from"] = first
+    run.resolved["train"]["model"]["init_from"] = first
     if "init" in saved:
         run.resolved["init"] = saved["init"]
 
@@ -214,14 +214,14 @@ def _save(run: Run, state: RunState) -> None:
     the last checkpoint is on disk.
     """
     ckpt = state.state_dict()
-    if run.master and run.cfg.async_save:
+    if run.master and run.cfg.checkpointing.async_save:
         if run.saver is None:
             run.saver = CheckpointWriter()
-        run.saver.submit(run.out, state.step, ckpt, keep=run.cfg.keep, ema_state=ckpt["ema"], config=state.config)
+        run.saver.submit(run.out, state.step, ckpt, keep=run.cfg.checkpointing.keep, ema_state=ckpt["ema"], config=state.config)
     elif run.master:
-        save_checkpoint(run.out, state.step, ckpt, keep=run.cfg.keep)
+        save_checkpoint(run.out, state.step, ckpt, keep=run.cfg.checkpointing.keep)
         export_weights(run.out / EMA_EXPORT, state.ema.state_dict(), state.config)
-    if run.world > 1 and not run.cfg.async_save:
+    if run.world > 1 and not run.cfg.checkpointing.async_save:
         dist.barrier()
 
 
@@ -232,10 +232,10 @@ def run(cfg: TrainConfig) -> dict:
     """Train as configured; rank 0 holds the run directory's lock for the whole run, so a
     second `dittrain run` (or --resume) on the same --out fails at once instead of writing
     into it too (DirectoryBusy). A run that fails before writing anything leaves no trace."""
-    _check_out(Path(cfg.out))
+    _check_out(Path(cfg.checkpointing.out))
     if dist.launch_env().rank != 0:
         return _train(cfg)
-    with DirLock(cfg.out, "dittrain run"):
+    with DirLock(cfg.checkpointing.out, "dittrain run"):
         return _train(cfg)
 
 
@@ -260,15 +260,15 @@ def _train(cfg: TrainConfig) -> dict:
         _prepare_out(run, resumed_at=state.step if ckpt is not None else None)
         train_model = _wrap(run, state.model)
         if run.master:
-            print(f"dittrain: {cfg.model} ({state.model.num_params() / 1e6:.1f} M params) on {run.device}, "
-                  f"{len(run.store)} latents {tuple(run.store.latent_shape)} from {cfg.latents}; loader "
-                  f"{state.loader.kind} ({state.loader.reason}); global batch {cfg.batch_size} = {run.world} "
-                  f"rank(s) x {cfg.accumulation_steps} accumulation x {run.per_rank}; "
+            print(f"dittrain: {cfg.model.model} ({state.model.num_params() / 1e6:.1f} M params) on {run.device}, "
+                  f"{len(run.store)} latents {tuple(run.store.latent_shape)} from {cfg.data.latents}; loader "
+                  f"{state.loader.kind} ({state.loader.reason}); global batch {cfg.optim.batch_size} = {run.world} "
+                  f"rank(s) x {cfg.optim.accumulation_steps} accumulation x {run.per_rank}; "
                   f"{_origin(cfg, ckpt, state)}", file=sys.stderr)
         with _Stop() as stop, Log(run, state, resumed=ckpt is not None) as log:  # (the bar closes on errors too)
             _loop(run, state, train_model, log, stop)
             step = state.step
-            if run.master and step == cfg.max_steps and cfg.sample_every > 0 and step % cfg.sample_every:
+            if run.master and step == cfg.optim.max_steps and cfg.logging.sample_every > 0 and step % cfg.logging.sample_every:
                 sample_grid(run, state.ema, step, log)  # the last grid
             if run.saver is not None:  # still under _Stop: a signal now cannot cut the last write short
                 run.saver.wait()  # the last checkpoint is on disk; a failed write stops the run here
@@ -294,7 +294,7 @@ def _origin(cfg: TrainConfig, ckpt: dict | None, state: RunState) -> str:
     """How the run starts: resumed, from outside weights (--init-from) or from scratch."""
     if ckpt is not None:
         return f"resuming at step {state.step}"
-    return f"initialised from {cfg.init_from}" if cfg.init_from else "from scratch"
+    return f"initialised from {cfg.model.init_from}" if cfg.model.init_from else "from scratch"
 
 
 def _prepare_out(run: Run, resumed_at: int | None) -> None:
@@ -312,7 +312,7 @@ def _prepare_out(run: Run, resumed_at: int | None) -> None:
 def _wrap(run: Run, model: DiT) -> torch.nn.Module:
     """The module the loop calls: the model, compiled (--compile: dittrain.step.compile_model),
     in DDP over several ranks."""
-    model = compile_model(model, compile_target(run.cfg.compile, run.device), run.cfg.compile_mode)
+    model = compile_model(model, compile_target(run.cfg.performance.compile, run.device), run.cfg.performance.compile_mode)
     if run.world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -333,8 +333,8 @@ def _loop(run: Run, state: RunState, train_model, log: Log, stop: _Stop) -> None
                      empty_text=empty_text_on(run.store, run.device), rank=run.rank, world=world)
     books = _Books(run, state, step, log)
     pending = None
-    compiling, t0 = compile_target(cfg.compile, run.device) != "off", time.perf_counter()
-    while state.step < cfg.max_steps:
+    compiling, t0 = compile_target(cfg.performance.compile, run.device) != "off", time.perf_counter()
+    while state.step < cfg.optim.max_steps:
         queued = step.backward(state.loader, stop=stop.requested)
         stopping = books.settle(pending)[1] if pending is not None else False
         pending = step.update(queued)
@@ -348,15 +348,15 @@ def _loop(run: Run, state: RunState, train_model, log: Log, stop: _Stop) -> None
             compiling = False
             if run.master:
                 note(f"dittrain: first step {time.perf_counter() - t0:.1f} s, torch.compile "
-                      f"({compile_target(cfg.compile, run.device)}, mode {cfg.compile_mode}) included")
+                      f"({compile_target(cfg.performance.compile, run.device)}, mode {cfg.performance.compile_mode}) included")
 
         # ---- checkpoint, samples, stop requests (a skipped step honours a stop too) ----
         n = state.step
-        if stopping or (stepped and (n % cfg.save_every == 0 or n == cfg.max_steps)):
+        if stopping or (stepped and (n % cfg.checkpointing.save_every == 0 or n == cfg.optim.max_steps)):
             _save(run, state)
-        if stepped and run.master and cfg.sample_every and n % cfg.sample_every == 0:
+        if stepped and run.master and cfg.logging.sample_every and n % cfg.logging.sample_every == 0:
             sample_grid(run, state.ema, n, log)
-        if stepped and run.evaluator is not None and (n % cfg.eval_every == 0 or n == cfg.max_steps):
+        if stepped and run.evaluator is not None and (n % cfg.eval.eval_every == 0 or n == cfg.optim.max_steps):
             evaluate(run, state, n, log)
         if stopping:
             if run.saver is not None:  # "checkpoint saved" is said once it is on disk
@@ -370,9 +370,9 @@ def _loop(run: Run, state: RunState, train_model, log: Log, stop: _Stop) -> None
 def _due(cfg: TrainConfig, n: int, evaluating: bool) -> bool:
     """Whether step n (if kept) is one the host acts on: a log record, a checkpoint, a sample
     grid, an evaluation, the last step."""
-    return (n % cfg.log_every == 0 or n % cfg.save_every == 0 or n == cfg.max_steps
-            or bool(cfg.sample_every and n % cfg.sample_every == 0)
-            or (evaluating and n % cfg.eval_every == 0))
+    return (n % cfg.logging.log_every == 0 or n % cfg.checkpointing.save_every == 0 or n == cfg.optim.max_steps
+            or bool(cfg.logging.sample_every and n % cfg.logging.sample_every == 0)
+            or (evaluating and n % cfg.eval.eval_every == 0))
 
 
 class _Books:
@@ -397,7 +397,7 @@ class _Books:
             return kept, stop
         self.consecutive_bad += 1
         state.nonfinite_total += 1
-        if self.consecutive_bad >= cfg.max_nonfinite:
+        if self.consecutive_bad >= cfg.optim.max_nonfinite:
             raise TrainError(
                 f"{self.consecutive_bad} consecutive non-finite losses at step {state.step}: training "
                 "diverged. Lower --lr, use --amp bf16/fp32, or resume from an earlier checkpoint")

@@ -160,3 +160,10 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def loaded_after(code: str, modules) -> list[str]:
+    """Which of `modules` a fresh interpreter has imported once it has run `code` (what an
+    import or a command loads)."""
+    probe = f"{code}\nimport sys\nprint(' '.join(m for m in {tuple(modules)!r} if m in sys.modules))"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()

@@ -211,7 +211,7 @@ def test_async_and_sync_runs_write_the_same_checkpoints(store, tmp_path, monkeyp
     a, b = (load_checkpoint(latest_checkpoint(tmp_path / d)) for d in ("async", "sync"))
     assert [p.name for p in list_checkpoints(tmp_path / "async")] == ["step_00000004.pt"]  # --keep 1
     assert a["step"] == b["step"] == 4
-    assert a["config"]["train"]["async_save"] and not b["config"]["train"]["async_save"]
+    assert a["config"]["train"]["checkpointing"]["async_save"] and not b["config"]["train"]["checkpointing"]["async_save"]
     a["config"] = b["config"] = None  # the one difference: the flag itself
     assert_tensor_equal(a, b)
     assert a["ranks"][0]["loader"] == b["ranks"][0]["loader"]

@@ -39,7 +39,7 @@ def by_step(out: Path) -> dict[int, float]:
 
 
 def train_cfg(out: Path) -> dict:
-    return json.loads((out / "config.json").read_text())["train"]
+    return json.loads((out / "config.json").read_text())["train"]["performance"]
 
 
 COMMON = ["--max-steps", 4, "--save-every", 2, "--lr", "1e-3", "--ema", "0.9", "--loader", "resident"]

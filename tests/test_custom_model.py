@@ -155,7 +155,7 @@ def custom_run(tmp_path_factory):
 def test_a_custom_run_trains_and_records_its_spec(custom_run):
     run, _ = custom_run
     config = json.loads((run / "config.json").read_text())
-    assert config["train"]["model"] == TINY
+    assert config["train"]["model"]["model"] == TINY
     m = config["model"]
     assert (m["hidden_size"], m["depth"], m["num_heads"], m["patch_size"], m["in_channels"]) == (32, 2, 2, 2, 3)
     assert latest_checkpoint(run).name == "step_00000002.pt"

@@ -96,7 +96,7 @@ def test_checkpoint_past_the_file_size_limit(tmp_path):
     assert debris(out) == []
     assert {p: sha(p) for p in before} == before
     assert load_checkpoint(ckpt)["step"] == 2
-    assert load_weights(ema)[1]["train"]["max_steps"] == 2
+    assert load_weights(ema)[1]["train"]["optim"]["max_steps"] == 2
 
     r = CliRunner().invoke(dittrain_cli, run_args(store, out, "--max-steps", 4, "--save-every", 2, "--resume"))
     assert r.exit_code == 0, r.output

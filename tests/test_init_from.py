@@ -98,7 +98,7 @@ def test_init_from_a_run_reproduces_its_ema_loss(store, source, reference_losses
     assert [s["step"] for s in b["optimizer"]["state"].values()] == [2.0] * len(b["optimizer"]["state"])
     # recorded: the option and what it read
     config = json.loads((out / "config.json").read_text())
-    assert config["train"]["init_from"] == str(source)
+    assert config["train"]["model"]["init_from"] == str(source)
     init = config["init"]
     assert init["file"] == str((source / "ema.safetensors").resolve()) and init["kind"] == "export"
     assert init["sha256"] == sha256_file(source / "ema.safetensors") and init["model"] == "DiT-T/4"
@@ -159,13 +159,13 @@ def test_resume_ignores_init_from(store, source, tmp_path):
     log = train(*run_args(store, out, "--max-steps", 3, "--resume", "--init-from", source))
     assert "resuming at step 2" in log and f"--init-from {source} is ignored" in log
     config = json.loads((out / "config.json").read_text())
-    assert config["train"]["init_from"] == "" and "init" not in config
+    assert config["train"]["model"]["init_from"] == "" and "init" not in config
     # a run that started from A keeps that record across resumes
     tuned = tmp_path / "G"
     train(*run_args(store, tuned, "--max-steps", 1, "--save-every", 1, "--init-from", source))
     train(*run_args(store, tuned, "--max-steps", 2, "--resume"))
     config = json.loads((tuned / "config.json").read_text())
-    assert config["train"]["init_from"] == str(source) and config["init"]["kind"] == "export"
+    assert config["train"]["model"]["init_from"] == str(source) and config["init"]["kind"] == "export"
     # --resume without a checkpoint yet is a fresh start: --init-from applies
     fresh = tmp_path / "H"
     log = train(*run_args(store, fresh, "--max-steps", 1, "--resume", "--init-from", source))

@@ -94,7 +94,7 @@ def test_the_model_sees_standardised_latents(run_dir, store):
     from ditdata.store import open_store
 
     stats = open_store(store).manifest["stats"]
-    assert cfg["latents"]["norm"] == "channel" and cfg["train"]["latent_norm"] == "channel"
+    assert cfg["latents"]["norm"] == "channel" and cfg["train"]["data"]["latent_norm"] == "channel"
     assert cfg["latents"]["mean"] == stats["mean"] and cfg["latents"]["std"] == stats["std"]
 
 

@@ -55,7 +55,7 @@ def test_exact_resume_after_sigkill(store, tmp_path):
     err = resume_after_sigkill(store, tmp_path, common, steps=steps, half=half)
     assert "kernels" not in err  # bitsandbytes' note about its optional 4-bit CPU kernel stays quiet
     ca, cb = (load_checkpoint(latest_checkpoint(tmp_path / d)) for d in ("straight", "killed"))
-    assert ca["step"] == steps and ca["config"]["train"]["optimizer"] == "adamw8bit"
+    assert ca["step"] == steps and ca["config"]["train"]["optim"]["optimizer"] == "adamw8bit"
     for part in ("model", "ema", "optimizer"):
         assert_equal(ca[part], cb[part], part)
     # the moments of every tensor of 4096 elements or more are 8-bit (smaller ones stay fp32)
@@ -66,10 +66,10 @@ def test_exact_resume_after_sigkill(store, tmp_path):
 
 
 def test_same_hyperparameters_as_adamw():
-    cfg = TrainConfig(optimizer="adamw8bit", lr=3e-4, weight_decay=0.05)
+    cfg = TrainConfig.from_flat(optimizer="adamw8bit", lr=3e-4, weight_decay=0.05)
     params = [torch.nn.Parameter(torch.randn(64, 128))]
     opt8 = build_optimizer(cfg, params, torch.device("cpu"))
-    opt32 = build_optimizer(TrainConfig(optimizer="adamw", lr=3e-4, weight_decay=0.05), params, torch.device("cpu"))
+    opt32 = build_optimizer(TrainConfig.from_flat(optimizer="adamw", lr=3e-4, weight_decay=0.05), params, torch.device("cpu"))
     assert isinstance(opt8, bnb.optim.AdamW8bit) and isinstance(opt32, torch.optim.AdamW)
     for key in ("lr", "betas", "eps", "weight_decay"):
         assert opt8.param_groups[0][key] == opt32.param_groups[0][key], key
@@ -81,7 +81,7 @@ def test_same_hyperparameters_as_adamw():
 
 def test_resume_with_another_optimizer_is_refused(store, tmp_path):
     assert cli(*run_args(store, tmp_path / "r", "--max-steps", 2)).exit_code == 0  # the default: adamw
-    assert json.loads((tmp_path / "r" / "config.json").read_text())["train"]["optimizer"] == "adamw"
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["train"]["optim"]["optimizer"] == "adamw"
     r = cli(*run_args(store, tmp_path / "r", "--max-steps", 4, "--resume", "--optimizer", "adamw8bit"))
     assert r.exit_code == 1
     line = one_error_line(r.output)

@@ -366,8 +366,8 @@ def test_imagenet256_end_to_end(tmp_path):
 
     cfg = check_run(out / "run", steps=4, save_every=2)
     assert cfg["model"]["num_classes"] == 4 and cfg["model"]["learn_sigma"] is True
-    assert cfg["train"]["ema"] == 0.9999 and cfg["train"]["class_dropout"] == 0.1
-    assert cfg["train"]["weight_decay"] == 0 and cfg["train"]["batch_size"] == 8
+    assert cfg["train"]["optim"]["ema"] == 0.9999 and cfg["train"]["diffusion"]["class_dropout"] == 0.1
+    assert cfg["train"]["optim"]["weight_decay"] == 0 and cfg["train"]["optim"]["batch_size"] == 8
 
     samples = check_samples(out / "run" / "final", rows=4, cols=2, size=16, mode="RGB")
     assert sorted(s["class"] for s in samples) == [0, 0, 1, 1, 2, 2, 3, 3]
@@ -440,7 +440,7 @@ def test_laion_t2i_end_to_end(tmp_path, http_files, images):
 
     cfg = check_run(out / "run", steps=4, save_every=2)
     assert cfg["model"]["text_pooled_dim"] == 32 and cfg["model"]["text_token_dim"] == 32
-    assert cfg["model"]["num_classes"] == 0 and cfg["train"]["caption_dropout"] == 0.1
+    assert cfg["model"]["num_classes"] == 0 and cfg["train"]["diffusion"]["caption_dropout"] == 0.1
 
     samples = check_samples(out / "run" / "final", rows=2, cols=2, size=16)
     assert [s["prompt"] for s in samples] == ["a photo of a cat"] * 2 + ["a rocket on the launch pad"] * 2

@@ -138,11 +138,11 @@ def text_store(root: Path) -> Path:
 
 def test_conditioning_as_the_trainer_reads_it(store, tmp_path):
     cls = open_store(store)
-    cfg = model_config_for(TrainConfig(model="DiT-T/4", grad_checkpointing="2"), cls)
+    cfg = model_config_for(TrainConfig.from_flat(model="DiT-T/4", grad_checkpointing="2"), cls)
     assert (cfg.num_classes, cfg.text_pooled_dim, cfg.text_token_dim) == (3, None, None)
     assert cfg.grad_checkpointing == 2 and text_token_count(cls) == 0
     txt = open_store(text_store(tmp_path / "text"))
-    cfg = model_config_for(TrainConfig(model="DiT-T/4"), txt)
+    cfg = model_config_for(TrainConfig.from_flat(model="DiT-T/4"), txt)
     assert (cfg.num_classes, cfg.text_pooled_dim, cfg.text_token_dim) == (0, 16, 12)
     assert text_token_count(txt) == 5
 

@@ -139,7 +139,7 @@ def test_batch_size_does_not_change_deterministic_samplers(pixel_run):
     assert a.dtype == np.uint8 and a.shape == (5, 16, 16, 3)
     assert np.abs(a.astype(int) - b.astype(int)).max() <= 1  # same noise, per-batch float rounding
     # the trainer's path: the EMA module itself, left in the mode it was in
-    model = DiT(get_config(config["train"]["model"], **{k: config["model"][k] for k in (
+    model = DiT(get_config(config["train"]["model"]["model"], **{k: config["model"][k] for k in (
         "input_size", "in_channels", "num_classes", "learn_sigma")}))
     model.load_state_dict(weights)
     model.train()
@@ -154,7 +154,7 @@ def test_training_grid_from_the_ema_module(pixel_run, tmp_path):
     run, _ = pixel_run
     weights, config = load_weights(run)
     store, _ = open_run_store(config)
-    ema = DiT(get_config(config["train"]["model"], **{k: config["model"][k] for k in (
+    ema = DiT(get_config(config["train"]["model"]["model"], **{k: config["model"][k] for k in (
         "input_size", "in_channels", "num_classes", "learn_sigma")}))
     ema.load_state_dict(weights)
     a = write_training_grid(ema, config, store, tmp_path / "step_1.png", n=5, steps=2, device="cpu")

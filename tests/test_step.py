@@ -47,7 +47,7 @@ def tiny_step(**cfg) -> TrainStep:
     mcfg = get_config("DiT-T/4", input_size=8, in_channels=4, num_classes=3, learn_sigma=True)
     model, ema = DiT(mcfg), DiT(mcfg).requires_grad_(False)
     ema.load_state_dict(model.state_dict())
-    tcfg = TrainConfig(batch_size=B, ema=0.5, lr=1e-2, **cfg)
+    tcfg = TrainConfig.from_flat(batch_size=B, ema=0.5, lr=1e-2, **cfg)
     opt = build_optimizer(tcfg, [p for p in model.parameters() if p.requires_grad], torch.device("cpu"))
     return TrainStep(model=model, train_model=model, ema=ema, optimizer=opt,
                      scaler=torch.amp.GradScaler("cpu", enabled=False),

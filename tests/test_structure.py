@@ -24,8 +24,8 @@ PACKAGES = ("ditdata", "dittrain")
 MAX_MODULE_LINES = 700
 MAX_FUNCTION_LINES = 60
 # ditdata's public surface for the trainer: the store and the toolkit, autoencoders (decoding
-# samples), the caption encoder (prompts) and pixels (reference images for FID).
-DITTRAIN_MAY_IMPORT = ("ditdata.store", "ditdata.common", "ditdata.vae", "ditdata.clip", "ditdata.images")
+# samples), the caption encoder (prompts) and pixels (reference images for FID: ditdata.pixels).
+DITTRAIN_MAY_IMPORT = ("ditdata.store", "ditdata.common", "ditdata.vae", "ditdata.clip", "ditdata.pixels")
 
 
 def _modules(root: Path = ROOT) -> dict[str, Path]:

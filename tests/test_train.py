@@ -74,7 +74,7 @@ def test_run_directory_and_logs(store, tmp_path):
     out = tmp_path / "r"
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model"]["in_channels"] == 3 and cfg["model"]["input_size"] == 8
-    assert cfg["model"]["num_classes"] == 3 and cfg["train"]["model"] == "DiT-T/4"
+    assert cfg["model"]["num_classes"] == 3 and cfg["train"]["model"]["model"] == "DiT-T/4"
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004.pt", "step_00000006.pt"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]

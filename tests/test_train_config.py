@@ -4,20 +4,17 @@ value listed (and refuse one that is not)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import dataclasses
 
 import pytest
+from cliutil import loaded_after
 
 from dittrain import config
 from dittrain.cli import main as cli
 
 
 def test_importing_config_loads_no_torch():
-    code = ("import sys, dittrain.config, dittrain.cli; "
-            "print(' '.join(m for m in ('torch', 'numpy') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == ""
+    assert loaded_after("import dittrain.config, dittrain.cli", ("torch", "numpy")) == []
 
 
 def _choices(command: str) -> dict[str, tuple]:
@@ -78,9 +75,54 @@ def test_optimizers_and_schedules():
     from dittrain.optim import OptimizerError, build_optimizer, lr_at
 
     params = [torch.nn.Parameter(torch.zeros(3))]
-    assert isinstance(build_optimizer(config.TrainConfig(optimizer="adamw"), params, torch.device("cpu")),
+    assert isinstance(build_optimizer(config.TrainConfig.from_flat(optimizer="adamw"), params, torch.device("cpu")),
                       torch.optim.AdamW)
     with pytest.raises(OptimizerError, match="choose adamw or adamw8bit"):
-        build_optimizer(config.TrainConfig(optimizer="sgd"), params, torch.device("cpu"))
+        build_optimizer(config.TrainConfig.from_flat(optimizer="sgd"), params, torch.device("cpu"))
     cfg = dict(lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=10)
-    assert [lr_at(5, config.TrainConfig(lr_schedule=s, **cfg)) for s in config.LR_SCHEDULES] == [1.0, 0.5]
+    assert [lr_at(5, config.TrainConfig.from_flat(lr_schedule=s, **cfg)) for s in config.LR_SCHEDULES] == [1.0, 0.5]
+
+
+# ------------------------------------------------------------------------ TrainConfig sections
+
+
+def test_every_run_flag_is_one_field_of_one_section():
+    from click.testing import CliRunner
+
+    flags = {p.name for p in cli.commands["run"].params} - {"no_compile", "help"}
+    assert flags == set(config.SECTION_OF)  # the flags map 1:1 onto the sections' fields
+    # no field name in two sections (a flat name says which section it lives in)
+    names = [f.name for cls in config.SECTIONS.values() for f in dataclasses.fields(cls)]
+    assert len(names) == len(set(names)) == len(config.SECTION_OF)
+    # --help lists each section's options under its heading, in the sections' order
+    text = CliRunner().invoke(cli, ["run", "--help"], terminal_width=200).output
+    heads = [text.index(f"{s.capitalize()} options:") for s in config.SECTIONS]
+    assert heads == sorted(heads)
+    bounds = [*heads, text.index("Other options:")]
+    for i, section in enumerate(config.SECTIONS):
+        part = text[bounds[i]:bounds[i + 1]]
+        for name, where in config.SECTION_OF.items():
+            flag = "--" + name.replace("_", "-")
+            assert (f"  {flag} " in part or f"  {flag}/" in part) == (where == section), (flag, section)
+
+
+def test_flat_and_sectioned_records_read_alike():
+    from dataclasses import asdict
+
+    cfg = config.TrainConfig.from_flat(lr=3e-4, model="DiT-S/2", latents="/s", compile="blocks", eval_n=64)
+    assert (cfg.optim.lr, cfg.model.model, cfg.data.latents, cfg.performance.compile, cfg.eval.eval_n) == (
+        3e-4, "DiT-S/2", "/s", "blocks", 64)
+    sectioned = asdict(cfg)
+    assert set(sectioned) == set(config.SECTIONS) and sectioned["optim"]["lr"] == 3e-4
+    flat = cfg.flat()  # how runs recorded "train" before the sections
+    assert config.TrainConfig.from_record(sectioned) == cfg == config.TrainConfig.from_record(flat)
+    # a record from before a knob existed takes its default; a name this version lacks is ignored
+    old = {k: v for k, v in flat.items() if k != "optimizer"} | {"retired_knob": 1}
+    assert config.TrainConfig.from_record(old).optim.optimizer == config.OptimSection().optimizer
+    for record in (sectioned, flat):
+        run = {"train": record}
+        assert config.recorded(run, "model") == "DiT-S/2" and config.recorded(run, "lr") == 3e-4
+        assert config.recorded(run, "no_such_knob", "x") == "x"
+    assert config.recorded({}, "model", "DiT") == "DiT" and config.recorded(None, "model") is None
+    with pytest.raises(TypeError, match="no field bogus"):
+        config.TrainConfig.from_flat(bogus=1)

@@ -52,7 +52,7 @@ def meta_model_state(name: str, **overrides) -> dict:
 def test_official_xl2_layout_is_inferred(input_size):
     state = meta_state(official_dit_shapes(depth=28, hidden=1152, patch=2, input_size=input_size))
     config = infer_run_config(state)
-    assert config["train"]["model"] == "DiT-XL/2" and config["train"]["objective"] == "ddpm"
+    assert config["train"]["model"]["model"] == "DiT-XL/2" and config["train"]["diffusion"]["objective"] == "ddpm"
     m = config["model"]
     assert (m["input_size"], m["in_channels"], m["num_classes"], m["learn_sigma"]) == (input_size, 4, 1000, True)
     assert (m["hidden_size"], m["depth"], m["num_heads"], m["patch_size"], m["mlp_ratio"]) == (1152, 28, 16, 2, 4.0)
@@ -147,7 +147,7 @@ def test_dittrain_sources_keep_their_config(tmp_path):
     store = tiny_store(tmp_path / "store")
     run = make_run(tmp_path / "run", store)
     w = read_weights(run)
-    assert w.kind == "export" and not w.plain and w.config["train"]["model"] == "DiT-T/4"
+    assert w.kind == "export" and not w.plain and w.config["train"]["model"]["model"] == "DiT-T/4"
     weights, config = load_weights(run)
     assert w.state.keys() == weights.keys()
 

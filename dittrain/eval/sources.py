@@ -76,7 +76,7 @@ def _file_sha256(path: Path) -> str:
 
 
 def _image_files(root: Path) -> list[Path]:
-    from ditdata.images import IMAGE_EXTENSIONS
+    from ditdata.pixels import IMAGE_EXTENSIONS
 
     return sorted(p for p in root.rglob("*")
                   if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()
@@ -93,7 +93,7 @@ def open_source(path, *, resolution: int | None = None, allow_shards: bool = Tru
         return _open_npz(p)
     if not p.is_dir():
         raise EvalError(f"{p}: no such file or directory")
-    from ditdata.images import is_shard_folder
+    from ditdata.pixels import is_shard_folder
 
     if is_shard_folder(p):
         if not allow_shards:
@@ -120,7 +120,7 @@ def _header_size(files: list[Path]) -> tuple[int, int] | None:
 
 
 def _load_file(f: Path, resolution: int | None):
-    from ditdata.images import BadImageError, decode_rgb
+    from ditdata.pixels import BadImageError, decode_rgb
 
     name = str(f)
     try:
@@ -133,24 +133,24 @@ def _load_file(f: Path, resolution: int | None):
 def _crop(img, resolution: int | None) -> np.ndarray:
     if resolution is None:
         return np.asarray(img)
-    from ditdata.images import center_crop
+    from ditdata.pixels import center_crop
 
     return center_crop(img, resolution)
 
 
 def _open_shards(p: Path, resolution: int | None) -> Source:
-    from ditdata import images
+    from ditdata import pixels
 
     if resolution is None:
         raise EvalError(f"{p}: an image-shard reference needs a resolution (--resolution N) for its ADM centre crop")
     try:
-        folder = images.read_shard_folder(p)
+        folder = pixels.read_shard_folder(p)
     except UserError as e:  # an EvalError for the callers that add context (dittrain run --eval-ref)
         raise EvalError(one_line(e, 300)) from None
     if not folder.shards:
         raise EvalError(f"{p}: no shards in this image-shard folder")
     for tar in folder.shards:
-        problem = images.check_shard(tar, folder.expected[tar.name])
+        problem = pixels.check_shard(tar, folder.expected[tar.name])
         if problem:
             raise EvalError(f"{tar}: {problem}; refetch it (rerun the same `ditdata fetch`)")
     known = [folder.expected[t.name] for t in folder.shards]
@@ -158,14 +158,14 @@ def _open_shards(p: Path, resolution: int | None) -> Source:
 
     def jobs():
         for tar in folder.shards:
-            for s in images.iter_shard(tar):
+            for s in pixels.iter_shard(tar):
                 yield partial(_load_sample, s, tar, resolution)
 
     return Source(p, "shards", count, (resolution, resolution), jobs=jobs, resolution=resolution)
 
 
 def _load_sample(s, tar: Path, resolution: int):
-    from ditdata.images import BadImageError
+    from ditdata.pixels import BadImageError
 
     name = f"{tar}:{s.key}"
     try:
