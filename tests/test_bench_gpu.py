@@ -22,7 +22,7 @@ def test_gpu_train_cpu_path(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]
     assert [row["status"] for row in rows[:3]] == ["ok"] * 3
-    assert rows[3]["status"].startswith("error: ValueError") and "grad_checkpointing" in rows[3]["status"]
+    assert rows[3]["status"].startswith("error: GradCheckpointingError") and "grad_checkpointing" in rows[3]["status"]
     for row in rows[:3]:
         assert row["images_per_s"] > 0 and row["ms_per_step"] > 0 and 0 <= row["data_wait_frac"] < 1
         assert row["sdpa"] in ("cpu-flash", "math") and row["host_syncs_per_step"] is None  # counted on CUDA
