@@ -79,7 +79,7 @@ def _defaults():
     if _D is None:
         from dittrain.config import TrainConfig
 
-        _D = TrainConfig()
+        _D = TrainConfig().flat()
     return _D
 
 
@@ -115,12 +115,33 @@ def _sampling_options(batch_help: str):
     return add
 
 
+class SectionedCommand(click.Command):
+    """`dittrain run --help`: the options under TrainConfig's section headings (data, model,
+    diffusion, optim, ...), in the order config.json and the README use."""
+
+    EXTRA = {"no_compile": "performance"}  # flags without a field of their own
+
+    def format_options(self, ctx, formatter):
+        from dittrain.config import SECTION_OF, SECTIONS
+
+        groups: dict[str, list] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                section = SECTION_OF.get(param.name) or self.EXTRA.get(param.name, "other")
+                groups.setdefault(section, []).append(record)
+        for section in [*SECTIONS, "other"]:
+            if section in groups:
+                with formatter.section(f"{section.capitalize()} options"):
+                    formatter.write_dl(groups[section])
+
+
 def _opt(*names, field, **kw):
     """A click option whose default is TrainConfig's (the one place defaults live)."""
-    return click.option(*names, default=getattr(_defaults(), field), show_default=True, **kw)
+    return click.option(*names, default=_defaults()[field], show_default=True, **kw)
 
 
-@main.command("run")
+@main.command("run", cls=SectionedCommand)
 @click.option("--latents", required=True, type=click.Path(file_okay=False, path_type=str),
               help="The latent store written by `ditdata encode`, or its URL in object storage "
                    "(s3://, gs://, http(s)://; pip install 'ditkit[remote]'), read through --cache-dir.")
@@ -215,7 +236,7 @@ def _opt(*names, field, **kw):
       help="Where metrics and sample grids go, comma-separated: tensorboard, wandb, jsonl (metrics.jsonl, "
            "always on). wandb needs the wandb extra, honours WANDB_MODE=offline|disabled and never stops a run.")
 @_opt("--wandb-project", field="wandb_project", help="W&B project (--logger wandb).")
-@click.option("--wandb-name", default=_defaults().wandb_name, help="W&B run name (default: the --out folder's name).")
+@click.option("--wandb-name", default=_defaults()["wandb_name"], help="W&B run name (default: the --out folder's name).")
 @_opt("--eval-every", field="eval_every", type=click.IntRange(min=0),
       help="FID of the EMA model every N steps and at the end, to metrics.jsonl and TensorBoard "
            "(0: never; needs --eval-ref and the Inception file, see `dittrain eval --help`).")
@@ -232,7 +253,7 @@ def _opt(*names, field, **kw):
 @_opt("--max-nonfinite", field="max_nonfinite", type=click.IntRange(min=1),
       help="Consecutive NaN/inf losses (each step skipped) before the run stops.")
 @_opt("--resume/--no-resume", field="resume", help="Continue from the latest checkpoint in --out.")
-@click.option("--init-from", default=_defaults().init_from, metavar="FILE_OR_RUN",
+@click.option("--init-from", default=_defaults()["init_from"], metavar="FILE_OR_RUN",
               help="Fine-tune: start the model and its EMA from these weights (a plain state dict .pt such "
                    "as DiT-XL-2-256x256.pt, an EMA export, a run directory or a checkpoint: its EMA); "
                    "optimizer, step and schedule start fresh. Another class count re-initialises the label "
@@ -256,7 +277,7 @@ def run_cmd(**options):
 
     if options.pop("no_compile"):
         options["compile"] = "off"
-    result = run(TrainConfig(**options))
+    result = run(TrainConfig.from_flat(**options))
     click.echo(f"{result['out']}: finished at step {result['step']}")
 
 
@@ -512,9 +533,9 @@ def runs_cmd(run_dirs, plot):
 @click.option("--resolution", default=None, type=click.IntRange(min=1), metavar="N",
               help="Centre-crop reference folders and image shards to N with the encoder's ADM rule "
                    "(default: the samples' resolution). .npz images are fed as they are.")
-@click.option("--cache-dir", default="~/.cache/ditkit/eval", show_default=True,
-              type=click.Path(file_okay=False, path_type=str),
-              help="Where the reference statistics are cached when the reference's own folder is read-only.")
+@click.option("--cache-dir", default=None, type=click.Path(file_okay=False, path_type=str),
+              help="Where the reference statistics are cached when the reference's own folder is read-only "
+                   "(default $XDG_CACHE_HOME/ditkit/eval, else ~/.cache/ditkit/eval).")
 @click.option("--precision-recall/--no-precision-recall", "with_pr", default=True, show_default=True,
               help="Precision and recall need every reference feature (and for an ADM batch, a pass "
                    "over its images); off: FID, sFID and IS only.")

@@ -69,6 +69,7 @@ import torch
 from ditdata.common.extras import install_hint
 from ditdata.common.files import atomic_file, atomic_path
 from dittrain.checkpoint import INT8_FORMAT, export_weights
+from dittrain.config import recorded
 from dittrain.model import DiT, DiTConfig
 from dittrain.onnx import MAX_BATCH, TOLERANCE, export_onnx, random_inputs
 from dittrain.opened import (
@@ -186,7 +187,7 @@ def export(ckpt, fmt: str, out, *, overwrite: bool = False, latents=None, vae: s
         if refusal:
             raise ExportError(f"cannot export {source.file} to diffusers: {refusal}")
     dit = load_model(source.state, config, "cpu")
-    name = (config.get("train") or {}).get("model", "DiT")
+    name = recorded(config, "model", "DiT")
     params = sum(p.numel() for k, p in dit.named_parameters() if k != "pos_embed")
     log(f"exporting {source.file} ({name}, {params / 1e6:.2f} M parameters) as {fmt}")
     record = _record(fmt, source)

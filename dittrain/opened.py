@@ -45,6 +45,7 @@ import torch
 from ditdata.common.devices import PRECISIONS, DeviceError, amp_dtype, resolve_device
 from ditdata.common.errors import UserError, one_line
 from ditdata.store import TEXT_FIELDS
+from dittrain.config import recorded
 from dittrain.diffusion import DiffusionConfig
 from dittrain.model import DiT, DiTConfig
 from dittrain.weights import (
@@ -175,8 +176,8 @@ def open_run_store(config: dict, latents: str | Path | None = None):
         raise SampleError("the run records no latent store; pass --latents STORE")
     remote = {}
     if is_url(str(path)):  # a store in object storage: through the cache the run trained with
-        train = config.get("train") or {}
-        remote = {"cache_dir": train.get("cache_dir") or None, "cache_limit": train.get("cache_limit") or None}
+        remote = {"cache_dir": recorded(config, "cache_dir") or None,
+                  "cache_limit": recorded(config, "cache_limit") or None}
     elif latents is None and not Path(path).is_dir():
         raise SampleError(f"the run's latent store {path} is not there (moved or deleted?); "
                           "pass --latents STORE to say where it is now")
@@ -221,9 +222,9 @@ def load_for_sampling(ckpt, *, latents=None, vae: str | None = None,
 
 
 def _check_model_name(config: dict, model: str | None, ckpt) -> None:
-    recorded = (config.get("train") or {}).get("model")
-    if model is not None and model != recorded:
-        raise SampleError(f"--model {model}: {ckpt} is a dittrain run of {recorded}; --model names the model "
+    run_model = recorded(config, "model")
+    if model is not None and model != run_model:
+        raise SampleError(f"--model {model}: {ckpt} is a dittrain run of {run_model}; --model names the model "
                           "of a plain state dict")
 
 

@@ -44,7 +44,7 @@ import torch
 from ditdata.common import files as files_api
 from ditdata.common.devices import autocast
 from ditdata.store import TEXT_FIELDS
-from dittrain.config import SampleConfig
+from dittrain.config import SampleConfig, recorded
 from dittrain.diffusion import SAMPLERS, Diffusion, DiffusionConfig
 from dittrain.latents import LatentNorm
 from dittrain.model import DiT, DiTConfig
@@ -338,7 +338,7 @@ def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiT
         raise SampleError("nothing to sample: n must be at least 1")
     return SamplePlan(
         model=cfg, diffusion=diffusion, settings=settings, device=dev, amp=sampling_amp(dev, settings.precision),
-        name=(config.get("train") or {}).get("model", "DiT"), kind=kind, total=total,
+        name=recorded(config, "model", "DiT"), kind=kind, total=total,
         labels=_tuple(labels), prompts=_tuple(texts), text=text,
         groups=_tuple(picks) if n_per_class is not None or per_class_dir else None,
         records=tuple(records) or tuple({} for _ in range(total)),

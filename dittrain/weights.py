@@ -54,7 +54,7 @@ from dittrain.checkpoint import (
     load_weights,
     weights_file,
 )
-from dittrain.config import TrainConfig
+from dittrain.config import TrainConfig, recorded
 from dittrain.diffusion import DiffusionConfig
 from dittrain.model import (
     CONFIGS,
@@ -238,8 +238,8 @@ def infer_run_config(state: dict, model: str | None = None, *, where="the weight
     """The resolved run config a plain state dict implies: {"train" (model: the inferred
     name, objective ddpm), "model", "diffusion" (DiT's)}, and no "store" (it has none)."""
     name, cfg = infer_model(state, model, where=where)
-    train = TrainConfig(model=name, objective="ddpm", learn_sigma=cfg.learn_sigma, qk_norm=cfg.qk_norm,
-                        class_dropout=cfg.class_dropout_prob)
+    train = TrainConfig.from_flat(model=name, objective="ddpm", learn_sigma=cfg.learn_sigma, qk_norm=cfg.qk_norm,
+                                  class_dropout=cfg.class_dropout_prob)
     return {"train": asdict(train), "model": asdict(cfg),
             "diffusion": asdict(DiffusionConfig(objective="ddpm", learn_sigma=cfg.learn_sigma))}
 
@@ -375,7 +375,7 @@ def init_model(model: DiT, source) -> tuple[dict, list[str]]:
     config = w.config or {}
     record = {"from": str(path.resolve()), "file": str(w.file.resolve()), "kind": w.kind,
               "sha256": sha256_file(w.file), "step": w.step,
-              "model": (config.get("train") or {}).get("model"),
+              "model": recorded(config, "model"),
               "store_identity": (config.get("store") or {}).get("identity"),
               "label_embedder": "fresh" if notes else "loaded"}
     return record, notes
