@@ -211,6 +211,17 @@ def weights_sha256(path) -> str:
 # ----------------------------------------------------------------------------- loading
 
 
+def store_text_encoder(store, device="cpu", *, pretrained: str | None = None) -> ClipModel:
+    """The caption encoder a latent store was made with (its manifest's conditioning), its
+    weights from `pretrained` when given: embed_text(captions, tokens=...)."""
+    from ditdata.store import MANIFEST, StoreError
+
+    text = store.conditioning.text
+    if not text:
+        raise StoreError(f"{store.root / MANIFEST}: this store has no text conditioning")
+    return load_clip(text["model"], pretrained or text.get("pretrained"), device=device, config=text.get("config"))
+
+
 def load_clip(name: str, pretrained: str | None, device="cpu", *, config: str | None = None) -> ClipModel:
     """Build an open_clip model with its preprocessing and tokenizer (module docstring)."""
     import logging

@@ -547,6 +547,12 @@ def _kl_from_hub_pinned(repo_id: str, subfolder: str | None, revision: str | Non
     return ae
 
 
+def store_autoencoder(store, device: Any = "cpu", *, source: str | None = None) -> Autoencoder:
+    """The autoencoder a latent store was made with (its manifest's "vae"), from the local
+    cache or `source` (a path): decode(z) -> images in [0, 1]."""
+    return autoencoder_from_manifest(store.manifest["vae"], device=device, source=source)
+
+
 def autoencoder_from_manifest(vae_entry: dict[str, Any], device: Any = "cpu",
                               dtype: torch.dtype | None = None, *, source: str | None = None,
                               strict: bool = False) -> Autoencoder:

@@ -49,6 +49,7 @@ from dittrain.config import recorded
 from dittrain.diffusion import DiffusionConfig
 from dittrain.model import DiT, DiTConfig
 from dittrain.weights import (
+    StandInStore,
     describe,
     infer_run_config,
     read_weights,
@@ -257,7 +258,11 @@ def class_names(store) -> list[str] | None:
 def load_autoencoder(store, device="cpu", vae: str | None = None):
     """The store's autoencoder (or the one at `vae`), with a one-line SampleError."""
     try:
-        return store.autoencoder(sampling_device(device), source=vae)
+        if isinstance(store, StandInStore):  # weights without a store: the --vae it was given
+            return store.autoencoder(sampling_device(device), source=vae)
+        from ditdata.vae import store_autoencoder
+
+        return store_autoencoder(store, sampling_device(device), source=vae)
     except Exception as e:  # DitdataError: the model is not on this machine, or differs
         msg = one_line(e)
         hint = "" if "--vae" in msg else " (pass --vae DIR to say where it is)"
@@ -268,7 +273,9 @@ def load_text_encoder(store, device="cpu", pretrained: str | None = None, *, how
     """The store's text encoder (its weights at `pretrained`, if given), with a one-line
     SampleError whose hint begins with `how` (serve: "restart serve with")."""
     try:
-        return store.text_encoder(device, pretrained=pretrained)
+        from ditdata.clip import store_text_encoder
+
+        return store_text_encoder(store, device, pretrained=pretrained)
     except ImportError as e:
         raise SampleError(f"cannot embed prompts: the text encoder module is not available ({one_line(e)})") from e
     except Exception as e:  # DitdataError / StoreError: the model is not on this machine

@@ -19,6 +19,7 @@ from tiny import class_tree, fetch_tree, real_images, save_tiny_kl
 
 from ditdata import imageshards
 from ditdata.cli import main as ditdata_cli
+from ditdata.clip import store_text_encoder
 from ditdata.encode import EncodeConfig, encode
 from ditdata.preprocess import center_crop, hflip
 from ditdata.store import BFLOAT16, open_store
@@ -257,7 +258,7 @@ def test_score_filter_encode_select_with_text(tmp_path):
     for key, s in zip(data["key"], data["clip_score"], strict=True):
         assert s == pytest.approx(scores[key])
     # the store can rebuild its own text encoder (what `dittrain sample --prompt` uses)
-    emb = store.text_encoder().embed_text([""])["text_pooled"].numpy()[0]
+    emb = store_text_encoder(store).embed_text([""])["text_pooled"].numpy()[0]
     np.testing.assert_allclose(store.empty_caption()["text_pooled"].astype(np.float32), emb, atol=2e-3)
 
 

@@ -138,25 +138,9 @@ class Store:
         """The text embedding of "" (for classifier-free guidance), if the store has text."""
         return {k: v.copy() for k, v in self.conditioning.empty.items()}
 
-    # -- the models that give the numbers meaning ----------------------------------------
-    # A store names the autoencoder and text encoder it was made with; these rebuild them
-    # (from the local cache or a given path) so a consumer such as dittrain needs nothing
-    # from ditdata but this module. The loaders are imported only when called.
-    def autoencoder(self, device="cpu", *, source: str | None = None):
-        """The store's autoencoder (ditdata.vae.Autoencoder): decode(z) -> images in [0, 1]."""
-        from ditdata.vae import autoencoder_from_manifest
-
-        return autoencoder_from_manifest(self.manifest["vae"], device=device, source=source)
-
-    def text_encoder(self, device="cpu", *, pretrained: str | None = None):
-        """The store's caption encoder (ditdata.clip.ClipModel); embed_text(captions, tokens=...)."""
-        from ditdata.clip import load_clip
-
-        text = self.conditioning.text
-        if not text:
-            raise StoreError(f"{self.root / manifest.MANIFEST}: this store has no text conditioning")
-        return load_clip(text["model"], pretrained or text.get("pretrained"), device=device,
-                         config=text.get("config"))
+    # The models that give the numbers meaning (the autoencoder and text encoder the
+    # manifest names) are rebuilt by their own modules, so the contract imports neither:
+    # ditdata.vae.store_autoencoder(store) and ditdata.clip.store_text_encoder(store).
 
     # -- reading ---------------------------------------------------------------------
     def shard(self, ref) -> Shard:
