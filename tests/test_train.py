@@ -147,3 +147,31 @@ def test_nonfinite_losses_are_skipped_then_stop(tmp_path):
     every = make_store(tmp_path / "all", nan_every=1)
     r = cli(*run_args(every, tmp_path / "r2", "--max-steps", 12, "--max-nonfinite", 3))
     assert r.exit_code == 1 and "3 consecutive non-finite losses" in r.output
+
+
+def test_a_run_recorded_before_the_sections_resumes_and_samples(store, tmp_path):
+    """Runs written before TrainConfig had sections record a flat "train"; they resume exactly
+    (4 steps = 2 + flat-recorded checkpoint + 2) and `dittrain sample` reads them."""
+    common = ["--max-steps", 4, "--save-every", 2, "--lr", "1e-3", "--ema", "0.9", "--loader", "resident"]
+    r = cli(*run_args(store, tmp_path / "straight", *common))
+    assert r.exit_code == 0, r.output
+    r = cli(*run_args(store, tmp_path / "old", "--max-steps", 2, *common[2:]))
+    assert r.exit_code == 0, r.output
+    ckpt_file = latest_checkpoint(tmp_path / "old")
+    ckpt = load_checkpoint(ckpt_file)
+    sectioned = ckpt["config"]["train"]
+    assert set(sectioned) == {"data", "model", "diffusion", "optim", "checkpointing", "logging", "eval",
+                              "performance"}
+    flat = {k: v for section in sectioned.values() for k, v in section.items()}
+    ckpt["config"]["train"] = flat
+    torch.save(ckpt, ckpt_file)
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
+    config["train"] = flat
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
+    r = cli("sample", "--ckpt", ckpt_file, "--n", 2, "--steps", 2, "--device", "cpu", "--out", tmp_path / "grid.png")
+    assert r.exit_code == 0, r.output  # the sampler reads the model and store from the flat record
+    assert (tmp_path / "grid.png").is_file()
+    r = cli(*run_args(store, tmp_path / "old", *common, "--resume"))
+    assert r.exit_code == 0, r.output
+    assert_same_state(load_checkpoint(latest_checkpoint(tmp_path / "straight")),
+                      load_checkpoint(latest_checkpoint(tmp_path / "old")))
