@@ -224,9 +224,9 @@ def test_unexpected_and_os_errors_are_one_line_unless_debugging(env, monkeypatch
 def test_resident_loader_that_does_not_fit_is_refused_at_once(env, monkeypatch):
     """A store larger than the memory: `--loader resident` stops before loading anything
     (here the RAM is made to look tiny) and the run directory is left as it was."""
-    import dittrain.data
+    import dittrain.data.budget
 
-    monkeypatch.setattr(dittrain.data, "available_memory", lambda: (4096, "MemAvailable in /proc/meminfo"))
+    monkeypatch.setattr(dittrain.data.budget, "available_memory", lambda: (4096, "MemAvailable in /proc/meminfo"))
     out = env["root"] / "too-big"
     r = CliRunner().invoke(dittrain_cli, ["run", "--latents", str(env["store"]), "--out", str(out), "--model",
                                           "DiT-T/4", "--batch-size", "4", "--device", "cpu", "--loader", "resident"])

@@ -193,7 +193,7 @@ def test_fresh_draws_from_mean_and_std(stores, kind, workers):
     pos = 0
     for b in batches:
         e, o = divmod(pos, N)  # one rank: the epoch length is N for both loaders
-        g = torch.Generator().manual_seed(data._seed64(3, data._EPS, 0, e, o))
+        g = torch.Generator().manual_seed(data.base._seed64(3, data.base._EPS, 0, e, o))
         eps = torch.randn(b["x"].shape, generator=g)
         i, fl = b["index"], b["flip"][:, None, None, None]
         m, s = torch.where(fl, mean_f[i], mean[i]), torch.where(fl, std_f[i], std[i])
@@ -289,17 +289,17 @@ def test_state_mismatch_is_refused(stores):
 # -- choice, timing, lifetime ------------------------------------------------------------
 def test_build_loader_auto(stores, monkeypatch):
     store = stores["fp16"]
-    monkeypatch.setattr(data, "available_memory", lambda: (10**12, "test"))
+    monkeypatch.setattr(data.budget, "available_memory", lambda: (10**12, "test"))
     loader = build_loader(store, batch_size=B)
     assert loader.kind == "resident" and isinstance(loader, ResidentLoader)
     assert "resident in RAM" in loader.reason and "limit 50%" in loader.reason
-    need = N * data._Spec(store).resident_bytes
-    monkeypatch.setattr(data, "available_memory", lambda: (int(need * 1.5), "test"))
+    need = N * data.base._Spec(store).resident_bytes
+    monkeypatch.setattr(data.budget, "available_memory", lambda: (int(need * 1.5), "test"))
     loader = build_loader(store, batch_size=B, workers=0)
     assert loader.kind == "streaming" and isinstance(loader, StreamingLoader)
     assert "over the 50% limit" in loader.reason
     # the ranks of one machine share its memory
-    monkeypatch.setattr(data, "available_memory", lambda: (int(need * 1.5), "test"))
+    monkeypatch.setattr(data.budget, "available_memory", lambda: (int(need * 1.5), "test"))
     assert choose_loader(store, world_size=2, local_world_size=1)[0] == "resident"
     kind, _, reason = choose_loader(store, world_size=2, local_world_size=2)
     assert kind == "streaming" and "x 2 ranks" in reason

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ def store(tmp_path_factory):
 
 
 def fake_ram(monkeypatch, nbytes) -> None:
-    monkeypatch.setattr(data, "available_memory", lambda: (nbytes, "test figure"))
+    monkeypatch.setattr(data.budget, "available_memory", lambda: (nbytes, "test figure"))
 
 
 def test_parse_memory():
@@ -61,7 +62,7 @@ def test_auto_budget_is_a_capped_share_of_ram(monkeypatch):
     nbytes, how = loader_budget("auto")
     assert nbytes == data.LOADER_MEMORY_CAP and "cap" in how
     assert loader_budget("3GiB") == (3 * GiB, "--loader-memory 3GiB")  # explicit: RAM plays no part
-    monkeypatch.setattr(data, "available_memory", lambda: (None, "unknown"))
+    monkeypatch.setattr(data.budget, "available_memory", lambda: (None, "unknown"))
     assert loader_budget("auto")[0] == data.LOADER_MEMORY_CAP
 
 
@@ -109,7 +110,7 @@ def _measured_peak(loader: StreamingLoader, batches: int) -> int:
     return peak[0] + loader.workers * loader.prefetch * loader._slot_bytes
 
 
-@pytest.mark.skipif(not data.Path("/proc/self/smaps_rollup").exists(), reason="needs /proc smaps_rollup")
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs /proc smaps_rollup")
 @pytest.mark.parametrize("budget", ["300MiB", "480MiB"])
 def test_measured_peak_stays_under_the_budget(store, budget):
     """The workers' measured memory stays under the budget and under the estimate, across
@@ -120,7 +121,7 @@ def test_measured_peak_stays_under_the_budget(store, budget):
         assert peak <= parse_memory(budget), (peak / MiB, loader.reason)
         assert peak <= loader.memory_estimate, (peak / MiB, loader.reason)
         # and the figure is real: it sees the windows (at least one shard per worker)
-        assert peak >= 2 * SHARD * data._Spec(store).resident_bytes
+        assert peak >= 2 * SHARD * data.base._Spec(store).resident_bytes
         # the loader's own measurement (the end-of-run line) agrees with the sampled one: each
         # worker reads its private memory once per window, at the end of the window's read
         own = loader.measured_memory()
@@ -218,7 +219,7 @@ def test_run_resume_keeps_the_saved_window(tmp_path):
     assert ckpt["ranks"][0]["loader"]["shuffle_window"] == 1
 
 
-@pytest.mark.skipif(not data.Path("/proc/self/smaps_rollup").exists(), reason="needs /proc smaps_rollup")
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs /proc smaps_rollup")
 @pytest.mark.usefixtures("one_thread")
 def test_a_run_ends_with_the_measured_loader_memory(tmp_path):
     """The startup line gives the estimate; the end of the run gives what the workers measured."""

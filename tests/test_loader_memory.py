@@ -22,17 +22,17 @@ def store(tmp_path_factory):
 
 
 def need(store) -> int:
-    return sum(SIZES) * data._Spec(store).resident_bytes
+    return sum(SIZES) * data.base._Spec(store).resident_bytes
 
 
 def fake_ram(monkeypatch, nbytes: int) -> None:
-    monkeypatch.setattr(data, "available_memory", lambda: (nbytes, "test figure"))
+    monkeypatch.setattr(data.budget, "available_memory", lambda: (nbytes, "test figure"))
 
 
 def test_explicit_resident_refuses_a_store_larger_than_ram(store, monkeypatch):
     fake_ram(monkeypatch, need(store) // 2)
     msg = raises_one_line(LoaderError, lambda: choose_loader(store, kind="resident"))
-    assert data._gib(need(store)) in msg and data._gib(need(store) // 2) in msg  # need and available
+    assert data.budget._gib(need(store)) in msg and data.budget._gib(need(store) // 2) in msg  # need and available
     assert "test figure" in msg and "RAM" in msg  # where the figure came from
     assert "--loader streaming" in msg
     with pytest.raises(LoaderError):  # build_loader refuses before allocating anything
@@ -72,7 +72,7 @@ def test_ranks_of_one_machine_share_its_ram(store, monkeypatch):
 
 
 def test_unknown_memory_is_not_refused(store, monkeypatch):
-    monkeypatch.setattr(data, "available_memory", lambda: (None, "unknown"))
+    monkeypatch.setattr(data.budget, "available_memory", lambda: (None, "unknown"))
     kind, _, reason = choose_loader(store, kind="resident")
     assert kind == "resident" and "not checked" in reason
 
@@ -81,9 +81,9 @@ def test_gpu_resident_uses_the_gpu_figure(store, monkeypatch):
     """resident_device="cuda" is checked against the GPU's free memory, not the RAM (no GPU
     needed: the figure comes from gpu_memory, replaced here)."""
     fake_ram(monkeypatch, 10**15)  # plenty of RAM must not matter
-    monkeypatch.setattr(data, "gpu_memory", lambda dev: (need(store) // 3, f"free memory of {dev}"))
+    monkeypatch.setattr(data.budget, "gpu_memory", lambda dev: (need(store) // 3, f"free memory of {dev}"))
     with pytest.raises(LoaderError) as e:
         choose_loader(store, kind="resident", resident_device="cuda")
-    assert "of cuda" in str(e.value) and data._gib(need(store) // 3) in str(e.value)
-    monkeypatch.setattr(data, "gpu_memory", lambda dev: (need(store) * 4, f"free memory of {dev}"))
+    assert "of cuda" in str(e.value) and data.budget._gib(need(store) // 3) in str(e.value)
+    monkeypatch.setattr(data.budget, "gpu_memory", lambda dev: (need(store) * 4, f"free memory of {dev}"))
     assert choose_loader(store, kind="resident", resident_device="cuda")[:2] == ("resident", "cuda")

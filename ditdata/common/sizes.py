@@ -31,12 +31,14 @@ def parse_size(value, what: str = "size") -> int:
     return int(n)
 
 
-def format_size(n: float, *, decimal: bool = False) -> str:
+def format_size(n: float, *, decimal: bool = False, smallest: str = "B") -> str:
     """Bytes as a person reads them: "512 B", "1.5 KiB", "37.2 MiB", "1.07 GiB" (binary), or
-    "1.5 kB", "37.2 MB" with decimal=True (file sizes compared with other tools')."""
+    "1.5 kB", "37.2 MB" with decimal=True (file sizes compared with other tools'). `smallest`
+    names the smallest unit used ("MiB": memory figures read "0.0 MiB", never KiB)."""
     base, units = (1000, ("B", "kB", "MB", "GB", "TB")) if decimal else (1024, ("B", "KiB", "MiB", "GiB", "TiB"))
-    n = float(n)
-    for i, unit in enumerate(units):
+    first = units.index(smallest)
+    n = float(n) / base**first
+    for i, unit in enumerate(units[first:], first):
         if abs(n) < base or i == len(units) - 1:
             if i == 0:
                 return f"{int(n)} B"

@@ -67,16 +67,7 @@ GPU), choose_loader, and the streaming loader's memory budget. build_loader is h
 
 from __future__ import annotations
 
-import sys
-import types
-from pathlib import Path  # noqa: F401  (dittrain.data.Path, as the one-module data.py had it: tests use it)
-
-# (_EPS, _seed64, _Spec and _gib: private, re-exported because tests reach them here)
-from . import budget
-from .base import _EPS as _EPS
 from .base import LoaderError, LoaderStateError, _open
-from .base import _seed64 as _seed64
-from .base import _Spec as _Spec
 from .budget import (
     AUTO_MAX_PREFETCH,
     AUTO_MAX_WINDOW,
@@ -94,7 +85,6 @@ from .budget import (
     parse_memory,
     plan_streaming_memory,
 )
-from .budget import _gib as _gib
 from .resident import ResidentLoader
 from .streaming import StreamingLoader
 
@@ -130,21 +120,3 @@ def build_loader(store, *, batch_size: int, kind: str = "auto", seed: int = 0, r
         return ResidentLoader(store, resident_device=rdev, **common)
     return StreamingLoader(store, workers=workers, shuffle_window=shuffle_window, prefetch=prefetch,
                            memory=memory, local_world_size=local_world_size, **common)
-
-
-# The memory probes are looked up where the loaders call them, in budget.py. Replacing one
-# here (a test's fake RAM: monkeypatch.setattr(dittrain.data, "available_memory", ...)) replaces
-# it there too, as it did when the loaders were one module.
-_PROBES = ("available_memory", "gpu_memory")
-
-
-class _Package(types.ModuleType):
-    """dittrain.data itself (its class is set below)."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _PROBES:
-            setattr(budget, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

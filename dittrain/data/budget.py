@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ditdata.common.dist import launch_env
-from ditdata.common.sizes import parse_size
+from ditdata.common.sizes import format_size, parse_size
 from ditdata.store import Store
 
 from .base import LoaderError, _open, _Spec
@@ -89,10 +89,8 @@ def _part_size(n: int, rank: int, world_size: int) -> int:
 
 
 def _gib(b: float) -> str:
-    """Bytes as the loaders' messages have always given them: MiB below 1 GiB, else GiB (so a
-    tiny figure reads "0.0 MiB"; ditdata.common.sizes.format_size would say KiB or TiB, and
-    tests hold these messages to MiB/GiB)."""
-    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+    """Memory as the loaders' messages give it: MiB below 1 GiB, else GiB."""
+    return format_size(b, smallest="MiB")
 
 
 def choose_loader(store, *, kind: str = "auto", rank: int = 0, world_size: int = 1,
