@@ -34,19 +34,26 @@ from ditdata.common.errors import UserError
 
 LOCK_FILE = ".ditkit.lock"
 
-_held: set[int] = set()  # descriptors of the locks this process holds
+
+def closed_in_forked_children() -> set[int]:
+    """A set for the lock descriptors a module holds: whatever it holds when the process
+    forks is closed in the child right after the fork (the parent's locks stay: closing a
+    shared descriptor does not release them; see the module docstring)."""
+    fds: set[int] = set()
+
+    def close_all() -> None:
+        for fd in list(fds):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        fds.clear()
+
+    os.register_at_fork(after_in_child=close_all)
+    return fds
 
 
-def _close_in_child() -> None:
-    for fd in list(_held):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _held.clear()
-
-
-os.register_at_fork(after_in_child=_close_in_child)
+_held = closed_in_forked_children()  # descriptors of the locks this process holds
 
 
 class DirectoryBusy(UserError):

@@ -50,6 +50,7 @@ from pathlib import Path
 from ditdata.common import cache, files, sizes
 from ditdata.common.errors import described
 from ditdata.common.extras import missing_extra
+from ditdata.common.lock import closed_in_forked_children
 
 from . import manifest
 from .errors import StoreError
@@ -160,19 +161,7 @@ class Remote:
 # ---------------------------------------------------------------------------------------
 # The local side: the cache and its locks
 # ---------------------------------------------------------------------------------------
-_pins: set[int] = set()  # lock descriptors this process holds (closed in forked children)
-
-
-def _close_in_child() -> None:
-    for fd in list(_pins):
-        try:
-            os.close(fd)  # the parent's lock stays: it holds the same open file
-        except OSError:
-            pass
-    _pins.clear()
-
-
-os.register_at_fork(after_in_child=_close_in_child)
+_pins = closed_in_forked_children()  # lock descriptors this process holds
 
 
 def _shard_bytes(rec: dict) -> int:
