@@ -81,13 +81,20 @@ class Backend(Protocol):
         """{field: stacked array} of samples [start, stop) of the shard at `path`."""
 
 
-class ZarrBackend:
+class _Chunked:
+    """What both backends keep: samples per zarr chunk, or per wds tar block."""
+
+    def __init__(self, chunk_samples: int = CHUNK_SAMPLES):
+        self.chunk_samples = chunk_samples
+
+
+class ZarrBackend(_Chunked):
     name = "zarr"
     suffix = ".zarr"
     random_access = True
 
     def __init__(self, chunk_samples: int = CHUNK_SAMPLES):
-        self.chunk_samples = chunk_samples
+        super().__init__(chunk_samples)
         # Reads in slices come back to the same shard many times: keep the last shard's
         # columns table and every array's parsed metadata (a published shard never changes
         # in place: a rewrite is a new directory, so the cache keys include its inode).
@@ -191,13 +198,10 @@ def _read_plain_chunks(array_dir: Path, start: int, stop: int, cache: dict | Non
     return out
 
 
-class WdsBackend:
+class WdsBackend(_Chunked):
     name = "wds"
     suffix = ".tar"
     random_access = False
-
-    def __init__(self, chunk_samples: int = CHUNK_SAMPLES):
-        self.chunk_samples = chunk_samples
 
     def write(self, path: Path, schema: Schema, tensors: dict, columns: dict, n: int) -> None:
         import webdataset as wds
