@@ -45,6 +45,7 @@ import json
 import os
 import time
 import uuid
+from contextlib import suppress
 from pathlib import Path
 
 from ditdata.common import cache, files, sizes
@@ -373,10 +374,8 @@ class RemoteStore(Store):
         self._pinned = None
 
     def __del__(self):
-        try:
+        with suppress(Exception):
             self.release()
-        except Exception:
-            pass
 
 
 def _unpin(fd: int) -> None:

@@ -23,6 +23,7 @@ import multiprocessing
 import queue
 import signal
 import traceback
+from contextlib import suppress
 from dataclasses import dataclass
 
 import numpy as np
@@ -504,7 +505,5 @@ class StreamingLoader(_Loader):
         self._reset()
 
     def __del__(self):
-        try:
+        with suppress(Exception):
             self._shutdown()
-        except Exception:
-            pass
