@@ -71,13 +71,12 @@ def register_config(config) -> str:
     """Register a model-config JSON with open_clip; returns the model name (file stem)."""
     import open_clip
 
+    from ditdata.imageshards import load_json
+
     p = Path(config)
     if not p.is_file():
         raise DitdataError(f"{p}: CLIP model config not found")
-    try:
-        cfg = files.read_json(p)
-    except (OSError, ValueError) as e:
-        raise DitdataError(f"{p}: unreadable CLIP model config ({e})") from None
+    cfg = load_json(p, "unreadable CLIP model config")
     missing = [k for k in ("embed_dim", "vision_cfg", "text_cfg") if not isinstance(cfg, dict) or k not in cfg]
     if missing:
         raise DitdataError(f"{p}: not an open_clip model config (missing {', '.join(missing)})")

@@ -166,10 +166,7 @@ def read_dataset_info(shards_dir) -> dict:
         )
         raise DitdataError(f"{d} is not a finished image-shard folder: {DATASET_INFO} is missing ({hint})")
     info = load_json(p, "unreadable")
-    if not isinstance(info, dict) or info.get("format") != FORMAT:
-        raise DitdataError(f"{p}: not a {FORMAT} dataset description")
-    if info.get("version") != VERSION:
-        raise DitdataError(f"{p}: version {info.get('version')!r} is not supported (expected {VERSION})")
+    check_format(info, p, FORMAT, VERSION, "dataset description")
     for k in ("kind", "num_shards", "num_samples"):
         if k not in info:
             raise DitdataError(f"{p}: missing field {k!r}")
@@ -222,6 +219,15 @@ def load_json(path: Path, problem: str):
         return read_json(path)
     except (OSError, ValueError) as e:
         raise DitdataError(f"{path}: {problem} ({e})") from None
+
+
+def check_format(doc, path: Path, fmt: str, version: int, what: str, version_word: str = "version") -> None:
+    """DitdataError unless `doc` (read from `path`) is a dict of format `fmt` at `version`:
+    "PATH: not a {fmt} {what}", or "PATH: {version_word} V is not supported (expected ...)"."""
+    if not isinstance(doc, dict) or doc.get("format") != fmt:
+        raise DitdataError(f"{path}: not a {fmt} {what}")
+    if doc.get("version") != version:
+        raise DitdataError(f"{path}: {version_word} {doc.get('version')!r} is not supported (expected {version})")
 
 
 def _recorded_samples(tar: Path) -> int | None:

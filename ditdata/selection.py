@@ -339,6 +339,8 @@ def write_selection(path, by_shard: dict[str, list[str]], rule: dict, scores: li
 def load_selection(path) -> Selection:
     """Read a selection file written by `ditdata filter` (parquet or JSON, detected from
     its content). DitdataError when it is missing or not a valid selection."""
+    from ditdata.imageshards import check_format, load_json
+
     p = Path(path)
     if not p.is_file():
         raise DitdataError(f"{p}: selection file not found (make one with `ditdata filter SHARDS ... --out {p}`)")
@@ -361,18 +363,13 @@ def load_selection(path) -> Selection:
         for s, k in zip(shard_col, key_col, strict=True):
             by_shard.setdefault(s, []).append(k)
     else:
-        from ditdata.imageshards import load_json
-
         meta = load_json(p, "not a valid selection file")
         by_shard = meta.get("shards") if isinstance(meta, dict) else None
         if not isinstance(by_shard, dict) or not all(
             isinstance(v, list) and all(isinstance(k, str) for k in v) for v in by_shard.values()
         ):
             raise DitdataError(f"{p}: not a valid selection file (no 'shards' mapping of keys)")
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise DitdataError(f"{p}: not a {FORMAT} file")
-    if meta.get("version") != VERSION:
-        raise DitdataError(f"{p}: selection version {meta.get('version')!r} is not supported (expected {VERSION})")
+    check_format(meta, p, FORMAT, VERSION, "file", "selection version")
     rule = meta.get("rule")
     if not isinstance(rule, dict):
         raise DitdataError(f"{p}: selection has no rule")
