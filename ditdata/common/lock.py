@@ -28,6 +28,7 @@ import json
 import os
 import socket
 import time
+from contextlib import suppress
 from pathlib import Path
 
 from ditdata.common.errors import UserError
@@ -43,10 +44,8 @@ def closed_in_forked_children() -> set[int]:
 
     def close_all() -> None:
         for fd in list(fds):
-            try:
+            with suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         fds.clear()
 
     os.register_at_fork(after_in_child=close_all)

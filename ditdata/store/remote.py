@@ -380,7 +380,5 @@ class RemoteStore(Store):
 
 def _unpin(fd: int) -> None:
     _pins.discard(fd)
-    try:
+    with suppress(OSError):
         os.close(fd)
-    except OSError:
-        pass
