@@ -37,6 +37,7 @@ allowed and ignored.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 from dataclasses import asdict, dataclass
@@ -48,11 +49,11 @@ from ditdata.common.errors import one_line
 from ditdata.common.files import sha256_file
 from ditdata.store import Conditioning, Schema, TensorSpec
 from dittrain.checkpoint import (
+    EMA_EXPORT,
     INT8_FORMAT,
     CheckpointError,
+    latest_checkpoint,
     load_checkpoint,
-    load_weights,
-    weights_file,
 )
 from dittrain.config import TrainConfig, recorded
 from dittrain.diffusion import DiffusionConfig
@@ -76,6 +77,46 @@ class WeightsError(CheckpointError):
 
 
 # --------------------------------------------------------------------------- reading
+
+
+def weights_file(path) -> Path:
+    """The file the weights of `path` are read from: a run directory's ema.safetensors, else
+    its latest checkpoint; any other path as it is."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    if (path / EMA_EXPORT).is_file():
+        return path / EMA_EXPORT
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(f"{path}: no {EMA_EXPORT} and no checkpoints/step_*.pt")
+    return latest
+
+
+def load_weights(path) -> tuple[dict, dict]:
+    """(state_dict, run config) from an EMA export (.safetensors, fp32 or dittrain export's
+    fp16), an int8 export (.pt, dittrain export), a checkpoint (.pt, its EMA weights) or a run
+    directory (its ema.safetensors, else its latest checkpoint)."""
+    path = weights_file(path)
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                state = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:
+            raise CheckpointError(f"{path}: unreadable safetensors ({type(e).__name__}: {e})") from e
+        if "dittrain_config" not in meta:
+            raise CheckpointError(f"{path}: no dittrain_config in its metadata; not a dittrain export")
+        return state, json.loads(meta["dittrain_config"])
+    ckpt = load_checkpoint(path)
+    if isinstance(ckpt, dict) and ckpt.get("format") == INT8_FORMAT:
+        return ckpt["state_dict"], ckpt["config"]
+    if "ema" not in ckpt or "config" not in ckpt:
+        raise CheckpointError(f"{path}: not a dittrain checkpoint (no 'ema'/'config')")
+    return ckpt["ema"], ckpt["config"]
+
 
 
 @dataclass(frozen=True)
@@ -250,7 +291,7 @@ def describe(config: dict, file) -> str:
     cond = (f"{m['num_classes']} classes" if m["num_classes"] else
             "text-conditioned" if m["text_pooled_dim"] or m["text_token_dim"] else "unconditional")
     sigma = "learned sigma" if m["learn_sigma"] else "fixed sigma"
-    return (f"{Path(file).name} is a plain state dict: {config['train']['model']} inferred from its shapes "
+    return (f"{Path(file).name} is a plain state dict: {recorded(config, 'model')} inferred from its shapes "
             f"({m['in_channels']}x{m['input_size']}x{m['input_size']} latents, {cond}, {sigma}; "
             f"{d['objective']}, {d['num_timesteps']} steps)")
 

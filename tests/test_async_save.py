@@ -38,11 +38,11 @@ from dittrain.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    load_weights,
     save_checkpoint,
 )
 from dittrain.data import build_loader
 from dittrain.model import DiT, get_config
+from dittrain.weights import load_weights
 
 TESTS = Path(__file__).resolve().parent
 pytestmark = pytest.mark.usefixtures("one_thread")

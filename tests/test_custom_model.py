@@ -13,7 +13,7 @@ from cliutil import dittrain, one_error_line, raises_one_line, run_args
 from storeutil import make_store
 from test_sample import read_png
 
-from dittrain.checkpoint import latest_checkpoint, load_weights
+from dittrain.checkpoint import latest_checkpoint
 from dittrain.model import (
     DiT,
     ModelSpecError,
@@ -22,6 +22,7 @@ from dittrain.model import (
     get_config,
 )
 from dittrain.sizes import describe, num_params
+from dittrain.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -36,10 +36,10 @@ from dittrain.checkpoint import (
     export_weights,
     latest_checkpoint,
     load_checkpoint,
-    load_weights,
     save_checkpoint,
 )
 from dittrain.cli import main as dittrain_cli
+from dittrain.weights import load_weights
 
 TESTS = Path(__file__).resolve().parent
 

@@ -228,7 +228,7 @@ def test_fp16_and_int8_load_and_sample_close_to_fp32(kl_run, torch_samples, tmp_
     assert net.pos_embed.dtype == torch.float32 and type(net.pos_embed) is torch.nn.Parameter
     # a fresh process, torchao not imported yet: torch.load(weights_only=True) with torchao's
     # classes allowed by name (no pickle beyond them)
-    code = ("import sys; from dittrain.checkpoint import load_weights; assert 'torchao' not in sys.modules; "
+    code = ("import sys; from dittrain.weights import load_weights; assert 'torchao' not in sys.modules; "
             f"w, c = load_weights({str(tmp_path / 'dit.pt')!r}); print(type(w['blocks.0.mlp.fc1.weight']).__name__)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.split()[-1] == "Int8Tensor", p.stderr[-2000:]

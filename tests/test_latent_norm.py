@@ -13,9 +13,9 @@ from cliutil import dittrain as cli
 from cliutil import one_error_line, run_args
 from storeutil import LABELLED, class_conditioning, pixels_info, schema, write_store
 
-from dittrain.checkpoint import load_weights
 from dittrain.diffusion import Diffusion
 from dittrain.latents import LatentNorm, LatentNormError, latent_record
+from dittrain.weights import load_weights
 
 # per-channel offsets and scales of a store that is NOT standardised (pixels autoencoder: [-1, 1])
 OFFSET = np.array([0.5, -0.4, 0.1], dtype=np.float32)

@@ -17,7 +17,8 @@ from cliutil import dittrain as cli
 from cliutil import losses, resume_after_sigkill, run_args, spawn
 from storeutil import make_store
 
-from dittrain.checkpoint import latest_checkpoint, load_checkpoint, load_weights
+from dittrain.checkpoint import latest_checkpoint, load_checkpoint
+from dittrain.weights import load_weights
 
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.usefixtures("one_thread")
