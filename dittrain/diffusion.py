@@ -442,9 +442,8 @@ class Diffusion:
                 f"sampler {sampler!r} does not fit objective {self.config.objective!r}; "
                 f"choose one of {SAMPLERS[self.config.objective]}"
             )
-        if self.config.objective == "ddpm" and steps < 2:
-            # the respaced posterior needs a previous step to step to
-            raise ValueError(f"ddpm/ddim sampling needs at least 2 steps, got {steps}")
+        if steps < method.min_steps:
+            raise ValueError(f"{sampler} sampling needs at least {method.min_steps} steps, got {steps}")
         if device is None:
             if noise is not None:
                 device = noise.device
@@ -536,6 +535,11 @@ class Sampler:
     chain: str
     update: Callable
     about: str
+
+    @property
+    def min_steps(self) -> int:
+        """The respaced posterior chain needs a previous step to step to; an ODE grid does not."""
+        return 2 if self.chain == "ddpm" else 1
 
 
 SAMPLER_TABLE: dict[str, Sampler] = {

@@ -68,6 +68,7 @@ import torch
 
 from ditdata.common.extras import install_hint
 from ditdata.common.files import atomic_file, atomic_path
+from ditdata.common.sizes import format_size
 from dittrain.checkpoint import INT8_FORMAT, export_weights
 from dittrain.config import recorded
 from dittrain.model import DiT, DiTConfig
@@ -97,12 +98,6 @@ def file_size(path) -> int:
     """Bytes of a file, or of every file under a folder."""
     path = Path(path)
     return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def human(n: int) -> str:
-    """Bytes in MB (kB below 0.1 MB) with one decimal, as the export's lines print them (not
-    ditdata.common.sizes.format_size: that writes small files in bytes)."""
-    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
 
 
 # -----------------------------------------------------------------------------
@@ -204,10 +199,10 @@ def export(ckpt, fmt: str, out, *, overwrite: bool = False, latents=None, vae: s
         files = [export_diffusers(dit, config, store, out, record, vae=vae, log=log)]
     sizes = {str(f): file_size(f) for f in files}
     for f in files:
-        log(f"wrote {f} ({human(sizes[str(f)])})")
+        log(f"wrote {f} ({format_size(sizes[str(f)], decimal=True, smallest='kB')})")
         if f.is_dir():
             for part in sorted(f.iterdir()):
-                log(f"  {part.name}{'/' if part.is_dir() else ''}  {human(file_size(part))}")
+                log(f"  {part.name}{'/' if part.is_dir() else ''}  {format_size(file_size(part), decimal=True, smallest='kB')}")
     return {"format": fmt, "files": files, "sizes": sizes}
 
 

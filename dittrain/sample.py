@@ -45,7 +45,7 @@ from ditdata.common import files as files_api
 from ditdata.common.devices import autocast
 from ditdata.store import TEXT_FIELDS
 from dittrain.config import SampleConfig, recorded
-from dittrain.diffusion import SAMPLERS, Diffusion, DiffusionConfig
+from dittrain.diffusion import SAMPLER_TABLE, SAMPLERS, Diffusion, DiffusionConfig
 from dittrain.latents import LatentNorm
 from dittrain.model import DiT, DiTConfig
 from dittrain.opened import (
@@ -178,7 +178,7 @@ def check_sampler(config: DiffusionConfig, sampler: str | None, steps: int) -> s
                           f"choose one of {', '.join(SAMPLERS[config.objective])}")
     if config.objective == "ddpm" and steps > config.num_timesteps:
         raise SampleError(f"steps must be in 1..{config.num_timesteps} for the ddpm objective, got {steps}")
-    least = 2 if sampler == "ddpm" else 1  # one ancestral step has no posterior variance to use
+    least = SAMPLER_TABLE[sampler].min_steps  # a respaced posterior chain needs 2 steps
     if steps < least:
         raise SampleError(f"the {sampler} sampler needs at least {least} steps, got {steps}")
     return sampler

@@ -52,7 +52,7 @@ def make_run(run_dir: Path, store_root: Path, *, model="DiT-T/4", objective="ddp
                 if p.requires_grad:
                     p.add_(0.02 * torch.randn_like(p))
     config = {
-        "train": {"model": model, "objective": objective, "seed": seed},
+        "train": {"model": {"model": model}, "diffusion": {"objective": objective}, "optim": {"seed": seed}},
         "model": asdict(dit.config),
         "diffusion": asdict(DiffusionConfig(objective=objective, learn_sigma=learn_sigma)),
         "store": {"path": str(store_root.resolve()), "identity": store.identity, "num_samples": len(store)},

@@ -100,6 +100,7 @@ def test_class_model_refusals(class_run, kw, fragment):
 @pytest.mark.parametrize("settings, fragment", [
     (SampleConfig(batch_size=0), "--batch-size must be at least 1, got 0"),
     (SampleConfig(steps=1), "the ddpm sampler needs at least 2 steps, got 1"),
+    (SampleConfig(steps=1, sampler="ddim"), "the ddim sampler needs at least 2 steps, got 1"),
     (SampleConfig(sampler="euler"), "sampler 'euler' does not fit the 'ddpm' objective"),
     (SampleConfig(precision="fp8"), "precision must be one of auto, fp32, bf16, fp16, got 'fp8'"),
     (SampleConfig(n=0), "nothing to sample"),
