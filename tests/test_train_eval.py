@@ -44,7 +44,7 @@ def _scalars(out: Path, tag: str) -> list[tuple[int, float]]:
 
 
 def test_fid_of_the_ema_is_logged_to_metrics_and_tensorboard(tmp_path, inception_file, ref):
-    from dittrain.sample import load_model, open_run_store
+    from dittrain.opened import load_model, open_run_store
     from dittrain.train_eval import TrainingEval
     from dittrain.weights import load_weights
 
@@ -101,7 +101,7 @@ SHARDED = """
 import sys, numpy as np, torch.distributed as dist
 from dittrain import train_eval as ev
 from dittrain.weights import load_weights
-from dittrain.sample import load_model, open_run_store
+from dittrain.opened import load_model, open_run_store
 run, ref, inception, dump = sys.argv[1:5]
 rank, world = 0, 1
 if len(sys.argv) > 5:
