@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ditdata.common.errors import described
-from ditdata.common.extras import missing_extra
+from ditdata.common.extras import require
 from ditdata.common.files import read_json, sha256_file
 from ditdata.common.hub import hub_cache_dir
 from ditdata.errors import DitdataError
@@ -377,12 +377,9 @@ def _load_kl(model_dir: Path, dtype: torch.dtype, label: str) -> tuple[Any, dict
     files, safe = _kl_weight_files(model_dir)
     sha = {f: sha256_file(model_dir / f) for f in files}
     quiet_third_party_imports()
+    diffusers = require("diffusers", f"autoencoder {label}", "vae", DitdataError)
     try:
-        from diffusers import AutoencoderKL
-    except ImportError as e:
-        raise missing_extra(f"autoencoder {label}", "vae", e, error=DitdataError) from e
-    try:
-        module = AutoencoderKL.from_pretrained(
+        module = diffusers.AutoencoderKL.from_pretrained(
             str(model_dir), torch_dtype=dtype, use_safetensors=safe, local_files_only=True,
             low_cpu_mem_usage=importlib.util.find_spec("accelerate") is not None)
     except Exception as e:  # corrupt or incompatible files: one line for the CLI
@@ -421,12 +418,9 @@ def _missing_hub_message(name: str, repo_id: str, subfolder: str | None, cache: 
 def _snapshot(repo_id: str, subfolder: str | None, revision: str | None, name: str) -> Path:
     """The cached snapshot directory of ``repo_id`` (never touching the network)."""
     cache = hub_cache_dir()
+    hub = require("huggingface_hub", f"autoencoder {name} ({repo_id})", "vae", DitdataError)
     try:
-        from huggingface_hub import snapshot_download
-    except ImportError as e:
-        raise missing_extra(f"autoencoder {name} ({repo_id})", "vae", e, error=DitdataError) from e
-    try:
-        path = snapshot_download(
+        path = hub.snapshot_download(
             repo_id, revision=revision, cache_dir=str(cache), local_files_only=True,
             allow_patterns=[f"{subfolder}/*"] if subfolder else None)
     except Exception as e:
