@@ -6,10 +6,9 @@ the one DiT and most ImageNet diffusion papers report:
     network     the TF Inception-v3 graph of 2015-12-05, here torch-fidelity's port of it
                 (FeatureExtractorInceptionV3), uint8 images in at any size and resized to
                 299 by its TF1-compatible bilinear resize, as ADM's graph does
-    pool        pool3, 2048-d                                   -> FID, precision, recall
-    spatial     mixed_6/conv (torch-fidelity: Mixed_6d.branch1x1 after its ReLU, 192x17x17),
-                first 7 channels, flattened (h, w, c) as TF's NHWC tensor is: 2023-d -> sFID
-    logits      pool3 @ softmax weights, no bias (1008 classes)  -> Inception Score
+    features    pool3 (2048-d: FID, precision, recall), the first 7 channels of mixed_6/conv
+                (2023-d: sFID) and the 1008 logits (Inception Score); exactly which tensors,
+                in dittrain.eval.inception's docstring
     FID         |mu1 - mu2|^2 + tr(S1) + tr(S2) - 2 tr(sqrtm(S1 S2)), mean and np.cov in
                 float64, scipy.linalg.sqrtm, retried with 1e-6 added to the diagonals when
                 not finite, real part taken when the imaginary diagonal is ~0 (atol 1e-3)
