@@ -487,6 +487,21 @@ def export_cmd(ckpt, fmt, out, overwrite, latents, vae, model, tolerance, max_ba
            max_batch=max_batch, opset=opset, log=_say)
 
 
+def _check_folder(flag: str, path: str | None) -> None:
+    """A file option (--plot, --json) whose folder must exist before any work starts."""
+    from pathlib import Path
+
+    if path and not Path(path).resolve().parent.is_dir():
+        raise click.UsageError(f"{flag} {path}: its folder does not exist")
+
+
+def _table_and_file(rows, format_table, path: str | None, write) -> None:
+    """A report command's table on stdout, then its file (--plot, --json) when asked."""
+    click.echo(format_table(rows))
+    if path:
+        click.echo(f"wrote {write(rows, path)}")
+
+
 @main.command("runs")
 @click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR...", type=click.Path(path_type=str))
 @click.option("--plot", default=None, type=click.Path(dir_okay=False, path_type=str), metavar="FILE.png",
@@ -505,16 +520,10 @@ def runs_cmd(run_dirs, plot):
       dittrain runs runs/*
       dittrain runs runs/exp1 runs/exp2 --plot loss.png
     """
-    from pathlib import Path
-
     from dittrain.runs import format_table, plot_losses, summarize_all
 
-    if plot and not Path(plot).resolve().parent.is_dir():
-        raise click.UsageError(f"--plot {plot}: its folder does not exist")
-    rows = summarize_all(run_dirs)
-    click.echo(format_table(rows))
-    if plot:
-        click.echo(f"wrote {plot_losses(rows, plot)}")
+    _check_folder("--plot", plot)
+    _table_and_file(summarize_all(run_dirs), format_table, plot, plot_losses)
 
 
 @main.command("eval")
@@ -569,21 +578,16 @@ def eval_cmd(samples, ref, inception, json_out, batch_size, device, resolution, 
       dittrain eval --samples samples.npz --ref VIRTUAL_imagenet256_labeled.npz --json fid.json
       dittrain eval --samples out/samples --ref ./imagenet-val-shards --resolution 256
     """
-    from pathlib import Path
-
     from dittrain.eval import evaluate, format_table, write_json
 
-    if json_out and not Path(json_out).resolve().parent.is_dir():
-        raise click.UsageError(f"--json {json_out}: its folder does not exist")
+    _check_folder("--json", json_out)
 
     def log(line):
         click.echo(line, err=True)
 
     metrics = evaluate(samples, ref, inception=inception, batch_size=batch_size, device=device,
                        resolution=resolution, cache_dir=cache_dir, with_pr=with_pr, progress=True, log=log)
-    click.echo(format_table(metrics))
-    if json_out:
-        click.echo(f"wrote {write_json(metrics, json_out)}")
+    _table_and_file(metrics, format_table, json_out, write_json)
 
 
 @main.command("serve")
