@@ -22,16 +22,8 @@ def num_params(config: DiTConfig, trainable_only: bool = True) -> int:
 def describe(name: str, **overrides) -> dict:
     """One row of `dittrain models`: name, size fields, parameters and GMACs per forward."""
     cfg = get_config(name, **overrides)
-    return dict(
-        name=name,
-        depth=cfg.depth,
-        hidden=cfg.hidden_size,
-        heads=cfg.num_heads,
-        patch=cfg.patch_size,
-        tokens=cfg.num_tokens,
-        params=num_params(cfg),
-        gflops=flops_per_forward(cfg) / 1e9,
-    )
+    return dict(name=name, depth=cfg.depth, hidden=cfg.hidden_size, heads=cfg.num_heads, patch=cfg.patch_size,
+                tokens=cfg.num_tokens, params=num_params(cfg), gflops=flops_per_forward(cfg) / 1e9)
 
 
 __all__ = ["describe", "flops_per_forward", "num_params"]

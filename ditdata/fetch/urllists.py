@@ -148,6 +148,12 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+# Our options that img2dataset's download() takes under the same names (of PackOptions, of
+# FetchConfig); the others are passed one by one.
+_SAME_NAME_PACK = ("image_size", "resize_mode", "min_image_size", "max_aspect_ratio", "encode_format")
+_SAME_NAME_FETCH = ("distributor", "timeout", "retries")
+
+
 def _run_img2dataset(lists: Path, out, opts: PackOptions, cfg: FetchConfig, *, url_col, caption_col) -> None:
     distributors.check(cfg)  # before img2dataset's imports: a missing Java fails at once
     os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
@@ -171,20 +177,14 @@ def _run_img2dataset(lists: Path, out, opts: PackOptions, cfg: FetchConfig, *, u
                 url_col=url_col,
                 caption_col=caption_col,
                 save_additional_columns=list(cfg.keep_cols) or None,
-                image_size=opts.image_size,
-                resize_mode=opts.resize_mode,
-                min_image_size=opts.min_image_size,
-                max_aspect_ratio=opts.max_aspect_ratio,
+                **{k: getattr(opts, k) for k in _SAME_NAME_PACK},
                 max_image_area=float(opts.max_pixels),
-                encode_format=opts.encode_format,
                 encode_quality=opts.encode_quality if opts.encode_format != "png" else 9,
                 number_sample_per_shard=opts.samples_per_shard,
                 oom_shard_count=shards.SHARD_DIGITS,
+                **{k: getattr(cfg, k) for k in _SAME_NAME_FETCH},
                 processes_count=cfg.processes,
                 thread_count=cfg.threads,
-                distributor=cfg.distributor,
-                timeout=cfg.timeout,
-                retries=cfg.retries,
                 incremental_mode="incremental",
                 enable_wandb=False,
             )
