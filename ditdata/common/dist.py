@@ -15,22 +15,26 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LaunchEnv:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
+    """This process's place among those torchrun started (see launch_env)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
 
+# torchrun's variables (LaunchEnv's fields, upper-cased) and their values in a single process
+_TORCHRUN = {"RANK": 0, "WORLD_SIZE": 1, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1}
+
+
 def launch_env() -> LaunchEnv:
     """RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE as torchrun sets them (a single
     process without them)."""
-    get = os.environ.get
-    return LaunchEnv(int(get("RANK", 0)), int(get("WORLD_SIZE", 1)), int(get("LOCAL_RANK", 0)),
-                     int(get("LOCAL_WORLD_SIZE", 1)))
+    return LaunchEnv(**{name.lower(): int(os.environ.get(name, default)) for name, default in _TORCHRUN.items()})
 
 
 def join(device, timeout: dt.timedelta | None = None) -> bool:
