@@ -98,18 +98,10 @@ def read_skipped(shard_tar) -> dict | None:
 def schema():
     import pyarrow as pa
 
-    return pa.schema([
-        ("key", pa.string()),
-        ("clip_score", pa.float64()),
-        ("model", pa.string()),
-        ("pretrained", pa.string()),
-        ("status", pa.string()),
-        ("width", pa.int32()),
-        ("height", pa.int32()),
-        ("original_width", pa.int32()),
-        ("original_height", pa.int32()),
-        ("caption_length", pa.int32()),
-    ])
+    columns = [("key", pa.string()), ("clip_score", pa.float64())]
+    columns += [(name, pa.string()) for name in ("model", "pretrained", "status")]
+    columns += [(name, pa.int32()) for name in ("width", "height", "original_width", "original_height", "caption_length")]
+    return pa.schema(columns)
 
 
 def read_score_meta(path) -> dict | None:
@@ -262,19 +254,9 @@ def _same_weights(meta: dict, ident: dict) -> bool:
     )
 
 
-def score(
-    shards_dir,
-    *,
-    clip: str | None = None,
-    pretrained: str | None,
-    clip_config: str | None = None,
-    device: str | None = None,
-    batch_size: int = SCORE_BATCH_SIZE,
-    workers: int | None = None,
-    overwrite: bool = False,
-    skip_bad_shards: bool = False,
-    progress: bool = True,
-) -> dict:
+def score(shards_dir, *, clip: str | None = None, pretrained: str | None, clip_config: str | None = None,
+          device: str | None = None, batch_size: int = SCORE_BATCH_SIZE, workers: int | None = None,
+          overwrite: bool = False, skip_bad_shards: bool = False, progress: bool = True) -> dict:
     """Score every finished shard of SHARDS_DIR (module docstring) with open_clip model
     `clip` (default ViT-B-32; the config's stem with `clip_config`). Returns a summary:
     {model, pretrained, weights_sha256, shards, scored_shards, skipped_shards, samples,
