@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dittrain import specs
 from dittrain.grad_checkpointing import (
     CHECKPOINT_SELECTIVE,
     SAC_HOOKS,
@@ -51,18 +52,8 @@ from dittrain.sdpa import (
     attention_backends_available,
     attention_kernel,
 )
-from dittrain.specs import (
-    CONFIGS,
-    CUSTOM_PREFIX,
-    CUSTOM_SPEC,
-    DiTConfig,
-    ModelSpecError,
-    architecture,
-    custom_name,
-    flops_per_forward,
-    get_config,
-    parse_custom,
-)
+from dittrain.specs import *  # noqa: F403  (specs.__all__, the registry's names: importable from here as before)
+from dittrain.specs import DiTConfig, get_config
 
 # -----------------------------------------------------------------------------
 # Embedders
@@ -516,16 +507,9 @@ def build_model(name: str, **overrides) -> DiT:
 
 # the names of the modules above, importable from here as before
 __all__ = [
-    "CONFIGS",
-    "CUSTOM_PREFIX",
-    "CUSTOM_SPEC",
-    "ModelSpecError",
-    "architecture",
-    "custom_name",
-    "parse_custom",
+    *specs.__all__,
     "CHECKPOINT_SELECTIVE",
     "DiT",
-    "DiTConfig",
     "SDPA_BACKENDS",
     "SELECTIVE_SAVE_OPS",
     "attention_backend",
@@ -536,8 +520,6 @@ __all__ = [
     "checkpoint_branch",
     "checkpoint_every",
     "drop_text_conditioning",
-    "flops_per_forward",
-    "get_config",
     "selective_checkpoint_context",
     "selective_checkpoint_policy",
 ]
