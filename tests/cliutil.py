@@ -1,7 +1,7 @@
 """The CLIs run in-process (click's CliRunner, arguments passed through str) for tests, what
 their results must say (ok, one_error_line; raises_one_line for a raised error), the
-`dittrain run` command line the tests train a store with, and `dittrain` as a child process
-(to kill one and resume it)."""
+`dittrain run` command line the tests train a store with, `dittrain` as a child process
+(to kill one and resume it), and a local HTTP server for the commands to read from."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from click.testing import CliRunner, Result
@@ -151,6 +153,24 @@ def assert_same_state(a: dict, b: dict) -> None:
         assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+
+@contextmanager
+def http_server(handler) -> Iterator[str]:
+    """An HTTP server on 127.0.0.1 (a free port) answering with `handler` (a request handler
+    class, or a functools.partial of one) from threads of this process; yields its base URL,
+    "http://127.0.0.1:PORT", and shuts it down after the block."""
+    import http.server
+    import threading
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 def free_port() -> int:

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from cliutil import assert_has
+from cliutil import assert_has, http_server
 from PIL import Image
 from skimage import data as skdata
 from sklearn.datasets import load_sample_images
@@ -81,10 +80,6 @@ def run_cli(*args, timeout=180) -> subprocess.CompletedProcess:
 # ============================================================================ URL lists
 
 
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-
 @contextlib.contextmanager
 def serve(files: dict[str, bytes], settings: dict | None = None, redirects: dict[str, str] | None = None):
     """An HTTP server on 127.0.0.1:<free port> serving `files` {path: bytes} (404 for the
@@ -115,14 +110,8 @@ def serve(files: dict[str, bytes], settings: dict | None = None, redirects: dict
         def log_message(self, *args):
             pass
 
-    server = _Server(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_server(Handler) as base:
+        yield base
 
 
 @pytest.fixture

@@ -8,12 +8,11 @@ import functools
 import http.server
 import json
 import shutil
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-from cliutil import ditdata, dittrain, one_error_line, run_args
+from cliutil import ditdata, dittrain, http_server, one_error_line, run_args
 from safetensors.numpy import load_file
 from storeutil import make_store
 
@@ -56,13 +55,8 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
 def server(tmp_path_factory):
     """(www directory, base URL): an HTTP server on 127.0.0.1 serving www/."""
     www = tmp_path_factory.mktemp("www")
-    handler = functools.partial(_Handler, directory=str(www))
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield www, f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+    with http_server(functools.partial(_Handler, directory=str(www))) as base:
+        yield www, base
 
 
 @pytest.fixture(scope="module")
@@ -192,16 +186,11 @@ def test_auth_failure_is_one_line(server, tmp_path, monkeypatch):
         def do_GET(self):
             self.send_error(403)
 
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Denied, directory=str(tmp_path)))
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{srv.server_address[1]}/store"
+    with http_server(functools.partial(Denied, directory=str(tmp_path))) as base:
+        url = f"{base}/store"
         r = ditdata("inspect", url, "--cache-dir", tmp_path / "cache")
         line = one_error_line(r.output)
         assert f"{url}/manifest.json: access denied" in line and "credentials" in line, line
-    finally:
-        srv.shutdown()
-        srv.server_close()
 
 
 def test_cache_limit_evicts_and_still_trains(server, local, baseline, tmp_path):
