@@ -1,7 +1,8 @@
 """The CLIs run in-process (click's CliRunner, arguments passed through str) for tests, what
 their results must say (ok, one_error_line; raises_one_line for a raised error), the
 `dittrain run` command line the tests train a store with, `dittrain` as a child process
-(to kill one and resume it), and a local HTTP server for the commands to read from."""
+(to kill one and resume it) or a child Python that imports these helpers (child_env), and a
+local HTTP server for the commands to read from."""
 
 from __future__ import annotations
 
@@ -82,6 +83,13 @@ def kill_when(proc, ready, *, timeout: float, too_late: str, poll: float = 0.02)
 
 
 BIN = Path(sys.executable).parent  # the venv's console scripts
+TESTS = Path(__file__).resolve().parent
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child Python that imports the tests' helpers (storeutil, ...):
+    os.environ with `extra` set and this folder first on PYTHONPATH."""
+    return {**os.environ, **extra, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
 
 
 def spawn(args: list) -> subprocess.Popen:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from cliutil import child_env, raises_one_line, run_args
 from cliutil import dittrain as cli
-from cliutil import raises_one_line, run_args
 from storeutil import make_store
 
 import dittrain.checkpoint as checkpoint
@@ -44,7 +44,6 @@ from dittrain.data import build_loader
 from dittrain.model import DiT, get_config
 from dittrain.weights import load_weights
 
-TESTS = Path(__file__).resolve().parent
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -237,8 +236,7 @@ SLOW_RUN = textwrap.dedent("""
 
 
 def slow_run(args: list, **env) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in env.items()},
-           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = child_env(**{"OMP_NUM_THREADS": "1", **{k: str(v) for k, v in env.items()}})
     return subprocess.Popen([sys.executable, "-c", SLOW_RUN, *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
 

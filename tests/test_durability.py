@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from cliutil import raises_one_line, run_args
+from cliutil import child_env, raises_one_line, run_args
 from PIL import Image
 from storeutil import INFO, make_store, schema, shard_data, write_store
 
@@ -41,8 +41,6 @@ from dittrain.checkpoint import (
 from dittrain.cli import main as dittrain_cli
 from dittrain.weights import load_weights
 
-TESTS = Path(__file__).resolve().parent
-
 
 def limited(nbytes: int):
     """preexec_fn: the child may not make any file larger than nbytes."""
@@ -52,8 +50,7 @@ def limited(nbytes: int):
 
 
 def child(args: list[str], limit: int, **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1",  # no .pyc past the limit
-           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = child_env(PYTHONDONTWRITEBYTECODE="1")  # no .pyc past the limit
     return subprocess.run([sys.executable, *args], preexec_fn=limited(limit), env=env,
                           capture_output=True, text=True, timeout=600, **kw)
 

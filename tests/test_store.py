@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -11,14 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cliutil import child_env, kill_when, loaded_after
 from cliutil import ditdata as _cli
-from cliutil import kill_when, loaded_after
 from storeutil import INFO, schema, shard_data, write_store
 
 from ditdata.store import BFLOAT16, FORMAT_VERSION, Store, StoreError, StoreWriter, open_store
 from ditdata.store.manifest import decode_array, encode_array, identity
 
-TESTS = Path(__file__).parent
 SIZES = [7, 0, 12]  # an empty shard (every image failed) is still a shard
 
 
@@ -165,7 +163,7 @@ def _looks_finished(root: Path) -> list[str]:
 @pytest.mark.parametrize("where", ["before_record", "after_record"])
 def test_sigkill_mid_shard_then_rerun(tmp_path, backend, where):
     root = tmp_path / "s"
-    env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = child_env()
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(root), backend, where], env=env)
     kill_when(proc, (tmp_path / "marker").exists, timeout=60,
               too_late="writer exited before reaching shard 00002", poll=0.05)
