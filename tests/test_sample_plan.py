@@ -16,13 +16,7 @@ from test_sample import make_run
 from ditdata.store import open_store
 from dittrain.cli import main as dittrain_cli
 from dittrain.config import SampleConfig
-from dittrain.opened import (
-    SampleError,
-    class_names,
-    load_model,
-    model_config,
-    store_mismatches,
-)
+from dittrain.opened import SampleError, class_names, load_model, model_config, store_mismatches
 from dittrain.opened import sampling_device as resolve_device
 from dittrain.sample import plan_samples, run_plan, sample_images
 from dittrain.weights import load_weights
