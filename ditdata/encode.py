@@ -255,10 +255,9 @@ def _load_scores(path: Path) -> dict[str, float | None] | None:
 
 def encode(cfg: EncodeConfig) -> dict:
     """Encode every input shard not yet in the store and write the manifest. Returns a summary."""
-    if cfg.posterior not in POSTERIORS:
-        raise DitdataError(f"--posterior must be one of {POSTERIORS}")
-    if cfg.dtype not in DTYPES:
-        raise DitdataError(f"--dtype must be one of {DTYPES}")
+    for flag, value, choices in (("--posterior", cfg.posterior, POSTERIORS), ("--dtype", cfg.dtype, DTYPES)):
+        if value not in choices:
+            raise DitdataError(f"{flag} must be one of {choices}")
     if not cfg.text_encoder and (cfg.text_pretrained or cfg.text_config or cfg.text_tokens):
         raise DitdataError("--text-pretrained, --text-config and --text-tokens need --text-encoder NAME")
     if cfg.text_encoder and not cfg.text_pretrained:
