@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dittrain.model as model_mod  # noqa: E402
 from dittrain.model import build_model  # noqa: E402
+from dittrain.sdpa import attention_backend  # noqa: E402
+from dittrain.specs import get_config  # noqa: E402
 
 MODES = ("none", "every", "2", "selective", "selective-fc1", "attn", "mlp")
 
@@ -142,7 +144,7 @@ def main():
     device = open_device(args)
     dtype = "bf16 autocast" if device.type == "cuda" else "fp32"
     print(f"{args.model}, {args.input_size}x{args.input_size}x4 latents, batch {args.batch_size}, {dtype}, "
-          f"{device}, attention {model_mod.attention_backend(model_mod.get_config(args.model, input_size=args.input_size), args.batch_size, torch.bfloat16 if device.type == 'cuda' else torch.float32, device)}")
+          f"{device}, attention {attention_backend(get_config(args.model, input_size=args.input_size), args.batch_size, torch.bfloat16 if device.type == 'cuda' else torch.float32, device)}")
     rows = [measure(args, m, device) for m in args.modes.split(",")]
     base = next((r for r in rows if r["mode"] == "none"), rows[0])
     peak_col = device.type == "cuda"

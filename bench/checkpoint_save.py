@@ -32,7 +32,8 @@ import dittrain.checkpoint as checkpoint  # noqa: E402
 import dittrain.train as train  # noqa: E402
 from dittrain.checkpoint import RunState  # noqa: E402
 from dittrain.config import TrainConfig  # noqa: E402
-from dittrain.model import DiT, get_config  # noqa: E402
+from dittrain.model import DiT  # noqa: E402
+from dittrain.specs import get_config  # noqa: E402
 
 
 class _Loader:

@@ -51,9 +51,10 @@ sys.path.insert(0, str(ROOT))
 from dittrain.checkpoint import export_weights  # noqa: E402
 from dittrain.diffusion import Diffusion, DiffusionConfig  # noqa: E402
 from dittrain.export import export, file_size  # noqa: E402
-from dittrain.model import DiT, get_config  # noqa: E402
+from dittrain.model import DiT  # noqa: E402
 from dittrain.opened import load_model  # noqa: E402
 from dittrain.sample import pick_labels, to_uint8  # noqa: E402
+from dittrain.specs import get_config  # noqa: E402
 from dittrain.weights import load_weights  # noqa: E402
 
 FILES = {"fp32": None, "fp16": "dit-fp16.safetensors", "int8": "dit-int8.pt", "onnx": "dit.onnx"}

@@ -59,7 +59,9 @@ sys.path.insert(0, str(ROOT))
 from ditdata.common.devices import amp_dtype as trainer_amp  # noqa: E402
 from dittrain.config import TrainConfig  # noqa: E402
 from dittrain.diffusion import Diffusion, DiffusionConfig  # noqa: E402
-from dittrain.model import DiT, attention_backend, flops_per_forward, get_config  # noqa: E402
+from dittrain.model import DiT  # noqa: E402
+from dittrain.sdpa import attention_backend  # noqa: E402
+from dittrain.specs import flops_per_forward, get_config  # noqa: E402
 from dittrain.step import TrainStep, compile_model  # noqa: E402
 
 # A copy of dittrain.train.PEAK_FLOPS (dense bf16/fp16 tensor-core FLOP/s by device name):

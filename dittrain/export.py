@@ -71,7 +71,7 @@ from ditdata.common.files import atomic_file, atomic_path
 from ditdata.common.sizes import format_size
 from dittrain.checkpoint import INT8_FORMAT, export_weights
 from dittrain.config import recorded
-from dittrain.model import DiT, DiTConfig
+from dittrain.model import DiT
 from dittrain.onnx import MAX_BATCH, TOLERANCE, export_onnx, random_inputs
 from dittrain.opened import (
     ExportError,
@@ -83,6 +83,7 @@ from dittrain.opened import (
     open_run_store,
     run_store,
 )
+from dittrain.specs import DiTConfig
 from dittrain.weights import infer_run_config, read_weights
 
 FORMATS = ("onnx", "diffusers", "fp16", "int8")

@@ -11,17 +11,13 @@ This file is the network only: no I/O and no diffusion math (see diffusion.py). 
 neighbours: dittrain.specs (DiTConfig, the registry of sizes, custom sizes, FLOPs),
 dittrain.grad_checkpointing (the knob and the selective policy), dittrain.sdpa (which
 attention kernel runs), dittrain.sizes (parameter counts, the `dittrain models` rows).
-Their public names are importable from here too.
+Import their names from them.
 
 With learn_sigma=True and class conditioning the state-dict names and shapes are
 those of the released facebookresearch/DiT checkpoints, so they load strictly.
 QK-norm and the text layers add keys only when enabled.
 
-Public API:
-    DiT(config), build_model(name, **overrides), drop_text_conditioning(...),
-    and, from the modules above, DiTConfig, CONFIGS, get_config(name or
-    "custom:hidden=..,depth=..,heads=..,patch=.."), flops_per_forward(config),
-    attention_backend(config, batch_size, dtype, device), selective_checkpoint_context().
+Public API: DiT(config), build_model(name, **overrides), drop_text_conditioning(...).
 """
 
 from __future__ import annotations
@@ -35,24 +31,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dittrain import specs
 from dittrain.grad_checkpointing import (
     CHECKPOINT_SELECTIVE,
     SAC_HOOKS,
-    SELECTIVE_SAVE_OPS,
     block_recompute,
-    checkpoint_branch,
     checkpoint_every,
     selective_checkpoint_context,
-    selective_checkpoint_policy,
 )
-from dittrain.sdpa import (
-    SDPA_BACKENDS,
-    attention_backend,
-    attention_backends_available,
-    attention_kernel,
-)
-from dittrain.specs import *  # noqa: F403  (specs.__all__, the registry's names: importable from here as before)
 from dittrain.specs import DiTConfig, get_config
 
 # -----------------------------------------------------------------------------
@@ -505,21 +490,4 @@ def build_model(name: str, **overrides) -> DiT:
     return DiT(get_config(name, **overrides))
 
 
-# the names of the modules above, importable from here as before
-__all__ = [
-    *specs.__all__,
-    "CHECKPOINT_SELECTIVE",
-    "DiT",
-    "SDPA_BACKENDS",
-    "SELECTIVE_SAVE_OPS",
-    "attention_backend",
-    "attention_backends_available",
-    "attention_kernel",
-    "block_recompute",
-    "build_model",
-    "checkpoint_branch",
-    "checkpoint_every",
-    "drop_text_conditioning",
-    "selective_checkpoint_context",
-    "selective_checkpoint_policy",
-]
+__all__ = ["DiT", "build_model", "drop_text_conditioning", "modulate"]

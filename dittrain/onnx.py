@@ -44,7 +44,7 @@ import torch
 from ditdata.common.errors import one_line
 from ditdata.common.extras import missing_extra
 from ditdata.common.files import fsync_dir, publish, tmp_name
-from dittrain.model import DiT, DiTConfig
+from dittrain.model import DiT
 from dittrain.opened import (
     ExportError,
     SampleError,
@@ -53,6 +53,7 @@ from dittrain.opened import (
     run_store,
     sampling_device,
 )
+from dittrain.specs import DiTConfig
 
 CONFIG_KEY, EXPORT_KEY = "dittrain_config", "dittrain_export"  # metadata_props
 OUTPUT = "out"

@@ -47,7 +47,8 @@ from ditdata.common.errors import UserError, one_line
 from ditdata.store import TEXT_FIELDS
 from dittrain.config import recorded
 from dittrain.diffusion import DiffusionConfig
-from dittrain.model import DiT, DiTConfig
+from dittrain.model import DiT
+from dittrain.specs import DiTConfig
 from dittrain.weights import (
     StandInStore,
     describe,

@@ -47,7 +47,7 @@ from ditdata.store import TEXT_FIELDS
 from dittrain.config import SampleConfig, recorded
 from dittrain.diffusion import SAMPLER_TABLE, SAMPLERS, Diffusion, DiffusionConfig
 from dittrain.latents import LatentNorm
-from dittrain.model import DiT, DiTConfig
+from dittrain.model import DiT
 from dittrain.opened import (
     SampleError,
     class_names,
@@ -62,6 +62,7 @@ from dittrain.opened import (
     sampling_amp,
     sampling_device,
 )
+from dittrain.specs import DiTConfig
 
 GRID_NAME = "grid.png"  # --out DIR: DIR/grid.png
 SINGLES_DIR = "samples"  # --out DIR: DIR/samples/NNNN.png

@@ -57,10 +57,10 @@ from dittrain.checkpoint import (
 )
 from dittrain.config import TrainConfig, recorded
 from dittrain.diffusion import DiffusionConfig
-from dittrain.model import (
+from dittrain.model import DiT
+from dittrain.specs import (
     CONFIGS,
     CUSTOM_SPEC,
-    DiT,
     DiTConfig,
     ModelSpecError,
     architecture,

@@ -41,7 +41,8 @@ from dittrain.checkpoint import (
     save_checkpoint,
 )
 from dittrain.data import build_loader
-from dittrain.model import DiT, get_config
+from dittrain.model import DiT
+from dittrain.specs import get_config
 from dittrain.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")

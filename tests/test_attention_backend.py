@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dittrain.model import (
+from dittrain.model import Attention
+from dittrain.sdpa import (
     SDPA_BACKENDS,
-    Attention,
     attention_backend,
     attention_backends_available,
     attention_kernel,
-    get_config,
 )
+from dittrain.specs import get_config
 
 CPU_NAMES = {"cpu-flash", "math"}
 

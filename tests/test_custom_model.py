@@ -14,14 +14,9 @@ from storeutil import make_store
 from test_sample import read_png
 
 from dittrain.checkpoint import latest_checkpoint
-from dittrain.model import (
-    DiT,
-    ModelSpecError,
-    architecture,
-    custom_name,
-    get_config,
-)
+from dittrain.model import DiT
 from dittrain.sizes import describe, num_params
+from dittrain.specs import ModelSpecError, architecture, custom_name, get_config
 from dittrain.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -27,8 +27,9 @@ from tiny import save_tiny_kl
 
 from dittrain.checkpoint import export_weights
 from dittrain.diffusion import DiffusionConfig
-from dittrain.model import DiT, get_config
+from dittrain.model import DiT
 from dittrain.opened import load_for_sampling, load_model
+from dittrain.specs import get_config
 from dittrain.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")

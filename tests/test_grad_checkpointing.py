@@ -10,13 +10,9 @@ import torch
 from tiny import assert_grads_close, backward_each
 
 import dittrain.model as model_mod
-from dittrain.model import (
-    block_recompute,
-    build_model,
-    checkpoint_branch,
-    checkpoint_every,
-    get_config,
-)
+from dittrain.grad_checkpointing import block_recompute, checkpoint_branch, checkpoint_every
+from dittrain.model import build_model
+from dittrain.specs import get_config
 
 TEXT = 24  # a text model: the attention branch holds the cross-attention too
 MODES = ["none", "attn", "mlp", "every", 2, "selective"]

@@ -24,7 +24,8 @@ from storeutil import (
 import dittrain.train as train_mod
 from ditdata.common.files import sha256_file
 from dittrain.checkpoint import latest_checkpoint, load_checkpoint
-from dittrain.model import DiT, get_config
+from dittrain.model import DiT
+from dittrain.specs import get_config
 from dittrain.weights import LABEL_TABLE, load_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")

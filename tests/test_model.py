@@ -11,14 +11,9 @@ from tiny import assert_grads_close, backward_each
 
 import dittrain.model as model_mod
 from dittrain.cli import main as cli
-from dittrain.model import (
-    CONFIGS,
-    build_model,
-    drop_text_conditioning,
-    flops_per_forward,
-    get_config,
-)
+from dittrain.model import build_model, drop_text_conditioning
 from dittrain.sizes import num_params
+from dittrain.specs import CONFIGS, flops_per_forward, get_config
 
 # The DiT paper at 256 px: 4 latent channels, 32x32 latents, 1000 classes, learned sigma.
 PAPER_256 = dict(input_size=32, in_channels=4, num_classes=1000, learn_sigma=True)

@@ -22,7 +22,8 @@ from dittrain.checkpoint import RunState, latest_checkpoint, load_checkpoint
 from dittrain.cli import main as dittrain_cli
 from dittrain.config import TrainConfig
 from dittrain.data import LoaderStateError, build_loader
-from dittrain.model import DiT, get_config
+from dittrain.model import DiT
+from dittrain.specs import get_config
 from dittrain.train import model_config_for, text_token_count
 
 BIN = Path(sys.executable).parent

@@ -18,7 +18,7 @@ from storeutil import SAMPLE_CLASSES, tiny_store
 from ditdata.store import encode_array, open_store
 from dittrain.checkpoint import export_weights, save_checkpoint
 from dittrain.diffusion import DiffusionConfig
-from dittrain.model import DiT, get_config
+from dittrain.model import DiT
 from dittrain.opened import SampleError, open_run_store
 from dittrain.sample import (
     make_grid,
@@ -27,6 +27,7 @@ from dittrain.sample import (
     sample_images,
     write_training_grid,
 )
+from dittrain.specs import get_config
 from dittrain.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -21,7 +21,8 @@ from storeutil import make_store
 from dittrain.checkpoint import latest_checkpoint, load_checkpoint
 from dittrain.config import TrainConfig
 from dittrain.diffusion import Diffusion, DiffusionConfig
-from dittrain.model import DiT, get_config
+from dittrain.model import DiT
+from dittrain.specs import get_config
 from dittrain.step import TrainStep
 from dittrain.train import build_optimizer
 

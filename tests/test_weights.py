@@ -17,9 +17,10 @@ from test_sample import make_run, read_png
 from tiny import save_tiny_kl
 
 from dittrain.diffusion import DiffusionConfig
-from dittrain.model import DiT, get_config
+from dittrain.model import DiT
 from dittrain.opened import SampleError, load_for_sampling
 from dittrain.sample import plan_samples, run_plan
+from dittrain.specs import get_config
 from dittrain.weights import (
     StandInStore,
     WeightsError,
