@@ -31,7 +31,7 @@ learn_sigma, bf16 autocast on the GPU; AdamW fused, lr 1e-4, clipping at 1.0, EM
                       wait on the PREVIOUS step is not one (the device is already busy with the
                       next step) and is not counted.
   data wait           time inside next(loader) / wall time, over the timed steps
-  SDPA                dittrain.model.attention_backend: the attention kernel for this shape/dtype
+  SDPA                dittrain.sdpa.attention_backend: the attention kernel for this shape/dtype
 
 A configuration that runs out of memory or fails to compile is recorded with its error and
 the script goes on. Results print as a markdown table as they come and, with --json, are
