@@ -22,7 +22,7 @@ learn_sigma, bf16 autocast on the GPU; AdamW fused, lr 1e-4, clipping at 1.0, EM
                       as in the trainer: step k+1's forward/backward is queued before step k
                       is settled (dittrain.step)
   compile s           the warm-up's time beyond --warmup eager-speed steps (~ the compile time)
-  MFU                 2 x 3 x dittrain.model.flops_per_forward(config) x batch per second over the
+  MFU                 2 x 3 x dittrain.specs.flops_per_forward(config) x batch per second over the
                       dense bf16 peak (H100/H200: 989 TFLOP/s), and over a measured 8192^3 bf16
                       matmul; recomputation of checkpointing is not counted (model FLOPs)
   peak memory         torch.cuda.max_memory_allocated over the configuration
