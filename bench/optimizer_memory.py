@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dittrain.config import TrainConfig  # noqa: E402
 from dittrain.model import DiT  # noqa: E402
+from dittrain.optim import build_optimizer  # noqa: E402
 from dittrain.specs import get_config  # noqa: E402
-from dittrain.train import build_optimizer  # noqa: E402
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> tuple[int, Counter]:

@@ -26,8 +26,8 @@ with the engine it is given (dittrain.opened.TorchEngine, dittrain.onnx.OnnxEngi
 Public API:
     pick_labels, balanced_labels, class_mode, parse_classes, embed_prompts, check_sampler, SamplePlan,
     plan_samples, run_plan, sample_images, make_grid, save_png, output_paths, write_samples,
-    sample_to_files (the command), write_training_grid (the trainer's EMA grids), store_text;
-    and, from dittrain.opened, SampleError, load_for_sampling, load_model, open_run_store.
+    sample_to_files (the command), write_training_grid (the trainer's EMA grids), store_text.
+    Opening a run (its weights, store and autoencoder; SampleError) is dittrain.opened's.
 """
 
 from __future__ import annotations
@@ -54,11 +54,9 @@ from dittrain.opened import (
     conditioning_kind,
     diffusion_config,
     load_autoencoder,
-    load_for_sampling,
     load_model,
     load_text_encoder,
     model_config,
-    open_run_store,
     sampling_amp,
     sampling_device,
 )
@@ -643,8 +641,8 @@ def _report(result: dict, images: np.ndarray, plan: SamplePlan, log) -> None:
 
 
 __all__ = [
-    "CLASS_MODES", "SampleError", "SamplePlan", "balanced_labels", "check_sampler", "class_mode", "embed_prompts",
-    "load_for_sampling", "load_model", "make_grid", "open_run_store", "output_paths", "parse_classes",
+    "CLASS_MODES", "SamplePlan", "balanced_labels", "check_sampler", "class_mode", "embed_prompts",
+    "make_grid", "output_paths", "parse_classes",
     "pick_labels", "plan_samples", "run_plan", "sample_images", "sample_to_files", "save_png", "store_text",
     "write_samples", "write_training_grid",
 ]

@@ -26,4 +26,4 @@ def describe(name: str, **overrides) -> dict:
                 tokens=cfg.num_tokens, params=num_params(cfg), gflops=flops_per_forward(cfg) / 1e9)
 
 
-__all__ = ["describe", "flops_per_forward", "num_params"]
+__all__ = ["describe", "num_params"]

@@ -52,7 +52,7 @@ from dittrain.config import TrainConfig
 from dittrain.data import LoaderStateError, build_loader
 from dittrain.diffusion import DiffusionConfig
 from dittrain.latents import LatentNorm
-from dittrain.launch import Run, TrainError, model_config_for, setup, text_token_count
+from dittrain.launch import Run, TrainError, setup
 from dittrain.model import DiT
 from dittrain.optim import build_optimizer, build_schedule
 from dittrain.report import Log, evaluate, note, sample_grid
@@ -448,5 +448,4 @@ def _write_text(path: Path, text: str) -> None:
         raise TrainError(f"{path}: could not write ({files.error_reason(e)})") from e
 
 
-# build_optimizer, model_config_for and text_token_count live in dittrain.optim / dittrain.launch
-__all__ = ["TrainError", "build_optimizer", "model_config_for", "run", "text_token_count"]
+__all__ = ["run"]

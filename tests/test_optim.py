@@ -15,7 +15,7 @@ from storeutil import make_store
 
 from dittrain.checkpoint import latest_checkpoint, load_checkpoint
 from dittrain.config import TrainConfig
-from dittrain.train import build_optimizer
+from dittrain.optim import build_optimizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 bnb = pytest.importorskip("bitsandbytes")

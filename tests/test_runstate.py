@@ -22,9 +22,9 @@ from dittrain.checkpoint import RunState, latest_checkpoint, load_checkpoint
 from dittrain.cli import main as dittrain_cli
 from dittrain.config import TrainConfig
 from dittrain.data import LoaderStateError, build_loader
+from dittrain.launch import model_config_for, text_token_count
 from dittrain.model import DiT
 from dittrain.specs import get_config
-from dittrain.train import model_config_for, text_token_count
 
 BIN = Path(sys.executable).parent
 FILE_KEYS = {"step", "model", "ema", "optimizer", "lr_schedule", "scaler", "ranks", "config", "nonfinite_total"}

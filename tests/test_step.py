@@ -22,9 +22,9 @@ from dittrain.checkpoint import latest_checkpoint, load_checkpoint
 from dittrain.config import TrainConfig
 from dittrain.diffusion import Diffusion, DiffusionConfig
 from dittrain.model import DiT
+from dittrain.optim import build_optimizer
 from dittrain.specs import get_config
 from dittrain.step import TrainStep
-from dittrain.train import build_optimizer
 
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -10,6 +10,6 @@
     extras.py   "this needs the extra X" in one wording
     hub.py      the local Hugging Face cache; cache.py ditkit's own cache base
 
-Stdlib only at import time (torch, where needed, inside functions), so the command-line
-tools' --help stays instant.
+Light at import time: the standard library and click, except devices.py, which imports torch
+(the command-line groups import it only inside the commands, so --help stays instant).
 """

@@ -11,11 +11,11 @@ this project's development machine), and fp32 is what tests compare against.
 
 from __future__ import annotations
 
-import os
 from contextlib import nullcontext
 
 import torch
 
+from ditdata.common.dist import launch_env
 from ditdata.common.errors import UserError
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -33,7 +33,7 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
         return device
     if device in (None, "", "auto"):
         if torch.cuda.is_available():
-            return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+            return torch.device("cuda", launch_env().local_rank)
         return torch.device("cpu")
     try:
         dev = torch.device(device)
