@@ -71,7 +71,7 @@ def register_config(config) -> str:
     """Register a model-config JSON with open_clip; returns the model name (file stem)."""
     import open_clip
 
-    from ditdata.imageshards import load_json
+    from ditdata.documents import load_json
 
     p = Path(config)
     if not p.is_file():

@@ -56,6 +56,7 @@ from pathlib import Path
 
 from ditdata.common.files import TMP_MARK, is_tmp, read_json, tmp_name  # noqa: F401  (the store's temporaries: one scheme)
 from ditdata.config import KINDS
+from ditdata.documents import check_format, load_json
 from ditdata.errors import DitdataError
 from ditdata.images import (  # noqa: F401  (re-exported: readers need only this module)
     DEFAULT_MAX_PIXELS,
@@ -211,23 +212,6 @@ def _folder(shards_dir) -> Path:
     if not d.is_dir():
         raise DitdataError(f"{d}: no such directory")
     return d
-
-
-def load_json(path: Path, problem: str):
-    """The JSON document at `path`, or DitdataError "PATH: {problem} (why)"."""
-    try:
-        return read_json(path)
-    except (OSError, ValueError) as e:
-        raise DitdataError(f"{path}: {problem} ({e})") from None
-
-
-def check_format(doc, path: Path, fmt: str, version: int, what: str, version_word: str = "version") -> None:
-    """DitdataError unless `doc` (read from `path`) is a dict of format `fmt` at `version`:
-    "PATH: not a {fmt} {what}", or "PATH: {version_word} V is not supported (expected ...)"."""
-    if not isinstance(doc, dict) or doc.get("format") != fmt:
-        raise DitdataError(f"{path}: not a {fmt} {what}")
-    if doc.get("version") != version:
-        raise DitdataError(f"{path}: {version_word} {doc.get('version')!r} is not supported (expected {version})")
 
 
 def _recorded_samples(tar: Path) -> int | None:

@@ -339,7 +339,7 @@ def write_selection(path, by_shard: dict[str, list[str]], rule: dict, scores: li
 def load_selection(path) -> Selection:
     """Read a selection file written by `ditdata filter` (parquet or JSON, detected from
     its content). DitdataError when it is missing or not a valid selection."""
-    from ditdata.imageshards import check_format, load_json
+    from ditdata.documents import check_format, load_json
 
     p = Path(path)
     if not p.is_file():
