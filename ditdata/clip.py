@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 from ditdata.common import files
 from ditdata.common.errors import described
-from ditdata.common.hub import hub_cache_dir
+from ditdata.common.hub import download_command, hub_cache_dir
 from ditdata.errors import DitdataError
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ def _find_tag_weights(name: str, tag: str, cfg: dict) -> Path:
                 return Path(hit)
         looked.append(f"the Hugging Face cache {cache} (repo {repo}, file {filename})")
         how.append(
-            f"on a machine with internet run `huggingface-cli download {repo} {filename}` and copy its "
+            f"on a machine with internet run `{download_command(repo, filename)}` and copy its "
             f"Hugging Face cache folder (~/.cache/huggingface/hub) here, or point HF_HOME / HF_HUB_CACHE at it"
         )
     url = cfg.get("url") or ""

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from ditdata.common.errors import described
 from ditdata.common.extras import require
 from ditdata.common.files import read_json, sha256_file
-from ditdata.common.hub import hub_cache_dir
+from ditdata.common.hub import download_command, hub_cache_dir
 from ditdata.errors import DitdataError
 from ditdata.presets import (  # noqa: F401  (re-exported: the presets' names, as before)
     KIND_KL,
@@ -403,14 +403,12 @@ def _kl_info(name: str, ident: str, subfolder: str | None, revision: str | None,
 
 def _missing_hub_message(name: str, repo_id: str, subfolder: str | None, cache: Path,
                          revision: str | None = None, detail: str = "") -> str:
-    include = f" --include '{subfolder}/*'" if subfolder else ""
-    rev = f" --revision {revision}" if revision else ""
+    command = download_command(repo_id, include=f"{subfolder}/*" if subfolder else None, revision=revision)
     what = repo_id + (f" (subfolder {subfolder})" if subfolder else "")
     label = f"'{name}' = {what}" if name != repo_id else what
     return (f"autoencoder {label}{' at revision ' + revision if revision else ''} is not in the "
             f"local Hugging Face cache {cache}{' (' + detail + ')' if detail else ''} and nothing "
-            f"is downloaded here: on a machine with internet run `huggingface-cli download "
-            f"{repo_id}{include}{rev}` and copy ~/.cache/huggingface to this machine, or point "
+            f"is downloaded here: on a machine with internet run `{command}` and copy ~/.cache/huggingface to this machine, or point "
             f"HF_HOME / HF_HUB_CACHE at such a cache, or pass a local diffusers directory "
             f"(--vae DIR)")
 

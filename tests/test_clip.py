@@ -127,7 +127,7 @@ def test_missing_tag_fails_fast_and_says_how(tmp_path, monkeypatch):
     assert time.perf_counter() - t < 10
     msg = str(e.value)
     assert "ViT-B-32" in msg and "laion2b_s34b_b79k" in msg
-    assert "huggingface-cli download laion/CLIP-ViT-B-32-laion2B-s34B-b79K" in msg
+    assert "hf download laion/CLIP-ViT-B-32-laion2B-s34B-b79K" in msg
     assert "--pretrained /path/to/" in msg
     assert str(tmp_path / "hf" / "hub") in msg
     assert "\n" not in msg
@@ -159,7 +159,7 @@ def test_tag_resolved_from_local_hf_cache(tiny, tmp_path, monkeypatch):
 
     # the same tag with an empty cache: a clear error naming the repo
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
-    with pytest.raises(DitdataError, match="huggingface-cli download test-org/tiny-clip"):
+    with pytest.raises(DitdataError, match="hf download test-org/tiny-clip"):
         load_clip("tiny-clip", "my_tag")
 
 

@@ -124,7 +124,7 @@ def test_missing_hub_vae_fails_fast(shards, tmp_path):
                        capture_output=True, text=True, env=env, timeout=120)
     elapsed = time.perf_counter() - t
     assert r.returncode == 1
-    assert "stabilityai/sd-vae-ft-ema" in r.stderr and "huggingface-cli download" in r.stderr
+    assert "stabilityai/sd-vae-ft-ema" in r.stderr and "hf download" in r.stderr
     assert "Traceback" not in r.stderr
     assert elapsed < 10, f"took {elapsed:.1f}s: something is retrying the hub"
     assert not (tmp_path / "s" / "manifest.json").exists()

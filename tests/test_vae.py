@@ -146,8 +146,12 @@ def test_missing_preset_fails_fast_with_instructions(empty_cache):
         load_autoencoder("sd-vae-ft-ema")
     assert time.monotonic() - t0 < 10
     msg = str(err.value)
-    assert "stabilityai/sd-vae-ft-ema" in msg and "huggingface-cli download" in msg
+    # the command that current huggingface_hub installs (`hf`; `huggingface-cli` is gone)
+    assert "`hf download stabilityai/sd-vae-ft-ema`" in msg and "huggingface-cli" not in msg
     assert "HF_HOME" in msg and "\n" not in msg
+    with pytest.raises(DitdataError) as err:  # a preset in a subfolder downloads only that folder
+        load_autoencoder("flux-vae")
+    assert "`hf download black-forest-labs/FLUX.1-schnell --include 'vae/*'`" in str(err.value)
     with pytest.raises(DitdataError, match="org/not-cached"):
         load_autoencoder("org/not-cached")
     with pytest.raises(DitdataError, match="unknown autoencoder"):

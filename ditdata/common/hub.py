@@ -1,10 +1,11 @@
 """The local Hugging Face hub cache: the one place ditdata looks for hub models (the
-autoencoders of ditdata/vae.py, the CLIP weights of ditdata/clip.py). Nothing here
-downloads."""
+autoencoders of ditdata/vae.py, the CLIP weights of ditdata/clip.py), and the command that
+fills it on a machine with internet (download_command). Nothing here downloads."""
 
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 
 from ditdata.common.cache import xdg_cache_home
@@ -26,3 +27,15 @@ def hub_cache_dir() -> Path:
 
 def _expand(path: str) -> Path:
     return Path(os.path.expandvars(os.path.expanduser(path)))
+
+
+def download_command(repo_id: str, *files: str, include: str | None = None, revision: str | None = None) -> str:
+    """The shell command that puts `repo_id` (all of it, the named files, or those matching
+    the `include` glob) into the hub cache: `hf download`, the CLI that huggingface_hub
+    installs (it replaced `huggingface-cli`, which current releases no longer ship)."""
+    args = ["hf", "download", repo_id, *files]
+    if include:
+        args += ["--include", include]
+    if revision:
+        args += ["--revision", revision]
+    return shlex.join(args)
