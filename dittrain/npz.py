@@ -106,13 +106,30 @@ def chunk_seed(seed: int, index: int) -> int:
 
 def weights_digest(weights: dict) -> str:
     """sha256 over a state dict's names, dtypes, shapes and bytes (the same for an EMA export
-    and the checkpoint it came from)."""
+    and the checkpoint it came from). A tensor subclass that wraps others (torchao's int8
+    weight-only tensors of an int8 export) is digested through its inner tensors (int8 data,
+    scales), its class and its flatten context: such tensors have no bytes of their own."""
     h = hashlib.sha256()
     for name in sorted(weights):
-        t = weights[name].detach().cpu().contiguous()
-        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+        _digest_tensor(h, name, weights[name])
     return h.hexdigest()
+
+
+def _digest_tensor(h, name: str, t: torch.Tensor) -> None:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    t = t.detach()
+    if is_traceable_wrapper_subclass(t):
+        inner, ctx = t.__tensor_flatten__()
+        kind = f"{type(t).__module__}.{type(t).__qualname__}"
+        context = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(ctx))  # no object addresses: the same in every process
+        h.update(f"{name}\0{kind}\0{t.dtype}\0{tuple(t.shape)}\0{context}\0".encode())
+        for attr in inner:
+            _digest_tensor(h, f"{name}.{attr}", getattr(t, attr))
+        return
+    t = t.cpu().contiguous()
+    h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
 # -----------------------------------------------------------------------------
