@@ -1,6 +1,7 @@
-"""The memory a loader may use: what is available (RAM, a container's limit, a GPU), the choice
-between the resident and the streaming loader, and the streaming loader's budget, which sizes
-its shuffle window and prefetch depth (StreamingMemory, plan_streaming_memory).
+"""The memory a loader may use: what is available (RAM, the memory limit of a container's or a
+scheduler job's cgroup, a GPU), the choice between the resident and the streaming loader, and
+the streaming loader's budget, which sizes its shuffle window and prefetch depth
+(StreamingMemory, plan_streaming_memory).
 
 Sizes in messages are MiB below 1 GiB and GiB above (_gib). The memory probes
 (available_memory, gpu_memory) are called through this module's globals, so replacing them here
@@ -45,19 +46,107 @@ def _meminfo_available() -> int | None:
     return None
 
 
-def _cgroup_available() -> int | None:
-    """Room left under a container's memory limit (cgroup v2 or v1), if there is one."""
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            lim = Path(limit).read_text().strip()
-            if lim == "max" or int(lim) >= 1 << 60:
-                return None
-            return max(0, int(lim) - int(Path(usage).read_text().strip()))
-        except (OSError, ValueError):
+# Where the kernel says which cgroups this process is in, and where the cgroup filesystem is
+# mounted. Module globals (read at each call) so that a test can point them at a fake tree.
+PROC_CGROUP = "/proc/self/cgroup"
+CGROUP_ROOT = "/sys/fs/cgroup"
+# cgroup v1 writes "no limit" as the largest page-aligned int64, not as a word.
+_NO_LIMIT = 1 << 60
+# (folder under the root, limit file, usage file, memory.stat keys of the reclaimable page
+# cache) of cgroup v2 and of v1's memory controller. v1's total_inactive_file counts the
+# children too (inactive_file, the fallback, only the cgroup's own pages).
+_CGROUP_V2 = ("", "memory.max", "memory.current", ("inactive_file",))
+_CGROUP_V1 = ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
+              ("total_inactive_file", "inactive_file"))
+
+
+def _cgroup_paths(proc_cgroup: str) -> tuple[str, str]:
+    """(the cgroup v2 path, the v1 memory controller's path) of this process, "/" for one not
+    named: /proc/self/cgroup holds `0::/path` (v2) and `N:memory:/path` (v1) lines. An
+    unreadable file leaves both "/", the mount's own files (a namespaced container's view)."""
+    v2 = v1 = "/"
+    try:
+        text = Path(proc_cgroup).read_text()
+    except (OSError, UnicodeDecodeError):
+        return v2, v1
+    for line in text.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, sep, path = rest.partition(":")
+        if not sep or not path.startswith("/"):
             continue
-    return None
+        if hierarchy == "0" and not controllers:
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return v2, v1
+
+
+def _cgroup_levels(path: str) -> list[str]:
+    """A cgroup path and its parents up to the root, leaf first: /a/b -> /a/b, /a, /. A limit
+    anywhere above a cgroup binds it too (Slurm sets the job's on /slurm/uid_N/job_M, and the
+    step runs below it). A path that climbs out of the mount ("/../x": the process sits outside
+    the cgroup namespace's root) cannot be followed: only the root is read."""
+    parts = [p for p in path.split("/") if p]
+    if ".." in parts:
+        return ["/"]
+    return ["/" + "/".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _read_int(path: Path) -> int | None:
+    """An integer file's value; None for "max", garbage or a file that cannot be read."""
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def _reclaimable(stat: Path, keys: tuple[str, ...]) -> int:
+    """The inactive page cache in a cgroup's memory.stat (0 where unknown). It is charged to the
+    cgroup, but the kernel drops it before it OOM-kills anything, so it is room, as MemAvailable
+    counts it: a job whose earlier step read the store would otherwise look full."""
+    try:
+        fields = dict(line.split()[:2] for line in stat.read_text().splitlines() if len(line.split()) >= 2)
+    except (OSError, UnicodeDecodeError):
+        return 0
+    for key in keys:
+        try:
+            return max(0, int(fields[key]))
+        except (KeyError, ValueError):
+            continue
+    return 0
+
+
+def _cgroup_room(root: Path, path: str, version: tuple) -> tuple[int, str] | None:
+    """(bytes left under the tightest limit among `path` and its parents, which limit that was)."""
+    folder, limit_file, usage_file, stat_keys = version
+    best = None
+    for level in _cgroup_levels(path):
+        where = root / folder / level.lstrip("/")
+        limit = _read_int(where / limit_file)
+        if limit is None or limit <= 0 or limit >= _NO_LIMIT:
+            continue
+        # An unreadable usage leaves the limit itself as the room: still an upper bound, and
+        # tighter than ignoring a limit that is there.
+        usage = _read_int(where / usage_file) or 0
+        used = max(0, usage - _reclaimable(where / "memory.stat", stat_keys))
+        room = max(0, limit - used)
+        if best is None or room < best[0]:
+            best = (room, f"the cgroup memory limit of {level} ({limit_file})")
+    return best
+
+
+def _cgroup_available(proc_cgroup: str | None = None, root: str | Path | None = None
+                      ) -> tuple[int, str] | None:
+    """(bytes left under this process's cgroup memory limit, which cgroup's limit that is), or
+    None where no level has one. The cgroup is the one /proc/self/cgroup names, read under the
+    cgroup root with its parents, so that a job scheduler's limit is found without a cgroup
+    namespace too (Slurm: /sys/fs/cgroup/slurm/uid_1/job_5/memory.max), and a namespaced
+    container's at the root. Both v2 and v1's memory controller are read (a hybrid machine
+    mounts v2 without the memory controller); the tightest room wins."""
+    v2, v1 = _cgroup_paths(proc_cgroup or PROC_CGROUP)
+    root = Path(root or CGROUP_ROOT)
+    found = [r for r in (_cgroup_room(root, v2, _CGROUP_V2), _cgroup_room(root, v1, _CGROUP_V1)) if r]
+    return min(found, default=None)
 
 
 def available_memory() -> tuple[int | None, str]:
@@ -70,8 +159,8 @@ def available_memory() -> tuple[int | None, str]:
         except (ValueError, OSError, AttributeError):
             return None, "unknown"
     cg = _cgroup_available()
-    if cg is not None and cg < avail:
-        avail, source = cg, "the container's cgroup memory limit"
+    if cg is not None and cg[0] < avail:
+        avail, source = cg
     return avail, source
 
 
