@@ -13,8 +13,11 @@ is kept whatever --logger says; its lines are flat ({"step": 3, "loss": ...}: th
 dropped). Weights & Biases is a convenience that never stops or stalls a run: a short init
 timeout, and a failed init or log call is one note, after which the run goes on without it.
 It honours WANDB_MODE (offline: everything stays under RUN/wandb/, `wandb sync` uploads it
-later; disabled: nothing). A resumed run continues the same W&B run: its id is kept in
-RUN/wandb_id.txt.
+later; disabled: nothing) and W&B's own variables: a --wandb-project / --wandb-name flag wins,
+else WANDB_PROJECT / WANDB_NAME, else ditkit's defaults (project "ditkit", the run folder's
+name); WANDB_DIR, WANDB_RUN_ID and WANDB_RESUME, where set, replace RUN/, the kept id and
+resume="allow". A resumed run continues the same W&B run: the id it used (its own or
+WANDB_RUN_ID) is kept in RUN/wandb_id.txt.
 """
 
 from __future__ import annotations
@@ -31,10 +34,15 @@ import numpy as np
 from ditdata.common import files
 from ditdata.common.errors import UserError, described
 from ditdata.common.extras import install_hint, require
-from dittrain.config import LOGGERS
+from dittrain.config import LOGGERS, LoggingSection
 
 WANDB_ID = "wandb_id.txt"  # in the run directory
 WANDB_INIT_TIMEOUT = 20.0  # seconds (wandb's own default is 90); $WANDB_INIT_TIMEOUT overrides it
+# The project when neither --wandb-project nor WANDB_PROJECT names one (wandb's own would be
+# "uncategorized"). The config's default for wandb_project counts as "not given": while it is
+# this same name, a flag cannot be told from the default, so WANDB_PROJECT wins over both.
+WANDB_DEFAULT_PROJECT = "ditkit"
+_CONFIG_DEFAULT_PROJECT = LoggingSection.wandb_project
 
 
 class LoggerError(UserError, ValueError):
@@ -70,7 +78,7 @@ def open_loggers(spec: str, out: Path, *, config: dict, resumed: bool, wandb_pro
                 note(f"note: TensorBoard is not installed ({install_hint('train')}); no TensorBoard logs")
         elif name == "wandb":
             logger = WandbLogger.start(out, config=config, resumed=resumed, project=wandb_project,
-                                       name=wandb_name or out.resolve().name, note=note)
+                                       name=wandb_name, note=note)
             if logger is not None:
                 loggers.append(logger)
     return loggers
@@ -122,16 +130,16 @@ class WandbLogger:
         self.run, self.note = run, note
 
     @classmethod
-    def start(cls, out: Path, *, config: dict, resumed: bool, project: str, name: str,
+    def start(cls, out: Path, *, config: dict, resumed: bool, project: str | None, name: str | None,
               note: Callable[[str], None]) -> WandbLogger | None:
+        """A W&B run for the run directory `out` (None after a note where it cannot start);
+        `project` and `name` are the flags' values ("" or None: not given)."""
         import wandb
 
         id_file = out / WANDB_ID
-        run_id = id_file.read_text().strip() if resumed and id_file.is_file() else ""
-        run_id = run_id or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
         timeout = float(os.environ.get("WANDB_INIT_TIMEOUT") or WANDB_INIT_TIMEOUT)
         try:
-            run = wandb.init(project=project, name=name, dir=str(out), config=config, id=run_id, resume="allow",
+            run = wandb.init(config=config, **wandb_init_args(out, project=project, name=name, resumed=resumed),
                              settings=wandb.Settings(init_timeout=timeout, console="off", silent=True))
         except Exception as e:  # unreachable service, no API key, ...: the run goes on without W&B
             note(f"note: wandb did not start ({_reason(e)}); training goes on without it")
@@ -140,6 +148,7 @@ class WandbLogger:
             run.finish()
             note("note: WANDB_MODE=disabled: no wandb logs")
             return None
+        run_id = run.id  # WANDB_RUN_ID's where it is set: kept, so that a resume without it goes on
         files.write_text_atomic(id_file, run_id + "\n")
         where = f"offline, in {Path(run.dir).parent}: `wandb sync` uploads it" if run.offline else run.url
         note(f"dittrain: wandb run {run_id} ({where})")
@@ -171,6 +180,36 @@ class WandbLogger:
                 run.finish()
             except Exception as e:
                 self.note(f"note: wandb did not finish cleanly ({_reason(e)}); its files are in {run.dir}")
+
+
+def wandb_init_args(out: Path, *, project: str | None, name: str | None, resumed: bool) -> dict:
+    """wandb.init's project, name, dir, id and resume. Each is passed only where the user gave
+    it (a flag) or W&B's own variable for it is unset, so WANDB_PROJECT, WANDB_NAME, WANDB_DIR,
+    WANDB_RUN_ID and WANDB_RESUME work as W&B documents them (an argument would override them).
+    Where neither names one: the project WANDB_DEFAULT_PROJECT, the run folder's name, RUN/
+    (its wandb/ folder), the id kept in RUN/wandb_id.txt on a resume (a new one otherwise),
+    and resume="allow", so that a resumed run continues the same W&B run."""
+    def unset(var: str) -> bool:
+        return not os.environ.get(var)
+
+    args = {}
+    if project and project != _CONFIG_DEFAULT_PROJECT:
+        args["project"] = project
+    elif unset("WANDB_PROJECT"):
+        args["project"] = project or WANDB_DEFAULT_PROJECT
+    if name:
+        args["name"] = name
+    elif unset("WANDB_NAME"):
+        args["name"] = out.resolve().name
+    if unset("WANDB_DIR"):
+        args["dir"] = str(out)
+    if unset("WANDB_RUN_ID"):
+        id_file = out / WANDB_ID
+        kept = id_file.read_text().strip() if resumed and id_file.is_file() else ""
+        args["id"] = kept or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+    if unset("WANDB_RESUME"):
+        args["resume"] = "allow"
+    return args
 
 
 def _reason(e: BaseException) -> str:

@@ -34,11 +34,13 @@ def wandb_env(tmp_path, monkeypatch):
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-    for name, value in {"WANDB_MODE": "offline", "HOME": home, "WANDB_DIR": home, "WANDB_CONFIG_DIR": home / "cfg",
+    for name, value in {"WANDB_MODE": "offline", "HOME": home, "WANDB_CONFIG_DIR": home / "cfg",
                         "WANDB_CACHE_DIR": home / "cache", "WANDB_DATA_DIR": home / "data", "WANDB_BASE_URL": url,
                         "HTTP_PROXY": url, "HTTPS_PROXY": url, "http_proxy": url, "https_proxy": url}.items():
         monkeypatch.setenv(name, str(value))
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    # the variables that replace ditkit's choices (RUN/wandb/, the kept id, ...) start unset
+    for name in ("WANDB_API_KEY", "WANDB_DIR", "WANDB_PROJECT", "WANDB_NAME", "WANDB_RUN_ID", "WANDB_RESUME"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("NO_PROXY", raising=False)
     monkeypatch.delenv("no_proxy", raising=False)
     connect = socket.socket.connect
@@ -73,12 +75,12 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _wandb_history(path: Path) -> dict[int, dict]:
-    """{step: {tag: value}} from a .wandb file (its records: a LevelDB-style log of 32 KiB
-    blocks after a 7-byte header, each chunk a 7-byte header (crc, length, kind) and data)."""
+def _wandb_records(path: Path):
+    """The records of a .wandb file (a LevelDB-style log of 32 KiB blocks after a 7-byte
+    header, each chunk a 7-byte header (crc, length, kind) and data)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data, pos, block, part, history = path.read_bytes(), 7, 32768, b"", {}
+    data, pos, block, part = path.read_bytes(), 7, 32768, b""
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
@@ -90,10 +92,26 @@ def _wandb_history(path: Path) -> dict[int, dict]:
             rec = pb.Record()
             rec.ParseFromString(part)
             part = b""
-            if rec.WhichOneof("record_type") == "history":
-                row = history.setdefault(rec.history.step.num, {})
-                row |= {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item}
+            yield rec
+
+
+def _wandb_history(path: Path) -> dict[int, dict]:
+    """{step: {tag: value}} from a .wandb file."""
+    history = {}
+    for rec in _wandb_records(path):
+        if rec.WhichOneof("record_type") == "history":
+            row = history.setdefault(rec.history.step.num, {})
+            row |= {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item}
     return history
+
+
+def _wandb_run(folder: Path) -> tuple[Path, dict]:
+    """(the offline run folder under `folder`/wandb, what its .wandb file says of the run: id,
+    project, name); exactly one such folder."""
+    (run_dir,) = (folder / "wandb").glob("offline-run-*")
+    (log,) = run_dir.glob("run-*.wandb")
+    (run,) = (rec.run for rec in _wandb_records(log) if rec.WhichOneof("record_type") == "run")
+    return run_dir, {"id": run.run_id, "project": run.project, "name": run.display_name}
 
 
 def test_logger_names():
@@ -125,7 +143,9 @@ def test_wandb_offline_logs_scalars_and_grids_and_a_resume_continues_its_run(sto
     assert r.exit_code == 0, r.output
     run_id = (out / "wandb_id.txt").read_text().strip()
     assert f"wandb run {run_id} (offline" in r.output
-    (run_dir,) = (out / "wandb").glob(f"offline-run-*-{run_id}")
+    run_dir, run = _wandb_run(out)
+    # nothing in W&B's environment: ditkit's project, the run folder's name, RUN/wandb/
+    assert run == {"id": run_id, "project": "ditkit", "name": "run"} and run_dir.name.endswith(run_id)
     pngs = sorted((run_dir / "files" / "media" / "images" / "samples").glob("ema_*.png"))
     assert len(pngs) == 2 and all(p.read_bytes().startswith(b"\x89PNG") for p in pngs)
     history = _wandb_history(run_dir / f"run-{run_id}.wandb")
@@ -141,6 +161,60 @@ def test_wandb_offline_logs_scalars_and_grids_and_a_resume_continues_its_run(sto
     assert (out / "wandb_id.txt").read_text().strip() == run_id  # the same W&B run goes on
     assert len(list((out / "wandb").glob(f"offline-run-*-{run_id}"))) == 2
     assert wandb_env.connections() == 0  # offline: not one request
+
+
+def test_wandb_follows_its_environment_variables(store, tmp_path, wandb_env, monkeypatch):
+    elsewhere = tmp_path / "wandb_dir"
+    elsewhere.mkdir()
+    for name, value in {"WANDB_PROJECT": "env-project", "WANDB_NAME": "env-name", "WANDB_RUN_ID": "envrun01",
+                        "WANDB_DIR": elsewhere}.items():
+        monkeypatch.setenv(name, str(value))
+    out = tmp_path / "run"
+    r = dittrain(*run_args(store, out, "--max-steps", 2, "--logger", "wandb"))
+    assert r.exit_code == 0, r.output
+    assert "wandb run envrun01 (offline" in r.output
+    run_dir, run = _wandb_run(elsewhere)  # WANDB_DIR, not RUN/wandb/
+    assert run == {"id": "envrun01", "project": "env-project", "name": "env-name"}
+    assert run_dir.name.endswith("-envrun01") and not (out / "wandb").exists()
+    assert (out / "wandb_id.txt").read_text().strip() == "envrun01"  # the id used, for a resume
+
+    # a resume without WANDB_RUN_ID continues the same W&B run: the kept id
+    monkeypatch.delenv("WANDB_RUN_ID")
+    r = dittrain(*run_args(store, out, "--max-steps", 3, "--logger", "wandb", "--resume"))
+    assert r.exit_code == 0, r.output
+    assert "wandb run envrun01 (offline" in r.output
+    assert len(list((elsewhere / "wandb").glob("offline-run-*-envrun01"))) == 2
+    assert wandb_env.connections() == 0
+
+
+def test_wandb_flags_win_over_its_environment(store, tmp_path, wandb_env, monkeypatch):
+    monkeypatch.setenv("WANDB_PROJECT", "env-project")
+    monkeypatch.setenv("WANDB_NAME", "env-name")
+    out = tmp_path / "run"
+    r = dittrain(*run_args(store, out, "--max-steps", 1, "--logger", "wandb", "--wandb-project", "flag-project",
+                           "--wandb-name", "flag-name"))
+    assert r.exit_code == 0, r.output
+    _, run = _wandb_run(out)
+    assert (run["project"], run["name"]) == ("flag-project", "flag-name")
+    assert run["id"] == (out / "wandb_id.txt").read_text().strip()
+
+
+def test_wandb_init_args(tmp_path, monkeypatch):
+    from dittrain.loggers import wandb_init_args
+
+    for name in ("WANDB_PROJECT", "WANDB_NAME", "WANDB_DIR", "WANDB_RUN_ID", "WANDB_RESUME"):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "my-run"
+    out.mkdir()
+    (out / "wandb_id.txt").write_text("kept0001\n")
+    args = wandb_init_args(out, project="ditkit", name="", resumed=True)  # the config's defaults
+    assert args == {"project": "ditkit", "name": "my-run", "dir": str(out), "id": "kept0001", "resume": "allow"}
+    assert wandb_init_args(out, project="", name=None, resumed=False)["project"] == "ditkit"
+    assert wandb_init_args(out, project="p", name="n", resumed=False)["id"] != "kept0001"  # a fresh run
+    for name in ("WANDB_PROJECT", "WANDB_NAME", "WANDB_DIR", "WANDB_RUN_ID", "WANDB_RESUME"):
+        monkeypatch.setenv(name, "x")
+    assert wandb_init_args(out, project="ditkit", name="", resumed=True) == {}  # W&B reads its variables
+    assert wandb_init_args(out, project="p", name="n", resumed=True) == {"project": "p", "name": "n"}
 
 
 @pytest.mark.parametrize("how", ["init raises", "service unreachable"])
