@@ -11,8 +11,9 @@ prompts cycled over N; unconditional models: no arr_1).
 Chunks. Samples are drawn in chunks of --chunk-size into a folder beside the output,
 NAME.npz.parts/: job.json (everything that decides the images) and one NNNNNN.npy per
 finished chunk, written to a temporary name and renamed, so a killed job leaves only
-complete chunks. The same command again continues with the missing ones; other settings
-are refused (the folder belongs to the job that made it). When every chunk is there, the
+complete chunks (a chunk whose samples went NaN/inf is not written: SampleError). The same
+command again continues with the missing ones; other settings are refused (the folder
+belongs to the job that made it). When every chunk is there, the
 chunks are streamed into the zip entries of the .npz (never all in memory: 50,000 images
 of 256 px are 9.8 GB; the disk holds the chunks and the file at once for a moment), under a
 temporary name renamed into place, and the folder is removed.
@@ -61,6 +62,7 @@ from dittrain.opened import (
     sampling_device,
 )
 from dittrain.sample import (
+    NonFiniteSamples,
     SamplePlan,
     check_output,
     class_mode,
@@ -305,9 +307,15 @@ def chunk_plan(job: NpzJob, index: int, config: dict, store, text: dict | None =
 
 
 def draw_chunk(job: NpzJob, index: int, model, config: dict, store, autoencoder, text=None) -> Path:
-    """Draw chunk `index` and write it as NNNNNN.npy (atomically: a temporary name, renamed)."""
-    images = run_plan(model, chunk_plan(job, index, config, store, text), store, autoencoder=autoencoder)
+    """Draw chunk `index` and write it as NNNNNN.npy (atomically: a temporary name, renamed);
+    a chunk whose samples went NaN/inf is not written (SampleError)."""
     a, b = job.bounds(index)
+    try:
+        images = run_plan(model, chunk_plan(job, index, config, store, text), store, autoencoder=autoencoder)
+    except NonFiniteSamples as e:
+        raise SampleError(e.describe(offset=a, seed=f"{job.plan.settings.seed}, chunk {index}",
+                                     after=f"chunk {index} was not written (finished chunks stay in {job.parts}/)"
+                                     )) from e
     if images.shape != (b - a, *job.image_shape):
         raise SampleError(f"chunk {index}: the autoencoder made images of {images.shape[1:]}, "
                           f"expected {job.image_shape}")
@@ -385,10 +393,11 @@ def _barrier(env: LaunchEnv, device: torch.device) -> None:
 
 
 def _progress(job: NpzJob, enabled: bool):
-    from tqdm import tqdm
+    """A bar on a terminal, else a plain line every 30 s (ditdata.common.progress)."""
+    from ditdata.common.progress import progress_bar
 
-    return tqdm(total=job.total, initial=job.images_in(job.done()), disable=not enabled, unit="img",
-                desc="sampling", dynamic_ncols=True, file=sys.stderr, mininterval=1.0, smoothing=0.1)
+    return progress_bar(total=job.total, initial=job.images_in(job.done()), enabled=enabled, unit="img",
+                        desc="sampling", file=sys.stderr, mininterval=1.0, smoothing=0.1)
 
 
 # -----------------------------------------------------------------------------

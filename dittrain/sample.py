@@ -19,13 +19,15 @@ same images on every run with the same --batch-size and device; the deterministi
 
 One pass checks and plans: plan_samples turns the run's config, its store and the user's
 choices into a frozen SamplePlan (conditions per sample, layout, sampler, device, precision)
-before any weights or encoders load; run_plan draws it. sample_images (the API and the
+before any weights or encoders load (|--cfg| <= MAX_CFG_SCALE); run_plan draws it and
+checks each batch's latents and decoded images are finite (NonFiniteSamples: NaN would be
+written as black pixels, so nothing is written). sample_images (the API and the
 trainer's grids) and sample_to_files (the command) both go through them. The command draws
 with the engine it is given (dittrain.opened.TorchEngine, dittrain.onnx.OnnxEngine).
 
 Public API:
     pick_labels, balanced_labels, class_mode, parse_classes, embed_prompts, check_sampler, SamplePlan,
-    plan_samples, run_plan, sample_images, make_grid, save_png, output_paths, write_samples,
+    MAX_CFG_SCALE, NonFiniteSamples, check_finite, plan_samples, run_plan, sample_images, make_grid, save_png, output_paths, write_samples,
     sample_to_files (the command), write_training_grid (the trainer's EMA grids), store_text.
     Opening a run (its weights, store and autoencoder; SampleError) is dittrain.opened's.
 """
@@ -67,6 +69,7 @@ SINGLES_DIR = "samples"  # --out DIR: DIR/samples/NNNN.png
 INDEX_NAME = "samples.json"  # beside the singles: what each file is and how it was made
 TEXT_POOLED, TEXT_TOKENS, TEXT_MASK = TEXT_FIELDS
 _S = SampleConfig()  # the defaults of every sampling entry point
+MAX_CFG_SCALE = 100.0  # |--cfg| beyond this is refused: DiT guides with 1.5..4; 1e308 overflows to NaN
 
 
 # -----------------------------------------------------------------------------
@@ -187,6 +190,39 @@ def _rows(d: dict, sl: slice) -> dict:
     return {k: (v[sl] if v is not None else None) for k, v in d.items()}
 
 
+class NonFiniteSamples(SampleError):
+    """Sampling gave NaN or inf (`stage`: "latents" or "images") for `samples` (indices in
+    `plan`): nothing of the call is kept. describe() words it for a caller (--npz: a chunk)."""
+
+    def __init__(self, plan: SamplePlan, stage: str, samples: list[int]):
+        self.plan, self.stage, self.samples = plan, stage, samples
+        super().__init__(self.describe())
+
+    def describe(self, *, offset: int = 0, seed: str | None = None, after: str = "nothing was written") -> str:
+        p, s, first = self.plan, self.plan.settings, self.samples[0]
+        which = f"sample {first + offset}" if len(self.samples) == 1 else \
+            f"{len(self.samples)} samples (the first: {first + offset})"
+        if p.labels is not None:
+            which += f", class {p.labels[first]}"
+        elif p.prompts is not None:
+            which += f", prompt {_short_text(p.prompts[first])}"
+        guidance = f", cfg {s.cfg_scale:g}" if p.kind != "none" else ""
+        return (f"sampling gave NaN/inf {'latents' if self.stage == 'latents' else 'decoded images'} for {which} "
+                f"(seed {seed or s.seed}{guidance}, {s.steps} {s.sampler} steps); {after}: lower --cfg, sample "
+                "with --precision fp32, or check that the weights are finite")
+
+
+def _short_text(text: str) -> str:
+    return repr(text if len(text) <= 40 else text[:37] + "...")
+
+
+def check_finite(x: torch.Tensor, stage: str, plan: SamplePlan, start: int = 0) -> None:
+    """NonFiniteSamples when a batch (N, ...) of `plan`'s samples from `start` holds NaN or inf."""
+    bad = ~torch.isfinite(x.detach().flatten(1)).all(1)
+    if bool(bad.any()):
+        raise NonFiniteSamples(plan, stage, [start + int(i) for i in bad.nonzero().flatten()])
+
+
 def to_uint8(images: torch.Tensor) -> np.ndarray:
     """(N, 3, H, W) float in [0, 1] -> (N, H, W, 3) uint8."""
     x = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
@@ -254,6 +290,9 @@ def _check_choices(kind: str, settings: SampleConfig, *, classes, prompts, text,
                         (settings.steps, "--steps"), (nrow, "--nrow")):
         if value is not None and value < 1:
             raise SampleError(f"{name} must be at least 1, got {value}")
+    if kind != "none" and not abs(settings.cfg_scale) <= MAX_CFG_SCALE:  # NaN too
+        raise SampleError(f"--cfg {settings.cfg_scale:g} is out of range: the guidance scale must be in "
+                          f"-{MAX_CFG_SCALE:g}..{MAX_CFG_SCALE:g} (1: no guidance; DiT samples with 1.5 to 4)")
     if kind != "class" and classes:
         raise SampleError(f"--class needs a class-conditional model; this one is {_IS[kind]}")
     if kind != "text" and (prompts or text is not None):
@@ -373,7 +412,8 @@ def run_plan(model, plan: SamplePlan, store, *, autoencoder=None, text_encoder=N
              text_pretrained: str | None = None) -> np.ndarray:
     """Draw a plan with `model` (a DiT on plan.device; in eval mode for the call, then put back
     in its mode) and decode with the store's autoencoder (or `autoencoder`, or the one at
-    `vae`): (N, H, W, 3) uint8. Prompts are embedded with `text_encoder` or the store's."""
+    `vae`): (N, H, W, 3) uint8. Prompts are embedded with `text_encoder` or the store's.
+    NonFiniteSamples (a SampleError) when a batch's latents or images hold NaN or inf."""
     cond, empty = _conditions(plan, store, text_encoder=text_encoder, text_pretrained=text_pretrained)
     cfg, s, dev = plan.model, plan.settings, plan.device
     generator = torch.Generator().manual_seed(s.seed)
@@ -398,8 +438,11 @@ def run_plan(model, plan: SamplePlan, store, *, autoencoder=None, text_encoder=N
                     model_kwargs=kwargs,
                     uncond_kwargs=uncond, generator=generator, device=dev, noise=noise[sl],
                 )
+            check_finite(z, "latents", plan, start)  # NaN would be black pixels, written as if fine
             with torch.no_grad():
-                out.append(to_uint8(autoencoder.decode(norm.denormalize(z.float()))))
+                x = autoencoder.decode(norm.denormalize(z.float()))
+            check_finite(x, "images", plan, start)
+            out.append(to_uint8(x))
     finally:
         model.train(was_training)
     return np.concatenate(out)
@@ -641,7 +684,8 @@ def _report(result: dict, images: np.ndarray, plan: SamplePlan, log) -> None:
 
 
 __all__ = [
-    "CLASS_MODES", "SamplePlan", "balanced_labels", "check_sampler", "class_mode", "embed_prompts",
+    "CLASS_MODES", "MAX_CFG_SCALE", "NonFiniteSamples", "SamplePlan", "balanced_labels", "check_finite",
+    "check_sampler", "class_mode", "embed_prompts",
     "make_grid", "output_paths", "parse_classes",
     "pick_labels", "plan_samples", "run_plan", "sample_images", "sample_to_files", "save_png", "store_text",
     "write_samples", "write_training_grid",

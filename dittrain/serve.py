@@ -22,8 +22,9 @@ command). When the weights file changes under a running server (training goes on
 message says so: the command would then sample the new weights.
 
 Requests are queued (gradio's queue, one at a time: the model is not thread-safe; a lock
-guards direct callers too). A bad request (0 steps, too many images, an unknown class, a
-text encoder that cannot load) is a message in the page; the server stays up.
+guards direct callers too). A bad request (0 steps, too many images, a CFG scale
+beyond +-100, an unknown class, a text encoder that cannot load) is a message in the page,
+and so are samples that went NaN/inf (no images shown); the server stays up.
 
 Offline (checked with gradio 6.31): GRADIO_ANALYTICS_ENABLED=False is set before gradio is
 imported (no version check, no telemetry); launch(share=False) (no tunnel binary); no SSR
@@ -67,7 +68,7 @@ from dittrain.opened import (
     load_text_encoder,
     model_config,
 )
-from dittrain.sample import plan_samples, run_plan
+from dittrain.sample import MAX_CFG_SCALE, NonFiniteSamples, plan_samples, run_plan
 
 _S = SampleConfig()
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes any int up to 2**64 - 1; the CLI any int
@@ -235,6 +236,9 @@ class Server:
             raise SampleError(f"the CFG scale must be a number, got {req.cfg_scale!r}") from None
         if not math.isfinite(cfg):
             raise SampleError(f"the CFG scale must be a finite number, got {cfg}")
+        if self.kind != "none" and abs(cfg) > MAX_CFG_SCALE:
+            raise SampleError(f"the CFG scale must be in -{MAX_CFG_SCALE:g}..{MAX_CFG_SCALE:g} (1: no guidance), "
+                              f"got {cfg:g}")
         sampler = req.sampler or self.diffusion.default_sampler
         if sampler not in self.samplers:
             raise SampleError(f"sampler {sampler!r} does not fit this {self.diffusion.objective} run; "
@@ -284,6 +288,9 @@ class Server:
             with self._lock:  # gradio's queue runs one request at a time; direct callers too
                 encoder = self.text_encoder() if plan.kind == "text" else None
                 images = run_plan(self.model, plan, self.store, autoencoder=self.autoencoder, text_encoder=encoder)
+        except NonFiniteSamples as e:  # NaN/inf samples: a message, never black images
+            self.log(f"request failed: {e}")
+            return Generated([], "", e.describe(after="no images are shown"), seed)
         except UserError as e:  # a bad request, or a text encoder that cannot load
             self.log(f"request refused: {e}")
             return Generated([], "", str(e), seed if isinstance(seed, int) else None)

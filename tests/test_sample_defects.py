@@ -11,10 +11,14 @@ import numpy as np
 import pytest
 import torch
 from cliutil import dittrain, ok
-from test_sample import cli
+from test_sample import cli, one_line_error
 
 import dittrain.npz as npz_api
+from ditdata.store import open_store
+from dittrain.config import SampleConfig
 from dittrain.npz import JOB_NAME, weights_digest
+from dittrain.opened import SampleError
+from dittrain.sample import plan_samples
 from dittrain.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -80,3 +84,74 @@ def test_int8_export_samples_to_npz_and_resumes(int8_export, tmp_path, monkeypat
     monkeypatch.undo()
     ok(cli("--ckpt", int8_export, "--npz", again, *NPZ), "2 of 2 chunks done")
     assert again.read_bytes() == reference and not parts.exists()
+
+
+# -----------------------------------------------------------------------------
+# 2. non-finite samples stop in one line, nothing written; absurd guidance refused
+
+
+@pytest.fixture(scope="module")
+def nan_class_run(pixel_run, tmp_path_factory):
+    """The pixel run with class 2's embedding set to NaN: samples of class 2 go NaN, the
+    others stay finite (every op of the DiT is per sample)."""
+    from dittrain.checkpoint import export_weights
+
+    weights, config = load_weights(pixel_run[0])
+    weights = dict(weights)
+    table = weights["y_embedder.embedding_table.weight"].clone()
+    table[2] = float("nan")
+    weights["y_embedder.embedding_table.weight"] = table
+    run = tmp_path_factory.mktemp("nan") / "run"
+    run.mkdir()
+    export_weights(run / "ema.safetensors", weights, config)
+    return run
+
+
+def test_absurd_cfg_is_refused_up_front(pixel_run, tmp_path):
+    run, store = pixel_run
+    for flags in (["--out", tmp_path / "g.png"], ["--npz", tmp_path / "s.npz"]):
+        err = one_line_error(cli("--ckpt", run, *flags, "--cfg", "1e308", "--n", 2, "--steps", 2, "--device", "cpu"),
+                             "--cfg 1e+308", "-100..100")
+    assert "out of range" in err
+    assert list(tmp_path.iterdir()) == []  # nothing written, no parts folder
+    # the bound: 100 and -100 plan, just beyond does not; unconditional models ignore the scale
+    config = load_weights(run)[1]
+    opened = open_store(store)
+    for scale in (100.0, -100.0, 1.0):
+        plan_samples(config, opened, SampleConfig(cfg_scale=scale), device="cpu", n=1)
+    with pytest.raises(SampleError, match="out of range"):
+        plan_samples(config, opened, SampleConfig(cfg_scale=100.5), device="cpu", n=1)
+
+
+def test_nan_samples_stop_in_one_line_and_write_nothing(nan_class_run, tmp_path):
+    out = tmp_path / "grid.png"
+    r = cli("--ckpt", nan_class_run, "--out", out, "--class", "0,2", "--n", 2, "--steps", 2, "--cfg", 3.0,
+            "--seed", 7, "--device", "cpu")
+    one_line_error(r, "NaN/inf", "sample 1, class 2", "seed 7", "cfg 3", "nothing was written")
+    assert not out.exists() and not (tmp_path / "grid").exists()
+    # the finite class samples as before
+    ok(cli("--ckpt", nan_class_run, "--out", out, "--class", "0", "--n", 2, "--steps", 2, "--device", "cpu"))
+    assert len(list((tmp_path / "grid").glob("*.png"))) == 2
+
+
+def test_nan_npz_chunk_is_not_written(nan_class_run, tmp_path):
+    out = tmp_path / "s.npz"
+    r = cli("--ckpt", nan_class_run, "--npz", out, *NPZ, "--class", "0,0,2,2")
+    err = one_line_error(r, "NaN/inf", "class 2", "seed 3, chunk 1", "chunk 1 was not written")
+    assert "2 samples (the first: 2)" in err
+    parts = tmp_path / "s.npz.parts"
+    kept = sorted(p.name for p in parts.iterdir() if not p.name.startswith("."))  # not the lock
+    assert kept == ["000000.npy", JOB_NAME] and not out.exists()
+
+
+def test_serve_nan_samples_and_absurd_cfg_are_messages(nan_class_run):
+    from dittrain.serve import Request, Server
+
+    server = Server(nan_class_run, device="cpu", log=lambda line: None)
+    out = server.generate(Request(choice="2", n=2, steps=2, cfg_scale=3.0, seed=5))
+    assert not out.ok and out.command == "" and out.seed == 5
+    assert "NaN/inf" in out.message and "class 2" in out.message and "no images are shown" in out.message
+    assert "\n" not in out.message
+    out = server.generate(Request(choice="0", n=2, steps=2, cfg_scale=1e308, seed=5))
+    assert not out.ok and "CFG scale must be in -100..100" in out.message, out.message
+    assert server.generate(Request(choice="0", n=2, steps=2, cfg_scale=3.0, seed=5)).ok
