@@ -89,14 +89,23 @@ class RunState:
                 **{k: part.state_dict() for k, part in self._shared().items()},
                 "ranks": ranks, "config": self.config}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, *, exact_order: bool = True) -> None:
         """Restore every part from a checkpoint (this rank's entry of "ranks"). A loader
-        made with other settings raises dittrain.data.LoaderStateError."""
+        made with other settings raises dittrain.data.LoaderStateError, unless exact_order is
+        False (a resume that changes the batch, seed or window on purpose): the loader then
+        goes on after as many samples as it had drawn, in its new order."""
         for k, part in self._shared().items():
+            if k == "scaler" and not state[k] and self.scaler.is_enabled():
+                continue  # saved without fp16 (an empty scaler state): a new fp16 run starts its scale afresh
             part.load_state_dict(state[k])
         mine = state["ranks"][self.rank]
         for k, part in self._per_rank().items():
-            part.load_state_dict(mine[k])
+            if k == "loader" and not exact_order:
+                saved = mine[k]
+                drawn = int(saved["batches"]) * int(saved.get("batch_size") or self.loader.batch_size)
+                self.loader.load_state_dict({**saved, "batches": drawn // self.loader.batch_size}, strict=False)
+            else:
+                part.load_state_dict(mine[k])
         for k in self.COUNTERS:
             setattr(self, k, state.get(k, 0))
 

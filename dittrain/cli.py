@@ -5,9 +5,11 @@ handed to the module named after each command; torch is imported inside them so
 from __future__ import annotations
 
 import sys
+from dataclasses import fields
 
 import click
 
+from ditdata.common import configfile
 from ditdata.common.cli import FiniteFloat, OneLineErrors
 from dittrain import config
 
@@ -119,7 +121,8 @@ class SectionedCommand(click.Command):
     """`dittrain run --help`: the options under TrainConfig's section headings (data, model,
     diffusion, optim, ...), in the order config.json and the README use."""
 
-    EXTRA = {"no_compile": "performance"}  # flags without a field of their own
+    # flags without a field of their own; "config": how this invocation reads its settings
+    EXTRA = {"no_compile": "performance", "config": "config", "print_config": "config", "allow_changes": "config"}
 
     def format_options(self, ctx, formatter):
         from dittrain.config import SECTION_OF, SECTIONS
@@ -130,10 +133,13 @@ class SectionedCommand(click.Command):
             if record is not None:
                 section = SECTION_OF.get(param.name) or self.EXTRA.get(param.name, "other")
                 groups.setdefault(section, []).append(record)
-        for section in [*SECTIONS, "other"]:
+        for section in ["config", *SECTIONS, "other"]:
             if section in groups:
                 with formatter.section(f"{section.capitalize()} options"):
                     formatter.write_dl(groups[section])
+
+
+_CFG_RANGE = FiniteFloat(-config.MAX_CFG_SCALE, config.MAX_CFG_SCALE)  # a guidance scale
 
 
 def _opt(*names, field, **kw):
@@ -142,14 +148,22 @@ def _opt(*names, field, **kw):
 
 
 @main.command("run", cls=SectionedCommand)
-@click.option("--latents", required=True, type=click.Path(file_okay=False, path_type=str),
+@configfile.option(sections=lambda: {**config.SECTION_OF, **SectionedCommand.EXTRA},
+                   cli_only=("print_config", "allow_changes"))
+@click.option("--print-config", is_flag=True,
+              help="Print the resolved settings (the --config file, the flags and, with --resume, the "
+                   "run's record) as a TOML file that --config reads back, and exit.")
+@click.option("--allow-changes", is_flag=True,
+              help="--resume: apply flags that change what is learned (lr, schedule, EMA, batch, loss, "
+                   "precision, ...) instead of refusing them; each change goes into config.json's history.")
+@click.option("--latents", default="", type=click.Path(file_okay=False, path_type=str),
               help="The latent store written by `ditdata encode`, or its URL in object storage "
                    "(s3://, gs://, http(s)://; pip install 'ditkit[remote]'), read through --cache-dir.")
 @_opt("--cache-dir", field="cache_dir", help="URL stores: the local cache of verified shards "
       "(default $XDG_CACHE_HOME/ditkit/stores, else ~/.cache/ditkit/stores); shared by runs and workers.")
 @_opt("--cache-limit", field="cache_limit", help="URL stores: the cache's size limit, e.g. 20GiB (default "
       "50GiB); least recently used shards not being read are removed; at least the largest shard.")
-@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=str),
+@click.option("--out", "-o", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Run directory: config.json, metrics.jsonl, checkpoints/, ema.safetensors, samples/.")
 @_opt("--model", field="model", help="A name from `dittrain models`, e.g. DiT-XL/2, or a custom size "
       "custom:hidden=512,depth=8,heads=8,patch=2 (optional: ,mlp_ratio=R).")
@@ -188,8 +202,9 @@ def _opt(*names, field, **kw):
 @_opt("--t-shift", field="t_shift", type=FiniteFloat(min=0, min_open=True),
       help="flow: SD3's shift t -> S t / (1 + (S - 1) t) of the training t and of the Euler/Heun "
            "sampling grid (1: none; S > 1 spends more time near the noise).")
-@_opt("--amp", field="amp", type=click.Choice(config.AMP_MODES),
-      help="auto: bf16 on GPUs that have it, else fp16 with a grad scaler; fp32 on the CPU.")
+@_opt("--precision", "--amp", "amp", field="amp", type=click.Choice(config.AMP_MODES),
+      help="Autocast (as sample's and serve's --precision; --amp is the older name): auto: bf16 on "
+           "GPUs that have it, else fp16 with a grad scaler; fp32 on the CPU.")
 @_opt("--grad-checkpointing", field="grad_checkpointing", is_flag=False, flag_value="every",
       help="Recompute activations in the backward pass to save memory: every (every block's, the "
            "most saved; also what the bare flag means), k (every k-th block's), attn (each block's "
@@ -231,12 +246,14 @@ def _opt(*names, field, **kw):
 @_opt("--sample-every", field="sample_every", type=click.IntRange(min=0),
       help="EMA sample grid every N steps and at the end (0: never).")
 @_opt("--sample-steps", field="sample_steps", type=click.IntRange(min=1))
-@_opt("--sample-cfg", field="sample_cfg", type=FiniteFloat())
+@_opt("--sample-cfg", field="sample_cfg", type=_CFG_RANGE)
 @_opt("--logger", field="logger", metavar="NAMES",
       help="Where metrics and sample grids go, comma-separated: tensorboard, wandb, jsonl (metrics.jsonl, "
            "always on). wandb needs the wandb extra, honours WANDB_MODE=offline|disabled and never stops a run.")
-@_opt("--wandb-project", field="wandb_project", help="W&B project (--logger wandb).")
-@click.option("--wandb-name", default=_defaults()["wandb_name"], help="W&B run name (default: the --out folder's name).")
+@click.option("--wandb-project", default=_defaults()["wandb_project"],
+              help="W&B project (--logger wandb; default: $WANDB_PROJECT, else ditkit).")
+@click.option("--wandb-name", default=_defaults()["wandb_name"],
+              help="W&B run name (default: $WANDB_NAME, else the --out folder's name).")
 @_opt("--eval-every", field="eval_every", type=click.IntRange(min=0),
       help="FID of the EMA model every N steps and at the end, to metrics.jsonl and TensorBoard "
            "(0: never; needs --eval-ref and the Inception file, see `dittrain eval --help`).")
@@ -248,37 +265,68 @@ def _opt(*names, field, **kw):
               help="The FID Inception weights (default: $DITKIT_INCEPTION, else the torch hub cache).")
 @_opt("--eval-steps", field="eval_steps", type=click.IntRange(min=0),
       help="Sampling steps of an evaluation (0: the FID protocol: 250 ddpm, 50 Euler for flow).")
-@_opt("--eval-cfg", field="eval_cfg", type=FiniteFloat(), help="Guidance scale of an evaluation.")
+@_opt("--eval-cfg", field="eval_cfg", type=_CFG_RANGE, help="Guidance scale of an evaluation.")
 @_opt("--eval-batch-size", field="eval_batch_size", type=click.IntRange(min=1))
 @_opt("--max-nonfinite", field="max_nonfinite", type=click.IntRange(min=1),
       help="Consecutive NaN/inf losses (each step skipped) before the run stops.")
-@_opt("--resume/--no-resume", field="resume", help="Continue from the latest checkpoint in --out.")
+@_opt("--resume/--no-resume", field="resume",
+      help="Continue from the latest checkpoint in --out, with the settings recorded in its config.json "
+           "(`--resume --out RUN` alone is enough); flags given apply on top, see --allow-changes.")
 @click.option("--init-from", default=_defaults()["init_from"], metavar="FILE_OR_RUN",
               help="Fine-tune: start the model and its EMA from these weights (a plain state dict .pt such "
                    "as DiT-XL-2-256x256.pt, an EMA export, a run directory or a checkpoint: its EMA); "
                    "optimizer, step and schedule start fresh. Another class count re-initialises the label "
                    "embedder; other shapes must fit. Ignored by a --resume that finds a checkpoint.")
 @_opt("--device", field="device")
-def run_cmd(**options):
+def run_cmd(print_config, allow_changes, **options):
     """Train a DiT on a latent store.
 
     Shapes, classes and text dimensions come from the store's manifest. Checkpoints hold
-    everything needed for an exact resume; SIGTERM/SIGINT finish the step, save and exit.
+    everything needed for an exact resume. SIGTERM, SIGINT and SIGUSR1 (Slurm's
+    --signal=USR1@120) finish the step, save, print the resume command and exit with status
+    75; a finished run exits 0.
 
     \b
     Examples:
-      dittrain run --latents ./store --model DiT-XL/2 --batch-size 256 --amp bf16 \\
+      dittrain run --latents ./store --model DiT-XL/2 --batch-size 256 --precision bf16 \\
           --grad-checkpointing every --out runs/exp1
-      dittrain run --latents ./store --model DiT-XL/2 --out runs/exp1 --resume
+      dittrain run --config exp1.toml --lr 3e-4          the file's settings, --lr overridden
+      dittrain run --resume --out runs/exp1              continue with the recorded settings
+      dittrain run --config exp1.toml --print-config     the resolved settings, as TOML
       torchrun --standalone --nproc_per_node 8 -m dittrain.cli run --latents ./store --out runs/ddp
     """
-    from dittrain.config import TrainConfig
-    from dittrain.train import run
+    from dittrain.record import settle
 
+    ctx = click.get_current_context()
+    chosen = configfile.given(ctx)
+    options.pop(configfile.CONFIG_OPTION)
     if options.pop("no_compile"):
         options["compile"] = "off"
-    result = run(TrainConfig.from_flat(**options))
+        chosen.add("compile")
+    cfg, resumption = settle(options, chosen, allow_changes=allow_changes)
+    if print_config:
+        click.echo(_config_toml(cfg, ctx.command), nl=False)
+        return 0
+    if not cfg.data.latents:
+        raise click.UsageError("Missing option '--latents' (a latent store; a --resume of a recorded run "
+                               "takes its own)")
+    from dittrain.train import STOPPED_STATUS, run
+
+    result = run(cfg, resumption)
+    if result.get("stopped"):
+        return STOPPED_STATUS  # the loop said where it stopped and how to resume
     click.echo(f"{result['out']}: finished at step {result['step']}")
+    return 0
+
+
+def _config_toml(cfg, command: click.Command) -> str:
+    """A TrainConfig as the TOML file --config reads: its sections as tables, the flag names as keys."""
+    from dittrain.config import SECTIONS
+
+    keys = {p.name: configfile.key_of(p) for p in command.params}
+    tables = {section: {keys[f]: getattr(getattr(cfg, section), f) for f in (x.name for x in fields(cls))}
+              for section, cls in SECTIONS.items()}
+    return configfile.to_toml(tables, header="dittrain run --config FILE: the settings of one run, by section")
 
 
 @main.command("sample")
@@ -325,7 +373,7 @@ def run_cmd(**options):
               help="Images per grid row (default: ceil(sqrt(n)); --n-per-class in the row layout).")
 @click.option("--grid-scale", default=1, show_default=True, type=click.IntRange(min=1),
               help="Enlarge the grid this many times (nearest neighbour) for tiny images.")
-@click.option("--cfg", "cfg_scale", default=None, type=FiniteFloat(),
+@click.option("--cfg", "cfg_scale", default=None, type=_CFG_RANGE,
               help=f"Classifier-free guidance scale (1: none; ignored for unconditional models). Default "
                    f"{_sample_defaults().cfg_scale}; with --npz {_eval_defaults().cfg_scale} (the DiT paper's "
                    "FID protocol).")

@@ -44,6 +44,11 @@ RESIDENT_DEVICES = ("cpu", "cuda")  # where a resident store lives
 LOGGERS = ("jsonl", "tensorboard", "wandb")  # dittrain.loggers
 
 
+# |guidance scale| beyond this is refused (--cfg, --sample-cfg, --eval-cfg; dittrain.sample.plan_samples):
+# DiT guides with 1.5..4, and a finite but absurd scale (1e308) overflows the samples to NaN.
+MAX_CFG_SCALE = 100.0
+
+
 @dataclass(frozen=True)
 class SampleConfig:
     """Sampling settings and their defaults: `dittrain sample` and the trainer's EMA grids."""
@@ -160,8 +165,8 @@ class LoggingSection:
     sample_steps: int = SampleConfig.steps
     sample_cfg: float = SampleConfig.cfg_scale
     logger: str = "tensorboard,jsonl"  # comma-separated: jsonl, tensorboard, wandb
-    wandb_project: str = "ditkit"
-    wandb_name: str = ""  # "": the run directory's name
+    wandb_project: str = ""  # "": $WANDB_PROJECT, else "ditkit" (dittrain.loggers)
+    wandb_name: str = ""  # "": $WANDB_NAME, else the run directory's name
 
 
 @dataclass

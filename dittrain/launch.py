@@ -24,6 +24,7 @@ from dittrain.config import TrainConfig
 from dittrain.diffusion import Diffusion, DiffusionConfig
 from dittrain.latents import latent_record
 from dittrain.loggers import parse_loggers
+from dittrain.record import Resumption
 from dittrain.specs import DiTConfig, get_config
 from dittrain.step import compile_model, compile_target
 
@@ -90,6 +91,7 @@ class Run:
     created_group: bool = False  # this process joined the process group (and so leaves it)
     evaluator: object | None = None  # --eval-every: the FID evaluator (every rank shares the work)
     saver: CheckpointWriter | None = None  # --async-save, rank 0: the background writer (made by the first save)
+    resumption: Resumption | None = None  # a resume of a recorded run: what it changes (dittrain.record)
 
     @property
     def master(self) -> bool:

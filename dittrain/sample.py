@@ -46,7 +46,7 @@ import torch
 from ditdata.common import files as files_api
 from ditdata.common.devices import autocast
 from ditdata.store import TEXT_FIELDS
-from dittrain.config import SampleConfig, recorded
+from dittrain.config import MAX_CFG_SCALE, SampleConfig, recorded
 from dittrain.diffusion import SAMPLER_TABLE, SAMPLERS, Diffusion, DiffusionConfig
 from dittrain.latents import LatentNorm
 from dittrain.model import DiT
@@ -69,7 +69,6 @@ SINGLES_DIR = "samples"  # --out DIR: DIR/samples/NNNN.png
 INDEX_NAME = "samples.json"  # beside the singles: what each file is and how it was made
 TEXT_POOLED, TEXT_TOKENS, TEXT_MASK = TEXT_FIELDS
 _S = SampleConfig()  # the defaults of every sampling entry point
-MAX_CFG_SCALE = 100.0  # |--cfg| beyond this is refused: DiT guides with 1.5..4; 1e308 overflows to NaN
 
 
 # -----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The training loop, readable top to bottom.
 
     store -> loader -> [AMP forward, diffusion loss, backward] x accumulation -> clip -> AdamW
-          -> EMA -> log -> checkpoint (every N, at the end, on SIGTERM/SIGINT)
+          -> EMA -> log -> checkpoint (every N, at the end, on SIGTERM/SIGINT/SIGUSR1)
 
 One process or many (torchrun: DDP, each rank its own part of the store) run the same
 code. Everything the model needs to know about the data (latent shape, classes, text
@@ -25,6 +25,7 @@ what a checkpoint holds; the optimizer and schedule from dittrain.optim) and res
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import sys
 import time
@@ -55,6 +56,7 @@ from dittrain.latents import LatentNorm
 from dittrain.launch import Run, TrainError, setup
 from dittrain.model import DiT
 from dittrain.optim import build_optimizer, build_schedule
+from dittrain.record import Resumption
 from dittrain.report import Log, evaluate, note, sample_grid
 from dittrain.step import Attempt, TrainStep, compile_model, compile_target, empty_text_on
 
@@ -169,7 +171,10 @@ def _same_objective(latest: Path, saved: dict, run: Run) -> None:
     old = asdict(DiffusionConfig(**{k: v for k, v in (saved.get("diffusion") or {}).items()
                                     if k in DiffusionConfig.__dataclass_fields__}))
     new = run.resolved["diffusion"]
-    changed = [k for k in new if old.get(k) != new[k]]
+    allowed = run.resumption.allowed if run.resumption is not None else frozenset()
+    # loss and timestep options a user let through (--allow-changes), by DiffusionConfig's names
+    let = {_DIFFUSION_NAME.get(name, name) for name in allowed}
+    changed = [k for k in new if old.get(k) != new[k] and k not in let]
     if changed:
         raise CheckpointError(f"{latest}: diffusion options differ from this run's ({', '.join(changed)}: "
                               f"{', '.join(f'{old.get(k)} -> {new[k]}' for k in changed)}); keep the original flags")
@@ -190,12 +195,34 @@ def _keep_init(run: Run, saved: dict, first: str) -> None:
         run.resolved["init"] = saved["init"]
 
 
-def _resume(state: RunState, ckpt: dict, path: Path) -> None:
+# TrainConfig's names of the diffusion options whose DiffusionConfig names differ
+_DIFFUSION_NAME = {"t_mean": "logit_normal_mean", "t_std": "logit_normal_std"}
+# Changes (let through by --allow-changes) after which the data order cannot continue exactly
+_ORDER = frozenset({"batch_size", "accumulation_steps", "seed", "shuffle_window"})
+
+
+def _resume(run: Run, state: RunState, ckpt: dict, path: Path) -> None:
+    """Load the checkpoint. With data-order changes let through (--allow-changes), the loaders
+    continue after as many samples as were drawn, in the order of the new settings."""
+    changed = run.resumption.allowed & _ORDER if run.resumption is not None else frozenset()
     try:
-        state.load_state_dict(ckpt)
+        state.load_state_dict(ckpt, exact_order=not changed)
     except LoaderStateError as e:
         raise TrainError(f"{path}: cannot resume its data order: {e}; keep the original "
                          "--batch-size, --seed and loader flags") from e
+    _apply_hyperparameters(run.cfg, state)
+
+
+def _apply_hyperparameters(cfg: TrainConfig, state: RunState) -> None:
+    """The optimizer's lr and weight decay from this run's config, not the checkpoint's: a
+    loaded optimizer and LambdaLR bring back the values they were saved with, which after an
+    allowed change (--allow-changes --lr 3e-4) would silently keep the old ones."""
+    sched = state.lr_schedule
+    sched.base_lrs = [cfg.optim.lr for _ in state.optimizer.param_groups]
+    for group, f in zip(state.optimizer.param_groups, sched.lr_lambdas, strict=True):
+        group["initial_lr"] = cfg.optim.lr
+        group["weight_decay"] = cfg.optim.weight_decay
+        group["lr"] = cfg.optim.lr * f(sched.last_epoch)  # LambdaLR's own formula: unchanged runs stay bit-exact
 
 
 def _save(run: Run, state: RunState) -> None:
@@ -228,15 +255,24 @@ def _save(run: Run, state: RunState) -> None:
 # --------------------------------------------------------------------------- the run
 
 
-def run(cfg: TrainConfig) -> dict:
+# The exit status of a run stopped by a signal (checkpoint saved, resumable): sysexits'
+# EX_TEMPFAIL, "try again later", so Slurm requeue scripts and `until` loops can tell it from
+# a finished run (0) and an error (1).
+STOPPED_STATUS = 75
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # SIGUSR1: Slurm's --signal=USR1@120
+
+
+def run(cfg: TrainConfig, resumption: Resumption | None = None) -> dict:
     """Train as configured; rank 0 holds the run directory's lock for the whole run, so a
     second `dittrain run` (or --resume) on the same --out fails at once instead of writing
-    into it too (DirectoryBusy). A run that fails before writing anything leaves no trace."""
+    into it too (DirectoryBusy). A run that fails before writing anything leaves no trace.
+    resumption: what a resume changes against the run's record (dittrain.record.settle).
+    The result's "stopped" is the signal's name when a signal ended the run early."""
     _check_out(Path(cfg.checkpointing.out))
     if dist.launch_env().rank != 0:
-        return _train(cfg)
+        return _train(cfg, resumption)
     with DirLock(cfg.checkpointing.out, "dittrain run"):
-        return _train(cfg)
+        return _train(cfg, resumption)
 
 
 def _check_out(out: Path) -> None:
@@ -247,14 +283,15 @@ def _check_out(out: Path) -> None:
         raise TrainError(f"--out {out} is an image-shard folder (from `ditdata fetch`); choose a run directory")
 
 
-def _train(cfg: TrainConfig) -> dict:
+def _train(cfg: TrainConfig, resumption: Resumption | None) -> dict:
     run = setup(cfg)  # a group it joins, the run also leaves (one the caller made, not: run.created_group)
+    run.resumption = resumption
     run.evaluator = _evaluator(cfg, run.store)
     ckpt, latest = _checkpoint_to_resume(run)
     state = _build(run, ckpt)
     try:
         if ckpt is not None:
-            _resume(state, ckpt, latest)
+            _resume(run, state, ckpt, latest)
         # Only now, with everything built and loaded, does the run write into its directory:
         # a run refused on its settings leaves nothing behind.
         _prepare_out(run, resumed_at=state.step if ckpt is not None else None)
@@ -266,7 +303,7 @@ def _train(cfg: TrainConfig) -> dict:
                   f"rank(s) x {cfg.optim.accumulation_steps} accumulation x {run.per_rank}; "
                   f"{_origin(cfg, ckpt, state)}", file=sys.stderr)
         with _Stop() as stop, Log(run, state, resumed=ckpt is not None) as log:  # (the bar closes on errors too)
-            _loop(run, state, train_model, log, stop)
+            stopped = _loop(run, state, train_model, log, stop)
             step = state.step
             if run.master and step == cfg.optim.max_steps and cfg.logging.sample_every > 0 and step % cfg.logging.sample_every:
                 sample_grid(run, state.ema, step, log)  # the last grid
@@ -287,7 +324,8 @@ def _train(cfg: TrainConfig) -> dict:
         # at interpreter shutdown when a peer closes first, and torchrun's agent on the
         # other node then waits out its 300 s exit barrier for an agent that failed.
         dist.leave(run.created_group)
-    return {"step": step, "out": str(run.out), "nonfinite_skipped": state.nonfinite_total}
+    return {"step": step, "out": str(run.out), "nonfinite_skipped": state.nonfinite_total,
+            "stopped": (stop.name or "a peer's signal") if stopped else None}
 
 
 def _origin(cfg: TrainConfig, ckpt: dict | None, state: RunState) -> str:
@@ -304,6 +342,9 @@ def _prepare_out(run: Run, resumed_at: int | None) -> None:
     out = run.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "samples").mkdir(exist_ok=True)
+    if run.resumption is not None or resumed_at is not None:  # the record's history, with this resume's changes
+        prior = run.resumption.history_at(resumed_at or 0) if run.resumption is not None else []
+        run.resolved["history"] = prior
     _write_text(out / "config.json", json.dumps(run.resolved, indent=1))
     if resumed_at is not None:
         _truncate_metrics(out / "metrics.jsonl", resumed_at)
@@ -320,8 +361,8 @@ def _wrap(run: Run, model: DiT) -> torch.nn.Module:
     return model
 
 
-def _loop(run: Run, state: RunState, train_model, log: Log, stop: _Stop) -> None:
-    """Optimizer steps until max_steps or a stop request (SIGTERM/SIGINT).
+def _loop(run: Run, state: RunState, train_model, log: Log, stop: _Stop) -> bool:
+    """Optimizer steps until max_steps or a stop request (STOP_SIGNALS); True when stopped early.
 
     Step k+1's forward and backward are queued before step k is settled (dittrain.step), so
     the host never makes the device wait; a step is settled at once where the host needs its
@@ -362,9 +403,11 @@ def _loop(run: Run, state: RunState, train_model, log: Log, stop: _Stop) -> None
             if run.saver is not None:  # "checkpoint saved" is said once it is on disk
                 run.saver.wait()
             if run.master:
-                print(f"\ndittrain: stopped by signal at step {n}; checkpoint saved, "
-                      f"resume with --resume", file=sys.stderr)
-            break
+                print(f"\ndittrain: stopped by signal at step {n} of {cfg.optim.max_steps} ({stop.name or 'on a peer'}); "
+                      f"checkpoint saved; resume with: dittrain run --resume --out {shlex.quote(str(run.out))}",
+                      file=sys.stderr)
+            return n < cfg.optim.max_steps
+    return False
 
 
 def _due(cfg: TrainConfig, n: int, evaluating: bool) -> bool:
@@ -406,19 +449,21 @@ class _Books:
 
 
 class _Stop:
-    """SIGTERM/SIGINT: remember the request; the loop finishes its step, saves and exits."""
+    """STOP_SIGNALS: remember the request; the loop finishes its step, saves and exits."""
 
     def __init__(self):
         self.requested = False
+        self.name = ""  # the signal that asked
         self._old = {}
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             self._old[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
         self.requested = True
+        self.name = self.name or signal.Signals(signum).name
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():

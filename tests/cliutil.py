@@ -107,7 +107,8 @@ def losses(out: Path) -> list[tuple[int, float]]:
 
 def resume_after_sigkill(store: Path, root: Path, common: list, *, steps: int, half: int) -> str:
     """`run_args(store, OUT, *common)` twice: OUT=root/straight to the end, and OUT=root/killed
-    SIGKILLed as soon as its step-`half` checkpoint exists, then resumed (--resume) to the end.
+    SIGKILLed as soon as its step-`half` checkpoint exists, then resumed to the end with
+    `--resume --out OUT` alone (the settings come from the run's config.json).
     Both end with status 0, the resume starts at step `half`, and both runs log the same loss at
     every step 1..steps. Returns the straight run's stderr."""
     from dittrain.checkpoint import latest_checkpoint
@@ -120,7 +121,8 @@ def resume_after_sigkill(store: Path, root: Path, common: list, *, steps: int, h
     assert straight.returncode == 0, straight_err[-2000:]
     assert latest_checkpoint(root / "killed") == ckpt, "the kill landed after the run ended"
 
-    resumed = spawn(run_args(store, root / "killed", *common, "--resume"))
+    # the run's own record is enough: `--resume --out RUN` alone (dittrain.record)
+    resumed = spawn(["run", "--resume", "--out", root / "killed"])
     _, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-2000:]
     assert f"resuming at step {half}" in err

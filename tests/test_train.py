@@ -51,21 +51,36 @@ def test_exact_resume_after_sigkill(store, tmp_path, loader):
                       load_checkpoint(latest_checkpoint(tmp_path / "killed")))
 
 
-def test_sigterm_saves_and_exits_zero(store, tmp_path):
-    proc = spawn(run_args(store, tmp_path / "r", "--max-steps", 100000, "--save-every", 100000))
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_saves_and_exits_75_then_resumes_exactly(store, tmp_path, sig):
+    """SIGTERM and SIGUSR1 (Slurm's --signal=USR1@120): checkpoint, the resume command, status
+    75 (not 0: a requeue script must tell a stop from the end); the printed command continues
+    the run exactly (the same losses as a run that was never stopped)."""
+    from dittrain.train import STOPPED_STATUS
+
+    common = ["--max-steps", 12, "--save-every", 100000, "--lr", "1e-3"]
+    proc = spawn(run_args(store, tmp_path / "r", *common))
+    straight = spawn(run_args(store, tmp_path / "straight", *common))
     metrics = tmp_path / "r" / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
         assert proc.poll() is None and time.time() < deadline
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+        time.sleep(0.02)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-2000:]
-    assert "stopped by signal" in err
+    assert proc.returncode == STOPPED_STATUS == 75, err[-2000:]
+    assert "stopped by signal" in err and sig.name in err and "finished at step" not in err
     ckpt = load_checkpoint(latest_checkpoint(tmp_path / "r"))
-    assert ckpt["step"] >= 3 and ckpt["step"] == losses(tmp_path / "r")[-1][0]
+    assert 3 <= ckpt["step"] < 12 and ckpt["step"] == losses(tmp_path / "r")[-1][0]
     weights, config = load_weights(tmp_path / "r")
     assert config["store"]["identity"] == ckpt["config"]["store"]["identity"] and weights
+    command = err.split("resume with: ")[1].splitlines()[0].split()
+    assert command == ["dittrain", "run", "--resume", "--out", str(tmp_path / "r")]
+    resumed = spawn(command[1:])
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-2000:]
+    assert straight.communicate(timeout=300) and straight.returncode == 0
+    assert losses(tmp_path / "r") == losses(tmp_path / "straight")
 
 
 def test_run_directory_and_logs(store, tmp_path):

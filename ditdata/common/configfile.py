@@ -1,0 +1,209 @@
+"""`--config FILE.toml`: a command's options from a TOML file (stdlib tomllib), and back.
+
+The keys are the commands' own flag names without the dashes (`batch-size = 256`,
+`flip = true` for `--flip/--no-flip`; `batch_size` is read too). A command whose options
+come in sections (`dittrain run`: data, model, optim, ...) reads them from tables of those
+names (`[optim]`); the others read top-level keys. The file's values become the command's
+defaults (click's default_map), so a flag given on the command line wins over the file.
+Every value is checked up front, before anything runs: an unknown key, a key in the wrong
+table or a value of the wrong type is one line naming the key and the file.
+
+`to_toml` writes such a file back (`dittrain run --print-config`), and `given` says which
+options were set by the user (on the command line or in the file) rather than defaulted:
+what a resume compares with the run's record.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import click
+from click.core import ParameterSource
+
+CONFIG_OPTION = "config"  # the parameter name of --config (never itself a key of the file)
+
+
+def key_of(param: click.Parameter) -> str:
+    """The file key of an option: its first long flag without the dashes (`--batch-size` ->
+    `batch-size`; `--flip/--no-flip` -> `flip`)."""
+    longs = [o for o in param.opts if o.startswith("--")]
+    return longs[0][2:] if longs else param.name.replace("_", "-")
+
+
+def _options(command: click.Command) -> dict[str, click.Option]:
+    """key (and its underscore spelling) -> option, for the options a file may set."""
+    found: dict[str, click.Option] = {}
+    for p in command.params:
+        if isinstance(p, click.Option) and p.name != CONFIG_OPTION and not p.is_eager:
+            found[key_of(p)] = p
+            found.setdefault(key_of(p).replace("-", "_"), p)
+    return found
+
+
+def _bad(path: Path, key: str, why: str) -> click.BadParameter:
+    return click.BadParameter(f"{path}: {key}: {why}", param_hint="'--config'")
+
+
+def _check_type(path: Path, key: str, param: click.Option, value):
+    """The TOML value, as what the option takes; strict where click would coerce silently
+    (it turns 1.5 into 1 for an integer, and anything into a string)."""
+    kind = param.type
+    if isinstance(value, dict):
+        raise _bad(path, key, "a table where a value belongs")
+    if param.multiple:
+        if not isinstance(value, list):
+            raise _bad(path, key, f"takes a list, e.g. {key} = [\"a\", \"b\"], not {value!r}")
+        return [_check_type(path, key, _Single(param), v) for v in value]
+    if isinstance(value, list):
+        raise _bad(path, key, f"takes one value, not the list {value!r}")
+    if param.is_flag and param.flag_value is True or isinstance(kind, click.types.BoolParamType):
+        if not isinstance(value, bool):
+            raise _bad(path, key, f"takes true or false, not {value!r}")
+        return value
+    if isinstance(kind, click.types.IntParamType) or isinstance(kind, click.IntRange):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _bad(path, key, f"takes an integer, not {value!r}")
+    elif isinstance(kind, click.types.FloatParamType):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _bad(path, key, f"takes a number, not {value!r}")
+    elif isinstance(value, bool):
+        raise _bad(path, key, f"takes a value such as {param.metavar or 'TEXT'}, not {value!r}")
+    elif isinstance(value, int | float):
+        value = str(value)  # a string option given a number in the file: --grad-checkpointing 2
+    try:
+        return kind.convert(value, param, None)
+    except click.BadParameter as e:
+        raise _bad(path, key, e.message) from None
+
+
+class _Single:
+    """One element of a multiple option, for _check_type."""
+
+    def __init__(self, param: click.Option):
+        self.type, self.metavar, self.opts, self.name = param.type, param.metavar, param.opts, param.name
+        self.multiple, self.is_flag, self.flag_value = False, False, None
+
+
+def read(path: str | Path) -> dict:
+    """The TOML file, parsed; a missing or malformed file is one line."""
+    import tomllib
+
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise click.BadParameter(f"{path}: {e.strerror or e}", param_hint="'--config'") from None
+    except tomllib.TOMLDecodeError as e:
+        raise click.BadParameter(f"{path}: not valid TOML ({e})", param_hint="'--config'") from None
+
+
+def defaults_from(command: click.Command, path: str | Path, data: Mapping,
+                  sections: Mapping[str, str] | None = None, cli_only: frozenset = frozenset()) -> dict:
+    """The checked values of a config file as {parameter name: value} (click's default_map).
+
+    sections: parameter name -> the table it belongs in; None reads top-level keys.
+    cli_only: parameters that a file may not set (what one invocation asks, not a setting)."""
+    path, options, values = Path(path), _options(command), {}
+    tables = sorted(set(sections.values())) if sections else []
+    for where, key, value in _entries(path, data, tables):
+        param = options.get(key)
+        if param is None:
+            names = sorted({key_of(p) for p in options.values()})
+            close = difflib.get_close_matches(key.replace("_", "-"), names, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else f"; `{command.name} --help` lists the flags"
+            raise _bad(path, _where(where, key), f"unknown key{hint}")
+        if param.name in cli_only:
+            raise _bad(path, _where(where, key), "is a command-line flag only, not a setting of the file")
+        if sections:
+            home = sections.get(param.name, "other")
+            if home != where:
+                raise _bad(path, _where(where, key), f"belongs in the [{home}] table")
+        values[param.name] = _check_type(path, _where(where, key), param, value)
+    return values
+
+
+def _entries(path: Path, data: Mapping, tables: list[str]):
+    """(table or None, key, value) of every setting in the file."""
+    for key, value in data.items():
+        if tables and isinstance(value, dict):
+            if key not in tables:
+                raise _bad(path, f"[{key}]", f"unknown table; the tables are {', '.join(tables)}")
+            for sub, v in value.items():
+                yield key, sub, v
+        elif tables:
+            yield None, key, value
+        else:
+            yield None, key, value
+
+
+def _where(table: str | None, key: str) -> str:
+    return f"[{table}] {key}" if table else key
+
+
+def option(sections: Callable[[], Mapping[str, str]] | None = None, cli_only: tuple[str, ...] = ()):
+    """The --config option (eager: the file is read before any other option, so its values
+    are the defaults that the command line's flags then override). sections, cli_only: as
+    for defaults_from (sections is called when a file is read, so it may import lazily)."""
+
+    def load(ctx: click.Context, param, value):
+        if value is None or ctx.resilient_parsing:
+            return value
+        table = sections() if sections is not None else None
+        found = defaults_from(ctx.command, value, read(value), table, frozenset(cli_only))
+        ctx.default_map = {**(ctx.default_map or {}), **found}
+        return value
+
+    return click.option("--config", CONFIG_OPTION, type=click.Path(dir_okay=False, path_type=str),
+                        default=None, is_eager=True, expose_value=True, callback=load, metavar="FILE.toml",
+                        help="Read the options from this TOML file (keys: the flag names without dashes"
+                             + (", in tables named after the sections below" if sections else "")
+                             + "); flags given here win over it.")
+
+
+def given(ctx: click.Context) -> set[str]:
+    """The parameters the user set (on the command line, in the --config file or the
+    environment), as opposed to those left at their defaults."""
+    chosen = (ParameterSource.COMMANDLINE, ParameterSource.DEFAULT_MAP, ParameterSource.ENVIRONMENT)
+    return {p.name for p in ctx.command.params if ctx.get_parameter_source(p.name) in chosen}
+
+
+# ------------------------------------------------------------------------------ writing
+
+
+def _value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    s = str(v)
+    # TOML basic strings: backslash, quote and control characters escaped
+    out = "".join(c if c not in '"\\' and ord(c) >= 0x20 and c != "\x7f" else
+                  {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t"}.get(c, f"\\u{ord(c):04x}") for c in s)
+    return f'"{out}"'
+
+
+def to_toml(tables: Mapping[str, Mapping], header: str = "") -> str:
+    """{table: {key: value}} as TOML (None values left out: TOML has no null, and a key left
+    out takes its default when the file is read back). A table named "" is top-level."""
+    lines = [f"# {ln}" if ln else "#" for ln in header.splitlines()]
+    for name, entries in sorted(tables.items(), key=lambda kv: kv[0] != ""):
+        body = [f"{k} = {_value(v)}" for k, v in entries.items() if v is not None]
+        if name:
+            lines += ["", f"[{name}]"] if lines else [f"[{name}]"]
+        lines += body
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["CONFIG_OPTION", "defaults_from", "given", "key_of", "option", "read", "to_toml"]
