@@ -17,6 +17,7 @@ from functools import partial
 
 import click
 
+from ditdata.common import configfile
 from ditdata.common.cli import FiniteFloat, OneLineErrors
 from ditdata.common.extras import install_hint
 from ditdata.config import (
@@ -71,6 +72,7 @@ def main():
 
 
 @main.command()
+@configfile.option()
 @click.argument("source", type=click.Path(exists=True, path_type=str))
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Shards folder to write (created; an interrupted fetch into it is resumed).")
@@ -163,6 +165,7 @@ def fetch(source, out, quiet, **options):
 
 
 @main.command()
+@configfile.option()
 @click.argument("shards", type=click.Path(exists=True, file_okay=False, path_type=str))
 @click.option("--clip", "clip_name", default=None,
               help="open_clip model name, e.g. ViT-B-32 (LAION-5B's filter), ViT-L-14 (DataComp). "
@@ -175,8 +178,9 @@ def fetch(source, out, quiet, **options):
                    "architecture; the model is then named after the file's stem.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ... (bf16 autocast on CUDA).")
 @click.option("--batch-size", default=SCORE_BATCH_SIZE, show_default=True, type=click.IntRange(min=1))
-@click.option("--workers", default=None, type=click.IntRange(min=0),
-              help="Image decoding threads (0: decode in the main thread). Default: CPU cores, at most 8.")
+@click.option("--threads", "workers", default=None, type=click.IntRange(min=0),
+              help="Image decoding threads (0: decode in the main thread). Default: CPU cores, at most 8. "
+                   "(Threads, as fetch's --threads; --workers counts processes everywhere.)")
 @click.option("--overwrite", is_flag=True,
               help="Recompute every shard, replacing scores made by another model or weights.")
 @click.option("--skip-bad-shards", is_flag=True,
@@ -210,6 +214,7 @@ def score(shards, clip_name, pretrained, clip_config, device, batch_size, worker
 
 
 @main.command(name="filter")
+@configfile.option()
 @click.argument("shards", type=click.Path(exists=True, file_okay=False, path_type=str))
 @click.option("--min-clip-score", type=FiniteFloat(), default=None,
               help="Keep clip_score >= X (LAION-5B: 0.28 with ViT-B/32).")
@@ -267,7 +272,7 @@ def _cache(cache_dir, cache_limit) -> dict:
 @click.argument("store", type=click.Path(file_okay=False, path_type=str))
 @click.option("--decode", "decode_n", type=click.IntRange(min=1), default=None,
               help="Also decode the first N stored latents with the store's own autoencoder.")
-@click.option("--out", type=click.Path(file_okay=False, path_type=str), default=None,
+@click.option("--out", "-o", type=click.Path(file_okay=False, path_type=str), default=None,
               help="Directory for the --decode PNGs (named by sample key).")
 @click.option("--vae", default=None,
               help="Where to find the store's autoencoder if not where it was recorded "
@@ -324,8 +329,9 @@ def verify(store, cache_dir, cache_limit):
 
 
 @main.command()
+@configfile.option()
 @click.argument("shards", type=click.Path(exists=True, file_okay=False, path_type=str))
-@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=str),
+@click.option("--out", "-o", required=True, type=click.Path(file_okay=False, path_type=str),
               help="The latent store directory (created, resumed or appended to).")
 @_encode_opt("--vae", field="vae",
              help="Autoencoder: sd-vae-ft-ema, sd-vae-ft-mse, sdxl-vae, flux-vae, taef2, pixels, "

@@ -299,7 +299,6 @@ def run_cmd(print_config, allow_changes, **options):
 
     ctx = click.get_current_context()
     chosen = configfile.given(ctx)
-    options.pop(configfile.CONFIG_OPTION)
     if options.pop("no_compile"):
         options["compile"] = "off"
         chosen.add("compile")
@@ -330,6 +329,7 @@ def _config_toml(cfg, command: click.Command) -> str:
 
 
 @main.command("sample")
+@configfile.option()
 @click.option("--ckpt", default=None, type=click.Path(exists=True, path_type=str),
               help="A run directory (its ema.safetensors, else its latest checkpoint), an EMA "
                    "export .safetensors (fp32, or fp16 from `dittrain export`), an int8 export .pt, a "
@@ -342,7 +342,7 @@ def _config_toml(cfg, command: click.Command) -> str:
 @click.option("--onnx", "onnx_file", default=None, type=click.Path(exists=True, dir_okay=False, path_type=str),
               metavar="FILE.onnx", help="--engine onnx: a file from `dittrain export --format onnx` (its run "
                                         "config is in it; --ckpt RUN for a file without it).")
-@click.option("--out", default=None, type=click.Path(path_type=str),
+@click.option("--out", "-o", default=None, type=click.Path(path_type=str),
               help="NAME.png: the grid there, singles in NAME/. Otherwise a folder: DIR/grid.png, "
                    "singles in DIR/samples/. Optional with --npz: then only a grid of the first 64 samples.")
 @click.option("--npz", default=None, type=click.Path(dir_okay=False, path_type=str), metavar="FILE.npz",
@@ -481,13 +481,14 @@ def _sample_engine(engine: str, onnx_file, ckpt, npz, *, latents, vae, model):
 
 
 @main.command("export")
+@configfile.option()
 @click.option("--ckpt", required=True, type=click.Path(exists=True, path_type=str),
               help="What `dittrain sample --ckpt` takes: a run directory (its EMA), an EMA export, a checkpoint or "
                    "a plain state dict (not an int8 export).")
 @click.option("--format", "fmt", required=True, type=click.Choice(["onnx", "diffusers", "fp16", "int8"]),
               help="onnx: FILE.onnx (the forward, dynamic batch); diffusers: a DiTPipeline folder; fp16: "
                    "FILE.safetensors; int8: FILE.pt (torchao weight-only).")
-@click.option("--out", required=True, type=click.Path(path_type=str),
+@click.option("--out", "-o", required=True, type=click.Path(path_type=str),
               help="FILE.onnx, a folder (diffusers), FILE.safetensors (fp16) or FILE.pt (int8).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out.")
 @click.option("--latents", type=click.Path(file_okay=False, path_type=str), default=None,
@@ -575,6 +576,7 @@ def runs_cmd(run_dirs, plot):
 
 
 @main.command("eval")
+@configfile.option()
 @click.option("--samples", required=True, type=click.Path(exists=True, path_type=str),
               help="Samples: an .npz (arr_0: uint8 N x H x W x 3, as ADM and `dittrain sample --npz` "
                    "write) or a folder of images (recursive, one size).")
@@ -639,6 +641,7 @@ def eval_cmd(samples, ref, inception, json_out, batch_size, device, resolution, 
 
 
 @main.command("serve")
+@configfile.option()
 @click.option("--ckpt", required=True, type=click.Path(exists=True, path_type=str),
               help="What `dittrain sample --ckpt` takes: a run directory, an EMA export, a checkpoint or a "
                    "plain state dict (with --vae or --latents). Loaded once, at start.")

@@ -104,7 +104,7 @@ fetch_stage "download $LAION_PARQUET -> image shards in $SHARDS_DIR" \
 if want score; then
     stage score "CLIP $CLIP_MODEL ($CLIP_PRETRAINED) scores of $SHARDS_DIR"
     run "$DITDATA" score "$SHARDS_DIR" --clip "$CLIP_MODEL" --pretrained "$CLIP_PRETRAINED" "${clip_config[@]}" \
-        --device "$DEVICE" --workers "$WORKERS" "${extra_score[@]}"
+        --device "$DEVICE" --threads "$WORKERS" "${extra_score[@]}"
 fi
 
 # ---- 3 filter: the scores -> the keys to train on ----

@@ -201,7 +201,7 @@ def test_score_and_filter_with_a_bad_shard(shards, tmp_path):
             (tree / f"{name}{i}.txt").write_text(f"a photo of a {name}")
     fetch_tree(tree, d, samples_per_shard=3)
     cut_between_samples(imageshards.shard_path(d, 1))
-    common = ["--clip-config", config, "--pretrained", weights, "--device", "cpu", "--workers", 0, "-q"]
+    common = ["--clip-config", config, "--pretrained", weights, "--device", "cpu", "--threads", 0, "-q"]
     line = one_error_line(cli("score", d, *common))
     assert "00001.tar holds 1 samples but its stats file records 3" in line and "--skip-bad-shards" in line
     assert not list(d.glob("*.clip.parquet"))

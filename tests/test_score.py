@@ -87,7 +87,7 @@ def test_scores_equal_open_clip_and_are_deterministic(tiny, tmp_path):
     b = tmp_path / "b"
     shutil.copytree(a, b)
     r = run_cli("score", a, "--clip-config", config, "--pretrained", weights, "--device", "cpu",
-                "--batch-size", 4, "--workers", 2, "--quiet")
+                "--batch-size", 4, "--threads", 2, "--quiet")
     ok(r, "12 samples in 2 shards", "no caption:        2", "undecodable image: 1 (null score): corrupt image 1")
     rows = read_all(a)
     assert [x["key"] for x in rows] == [f"{i:09d}" for i in range(12)]

@@ -134,8 +134,8 @@ def _entries(path: Path, data: Mapping, tables: list[str]):
                 raise _bad(path, f"[{key}]", f"unknown table; the tables are {', '.join(tables)}")
             for sub, v in value.items():
                 yield key, sub, v
-        elif tables:
-            yield None, key, value
+        elif isinstance(value, dict) and not tables:
+            raise _bad(path, f"[{key}]", "a table, but this command's settings are top-level keys (no tables)")
         else:
             yield None, key, value
 
@@ -158,7 +158,7 @@ def option(sections: Callable[[], Mapping[str, str]] | None = None, cli_only: tu
         return value
 
     return click.option("--config", CONFIG_OPTION, type=click.Path(dir_okay=False, path_type=str),
-                        default=None, is_eager=True, expose_value=True, callback=load, metavar="FILE.toml",
+                        default=None, is_eager=True, expose_value=False, callback=load, metavar="FILE.toml",
                         help="Read the options from this TOML file (keys: the flag names without dashes"
                              + (", in tables named after the sections below" if sections else "")
                              + "); flags given here win over it.")

@@ -1,0 +1,98 @@
+"""`--config FILE.toml` on the data side and on sampling (ditdata.common.configfile): the
+file's settings under the command line's, a bad key one line naming it and the file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+import pytest
+from cliutil import ditdata, dittrain, one_error_line
+from tiny import class_tree
+
+from ditdata.common import configfile
+
+
+def _toml(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_fetch_and_encode_read_their_settings_from_a_file(tmp_path):
+    tree = class_tree(tmp_path / "tree", per_class=3, size=40)
+    fetch = _toml(tmp_path / "fetch.toml", 'kind = "classes"\nsamples-per-shard = 5\nencode-format = "png"\n'
+                                         'processes = 1\nquiet = true\n')
+    r = ditdata("fetch", tree, "-o", tmp_path / "shards", "--config", fetch)
+    assert r.exit_code == 0, r.output
+    assert len(list((tmp_path / "shards").glob("*.tar"))) == 3  # 12 images, 5 per shard
+    encode = _toml(tmp_path / "encode.toml", 'vae = "pixels"\nresolution = 16\ndevice = "cpu"\nworkers = 0\n'
+                                           'batch-size = 4\nflip = true\n')
+    # the command line wins: --no-flip over the file's flip = true
+    r = ditdata("encode", tmp_path / "shards", "-o", tmp_path / "store", "--config", encode, "--no-flip")
+    assert r.exit_code == 0, r.output
+    manifest = json.loads((tmp_path / "store" / "manifest.json").read_text())
+    assert manifest["num_samples"] == 12
+    assert manifest["latent"]["shape"] == [3, 16, 16] and manifest["latent"]["flip"] is False
+
+
+@pytest.mark.parametrize("text, needles", [
+    ("vae = \"pixels\"\nresoluton = 16\n", ["resoluton", "did you mean resolution"]),
+    ("batch-size = \"4\"\n", ["batch-size", "takes an integer"]),
+    ("flip = 1\n", ["flip", "true or false"]),
+    ("backend = \"lmdb\"\n", ["backend", "lmdb"]),
+    ("[encode]\nvae = \"pixels\"\n", ["[encode]", "top-level keys"]),
+])
+def test_a_bad_key_or_value_is_one_line(tmp_path, text, needles):
+    (tmp_path / "shards").mkdir()
+    conf = _toml(tmp_path / "encode.toml", text)
+    r = ditdata("encode", tmp_path / "shards", "-o", tmp_path / "store", "--config", conf)
+    assert r.exit_code == 2
+    line = one_error_line(r.output)
+    for needle in [str(conf), *needles]:
+        assert needle in line, line
+    assert not (tmp_path / "store").exists()
+
+
+def test_every_long_command_takes_a_config_file():
+    from ditdata.cli import main as data
+    from dittrain.cli import main as train
+
+    for group, names in ((data, ["fetch", "score", "filter", "encode"]),
+                         (train, ["run", "sample", "eval", "serve", "export"])):
+        for name in names:
+            assert "--config" in [o for p in group.commands[name].params for o in p.opts], name
+
+
+def test_sample_reads_a_file(tmp_path):
+    conf = _toml(tmp_path / "sample.toml", "steps = 0\n")
+    r = dittrain("sample", "--config", conf, "--ckpt", tmp_path)
+    assert r.exit_code == 2 and "steps" in one_error_line(r.output) and str(conf) in one_error_line(r.output)
+
+
+def test_to_toml_reads_back():
+    import tomllib
+
+    tables = {"": {"name": 'a "quoted"\\ name\n', "n": 3}, "t": {"x": 1e-4, "on": True, "none": None,
+                                                                  "inf": float("inf"), "list": ["a", "b"]}}
+    back = tomllib.loads(configfile.to_toml(tables, header="a header\nof two lines"))
+    assert back == {"name": 'a "quoted"\\ name\n', "n": 3, "t": {"x": 1e-4, "on": True, "inf": float("inf"),
+                                                                   "list": ["a", "b"]}}
+
+
+def test_given_tells_the_users_settings_from_the_defaults(tmp_path):
+    seen = {}
+
+    @click.command()
+    @configfile.option()
+    @click.option("--a", default=1)
+    @click.option("--b", default=2)
+    @click.option("--c", default=3)
+    def cmd(a, b, c):
+        seen.update(given=configfile.given(click.get_current_context()), values=(a, b, c))
+
+    from click.testing import CliRunner
+
+    conf = _toml(tmp_path / "c.toml", "a = 10\nb = 20\n")
+    assert CliRunner().invoke(cmd, ["--config", conf, "--b", "5"]).exit_code == 0
+    assert seen["values"] == (10, 5, 3) and seen["given"] >= {"a", "b"} and "c" not in seen["given"]
