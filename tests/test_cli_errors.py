@@ -141,7 +141,8 @@ CASES = [
     ("dittrain", "run --latents {store} --out {root}/r --lr -1", "'--lr': -1.0 is not in the range"),
     ("dittrain", "run --latents {store} --out {root}/r --ema 2", "'--ema'"),
     ("dittrain", "run --latents {store} --out {root}/r --class-dropout 1.5", "'--class-dropout'"),
-    ("dittrain", "run --latents {store} --out {root}/r --sample-cfg inf", "not a finite number"),
+    ("dittrain", "run --latents {store} --out {root}/r --sample-cfg inf", "is not in the range -100.0<=x<=100.0"),
+    ("dittrain", "run --latents {store} --out {root}/r --sample-cfg nan", "not a finite number"),
     ("dittrain", "run --latents {store} --out {root}/r --model DiT-T/4 --device cpu --grad-checkpointing foo",
      "grad_checkpointing must be"),
     ("dittrain", "run --latents {store} --out {root}/r --model DiT-T/4 --device cpu --resident-device cuda "
@@ -153,9 +154,9 @@ CASES = [
     ("dittrain", "run --latents {store} --out {file}", "is a file"),
     ("dittrain", "run --latents {store} --out {run} --model DiT-T/4 --batch-size 4 --device cpu", "pass --resume"),
     ("dittrain", "run --latents {store} --out {run} --model DiT-S/4 --batch-size 4 --device cpu --resume",
-     "model config differs"),
+     "cannot change on a resume"),  # the run's record says DiT-T/4 (dittrain.record)
     ("dittrain", "run --latents {store} --out {run} --model DiT-T/4 --batch-size 8 --device cpu --resume "
-                 "--max-steps 3", "cannot resume its data order"),
+                 "--max-steps 3", "changes what is learned: --batch-size 4 -> 8"),
     # dittrain sample
     ("dittrain", "sample --ckpt {file} --out {root}/g.png", "unreadable checkpoint"),
     ("dittrain", "sample --ckpt {empty} --out {root}/g.png", "no ema.safetensors and no checkpoints"),
