@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 
 from ditdata.common import files
 from ditdata.common.errors import described
+from ditdata.common.extras import require
 from ditdata.common.hub import download_command, hub_cache_dir
 from ditdata.errors import DitdataError
 
@@ -67,9 +68,15 @@ def openclip_url_cache() -> Path:
     return Path("~/.cache/clip").expanduser()
 
 
+def _open_clip():
+    """open_clip, or the one-line error naming the extra that brings it."""
+    return require("open_clip", "CLIP models (ditdata score, encode --text-encoder, sample --prompt)", "data",
+                   DitdataError)
+
+
 def register_config(config) -> str:
     """Register a model-config JSON with open_clip; returns the model name (file stem)."""
-    import open_clip
+    open_clip = _open_clip()
 
     from ditdata.documents import load_json
 
@@ -94,7 +101,7 @@ def resolve_pretrained(name: str, pretrained: str | None, *, config: str | None 
     "pretrained" is what identifies the weights in outputs (the normalised tag, an
     absolute file path, or None), "file" the file to load. DitdataError when the model is
     unknown or the weights are not available offline."""
-    import open_clip
+    open_clip = _open_clip()
 
     if config is not None:
         stem = register_config(config)
@@ -225,9 +232,9 @@ def load_clip(name: str, pretrained: str | None, device="cpu", *, config: str | 
     """Build an open_clip model with its preprocessing and tokenizer (module docstring)."""
     import logging
 
-    import open_clip
-
     from ditdata.common.devices import resolve_device
+
+    open_clip = _open_clip()
 
     res = resolve_pretrained(name, pretrained, config=config)
     dev = resolve_device(device)

@@ -197,3 +197,8 @@ def test_the_demo_commands_need_only_the_core(tmp_path):
                   "--out", tmp_path / "store-kl", "--device", "cpu", "--workers", 0, env=env)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "pip install 'ditkit[vae]'" in r.stderr, r.stderr[-2000:]
+    # ... and so does CLIP scoring (open_clip is the data extra's)
+    r = _python_m("ditdata", "score", tmp_path / "shards", "--clip", "ViT-B-32", "--pretrained", "laion2b_s34b_b79k",
+                  "--device", "cpu", "-q", env=env)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr[-2000:]
+    assert "pip install 'ditkit[data]'" in r.stderr, r.stderr[-2000:]

@@ -118,8 +118,8 @@ def test_sampling_undoes_the_normalisation_before_decoding(run_dir, store, monke
 
 def test_resume_keeps_the_latent_norm(run_dir, store, tmp_path):
     out, _ = run_dir
-    r = cli(*run_args(store, out, "--max-steps", 4, "--batch-size", 32, "--resume"))  # default: none
-    assert r.exit_code == 1 and "--latent-norm channel" in one_error_line(r.output)
+    r = cli(*run_args(store, out, "--max-steps", 4, "--batch-size", 32, "--resume", "--latent-norm", "none"))
+    assert r.exit_code == 1 and "--latent-norm 'channel' -> 'none' cannot change" in one_error_line(r.output)
 
 
 def test_diffusers_export_refuses_it(run_dir):

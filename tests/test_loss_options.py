@@ -108,7 +108,7 @@ def test_options_recorded_and_resume_keeps_them(store, tmp_path):
     diff = json.loads((out / "config.json").read_text())["diffusion"]
     assert diff["t_sampling"] == "uniform" and diff["t_shift"] == 2.0 and diff["loss_weighting"] == "none"
     r = cli(*run_args(store, out, "--max-steps", 3, "--resume", *flow[:-1], 3.0))
-    assert r.exit_code == 1 and "t_shift: 2.0 -> 3.0" in one_error_line(r.output)
+    assert r.exit_code == 1 and "--t-shift 2.0 -> 3.0" in one_error_line(r.output)
     assert cli(*run_args(store, out, "--max-steps", 3, "--resume", *flow)).exit_code == 0
 
     out = tmp_path / "ddpm"
@@ -116,8 +116,12 @@ def test_options_recorded_and_resume_keeps_them(store, tmp_path):
                          "--min-snr-gamma", 2)).exit_code == 0
     diff = json.loads((out / "config.json").read_text())["diffusion"]
     assert diff["loss_weighting"] == "min-snr" and diff["min_snr_gamma"] == 2.0
-    r = cli(*run_args(store, out, "--max-steps", 2, "--resume"))
-    assert r.exit_code == 1 and "loss_weighting" in one_error_line(r.output)
+    # a resume without the flags continues with the recorded ones (dittrain.record) ...
+    assert cli(*run_args(store, out, "--max-steps", 2, "--resume")).exit_code == 0
+    assert json.loads((out / "config.json").read_text())["diffusion"]["loss_weighting"] == "min-snr"
+    # ... and another value is refused with the difference
+    r = cli(*run_args(store, out, "--max-steps", 3, "--resume", "--loss-weighting", "none"))
+    assert r.exit_code == 1 and "--loss-weighting 'min-snr' -> 'none'" in one_error_line(r.output)
 
     r = cli(*run_args(store, tmp_path / "bad", "--max-steps", 1, "--objective", "flow", "--loss-weighting", "min-snr"))
     assert r.exit_code == 1 and "min-snr" in one_error_line(r.output)

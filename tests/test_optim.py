@@ -85,7 +85,13 @@ def test_resume_with_another_optimizer_is_refused(store, tmp_path):
     r = cli(*run_args(store, tmp_path / "r", "--max-steps", 4, "--resume", "--optimizer", "adamw8bit"))
     assert r.exit_code == 1
     line = one_error_line(r.output)
-    assert "made with --optimizer adamw, not adamw8bit" in line and "resume with --optimizer adamw" in line
+    # the run's record refuses it (dittrain.record: the optimizer state is adamw's)
+    assert "--optimizer 'adamw' -> 'adamw8bit' cannot change on a resume" in line
+    # without a record (config.json lost), the checkpoint's own config refuses it
+    (tmp_path / "r" / "config.json").unlink()
+    r = cli(*run_args(store, tmp_path / "r", "--max-steps", 4, "--resume", "--optimizer", "adamw8bit"))
+    line = one_error_line(r.output)
+    assert r.exit_code == 1 and "made with --optimizer adamw, not adamw8bit" in line, line
 
 
 def test_missing_bitsandbytes(store, tmp_path, monkeypatch):
