@@ -163,8 +163,9 @@ def _opt(*names, field, **kw):
       "(default $XDG_CACHE_HOME/ditkit/stores, else ~/.cache/ditkit/stores); shared by runs and workers.")
 @_opt("--cache-limit", field="cache_limit", help="URL stores: the cache's size limit, e.g. 20GiB (default "
       "50GiB); least recently used shards not being read are removed; at least the largest shard.")
-@click.option("--out", "-o", required=True, type=click.Path(file_okay=False, path_type=str),
-              help="Run directory: config.json, metrics.jsonl, checkpoints/, ema.safetensors, samples/.")
+@click.option("--out", "-o", default="", type=click.Path(file_okay=False, path_type=str),
+              help="Run directory: config.json, metrics.jsonl, checkpoints/, ema.safetensors, samples/. "
+                   "Required (in the --config file or here), except with --print-config.")
 @_opt("--model", field="model", help="A name from `dittrain models`, e.g. DiT-XL/2, or a custom size "
       "custom:hidden=512,depth=8,heads=8,patch=2 (optional: ,mlp_ratio=R).")
 @_opt("--objective", field="objective", type=click.Choice(config.OBJECTIVES),
@@ -306,6 +307,8 @@ def run_cmd(print_config, allow_changes, **options):
     if print_config:
         click.echo(_config_toml(cfg, ctx.command), nl=False)
         return 0
+    if not cfg.checkpointing.out:
+        raise click.UsageError("Missing option '--out' (the run directory)")
     if not cfg.data.latents:
         raise click.UsageError("Missing option '--latents' (a latent store; a --resume of a recorded run "
                                "takes its own)")

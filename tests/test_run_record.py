@@ -189,3 +189,10 @@ def test_resumed_weights_match_an_unbroken_run_bit_for_bit(store, tmp_path):
     a, b = (load_checkpoint(latest_checkpoint(tmp_path / d)) for d in ("r", "s"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert all(torch.equal(a["ema"][k], b["ema"][k]) for k in a["ema"])
+
+
+def test_print_config_needs_no_out_but_a_run_does(store, tmp_path):
+    r = cli("run", "--latents", store, "--model", "DiT-T/4", "--print-config")
+    assert r.exit_code == 0 and 'model = "DiT-T/4"' in r.output and 'out = ""' in r.output
+    r = cli("run", "--latents", store)
+    assert r.exit_code == 2 and "Missing option '--out'" in one_error_line(r.output)
