@@ -40,6 +40,7 @@ from ditdata import imageshards
 from ditdata.common.devices import amp_dtype, autocast, resolve_device
 from ditdata.common.dist import join, launch_env, leave
 from ditdata.common.lock import DirLock
+from ditdata.common.progress import progress_bar
 from ditdata.config import DTYPES, MAX_RESOLUTION, POSTERIORS, EncodeConfig  # noqa: F401  (EncodeConfig: re-exported)
 from ditdata.errors import DitdataError
 from ditdata.preprocess import CROP_RULE, center_crop
@@ -415,8 +416,6 @@ def _encode_shards(cfg: EncodeConfig, enc: Encoder, layout: _Layout, plan: _Plan
                    writer: StoreWriter) -> dict:
     """The batch loop: decoded images from the workers -> latents -> one store shard per
     image shard, written when its last batch is in. Returns what the run did."""
-    from tqdm import tqdm
-
     todo = plan.todo
     workers = min(cfg.workers, len(todo))
     loader = torch.utils.data.DataLoader(
@@ -427,8 +426,8 @@ def _encode_shards(cfg: EncodeConfig, enc: Encoder, layout: _Layout, plan: _Plan
     pending: dict[str, _ShardOut] = {}
     encoded, skipped, late_bad = 0, Counter(), []
     t0 = time.perf_counter()
-    bar = tqdm(total=sum(e or 0 for _, _, e in todo) or None, unit="img", dynamic_ncols=True,
-               desc=f"encode[{plan.rank}]" if plan.world > 1 else "encode", disable=not cfg.progress)
+    bar = progress_bar(total=sum(e or 0 for _, _, e in todo) or None, unit="img",
+                       desc=f"encode[{plan.rank}]" if plan.world > 1 else "encode", enabled=cfg.progress)
     for batch in loader:
         name = batch["shard"]
         if name not in pending:

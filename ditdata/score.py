@@ -59,6 +59,7 @@ from pathlib import Path
 
 from ditdata import imageshards as shards
 from ditdata.common.files import read_json
+from ditdata.common.progress import progress_bar
 from ditdata.config import CLIP_MODEL, SCORE_BATCH_SIZE
 from ditdata.errors import DitdataError
 
@@ -294,16 +295,13 @@ def _score(folder, *, clip, pretrained, clip_config, device, batch_size, workers
     n_new = 0
     if todo:
         expected = sum(folder.expected[t.name] or 0 for t in todo)
-        model = load_clip(ident["model"], pretrained, device=device, config=clip_config)
-        t0 = time.perf_counter()  # the rate is of scoring, not of loading the model
         if workers is None:
             workers = min(8, os.cpu_count() or 1)
-        from tqdm import tqdm
-
         if done:
             print(f"resuming: {len(done)} of {len(tars)} shards already scored", file=sys.stderr)
-        with tqdm(total=expected or None, unit=" samples", disable=not progress,
-                  desc="clip score", dynamic_ncols=True) as bar:
+        model = load_clip(ident["model"], pretrained, device=device, config=clip_config)
+        t0 = time.perf_counter()  # the rate is of scoring, not of loading the model
+        with progress_bar(total=expected or None, unit=" samples", enabled=progress, desc="clip score") as bar:
             for tar in todo:
                 m = score_shard(model, tar, batch_size=batch_size, workers=workers, progress=bar)
                 skipped_path(tar).unlink(missing_ok=True)  # a refetched shard is whole again

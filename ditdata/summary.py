@@ -56,12 +56,13 @@ def describe(path, **remote) -> str:
     return "\n".join(lines)
 
 
-def verify_store(path, **remote) -> tuple[list[str], int]:
-    """Faults (one line each) and samples; a URL store downloads every shard into its cache."""
-    from tqdm import tqdm
+def verify_store(path, *, progress: bool = True, **remote) -> tuple[list[str], int]:
+    """Faults (one line each) and samples; a URL store downloads every shard into its cache.
+    progress: a bar over the shards (ditdata.common.progress; False: -q/--quiet)."""
+    from ditdata.common.progress import progress_bar
 
     s = open_store(path, **remote)
-    faults = s.verify(progress=lambda xs: tqdm(xs, desc="verify", unit="shard", leave=False))
+    faults = s.verify(progress=lambda xs: progress_bar(xs, desc="verify", unit="shard", enabled=progress, leave=False))
     return faults, len(s)
 
 

@@ -2,11 +2,15 @@
 (dittrain.loggers: metrics.jsonl always, TensorBoard, W&B), the progress bar and its notes,
 FID evaluations during training.
 
-    with Log(run, state, resumed=...) as log:    the loggers and the bar, closed on errors too
+    with Log(run, state, resumed=..., progress=...) as log:   the loggers and the bar, closed on errors too
         log.step(loss, grad_norm)                after every kept optimizer step
         log.skipped()                            after a step skipped for a non-finite loss
     sample_grid(run, ema, step, log)             an EMA grid in RUN/samples/ (never stops a run)
     evaluate(run, state, step, log)              FID of the EMA model (never stops a run)
+
+The bar is ditdata.common.progress's: tqdm on a terminal; in a file (Slurm, nohup, CI) one
+plain line per --log-every steps, `train: 200/400000 step (0%), 3.10 step/s, elapsed 01:04,
+ETA 35:49:28; loss 0.1520 lr 1.00e-04 794 img/s wait 2%`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 import torch
 
 from ditdata.common.errors import described
+from ditdata.common.progress import progress_bar
 from dittrain.checkpoint import RunState
 from dittrain.launch import Run, text_token_count
 from dittrain.loggers import open_loggers
@@ -34,9 +39,10 @@ class Log:
     """What a run reports. Every log_every steps (and at the last) a metrics record: to the
     loggers (--logger: metrics.jsonl always, TensorBoard, W&B; dittrain.loggers) and the
     progress bar's postfix, on rank 0; so are evaluations and the EMA sample grids. The bar
-    advances once per optimizer step; a skipped (non-finite) step shows in its postfix."""
+    advances once per optimizer step; a skipped (non-finite) step shows in its postfix.
+    progress=False (-q/--quiet): no bar and no progress lines (the loggers write as ever)."""
 
-    def __init__(self, run: Run, state: RunState, *, resumed: bool = False):
+    def __init__(self, run: Run, state: RunState, *, resumed: bool = False, progress: bool = True):
         cfg, device = run.cfg, run.device
         self.run, self.state = run, state
         # 2 FLOPs/MAC x (forward + 2 backward) per sample of the global batch
@@ -46,7 +52,8 @@ class Log:
         self.loggers = open_loggers(cfg.logging.logger, run.out, config=run.resolved, resumed=resumed,
                                     wandb_project=cfg.logging.wandb_project, wandb_name=cfg.logging.wandb_name,
                                     note=note) if run.master else []
-        self.bar = _progress(run.master, state.step, cfg.optim.max_steps)
+        self.bar = progress_bar(total=cfg.optim.max_steps, initial=state.step, desc="train", unit="step",
+                                enabled=run.master and progress, every=cfg.logging.log_every, mininterval=1.0)
         self.postfix, self.shown = "", 0.0
         self.t_last, self.wait_last, self.steps_since = time.perf_counter(), state.loader.wait_seconds, 0
 
@@ -54,7 +61,7 @@ class Log:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.bar.close()
+        self.bar.__exit__(*exc)  # closed; a plain-line bar writes no last line over an error
         for logger in self.loggers:
             logger.close()
 
@@ -134,13 +141,6 @@ def note(line: str) -> None:
     from tqdm import tqdm
 
     tqdm.write(line, file=sys.stderr)
-
-
-def _progress(enabled: bool, start: int, total: int):
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=start, disable=not enabled, unit="step", dynamic_ncols=True,
-                file=sys.stderr, mininterval=1.0)
 
 
 def evaluate(run: Run, state: RunState, step: int, log: Log) -> None:

@@ -5,7 +5,8 @@ import). Expected failures (a UserError of any module: a broken store, a missing
 busy output, ...) and operating-system errors (disk full, permission denied) print their
 message; click's usage errors print theirs with a pointer to --help instead of the usage
 block; anything else is a bug, reported in one line that says how to get the traceback
-(DITKIT_DEBUG=1, which also shows tracebacks for the expected failures).
+(DITKIT_DEBUG=1, which also shows tracebacks for the expected failures). A progress bar still drawn when a command fails is closed first, so the `Error:` line starts
+a line of its own (ditdata.common.progress).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import click
 
 from ditdata.common.errors import UserError, one_line
+from ditdata.common.progress import end_open_bars
 
 DEBUG_ENV = "DITKIT_DEBUG"
 
@@ -42,6 +44,7 @@ class OneLineErrors(click.Group):
             raise
         except Exception as e:
             if _debug():
+                end_open_bars()  # the traceback starts a line of its own
                 raise
             if isinstance(e, UserError):
                 raise click.ClickException(one_line(e)) from e
@@ -60,14 +63,17 @@ class OneLineErrors(click.Group):
         try:
             rv = super().main(*args, standalone_mode=False, **kwargs)
         except click.exceptions.UsageError as e:
+            end_open_bars()
             # click prints the whole usage block; one line and where to read more is enough
             cmd = e.ctx.command_path if e.ctx is not None else self.name
             click.echo(f"Error: {one_line(e.format_message())} (see '{cmd} --help')", err=True)
             sys.exit(e.exit_code)
         except click.ClickException as e:
+            end_open_bars()
             click.echo(f"Error: {one_line(e.format_message())}", err=True)
             sys.exit(e.exit_code)
         except click.exceptions.Abort:
+            end_open_bars()
             click.echo("Aborted!", err=True)
             sys.exit(130)
         sys.exit(rv if isinstance(rv, int) else 0)

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ditdata import imageshards as shards
+from ditdata.common.progress import progress_bar
 from ditdata.config import FetchConfig
 from ditdata.errors import DitdataError
 from ditdata.fetch.state import PackOptions, check_state, jsonable, write_dataset_info
@@ -137,12 +138,10 @@ def _folder_notes(stats: dict[int, dict]) -> dict:
 
 def _run_pack(tasks, processes, *, total, initial, progress) -> list[tuple[int, str]]:
     """Pack `tasks` (pack_shard arguments) in-process or over a spawn pool, with a
-    per-sample progress bar. Returns [(shard index, error)] for shards that raised."""
-    from tqdm import tqdm
-
+    per-sample progress bar (ditdata.common.progress: plain lines when stderr is no terminal).
+    Returns [(shard index, error)] for shards that raised."""
     failures: list[tuple[int, str]] = []
-    bar = tqdm(total=total, initial=initial, unit="img", desc="packing", disable=not progress,
-               file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
+    bar = progress_bar(total=total, initial=initial, unit="img", desc="packing", enabled=progress, smoothing=0.1)
     with bar:
         if not tasks:
             return failures

@@ -1,6 +1,7 @@
 """Inception features of images: arrays, tensors, iterables of batches, paths and Sources.
 
-Images go through the network batch by batch; only their features are kept."""
+Images go through the network batch by batch; only their features are kept. With
+progress=True a bar (ditdata.common.progress: plain lines when stderr is no terminal)."""
 
 from __future__ import annotations
 
@@ -46,10 +47,10 @@ def source_features(src: Source, inception: Inception, *, batch_size: int = 64, 
 
 def _run(batches: Iterable, inception: Inception, *, progress: bool, desc: str, total: int | None,
          keep=FEATURES) -> dict:
-    from tqdm import tqdm
+    from ditdata.common.progress import progress_bar
 
     parts: dict[str, list] = {k: [] for k in keep}
-    with tqdm(total=total, unit="img", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
+    with progress_bar(total=total, unit="img", desc=desc, enabled=progress) as bar:
         for b in batches:
             feats = inception.features(b)
             for k in keep:
