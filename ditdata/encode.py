@@ -40,6 +40,7 @@ from ditdata import imageshards
 from ditdata.common.devices import amp_dtype, autocast, resolve_device
 from ditdata.common.dist import join, launch_env, leave
 from ditdata.common.lock import DirLock
+from ditdata.common.memory import halved, out_of_memory_hint
 from ditdata.common.progress import progress_bar
 from ditdata.config import DTYPES, MAX_RESOLUTION, POSTERIORS, EncodeConfig  # noqa: F401  (EncodeConfig: re-exported)
 from ditdata.errors import DitdataError
@@ -313,22 +314,33 @@ def _encode(cfg: EncodeConfig) -> dict:
     device = resolve_device(cfg.device)
     own_group = join(device, timeout=GROUP_TIMEOUT)  # a group we join, we also leave
     torch.manual_seed(cfg.seed)
-    enc = Encoder(cfg, device)
-    layout = _store_layout(cfg, enc, folder)
-    writer = StoreWriter(
-        cfg.out, schema=layout.schema, backend=cfg.backend, chunk_samples=cfg.chunk_samples,
-        info={"vae": enc.ae.info,
-              "image": {"resolution": cfg.resolution, "crop": "center", "crop_rule": CROP_RULE, "flip": cfg.flip},
-              "conditioning": layout.conditioning,
-              "filter": None if selection is None else {**selection.rule, "selection": str(Path(cfg.select).resolve())}},
-    )
-    plan = _plan_shards(cfg, folder, writer, env.rank, env.world_size)
-    run = _encode_shards(cfg, enc, layout, plan, None if selection is None else selection.keys, writer)
+    with _memory_hint(cfg, device):
+        enc = Encoder(cfg, device)
+        layout = _store_layout(cfg, enc, folder)
+        writer = StoreWriter(
+            cfg.out, schema=layout.schema, backend=cfg.backend, chunk_samples=cfg.chunk_samples,
+            info={"vae": enc.ae.info,
+                  "image": {"resolution": cfg.resolution, "crop": "center", "crop_rule": CROP_RULE, "flip": cfg.flip},
+                  "conditioning": layout.conditioning,
+                  "filter": None if selection is None else {**selection.rule,
+                                                            "selection": str(Path(cfg.select).resolve())}},
+        )
+        plan = _plan_shards(cfg, folder, writer, env.rank, env.world_size)
+        run = _encode_shards(cfg, enc, layout, plan, None if selection is None else selection.keys, writer)
     summary = _finish(cfg, folder, writer, plan, run)
     # after _finish's last barrier: a gloo rank that exits with the group open can die at
     # shutdown when its peer closes first (and torchrun's other agent then waits 300 s)
     leave(own_group)
     return summary
+
+
+def _memory_hint(cfg: EncodeConfig, device: torch.device):
+    """Out of GPU memory while encoding: one line that names the autoencoder (and text
+    encoder), the batch and the precision, and a smaller --batch-size (ditdata.common.memory)."""
+    what = f"encoding with {cfg.vae}" + (f" and {cfg.text_encoder}" if cfg.text_encoder else "")
+    batch = f"--batch-size {cfg.batch_size}" + (f" ({2 * cfg.batch_size} images a pass with --flip)" if cfg.flip else "")
+    return out_of_memory_hint(what=what, batch=batch, precision=amp_dtype(device), device=device,
+                              hints=[halved("--batch-size", cfg.batch_size)], error=DitdataError)
 
 
 # ------------------------------------------------------------------- the steps of a run

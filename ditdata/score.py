@@ -59,6 +59,7 @@ from pathlib import Path
 
 from ditdata import imageshards as shards
 from ditdata.common.files import read_json
+from ditdata.common.memory import halved, out_of_memory_hint
 from ditdata.common.progress import progress_bar
 from ditdata.config import CLIP_MODEL, SCORE_BATCH_SIZE
 from ditdata.errors import DitdataError
@@ -299,14 +300,15 @@ def _score(folder, *, clip, pretrained, clip_config, device, batch_size, workers
             workers = min(8, os.cpu_count() or 1)
         if done:
             print(f"resuming: {len(done)} of {len(tars)} shards already scored", file=sys.stderr)
-        model = load_clip(ident["model"], pretrained, device=device, config=clip_config)
-        t0 = time.perf_counter()  # the rate is of scoring, not of loading the model
-        with progress_bar(total=expected or None, unit=" samples", enabled=progress, desc="clip score") as bar:
-            for tar in todo:
-                m = score_shard(model, tar, batch_size=batch_size, workers=workers, progress=bar)
-                skipped_path(tar).unlink(missing_ok=True)  # a refetched shard is whole again
-                metas[tar.name] = m
-                n_new += m["num_samples"]
+        with _memory_hint(ident["model"], batch_size, device):
+            model = load_clip(ident["model"], pretrained, device=device, config=clip_config)
+            t0 = time.perf_counter()  # the rate is of scoring, not of loading the model
+            with progress_bar(total=expected or None, unit=" samples", enabled=progress, desc="clip score") as bar:
+                for tar in todo:
+                    m = score_shard(model, tar, batch_size=batch_size, workers=workers, progress=bar)
+                    skipped_path(tar).unlink(missing_ok=True)  # a refetched shard is whole again
+                    metas[tar.name] = m
+                    n_new += m["num_samples"]
     seconds = time.perf_counter() - t0
     counts: Counter = Counter()
     for m in metas.values():
@@ -327,6 +329,18 @@ def _score(folder, *, clip, pretrained, clip_config, device, batch_size, workers
         "seconds": seconds,
         "samples_per_s": n_new / seconds if n_new and seconds > 0 else None,
     }
+
+
+def _memory_hint(model: str, batch_size: int, device):
+    """Out of GPU memory while scoring: one line that names the CLIP model, the batch and the
+    precision (ditdata.clip: autocast as ditdata.common.devices chooses), and a smaller
+    --batch-size (ditdata.common.memory)."""
+    from ditdata.common.devices import amp_dtype, resolve_device
+
+    dev = resolve_device(device)
+    return out_of_memory_hint(what=f"scoring with CLIP {model}", batch=f"--batch-size {batch_size}",
+                              precision=amp_dtype(dev), hints=[halved("--batch-size", batch_size)], device=dev,
+                              error=DitdataError)
 
 
 def _already_scored(folder, ident: dict, overwrite: bool) -> dict[str, dict]:

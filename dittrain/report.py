@@ -1,12 +1,14 @@
 """What a run reports, on rank 0: metrics records and sample grids to the loggers
 (dittrain.loggers: metrics.jsonl always, TensorBoard, W&B), the progress bar and its notes,
-FID evaluations during training.
+FID evaluations during training; and what running out of GPU memory says.
 
     with Log(run, state, resumed=..., progress=...) as log:   the loggers and the bar, closed on errors too
         log.step(loss, grad_norm)                after every kept optimizer step
         log.skipped()                            after a step skipped for a non-finite loss
     sample_grid(run, ema, step, log)             an EMA grid in RUN/samples/ (never stops a run)
     evaluate(run, state, step, log)              FID of the EMA model (never stops a run)
+    with training_memory_hint(run): ...          out of GPU memory -> one line: model, batch, precision,
+                                                 the flags that lower it (ditdata.common.memory)
 
 The bar is ditdata.common.progress's: tqdm on a terminal; in a file (Slurm, nohup, CI) one
 plain line per --log-every steps, `train: 200/400000 step (0%), 3.10 step/s, elapsed 01:04,
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 from ditdata.common.errors import described
+from ditdata.common.memory import halved, out_of_memory_hint
 from ditdata.common.progress import progress_bar
 from dittrain.checkpoint import RunState
 from dittrain.launch import Run, text_token_count
@@ -176,4 +179,23 @@ def sample_grid(run: Run, ema: DiT, step: int, log: Log) -> None:
     log.grid(step, path)
 
 
-__all__ = ["PEAK_FLOPS", "Log", "evaluate", "note", "sample_grid"]
+def training_memory_hint(run: Run):
+    """A block in which running out of GPU memory is one line that names the model, the
+    batch (global, micro-batch per rank, accumulation, ranks) and the precision, and the
+    flags that lower the memory still unused by this run (ditdata.common.memory)."""
+    cfg = run.cfg
+    acc, micro, gc = cfg.optim.accumulation_steps, run.per_rank, cfg.performance.grad_checkpointing
+    ranks = f" x {run.world} ranks" if run.world > 1 else ""
+    batch = f"global batch {cfg.optim.batch_size} (micro-batch {micro} x {acc} accumulation{ranks})"
+    hints = [{"none": "--grad-checkpointing selective", "every": None}.get(gc, "--grad-checkpointing every")]
+    if micro % 2 == 0:  # the same global batch in smaller pieces
+        hints.append(f"--accumulation-steps {2 * acc} (micro-batch {micro // 2})")
+    if cfg.optim.optimizer == "adamw":
+        hints.append("--optimizer adamw8bit")
+    if micro % 2:
+        hints.append(halved("--batch-size", cfg.optim.batch_size))
+    return out_of_memory_hint(what=f"training {cfg.model.model}", batch=batch, precision=run.amp_dtype,
+                              hints=hints, device=run.device)
+
+
+__all__ = ["PEAK_FLOPS", "Log", "evaluate", "note", "sample_grid", "training_memory_hint"]

@@ -4,8 +4,10 @@ Both command groups use `OneLineErrors` (shared here, in the package both sides 
 import). Expected failures (a UserError of any module: a broken store, a missing model, a
 busy output, ...) and operating-system errors (disk full, permission denied) print their
 message; click's usage errors print theirs with a pointer to --help instead of the usage
-block; anything else is a bug, reported in one line that says how to get the traceback
-(DITKIT_DEBUG=1, which also shows tracebacks for the expected failures). A progress bar still drawn when a command fails is closed first, so the `Error:` line starts
+block; running out of GPU memory says so (ditdata.common.memory: a command that names what
+it ran says more); anything else is a bug, reported in one line that says how to get the
+traceback (DITKIT_DEBUG=1, which also shows tracebacks for the expected failures). A
+progress bar still drawn when a command fails is closed first, so the `Error:` line starts
 a line of its own (ditdata.common.progress).
 """
 
@@ -17,6 +19,7 @@ import sys
 import click
 
 from ditdata.common.errors import UserError, one_line
+from ditdata.common.memory import is_out_of_memory, out_of_memory_message
 from ditdata.common.progress import end_open_bars
 
 DEBUG_ENV = "DITKIT_DEBUG"
@@ -52,6 +55,8 @@ class OneLineErrors(click.Group):
                 raise click.ClickException(one_line(os_error_message(e))) from e
             if isinstance(e, MemoryError):
                 raise click.ClickException("out of memory; use smaller batches or a smaller input") from e
+            if is_out_of_memory(e):
+                raise click.ClickException(out_of_memory_message(e)) from e
             raise click.ClickException(
                 f"internal error ({type(e).__name__}: {one_line(e, 300)}); rerun with "
                 f"{DEBUG_ENV}=1 for the traceback and please report it"

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from dittrain.eval.errors import EvalError
 from dittrain.eval.features import image_features, source_features
 from dittrain.eval.inception import FEATURE_SET, Inception, load_inception
 from dittrain.eval.manifold import PR_K, precision_recall
@@ -44,16 +45,17 @@ def evaluate(samples, ref, *, inception=None, batch_size: int = 64, device="auto
         resolution = min(size) if size else None
     if isinstance(ref, (str, Path)):
         ref = open_source(ref, resolution=resolution)  # inputs are checked before the network loads
-    inc = inception if isinstance(inception, Inception) else load_inception(inception, device)
-    ref_stats = reference_stats(ref, inc, resolution=resolution, batch_size=batch_size, cache_dir=cache_dir,
-                                with_pr=with_pr, progress=progress, log=log)
-    if sample_src is not None:
-        feats = source_features(sample_src, inc, batch_size=batch_size, progress=progress, desc="samples")
-        if sample_src.skipped:
-            log(f"note: skipped {sample_src.skipped} unusable samples (e.g. {sample_src.skipped_examples[0]})")
-    else:
-        feats = image_features(samples, inc, batch_size=batch_size, progress=progress, desc="samples")
-    metrics = compute_metrics(feats, ref_stats, with_pr=with_pr, device=inc.device)
+    with _memory_hint(batch_size, with_pr, inception.device if isinstance(inception, Inception) else device):
+        inc = inception if isinstance(inception, Inception) else load_inception(inception, device)
+        ref_stats = reference_stats(ref, inc, resolution=resolution, batch_size=batch_size, cache_dir=cache_dir,
+                                    with_pr=with_pr, progress=progress, log=log)
+        if sample_src is not None:
+            feats = source_features(sample_src, inc, batch_size=batch_size, progress=progress, desc="samples")
+            if sample_src.skipped:
+                log(f"note: skipped {sample_src.skipped} unusable samples (e.g. {sample_src.skipped_examples[0]})")
+        else:
+            feats = image_features(samples, inc, batch_size=batch_size, progress=progress, desc="samples")
+        metrics = compute_metrics(feats, ref_stats, with_pr=with_pr, device=inc.device)
     metrics["provenance"] = {
         "protocol": "ADM evaluator (guided-diffusion evaluations/evaluator.py), torch-fidelity Inception-v3",
         "samples": str(samples) if sample_src is not None else "in memory",
@@ -67,6 +69,18 @@ def evaluate(samples, ref, *, inception=None, batch_size: int = 64, device="auto
         "versions": _versions(),
     }
     return metrics
+
+
+def _memory_hint(batch_size: int, with_pr: bool, device):
+    """Out of GPU memory in `dittrain eval`: one line that names the Inception pass (fp32,
+    exact: dittrain.eval.inception), its batch, and the flags that lower it (precision and
+    recall compare features in 10,000 x 10,000 blocks on the same device)."""
+    from ditdata.common.devices import resolve_device
+    from ditdata.common.memory import halved, out_of_memory_hint
+
+    hints = [halved("--batch-size", batch_size), "--no-precision-recall" if with_pr else None]
+    return out_of_memory_hint(what="evaluating with the FID Inception-v3", batch=f"--batch-size {batch_size}",
+                              precision="fp32", hints=hints, device=resolve_device(device), error=EvalError)
 
 
 def _array_size(images) -> tuple[int, int] | None:
