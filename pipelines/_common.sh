@@ -1,14 +1,35 @@
 # shellcheck shell=bash
 # pipelines/_common.sh: the few shell helpers the recipes share. Sourced, never run.
 #
+# Each stage's command reads its settings from a TOML file (`--config FILE`, keys: the command's
+# flag names; `dittrain run`'s in tables named after its --help sections): the recipe's own in
+# pipelines/configs/RECIPE/STAGE.toml, or the user's (--STAGE-config FILE). The file is the one
+# place a recipe's defaults live: a stage's command is `--config FILE`, what only the recipe
+# knows (paths, the machine), and the settings the user set through the recipe's flags or
+# environment, which win over the file.
+#
 #   param VAR --flag DEFAULT "help" [shown default]   a value: --flag X, --flag=X or VAR=X in the environment
 #   switch VAR --flag 0|1 "help"                      on/off: --flag / --no-flag, or VAR=1 / VAR=0
 #   list VAR --flag "a|b" "help"                      '|'-separated; each --flag X adds one item
-#   default VAR VALUE ["help" [shown]]                another default (and help) for a declared one
+#   config STAGE CLI SUBCOMMAND                       STAGE_CONFIG (--STAGE-config FILE): the settings file of
+#                                                     the stage's `CLI SUBCOMMAND`, by default $CONFIGS/STAGE.toml
+#   setting [switch|list] VAR --flag STAGES --cmd-flag[=key] "help"
+#                           a setting of the STAGES' (comma-separated) commands: its default is the
+#                           stage file's `key` (the command's flag without dashes, unless =key says
+#                           otherwise), shown by --help; the stage passes --cmd-flag VALUE (a switch:
+#                           --cmd-flag / --no-cmd-flag; a list: --cmd-flag ITEM for each) only when the
+#                           user set it, and not when set to nothing
+#   flag_alias VAR --old    --old is another name of VAR's flag (and OLD of its variable)
 #   run_params STAGES / store_params / train_params / sample_params
 #                           the parameters both recipes declare, in groups (each further down)
 #   parse_params "$@"       flags win over the environment, which wins over the default; defaults are
-#                           evaluated in declaration order, so one may name an earlier one ('$OUT/store')
+#                           evaluated in declaration order, so one may name an earlier one ('$OUT/store');
+#                           a setting left unset holds its file's value (for the stage headers)
+#   inherit VAR FROM [VALUE]  one choice for two stages: VAR, when not set, takes FROM's value (or VALUE)
+#                           when FROM was set
+#   settings STAGE          the array `given`: the STAGE's settings the user set, as its command's flags
+#   check_configs           (not in a dry run) each wanted stage's file is read by its command now, so a
+#                           wrong key fails before the first stage, not hours later
 #   need VAR "message"      VAR must be set: die with the message, or in a dry run show <VAR> instead
 #   extra_args STAGE ...    the array extra_STAGE of $EXTRA_STAGE_ARGS (split on spaces), for each
 #   on_off VAR --flag       --flag when $VAR is 1, else --no-flag
@@ -27,7 +48,9 @@
 # is itself a script you can read, edit and run.
 
 _PARAMS=()
-declare -A _FLAG=() _DEFAULT=() _SHOWN=() _HELP=() _KIND=() _SET=() _FROM_FLAG=()
+declare -A _FLAG=() _DEFAULT=() _SHOWN=() _HELP=() _KIND=() _SET=() _FROM_FLAG=() _ALIAS=()
+declare -A _STAGES=() _CMD_FLAG=() _KEY=() _CONFIG_CMD=() _TOML=() _TOML_READ=()
+_CONFIG_STAGES=()
 _TIMES=()
 DRY_RUN=${DRY_RUN:-0}
 _STAGE=""
@@ -44,30 +67,104 @@ list() {
     param "$@"; _KIND[$1]=list
 }
 
-default() {
-    _DEFAULT[$1]=$2; _SHOWN[$1]=${4-$2}
-    if (($# > 2)); then _HELP[$1]=$3; fi
+config() {
+    local var=${1^^}_CONFIG
+    param "$var" "--$1-config" "\$CONFIGS/$1.toml" "the settings of \`$2 $3\` (a TOML file; the flags below win over it)" \
+        "${CONFIGS#"$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/"}/$1.toml"
+    _CONFIG_STAGES+=("$1"); _CONFIG_CMD[$1]="$2 $3"
 }
 
+setting() {
+    local kind=value
+    if [[ $1 == switch || $1 == list ]]; then kind=$1; shift; fi
+    param "$1" "$2" "" "$5"
+    _KIND[$1]=$kind; _STAGES[$1]=$3; _CMD_FLAG[$1]=${4%%=*}; _KEY[$1]=${4#--}; _KEY[$1]=${_KEY[$1]#*=}
+}
+
+flag_alias() { _ALIAS[$2]=$1; }
+
 die() { echo "$(basename "$0"): $*" >&2; exit 2; }
+
+# _config_file STAGE: the settings file the stage reads (its --STAGE-config, else the recipe's)
+_config_file() {
+    local var=${1^^}_CONFIG
+    if [[ -n ${!var:-} ]]; then echo "${!var}"; else eval "echo \"${_DEFAULT[$var]}\""; fi
+}
+
+# _toml FILE KEY: the value of KEY in a settings file (any table; a string without its quotes,
+# true/false as 1/0, a list's items joined by '|'), empty when not there. Read once per file, for
+# --help and the stage headers only: the commands read the files themselves.
+_toml() {
+    if [[ -z ${_TOML_READ[$1]:-} ]]; then
+        _TOML_READ[$1]=1
+        local key value
+        while IFS=$'\t' read -r key value; do _TOML[$1|$key]=$value; done < <(_toml_values "$1")
+    fi
+    echo "${_TOML[$1|$2]:-}"
+}
+
+# _toml_values FILE: "key<TAB>value" for each `key = value` line of a TOML file (see _toml)
+_toml_values() {
+    [[ -f $1 ]] || return 0
+    awk '
+    function trim(s) { sub(/^[ \t]+/, "", s); sub(/[ \t]+$/, "", s); return s }
+    # s without its comment, quotes and brackets, commas between items as "|"; depth: open brackets
+    function parse(s,   out, i, c, q) {
+        out = ""; q = ""
+        for (i = 1; i <= length(s); i++) {
+            c = substr(s, i, 1)
+            if (q != "") { if (c == q) q = ""; else out = out c }
+            else if (c == "\"" || c == "\047") q = c
+            else if (c == "#") break
+            else if (c == "[") depth++
+            else if (c == "]") depth--
+            else out = out (c == "," ? "|" : c)
+        }
+        return out
+    }
+    function emit(   n, i, parts, out) {
+        sub(/[ \t|]+$/, "", value)
+        n = split(value, parts, "|"); out = ""
+        for (i = 1; i <= n; i++) out = out (i > 1 ? "|" : "") trim(parts[i])
+        if (out == "true") out = 1; else if (out == "false") out = 0
+        print key "\t" out
+    }
+    depth > 0 { value = value parse($0); if (depth <= 0) emit(); next }  # a list over several lines
+    /^[ \t]*[A-Za-z0-9_-]+[ \t]*=/ {
+        key = $0; sub(/[ \t]*=.*/, "", key); key = trim(key); gsub(/_/, "-", key)
+        value = $0; sub(/^[^=]*=/, "", value)
+        depth = 0; value = parse(value)
+        if (depth <= 0) emit()
+    }' "$1"
+}
 
 usage() {
     # $USAGE (set by the recipe) first, then one line per parameter.
     printf '%s\n\nOptions (each flag'"'"'s value name is also its environment variable; flags win):\n' "$USAGE"
     printf '  %-38s %s\n' "--dry-run" "print the commands without running them (DRY_RUN=1)"
     printf '  %-38s %s\n' "-h, --help" "this help"
-    local v left shown
+    local v left shown file old help
     for v in "${_PARAMS[@]}"; do
+        if [[ -n ${_STAGES[$v]:-} ]]; then  # a setting: its default is in its stage's file
+            file=$(_config_file "${_STAGES[$v]%%,*}")
+            shown=$(_toml "$file" "${_KEY[$v]}")
+            [[ ${_KIND[$v]} == switch && -n $shown ]] && shown=$([[ $shown == 1 ]] && echo on || echo off)
+            shown="${file##*/}: ${shown:-not set}"
+            [[ ${_KIND[$v]} == switch ]] && shown="$v; $shown"
+        elif [[ ${_KIND[$v]} == switch ]]; then
+            shown="$v: $([[ ${_DEFAULT[$v]} == 1 ]] && echo on || echo off)"
+        else
+            shown="default: ${_SHOWN[$v]:-none}"
+        fi
         if [[ ${_KIND[$v]} == switch ]]; then
             left="${_FLAG[$v]}, --no-${_FLAG[$v]#--}"
-            shown=$([[ ${_DEFAULT[$v]} == 1 ]] && echo on || echo off)
-            printf '  %-38s %s [%s: %s]\n' "$left" "${_HELP[$v]}" "$v" "$shown"
         else
             left="${_FLAG[$v]} $v"
             [[ ${_KIND[$v]} == list ]] && left+=" ..."
-            shown=${_SHOWN[$v]}
-            printf '  %-38s %s [default: %s]\n' "$left" "${_HELP[$v]}" "${shown:-none}"
         fi
+        help=${_HELP[$v]}
+        for old in "${!_ALIAS[@]}"; do [[ ${_ALIAS[$old]} == "$v" ]] && help+=" (also $old)"; done
+        printf '  %-38s %s [%s]\n' "$left" "$help" "$shown"
     done
 }
 
@@ -78,6 +175,13 @@ parse_params() {
         by_flag[${_FLAG[$v]}]=$v
         # the environment counts when set and not empty
         [[ -n ${!v:-} ]] && _SET[$v]=1
+    done
+    for arg in "${!_ALIAS[@]}"; do
+        by_flag[$arg]=${_ALIAS[$arg]}
+        v=${arg#--}; v=${v^^}; v=${v//-/_}  # the old name's variable (AMP) counts too
+        if [[ -z ${_SET[${_ALIAS[$arg]}]:-} && -n ${!v:-} ]]; then
+            printf -v "${_ALIAS[$arg]}" '%s' "${!v}"; _SET[${_ALIAS[$arg]}]=1
+        fi
     done
     while (($#)); do
         arg=$1; shift
@@ -109,12 +213,52 @@ parse_params() {
         _SET[$v]=1
     done
     for v in "${_PARAMS[@]}"; do
-        if [[ -z ${_SET[$v]:-} ]]; then
+        if [[ -z ${_SET[$v]:-} && -z ${_STAGES[$v]:-} ]]; then
             eval "printf -v \"\$v\" '%s' \"${_DEFAULT[$v]}\""
         fi
     done
-    [[ $DRY_RUN == 1 ]] && echo "# dry run: the commands are printed, nothing is run"
+    for v in "${_PARAMS[@]}"; do  # a setting left unset: its file's value, for the stage headers
+        if [[ -z ${_SET[$v]:-} && -n ${_STAGES[$v]:-} ]]; then
+            printf -v "$v" '%s' "$(_toml "$(_config_file "${_STAGES[$v]%%,*}")" "${_KEY[$v]}")"
+        fi
+    done
+    [[ $DRY_RUN == 1 ]] && echo "# dry run: the commands are printed, nothing is run (each reads its settings from --config FILE; the flags after it win)"
     return 0
+}
+
+inherit() {
+    [[ -z ${_SET[$1]:-} && -n ${_SET[$2]:-} ]] || return 0
+    printf -v "$1" '%s' "${3-${!2}}"
+    _SET[$1]=1
+}
+
+settings() {
+    given=()
+    local v item items
+    for v in "${_PARAMS[@]}"; do
+        [[ ,${_STAGES[$v]:-}, == *,$1,* && -n ${_SET[$v]:-} && -n ${!v} ]] || continue
+        case ${_KIND[$v]} in
+            switch) given+=("$(on_off "$v" "${_CMD_FLAG[$v]}")") ;;
+            list)
+                IFS='|' read -r -a items <<<"${!v}"
+                for item in "${items[@]}"; do given+=("${_CMD_FLAG[$v]}" "$item"); done ;;
+            *) given+=("${_CMD_FLAG[$v]}" "${!v}") ;;
+        esac
+    done
+}
+
+check_configs() {
+    [[ $DRY_RUN == 1 ]] && return 0
+    local s file cmd cli
+    for s in "${_CONFIG_STAGES[@]}"; do
+        want "$s" || continue
+        file=$(_config_file "$s")
+        read -r -a cmd <<<"${_CONFIG_CMD[$s]}"
+        cli=${cmd[0]^^}  # DITDATA or DITTRAIN
+        # --config is read before --help: a wrong key or value is one line, and nothing runs
+        "${!cli}" "${cmd[@]:1}" --config "$file" --help >/dev/null \
+            || die "--$s-config $file: not a valid settings file for \`${_CONFIG_CMD[$s]}\` (above); nothing was run"
+    done
 }
 
 # find_cli VAR NAME: $VAR if set, else NAME on PATH, else in the active venv, else in this
@@ -139,53 +283,57 @@ find_cli() {
 # ---- the parameter groups the recipes share (in each recipe's --help where it calls them) ----
 
 # run_params STAGES: the run and its samples (after OUT and the data folders), the stages
-# (STAGES: the default list) and where and how wide they run
+# (STAGES: the default list) and the machine they run on (not in the settings files)
 run_params() {
     param RUN_DIR --run '$OUT/run' "training run: checkpoints, metrics, EMA weights, sample grids"
     param SAMPLES_OUT --samples-out '$RUN_DIR/final' "final samples: grid.png and samples/"
     param STAGES --stages "$1" "which stages to run"
-    param DEVICE --device auto "auto, cpu, cuda, cuda:1 (the stages that run a model)"
+    param DEVICE --device "" "cpu, cuda, cuda:1 (the stages that run a model)" "auto, or a settings file's"
     param NPROC --nproc 1 "processes (GPUs) for encode and train; above 1 they run under torchrun"
     param WORKERS --workers '$(( $(nproc) < 8 ? $(nproc) : 8 ))' "fetch processes and image decoding workers" "CPU cores, at most 8"
 }
 
-# store_params: how encode writes the latent store
+# store_params: how encode writes the latent store (after `config encode ...`)
 store_params() {
-    param BACKEND --backend zarr "store backend: zarr (random access) or wds (tar streaming)"
-    param ENCODE_BATCH --encode-batch 32 "images per autoencoder forward"
+    setting BACKEND --backend encode --backend "store backend: zarr (random access) or wds (tar streaming)"
+    setting ENCODE_BATCH --encode-batch encode --batch-size "images per autoencoder forward"
     param EXTRA_ENCODE_ARGS --encode-args "" "more options for ditdata encode"
 }
 
-# train_params: dittrain run's settings (a recipe's own defaults: `default VAR VALUE`)
+# train_params: dittrain run's settings (after `config train ...`; defaults: the recipe's train.toml)
 train_params() {
-    param MODEL --model DiT-B/2 "DiT size and patch (dittrain models)"
-    param BATCH --batch 256 "GLOBAL batch per optimizer step"
-    param ACCUM --accum 1 "gradient accumulation steps (the batch is split into ACCUM micro-batches)"
-    param GRAD_CKPT --grad-ckpt none "gradient checkpointing: none, every (block) or k (every k-th block)"
-    param STEPS --steps 400000 "optimizer steps"
-    param LR --lr 1e-4 "AdamW learning rate"
-    param WEIGHT_DECAY --weight-decay 0 "AdamW weight decay"
-    param GRAD_CLIP --grad-clip 1.0 "max gradient norm (0: none)"
-    param EMA --ema 0.9999 "EMA decay"
-    param OBJECTIVE --objective ddpm "ddpm (epsilon + learned sigma) or flow (rectified flow)"
-    param AMP --amp bf16 "autocast: bf16, fp16 (with a grad scaler), fp32 or auto"
-    switch COMPILE --compile 0 "torch.compile the model"
-    param LOADER --loader auto "auto (keep the store in RAM when it fits), resident or streaming"
-    param SAVE_EVERY --save-every 5000 "checkpoint every N steps"
-    param SAMPLE_EVERY --sample-every 10000 "EMA sample grid every N steps (0: never)"
-    param LOG_EVERY --log-every 100 "metrics line every N steps"
-    param SEED --seed 0 "training and sampling seed"
+    setting MODEL --model train --model "DiT size and patch (dittrain models)"
+    setting BATCH --batch train --batch-size "GLOBAL batch per optimizer step"
+    setting ACCUM --accum train --accumulation-steps "gradient accumulation steps (the batch is split into ACCUM micro-batches)"
+    setting GRAD_CKPT --grad-ckpt train --grad-checkpointing "gradient checkpointing: none, every (block), k (every k-th block), attn, mlp, selective"
+    setting STEPS --steps train --max-steps "optimizer steps"
+    setting LR --lr train --lr "AdamW learning rate"
+    setting WEIGHT_DECAY --weight-decay train --weight-decay "AdamW weight decay"
+    setting GRAD_CLIP --grad-clip train --grad-clip "max gradient norm (0: none)"
+    setting EMA --ema train --ema "EMA decay"
+    setting OBJECTIVE --objective train --objective "ddpm (epsilon + learned sigma) or flow (rectified flow)"
+    setting PRECISION --precision train --precision "autocast: bf16, fp16 (with a grad scaler), fp32 or auto"
+    flag_alias PRECISION --amp
+    setting COMPILE --compile train --compile "torch.compile: off, blocks, model or auto"
+    setting LOADER --loader train --loader "auto (keep the store in RAM when it fits), resident or streaming"
+    setting SAVE_EVERY --save-every train --save-every "checkpoint every N steps"
+    setting SAMPLE_EVERY --sample-every train --sample-every "EMA sample grid every N steps (0: never)"
+    setting LOG_EVERY --log-every train --log-every "metrics line every N steps"
+    setting SEED --seed train,sample,fid --seed "training and sampling seed"
     param EXTRA_TRAIN_ARGS --train-args "" "more options for dittrain run"
 }
 
-# sample_params: dittrain sample's settings for the final grid (after the recipe's own: what to sample)
+# sample_params: dittrain sample's settings for the final grid (after `config sample ...` and
+# the recipe's own: what to sample)
 sample_params() {
-    param CFG --cfg 4.0 "classifier-free guidance scale"
-    param SAMPLE_STEPS --sample-steps 250 "sampling steps"
+    setting CFG --cfg sample --cfg "classifier-free guidance scale"
+    setting SAMPLE_STEPS --sample-steps sample --steps "sampling steps"
     param EXTRA_SAMPLE_ARGS --sample-args "" "more options for dittrain sample"
 }
 
 # ---- the stages the recipes share: each runs when `want`ed ----
+# Each command: --config FILE, the paths, what the recipe adds (ARGS), the machine (--device when
+# set, workers), the settings the user set (`settings`), then EXTRA_STAGE_ARGS.
 
 # fetch_stage "what" VAR "message" ARGS...: `ditdata fetch $VAR` into SHARDS_DIR with ARGS,
 # skipped when SHARDS_DIR holds a finished fetch; VAR (the input) must be set (need)
@@ -196,11 +344,13 @@ fetch_stage() {
     stage fetch "$what"
     skip_if_done "$SHARDS_DIR/dataset.json" "a finished fetch" && return 0
     need "$var" "$message"
-    run "$DITDATA" fetch "${!var}" --out "$SHARDS_DIR" "$@"
+    settings fetch
+    run "$DITDATA" fetch "${!var}" --config "$FETCH_CONFIG" --out "$SHARDS_DIR" "$@" --processes "$WORKERS" \
+        "${given[@]}" "${extra_fetch[@]}"
 }
 
-# encode_stage "what" ARGS...: SHARDS_DIR -> the latent store in STORE_DIR (ARGS: the autoencoder
-# and the conditioning), skipped when the store is finished (an interrupted encode resumes)
+# encode_stage "what" ARGS...: SHARDS_DIR -> the latent store in STORE_DIR (ARGS: the recipe's
+# own, e.g. --select), skipped when the store is finished (an interrupted encode resumes)
 encode_stage() {
     want encode || return 0
     stage encode "$1"
@@ -208,30 +358,35 @@ encode_stage() {
     # a finished store: skip loading the autoencoder just to find every shard done
     skip_if_done "$STORE_DIR/manifest.json" "a finished store; for other settings choose another --store" \
         && return 0
-    run "${encode_cmd[@]}" "$SHARDS_DIR" --out "$STORE_DIR" "$@" --backend "$BACKEND" --device "$DEVICE" \
-        --batch-size "$ENCODE_BATCH" --workers "$WORKERS" "${extra_encode[@]}"
+    settings encode
+    run "${encode_cmd[@]}" "$SHARDS_DIR" --config "$ENCODE_CONFIG" --out "$STORE_DIR" "$@" "${device[@]}" \
+        --workers "$WORKERS" "${given[@]}" "${extra_encode[@]}"
 }
 
-# train_stage ARGS...: MODEL on the store into RUN_DIR (ARGS: the objective, batch, optimizer and
-# conditioning settings), continued from its latest checkpoint when it has one
+# train_stage: MODEL on the store into RUN_DIR, continued from its latest checkpoint when it has one
 train_stage() {
     want train || return 0
     stage train "$MODEL on $STORE_DIR -> $RUN_DIR"
     resume_flag "$RUN_DIR"
-    run "${train_cmd[@]}" --latents "$STORE_DIR" --out "$RUN_DIR" --model "$MODEL" "$@" \
-        --max-steps "$STEPS" --amp "$AMP" "$(on_off COMPILE --compile)" --loader "$LOADER" \
-        --save-every "$SAVE_EVERY" --sample-every "$SAMPLE_EVERY" --log-every "$LOG_EVERY" --seed "$SEED" \
-        --device "$DEVICE" "${resume[@]}" "${extra_train[@]}"
+    settings train
+    # A signal for the whole job (Ctrl-C, Slurm's SIGTERM or --signal=USR1, timeout) reaches the
+    # trainer, which saves and exits 75; a trap keeps this shell alive to say so (run) instead of
+    # dying first (the trainer, exec'd, gets the default handlers back and installs its own).
+    trap ':' TERM USR1
+    run "${train_cmd[@]}" --config "$TRAIN_CONFIG" --latents "$STORE_DIR" --out "$RUN_DIR" "${device[@]}" \
+        "${given[@]}" "${resume[@]}" "${extra_train[@]}"
+    trap - TERM USR1
 }
 
-# sample_stage "what" ARGS...: the final grid of RUN_DIR's EMA weights in SAMPLES_OUT (ARGS: what
-# to sample and how many of each)
+# sample_stage "what" ARGS...: the final grid of RUN_DIR's EMA weights in SAMPLES_OUT (ARGS: the
+# recipe's own)
 sample_stage() {
     want sample || return 0
     stage sample "$1, cfg $CFG -> $SAMPLES_OUT"
     shift
-    run "$DITTRAIN" sample --ckpt "$RUN_DIR" --out "$SAMPLES_OUT" "$@" --cfg "$CFG" --steps "$SAMPLE_STEPS" \
-        --seed "$SEED" --device "$DEVICE" "${extra_sample[@]}"
+    settings sample
+    run "$DITTRAIN" sample --config "$SAMPLE_CONFIG" --ckpt "$RUN_DIR" --out "$SAMPLES_OUT" "$@" "${device[@]}" \
+        "${given[@]}" "${extra_sample[@]}"
     [[ $DRY_RUN == 1 ]] || echo "# grid: $SAMPLES_OUT/grid.png"
 }
 
@@ -290,6 +445,11 @@ skip_if_done() {
     skip "$1 exists ($2)"
 }
 
+# A rerun passes `--resume` with the same command, rather than `--resume --out RUN` alone: the
+# run's record is compared with the settings file and flags as they are now. Values equal to the
+# record are no change; an edited file or flag that changes what is learned is refused with the
+# differences (add --train-args --allow-changes to apply them) instead of being ignored without a
+# word, and a safe one (--steps, --save-every, ...) applies, as the rerun's command says.
 resume_flag() {
     resume=()
     if compgen -G "$1/checkpoints/step_*.pt" >/dev/null; then
@@ -310,6 +470,8 @@ _human() {  # microseconds -> 4.2s, 3m07s, 2h05m
     fi
 }
 
+STOPPED_STATUS=75  # dittrain.train.STOPPED_STATUS: a signal stopped the run after a checkpoint
+
 run() {
     local line="" word start rc
     for word in "$@"; do line+="${line:+ }$(_quote "$word")"; done
@@ -318,6 +480,10 @@ run() {
     start=${EPOCHREALTIME/./}
     "$@" || {
         rc=$?
+        if ((rc == STOPPED_STATUS)) && [[ $_STAGE == train ]]; then
+            echo "# [$_STAGE] stopped by a signal (checkpoint saved); rerun the same command to continue" >&2
+            exit "$rc"
+        fi
         echo "# [$_STAGE] FAILED (exit $rc) after $(_human $((${EPOCHREALTIME/./} - start)))" >&2
         exit "$rc"
     }
@@ -335,8 +501,8 @@ finish() {
     echo "# stage times: $all"
 }
 
-# The CLIs, and the encode and train commands: under torchrun (NPROC > 1) each rank runs
-# `python -m ditdata.cli` / `-m dittrain.cli`.
+# The CLIs, the encode and train commands (under torchrun when NPROC > 1 each rank runs
+# `python -m ditdata.cli` / `-m dittrain.cli`), and device=(--device DEVICE) when DEVICE is set.
 setup_commands() {
     find_cli DITDATA ditdata
     find_cli DITTRAIN dittrain
@@ -350,4 +516,7 @@ setup_commands() {
         train_cmd=("$DITTRAIN" run)
         sample_cmd=("$DITTRAIN" sample)
     fi
+    device=()
+    [[ -n $DEVICE ]] && device=(--device "$DEVICE")
+    return 0
 }

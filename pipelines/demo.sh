@@ -9,30 +9,33 @@
 #
 # Usage: bash pipelines/demo.sh [--out DIR] [--steps N] [--taef2 DIR] [--quick]
 #   --out DIR     where everything goes (default ./demo-out, or $DEMO_OUT)
-#   --steps N     training steps (default 1200, or $DEMO_STEPS)
+#   --steps N     training steps (default 1200, configs/demo/train.toml's; or $DEMO_STEPS)
 #   --taef2 DIR   encode with the TAEF2 autoencoder (DIR holds taef2_encoder.pth and
 #                 taef2_decoder.pth; or set $DITKIT_TAEF2) at 64 px instead of raw pixels
 #   --quick       a few steps and a few samples: checks the pipeline, not the pictures
+#
+# Each command reads its settings from pipelines/configs/demo/STAGE.toml (--config); the
+# options above only add to them.
 set -euo pipefail
 
 OUT=${DEMO_OUT:-./demo-out}
-STEPS=${DEMO_STEPS:-1200}
 TAEF2=${DITKIT_TAEF2:-}
-PER_CLASS=8
-SAMPLE_STEPS=40
+train_args=() sample_args=()  # what --steps and --quick change in configs/demo/train.toml, sample.toml
+[ -n "${DEMO_STEPS:-}" ] && train_args=(--max-steps "$DEMO_STEPS" --save-every "$DEMO_STEPS")
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;
-    --steps) STEPS=$2; shift 2 ;;
+    --steps) train_args=(--max-steps "$2" --save-every "$2"); shift 2 ;;
     --taef2) TAEF2=$2; shift 2 ;;
-    --quick) STEPS=4; PER_CLASS=2; SAMPLE_STEPS=4; shift ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --quick) train_args=(--max-steps 4 --save-every 4); sample_args=(--n-per-class 2 --steps 4); shift ;;
+    -h|--help) sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
     *) echo "demo.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 
 # The tools of the active environment, else of the repository's .venv.
 repo=$(cd "$(dirname "$0")/.." && pwd)
+configs=$repo/pipelines/configs/demo
 bin=""
 command -v ditdata >/dev/null 2>&1 || bin="$repo/.venv/bin/"
 PYTHON=${PYTHON:-${bin}python}
@@ -40,10 +43,11 @@ DITDATA=${DITDATA:-${bin}ditdata}
 DITTRAIN=${DITTRAIN:-${bin}dittrain}
 export HF_HUB_OFFLINE=1 NO_ALBUMENTATIONS_UPDATE=1
 
+encode_args=()
+RES=16                    # the image itself: 3 x 16 x 16 (the resolution of configs/demo/encode.toml)
 if [ -n "$TAEF2" ]; then
-  VAE=$TAEF2; RES=64      # 64 px digits -> 32 x 8 x 8 TAEF2 latents
-else
-  VAE=pixels; RES=16      # the image itself: 3 x 16 x 16
+  RES=64                  # 64 px digits -> 32 x 8 x 8 TAEF2 latents
+  encode_args=(--vae "$TAEF2" --resolution "$RES")
 fi
 
 mkdir -p "$OUT"
@@ -64,15 +68,10 @@ digits_tree() {  # real scanned digits (8x8, 0-16) as upscaled greyscale PNGs, o
 }
 
 stage digits digits_tree
-stage fetch "$DITDATA" fetch "$OUT/digits" --out "$OUT/shards" --kind classes --samples-per-shard 512 -q
-# No --flip: a mirrored digit is not a digit.
-stage encode "$DITDATA" encode "$OUT/shards" --vae "$VAE" --resolution "$RES" --out "$OUT/store" \
-  --device cpu --workers 1 --batch-size 64
-stage train "$DITTRAIN" run --latents "$OUT/store" --out "$OUT/run" --model DiT-T/4 --objective flow \
-  --batch-size 32 --lr 1e-3 --ema 0.99 --max-steps "$STEPS" --save-every "$STEPS" --log-every 50 \
-  --sample-every 0 --device cpu
-stage sample "$DITTRAIN" sample --ckpt "$OUT/run" --classes all --n-per-class "$PER_CLASS" \
-  --cfg 3.0 --steps "$SAMPLE_STEPS" --seed 0 --device cpu --grid-scale 4 --out "$OUT/samples"
+stage fetch "$DITDATA" fetch "$OUT/digits" --config "$configs/fetch.toml" --out "$OUT/shards"
+stage encode "$DITDATA" encode "$OUT/shards" --config "$configs/encode.toml" --out "$OUT/store" "${encode_args[@]}"
+stage train "$DITTRAIN" run --config "$configs/train.toml" --latents "$OUT/store" --out "$OUT/run" "${train_args[@]}"
+stage sample "$DITTRAIN" sample --config "$configs/sample.toml" --ckpt "$OUT/run" --out "$OUT/samples" "${sample_args[@]}"
 
 echo >&2
 printf '%s\n' "${timings[@]}" >&2

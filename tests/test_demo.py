@@ -27,6 +27,8 @@ def test_demo_quick(tmp_path):
     for stage in ("digits", "fetch", "encode", "train", "sample"):
         assert f"\n{stage} " in r.stderr  # the timing summary names every stage
     assert f"{out}/samples/grid.png" in r.stderr
+    for stage in ("fetch", "encode", "train", "sample"):  # each command reads the demo's settings file
+        assert f"--config {REPO}/pipelines/configs/demo/{stage}.toml" in r.stderr
 
     # digits: the real scikit-learn digits, one folder per class
     assert sorted(p.name for p in (out / "digits").iterdir()) == [str(d) for d in range(10)]
