@@ -18,7 +18,7 @@ from functools import partial
 import click
 
 from ditdata.common import configfile
-from ditdata.common.cli import FiniteFloat, OneLineErrors
+from ditdata.common.cli import FiniteFloat, OneLineErrors, quiet_option
 from ditdata.common.extras import install_hint
 from ditdata.config import (
     CLIP_MODEL,
@@ -46,7 +46,7 @@ def _opt(config, *names, field, **kw):
 
 _fetch_opt = partial(_opt, FetchConfig)
 _encode_opt = partial(_opt, EncodeConfig)
-_quiet = click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+_quiet = quiet_option
 
 
 def _skip_bad_shards_help(recorded: str) -> str:
@@ -310,7 +310,8 @@ def inspect(store, decode_n, out, vae, device, cache_dir, cache_limit):
 @main.command()
 @click.argument("store", type=click.Path(file_okay=False, path_type=str))
 @_cache_opts
-def verify(store, cache_dir, cache_limit):
+@_quiet
+def verify(store, cache_dir, cache_limit, quiet):
     """Recompute every checksum of a latent STORE and read every shard to check shapes and
     counts. Exits non-zero, naming each faulty file, if anything is wrong.
 
@@ -320,7 +321,7 @@ def verify(store, cache_dir, cache_limit):
     """
     from ditdata.summary import verify_store
 
-    faults, n = verify_store(store, **_cache(cache_dir, cache_limit))
+    faults, n = verify_store(store, progress=not quiet, **_cache(cache_dir, cache_limit))
     for f in faults:
         click.echo(f"FAULT {f}", err=True)
     if faults:
@@ -361,7 +362,8 @@ def verify(store, cache_dir, cache_limit):
              help="Samples per storage chunk (large chunks read fast).")
 @_encode_opt("--skip-bad-shards", field="skip_bad_shards", is_flag=True,
              help=_skip_bad_shards_help("each is recorded in the manifest"))
-def encode(shards, out, **options):
+@_quiet
+def encode(shards, out, quiet, **options):
     """Encode the image SHARDS folder (from `ditdata fetch`) into a latent store.
 
     One store shard per image shard, each published atomically: rerun the same command
@@ -384,7 +386,7 @@ def encode(shards, out, **options):
     """
     from ditdata.encode import encode, report
 
-    line = report(encode(EncodeConfig(shards=shards, out=out, **options)))
+    line = report(encode(EncodeConfig(shards=shards, out=out, progress=not quiet, **options)))
     if line is not None:  # rank 0, which wrote the manifest
         click.echo(f"{out}: {line}")
 

@@ -10,7 +10,7 @@ from dataclasses import fields
 import click
 
 from ditdata.common import configfile
-from ditdata.common.cli import FiniteFloat, OneLineErrors
+from ditdata.common.cli import FiniteFloat, OneLineErrors, quiet_option
 from dittrain import config
 
 
@@ -279,7 +279,8 @@ def _opt(*names, field, **kw):
                    "optimizer, step and schedule start fresh. Another class count re-initialises the label "
                    "embedder; other shapes must fit. Ignored by a --resume that finds a checkpoint.")
 @_opt("--device", field="device")
-def run_cmd(print_config, allow_changes, **options):
+@quiet_option
+def run_cmd(print_config, allow_changes, quiet, **options):
     """Train a DiT on a latent store.
 
     Shapes, classes and text dimensions come from the store's manifest. Checkpoints hold
@@ -314,7 +315,7 @@ def run_cmd(print_config, allow_changes, **options):
                                "takes its own)")
     from dittrain.train import STOPPED_STATUS, run
 
-    result = run(cfg, resumption)
+    result = run(cfg, resumption, progress=not quiet)
     if result.get("stopped"):
         return STOPPED_STATUS  # the loop said where it stopped and how to resume
     click.echo(f"{result['out']}: finished at step {result['step']}")
@@ -404,7 +405,8 @@ def _config_toml(cfg, command: click.Command) -> str:
                    "needed when no named size has its hidden size and depth.")
 @click.option("--text-pretrained", default=None, metavar="FILE_OR_TAG",
               help="The text encoder's weights, if not where the store's manifest says.")
-def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow, cfg_scale, cfg_channels, steps,
+@quiet_option
+def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow, cfg_scale, cfg_channels, steps,
                sampler, seed, device, batch_size, precision, latents, vae, model, text_pretrained,
                grid_scale, npz, chunk_size, overwrite, engine, onnx_file):
     """Sample a trained run with classifier-free guidance; write a PNG grid and every sample.
@@ -450,7 +452,8 @@ def sample_cmd(ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow,
         sample_to_npz(drawer, npz, n=n, classes=classes, prompts=prompts, steps=steps, cfg_scale=cfg_scale,
                       cfg_channels=cfg_channels, sampler=sampler, seed=seed, batch_size=batch_size, precision=precision,
                       chunk_size=chunk_size or _eval_defaults().chunk_size, device=device,
-                      text_pretrained=text_pretrained, overwrite=overwrite, preview=out, log=_say)
+                      text_pretrained=text_pretrained, overwrite=overwrite, preview=out, log=_say,
+                      progress=not quiet)
         return
     if out is None:
         raise click.ClickException("give --out (a PNG grid and every sample) or --npz (evaluation samples)")
@@ -601,7 +604,8 @@ def runs_cmd(run_dirs, plot):
 @click.option("--precision-recall/--no-precision-recall", "with_pr", default=True, show_default=True,
               help="Precision and recall need every reference feature (and for an ADM batch, a pass "
                    "over its images); off: FID, sFID and IS only.")
-def eval_cmd(samples, ref, inception, json_out, batch_size, device, resolution, cache_dir, with_pr):
+@quiet_option
+def eval_cmd(samples, ref, inception, json_out, batch_size, device, resolution, cache_dir, with_pr, quiet):
     """FID, sFID, Inception Score, precision and recall of samples against a reference.
 
     As ADM's evaluator (guided-diffusion evaluations/evaluator.py) computes them, on
@@ -639,7 +643,7 @@ def eval_cmd(samples, ref, inception, json_out, batch_size, device, resolution, 
         click.echo(line, err=True)
 
     metrics = evaluate(samples, ref, inception=inception, batch_size=batch_size, device=device,
-                       resolution=resolution, cache_dir=cache_dir, with_pr=with_pr, progress=True, log=log)
+                       resolution=resolution, cache_dir=cache_dir, with_pr=with_pr, progress=not quiet, log=log)
     _table_and_file(metrics, format_table, json_out, write_json)
 
 

@@ -60,6 +60,7 @@ from dittrain.opened import (
     diffusion_config,
     load_autoencoder,
     sampling_device,
+    sampling_memory_hint,
 )
 from dittrain.sample import (
     NonFiniteSamples,
@@ -510,19 +511,25 @@ def _draw(job: NpzJob, env: LaunchEnv, engine, store, text_pretrained, progress)
     try:
         if not mine:
             return result
-        plan, config = job.plan, engine.config
-        model = engine.network(plan.device)
-        autoencoder = load_autoencoder(store, plan.device, engine.vae)
-        text = None
-        if plan.kind == "text":  # the prompts embedded once, gathered per chunk
-            text = embed_prompts(store, list(job.prompts), tokens=bool(plan.model.text_token_dim),
-                                 device=plan.device, pretrained=text_pretrained)
-        for index in mine:
-            draw_chunk(job, index, model, config, store, autoencoder, text)
-            bar.update(job.images_in(job.done()) - bar.n)  # every rank's chunks on disk
+        with sampling_memory_hint(job.plan):
+            _draw_mine(job, mine, engine, store, text_pretrained, bar)
     finally:
         bar.close()
     return result
+
+
+def _draw_mine(job: NpzJob, mine: list[int], engine, store, text_pretrained, bar) -> None:
+    """The chunks `mine`, drawn and written one by one (the bar counts every rank's)."""
+    plan, config = job.plan, engine.config
+    model = engine.network(plan.device)
+    autoencoder = load_autoencoder(store, plan.device, engine.vae)
+    text = None
+    if plan.kind == "text":  # the prompts embedded once, gathered per chunk
+        text = embed_prompts(store, list(job.prompts), tokens=bool(plan.model.text_token_dim),
+                             device=plan.device, pretrained=text_pretrained)
+    for index in mine:
+        draw_chunk(job, index, model, config, store, autoencoder, text)
+        bar.update(job.images_in(job.done()) - bar.n)  # every rank's chunks on disk
 
 
 def _assemble(job: NpzJob, preview, say) -> None:

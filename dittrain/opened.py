@@ -73,6 +73,18 @@ class ExportError(UserError):
 # Device and precision, in sampling's words
 
 
+def sampling_memory_hint(plan):
+    """Out of GPU memory while sampling `plan` (a dittrain.sample.SamplePlan): one line that
+    names the model, batch and precision and what lowers memory (ditdata.common.memory)."""
+    from ditdata.common.memory import halved, out_of_memory_hint
+
+    b = plan.settings.batch_size
+    batch = f"--batch-size {b}" + (f" ({2 * b} a forward with guidance)" if plan.guide else "")
+    hints = [halved("--batch-size", b), "--precision bf16" if plan.amp is None and plan.device.type == "cuda" else None]
+    return out_of_memory_hint(what=f"sampling {plan.name}", batch=batch, precision=plan.amp, hints=hints,
+                              device=plan.device)
+
+
 def sampling_device(device: str | torch.device | None = "auto") -> torch.device:
     """ditdata.common.devices.resolve_device (auto -> cuda when available, else cpu), with an
     unusable device as a SampleError in sampling's words."""

@@ -26,7 +26,7 @@ import torch
 
 from ditdata.common.errors import described
 from ditdata.common.memory import halved, out_of_memory_hint
-from ditdata.common.progress import progress_bar
+from ditdata.common.progress import Lines, progress_bar
 from dittrain.checkpoint import RunState
 from dittrain.launch import Run, text_token_count
 from dittrain.loggers import open_loggers
@@ -113,7 +113,11 @@ class Log:
         """After a step skipped for a non-finite loss: the postfix counts it (redrawn at most
         once a second; the bar does not advance)."""
         self.bar.set_postfix_str(self._postfix(), refresh=False)
-        if time.monotonic() - self.shown >= 1.0:
+        n = self.state.nonfinite_total
+        if isinstance(self.bar, Lines):  # a log file: a line of its own, as a bar would show it
+            if not self.bar.disable and (n == 1 or n % self.run.cfg.logging.log_every == 0):
+                self.bar.write(f"train: step {self.state.step}: non-finite skipped {n} (the step did not advance)")
+        elif time.monotonic() - self.shown >= 1.0:
             self.bar.refresh()
             self.shown = time.monotonic()
 

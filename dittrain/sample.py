@@ -61,6 +61,7 @@ from dittrain.opened import (
     model_config,
     sampling_amp,
     sampling_device,
+    sampling_memory_hint,
 )
 from dittrain.specs import DiTConfig
 
@@ -655,10 +656,11 @@ def sample_to_files(
     if note:
         log(note)
     log(plan.describe())
-    network = engine.network(plan.device)
-    if engine.describe():
-        log(engine.describe())
-    images = run_plan(network, plan, store, vae=engine.vae, text_pretrained=text_pretrained)
+    with sampling_memory_hint(plan):
+        network = engine.network(plan.device)
+        if engine.describe():
+            log(engine.describe())
+        images = run_plan(network, plan, store, vae=engine.vae, text_pretrained=text_pretrained)
     meta = {"ckpt": str(Path(engine.ckpt).resolve()) if engine.ckpt is not None else None,
             "store": str(store.root.resolve()), **engine.record(), **plan.record()}
     result = write_samples(images, out, nrow=plan.nrow, groups=plan.groups, records=plan.records, meta=meta,

@@ -57,7 +57,7 @@ from dittrain.launch import Run, TrainError, setup
 from dittrain.model import DiT
 from dittrain.optim import build_optimizer, build_schedule
 from dittrain.record import Resumption
-from dittrain.report import Log, evaluate, note, sample_grid
+from dittrain.report import Log, evaluate, note, sample_grid, training_memory_hint
 from dittrain.step import Attempt, TrainStep, compile_model, compile_target, empty_text_on
 
 # --------------------------------------------------------------------------- setup (dittrain.launch) and FID
@@ -262,17 +262,18 @@ STOPPED_STATUS = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # SIGUSR1: Slurm's --signal=USR1@120
 
 
-def run(cfg: TrainConfig, resumption: Resumption | None = None) -> dict:
+def run(cfg: TrainConfig, resumption: Resumption | None = None, *, progress: bool = True) -> dict:
     """Train as configured; rank 0 holds the run directory's lock for the whole run, so a
     second `dittrain run` (or --resume) on the same --out fails at once instead of writing
     into it too (DirectoryBusy). A run that fails before writing anything leaves no trace.
     resumption: what a resume changes against the run's record (dittrain.record.settle).
-    The result's "stopped" is the signal's name when a signal ended the run early."""
+    The result's "stopped" is the signal's name when a signal ended the run early.
+    progress=False (-q/--quiet): no progress bar or progress lines."""
     _check_out(Path(cfg.checkpointing.out))
     if dist.launch_env().rank != 0:
-        return _train(cfg, resumption)
+        return _train(cfg, resumption, progress)
     with DirLock(cfg.checkpointing.out, "dittrain run"):
-        return _train(cfg, resumption)
+        return _train(cfg, resumption, progress)
 
 
 def _check_out(out: Path) -> None:
@@ -283,7 +284,7 @@ def _check_out(out: Path) -> None:
         raise TrainError(f"--out {out} is an image-shard folder (from `ditdata fetch`); choose a run directory")
 
 
-def _train(cfg: TrainConfig, resumption: Resumption | None) -> dict:
+def _train(cfg: TrainConfig, resumption: Resumption | None, progress: bool = True) -> dict:
     run = setup(cfg)  # a group it joins, the run also leaves (one the caller made, not: run.created_group)
     run.resumption = resumption
     run.evaluator = _evaluator(cfg, run.store)
@@ -302,7 +303,9 @@ def _train(cfg: TrainConfig, resumption: Resumption | None) -> dict:
                   f"{state.loader.kind} ({state.loader.reason}); global batch {cfg.optim.batch_size} = {run.world} "
                   f"rank(s) x {cfg.optim.accumulation_steps} accumulation x {run.per_rank}; "
                   f"{_origin(cfg, ckpt, state)}", file=sys.stderr)
-        with _Stop() as stop, Log(run, state, resumed=ckpt is not None) as log:  # (the bar closes on errors too)
+        # (the bar closes on errors too; out of GPU memory is one line naming the model, batch, precision)
+        with (_Stop() as stop, Log(run, state, resumed=ckpt is not None, progress=progress) as log,
+              training_memory_hint(run)):
             stopped = _loop(run, state, train_model, log, stop)
             step = state.step
             if run.master and step == cfg.optim.max_steps and cfg.logging.sample_every > 0 and step % cfg.logging.sample_every:

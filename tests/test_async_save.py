@@ -261,7 +261,7 @@ def test_kill_during_a_background_write_keeps_the_previous_checkpoint(store, tmp
     assert "resuming at step 2" in r.output and load_checkpoint(latest_checkpoint(out))["step"] == 4
 
 
-def test_sigterm_waits_for_the_write_and_exits_zero(store, tmp_path, monkeypatch):
+def test_sigterm_waits_for_the_write_and_exits_75(store, tmp_path, monkeypatch):
     """In-process (no interpreter start): SIGTERM to this process while the run trains; the
     run's handler takes it, the stop save's write is slow, and the run still ends with it on disk."""
     real = torch.save
@@ -286,7 +286,7 @@ def test_sigterm_waits_for_the_write_and_exits_zero(store, tmp_path, monkeypatch
         r = cli(*run_args(store, out, "--max-steps", 100000, "--save-every", 100000))
     finally:
         signal.signal(signal.SIGTERM, old)
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 75, r.output  # stopped, resumable (dittrain.train.STOPPED_STATUS)
     assert "stopped by signal" in r.output
     last = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert load_checkpoint(latest_checkpoint(out))["step"] == last >= 3

@@ -84,6 +84,11 @@ class OneLineErrors(click.Group):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
+# -q/--quiet of every long command: no progress bar, and no progress lines in a log file
+quiet_option = click.option("--quiet", "-q", is_flag=True,
+                            help="No progress bar (and, when stderr is not a terminal, no progress lines).")
+
+
 class FiniteFloat(click.FloatRange):
     """A float option that also refuses nan and inf (click's FloatRange lets nan through:
     every comparison with it is false). `allow_inf` keeps +inf for "no limit" options."""
