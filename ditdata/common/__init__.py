@@ -4,7 +4,10 @@
     files.py    atomic writes, digests, JSON files
     lock.py     one writer per output directory
     devices.py  device and precision choice
-    cli.py      one-line errors for both command groups, FiniteFloat
+    cli.py      one-line errors for both command groups, FiniteFloat, -q/--quiet
+    configfile.py  --config FILE.toml (options from a file, under the command line's), TOML out
+    progress.py    progress bars on a terminal, plain lines in a log file
+    memory.py   out of GPU memory as one line that says what ran and what lowers it
     sizes.py    sizes written by people, and sizes shown to them
     dist.py     torchrun's environment and the process group's join/leave
     extras.py   "this needs the extra X" in one wording
