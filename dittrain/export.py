@@ -75,6 +75,7 @@ from dittrain.model import DiT
 from dittrain.onnx import MAX_BATCH, TOLERANCE, export_onnx, random_inputs
 from dittrain.opened import (
     ExportError,
+    check_new_output,
     class_names,
     diffusion_config,
     load_autoencoder,
@@ -84,7 +85,7 @@ from dittrain.opened import (
     run_store,
 )
 from dittrain.specs import DiTConfig
-from dittrain.weights import infer_run_config, read_weights
+from dittrain.weights import full_weights, infer_run_config, read_weights
 
 FORMATS = ("onnx", "diffusers", "fp16", "int8")
 SUFFIX = {"fp16": ".safetensors", "int8": ".pt", "onnx": ".onnx", "diffusers": None}
@@ -108,8 +109,6 @@ def file_size(path) -> int:
 def check_request(fmt: str, out, overwrite: bool = False) -> Path:
     """The output path of a valid request; ExportError for an unknown format, a wrong suffix,
     an output inside a latent store, an existing output without overwrite, a missing extra."""
-    from ditdata.store import refuse_inside_store
-
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
     out = Path(out)
@@ -118,9 +117,7 @@ def check_request(fmt: str, out, overwrite: bool = False) -> Path:
         raise ExportError(f"--out {out}: a {fmt} export is one {suffix} file; name it NAME{suffix}")
     if suffix is None and out.is_file():
         raise ExportError(f"--out {out} is a file; a diffusers export is a folder")
-    refuse_inside_store(out, "--out", ExportError)
-    if out.exists() and not overwrite:
-        raise ExportError(f"--out {out} exists; pass --overwrite to replace it")
+    check_new_output(out, "--out", ExportError, overwrite=overwrite)
     missing = [m for m in NEEDS[fmt] if not _importable(m)]
     if missing:
         raise ExportError(f"--format {fmt} needs {', '.join(missing)}, which is not installed: "
@@ -165,10 +162,7 @@ def export(ckpt, fmt: str, out, *, overwrite: bool = False, latents=None, vae: s
     """`dittrain export`: read `ckpt`, write it as `fmt` at `out`, check it, say where and how
     big. Returns {"format", "files": [Path], "sizes": {path: bytes}}."""
     out = check_request(fmt, out, overwrite)
-    source = read_weights(ckpt)
-    if source.kind == "int8":
-        raise ExportError(f"{source.file} is an int8 export; export from the run it came from (or its fp32 or "
-                          "fp16 weights)")
+    source = full_weights(ckpt, ExportError, "export from the run it came from (or its fp32 or fp16 weights)")
     if out.resolve() == source.file.resolve():
         raise ExportError(f"--out {out} is the source itself; choose another name")
     if model is not None and not source.plain:

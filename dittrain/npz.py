@@ -56,6 +56,7 @@ from ditdata.common.files import json_digest, read_json
 from dittrain.config import EvalSampleConfig, SampleConfig
 from dittrain.opened import (
     SampleError,
+    check_new_output,
     class_names,
     diffusion_config,
     load_autoencoder,
@@ -184,16 +185,12 @@ class NpzJob:
 def check_npz_path(path, *, overwrite: bool = False) -> Path:
     """A bad --npz fails before any work: NAME.npz, not a folder, outside any latent store,
     not there yet (unless overwrite)."""
-    from ditdata.store import refuse_inside_store
-
     path = Path(path)
     if path.suffix.lower() != ".npz":
         raise SampleError(f"--npz {path}: the evaluator's sample file is a .npz; give NAME.npz")
     if path.is_dir():
         raise SampleError(f"--npz {path} is a folder; give NAME.npz")
-    refuse_inside_store(path, "--npz", SampleError)
-    if path.exists() and not overwrite:
-        raise SampleError(f"--npz {path} exists already; pass --overwrite to replace it, or give another --npz")
+    check_new_output(path, "--npz", SampleError, overwrite=overwrite, hint=", or give another --npz")
     return path
 
 

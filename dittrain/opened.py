@@ -73,6 +73,16 @@ class ExportError(UserError):
 # Device and precision, in sampling's words
 
 
+def check_new_output(path: Path, flag: str, error: type[UserError], *, overwrite: bool, hint: str = "") -> None:
+    """An output of sampling or an export: never inside a latent store, and not there yet
+    unless overwrite (flag: the option that named it; hint: what else to do)."""
+    from ditdata.store import refuse_inside_store
+
+    refuse_inside_store(path, flag, error)
+    if path.exists() and not overwrite:
+        raise error(f"{flag} {path} exists already; pass --overwrite to replace it{hint}")
+
+
 def sampling_memory_hint(plan):
     """Out of GPU memory while sampling `plan` (a dittrain.sample.SamplePlan): one line that
     names the model, batch and precision and what lowers memory (ditdata.common.memory)."""

@@ -85,14 +85,12 @@ def kind(name: str, recorded: TrainConfig) -> str:
 def load(out: str | Path) -> dict | None:
     """The run's config.json, or None where the directory has none (a new run)."""
     path = Path(out) / RECORD
-    if not path.exists():
-        return None
     try:
-        record = read_json(path)
+        record = read_json(path) if path.exists() else None
     except (OSError, ValueError) as e:
         raise RecordError(f"{path}: cannot read the run's record ({one_line(e)}); restore it (every "
                           "checkpoint holds a copy, under 'config') or start a new --out") from e
-    if not isinstance(record, dict):
+    if record is not None and not isinstance(record, dict):
         raise RecordError(f"{path}: not a run record (a JSON object was expected)")
     return record
 

@@ -146,6 +146,15 @@ def strip_prefixes(state: dict) -> dict:
     return state
 
 
+def full_weights(path, error: type[Exception], what: str) -> Weights:
+    """read_weights, refusing an int8 export (its torchao tensors are for sampling only):
+    `what` says what wanted the weights and where to take them from instead."""
+    w = read_weights(path)
+    if w.kind == "int8":
+        raise error(f"{w.file} is an int8 export (for sampling only); {what}")
+    return w
+
+
 def read_weights(path) -> Weights:
     """The weights of a run directory (its ema.safetensors, else its latest checkpoint), an
     EMA export (fp32, or fp16 from `dittrain export`), an int8 export (torchao weight-only, from
@@ -397,10 +406,8 @@ def init_model(model: DiT, source) -> tuple[dict, list[str]]:
     path = Path(source)
     if not path.exists():
         raise WeightsError(f"--init-from {source}: no such file or run directory")
-    w = read_weights(path)
-    if w.kind == "int8":
-        raise WeightsError(f"--init-from {source} is an int8 export (for sampling only); fine-tune from "
-                           "the run it was exported from, or its fp32/fp16 weights")
+    w = full_weights(path, WeightsError, f"--init-from {source}: fine-tune from the run it was exported from, "
+                     "or its fp32/fp16 weights")
     state, own, notes = dict(w.state), model.state_dict(), []
     have, want = _shape(state, LABEL_TABLE), _shape(own, LABEL_TABLE)
     if have != want and (have is None or want is None or have[1:] == want[1:]):
@@ -424,5 +431,5 @@ def init_model(model: DiT, source) -> tuple[dict, list[str]]:
 
 __all__ = [
     "LABEL_TABLE", "StandInStore", "Weights", "WeightsError", "describe", "infer_model", "infer_run_config",
-    "init_model", "load_weights", "mismatch", "read_weights", "stand_in_store", "strip_prefixes", "weights_file",
+    "full_weights", "init_model", "load_weights", "mismatch", "read_weights", "stand_in_store", "strip_prefixes", "weights_file",
 ]

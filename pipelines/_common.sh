@@ -47,6 +47,8 @@
 # Commands are printed shell-quoted, stage headers as '#' comments, so the output of --dry-run
 # is itself a script you can read, edit and run.
 
+# The sourcing recipe's settings files: pipelines/configs/RECIPE/ (RECIPE: its name without .sh)
+CONFIGS=$(cd "$(dirname "${BASH_SOURCE[1]}")" && pwd)/configs/$(basename "${BASH_SOURCE[1]}" .sh)
 _PARAMS=()
 declare -A _FLAG=() _DEFAULT=() _SHOWN=() _HELP=() _KIND=() _SET=() _FROM_FLAG=() _ALIAS=()
 declare -A _STAGES=() _CMD_FLAG=() _KEY=() _CONFIG_CMD=() _TOML=() _TOML_READ=()
@@ -138,6 +140,8 @@ _toml_values() {
     }' "$1"
 }
 
+_on_off_word() { [[ $1 == 1 ]] && echo on || echo off; }
+
 usage() {
     # $USAGE (set by the recipe) first, then one line per parameter.
     printf '%s\n\nOptions (each flag'"'"'s value name is also its environment variable; flags win):\n' "$USAGE"
@@ -145,22 +149,19 @@ usage() {
     printf '  %-38s %s\n' "-h, --help" "this help"
     local v left shown file old help
     for v in "${_PARAMS[@]}"; do
+        left="${_FLAG[$v]} $v"
+        [[ ${_KIND[$v]} == list ]] && left+=" ..."
+        [[ ${_KIND[$v]} == switch ]] && left="${_FLAG[$v]}, --no-${_FLAG[$v]#--}"
         if [[ -n ${_STAGES[$v]:-} ]]; then  # a setting: its default is in its stage's file
             file=$(_config_file "${_STAGES[$v]%%,*}")
             shown=$(_toml "$file" "${_KEY[$v]}")
-            [[ ${_KIND[$v]} == switch && -n $shown ]] && shown=$([[ $shown == 1 ]] && echo on || echo off)
+            [[ ${_KIND[$v]} == switch && -n $shown ]] && shown=$(_on_off_word "$shown")
             shown="${file##*/}: ${shown:-not set}"
             [[ ${_KIND[$v]} == switch ]] && shown="$v; $shown"
         elif [[ ${_KIND[$v]} == switch ]]; then
-            shown="$v: $([[ ${_DEFAULT[$v]} == 1 ]] && echo on || echo off)"
+            shown="$v: $(_on_off_word "${_DEFAULT[$v]}")"
         else
             shown="default: ${_SHOWN[$v]:-none}"
-        fi
-        if [[ ${_KIND[$v]} == switch ]]; then
-            left="${_FLAG[$v]}, --no-${_FLAG[$v]#--}"
-        else
-            left="${_FLAG[$v]} $v"
-            [[ ${_KIND[$v]} == list ]] && left+=" ..."
         fi
         help=${_HELP[$v]}
         for old in "${!_ALIAS[@]}"; do [[ ${_ALIAS[$old]} == "$v" ]] && help+=" (also $old)"; done

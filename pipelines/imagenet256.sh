@@ -34,7 +34,6 @@
 set -euo pipefail
 # shellcheck source=pipelines/_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
-CONFIGS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/configs/imagenet256
 
 USAGE="Usage: $(basename "$0") --imagenet DIR [options]
 ImageNet-256 class-conditional DiT (the DiT paper's settings): fetch -> encode -> train -> sample."

@@ -33,7 +33,6 @@
 set -euo pipefail
 # shellcheck source=pipelines/_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
-CONFIGS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/configs/laion_t2i
 
 USAGE="Usage: $(basename "$0") --parquet FILE [options]
 Text-to-image DiT on CLIP-filtered LAION pairs: fetch -> score -> filter -> encode -> train -> sample."

@@ -26,13 +26,18 @@ def fake_tree(tmp_path: Path, proc: str, files: dict[str, str | bytes]) -> tuple
     for rel, text in files.items():
         path = root / rel.lstrip("/")
         path.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(text, bytes):
-            path.write_bytes(text)
-        else:
-            path.write_text(text)
+        _write(path, text)
     proc_file = tmp_path / "proc_self_cgroup"
-    proc_file.write_text(proc)
+    _write(proc_file, proc)
     return proc_file, root
+
+
+def _write(path: Path, content: str | bytes | None) -> None:
+    """Text or bytes into `path`; None: no such file."""
+    if content is None:
+        path.unlink(missing_ok=True)
+    else:
+        (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
 
 
 def v2_level(path: str, limit: str, current: int, inactive: int | None = None) -> dict[str, str]:
@@ -127,12 +132,7 @@ def test_a_missing_or_odd_proc_file_reads_the_root(tmp_path, proc):
     root = tmp_path / "cgroup"
     fake_tree(tmp_path, "", v2_level("/", str(2 * GiB), GiB))
     proc_file = tmp_path / "proc_self_cgroup"
-    if proc is None:
-        proc_file.unlink()
-    elif isinstance(proc, bytes):
-        proc_file.write_bytes(proc)
-    else:
-        proc_file.write_text(proc)
+    _write(proc_file, proc)
     assert budget._cgroup_available(proc_cgroup=str(proc_file), root=root)[0] == GiB
 
 

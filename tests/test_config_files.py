@@ -1,5 +1,5 @@
 """`--config FILE.toml` on the data side and on sampling (ditdata.common.configfile): the
-file's settings under the command line's, a bad key one line naming it and the file."""
+file's settings under the command line's (a bad key or value: tests/test_run_record.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import click
-import pytest
 from cliutil import ditdata, dittrain, one_error_line
 from tiny import class_tree
 
@@ -34,24 +33,6 @@ def test_fetch_and_encode_read_their_settings_from_a_file(tmp_path):
     manifest = json.loads((tmp_path / "store" / "manifest.json").read_text())
     assert manifest["num_samples"] == 12
     assert manifest["latent"]["shape"] == [3, 16, 16] and manifest["latent"]["flip"] is False
-
-
-@pytest.mark.parametrize("text, needles", [
-    ("vae = \"pixels\"\nresoluton = 16\n", ["resoluton", "did you mean resolution"]),
-    ("batch-size = \"4\"\n", ["batch-size", "takes an integer"]),
-    ("flip = 1\n", ["flip", "true or false"]),
-    ("backend = \"lmdb\"\n", ["backend", "lmdb"]),
-    ("[encode]\nvae = \"pixels\"\n", ["[encode]", "top-level keys"]),
-])
-def test_a_bad_key_or_value_is_one_line(tmp_path, text, needles):
-    (tmp_path / "shards").mkdir()
-    conf = _toml(tmp_path / "encode.toml", text)
-    r = ditdata("encode", tmp_path / "shards", "-o", tmp_path / "store", "--config", conf)
-    assert r.exit_code == 2
-    line = one_error_line(r.output)
-    for needle in [str(conf), *needles]:
-        assert needle in line, line
-    assert not (tmp_path / "store").exists()
 
 
 def test_every_long_command_takes_a_config_file():

@@ -276,7 +276,7 @@ def test_refused_exports_say_why_in_one_line(kl_run, tmp_path, monkeypatch):
     # an existing output without --overwrite
     (tmp_path / "taken.pt").write_bytes(b"mine")
     line = one_error_line(export("--ckpt", run, "--format", "int8", "--out", tmp_path / "taken.pt").output)
-    assert "exists; pass --overwrite" in line and (tmp_path / "taken.pt").read_bytes() == b"mine"
+    assert "exists already; pass --overwrite" in line and (tmp_path / "taken.pt").read_bytes() == b"mine"
     # a missing extra
     monkeypatch.setitem(sys.modules, "onnxruntime", None)
     line = one_error_line(export("--ckpt", run, "--format", "onnx", "--out", tmp_path / "m.onnx").output)

@@ -9,18 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from cliutil import ditdata, losses, one_error_line, run_args
 from cliutil import dittrain as cli
-from cliutil import losses, one_error_line, run_args
 from storeutil import make_store
 
 from dittrain.checkpoint import latest_checkpoint, load_checkpoint
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
     return make_store(tmp_path_factory.mktemp("store") / "s")
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _toml(path: Path, text: str) -> Path:
@@ -78,29 +79,39 @@ device = "cpu"
     assert rec["optim"]["lr"] == 0.01 and rec["optim"]["max_steps"] == 1 and rec["optim"]["batch_size"] == 8
 
 
-@pytest.mark.parametrize("text, needles", [
-    ("[optim]\nlearning-rate = 1e-4\n", ["[optim] learning-rate", "unknown key"]),
-    ("[optim]\nbatchsize = 8\n", ["did you mean batch-size"]),
-    ("[data]\nlr = 1e-4\n", ["[data] lr", "belongs in the [optim] table"]),
-    ("lr = 1e-4\n", ["lr", "belongs in the [optim] table"]),
-    ("[optimiser]\nlr = 1e-4\n", ["[optimiser]", "unknown table"]),
-    ("[optim]\nbatch-size = \"big\"\n", ["[optim] batch-size", "takes an integer"]),
-    ("[optim]\nmax-steps = 1.5\n", ["[optim] max-steps", "takes an integer"]),
-    ("[optim]\nlr = true\n", ["[optim] lr", "takes a number"]),
-    ("[optim]\nema = 2.0\n", ["[optim] ema"]),
-    ("[performance]\ntf32 = \"yes\"\n", ["[performance] tf32", "true or false"]),
-    ("[performance]\nprecision = \"fp8\"\n", ["[performance] precision", "fp8"]),
-    ("[config]\nallow-changes = true\n", ["allow-changes", "command-line flag only"]),
-    ("[optim\n", ["not valid TOML"]),
+@pytest.mark.parametrize("command, text, needles", [
+    ("run", "[optim]\nlearning-rate = 1e-4\n", ["[optim] learning-rate", "unknown key"]),
+    ("run", "[optim]\nbatchsize = 8\n", ["did you mean batch-size"]),
+    ("run", "[data]\nlr = 1e-4\n", ["[data] lr", "belongs in the [optim] table"]),
+    ("run", "lr = 1e-4\n", ["lr", "belongs in the [optim] table"]),
+    ("run", "[optimiser]\nlr = 1e-4\n", ["[optimiser]", "unknown table"]),
+    ("run", "[optim]\nbatch-size = \"big\"\n", ["[optim] batch-size", "takes an integer"]),
+    ("run", "[optim]\nmax-steps = 1.5\n", ["[optim] max-steps", "takes an integer"]),
+    ("run", "[optim]\nlr = true\n", ["[optim] lr", "takes a number"]),
+    ("run", "[optim]\nema = 2.0\n", ["[optim] ema"]),
+    ("run", "[performance]\ntf32 = \"yes\"\n", ["[performance] tf32", "true or false"]),
+    ("run", "[performance]\nprecision = \"fp8\"\n", ["[performance] precision", "fp8"]),
+    ("run", "[config]\nallow-changes = true\n", ["allow-changes", "command-line flag only"]),
+    ("run", "[optim\n", ["not valid TOML"]),
+    # the data side: top-level keys
+    ("encode", "vae = \"pixels\"\nresoluton = 16\n", ["resoluton", "did you mean resolution"]),
+    ("encode", "batch-size = \"4\"\n", ["batch-size", "takes an integer"]),
+    ("encode", "flip = 1\n", ["flip", "true or false"]),
+    ("encode", "backend = \"lmdb\"\n", ["backend", "lmdb"]),
+    ("encode", "[encode]\nvae = \"pixels\"\n", ["[encode]", "top-level keys"]),
 ])
-def test_a_bad_file_is_one_line_naming_the_key_and_the_file(store, tmp_path, text, needles):
+def test_a_bad_file_is_one_line_naming_the_key_and_the_file(store, tmp_path, command, text, needles):
     conf = _toml(tmp_path / "bad.toml", text)
-    r = cli(*run_args(store, tmp_path / "r"), "--config", conf)
+    if command == "run":
+        r = cli(*run_args(store, tmp_path / "r"), "--config", conf)
+    else:
+        (tmp_path / "shards").mkdir()
+        r = ditdata("encode", tmp_path / "shards", "-o", tmp_path / "r", "--config", conf)
     assert r.exit_code == 2, r.output
     line = one_error_line(r.output)
     for needle in [str(conf), *needles]:
         assert needle in line, line
-    assert not (tmp_path / "r").exists()
+    assert not (tmp_path / "r").exists()  # refused before anything ran
 
 
 def test_a_missing_config_file(store, tmp_path):

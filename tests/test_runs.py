@@ -26,9 +26,8 @@ def evaluation(step: int, fid: float) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
+    a, b = (root := tmp_path_factory.mktemp("runs")) / "a", root / "b"
     store = make_store(root / "store-a", n=24)
-    a, b = root / "a", root / "b"
     for out, steps in ((a, 3), (b, 4)):
         r = dittrain(*run_args(store, out, "--max-steps", steps, "--save-every", 2, "--keep", 2))
         assert r.exit_code == 0, r.output
