@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import click
+import pytest
 from cliutil import ditdata, dittrain, one_error_line
 from tiny import class_tree
 
@@ -77,3 +78,15 @@ def test_given_tells_the_users_settings_from_the_defaults(tmp_path):
     conf = _toml(tmp_path / "c.toml", "a = 10\nb = 20\n")
     assert CliRunner().invoke(cmd, ["--config", conf, "--b", "5"]).exit_code == 0
     assert seen["values"] == (10, 5, 3) and seen["given"] >= {"a", "b"} and "c" not in seen["given"]
+
+
+def test_a_repeatable_flag_takes_a_list(tmp_path):
+    from ditdata.cli import main as data
+
+    fetch = data.commands["fetch"]
+    got = configfile.defaults_from(fetch, tmp_path / "f.toml", {"keep-col": ["similarity", "punsafe"], "threads": 4})
+    assert got == {"keep_cols": ["similarity", "punsafe"], "threads": 4}
+    for bad, why in (({"keep-col": "similarity"}, "takes a list"), ({"keep-col": [1.5, True]}, "not True"),
+                     ({"threads": [4]}, "takes one value")):
+        with pytest.raises(click.BadParameter, match=why):
+            configfile.defaults_from(fetch, tmp_path / "f.toml", bad)

@@ -48,28 +48,33 @@ def _bad(path: Path, key: str, why: str) -> click.BadParameter:
 
 
 def _check_type(path: Path, key: str, param: click.Option, value):
-    """The TOML value, as what the option takes; strict where click would coerce silently
-    (it turns 1.5 into 1 for an integer, and anything into a string)."""
-    kind = param.type
+    """The TOML value, as what the option takes (a list of them for a repeatable option)."""
     if isinstance(value, dict):
         raise _bad(path, key, "a table where a value belongs")
     if param.multiple:
         if not isinstance(value, list):
             raise _bad(path, key, f"takes a list, e.g. {key} = [\"a\", \"b\"], not {value!r}")
-        return [_check_type(path, key, _Single(param), v) for v in value]
+        return [_check_one(path, key, param, v) for v in value]
     if isinstance(value, list):
         raise _bad(path, key, f"takes one value, not the list {value!r}")
-    if param.is_flag and param.flag_value is True or isinstance(kind, click.types.BoolParamType):
+    if param.is_flag and param.flag_value is True or isinstance(param.type, click.types.BoolParamType):
         if not isinstance(value, bool):
             raise _bad(path, key, f"takes true or false, not {value!r}")
         return value
-    if isinstance(kind, click.types.IntParamType) or isinstance(kind, click.IntRange):
+    return _check_one(path, key, param, value)
+
+
+def _check_one(path: Path, key: str, param: click.Option, value):
+    """One value, strict where click would coerce silently (it turns 1.5 into 1 for an
+    integer, and anything into a string), then converted by the option's own type."""
+    kind = param.type
+    if isinstance(kind, click.types.IntParamType):  # IntRange too
         if isinstance(value, bool) or not isinstance(value, int):
             raise _bad(path, key, f"takes an integer, not {value!r}")
     elif isinstance(kind, click.types.FloatParamType):
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise _bad(path, key, f"takes a number, not {value!r}")
-    elif isinstance(value, bool):
+    elif isinstance(value, bool | list | dict):
         raise _bad(path, key, f"takes a value such as {param.metavar or 'TEXT'}, not {value!r}")
     elif isinstance(value, int | float):
         value = str(value)  # a string option given a number in the file: --grad-checkpointing 2
@@ -77,14 +82,6 @@ def _check_type(path: Path, key: str, param: click.Option, value):
         return kind.convert(value, param, None)
     except click.BadParameter as e:
         raise _bad(path, key, e.message) from None
-
-
-class _Single:
-    """One element of a multiple option, for _check_type."""
-
-    def __init__(self, param: click.Option):
-        self.type, self.metavar, self.opts, self.name = param.type, param.metavar, param.opts, param.name
-        self.multiple, self.is_flag, self.flag_value = False, False, None
 
 
 def read(path: str | Path) -> dict:
