@@ -108,6 +108,10 @@ def settle(options: dict, chosen: set[str], *, allow_changes: bool = False) -> t
     for name in chosen & set(SECTION_OF):
         values[name] = options[name]
     values["resume"], values["out"] = True, options["out"]
+    if "latents" not in chosen and (record.get("store") or {}).get("path"):
+        # the store where the run found it (absolute, or its URL): a resume from another
+        # directory than the start's finds it too
+        values["latents"] = record["store"]["path"]
     changes = {n: (base.flat()[n], values[n]) for n in chosen & set(SECTION_OF) - IGNORED
                if base.flat()[n] != values[n]}
     by_kind = {k: sorted(n for n in changes if kind(n, base) == k) for k in ("fixed", "learned")}

@@ -207,3 +207,16 @@ def test_print_config_needs_no_out_but_a_run_does(store, tmp_path):
     assert r.exit_code == 0 and 'model = "DiT-T/4"' in r.output and 'out = ""' in r.output
     r = cli("run", "--latents", store)
     assert r.exit_code == 2 and "Missing option '--out'" in one_error_line(r.output)
+
+
+def test_resume_from_another_directory_finds_the_store(store, tmp_path, monkeypatch):
+    import shutil
+
+    shutil.copytree(store, tmp_path / "store")
+    monkeypatch.chdir(tmp_path)
+    assert cli(*run_args(Path("store"), Path("r"), "--max-steps", 2, "--logger", "jsonl")).exit_code == 0
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    r = cli("run", "--resume", "--out", tmp_path / "r", "--max-steps", 3)
+    assert r.exit_code == 0, r.output
+    assert _record(tmp_path / "r")["train"]["data"]["latents"] == str((tmp_path / "store").resolve())
