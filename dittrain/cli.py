@@ -122,7 +122,8 @@ class SectionedCommand(click.Command):
     diffusion, optim, ...), in the order config.json and the README use."""
 
     # flags without a field of their own; "config": how this invocation reads its settings
-    EXTRA = {"no_compile": "performance", "config": "config", "print_config": "config", "allow_changes": "config"}
+    EXTRA = {"no_compile": "performance", "config": "config", "print_config": "config", "allow_changes": "config",
+             "quiet": "logging"}
 
     def format_options(self, ctx, formatter):
         from dittrain.config import SECTION_OF, SECTIONS

@@ -34,15 +34,13 @@ import numpy as np
 from ditdata.common import files
 from ditdata.common.errors import UserError, described
 from ditdata.common.extras import install_hint, require
-from dittrain.config import LOGGERS, LoggingSection
+from dittrain.config import LOGGERS
 
 WANDB_ID = "wandb_id.txt"  # in the run directory
 WANDB_INIT_TIMEOUT = 20.0  # seconds (wandb's own default is 90); $WANDB_INIT_TIMEOUT overrides it
 # The project when neither --wandb-project nor WANDB_PROJECT names one (wandb's own would be
-# "uncategorized"). The config's default for wandb_project counts as "not given": while it is
-# this same name, a flag cannot be told from the default, so WANDB_PROJECT wins over both.
+# "uncategorized"); the config's default ("") is "not given".
 WANDB_DEFAULT_PROJECT = "ditkit"
-_CONFIG_DEFAULT_PROJECT = LoggingSection.wandb_project
 
 
 class LoggerError(UserError, ValueError):
@@ -193,10 +191,10 @@ def wandb_init_args(out: Path, *, project: str | None, name: str | None, resumed
         return not os.environ.get(var)
 
     args = {}
-    if project and project != _CONFIG_DEFAULT_PROJECT:
+    if project:
         args["project"] = project
     elif unset("WANDB_PROJECT"):
-        args["project"] = project or WANDB_DEFAULT_PROJECT
+        args["project"] = WANDB_DEFAULT_PROJECT
     if name:
         args["name"] = name
     elif unset("WANDB_NAME"):

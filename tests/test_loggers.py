@@ -207,13 +207,14 @@ def test_wandb_init_args(tmp_path, monkeypatch):
     out = tmp_path / "my-run"
     out.mkdir()
     (out / "wandb_id.txt").write_text("kept0001\n")
-    args = wandb_init_args(out, project="ditkit", name="", resumed=True)  # the config's defaults
+    args = wandb_init_args(out, project="", name="", resumed=True)  # the config's defaults
     assert args == {"project": "ditkit", "name": "my-run", "dir": str(out), "id": "kept0001", "resume": "allow"}
     assert wandb_init_args(out, project="", name=None, resumed=False)["project"] == "ditkit"
     assert wandb_init_args(out, project="p", name="n", resumed=False)["id"] != "kept0001"  # a fresh run
     for name in ("WANDB_PROJECT", "WANDB_NAME", "WANDB_DIR", "WANDB_RUN_ID", "WANDB_RESUME"):
         monkeypatch.setenv(name, "x")
-    assert wandb_init_args(out, project="ditkit", name="", resumed=True) == {}  # W&B reads its variables
+    assert wandb_init_args(out, project="", name="", resumed=True) == {}  # W&B reads its variables
+    assert wandb_init_args(out, project="ditkit", name="", resumed=True) == {"project": "ditkit"}  # a flag wins
     assert wandb_init_args(out, project="p", name="n", resumed=True) == {"project": "p", "name": "n"}
 
 

@@ -91,7 +91,7 @@ def test_every_run_flag_is_one_field_of_one_section():
 
     from ditdata.common.configfile import key_of
 
-    invocation = {"no_compile", "help", "config", "print_config", "allow_changes"}  # not settings of the run
+    invocation = {"no_compile", "help", "config", "print_config", "allow_changes", "quiet"}  # not settings of the run
     params = {p.name: p for p in cli.commands["run"].params if p.name not in invocation}
     assert set(params) == set(config.SECTION_OF)  # the flags map 1:1 onto the sections' fields
     # no field name in two sections (a flat name says which section it lives in)
