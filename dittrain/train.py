@@ -120,6 +120,8 @@ def _build(run: Run, ckpt: dict | None) -> RunState:
         )
     except ValueError as e:  # LoaderError (does not fit) or settings the loader refuses
         raise TrainError(str(e)) from e
+    if ckpt is not None and kind != cfg.data.loader:  # not what the user asked now: the checkpoint's
+        loader.reason = f"{kind}: the checkpoint's, so its data order continues; " + loader.reason.split("; ", 1)[-1]
     return RunState(model=model, ema=ema, optimizer=opt, lr_schedule=sched, scaler=scaler, loader=loader,
                     noise_gen=noise_gen, config=run.resolved, device=device, rank=run.rank, world=run.world)
 

@@ -220,3 +220,11 @@ def test_resume_from_another_directory_finds_the_store(store, tmp_path, monkeypa
     r = cli("run", "--resume", "--out", tmp_path / "r", "--max-steps", 3)
     assert r.exit_code == 0, r.output
     assert _record(tmp_path / "r")["train"]["data"]["latents"] == str((tmp_path / "store").resolve())
+
+
+def test_a_resumed_loader_says_it_is_the_checkpoints(store, tmp_path):
+    _start(store, tmp_path / "r")  # --loader auto: resident here
+    r = cli("run", "--resume", "--out", tmp_path / "r", "--max-steps", 4)
+    assert r.exit_code == 0, r.output
+    assert "loader resident (resident: the checkpoint's, so its data order continues;" in r.output
+    assert "requested" not in r.output.split("loader resident", 1)[1].split("global batch")[0]
