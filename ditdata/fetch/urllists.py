@@ -73,6 +73,7 @@ def fetch_urls(src: Path, out: Path, opts: PackOptions, cfg: FetchConfig) -> dic
     }
     check_state(out, state)
 
+    _drop_torn_shards(out)
     done = set(shards.read_shard_stats(out))
     if len(done & set(range(num_shards))) < num_shards:
         if done:
@@ -98,6 +99,26 @@ def fetch_urls(src: Path, out: Path, opts: PackOptions, cfg: FetchConfig) -> dic
         "timeout": cfg.timeout, "retries": cfg.retries, "input_format": fmt,
     }
     return write_dataset_info(out, "urls", src, num_shards, summary, options, {})
+
+
+def _drop_torn_shards(out: Path) -> None:
+    """Delete the shards whose NNNNN_stats.json a killed fetch left cut short. img2dataset
+    writes that file in place (not by a rename) after the shard's tar, and its resume counts
+    a shard as done as soon as the file exists: a kill during that write would leave a shard
+    that the rerun skips and can then not read. Such a shard's files go, so it is fetched again."""
+    for stats in sorted(out.glob("*_stats.json")):
+        index = stats.name[: -len("_stats.json")]
+        if not index.isdigit():
+            continue
+        try:
+            if isinstance(read_json(stats), dict):
+                continue
+        except (OSError, ValueError):
+            pass
+        print(f"note: {stats.name} was cut short by an interrupted fetch; fetching shard {index} again",
+              file=sys.stderr)
+        for suffix in (".tar", ".parquet", "_stats.json"):
+            (out / f"{index}{suffix}").unlink(missing_ok=True)
 
 
 def _refused_rows(files: list[Path], fmt: str, url_col: str) -> Counter:
