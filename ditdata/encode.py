@@ -290,6 +290,7 @@ def _check_out(out: Path, shards: Path) -> None:
         raise DitdataError(f"--out {out}: must not be the image-shard folder {shards} or inside it")
     from ditdata.common.lock import LOCK_FILE
     from ditdata.store import MANIFEST
+    from ditdata.store.features import FEATURES
     from ditdata.store.writer import CONFIG, SHARDS
 
     names = {p.name for p in out.iterdir()} - {LOCK_FILE}
@@ -297,8 +298,8 @@ def _check_out(out: Path, shards: Path) -> None:
         first = sorted(names)[0]
         raise DitdataError(f"--out {out} is not empty and not a latent store (it holds {first!r}, ...); "
                            "choose a new directory")
-    if names - {CONFIG, MANIFEST, SHARDS}:
-        extra = sorted(names - {CONFIG, MANIFEST, SHARDS})
+    if names - {CONFIG, MANIFEST, SHARDS, FEATURES}:
+        extra = sorted(names - {CONFIG, MANIFEST, SHARDS, FEATURES})
         raise DitdataError(f"--out {out} holds files a latent store does not ({', '.join(extra[:3])}); "
                            "choose a new directory")
 

@@ -198,3 +198,50 @@ def tiny_store(root: Path, *, shape=(3, 16, 16), vae: dict | None = None, condit
     sch = schema(shape=shape, flip=False, text=text or False, columns=CAPTIONED if text else LABELLED)
     write_store(root, sch, [n], info=pixels_info(shape[1], conditioning, vae=vae), data=tiny_data(seed))
     return root
+
+
+# ----------------------------------------------------------------------------- feature sets
+
+FEATURE_INFO = {"encoder": {"name": "test-encoder", "id": "test/encoder", "weights_sha256": None,
+                            "resolution": 224, "patch": 14, "grid": [4, 4], "tokens": 16, "dim": 8},
+                "storage": {"dtype": "int8", "dims": 8, "pca": None}}
+
+
+def feature_data(store, name: str, tokens: int, dims: int, dtype: str, seed: int = 0) -> tuple[dict, dict]:
+    """Features of store shard `name`: a seeded function of each row's key (so every rerun
+    and every split of the work gives the same bytes); the flipped twin mirrors the token
+    grid left-right when the store has flips."""
+    from ditdata.store import quantize
+
+    keys = store.read(name, ["key"])["key"].tolist()
+    x = np.stack([np.random.default_rng([seed, *map(ord, k)]).standard_normal((tokens, dims)) for k in keys]) \
+        if keys else np.zeros((0, tokens, dims))
+    x = x.astype(np.float32)
+    side = int(round(tokens ** 0.5))
+    variants = {"feat": x}
+    if store.schema.flip:
+        variants["feat_flip"] = x.reshape(len(keys), side, tokens // side, dims)[:, :, ::-1].reshape(x.shape)
+    out = {}
+    for field, v in variants.items():
+        if dtype == "int8":
+            out[field], out[f"{field}_scale"] = quantize(v)
+        else:
+            out[field] = v.astype(dtype)
+    return out, {"key": keys}
+
+
+def add_features(root: Path, name: str = "feats", *, tokens: int = 16, dims: int = 8, dtype: str = "int8",
+                 seed: int = 0, info: dict | None = None) -> Path:
+    """Feature set `name` of the local store at root (every shard, feature_data), finalized."""
+    from ditdata.store import FeatureSchema, FeatureWriter, open_store
+
+    store = open_store(root)
+    info = info or {"encoder": {**FEATURE_INFO["encoder"], "tokens": tokens, "dim": dims,
+                                "grid": [int(round(tokens ** 0.5)), tokens // int(round(tokens ** 0.5))]},
+                    "storage": {**FEATURE_INFO["storage"], "dtype": dtype, "dims": dims}}
+    w = FeatureWriter(store, name, schema=FeatureSchema.build(tokens, dims, dtype, store.schema.flip), info=info)
+    for s in store.shards:
+        if not w.done(s.name):
+            w.write_shard(s.name, *feature_data(store, s.name, tokens, dims, dtype, seed))
+    w.finalize(created_at=CREATED_AT)
+    return root / "features" / name

@@ -6,7 +6,8 @@ A store is a directory with `manifest.json` (written last, atomically) and one s
 per input shard under `shards/`, in the `zarr` or `wds` backend. See manifest.py for
 the manifest's fields, writer.py for how shards are published, backends.py for the shard
 formats (a table of Backend classes with capability flags), reader.py for reading a local
-store, remote.py for a store at a URL and open.py for opening either.
+store, remote.py for a store at a URL, open.py for opening either, and features.py for the
+feature sets (representation targets, row for row) a store can hold beside its latents.
 
 The package holds the contract and nothing else; what both command-line tools share
 (atomic files, locks, devices, one-line errors, sizes) is in ditdata.common. Names are
@@ -28,6 +29,9 @@ _EXPORTS = {
     "BFLOAT16": "schema", "LATENT_FIELDS": "schema", "TEXT_FIELDS": "schema", "Schema": "schema",
     "TensorSpec": "schema",
     "StoreWriter": "writer",
+    "FeatureSchema": "schema", "FEATURE_FIELDS": "schema",
+    "FeatureSet": "features", "FeatureWriter": "features", "FeaturedStore": "features",
+    "open_features": "features", "feature_sets": "features", "quantize": "features", "dequantize": "features",
     "RemoteStore": "remote", "parse_size": "remote",
 }
 __all__ = sorted(_EXPORTS)

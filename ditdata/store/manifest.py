@@ -19,6 +19,8 @@ Layout (format_version 1)::
     provenance       {"input_shards", "tools", "created_at"}
     skipped_shards   only when input shards were left out (encode --skip-bad-shards):
                      [{"name", "shard", "reason", "samples_lost"}]
+    features         only once feature sets were added (ditdata features; features.py):
+                     {SET: {"path", "identity", "tokens", "dims", "dtype", "encoder"}}
 
 ARRAY is {"dtype", "shape", "base64"}: exact, compact, and still JSON.
 The latents in a store are already scaled, z = (x - shift_factor) * scaling_factor,
@@ -38,7 +40,7 @@ from ditdata.common import files
 
 from .defaults import BACKENDS
 from .errors import StoreError
-from .schema import Schema, disk_dtype, dtype_name, from_disk, to_disk
+from .schema import FeatureSchema, Schema, disk_dtype, dtype_name, from_disk, to_disk
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -49,6 +51,10 @@ REQUIRED_KEYS = (
     "filter", "stats", "shards", "provenance",
 )
 SHARD_KEYS = ("name", "path", "num_samples", "checksum", "files")
+# A feature set's manifest (features.py has its layout).
+FEATURES_KIND = "features"
+FEATURE_KEYS = ("format_version", "kind", "name", "backend", "num_samples", "fields", "store", "encoder",
+                "storage", "shards", "provenance")
 
 
 def encode_array(arr: np.ndarray) -> dict:
@@ -95,9 +101,10 @@ def channel_stats(records: list[dict], field: str) -> dict:
 
 def identity(manifest: dict) -> str:
     """A store's identity: the digest of what it holds (its manifest without provenance,
-    so re-finalizing the same shards, at another time, keeps it). Runs record it to refuse
-    other stores."""
-    return "sha256:" + files.json_digest({k: v for k, v in manifest.items() if k != "provenance"})
+    so re-finalizing the same shards, at another time, keeps it, and without the feature
+    sets added to it later, which have identities of their own: features.py). Runs record
+    it to refuse other stores."""
+    return "sha256:" + files.json_digest({k: v for k, v in manifest.items() if k not in ("provenance", "features")})
 
 
 def enclosing_store(path) -> Path | None:
@@ -120,7 +127,8 @@ def refuse_inside_store(path, what: str, error: type[Exception] = StoreError) ->
                     "writes; choose a directory outside it")
 
 
-def load(root: Path) -> dict:
+def load(root: Path, kind: str = "store") -> dict:
+    """The validated manifest of the store (kind "store") or feature set ("features") at root."""
     path = root / MANIFEST
     if not root.is_dir():
         raise StoreError(f"{root}: no such directory; a latent store is a directory written by `ditdata encode`")
@@ -133,16 +141,56 @@ def load(root: Path) -> dict:
         manifest = files.read_json(path)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise StoreError(f"{path}: not valid JSON ({e})") from e
-    validate(manifest, path)
+    validate(manifest, path, kind)
     return manifest
 
 
-def validate(m: dict, path: Path) -> None:
+def validate(m: dict, path: Path, kind: str = "store") -> None:
     """Refuse (StoreError naming the manifest and the field) anything a reader would trip
     over later: missing keys, wrong types, shard paths that leave the store."""
+    if kind == FEATURES_KIND:
+        _validate_features(m, path)
+        return
+    if isinstance(m, dict) and m.get("kind", "store") != "store":
+        raise StoreError(f"{path}: a {m.get('kind')!r} manifest, not a latent store's")
     schema = _check_header(m, path)
     _check_description(m, schema, path)
-    _check_shards(m, path)
+    check_shards(m, path)
+    _check_feature_entries(m, path)
+
+
+def _validate_features(m: dict, path) -> None:
+    """Refuse (StoreError naming the file and the field) a damaged feature-set manifest."""
+    if not isinstance(m, dict) or m.get("kind") != FEATURES_KIND:
+        raise StoreError(f"{path}: not a feature-set manifest (kind {FEATURES_KIND!r} expected)")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise StoreError(f"{path}: format_version {m.get('format_version')!r} is not supported "
+                         f"(this ditdata reads version {FORMAT_VERSION}); upgrade ditdata")
+    missing = [k for k in FEATURE_KEYS if k not in m]
+    if missing:
+        raise StoreError(f"{path}: missing keys {missing}")
+    try:
+        FeatureSchema.from_json(m["fields"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise StoreError(f"{path}: invalid fields: {e}") from e
+    for key in ("store", "encoder", "storage", "provenance"):
+        if not isinstance(m[key], dict):
+            raise StoreError(f"{path}: {key} must be a JSON object; the manifest is damaged")
+    check_shards(m, path)
+
+
+def _check_feature_entries(m: dict, path) -> None:
+    sets = m.get("features", {})
+    _need(path, isinstance(sets, dict) and all(
+        isinstance(e, dict) and _inside(e.get("path")) and isinstance(e.get("identity"), str) for e in sets.values()),
+        "features must map names to {path, identity, ...} inside the store")
+
+
+def _read_json_or_none(path: Path) -> dict | None:
+    try:
+        return files.read_json(path)
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def _need(path, ok: bool, what: str) -> None:
@@ -197,7 +245,7 @@ def _check_description(m: dict, schema: Schema, path) -> None:
               "conditioning.text must be an object (pooled_dim an integer)")
 
 
-def _check_shards(m: dict, path) -> None:
+def check_shards(m: dict, path) -> None:
     """Every shard record complete and inside the store; the counts add up."""
     _need(path, isinstance(m["shards"], list), "shards must be a list")
     for i, s in enumerate(m["shards"]):

@@ -12,11 +12,18 @@ def is_url(root) -> bool:
     return isinstance(root, str) and "://" in root and not root.startswith("file://")
 
 
-def open_store(root, *, verify: bool = False, **remote) -> Store:
+def open_store(root, *, verify: bool = False, features: str | None = None, **remote) -> Store:
     """The store at `root`: a directory, or a URL (s3://, gs://, http(s)://, ...) read through
-    a local cache (remote.RemoteStore; `remote` holds its cache_dir, cache_limit, storage_options)."""
+    a local cache (remote.RemoteStore; `remote` holds its cache_dir, cache_limit, storage_options).
+    features: the name of one of its feature sets, read with it (features.FeaturedStore)."""
     if is_url(root):
         from .remote import RemoteStore  # (fsspec and the cache, only for URLs)
 
-        return RemoteStore(root, verify=verify, **remote)
-    return Store(root, verify=verify)
+        store = RemoteStore(root, verify=verify, **remote)
+    else:
+        store = Store(root, verify=verify)
+    if features:
+        from .features import FeaturedStore, open_features
+
+        return FeaturedStore(store, features, features=open_features(store, features, verify=verify))
+    return store

@@ -20,7 +20,7 @@ from ditdata.common import files
 from . import manifest
 from .backends import get_backend
 from .errors import StoreError
-from .schema import Schema
+from .schema import FeatureSchema, Schema
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,7 @@ class Shard:
 
 class Store:
     url: str | None = None  # where a store read from object storage lives (remote.RemoteStore)
+    schema_class = Schema  # what its manifest's fields are (a feature set: FeatureSchema)
 
     def __init__(self, root, *, verify: bool = False):
         self.root = Path(root)
@@ -81,7 +82,7 @@ class Store:
 
     def _load(self, m: dict, verify: bool) -> None:
         self.manifest = m
-        self.schema = Schema.from_json(self.manifest["fields"])
+        self.schema = self.schema_class.from_json(self.manifest["fields"])
         self.backend = get_backend(self.manifest["backend"])
         self.shards: list[Shard] = []
         offset = 0
@@ -248,3 +249,56 @@ def _non_finite(shard: Shard, data: dict, schema: Schema) -> list[str]:
                           f"{int(bad.sum())} sample(s), the first at row {first} (key {key!r})")
     return faults
 
+
+class FeatureSet(Store):
+    """A feature set of a store, read like a store: read(shard, ["feat", ...], start, stop)
+    with the store shard's name (or Shard). `info` is its manifest's encoder and storage."""
+
+    schema_class = FeatureSchema
+
+    def __init__(self, root, *, verify: bool = False):
+        self.root = Path(root)
+        self._load(manifest.load(self.root, kind=manifest.FEATURES_KIND), verify)
+
+    @property
+    def name(self) -> str:
+        return self.manifest["name"]
+
+    @property
+    def encoder(self) -> dict:
+        return self.manifest["encoder"]
+
+    @property
+    def storage(self) -> dict:
+        return self.manifest["storage"]
+
+    @property
+    def tokens(self) -> int:
+        return self.schema.tokens
+
+    @property
+    def dims(self) -> int:
+        return self.schema.dims
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """The token grid (h, w) of the targets."""
+        g = self.encoder.get("grid")
+        if g:
+            return int(g[0]), int(g[1])
+        side = int(round(self.tokens ** 0.5))
+        return side, self.tokens // max(side, 1)
+
+    @property
+    def flip(self) -> bool:
+        return self.schema.flip
+
+    def bytes_per_sample(self) -> int:
+        return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in self.schema.tensors.values())
+
+    def pca(self) -> dict | None:
+        """{"components": (D, dim), "mean": (dim,), ...} as arrays, or None without PCA."""
+        p = self.storage.get("pca")
+        if not p:
+            return None
+        return {**p, "components": manifest.decode_array(p["components"]), "mean": manifest.decode_array(p["mean"])}

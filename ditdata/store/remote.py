@@ -55,7 +55,7 @@ from ditdata.common.lock import closed_in_forked_children
 
 from . import manifest
 from .errors import StoreError
-from .reader import Store
+from .reader import FeatureSet, Store
 
 DEFAULT_CACHE_LIMIT = 50 * 2**30  # bytes (50 GiB): room for ImageNet-256 latents with flips
 RETRIES = 5  # tries per file for transient errors
@@ -243,6 +243,8 @@ class RemoteStore(Store):
     """A store at a URL, read through a local cache (module docstring). `root` is the
     local mirror directory; `url` the store's location, which `location` reports."""
 
+    manifest_kind = "store"  # what its manifest must be (manifest.validate)
+
     def __init__(self, url: str, *, cache_dir=None, cache_limit=None, storage_options: dict | None = None,
                  verify: bool = False, identity: str | None = None):
         self.url = url.rstrip("/")
@@ -271,7 +273,7 @@ class RemoteStore(Store):
             local = self.cache.dir / identity.removeprefix("sha256:")[:16] / manifest.MANIFEST
             if local.is_file():
                 m = files.read_json(local)
-                manifest.validate(m, local)
+                manifest.validate(m, local, self.manifest_kind)
                 if manifest.identity(m) == identity:
                     return m
         try:
@@ -285,7 +287,7 @@ class RemoteStore(Store):
             m = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise StoreError(f"{where}: not valid JSON ({e})") from None
-        manifest.validate(m, where)
+        manifest.validate(m, where, self.manifest_kind)
         if identity is not None and manifest.identity(m) != identity:
             raise StoreError(f"{self.url}: the store changed while it was being read (its manifest's identity "
                              "differs); restart on the new store")
@@ -295,6 +297,8 @@ class RemoteStore(Store):
         self.root.mkdir(parents=True, exist_ok=True)
         if not (self.root / manifest.MANIFEST).is_file():
             files.write_json_atomic(self.root / "origin.json", {"url": self.url})
+        # (again when it changed without changing the identity: feature sets added since)
+        if manifest._read_json_or_none(self.root / manifest.MANIFEST) != m:
             files.write_json_atomic(self.root / manifest.MANIFEST, m)
 
     # -- what the rest of the code asks a store --------------------------------------
@@ -382,3 +386,15 @@ def _unpin(fd: int) -> None:
     _pins.discard(fd)
     with suppress(OSError):
         os.close(fd)
+
+
+class RemoteFeatureSet(RemoteStore, FeatureSet):
+    """Feature set `name` of a RemoteStore: its own mirror in the same cache (keyed by the
+    feature set's identity), its shards downloaded and checked on first read like the store's."""
+
+    manifest_kind = manifest.FEATURES_KIND
+
+    def __init__(self, store: RemoteStore, name: str, *, identity: str | None = None, verify: bool = False):
+        entry = store.manifest["features"][name]
+        super().__init__(f"{store.url}/{entry['path']}", cache_dir=store.cache.dir, cache_limit=store.cache.limit,
+                         storage_options=store.storage_options, identity=identity, verify=verify)

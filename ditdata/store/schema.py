@@ -7,6 +7,9 @@ Tensor fields have standard names so that dittrain can find them:
     text_pooled                    (D,)   pooled text embedding of the caption
     text_tokens, text_mask         (L, D) token embeddings and their (L,) validity mask
 
+A feature set (features.py) has a schema of its own, FeatureSchema: `feat` (T, D) per
+sample (and `feat_scale` (T,) when int8; `feat_flip`, `feat_flip_scale` with flips).
+
 Columns are one scalar per sample: `key` (always), `label`, `caption` and any extra
 column from the source (clip_score, width, height, url, ...).
 
@@ -23,7 +26,7 @@ import numpy as np
 
 LATENT_FIELDS = ("latent", "latent_flip", "mean", "std", "mean_flip", "std_flip")
 TEXT_FIELDS = ("text_pooled", "text_tokens", "text_mask")
-TENSOR_DTYPES = ("float16", "bfloat16", "float32", "bool", "uint8", "int32", "int64")
+TENSOR_DTYPES = ("float16", "bfloat16", "float32", "bool", "uint8", "int8", "int32", "int64")
 COLUMN_TYPES = ("string", "int64", "float64", "bool")
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
@@ -117,3 +120,61 @@ class Schema:
             tensors={k: TensorSpec.from_json(v) for k, v in d["tensors"].items()},
             columns=dict(d["columns"]),
         )
+
+
+FEATURE_FIELDS = ("feat", "feat_scale", "feat_flip", "feat_flip_scale")
+
+
+@dataclass(frozen=True)
+class FeatureSchema(Schema):
+    """The fields of a feature set's samples: `feat` (T tokens, D dims) in int8 or float16,
+    its per-token `feat_scale` (T,) float32 when int8 (x ~= feat * feat_scale[:, None]),
+    the same for the flipped image (`feat_flip`, `feat_flip_scale`), and the `key` column
+    that matches each row to the store's row."""
+
+    def __post_init__(self):
+        if set(self.columns) != {"key"} or self.columns["key"] != "string":
+            raise ValueError("a feature set has exactly one column, 'key' (string)")
+        if "feat" not in self.tensors or set(self.tensors) - set(FEATURE_FIELDS):
+            raise ValueError(f"a feature set holds 'feat' and optionally {FEATURE_FIELDS[1:]}, got {sorted(self.tensors)}")
+        feat = self.tensors["feat"]
+        if len(feat.shape) != 2 or feat.dtype not in ("int8", "float16", "float32"):
+            raise ValueError(f"feat must be (tokens, dims) int8/float16/float32, got {feat.dtype}{list(feat.shape)}")
+        want = {"feat"} | ({"feat_scale"} if feat.dtype == "int8" else set())
+        if self.flip:
+            want |= {f.replace("feat", "feat_flip") for f in want}
+        if set(self.tensors) != want:
+            raise ValueError(f"a feature set of {feat.dtype} holds {sorted(want)}, got {sorted(self.tensors)}")
+        for name, spec in self.tensors.items():
+            ok = (spec == feat) if not name.endswith("scale") else spec == TensorSpec(feat.shape[:1], "float32")
+            if not ok:
+                raise ValueError(f"{name} is {spec.dtype}{list(spec.shape)}: it does not match feat")
+
+    @classmethod
+    def build(cls, tokens: int, dims: int, dtype: str, flip: bool) -> FeatureSchema:
+        base = {"feat": TensorSpec((tokens, dims), dtype)}
+        if dtype == "int8":
+            base["feat_scale"] = TensorSpec((tokens,), "float32")
+        tensors = dict(base)
+        if flip:
+            tensors |= {k.replace("feat", "feat_flip"): v for k, v in base.items()}
+        return cls(tensors=tensors, columns={"key": "string"})
+
+    def latent_kind(self) -> str | None:
+        return None
+
+    @property
+    def primary(self) -> str:
+        return "feat"
+
+    @property
+    def flip(self) -> bool:
+        return "feat_flip" in self.tensors
+
+    @property
+    def tokens(self) -> int:
+        return self.tensors["feat"].shape[0]
+
+    @property
+    def dims(self) -> int:
+        return self.tensors["feat"].shape[1]

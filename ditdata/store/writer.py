@@ -60,20 +60,19 @@ class StoreWriter:
         self.root = Path(root)
         self.schema = schema
         self.backend = get_backend(backend, chunk_samples=chunk_samples)
-        missing = [k for k in manifest.INFO_KEYS if k not in info]
-        if missing:
-            raise ValueError(f"store info lacks {missing}")
-        self.config = {
-            "backend": backend,
-            "fields": schema.to_json(),
-            **{k: info[k] for k in manifest.INFO_KEYS},
-            "filter": info.get("filter"),
-        }
         # The config round-trips through JSON so comparisons see what the disk will hold.
-        self.config = json.loads(json.dumps(self.config))
+        self.config = json.loads(json.dumps(self._make_config(backend, info)))
         self.shard_dir = self.root / SHARDS
         self.shard_dir.mkdir(parents=True, exist_ok=True)
         self._check_config()
+
+    def _make_config(self, backend: str, info: dict) -> dict:
+        """What every shard is made with (config.json): a feature set has its own."""
+        missing = [k for k in manifest.INFO_KEYS if k not in info]
+        if missing:
+            raise ValueError(f"store info lacks {missing}")
+        return {"backend": backend, "fields": self.schema.to_json(),
+                **{k: info[k] for k in manifest.INFO_KEYS}, "filter": info.get("filter")}
 
     # -- compatibility -------------------------------------------------------------
     def _check_config(self) -> None:
