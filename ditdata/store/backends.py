@@ -161,6 +161,9 @@ _PLAIN = {"codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
           "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}}}
 
 
+_ONE_BYTE = [{"name": "bytes"}]  # what zarr writes for int8, uint8 and bool: no endian setting
+
+
 def _read_plain_chunks(array_dir: Path, start: int, stop: int, cache: dict | None = None) -> np.ndarray | None:
     try:
         meta_file = array_dir / "zarr.json"
@@ -175,6 +178,9 @@ def _read_plain_chunks(array_dir: Path, start: int, stop: int, cache: dict | Non
         return None
     shape = tuple(meta.get("shape", ()))
     chunks = tuple(meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape", ()))
+    if meta.get("codecs") == _ONE_BYTE and isinstance(meta.get("data_type"), str) \
+            and meta["data_type"] in ("int8", "uint8", "bool"):
+        meta = {**meta, "codecs": _PLAIN["codecs"]}  # one-byte values have no byte order
     if (any(meta.get(k) != v for k, v in _PLAIN.items()) or meta.get("storage_transformers")
             or not shape or len(chunks) != len(shape) or chunks[1:] != shape[1:]
             or not isinstance(meta.get("data_type"), str)):
