@@ -3,7 +3,9 @@ errors, and _Loader (iteration, timing, finishing a batch on the device, state).
 
 A batch is read from the store's fields as a _Spec says: the latents as one block
 (n, V, P, C, h, w) of V variants (the flipped twin) and P parts (a frozen sample, or mean and
-std), the conditioning extras beside them. A _Loader subclass makes raw batches (`_make`) and
+std), the conditioning extras beside them, and, for a store opened with a feature set
+(ditdata.store.FeaturedStore), the REPA targets as a second block (n, V, T, D) in their stored
+dtype (with the int8 scales (n, V, T)), whose row i * V + v is picked with the latent's. A _Loader subclass makes raw batches (`_make`) and
 says where batch k starts (`_position`); the rest (the trainer's float32 batch, fresh draws
 from mean/std, state_dict/load_state_dict, the lookahead copy to the GPU) is here.
 """
@@ -23,7 +25,7 @@ from ditdata.store import BFLOAT16, TEXT_FIELDS, Store, open_store
 
 _TORCH_DTYPES = {
     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-    "bool": torch.bool, "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64,
+    "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8, "int32": torch.int32, "int64": torch.int64,
 }
 # Tags that keep the seeded streams of different purposes independent.
 _PART, _EPOCH, _UNITS, _WINDOW, _EPS = 1, 2, 3, 4, 5
@@ -90,18 +92,48 @@ class _Spec:
             if name in schema.tensors:
                 t = schema.tensors[name]
                 self.extras.append(_Field(name, name, _TORCH_DTYPES[t.dtype], tuple(t.shape)))
-        self.read_fields = [f for v in self.variants for f in v] + [e.source for e in self.extras]
+        self.feat_variants, self.target_fields = self._targets(store)
+        self.read_fields = ([f for v in self.variants for f in v] + [e.source for e in self.extras]
+                            + [f for v in self.feat_variants for f in v])
         # what one chunk of a batch carries (the variant already chosen)
         self.chunk_fields = [
-            _Field("lat", None, self.lat_dtype, (self.P, *self.lat_shape)), *self.extras,
+            _Field("lat", None, self.lat_dtype, (self.P, *self.lat_shape)), *self.extras, *self.target_fields,
             _Field("index", None, torch.int64, ()), _Field("flip", None, torch.bool, ()),
         ]
 
+    def _targets(self, store: Store) -> tuple[list[list[str]], list[_Field]]:
+        """The feature set's fields per variant ([["feat", "feat_scale"], ["feat_flip", ...]])
+        and the chunk fields they become ("feat", and "feat_scale" for int8); none without
+        `feat` in the schema. Variant v of the targets must be the image of latent variant v."""
+        tensors = store.schema.tensors
+        if "feat" not in tensors:
+            return [], []
+        feat = tensors["feat"]
+        names = ["feat"] + (["feat_scale"] if "feat_scale" in tensors else [])
+        variants = [names]
+        if self.V == 2:
+            flipped = [n.replace("feat", "feat_flip") for n in names]
+            if not all(f in tensors for f in flipped):
+                raise LoaderError(
+                    f"{store.location}: the store's latents have flipped twins but its feature set "
+                    f"{getattr(store, 'features_name', '')!r} has no feat_flip, so a flipped sample would get "
+                    "the unflipped image's targets; rerun `ditdata features` on this store")
+            variants.append(flipped)
+        fields = [_Field("feat", None, _TORCH_DTYPES[feat.dtype], tuple(feat.shape))]
+        if len(names) == 2:
+            fields.append(_Field("feat_scale", None, torch.float32, tuple(tensors["feat_scale"].shape)))
+        return variants, fields
+
+    @property
+    def target_bytes(self) -> int:
+        """Bytes per sample of the REPA targets as held (every variant, scales included)."""
+        return self.V * sum(f.nbytes for f in self.target_fields)
+
     @property
     def resident_bytes(self) -> int:
-        """Bytes per sample held by the resident loader."""
+        """Bytes per sample held by the resident loader (the targets included)."""
         lat = self.V * self.P * math.prod(self.lat_shape) * self.lat_dtype.itemsize
-        return lat + sum(e.nbytes for e in self.extras) + 8
+        return lat + sum(e.nbytes for e in self.extras) + self.target_bytes + 8
 
 
 class _Block:
@@ -112,11 +144,23 @@ class _Block:
         self.lat = torch.empty((n, spec.V, spec.P, *spec.lat_shape), dtype=spec.lat_dtype, device=device)
         self.extras = {e.name: torch.empty((n, *e.shape), dtype=e.dtype, device=device) for e in spec.extras}
         self.index = torch.empty(n, dtype=torch.int64, device=device)
+        # the targets: {"feat": (n, V, T, D), "feat_scale": (n, V, T)}, picked like lat
+        self.targets = {f.name: torch.empty((n, spec.V, *f.shape), dtype=f.dtype, device=device)
+                        for f in spec.target_fields}
 
     @property
     def flat(self) -> torch.Tensor:
         """(n * V, P * C * h * w): row i * V + v is variant v of sample i (2-D: the fastest gather)."""
         return self.lat.view(self.n * self.spec.V, -1)
+
+    @property
+    def flat_targets(self) -> dict[str, torch.Tensor]:
+        """{name: (n * V, per-sample numel)}: row i * V + v as in `flat`, so the rows that
+        pick the latents pick the same variant's targets."""
+        return {k: t.view(self.n * self.spec.V, -1) for k, t in self.targets.items()}
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.lat, self.index, *self.extras.values(), *self.targets.values()]
 
     def fill(self, pos: int, data: dict, global_index: np.ndarray, local: np.ndarray | None = None):
         """Copy one store.read() result (rows `local` of it, or all) to [pos, pos + m)."""
@@ -129,6 +173,10 @@ class _Block:
         for e in self.spec.extras:
             arr = data[e.source] if local is None else data[e.source][local]
             self.extras[e.name][sl].copy_(_as_torch(np.asarray(arr)))
+        for v, names in enumerate(self.spec.feat_variants):
+            for f, name in zip(self.spec.target_fields, names, strict=True):
+                arr = data[name] if local is None else data[name][local]
+                self.targets[f.name][sl, v].copy_(_as_torch(arr))
         self.index[sl].copy_(torch.from_numpy(np.asarray(global_index, dtype=np.int64)))
 
 
@@ -227,6 +275,9 @@ class _Loader:
                               dtype=torch.float32)
             x = torch.addcmul(mean, std, eps[self._my_rows])
         out = {"x": x}
+        if "feat" in raw:  # dequantized here, on the device: the host holds int8 (or fp16)
+            feat = raw["feat"].float()
+            out["feat"] = feat * raw["feat_scale"].unsqueeze(-1) if "feat_scale" in raw else feat
         for e in self.spec.extras:
             t = raw[e.name]
             out[e.name] = t.float() if t.is_floating_point() else t

@@ -193,8 +193,9 @@ def choose_loader(store, *, kind: str = "auto", rank: int = 0, world_size: int =
     spec = _Spec(store)
     n = _part_size(len(store), rank, world_size) if split == "part" else len(store)
     need = n * spec.resident_bytes
-    what = (f"this rank's part ({n:,} samples, {_gib(need)} as stored)" if split == "part"
-            else f"the whole store for this rank (split='batch': {n:,} samples, {_gib(need)} as stored)")
+    held = f"{_gib(need)} as stored" + (f", of it REPA targets {_gib(n * spec.target_bytes)}" if spec.target_bytes else "")
+    what = (f"this rank's part ({n:,} samples, {held})" if split == "part"
+            else f"the whole store for this rank (split='batch': {n:,} samples, {held})")
     rdev = torch.device(resident_device)
     local = _local_ranks(local_world_size, world_size)
     if kind == "streaming":
@@ -331,9 +332,16 @@ class StreamingMemory:
     parts: dict
     budget: int | None = None
     source: str = ""
+    # REPA targets (a feature set): bytes per sample as held, and their share of `estimate`
+    # (already inside the parts: windows, slots and batches each carry them)
+    target_bytes: int = 0
+    targets: int = 0
 
     def describe(self) -> str:
         made = ", ".join(f"{k} {_gib(v)}" for k, v in self.parts.items() if v)
+        if self.target_bytes:
+            made += (f"; targets {format_size(self.target_bytes, smallest='KiB')}/sample, "
+                     f"~{_gib(self.targets)} of it")
         if self.budget is None:
             return f"memory ~{_gib(self.estimate)} ({made}; no budget)"
         return f"memory ~{_gib(self.estimate)} of budget {_gib(self.budget)} ({made}; budget {self.source})"
@@ -343,24 +351,61 @@ def _read_piece_rows(store: Store, spec: _Spec) -> int | None:
     """Rows per read of a shard (None: the whole shard at once, see READ_PIECE_BYTES)."""
     if not store.backend.random_access:
         return None
-    lat = spec.V * spec.P * math.prod(spec.lat_shape) * spec.lat_dtype.itemsize
-    return max(1, READ_PIECE_BYTES // (lat + sum(e.nbytes for e in spec.extras)))
+    # the targets count: they are read with the latents, and are often 10-50x their size
+    return max(1, READ_PIECE_BYTES // (spec.resident_bytes - 8))
+
+
+def _batch_bytes(fields) -> int:
+    """Bytes per sample of a host batch of these chunk fields: floats as float32 (the CPU path
+    converts while it assembles), others as stored, and int8 targets also as the float32
+    they are dequantized into."""
+    total = 0
+    for f in fields:
+        n = math.prod(f.shape)
+        total += n * (4 if f.dtype.is_floating_point else f.dtype.itemsize)
+        total += 4 * n if f.name == "feat" and not f.dtype.is_floating_point else 0
+    return total
 
 
 def _estimate(spec: _Spec, sizes: list[int], piece: int | None, *, workers: int, window: int,
               prefetch: int, slot_bytes: int, batch_size: int) -> dict[str, int]:
     """The streaming loader's own peak memory, by part (bytes): each reader's window (the
     largest `window` units of the store) and the piece of a shard being read into it, the
-    shared-memory slots, the main process's batches and each worker process's overhead."""
+    shared-memory slots, the main process's batches and each worker process's overhead.
+    The REPA targets are inside each (resident_bytes, the slot layout, the chunk fields)."""
     biggest = sorted(sizes, reverse=True)
     win = sum(biggest[:window]) * (spec.resident_bytes + _ORDER_BYTES)
     read = min(biggest[0], piece or biggest[0]) * (spec.resident_bytes - 8)
     read += biggest[0] * _COLUMN_BYTES if spec.extras else 0
-    batch = batch_size * sum(math.prod(f.shape) * (4 if f.dtype.is_floating_point else f.dtype.itemsize)
-                             for f in spec.chunk_fields)
     readers = max(1, workers)
-    return {"windows": readers * (win + read), "slots": max(1, workers) * (prefetch if workers else 1) * slot_bytes,
-            "batches": _LIVE_BATCHES * batch, "workers": workers * WORKER_OVERHEAD}
+    return {"windows": readers * (win + read), "slots": _slots(workers, prefetch) * slot_bytes,
+            "batches": _LIVE_BATCHES * batch_size * _batch_bytes(spec.chunk_fields),
+            "workers": workers * WORKER_OVERHEAD}
+
+
+def _slots(workers: int, prefetch: int) -> int:
+    """Shared-memory slots (workers=0: the one in-process chunk buffer)."""
+    return max(1, workers) * (prefetch if workers else 1)
+
+
+def _target_share(spec: _Spec, sizes: list[int], piece: int | None, *, workers: int, window: int,
+                  prefetch: int, batch_size: int) -> int:
+    """The bytes of _estimate's figure that are the REPA targets: their share of each
+    reader's window and piece, of the slots and of the batches (0 without a feature set)."""
+    if not spec.target_fields:
+        return 0
+    biggest = sorted(sizes, reverse=True)
+    held = sum(biggest[:window]) + min(biggest[0], piece or biggest[0])
+    slot = batch_size * sum(f.nbytes for f in spec.target_fields)
+    return (max(1, workers) * held * spec.target_bytes + _slots(workers, prefetch) * slot
+            + _LIVE_BATCHES * batch_size * _batch_bytes(spec.target_fields))
+
+
+def _of_targets(m: StreamingMemory) -> str:
+    """What of a refused estimate the REPA targets are ("" without a feature set)."""
+    if not m.target_bytes:
+        return ""
+    return f" (~{_gib(m.targets)} of it REPA targets, {format_size(m.target_bytes, smallest='KiB')}/sample)"
 
 
 def plan_streaming_memory(spec: _Spec, sizes: list[int], piece: int | None, *, workers: int,
@@ -383,7 +428,8 @@ def plan_streaming_memory(spec: _Spec, sizes: list[int], piece: int | None, *, w
 
     def plan(w, p):
         parts = est(w, p)
-        return StreamingMemory(w, p, sum(parts.values()), parts, budget, source)
+        share = _target_share(spec, sizes, piece, workers=workers, window=w, prefetch=p, batch_size=batch_size)
+        return StreamingMemory(w, p, sum(parts.values()), parts, budget, source, spec.target_bytes, share)
 
     units = len(sizes)
     if budget is None:
@@ -394,9 +440,10 @@ def plan_streaming_memory(spec: _Spec, sizes: list[int], piece: int | None, *, w
         top = min(AUTO_MAX_WINDOW, units)
         window = next((w for w in range(top, 0, -1) if fits(w, floor_p)), None)
         if window is None:
-            need = sum(est(1, 1).values())
+            one = plan(1, 1)
             raise LoaderError(
-                f"streaming loader: even 1-shard windows with {workers} workers need ~{_gib(need)}, over the "
+                f"streaming loader: even 1-shard windows with {workers} workers need ~{_gib(one.estimate)}"
+                f"{_of_targets(one)}, over the "
                 f"loader memory budget of {_gib(budget)} ({source}); use fewer --workers or a larger "
                 "--loader-memory")
     if prefetch is None:
@@ -405,7 +452,7 @@ def plan_streaming_memory(spec: _Spec, sizes: list[int], piece: int | None, *, w
     if result.estimate > budget:
         raise LoaderError(
             f"streaming loader: shuffle window {window} with {workers} workers and prefetch {prefetch} needs "
-            f"~{_gib(result.estimate)}, over the loader memory budget of {_gib(budget)} ({source}); use a "
+            f"~{_gib(result.estimate)}{_of_targets(result)}, over the loader memory budget of {_gib(budget)} ({source}); use a "
             "smaller --shuffle-window or fewer --workers, or a larger --loader-memory")
     return result
 
