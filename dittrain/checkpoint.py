@@ -2,6 +2,7 @@
 
     RUN/checkpoints/step_00001000.pt   model, EMA, optimizer, scaler, LR schedule, loader,
                                        RNG states, step, resolved config, store identity
+                                       (and --repa's projector)
     RUN/ema.safetensors                the EMA weights alone, with the config in its metadata
                                        (what `dittrain sample` and other tools load)
 
@@ -58,24 +59,27 @@ class RunState:
     into "ranks"); a new counter is an attribute named in COUNTERS. The file:
 
         {"step", "nonfinite_total", "model", "ema", "optimizer", "lr_schedule", "scaler",
-         "ranks": [{"loader", "rng", "noise_gen"} of rank r, ...], "config"}
+         ["projector",] "ranks": [{"loader", "rng", "noise_gen"} of rank r, ...], "config"}
 
-    ("config": the resolved run config, checked before a resume, never loaded).
+    ("config": the resolved run config, checked before a resume, never loaded; "projector":
+    --repa's, dittrain.repa, only in REPA runs: trained and restored, never exported).
     """
 
     COUNTERS = ("step", "nonfinite_total")  # plain ints; one a checkpoint lacks starts at 0
 
     def __init__(self, *, model, ema, optimizer, lr_schedule, scaler, loader, noise_gen: torch.Generator,
-                 config: dict, device: torch.device, rank: int = 0, world: int = 1):
+                 config: dict, device: torch.device, rank: int = 0, world: int = 1, projector=None):
         self.model, self.ema, self.optimizer, self.lr_schedule = model, ema, optimizer, lr_schedule
+        self.projector = projector  # --repa: trains beside the model, not in the EMA
         self.scaler, self.loader, self.noise_gen = scaler, loader, noise_gen
         self.config, self.device, self.rank, self.world = config, device, rank, world
         self.step = 0  # optimizer steps taken
         self.nonfinite_total = 0  # steps skipped for a NaN/inf loss
 
     def _shared(self) -> dict:
-        return {"model": self.model, "ema": self.ema, "optimizer": self.optimizer,
-                "lr_schedule": self.lr_schedule, "scaler": self.scaler}
+        parts = {"model": self.model, "ema": self.ema, "optimizer": self.optimizer,
+                 "lr_schedule": self.lr_schedule, "scaler": self.scaler}
+        return parts if self.projector is None else {**parts, "projector": self.projector}
 
     def _per_rank(self) -> dict:
         return {"loader": self.loader, "rng": _GlobalRNG(self.device),

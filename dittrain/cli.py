@@ -280,6 +280,11 @@ def _opt(*names, field, **kw):
                    "optimizer, step and schedule start fresh. Another class count re-initialises the label "
                    "embedder; other shapes must fit. Ignored by a --resume that finds a checkpoint.")
 @_opt("--device", field="device")
+@_opt("--repa", field="repa", metavar="SET", help="REPA: align the tokens after block --repa-depth with feature set SET "
+      "of the store (`ditdata features`, e.g. DINOv2) through a projector that trains with the model (never exported).")
+@_opt("--repa-depth", field="repa_depth", type=click.IntRange(min=1), help="The block, 1-based (the paper: 8).")
+@_opt("--repa-weight", field="repa_weight", type=FiniteFloat(min=0), help="loss = diffusion loss + weight x REPA loss.")
+@_opt("--repa-projector-dim", field="repa_projector_dim", type=click.IntRange(min=1), help="The projector MLP's width.")
 @quiet_option
 def run_cmd(print_config, allow_changes, quiet, **options):
     """Train a DiT on a latent store.

@@ -1,7 +1,7 @@
 """Run configuration: every training knob with its default, in one place.
 
 `TrainConfig` is what a user sets, in sections (data, model, diffusion, optim,
-checkpointing, logging, eval, performance); the `dittrain run` flags map 1:1 onto its
+checkpointing, logging, eval, performance, repa); the `dittrain run` flags map 1:1 onto its
 field names. The resolved config saved in config.json, in every checkpoint and in the EMA
 export adds what is DERIVED from the latent store (never set by hand):
 
@@ -10,7 +10,8 @@ export adds what is DERIVED from the latent store (never set by hand):
      "diffusion": asdict(DiffusionConfig),  loss weighting, flow t sampling and shift too
      "latents": {"norm": "none"} or {"norm": "channel", "mean": [C], "std": [C], ...}
                 (dittrain.latents: the store's stats the model's inputs were standardised with)
-     "store": {"path": absolute path, "identity": manifest digest, "num_samples": N},
+     "store": {"path": absolute path, "identity": manifest digest, "num_samples": N,
+               "features": {"name", "identity", ...} of the --repa feature set, only with it},
      "init": what --init-from loaded (dittrain.weights.init_model's record), only with it}
 """
 
@@ -196,9 +197,21 @@ class PerformanceSection:
     tf32: bool = True
 
 
+@dataclass
+class RepaSection:
+    """REPA, representation alignment (Yu et al., 2024; dittrain.repa): a small projector maps the
+    hidden tokens after block repa_depth onto a feature set of the store (`ditdata features`, e.g.
+    DINOv2 patch tokens); the loss adds repa_weight x (1 - cosine). Off unless repa names a set."""
+
+    repa: str = ""  # the feature set ("": off)
+    repa_depth: int = 8  # align the tokens after this block (1-based; the paper's 8 for SiT-XL/2)
+    repa_weight: float = 0.5  # lambda: loss = diffusion loss + lambda x REPA loss
+    repa_projector_dim: int = 2048  # the projector MLP's width: hidden -> P -> P -> feature dims
+
+
 SECTIONS = {"data": DataSection, "model": ModelSection, "diffusion": DiffusionSection, "optim": OptimSection,
             "checkpointing": CheckpointingSection, "logging": LoggingSection, "eval": EvalSection,
-            "performance": PerformanceSection}
+            "performance": PerformanceSection, "repa": RepaSection}
 # field name -> its section: every flag of `dittrain run` is the name of one field
 SECTION_OF = {f.name: section for section, cls in SECTIONS.items() for f in fields(cls)}
 
@@ -215,6 +228,7 @@ class TrainConfig:
     logging: LoggingSection = field(default_factory=LoggingSection)
     eval: EvalSection = field(default_factory=EvalSection)
     performance: PerformanceSection = field(default_factory=PerformanceSection)
+    repa: RepaSection = field(default_factory=RepaSection)
 
     @classmethod
     def from_flat(cls, **values) -> TrainConfig:

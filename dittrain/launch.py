@@ -25,6 +25,8 @@ from dittrain.diffusion import Diffusion, DiffusionConfig
 from dittrain.latents import latent_record
 from dittrain.loggers import parse_loggers
 from dittrain.record import Resumption
+from dittrain.repa import check as check_repa
+from dittrain.repa import feature_record
 from dittrain.specs import DiTConfig, get_config
 from dittrain.step import compile_model, compile_target
 
@@ -114,8 +116,13 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.performance.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    store = open_store(cfg.data.latents, cache_dir=cfg.data.cache_dir or None, cache_limit=cfg.data.cache_limit)
+    # --repa: the store with its feature set (a missing or stale set is a one-line StoreError)
+    store = open_store(cfg.data.latents, cache_dir=cfg.data.cache_dir or None, cache_limit=cfg.data.cache_limit,
+                       features=cfg.repa.repa or None)
     model_cfg = model_config_for(cfg, store)
+    features = feature_record(store) if cfg.repa.repa else None
+    if features is not None:
+        check_repa(cfg, model_cfg, features)
     diff_cfg, latents = diffusion_config(cfg, model_cfg, store)
     resolved = {
         "train": asdict(cfg),
@@ -125,6 +132,8 @@ def setup(cfg: TrainConfig) -> Run:
         "store": {"path": store.location, "identity": store.identity,
                   "num_samples": len(store)},
     }
+    if features is not None:  # beside the store's identity: a resume refuses another feature set
+        resolved["store"]["features"] = features
     per_rank, rem = divmod(cfg.optim.batch_size, world * cfg.optim.accumulation_steps)
     if rem or per_rank == 0:
         raise TrainError(f"--batch-size {cfg.optim.batch_size} must be a multiple of ranks ({world}) x "

@@ -417,7 +417,8 @@ class DiT(nn.Module):
         return x.reshape(N, C, h * p, w * p)
 
     def forward(
-        self, x, t, y=None, text_pooled=None, text_tokens=None, text_mask=None, force_drop_ids=None
+        self, x, t, y=None, text_pooled=None, text_tokens=None, text_mask=None, force_drop_ids=None,
+        return_hidden: int = 0,
     ):
         """
         x: (N, C, H, W) latents; t: (N,) timesteps (int or float, 0..1000 scale)
@@ -425,6 +426,8 @@ class DiT(nn.Module):
         text_pooled: (N, Dp); text_tokens: (N, L, Dt); text_mask: (N, L) bool, True = real token
         force_drop_ids: (N,) 1 = replace the label by the null class (deterministic dropout)
         returns (N, out_channels, H, W): eps (or velocity), then the variance channels if learn_sigma
+        return_hidden = k >= 1: returns (that output, the tokens after the k-th block (N, T, D)),
+            what REPA aligns (dittrain.repa); the output is the same either way
         """
         cfg = self.config
         x = self.x_embedder(x) + self.pos_embed  # (N, T, D), T = H * W / p^2
@@ -450,14 +453,20 @@ class DiT(nn.Module):
         training = self.training and torch.is_grad_enabled()
         k = checkpoint_every(cfg.grad_checkpointing) if training else 0
         recompute = block_recompute(cfg.grad_checkpointing) if training else None
+        if return_hidden and not 1 <= return_hidden <= len(self.blocks):
+            raise ValueError(f"return_hidden={return_hidden}: the model has {len(self.blocks)} blocks")
+        hidden = None
         for i, block in enumerate(self.blocks):
             if k and i % k == 0:
                 # recompute this block's activations in backward: memory for ~1/3 more compute
                 x = checkpoint(block, x, c, context, text_mask, use_reentrant=False)
             else:
                 x = block(x, c, context, text_mask, recompute=recompute)  # (N, T, D)
+            if i + 1 == return_hidden:
+                hidden = x  # (N, T, D) after block k
         x = self.final_layer(x, c)  # (N, T, p^2 * out_channels)
-        return self.unpatchify(x)  # (N, out_channels, H, W)
+        x = self.unpatchify(x)  # (N, out_channels, H, W)
+        return (x, hidden) if return_hidden else x
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in asdict(self.config).items())

@@ -8,10 +8,11 @@ it was started. A setting that differs from the record is one of three kinds:
 - safe: it does not change what is learned (how long, how often to save, log, sample or
   evaluate, where logs go, loader processes, compilation, the device): applied;
 - learned: the optimisation itself (lr and its schedule, EMA, clipping, batch, accumulation,
-  the seed and data window, loss and timestep options, CFG dropout, precision): refused with
-  the list of differences unless --allow-changes says so;
+  the seed and data window, loss and timestep options, CFG dropout, precision, REPA's block
+  and weight): refused with the list of differences unless --allow-changes says so;
 - fixed: what the weights or the optimizer state are made of (the model, the objective, the
-  optimizer, latent normalisation): never, a new run is the way (--init-from RUN).
+  optimizer, latent normalisation, REPA's feature set and projector width, which make the
+  projector's tensors): never, a new run is the way (--init-from RUN).
 
 Every applied change is appended to config.json's "history" with the step it took effect
 at, so the record says what the run's weights were really trained with.
@@ -31,10 +32,13 @@ from dittrain.config import SECTION_OF, TrainConfig
 LEARNED = frozenset({
     "lr", "lr_schedule", "min_lr", "warmup_steps", "weight_decay", "ema", "grad_clip", "batch_size",
     "accumulation_steps", "seed", "shuffle_window", "loss_weighting", "min_snr_gamma", "t_sampling",
-    "t_mean", "t_std", "t_shift", "class_dropout", "caption_dropout", "amp", "tf32",
+    "t_mean", "t_std", "t_shift", "class_dropout", "caption_dropout", "amp", "tf32", "repa_depth", "repa_weight",
 })
 # What the checkpoint's tensors are: its weights or optimizer state would not fit another value.
-FIXED = frozenset({"model", "learn_sigma", "qk_norm", "objective", "optimizer", "latent_norm"})
+FIXED = frozenset({"model", "learn_sigma", "qk_norm", "objective", "optimizer", "latent_norm", "repa",
+                   "repa_projector_dim"})
+# --repa's options: of no use without it (dittrain.repa)
+REPA_OPTIONS = ("repa_depth", "repa_weight", "repa_projector_dim")
 # Not settings of the run: how this command was asked to start.
 IGNORED = frozenset({"resume", "out", "init_from"})
 
@@ -102,7 +106,7 @@ def settle(options: dict, chosen: set[str], *, allow_changes: bool = False) -> t
     chosen: the fields the user set."""
     record = load(options["out"]) if options.get("resume") and options.get("out") else None
     if record is None:
-        return TrainConfig.from_flat(**options), None
+        return _repa_given(TrainConfig.from_flat(**options), chosen), None
     base = TrainConfig.from_record(record.get("train") or {})
     values = base.flat()
     for name in chosen & set(SECTION_OF):
@@ -123,8 +127,19 @@ def settle(options: dict, chosen: set[str], *, allow_changes: bool = False) -> t
         raise RecordError(f"{options['out']}: this resume changes what is learned: {_listed(changes, by_kind['learned'])}"
                           "; leave them out to continue as recorded, or pass --allow-changes to apply them "
                           "(recorded in config.json's history)")
-    cfg = TrainConfig.from_flat(**values)
+    cfg = _repa_given(TrainConfig.from_flat(**values), chosen)
     return cfg, Resumption(changes, frozenset(by_kind["learned"]), list(record.get("history") or []))
+
+
+def _repa_given(cfg: TrainConfig, chosen: set[str]) -> TrainConfig:
+    """cfg, unless a --repa-* option is set to other than its default without --repa (it would
+    silently do nothing; --print-config's file holds the defaults, which are fine)."""
+    default = TrainConfig().flat()
+    stray = [flag(n) for n in REPA_OPTIONS if n in chosen and cfg.flat()[n] != default[n]]
+    if stray and not cfg.repa.repa:
+        raise RecordError(f"{', '.join(stray)} without --repa: name the feature set to align to (--repa SET, "
+                          "from `ditdata features`), or leave them out")
+    return cfg
 
 
 def _listed(changes: dict, names: list[str]) -> str:

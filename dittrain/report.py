@@ -3,7 +3,8 @@
 FID evaluations during training; and what running out of GPU memory says.
 
     with Log(run, state, resumed=..., progress=...) as log:   the loggers and the bar, closed on errors too
-        log.step(loss, grad_norm)                after every kept optimizer step
+        log.step(loss, grad_norm[, repa])        after every kept optimizer step (repa: --repa's
+                                                 [REPA loss, mean cosine], logged as repa_loss, repa_cos)
         log.skipped()                            after a step skipped for a non-finite loss
     sample_grid(run, ema, step, log)             an EMA grid in RUN/samples/ (never stops a run)
     evaluate(run, state, step, log)              FID of the EMA model (never stops a run)
@@ -68,15 +69,17 @@ class Log:
         for logger in self.loggers:
             logger.close()
 
-    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """After an optimizer step (state.step is its number)."""
+    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor, repa: torch.Tensor | None = None) -> None:
+        """After an optimizer step (state.step is its number). The device scalars are read on
+        log steps only."""
         cfg, step = self.run.cfg, self.state.step
         self.steps_since += 1
         if step % cfg.logging.log_every == 0 or step == cfg.optim.max_steps:
-            rec, now = self._record(loss, grad_norm)
+            rec, now = self._record(loss, grad_norm, repa)
             if self.run.master:
                 self._scalars("train", rec)
-                self.postfix = (f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} {rec['images_per_s']:.0f} img/s "
+                aligned = f" repa_loss {rec['repa_loss']:.4f}" if repa is not None else ""
+                self.postfix = (f"loss {rec['loss']:.4f}{aligned} lr {rec['lr']:.2e} {rec['images_per_s']:.0f} img/s "
                                 f"wait {100 * rec['data_wait_frac']:.0f}%")
                 self.bar.set_postfix_str(self._postfix())
             self.t_last, self.wait_last, self.steps_since = now, self.state.loader.wait_seconds, 0
@@ -126,13 +129,15 @@ class Log:
         n = self.state.nonfinite_total
         return f"{self.postfix} non-finite skipped {n}".strip() if n else self.postfix
 
-    def _record(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[dict, float]:
+    def _record(self, loss: torch.Tensor, grad_norm: torch.Tensor, repa: torch.Tensor | None) -> tuple[dict, float]:
         """(the metrics record since the last one, its time)."""
         device, state = self.run.device, self.state
         now = time.perf_counter()
         dt = now - self.t_last
         wait = state.loader.wait_seconds - self.wait_last
-        rec = {"step": state.step, "loss": loss.item(), "lr": state.lr_schedule.get_last_lr()[0],
+        # --repa's figures beside the diffusion loss: train/repa_loss, train/repa_cos
+        aligned = dict(zip(("repa_loss", "repa_cos"), repa.tolist(), strict=True)) if repa is not None else {}
+        rec = {"step": state.step, "loss": loss.item(), **aligned, "lr": state.lr_schedule.get_last_lr()[0],
                "grad_norm": float(grad_norm),
                "images_per_s": self.steps_since * self.run.cfg.optim.batch_size / dt if dt > 0 else 0.0,
                "data_wait_frac": wait / dt if dt > 0 else 0.0, "nonfinite_skipped": state.nonfinite_total}

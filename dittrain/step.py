@@ -25,6 +25,12 @@ as updating it right after the optimizer step. An optimizer without device-side 
 Scalars (loss, grad norm) stay on the device; dittrain.report.Log reads them every --log-every steps only.
 With several ranks the loss and every rank's stop request travel in one all-reduce per step
 (a collective on the device stream, not a host read), so every rank settles the same verdict.
+
+With --repa (dittrain.repa.Alignment) the forward also returns the hidden tokens of one block,
+the projector maps them onto the batch's targets (batch["feat"]) and the backward takes the
+diffusion loss + weight x the REPA loss; the projector's parameters step and are clipped with
+the model's (not in the EMA). Pending.loss stays the diffusion loss (comparable with plain
+runs); the REPA loss and cosine ride beside it (Pending.repa), in the same all-reduce.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from dittrain.config import COMPILE_MODES, COMPILE_TARGETS, TrainConfig
 from dittrain.diffusion import Diffusion
 from dittrain.latents import LatentNorm
 from dittrain.model import drop_text_conditioning
+from dittrain.repa import Alignment
 
 
 @dataclass
@@ -51,13 +58,16 @@ class Pending:
 
     loss: torch.Tensor  # () fp32, on the device
     stop: bool  # this rank was asked to stop (SIGTERM/SIGINT) before the step
+    repa: torch.Tensor | None = None  # (2,) fp32 on the device, --repa: [REPA loss, mean cosine]
 
 
 class Attempt:
     """An optimizer step queued on the device; `settle()` gives its verdict on the host."""
 
-    def __init__(self, loss: torch.Tensor, grad_norm: torch.Tensor, ok: torch.Tensor, stop: torch.Tensor):
+    def __init__(self, loss: torch.Tensor, grad_norm: torch.Tensor, ok: torch.Tensor, stop: torch.Tensor,
+                 repa: torch.Tensor | None = None):
         self.loss, self.grad_norm = loss, grad_norm  # () device tensors: mean over ranks; total norm
+        self.repa = repa  # (2,) device tensor (REPA loss, mean cosine; mean over ranks) or None
         dev = ok.device
         # [ok, stop] copied behind the step's own work: waiting on the event waits for this
         # step only, never for work queued after it
@@ -86,16 +96,18 @@ class TrainStep:
     calls (the model, compiled, in DDP); ema: the EMA copy. cfg: batch size, accumulation,
     clipping, EMA decay, dropout rates (TrainConfig). Every rank draws the noise, timesteps
     and dropout of the GLOBAL micro-batch from `gen` and keeps its slice, so N ranks compute
-    what one process would.
+    what one process would. repa: --repa's Alignment (its projector trains with the model).
     """
 
     def __init__(self, *, model, train_model, ema, optimizer, scaler, diffusion: Diffusion, cfg: TrainConfig,
                  gen: torch.Generator, device: torch.device, amp_dtype: torch.dtype | None,
-                 norm: LatentNorm | None = None, empty_text: dict | None = None, rank: int = 0, world: int = 1):
+                 norm: LatentNorm | None = None, empty_text: dict | None = None, rank: int = 0, world: int = 1,
+                 repa: Alignment | None = None):
         self.train_model, self.optimizer, self.scaler, self.diffusion = train_model, optimizer, scaler, diffusion
         self.cfg, self.gen, self.device, self.amp_dtype = cfg, gen, device, amp_dtype
-        self.norm, self.empty_text, self.world = norm, empty_text or {}, world
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.norm, self.empty_text, self.world, self.repa = norm, empty_text or {}, world, repa
+        # clipped together: one total norm over the model's and the projector's gradients
+        self.params = [p for p in model.parameters() if p.requires_grad] + trained_projector(repa)
         self.ema_params, self.model_params = list(ema.parameters()), list(model.parameters())
         self.per_rank = cfg.optim.batch_size // (world * cfg.optim.accumulation_steps)
         self.mine = slice(rank * self.per_rank, (rank + 1) * self.per_rank)
@@ -108,6 +120,7 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         global_micro = self.per_rank * world
         loss_sum = torch.zeros((), device=device)
+        repa_sum = torch.zeros(2, device=device) if self.repa is not None else None
         for micro in range(cfg.optim.accumulation_steps):
             batch = next(loader)
             x0 = batch["x"] if self.norm is None else self.norm.normalize(batch["x"])  # on the device
@@ -116,29 +129,53 @@ class TrainStep:
             u = torch.rand(global_micro, generator=gen, device=device)[self.mine]
             kwargs = conditioning(batch, self.empty_text, cfg, u)
             sync = micro == cfg.optim.accumulation_steps - 1 or world == 1
-            with contextlib.nullcontext() if sync else self.train_model.no_sync():
+            with contextlib.nullcontext() if sync else self._no_sync():
                 with autocast(device, self.amp_dtype):
-                    loss = self.diffusion.training_loss(self.train_model, x0, kwargs, t=t, noise=noise).mean()
-                self.scaler.scale(loss / cfg.optim.accumulation_steps).backward()
+                    total, loss, repa = self._losses(batch, x0, kwargs, t, noise)
+                self.scaler.scale(total / cfg.optim.accumulation_steps).backward()
             loss_sum += loss.detach()
-        return Pending(loss_sum / cfg.optim.accumulation_steps, stop)
+            if repa is not None:
+                repa_sum += repa
+        acc = cfg.optim.accumulation_steps
+        return Pending(loss_sum / acc, stop, repa_sum / acc if repa_sum is not None else None)
+
+    def _losses(self, batch: dict, x0, kwargs: dict, t, noise):
+        """(what the backward takes, the diffusion loss, [REPA loss, mean cosine] or None)."""
+        if self.repa is None:
+            loss = self.diffusion.training_loss(self.train_model, x0, kwargs, t=t, noise=noise).mean()
+            return loss, loss, None
+        model = self.repa.capture(self.train_model)  # the diffusion loss sees the output only
+        loss = self.diffusion.training_loss(model, x0, kwargs, t=t, noise=noise).mean()
+        repa_loss, cos = self.repa.loss(model.hidden, batch["feat"])
+        return loss + self.repa.weight * repa_loss, loss, torch.stack([repa_loss.detach(), cos])
+
+    def _no_sync(self):
+        """DDP's no_sync of the model and, with --repa, of the projector (accumulation steps)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.train_model.no_sync())
+        if self.repa is not None:
+            stack.enter_context(self.repa.train_projector.no_sync())
+        return stack
 
     def update(self, pending: Pending) -> Attempt:
         """Clip and step, unless the loss or the gradient norm is non-finite (decided on the
         device); the returned Attempt settles the verdict."""
-        loss, stop = pending.loss, torch.full((), float(pending.stop), device=self.device)
-        if self.world > 1:  # the mean loss and "any rank stops" in one collective
-            both = torch.stack([loss, stop])
+        loss, stop, repa = pending.loss, torch.full((), float(pending.stop), device=self.device), pending.repa
+        if self.world > 1:  # the mean loss (and REPA's figures) and "any rank stops" in one collective
+            both = torch.cat([torch.stack([loss, stop]), repa if repa is not None else loss.new_zeros(0)])
             dist.all_reduce(both, op=dist.ReduceOp.SUM)
             loss, stop = both[0] / self.world, both[1] > 0
+            repa = both[2:] / self.world if repa is not None else None
         if self.scaler.is_enabled():
             self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
         ok = torch.isfinite(loss) & torch.isfinite(grad_norm)  # the same on every rank (DDP's gradients are)
+        if repa is not None:
+            ok = ok & torch.isfinite(repa[0])
         self._gated_step(ok)
         if self.scaler.is_enabled():  # fp16: the scale backs off after inf/NaN gradients
             self.scaler.update()
-        return Attempt(loss, grad_norm, ok, stop)
+        return Attempt(loss, grad_norm, ok, stop, repa)
 
     def _gated_step(self, ok: torch.Tensor) -> None:
         opt = self.optimizer
@@ -191,6 +228,11 @@ def compile_model(model, how: str, mode: str = "default"):
             block.compile(**kw)
         return model
     return torch.compile(model, **kw)
+
+
+def trained_projector(repa: Alignment | None) -> list:
+    """The parameters --repa adds to the optimizer and the clipping, after the model's."""
+    return [p for p in repa.projector.parameters() if p.requires_grad] if repa is not None else []
 
 
 def conditioning(batch: dict, empty_text: dict, cfg: TrainConfig, u: torch.Tensor) -> dict:
