@@ -4,7 +4,7 @@ The hidden tokens h (N, T, D) after block k (--repa-depth, 1-based) of the DiT g
 projector, the paper's 3-layer MLP  D -> P -> P -> Dy  with SiLU (P: --repa-projector-dim),
 and are pulled towards the targets y (N, T, Dy): patch features of a frozen encoder (DINOv2)
 of the same image, read from a feature set of the store (`ditdata features`; the loader's
-batch["feat"], the same rows and the same flip as batch["x"]):
+batch["feat"], the same rows and the same flip as batch["x"], as stored: targets(batch) is float32):
 
     L_repa = mean over samples n and tokens t of  1 - cos(proj(h)[n, t], y[n, t])
     loss   = diffusion loss + lambda L_repa          (lambda: --repa-weight; ddpm and flow alike)
@@ -19,7 +19,7 @@ not in the EMA, in ema.safetensors or any export, and sampling never sees it.
     projector = build_projector(hidden, width, dims, seed)    fixed init, whatever the device
     align = Alignment(projector, train_projector, depth=, weight=, grid=, target_grid=)
     model_fn = align.capture(train_model)    the model for the diffusion loss; keeps the hidden tokens
-    loss, cos = align.loss(model_fn.hidden, batch["feat"])
+    loss, cos = align.loss(model_fn.hidden, dittrain.data.targets(batch))
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ With several ranks the loss and every rank's stop request travel in one all-redu
 (a collective on the device stream, not a host read), so every rank settles the same verdict.
 
 With --repa (dittrain.repa.Alignment) the forward also returns the hidden tokens of one block,
-the projector maps them onto the batch's targets (batch["feat"]) and the backward takes the
+the projector maps them onto the batch's targets (dittrain.data.targets(batch)) and the backward takes the
 diffusion loss + weight x the REPA loss; the projector's parameters step and are clipped with
 the model's (not in the EMA). Pending.loss stays the diffusion loss (comparable with plain
 runs); the REPA loss and cosine ride beside it (Pending.repa), in the same all-reduce.
@@ -46,6 +46,7 @@ from ditdata.common.devices import autocast
 from ditdata.common.errors import UserError
 from ditdata.store import TEXT_FIELDS
 from dittrain.config import COMPILE_MODES, COMPILE_TARGETS, TrainConfig
+from dittrain.data import targets
 from dittrain.diffusion import Diffusion
 from dittrain.latents import LatentNorm
 from dittrain.model import drop_text_conditioning
@@ -146,7 +147,7 @@ class TrainStep:
             return loss, loss, None
         model = self.repa.capture(self.train_model)  # the diffusion loss sees the output only
         loss = self.diffusion.training_loss(model, x0, kwargs, t=t, noise=noise).mean()
-        repa_loss, cos = self.repa.loss(model.hidden, batch["feat"])
+        repa_loss, cos = self.repa.loss(model.hidden, targets(batch))
         return loss + self.repa.weight * repa_loss, loss, torch.stack([repa_loss.detach(), cos])
 
     def _no_sync(self):

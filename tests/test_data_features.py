@@ -1,5 +1,6 @@
-"""dittrain.data with a feature set: batch["feat"] holds the REPA targets of each row's sample
-and chosen flip variant, dequantized on the loader's device; the data stream is the one
+"""dittrain.data with a feature set: batch["feat"] (and "feat_scale") hold the REPA targets of
+each row's sample and chosen flip variant as stored, on the loader's device, and targets(batch)
+dequantizes them; the data stream is the one
 without the feature set; resume is exact; the memory figures count the targets."""
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from dittrain.data import (
     StreamingLoader,
     choose_loader,
     plan_streaming_memory,
+)
+from dittrain.data import (
+    targets as data_targets,
 )
 
 SIZES = [7, 13, 0, 5, 20, 9]  # 54 samples; an empty shard on purpose
@@ -82,8 +86,10 @@ def test_targets_follow_each_rows_sample_and_flip(roots, kind, workers, dtype):
     flips = []
     with make(open_store(roots["sample"], features=SETS[dtype]), kind, workers) as loader:
         for batch in take(loader, 2 * N // B + 1):  # past an epoch end
-            feat, idx, flip = batch["feat"], batch["index"], batch["flip"]
+            feat, idx, flip = data_targets(batch), batch["index"], batch["flip"]
             assert feat.dtype == torch.float32 and feat.shape == (B, TOKENS, DIMS)
+            assert batch["feat"].dtype == (torch.int8 if dtype == "int8" else torch.float16)
+            assert ("feat_scale" in batch) == (dtype == "int8")
             for row in range(B):
                 assert torch.equal(feat[row], want[bool(flip[row])][idx[row]]), (row, int(idx[row]))
             flips += flip.tolist()
@@ -98,7 +104,7 @@ def test_the_stream_is_the_one_without_targets(roots, kind, workers, name):
     with make(open_store(roots[name]), kind, workers) as plain, \
             make(open_store(roots[name], features="f8"), kind, workers) as featured:
         for a, b in zip(take(plain, 10), take(featured, 10), strict=True):
-            assert "feat" not in a and set(b) == set(a) | {"feat"}
+            assert "feat" not in a and set(b) == set(a) | {"feat", "feat_scale"}
             assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -207,5 +213,5 @@ def test_cuda_targets_equal_cpu_targets(roots, kind, workers, resident_device):
     kw = {"device": "cuda", **({"resident_device": resident_device} if kind == "resident" else {})}
     with make(store, kind, workers) as cpu, make(store, kind, workers, **kw) as gpu:
         for want, got in zip(take(cpu, 9), take(gpu, 9), strict=True):
-            assert got["feat"].is_cuda and got["feat"].dtype == torch.float32
-            assert torch.equal(want["feat"], got["feat"].cpu()) and torch.equal(want["index"], got["index"].cpu())
+            assert got["feat"].is_cuda and data_targets(got).dtype == torch.float32
+            assert torch.equal(data_targets(want), data_targets(got).cpu()) and torch.equal(want["index"], got["index"].cpu())

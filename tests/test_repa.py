@@ -21,6 +21,7 @@ from test_step import no_host_reads
 
 from dittrain.checkpoint import latest_checkpoint, load_checkpoint
 from dittrain.config import TrainConfig
+from dittrain.data import targets as data_targets
 from dittrain.diffusion import Diffusion, DiffusionConfig
 from dittrain.model import DiT
 from dittrain.optim import build_optimizer
@@ -177,7 +178,7 @@ def test_the_step_adds_weight_times_the_repa_loss_to_the_diffusion_loss(objectiv
     want_loss = step.diffusion.training_loss(model, x0, kwargs, t=t, noise=noise).mean()
     x_t = step.diffusion.q_sample(x0, t, noise)
     _, hidden = model(x_t, step.diffusion.model_timesteps(t), **kwargs, return_hidden=2)
-    repa_loss, cos = alignment_loss(align.projector(hidden), resize_targets(batch["feat"], (4, 4), (2, 2)))
+    repa_loss, cos = alignment_loss(align.projector(hidden), resize_targets(data_targets(batch), (4, 4), (2, 2)))
     assert torch.allclose(loss, want_loss) and torch.allclose(total, want_loss + 0.5 * repa_loss)
     assert torch.allclose(figures, torch.stack([repa_loss, cos]))
 

@@ -4,6 +4,7 @@
     loader = build_loader(store, batch_size=64, seed=0, rank=rank, world_size=world, device="cuda")
     log(loader.kind, loader.reason)        # which loader was chosen, and why
     batch = next(loader)                   # {"x": (B, C, h, w) float32, "y": (B,) int64, ...}
+    feat = targets(batch)                  # with a feature set: the REPA targets, float32 (B, T, D)
     state = loader.state_dict()            # ints and strings: torch.save / weights_only safe
     ...
     loader = build_loader(...); loader.load_state_dict(state)   # the next batches are identical
@@ -67,7 +68,7 @@ GPU), choose_loader, and the streaming loader's memory budget. build_loader is h
 
 from __future__ import annotations
 
-from .base import LoaderError, LoaderStateError, _open
+from .base import LoaderError, LoaderStateError, _open, targets
 from .budget import (
     AUTO_MAX_PREFETCH,
     AUTO_MAX_WINDOW,
@@ -90,7 +91,7 @@ from .streaming import StreamingLoader
 
 __all__ = [
     "LoaderError", "LoaderStateError", "ResidentLoader", "StreamingLoader", "available_memory",
-    "build_loader", "choose_loader", "gpu_memory", "loader_budget", "parse_memory",
+    "build_loader", "choose_loader", "gpu_memory", "loader_budget", "parse_memory", "targets",
     # the streaming loader's memory plan and the budget's settings (budget.py)
     "StreamingMemory", "plan_streaming_memory", "RESIDENT_MAX_FRACTION", "LOADER_MEMORY_FRACTION",
     "LOADER_MEMORY_CAP", "AUTO_MAX_WINDOW", "AUTO_MAX_PREFETCH", "AUTO_MIN_PREFETCH",

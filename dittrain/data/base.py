@@ -181,6 +181,13 @@ class _Block:
 
 
 
+def targets(batch: dict) -> torch.Tensor:
+    """A batch's REPA targets as float32 (B, T, D), on the batch's device: feat * feat_scale
+    for int8 (ditdata.store.dequantize, bit for bit), feat for fp16."""
+    feat = batch["feat"].float()
+    return feat * batch["feat_scale"].unsqueeze(-1) if "feat_scale" in batch else feat
+
+
 # ---------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------
@@ -275,9 +282,14 @@ class _Loader:
                               dtype=torch.float32)
             x = torch.addcmul(mean, std, eps[self._my_rows])
         out = {"x": x}
-        if "feat" in raw:  # dequantized here, on the device: the host holds int8 (or fp16)
-            feat = raw["feat"].float()
-            out["feat"] = feat * raw["feat_scale"].unsqueeze(-1) if "feat_scale" in raw else feat
+        if "feat" in raw:
+            # As stored (int8 and its per-token scale, or fp16): a ViT-B target is 193 KiB in
+            # int8 but 768 KiB in float32, and making that float32 batch on the host costs more
+            # than all the rest of the loader (measured: bench/feature_loader.py). targets()
+            # dequantizes where they are used, on the training device.
+            out["feat"] = raw["feat"]
+            if "feat_scale" in raw:
+                out["feat_scale"] = raw["feat_scale"]
         for e in self.spec.extras:
             t = raw[e.name]
             out[e.name] = t.float() if t.is_floating_point() else t

@@ -452,13 +452,14 @@ class StreamingLoader(_Loader):
         e0, o0 = self._cursor
         B = self._stream_batch
         # The host batch: pinned in the stored dtypes when bound for the GPU (half the bytes
-        # over PCIe, converted there); on the CPU, straight into float32 (one pass).
+        # over PCIe, converted there); on the CPU, straight into float32 (one pass), except
+        # the REPA targets, which stay as stored (targets() converts them where they are used).
         dst = {}
         for f in self.spec.chunk_fields:
             if self._pin:
                 dst[f.name] = torch.empty((B, *f.shape), dtype=f.dtype, pin_memory=True)
             else:
-                dt = torch.float32 if f.dtype.is_floating_point else f.dtype
+                dt = torch.float32 if f.dtype.is_floating_point and f.name != "feat" else f.dtype
                 dst[f.name] = torch.empty((B, *f.shape), dtype=dt)
         filled = 0
         while filled < B:
