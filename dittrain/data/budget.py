@@ -357,13 +357,12 @@ def _read_piece_rows(store: Store, spec: _Spec) -> int | None:
 
 def _batch_bytes(fields) -> int:
     """Bytes per sample of a host batch of these chunk fields: floats as float32 (the CPU path
-    converts while it assembles), others as stored, and int8 targets also as the float32
-    they are dequantized into."""
+    converts while it assembles), others and the REPA targets ("feat") as stored (they are
+    dequantized by dittrain.data.targets in the step, on the training device)."""
     total = 0
     for f in fields:
         n = math.prod(f.shape)
-        total += n * (4 if f.dtype.is_floating_point else f.dtype.itemsize)
-        total += 4 * n if f.name == "feat" and not f.dtype.is_floating_point else 0
+        total += n * (4 if f.dtype.is_floating_point and f.name != "feat" else f.dtype.itemsize)
     return total
 
 
