@@ -4,13 +4,17 @@ one step late as dittrain.train's loop does, per configuration.
     python3 bench/gpu_train.py [--configs SPEC;SPEC;...] [--steps 10] [--warmup 3] [--json out.json]
     python3 bench/gpu_train.py --device cpu --configs "DiT-T/2:4:none:off;DiT-T/2:4:selective:blocks"  # smoke test
 
-A configuration SPEC is MODEL:BATCH:CKPT:COMPILE[:MODE[:LOADER]]
+A configuration SPEC is MODEL:BATCH:CKPT:COMPILE[:MODE[:LOADER[:REPA]]]
   CKPT      --grad-checkpointing: none | every | k | attn | mlp | selective
   COMPILE   --compile: off | blocks (each DiTBlock, regional) | model (the whole forward)
   MODE      torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune-no-cudagraphs
   LOADER    gpu (default: a synthetic store held on the device, a batch = one index_select, no
             disk, torch only) | resident-cuda | resident | streaming (dittrain.data's loaders over
             a real latent store written to --store-dir first: needs ditdata's store backends, zarr)
+  REPA      repa (with the gpu loader): `dittrain run --repa` on synthetic targets held on the
+            device like the latents, ViT-B/14's 256 tokens x 768 dims int8 + per-token scale,
+            block 8, weight 0.5, projector 2048 (dittrain.repa, as dittrain.train builds it);
+            the row next to the same configuration without it gives REPA's step-time overhead
 The default list (CUDA) covers DiT-XL/2, B/2 and S/2 at batch 256, eager against compiled,
 CUDA graphs for the small models, checkpointing every block against selective checkpointing,
 and the loaders' data wait for DiT-S/2 (only where zarr imports).
@@ -60,6 +64,7 @@ from ditdata.common.devices import amp_dtype as trainer_amp  # noqa: E402
 from dittrain.config import TrainConfig  # noqa: E402
 from dittrain.diffusion import Diffusion, DiffusionConfig  # noqa: E402
 from dittrain.model import DiT  # noqa: E402
+from dittrain.repa import Alignment, build_projector  # noqa: E402
 from dittrain.sdpa import attention_backend  # noqa: E402
 from dittrain.specs import flops_per_forward, get_config  # noqa: E402
 from dittrain.step import TrainStep, compile_model  # noqa: E402
@@ -70,16 +75,19 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "R
               "RTX 3090": 71e12, "A6000": 155e12, "V100": 125e12}
 
 LATENT = (4, 32, 32)  # 256 px through an f8 autoencoder with 4 channels
+REPA_TARGETS = (256, 768)  # DINOv2 ViT-B/14 at 224 px: 16 x 16 patch tokens of 768 dims
+REPA_DEPTH, REPA_PROJECTOR = 8, 2048  # dittrain run's --repa-depth and --repa-projector-dim defaults
 NUM_CLASSES = 1000
 DEFAULT_CUDA = ";".join([  # the issue's targets first: a run cut short keeps what matters most
-    "DiT-XL/2:256:none:off", "DiT-XL/2:256:none:blocks",
+    "DiT-XL/2:256:none:off", "DiT-XL/2:256:none:blocks", "DiT-XL/2:256:none:off:default:gpu:repa",
     "DiT-S/2:256:none:off", "DiT-S/2:256:none:model:reduce-overhead",
     "DiT-XL/2:256:every:blocks", "DiT-XL/2:256:selective:blocks", "DiT-XL/2:256:every:off",
     "DiT-S/2:256:none:blocks", "DiT-S/2:256:none:model", "DiT-S/2:256:none:blocks:reduce-overhead",
     "DiT-B/2:256:none:off", "DiT-B/2:256:none:blocks", "DiT-B/2:256:none:model:reduce-overhead",
     "DiT-S/2:256:none:model:reduce-overhead:resident-cuda", "DiT-S/2:256:none:model:reduce-overhead:streaming",
+    "DiT-XL/2:256:none:blocks:default:gpu:repa",
 ])
-DEFAULT_CPU = "DiT-T/2:4:none:off;DiT-T/2:4:selective:off"
+DEFAULT_CPU = "DiT-T/2:4:none:off;DiT-T/2:4:selective:off;DiT-T/2:4:none:off:default:gpu:repa"
 
 
 class DeviceLatents:
@@ -87,10 +95,14 @@ class DeviceLatents:
     next batch_size samples of a fresh permutation per epoch (index_select + float32), as
     dittrain's ResidentLoader with the store on the GPU. An iterator, as the trainer's loaders."""
 
-    def __init__(self, n: int, batch_size: int, device: torch.device, seed: int = 0):
+    def __init__(self, n: int, batch_size: int, device: torch.device, seed: int = 0, targets: bool = False):
         g = torch.Generator(device=device).manual_seed(seed)
         self.x = torch.randn((n, *LATENT), generator=g, device=device).to(torch.float16)
         self.y = torch.randint(0, NUM_CLASSES, (n,), generator=g, device=device)
+        self.feat = self.scale = None
+        if targets:  # REPA targets as a feature set stores them: int8 codes and a per-token scale
+            self.feat = torch.randint(-127, 128, (n, *REPA_TARGETS), generator=g, device=device, dtype=torch.int8)
+            self.scale = torch.rand((n, REPA_TARGETS[0]), generator=g, device=device) / 127
         self.gen, self.n, self.pos, self.batch_size = g, n, n, batch_size
         self.perm, self.wait_seconds = None, 0.0
 
@@ -101,6 +113,8 @@ class DeviceLatents:
         idx = self.perm[self.pos:self.pos + self.batch_size]
         self.pos += self.batch_size
         out = {"x": self.x.index_select(0, idx).float(), "y": self.y.index_select(0, idx)}
+        if self.feat is not None:
+            out["feat"], out["feat_scale"] = self.feat.index_select(0, idx), self.scale.index_select(0, idx)
         self.wait_seconds += time.perf_counter() - t0
         return out
 
@@ -108,9 +122,11 @@ class DeviceLatents:
         pass
 
 
-def make_loader(kind: str, batch: int, device: torch.device, args):
+def make_loader(kind: str, batch: int, device: torch.device, args, repa: bool = False):
     if kind == "gpu":
-        return DeviceLatents(args.store_size, batch, device)
+        return DeviceLatents(args.store_size, batch, device, targets=repa)
+    if repa:
+        raise SystemExit("gpu_train: REPA rows use the gpu loader (synthetic targets on the device)")
     from scratch import synthetic_store  # bench/scratch.py (imports the store module: zarr)
 
     from dittrain.data import build_loader
@@ -125,12 +141,13 @@ def make_loader(kind: str, batch: int, device: torch.device, args):
 
 def parse_spec(spec: str) -> dict:
     parts = spec.strip().split(":")
-    if not 4 <= len(parts) <= 6:
-        raise SystemExit(f"gpu_train: config {spec!r}: want MODEL:BATCH:CKPT:COMPILE[:MODE[:LOADER]]")
+    if not 4 <= len(parts) <= 7 or (len(parts) == 7 and parts[6] != "repa"):
+        raise SystemExit(f"gpu_train: config {spec!r}: want MODEL:BATCH:CKPT:COMPILE[:MODE[:LOADER[:repa]]]")
     model, batch, ckpt, comp = parts[:4]
     mode = parts[4] if len(parts) > 4 else "default"
     loader = parts[5] if len(parts) > 5 else "gpu"
-    return {"model": model, "batch": int(batch), "grad_ckpt": ckpt, "compile": comp, "mode": mode, "loader": loader}
+    return {"model": model, "batch": int(batch), "grad_ckpt": ckpt, "compile": comp, "mode": mode, "loader": loader,
+            "repa": len(parts) == 7}
 
 
 def build(spec: dict, device: torch.device, amp: str):
@@ -145,7 +162,13 @@ def build(spec: dict, device: torch.device, amp: str):
     ema.load_state_dict(model.state_dict())
     ema.eval()
     tcfg = TrainConfig.from_flat(batch_size=spec["batch"], grad_clip=1.0, ema=0.9999, lr=1e-4)
-    params = [p for p in model.parameters() if p.requires_grad]
+    align = None
+    if spec.get("repa"):  # as dittrain.train's _projector and _alignment (one rank)
+        projector = build_projector(cfg.hidden_size, REPA_PROJECTOR, REPA_TARGETS[1], 0).to(device)
+        side = LATENT[-1] // cfg.patch_size
+        align = Alignment(projector, projector, depth=min(REPA_DEPTH, cfg.depth), weight=0.5, grid=(side, side), target_grid=(16, 16))
+    params = [p for p in model.parameters() if p.requires_grad] + ([] if align is None else
+                                                                    list(align.projector.parameters()))
     opt = torch.optim.AdamW(params, lr=tcfg.optim.lr, weight_decay=0.0, fused=True)  # dittrain.train.build_optimizer's
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     amp_dtype = trainer_amp(device, amp)
@@ -153,7 +176,8 @@ def build(spec: dict, device: torch.device, amp: str):
     step = TrainStep(model=model, train_model=train_model, ema=ema, optimizer=opt,
                      scaler=torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16),
                      diffusion=Diffusion(DiffusionConfig(objective="ddpm", learn_sigma=True)), cfg=tcfg,
-                     gen=torch.Generator(device=device).manual_seed(0), device=device, amp_dtype=amp_dtype)
+                     gen=torch.Generator(device=device).manual_seed(0), device=device, amp_dtype=amp_dtype,
+                     repa=align)
     return cfg, model, step, sched, amp_dtype
 
 
@@ -171,7 +195,7 @@ def run_steps(step: TrainStep, sched, loader, n: int, pending=None):
 
 def measure(spec: dict, device: torch.device, args) -> dict:
     cfg, model, step, sched, amp_dtype = build(spec, device, args.amp)
-    loader = make_loader(spec["loader"], spec["batch"], device, args)
+    loader = make_loader(spec["loader"], spec["batch"], device, args, repa=spec.get("repa", False))
     try:
         t0 = time.perf_counter()
         pending = run_steps(step, sched, loader, 1)
@@ -246,7 +270,7 @@ def matmul_peak(device: torch.device, n: int = 8192, reps: int = 50) -> float:
 
 def fmt(row: dict) -> str:
     head = (f"| {row['model']} | {row['batch']} | {row['grad_ckpt']} | {row['compile']} | {row['mode']} | "
-            f"{row['loader']} |")
+            f"{row['loader']}{' + repa' if row.get('repa') else ''} |")
     if row["status"] != "ok":
         return f"{head} - | - | - | - | - | - | - | - | {row['status']} |"
     mfu = f"{100 * row['mfu']:.1f}%" if row.get("mfu") is not None else "-"

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_gpu_train_cpu_path(tmp_path):
     out = tmp_path / "r.json"
-    configs = "DiT-T/2:2:none:off;DiT-T/2:2:selective:off;DiT-T/2:2:none:off:default:resident;DiT-T/2:2:x:off"
+    configs = ("DiT-T/2:2:none:off;DiT-T/2:2:selective:off;DiT-T/2:2:none:off:default:resident;DiT-T/2:2:x:off;"
+               "DiT-T/2:2:none:off:default:gpu:repa")
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_train.py"), "--device", "cpu", "--configs", configs,
                         "--steps", "1", "--store-size", "8", "--store-dir", str(tmp_path / "store"),
                         "--json", str(out)], capture_output=True, text=True, timeout=600,
@@ -28,6 +29,7 @@ def test_gpu_train_cpu_path(tmp_path):
         assert row["sdpa"] in ("cpu-flash", "math") and row["host_syncs_per_step"] is None  # counted on CUDA
     assert [row["loader"] for row in rows[:3]] == ["gpu", "gpu", "resident"]
     assert "| DiT-T/2 | 2 | selective | off | default | gpu |" in r.stdout  # the markdown table
+    assert rows[4]["status"] == "ok" and rows[4]["repa"] and "| gpu + repa |" in r.stdout  # --repa's step
 
 
 def test_gpu_train_without_cuda_says_so():
