@@ -11,7 +11,11 @@ workers' shared memory counted once) is sampled every 20 ms:
 
     latents only       StreamingLoader over the store (the same settings)
     latents + targets  StreamingLoader over open_store(store, features=SET): every batch also
-                       carries batch["feat"] (B, 256, D) float32, dequantized
+                       carries the targets as stored, batch["feat"] (B, 256, D) int8 and
+                       batch["feat_scale"] (B, 256) float32: what is copied to the GPU, where
+                       the step dequantizes them (dittrain.data.targets)
+    ... + dequantize   the same, and the consumer also makes the float32 targets on the CPU
+                       (what a CPU-only run pays; on a GPU that work is the device's)
 
 reporting the steady rate over one epoch after the first batch, the startup, the peak PSS and
 the loader's own memory estimate against its budget (the startup line's figures). The goal of
@@ -85,7 +89,9 @@ def child(args) -> None:
     from dittrain.data import StreamingLoader
 
     torch.set_num_threads(1)
-    store = open_store(args.root / "store", features="vitb" if args.child == "targets" else None)
+    from dittrain.data import targets
+
+    store = open_store(args.root / "store", features=None if args.child == "latents" else "vitb")
     memory = args.budget  # "auto": as `dittrain run --loader-memory auto`
     t0 = time.perf_counter()
     loader = StreamingLoader(store, batch_size=args.batch_size, workers=args.workers, memory=memory)
@@ -95,9 +101,13 @@ def child(args) -> None:
     t1 = time.perf_counter()
     for _ in range(steps):
         b = next(loader)
+        if args.child == "dequantize":
+            feat = targets(b)
     rate = steps * args.batch_size / (time.perf_counter() - t1)
-    if args.child == "targets":
-        assert b["feat"].shape == (args.batch_size, TOKENS, args.dims) and b["feat"].dtype == torch.float32
+    if args.child != "latents":
+        assert b["feat"].shape == (args.batch_size, TOKENS, args.dims)
+    if args.child == "dequantize":
+        assert feat.dtype == torch.float32 and feat.shape == b["feat"].shape
     print("RESULT " + json.dumps({"rate": rate, "startup": startup, "reason": loader.reason,
                                   "estimate": getattr(loader, "memory_estimate", None)}), flush=True)
     loader.close()
@@ -111,7 +121,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="int8", choices=["int8", "float16"])
     ap.add_argument("--budget", default="auto", help="the loader's memory budget (--loader-memory)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--child", choices=["latents", "targets"], help=argparse_hidden())
+    ap.add_argument("--child", choices=["latents", "targets", "dequantize"], help=argparse_hidden())
     ap.add_argument("--root", type=Path, help=argparse_hidden())
     args = ap.parse_args()
     if args.child:
@@ -123,7 +133,7 @@ def main() -> None:
         print(f"{args.n:,} latents {SHAPE} fp16 + {args.dtype} targets {TOKENS}x{args.dims} ({per:,} bytes a sample) "
               f"in {args.n // args.shard_size} shards ({time.perf_counter() - t:.0f} s); batch {args.batch_size}, "
               f"{args.workers} workers, budget {args.budget}, {os.cpu_count()} CPUs", flush=True)
-        results = {"latents": [], "targets": []}
+        results = {"latents": [], "targets": [], "dequantize": []}
         for rnd in range(args.rounds):
             for kind in results:
                 cmd = [sys.executable, __file__, "--child", kind, "--root", str(root), "--n", str(args.n),
