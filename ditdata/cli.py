@@ -3,10 +3,10 @@ command parses and checks its options, hands them to one module and prints what 
 module reports (its `report`, `describe` or list of faults):
 
     fetch -> ditdata.fetch    score -> ditdata.score    filter -> ditdata.selection
-    encode -> ditdata.encode  inspect, verify -> ditdata.summary
+    encode -> ditdata.encode  features -> ditdata.features  inspect, verify -> ditdata.summary
 
-The defaults and choices of fetch and encode are those of ditdata/config.py (FetchConfig,
-EncodeConfig), which imports nothing heavy; torch, img2dataset, open_clip, diffusers and
+The defaults and choices of fetch, encode and features are those of ditdata/config.py
+(FetchConfig, EncodeConfig, FeaturesConfig), which imports nothing heavy; torch, img2dataset, open_clip, diffusers and
 zarr are imported inside the calls, so `ditdata --help` stays instant."""
 
 from __future__ import annotations
@@ -26,11 +26,16 @@ from ditdata.config import (
     DISTRIBUTORS,
     DTYPES,
     ENCODE_FORMATS,
+    FEATURE_DTYPES,
+    FEATURE_RESOLUTION_RULE,
     KINDS,
+    PCA_FIT_IMAGES,
+    PCA_TOKENS_PER_IMAGE,
     POSTERIORS,
     RESIZE_MODES,
     SCORE_BATCH_SIZE,
     EncodeConfig,
+    FeaturesConfig,
     FetchConfig,
 )
 from ditdata.store.defaults import BACKENDS
@@ -46,6 +51,7 @@ def _opt(config, *names, field, **kw):
 
 _fetch_opt = partial(_opt, FetchConfig)
 _encode_opt = partial(_opt, EncodeConfig)
+_features_opt = partial(_opt, FeaturesConfig)
 _quiet = quiet_option
 
 
@@ -66,6 +72,7 @@ def main():
       ditdata score   SHARDS --clip ViT-B-32     CLIP score per image-caption pair
       ditdata filter  SHARDS --min-clip-score X  -> a selection of keys
       ditdata encode  SHARDS --vae NAME --out STORE
+      ditdata features STORE --encoder dinov2-vitb14   representation targets (REPA) beside the latents
       ditdata inspect STORE                      summary (and --decode N to eyeball latents)
       ditdata verify  STORE                      recompute checksums and shapes
     """
@@ -281,7 +288,7 @@ def _cache(cache_dir, cache_limit) -> dict:
 @_cache_opts
 def inspect(store, decode_n, out, vae, device, cache_dir, cache_limit):
     """Print a readable summary of a latent STORE: samples, shards, latent shape and dtype,
-    autoencoder, conditioning, per-channel statistics and size on disk.
+    autoencoder, conditioning, per-channel statistics, feature sets and size on disk.
 
     With --decode N --out DIR, decode the first N latents back to images so you can
     eyeball the cache.
@@ -313,20 +320,21 @@ def inspect(store, decode_n, out, vae, device, cache_dir, cache_limit):
 @_quiet
 def verify(store, cache_dir, cache_limit, quiet):
     """Recompute every checksum of a latent STORE and read every shard to check shapes and
-    counts. Exits non-zero, naming each faulty file, if anything is wrong.
+    counts, and the same for each of its feature sets, which must match the store row for
+    row. Exits non-zero, naming each faulty file, if anything is wrong.
 
     \b
     Example:
       ditdata verify ./store
     """
-    from ditdata.summary import verify_store
+    from ditdata.summary import verify_all
 
-    faults, n = verify_store(store, progress=not quiet, **_cache(cache_dir, cache_limit))
+    faults, n, sets = verify_all(store, progress=not quiet, **_cache(cache_dir, cache_limit))
     for f in faults:
         click.echo(f"FAULT {f}", err=True)
     if faults:
         raise click.ClickException(f"{store}: {len(faults)} fault(s) found")
-    click.echo(f"{store}: OK ({n} samples verified)")
+    click.echo(f"{store}: OK ({n} samples verified" + (f"; feature sets {', '.join(sets)}" if sets else "") + ")")
 
 
 @main.command()
@@ -357,6 +365,17 @@ def verify(store, cache_dir, cache_limit, quiet):
              help="An open_clip model-config JSON for a custom text encoder.")
 @_encode_opt("--text-tokens/--no-text-tokens", field="text_tokens",
              help="Also store per-token text embeddings and mask (for cross-attention).")
+@_encode_opt("--features", field="features", metavar="ENCODER",
+             help="Also compute a feature set (representation targets for REPA) with this encoder, as "
+                  "`ditdata features --encoder` takes it, in the same pass (see below).")
+@_encode_opt("--features-out-name", field="features_out_name", metavar="SET",
+             help="The feature set's name. Default: from the encoder's name (e.g. dinov2-vitb14).")
+@_encode_opt("--features-dtype", field="features_dtype", type=click.Choice(list(FEATURE_DTYPES)),
+             help="Storage of the feature set's targets (int8: per-token scale).")
+@_encode_opt("--features-dims", field="features_dims", type=click.IntRange(min=1),
+             help="Store the targets' PCA to this many dims. Default: the encoder's width (no PCA).")
+@_encode_opt("--features-resolution", field="features_resolution", type=click.IntRange(min=1),
+             help=f"The feature encoder's input px. Default: {FEATURE_RESOLUTION_RULE}.")
 @_encode_opt("--seed", field="seed", type=int, help="Seed of the posterior draws.")
 @_encode_opt("--chunk-samples", field="chunk_samples", type=click.IntRange(min=1),
              help="Samples per storage chunk (large chunks read fast).")
@@ -377,18 +396,86 @@ def encode(shards, out, quiet, **options):
     fp16 overflow) are skipped and counted by reason. A folder of tars written by another
     tool (no dataset.json) is read as it is.
 
+    With --features ENCODER the feature set of `ditdata features` is made in the same
+    pass, from the same cropped images: each feature shard is written right after its
+    latent shard with exactly its rows; shards encoded before (or by a killed run) get
+    theirs once the store's manifest is written, then the feature set's manifest follows.
+
     \b
     Examples:
       ditdata encode ./imagenet-shards --vae sd-vae-ft-ema --resolution 256 --flip --out ./store
+      ditdata encode ./imagenet-shards --vae sd-vae-ft-ema --flip --features dinov2-vitb14 --out ./store
       ditdata encode ./laion-shards --vae sdxl-vae --select keep.parquet \\
           --text-encoder ViT-B-32 --text-pretrained laion2b_s34b_b79k --out ./store
       torchrun --standalone --nproc_per_node 8 -m ditdata.cli encode ./shards --vae taef2 --out ./store
     """
     from ditdata.encode import encode, report
 
-    line = report(encode(EncodeConfig(shards=shards, out=out, progress=not quiet, **options)))
+    summary = encode(EncodeConfig(shards=shards, out=out, progress=not quiet, **options))
+    line = report(summary)
     if line is not None:  # rank 0, which wrote the manifest
+        for note in (summary.get("features") or {}).get("notes", []):
+            click.echo(f"note: {note}", err=True)
         click.echo(f"{out}: {line}")
+
+
+@main.command()
+@configfile.option()
+@click.argument("store", type=click.Path(file_okay=False, path_type=str))
+@click.option("--encoder", required=True,
+              help="dinov2-vits14, dinov2-vitb14, dinov2-vitl14, dinov2-vitg14 (and -reg: with registers), "
+                   "from the local Hugging Face cache; a directory saved with transformers' save_pretrained; a "
+                   "cached hub id; or python:MODULE:FUNCTION, FUNCTION() returning a torch module that maps "
+                   "float images (N, 3, H, W) in [0, 1] to (N, tokens, dim) (attributes resolution and grid "
+                   "optional).")
+@_features_opt("--out-name", field="out_name", metavar="SET",
+               help="The feature set's name. Default: from the encoder's name (e.g. dinov2-vitb14).")
+@_features_opt("--shards", field="shards", type=click.Path(file_okay=False, path_type=str),
+               help="The image shards the store was encoded from. Default: the folder its manifest records.")
+@_features_opt("--features-dtype", field="dtype", type=click.Choice(list(FEATURE_DTYPES)),
+               help="Storage of the targets: int8 with a per-token scale (a quarter of fp32), or fp16.")
+@_features_opt("--features-dims", field="dims", type=click.IntRange(min=1),
+               help=f"Store the targets' PCA to this many dims (fitted on the store's first {PCA_FIT_IMAGES} "
+                    f"images, {PCA_TOKENS_PER_IMAGE} tokens each). Default: the encoder's width (no PCA).")
+@_features_opt("--features-resolution", field="resolution", type=click.IntRange(min=1),
+               help=f"The encoder's input px (a multiple of its patch). Default: {FEATURE_RESOLUTION_RULE} "
+                    "(REPA's: 256 px -> 224, 16x16 tokens of a patch-14 DINOv2).")
+@_features_opt("--batch-size", field="batch_size", type=click.IntRange(min=1))
+@_features_opt("--device", field="device", help="auto, cpu, cuda, cuda:1, ... (bf16 autocast on CUDA).")
+@_features_opt("--workers", field="workers", type=click.IntRange(min=0),
+               help="Image decoding processes (each takes whole shards).")
+@_quiet
+def features(store, quiet, **options):
+    """Add a feature set to the local latent STORE: per-sample representation targets (the
+    patch tokens of a frozen encoder such as DINOv2, for REPA), kept beside the latents, row
+    for row, without touching them (the store's identity does not change).
+
+    Each store shard's images are read again from its image shard (--shards), decoded and
+    centre-cropped exactly as encode did, resized to the encoder's input resolution
+    (bicubic, antialiased) and encoded; when the store has flips the flipped image is
+    encoded too. The targets are stored as int8 (per-token scale) or fp16, optionally
+    reduced by a PCA; the mean cosine of the stored targets to the fp32 encoder output is
+    measured on the first samples and recorded. Each feature shard is published
+    atomically: rerun the same command after a crash to resume. Under torchrun each rank
+    computes its share of shards and rank 0 writes the feature set's manifest. Nothing is
+    downloaded: a model missing from the local Hugging Face cache fails at once, naming
+    the `hf download` command that fetches it.
+
+    \b
+    Examples:
+      ditdata features ./store --shards ./imagenet-shards --encoder dinov2-vitb14
+      ditdata features ./store --encoder dinov2-vitl14-reg --out-name dino-l --features-dims 256
+      ditdata features ./store --encoder ./my-dinov2 --features-dtype fp16 --batch-size 128
+      torchrun --standalone --nproc_per_node 8 -m ditdata.cli features ./store --encoder dinov2-vitb14
+    """
+    from ditdata.features import compute_features, report
+
+    summary = compute_features(FeaturesConfig(store=store, progress=not quiet, **options))
+    line = report(summary)
+    if line is not None:  # rank 0, which wrote the manifest
+        for note in summary["notes"]:
+            click.echo(f"note: {note}", err=True)
+        click.echo(f"{store}: {line}")
 
 
 if __name__ == "__main__":

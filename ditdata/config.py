@@ -1,7 +1,8 @@
-"""The settings of `ditdata fetch` and `ditdata encode` (and the defaults of `ditdata
-score`): every option with its default and its choices, in one place. The command line builds its options from these dataclasses
-(ditdata/cli.py), and the Python API takes them (`fetch(source, out, FetchConfig(...))`,
-`encode(EncodeConfig(...))`).
+"""The settings of `ditdata fetch`, `ditdata encode` and `ditdata features` (and the defaults
+of `ditdata score`): every option with its default and its choices, in one place. The command
+line builds its options from these dataclasses (ditdata/cli.py), and the Python API takes them
+(`fetch(source, out, FetchConfig(...))`, `encode(EncodeConfig(...))`,
+`compute_features(FeaturesConfig(...))`).
 
 Importing this module is cheap (the standard library only): `ditdata --help` shows these
 defaults without loading numpy or torch.
@@ -91,5 +92,40 @@ class EncodeConfig:
     seed: int = 0
     chunk_samples: int = CHUNK_SAMPLES
     skip_bad_shards: bool = False  # leave out (and record) image shards that are damaged
+    # A feature set computed in the same run (FeaturesConfig's fields of the same names)
+    features: str | None = None  # a feature encoder (FeaturesConfig.encoder); None: no features
+    features_out_name: str | None = None  # None: default_feature_set_name(features)
+    features_dtype: str = "int8"  # one of FEATURE_DTYPES
+    features_dims: int | None = None  # PCA to this many dims; None: the encoder's width
+    features_resolution: int | None = None  # encoder input px; None: FEATURE_RESOLUTION_RULE
     progress: bool = True
     extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------- features
+
+# --features-dtype: the stored dtype's short name -> the store's dtype name
+FEATURE_DTYPES = {"int8": "int8", "fp16": "float16"}
+FEATURE_RESOLUTION_RULE = "(store resolution // 16) * patch"  # REPA's: 256 px -> 224 for patch 14
+FEATURES_BATCH_SIZE = 64
+FEATURE_COSINE_SAMPLES = 64  # the first samples the stored targets are compared with fp32 on
+PCA_FIT_IMAGES = 1024  # --features-dims: the PCA is fitted on the store's first this many images,
+PCA_TOKENS_PER_IMAGE = 64  # ... on a seeded sample of this many tokens of each
+
+
+@dataclass
+class FeaturesConfig:
+    """How `ditdata features` adds a feature set (representation targets, e.g. DINOv2 patch
+    tokens for REPA) to a local latent store."""
+
+    store: str
+    encoder: str  # a preset (ditdata.features.encoders.PRESETS), directory, hub id or python:MODULE:FUNCTION
+    out_name: str | None = None  # the feature set's name; None: default_feature_set_name(encoder)
+    shards: str | None = None  # the image shards the store was encoded from; None: as its manifest records
+    dtype: str = "int8"  # one of FEATURE_DTYPES
+    dims: int | None = None  # PCA to this many dims; None: the encoder's width (no PCA)
+    resolution: int | None = None  # encoder input px; None: FEATURE_RESOLUTION_RULE
+    batch_size: int = FEATURES_BATCH_SIZE
+    device: str = "auto"
+    workers: int = 2
+    progress: bool = True

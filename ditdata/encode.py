@@ -13,6 +13,12 @@ manifest once every shard exists.
 Resumable and idempotent: the store writer publishes each shard atomically and skips
 finished ones, so a rerun after a kill encodes only the missing shards.
 
+With `features` (--features NAME) a feature set is made in the same pass: each batch's
+cropped images also go through the feature encoder, and each feature shard is written right
+after its latent shard, with exactly its keys (ditdata.features.inpass); once the store's
+manifest is written, the feature shards the pass did not write are computed and the feature
+set's manifest follows. ShardImages is also the reader of `ditdata features`.
+
 Nothing vanishes without a word. The store is locked for the whole run (one encode per
 store; torchrun ranks share rank 0's lock). Before any encoding, every image shard still
 to do must read through to its end and hold the count its stats file records; a shard
@@ -59,16 +65,18 @@ GROUP_TIMEOUT = dt.timedelta(hours=12)
 
 class ShardImages(torch.utils.data.IterableDataset):
     """Per-shard uint8 image batches; each DataLoader worker takes whole shards.
-    jobs: (store shard name, tar path, samples its stats file records or None)."""
+    jobs: (store shard name, tar path, samples its stats file records or None); keep: the
+    keys to read (None: all), or {store shard name: its keys} (`ditdata features`)."""
 
-    def __init__(self, jobs, resolution: int, batch_size: int, keep: set | None):
+    def __init__(self, jobs, resolution: int, batch_size: int, keep: set | dict | None):
         self.jobs, self.resolution, self.batch_size, self.keep = jobs, resolution, batch_size, keep
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         mine = self.jobs if info is None else self.jobs[info.id::info.num_workers]
         for name, path, expected in mine:
-            yield from _shard_batches(name, path, expected, self.resolution, self.batch_size, self.keep)
+            keep = self.keep.get(name, set()) if isinstance(self.keep, dict) else self.keep
+            yield from _shard_batches(name, path, expected, self.resolution, self.batch_size, keep)
 
 
 def _shard_batches(name, path, expected, resolution, batch_size, keep):
@@ -269,6 +277,7 @@ def encode(cfg: EncodeConfig) -> dict:
         raise DitdataError(f"--resolution {cfg.resolution}: expected 1 to {MAX_RESOLUTION} pixels (e.g. 256 or 512)")
     if cfg.batch_size < 1 or cfg.chunk_samples < 1 or cfg.workers < 0:
         raise DitdataError("--batch-size and --chunk-samples must be at least 1, --workers at least 0")
+    _check_features(cfg)
     _check_out(Path(cfg.out), Path(cfg.shards))
     if launch_env().rank != 0:
         return _encode(cfg)
@@ -327,18 +336,45 @@ def _encode(cfg: EncodeConfig) -> dict:
                                                             "selection": str(Path(cfg.select).resolve())}},
         )
         plan = _plan_shards(cfg, folder, writer, env.rank, env.world_size)
-        run = _encode_shards(cfg, enc, layout, plan, None if selection is None else selection.keys, writer)
+        keep = None if selection is None else selection.keys
+        feats = _features_hook(cfg, device, folder, keep, plan)
+        run = _encode_shards(cfg, enc, layout, plan, keep, writer, feats)
     summary = _finish(cfg, folder, writer, plan, run)
+    if feats is not None:
+        with _memory_hint(cfg, device):
+            summary["features"] = feats.finish(cfg, plan.rank, plan.world)
     # after _finish's last barrier: a gloo rank that exits with the group open can die at
     # shutdown when its peer closes first (and torchrun's other agent then waits 300 s)
     leave(own_group)
     return summary
 
 
+def _check_features(cfg: EncodeConfig) -> None:
+    """The --features options, checked before any work (the feature set's options alone are
+    a mistake: they would be silently ignored)."""
+    given = [f"--{f.replace('_', '-')}" for f in ("features_out_name", "features_dims", "features_resolution")
+             if getattr(cfg, f) is not None]
+    if not cfg.features and given:
+        raise DitdataError(f"{', '.join(given)} need --features ENCODER (the feature set to compute)")
+    if cfg.features:
+        from ditdata.features.options import check_options
+
+        check_options(dtype=cfg.features_dtype, dims=cfg.features_dims, resolution=cfg.features_resolution)
+
+
+def _features_hook(cfg: EncodeConfig, device, folder, keep, plan):
+    """The feature set computed in this pass (--features), or None."""
+    if not cfg.features:
+        return None
+    from ditdata.features.inpass import InPass
+
+    return InPass(cfg, device, folder, keep, ShardImages, {b["name"] for b in plan.bad}, plan.world)
+
+
 def _memory_hint(cfg: EncodeConfig, device: torch.device):
     """Out of GPU memory while encoding: one line that names the autoencoder (and text
     encoder), the batch and the precision, and a smaller --batch-size (ditdata.common.memory)."""
-    what = f"encoding with {cfg.vae}" + (f" and {cfg.text_encoder}" if cfg.text_encoder else "")
+    what = f"encoding with {cfg.vae}" + "".join(f" and {m}" for m in (cfg.text_encoder, cfg.features) if m)
     batch = f"--batch-size {cfg.batch_size}" + (f" ({2 * cfg.batch_size} images a pass with --flip)" if cfg.flip else "")
     return out_of_memory_hint(what=what, batch=batch, precision=amp_dtype(device), device=device,
                               hints=[halved("--batch-size", cfg.batch_size)], error=DitdataError)
@@ -426,9 +462,10 @@ def _plan_shards(cfg: EncodeConfig, folder, writer: StoreWriter, rank: int, worl
 
 
 def _encode_shards(cfg: EncodeConfig, enc: Encoder, layout: _Layout, plan: _Plan, keep: set | None,
-                   writer: StoreWriter) -> dict:
+                   writer: StoreWriter, feats=None) -> dict:
     """The batch loop: decoded images from the workers -> latents -> one store shard per
-    image shard, written when its last batch is in. Returns what the run did."""
+    image shard, written when its last batch is in (and its feature shard right after, with
+    its keys, when `feats`: ditdata.features.inpass). Returns what the run did."""
     todo = plan.todo
     workers = min(cfg.workers, len(todo))
     loader = torch.utils.data.DataLoader(
@@ -448,6 +485,8 @@ def _encode_shards(cfg: EncodeConfig, enc: Encoder, layout: _Layout, plan: _Plan
         shard = pending[name]
         if batch["meta"]:
             encoded += shard.add(*_encode_batch(cfg, enc, layout, batch, shard.gen))
+            if feats is not None:
+                feats.batch(name, batch["images"], [m["key"] for m in batch["meta"]])
             bar.update(len(batch["meta"]))
         if batch["last"]:
             del pending[name]
@@ -455,10 +494,15 @@ def _encode_shards(cfg: EncodeConfig, enc: Encoder, layout: _Layout, plan: _Plan
             if batch["bad"]:  # the tar changed since it was checked: same rules as before the run
                 late_bad.append(_bad_shard(name, path, expected, batch["bad"]))
                 _refuse_bad_shards(late_bad[-1:], cfg)
+                if feats is not None:
+                    feats.discard(name)
                 continue
             stats = shard.stats(batch["stats"])
             skipped.update(stats["skipped"])
-            writer.write_shard(name, *shard.result(layout.schema), source=str(path), extra=stats)
+            tensors, columns = shard.result(layout.schema)
+            record = writer.write_shard(name, tensors, columns, source=str(path), extra=stats)
+            if feats is not None:
+                feats.written(writer, record, columns["key"], path)
     bar.close()
     return {"encoded": encoded, "skipped": skipped, "late_bad": late_bad, "seconds": time.perf_counter() - t0}
 
@@ -519,10 +563,15 @@ def report(summary: dict) -> str | None:
     skipped = ", ".join(f"{k}: {v}" for k, v in r["skipped"].items()) or "none"
     bad = "; ".join(imageshards.left_out(Path(b["shard"]).name, b["reason"], b["samples_lost"])
                     for b in r["skipped_shards"])
-    return (f"{r['num_samples']} samples; this run encoded {r['encoded']} images in "
+    line = (f"{r['num_samples']} samples; this run encoded {r['encoded']} images in "
             f"{r['shards_written']} shards ({r['shards_skipped']} already done) at "
             f"{r['images_per_s']:.1f} img/s; skipped: {skipped}"
             + (f"; skipped shards: {bad}" if bad else ""))
+    if r.get("features"):
+        from ditdata.features.options import report as features_report
+
+        line += f"; {features_report(r['features'])}"
+    return line
 
 
 def _finite_rows(arrays: dict[str, np.ndarray]) -> np.ndarray:

@@ -1,4 +1,6 @@
-"""Human-readable reports on a latent store: `ditdata inspect` and `ditdata verify`."""
+"""Human-readable reports on a latent store: `ditdata inspect` and `ditdata verify`, which
+cover the store's feature sets too (ditdata.store.features); a store without any reads as
+it always did."""
 
 from __future__ import annotations
 
@@ -50,20 +52,61 @@ def describe(path, **remote) -> str:
         lost = b.get("samples_lost")
         lines.append(f"skipped:      image shard {b.get('shard') or b['name']} ({b.get('reason')}; "
                      f"{'unknown number of' if lost is None else lost} samples lost)")
+    lines += _feature_lines(s)
     lines.append(f"size on disk: {format_size(s.nbytes_on_disk())}")
     prov = m.get("provenance", {})
     lines.append(f"created:      {prov.get('created_at')} with ditkit {prov.get('tools', {}).get('ditkit')}")
     return "\n".join(lines)
 
 
+def _feature_lines(s) -> list[str]:
+    """One line per feature set: name, encoder, tokens x dims and dtype, PCA, bytes per
+    sample, rows (or why it cannot be read)."""
+    from ditdata.store import StoreError, feature_sets, open_features
+
+    lines = []
+    for name in sorted(feature_sets(s)):
+        try:
+            fs = open_features(s, name)
+        except StoreError as e:
+            lines.append(f"features:     {name}: unusable ({e})")
+            continue
+        enc, st, pca = fs.encoder, fs.storage, fs.storage.get("pca")
+        dtype = fs.schema.tensors["feat"].dtype
+        reduced = (f", PCA {enc.get('dim')} -> {fs.dims} ({100 * pca['explained_variance']:.1f}% of the variance)"
+                   if pca else "")
+        cosine = st.get("cosine_to_fp32")
+        lines.append(f"features:     {name}: {enc.get('name')}, {fs.tokens} x {fs.dims} {dtype}{reduced}"
+                     f"{', with flips' if fs.flip else ''}, {fs.bytes_per_sample()} bytes/sample, {len(fs)} rows"
+                     + (f", cosine to fp32 {cosine:.4f}" if cosine is not None else ""))
+    return lines
+
+
 def verify_store(path, *, progress: bool = True, **remote) -> tuple[list[str], int]:
     """Faults (one line each) and samples; a URL store downloads every shard into its cache.
-    progress: a bar over the shards (ditdata.common.progress; False: -q/--quiet)."""
+    Every feature set is verified too (checksums, shapes, non-finite values) and checked
+    against the store (ditdata.store.features.check_matches). progress: a bar over the
+    shards (ditdata.common.progress; False: -q/--quiet)."""
+    faults, n, _ = verify_all(path, progress=progress, **remote)
+    return faults, n
+
+
+def verify_all(path, *, progress: bool = True, **remote) -> tuple[list[str], int, list[str]]:
+    """verify_store's faults and samples, and the names of the feature sets verified."""
     from ditdata.common.progress import progress_bar
+    from ditdata.store import StoreError, feature_sets, open_features
 
     s = open_store(path, **remote)
     faults = s.verify(progress=lambda xs: progress_bar(xs, desc="verify", unit="shard", enabled=progress, leave=False))
-    return faults, len(s)
+    for name in sorted(feature_sets(s)):
+        try:
+            fs = open_features(s, name)
+        except StoreError as e:
+            faults.append(str(e))
+            continue
+        faults += fs.verify(progress=lambda xs, n=name: progress_bar(xs, desc=f"verify {n}", unit="shard",
+                                                                   enabled=progress, leave=False))
+    return faults, len(s), sorted(feature_sets(s))
 
 
 def _filename(key: str) -> str:

@@ -1,0 +1,388 @@
+"""Feature encoders: the frozen models whose patch tokens a feature set stores (`ditdata
+features`, `ditdata encode --features`), e.g. DINOv2 for REPA.
+
+``load_encoder(name, store_resolution, resolution=None, device=...)`` resolves NAME through
+``SOURCES``, in this order:
+
+1. ``python:MODULE:FUNCTION``: FUNCTION() (MODULE a dotted module name on sys.path, or a
+   path to a .py file) returns a torch module mapping float images (N, 3, H, W) in [0, 1]
+   to patch tokens (N, tokens, dim). It may carry ``resolution`` (its input px) and
+   ``grid`` ((h, w)); without them the input is the store's resolution and the grid square.
+   Its weights_sha256 is a digest of its state_dict;
+2. a preset of ``PRESETS``: ``dinov2-vits14`` ... ``dinov2-vitg14`` (facebook/dinov2-*) and
+   ``dinov2-vits14-reg`` ... (facebook/dinov2-with-registers-*), found in the LOCAL Hugging
+   Face cache;
+3. a local directory saved with transformers' save_pretrained (config.json + weights) of a
+   model type in ``MODEL_TYPES``;
+4. a hub id ``org/name``, from the local Hugging Face cache only.
+
+Nothing is downloaded: as for the autoencoders (ditdata/vae.py), a hub model that is not in
+the cache fails at once with one line naming the `hf download` command that fetches it.
+
+Why Hugging Face transformers rather than timm: it loads from the same Hugging Face cache
+through the same ``from_pretrained(local_files_only=True)`` / ``save_pretrained`` path that
+diffusers already uses here for the autoencoders, and it ships the library's own
+Dinov2Config / Dinov2WithRegistersConfig, so tests build tiny random DINOv2s that go
+through the real loader.
+
+What the encoder sees: the store's centre crop (uint8, at the store's resolution) as floats
+in [0, 1], resized to the encoder's input resolution (bicubic, antialiased, clamped to
+[0, 1]), and for DINOv2 normalised with the ImageNet mean and std. The input resolution
+rule is REPA's recipe, ``(store resolution // 16) * patch``, which keeps the token grid at
+the store resolution / 16 per side: 256 px -> 224 px for patch 14 (16 x 16 tokens), 512 ->
+448 (32 x 32); ``--features-resolution`` overrides it. Output: the patch tokens of
+last_hidden_state only (the CLS and register tokens are dropped), (N, tokens, dim), in
+row-major order over the grid.
+
+Importing this module is cheap: torch and transformers are imported inside the loaders.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import math
+import re
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from ditdata.common.errors import described
+from ditdata.common.extras import require
+from ditdata.common.files import read_json, sha256_file
+from ditdata.common.hub import download_command, hub_cache_dir
+from ditdata.config import FEATURE_RESOLUTION_RULE
+from ditdata.errors import DitdataError
+
+PYTHON_PREFIX = "python:"
+GRID_DIVISOR = 16  # input px = (store px // 16) * patch: FEATURE_RESOLUTION_RULE
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+RESIZE = "bicubic, antialiased, clamped to [0, 1]"
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named encoder: its hub repository and width (patch 14, 224 px pretraining)."""
+
+    name: str
+    repo_id: str
+    dim: int
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    Preset("dinov2-vits14", "facebook/dinov2-small", 384),
+    Preset("dinov2-vitb14", "facebook/dinov2-base", 768),
+    Preset("dinov2-vitl14", "facebook/dinov2-large", 1024),
+    Preset("dinov2-vitg14", "facebook/dinov2-giant", 1536),
+    Preset("dinov2-vits14-reg", "facebook/dinov2-with-registers-small", 384),
+    Preset("dinov2-vitb14-reg", "facebook/dinov2-with-registers-base", 768),
+    Preset("dinov2-vitl14-reg", "facebook/dinov2-with-registers-large", 1024),
+    Preset("dinov2-vitg14-reg", "facebook/dinov2-with-registers-giant", 1536),
+)}
+
+# transformers config.json model_type -> its model class; every one of them puts the CLS
+# token and then config.num_register_tokens register tokens before the patch tokens
+MODEL_TYPES = {"dinov2": "Dinov2Model", "dinov2_with_registers": "Dinov2WithRegistersModel"}
+
+
+def default_feature_set_name(encoder: str) -> str:
+    """The feature set's name when --out-name is not given: the preset's name, the
+    directory's or hub repository's last part, the FUNCTION of python:MODULE:FUNCTION."""
+    s = str(encoder).strip()
+    if s.startswith(PYTHON_PREFIX):
+        s = s.rpartition(":")[2]
+    elif s not in PRESETS:
+        s = Path(s.rstrip("/")).name or s
+    s = re.sub(r"[^A-Za-z0-9_.-]+", "-", s).strip("-._")[:64]
+    return s or "features"
+
+
+def input_resolution(store_resolution: int, patch: int, override: int | None, name: str) -> int:
+    """The encoder's input px (module docstring); an override must be a multiple of the patch."""
+    if override is not None:
+        if override < 1 or override % patch:
+            lo = max(patch, override // patch * patch)
+            raise DitdataError(f"--features-resolution {override}: not a multiple of {name}'s patch {patch}; "
+                               f"use e.g. {lo} or {lo + patch}")
+        return override
+    px = store_resolution // GRID_DIVISOR * patch
+    if px < patch:
+        raise DitdataError(f"store resolution {store_resolution} px is below {GRID_DIVISOR}: the rule "
+                           f"{FEATURE_RESOLUTION_RULE} gives no tokens; pass --features-resolution N")
+    return px
+
+
+# --------------------------------------------------------------------------- the wrapper
+
+
+class FeatureEncoder:
+    """A frozen encoder and the facts a feature set records about it (``info``: name, id,
+    kind, weights_sha256, resolution, patch, grid, tokens, dim, library and its version).
+
+    ``__call__(x)`` takes images (N, 3, H, W) float in [0, 1] on its device, at any size,
+    and returns their patch tokens (N, tokens, dim) float32 (module docstring)."""
+
+    def __init__(self, net, info: dict[str, Any], normalize: tuple | None):
+        self.net = net.eval().requires_grad_(False)
+        self.info = dict(info)
+        self.normalize = normalize
+
+    name = property(lambda self: self.info["name"])
+    resolution = property(lambda self: int(self.info["resolution"]))
+    tokens = property(lambda self: int(self.info["tokens"]))
+    dim = property(lambda self: int(self.info["dim"]))
+
+    def to(self, device) -> FeatureEncoder:
+        self.net.to(device)
+        return self
+
+    def preprocess(self, x):
+        import torch
+        import torch.nn.functional as F
+
+        r = self.resolution
+        if tuple(x.shape[-2:]) != (r, r):
+            x = F.interpolate(x, size=(r, r), mode="bicubic", antialias=True, align_corners=False).clamp_(0, 1)
+        if self.normalize is not None:
+            mean, std = (torch.tensor(v, device=x.device, dtype=x.dtype).view(1, 3, 1, 1) for v in self.normalize)
+            x = (x - mean) / std
+        return x
+
+    def __call__(self, x):
+        out = self.net(self.preprocess(x))
+        want = (x.shape[0], self.tokens, self.dim)
+        if tuple(out.shape) != want:
+            raise DitdataError(f"feature encoder {self.name} returned {tuple(out.shape)}, expected {want} "
+                               "(images, tokens, dim)")
+        return out.float()
+
+
+def _info(name: str, ident: str, kind: str, sha: dict, resolution: int, patch: int | None,
+          grid: tuple[int, int], dim: int, library: str, **extra) -> dict[str, Any]:
+    """A FeatureEncoder.info (the feature set's "encoder" entry), keys in their recorded order."""
+    try:
+        version = metadata.version(library)
+    except metadata.PackageNotFoundError:
+        version = None
+    return {"name": name, "id": ident, "kind": kind, "weights_sha256": sha, "resolution": int(resolution),
+            "patch": patch, "grid": [int(grid[0]), int(grid[1])], "tokens": int(grid[0] * grid[1]),
+            "dim": int(dim), **extra, "resize": RESIZE, "library": library, "library_version": version}
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def _patch_tokens(model, prefix: int):
+    """last_hidden_state without the `prefix` tokens (CLS, registers) before the patches."""
+    import torch
+
+    class PatchTokens(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            return self.model(pixel_values=x).last_hidden_state[:, prefix:]
+
+    return PatchTokens()
+
+
+def _weight_files(model_dir: Path) -> tuple[list[str], bool]:
+    """The weight files transformers loads from `model_dir` (safetensors first), relative to it."""
+    for single, safe in (("model.safetensors", True), ("pytorch_model.bin", False)):
+        if (model_dir / single).is_file():
+            return [single], safe
+        index = model_dir / f"{single}.index.json"
+        if index.is_file():
+            return sorted(set(read_json(index)["weight_map"].values())), safe
+    raise DitdataError(f"{model_dir}: no model.safetensors or pytorch_model.bin weights (a directory saved "
+                       "with transformers' save_pretrained holds config.json and model.safetensors)")
+
+
+def _model_type(model_dir: Path) -> str | None:
+    try:
+        return read_json(model_dir / "config.json").get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _quiet_transformers(transformers) -> None:
+    """Its per-load progress bars and advice are noise in a command's output."""
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _from_dir(model_dir: Path, name: str, ident: str, store_resolution: int, override: int | None,
+              revision: str | None = None) -> FeatureEncoder:
+    kind = _model_type(model_dir)
+    if kind not in MODEL_TYPES:
+        found = f"model_type {kind!r}" if kind else "no readable config.json"
+        raise DitdataError(f"feature encoder {name}: {model_dir} holds {found}; expected a transformers "
+                           f"model of type {' or '.join(MODEL_TYPES)} saved with save_pretrained")
+    files, safe = _weight_files(model_dir)
+    sha = {f: sha256_file(model_dir / f) for f in files}
+    from ditdata.vae import quiet_third_party_imports
+
+    quiet_third_party_imports()
+    transformers = require("transformers", f"feature encoder {name}", "features", DitdataError)
+    _quiet_transformers(transformers)
+    try:
+        model = getattr(transformers, MODEL_TYPES[kind]).from_pretrained(
+            str(model_dir), local_files_only=True, use_safetensors=safe)
+    except Exception as e:  # corrupt or incompatible files: one line for the CLI
+        raise DitdataError(f"cannot load feature encoder {name} from {model_dir}: {described(e)}") from e
+    model = model.float()
+    cfg = model.config
+    patch = int(cfg.patch_size)
+    px = input_resolution(store_resolution, patch, override, name)
+    prefix = 1 + int(getattr(cfg, "num_register_tokens", 0) or 0)
+    info = _info(name, ident, kind, sha, px, patch, (px // patch, px // patch), cfg.hidden_size,
+                 "transformers", revision=revision, dropped_tokens=prefix, normalize="imagenet")
+    return FeatureEncoder(_patch_tokens(model, prefix), info, (IMAGENET_MEAN, IMAGENET_STD))
+
+
+def _missing_hub_message(name: str, repo_id: str, cache: Path, detail: str = "") -> str:
+    label = f"'{name}' = {repo_id}" if name != repo_id else repo_id
+    return (f"feature encoder {label} is not in the local Hugging Face cache {cache}"
+            f"{' (' + detail + ')' if detail else ''} and nothing is downloaded here: on a machine with "
+            f"internet run `{download_command(repo_id)}` and copy ~/.cache/huggingface to this machine, or "
+            "point HF_HOME / HF_HUB_CACHE at such a cache, or pass a local directory saved with "
+            "save_pretrained (--encoder DIR)")
+
+
+def _from_hub(repo_id: str, name: str, store_resolution: int, override: int | None) -> FeatureEncoder:
+    cache = hub_cache_dir()
+    hub = require("huggingface_hub", f"feature encoder {name} ({repo_id})", "features", DitdataError)
+    try:
+        snap = Path(hub.snapshot_download(repo_id, cache_dir=str(cache), local_files_only=True))
+    except Exception as e:  # not cached (or offline): never a download, never a retry
+        raise DitdataError(_missing_hub_message(name, repo_id, cache, type(e).__name__)) from e
+    if not (snap / "config.json").is_file():
+        raise DitdataError(_missing_hub_message(name, repo_id, cache, f"snapshot {snap.name} has no config.json"))
+    return _from_dir(snap, name, repo_id, store_resolution, override, revision=snap.name)
+
+
+# --------------------------------------------------------------------------- python:
+
+
+def _import(module: str, spec: str):
+    try:
+        if module.endswith(".py"):
+            path = Path(module).expanduser().resolve()
+            if not path.is_file():
+                raise DitdataError(f"--encoder {spec}: no such file {path}")
+            loader_spec = importlib.util.spec_from_file_location(f"ditkit_encoder_{path.stem}", path)
+            mod = importlib.util.module_from_spec(loader_spec)
+            sys.modules[loader_spec.name] = mod
+            loader_spec.loader.exec_module(mod)
+            return mod
+        return importlib.import_module(module)
+    except DitdataError:
+        raise
+    except Exception as e:
+        raise DitdataError(f"--encoder {spec}: cannot import {module} ({described(e)})") from e
+
+
+def state_dict_digest(net) -> str:
+    """sha256 over a module's state_dict (names, dtypes, shapes and bytes, in name order)."""
+    h = hashlib.sha256()
+    for key, v in sorted(net.state_dict().items()):
+        t = v.detach().cpu().contiguous()
+        h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(_bits_of(t)).numpy().tobytes())  # bits: bf16 has no numpy dtype
+    return h.hexdigest()
+
+
+def _bits_of(t):
+    import torch
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize]
+
+
+def _grid_of(net, tokens: int, spec: str) -> tuple[int, int]:
+    grid = getattr(net, "grid", None)
+    if grid is None:
+        side = math.isqrt(tokens)
+        if side * side != tokens:
+            raise DitdataError(f"--encoder {spec}: {tokens} tokens are not a square grid; give the module a "
+                               "`grid` attribute (h, w)")
+        return side, side
+    h, w = (int(g) for g in grid)
+    if h * w != tokens:
+        raise DitdataError(f"--encoder {spec}: its grid {h}x{w} does not match the {tokens} tokens it returns")
+    return h, w
+
+
+def _from_python(spec: str, store_resolution: int, override: int | None, device) -> FeatureEncoder:
+    import torch
+
+    module, sep, fn_name = spec[len(PYTHON_PREFIX):].rpartition(":")
+    if not sep or not module or not fn_name:
+        raise DitdataError(f"--encoder {spec}: expected python:MODULE:FUNCTION (MODULE a module name or a .py file)")
+    fn = getattr(_import(module, spec), fn_name, None)
+    if not callable(fn):
+        raise DitdataError(f"--encoder {spec}: {module} has no function {fn_name}")
+    try:
+        net = fn()
+    except Exception as e:
+        raise DitdataError(f"--encoder {spec}: {fn_name}() failed ({described(e)})") from e
+    if not isinstance(net, torch.nn.Module):
+        raise DitdataError(f"--encoder {spec}: {fn_name}() returned a {type(net).__name__}, not a torch module")
+    px = int(override or getattr(net, "resolution", None) or store_resolution)
+    net = net.eval().requires_grad_(False).to(device)
+    with torch.inference_mode():
+        probe = net(torch.zeros(1, 3, px, px, device=device))
+    if not isinstance(probe, torch.Tensor) or probe.ndim != 3:
+        got = tuple(probe.shape) if isinstance(probe, torch.Tensor) else type(probe).__name__
+        raise DitdataError(f"--encoder {spec}: returned {got} for (1, 3, {px}, {px}); expected (N, tokens, dim)")
+    grid = _grid_of(net, int(probe.shape[1]), spec)
+    patch = px // grid[0] if px % grid[0] == 0 and px // grid[0] == px // grid[1] else None
+    info = _info(spec, spec, "python", {"state_dict": state_dict_digest(net)}, px, patch, grid,
+                 int(probe.shape[2]), "torch")
+    return FeatureEncoder(net, info, None)
+
+
+# --------------------------------------------------------------------------- resolving
+
+
+def _preset(s: str, res: int, override: int | None, device) -> FeatureEncoder:
+    return _from_hub(PRESETS[s].repo_id, s, res, override)
+
+
+def _directory(s: str, res: int, override: int | None, device) -> FeatureEncoder:
+    path = Path(s).expanduser().resolve()
+    return _from_dir(path, str(path), str(path), res, override)
+
+
+def _hub_id(s: str, res: int, override: int | None, device) -> FeatureEncoder:
+    return _from_hub(s, s, res, override)
+
+
+# (what NAME is, how it is loaded), tried in this order (module docstring)
+SOURCES = (
+    ("python:MODULE:FUNCTION", lambda s: s.startswith(PYTHON_PREFIX), _from_python),
+    ("a preset", lambda s: s in PRESETS, _preset),
+    ("a directory", lambda s: Path(s).expanduser().is_dir(), _directory),
+    ("a hub id (org/name)", lambda s: bool(_HUB_ID.fullmatch(s)) and ".." not in s and not Path(s).exists(), _hub_id),
+)
+
+
+def load_encoder(name: str, store_resolution: int, resolution: int | None = None, device="cpu") -> FeatureEncoder:
+    """The feature encoder NAME (module docstring) on `device`, in float32, for a store of
+    `store_resolution` px; `resolution` overrides its input px. DitdataError when it is not
+    on disk or not usable."""
+    s = str(name).strip()
+    for _, matches, load in SOURCES:
+        if matches(s):
+            return load(s, store_resolution, resolution, device).to(device)
+    raise DitdataError(f"unknown feature encoder {s!r}: not a preset ({', '.join(PRESETS)}), not an existing "
+                       "directory, not a hub id (org/name), not python:MODULE:FUNCTION")
+
+
+__all__ = ["FeatureEncoder", "IMAGENET_MEAN", "IMAGENET_STD", "MODEL_TYPES", "PRESETS", "SOURCES",
+           "default_feature_set_name", "input_resolution", "load_encoder", "state_dict_digest"]
