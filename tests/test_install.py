@@ -34,13 +34,13 @@ EXTRAS = {k: [Requirement(r) for r in v] for k, v in PYPROJECT["optional-depende
 # What the optional extras bring that the demo must never need (distribution names).
 OPTIONAL = {"img2dataset", "open-clip-torch", "diffusers", "torchvision", "pandas", "huggingface-hub",
             "tensorboard", "matplotlib", "bitsandbytes", "wandb", "torch-fidelity", "gradio", "onnx",
-            "onnxscript", "onnxruntime", "torchao", "pyspark", "ray", "s3fs", "gcsfs", "aiohttp"}
+            "onnxscript", "onnxruntime", "torchao", "pyspark", "ray", "s3fs", "gcsfs", "aiohttp", "transformers"}
 # Their import names, made unimportable for the demo's commands (scikit-learn and scipy too:
 # only pipelines/digits.py uses them).
 BLOCKED = ("img2dataset", "open_clip", "diffusers", "torchvision", "pandas", "huggingface_hub",
            "tensorboard", "matplotlib", "bitsandbytes", "wandb", "torch_fidelity", "gradio", "onnx",
            "onnxscript", "onnxruntime", "torchao", "pyspark", "ray", "s3fs", "gcsfs", "aiohttp",
-           "sklearn", "scipy")
+           "transformers", "sklearn", "scipy")
 
 
 def _names(reqs) -> set[str]:

@@ -91,13 +91,8 @@ class InPass:
 def _shard_view(writer, record: dict) -> Store:
     """The store being written, holding just the shard `record` describes: what that shard's
     FeatureWriter needs (the store's root and backend, the shard's checksum and keys). encode
-    writes the store's manifest last, so there is no store to open yet; a Store made from
-    the writer's config and this one record stands in for it."""
-    view = Store.__new__(Store)
-    view.root = Path(writer.root)
-    view._load({"backend": writer.config["backend"], "fields": writer.config["fields"],
-                "num_samples": record["num_samples"], "shards": [record]}, verify=False)
-    return view
+    writes the store's manifest last, so there is no store to open yet."""
+    return Store.being_written(writer.root, writer.config, [record])
 
 
 def _refuse_other_settings(set_dir: Path, name: str, schema: FeatureSchema, info: dict) -> None:

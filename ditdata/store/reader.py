@@ -80,6 +80,17 @@ class Store:
         self.root = Path(root)
         self._load(manifest.load(self.root), verify)
 
+    @classmethod
+    def being_written(cls, root, config: dict, records: list[dict]) -> Store:
+        """A store whose manifest is not written yet, holding the finished shards `records`
+        (their records, as the writer wrote them) made with `config` (the writer's config):
+        what a feature set written in the same pass as the latents is checked against."""
+        store = cls.__new__(cls)
+        store.root = Path(root)
+        store._load({"backend": config["backend"], "fields": config["fields"],
+                     "num_samples": sum(r["num_samples"] for r in records), "shards": list(records)}, verify=False)
+        return store
+
     def _load(self, m: dict, verify: bool) -> None:
         self.manifest = m
         self.schema = self.schema_class.from_json(self.manifest["fields"])
