@@ -1,6 +1,6 @@
 """Bytes per image per flip of cached REPA targets, and their fidelity, for ViT-S/B/L at 224 px.
 
-    python bench/feature_bytes.py [--images 64] [--threads 2] [--sizes S,B,L] [--pca 384,256,128]
+    python bench/feature_bytes.py [--images 64] [--threads T] [--sizes S,B,L] [--pca 384,256,128]
 
 For each DINOv2 size (transformers' Dinov2Model with the published widths and depths: S 384 x 12,
 B 768 x 12, L 1024 x 24; patch 14 at 224 px = 16 x 16 = 256 patch tokens) it runs the encoder on
@@ -28,7 +28,6 @@ weights yet): check `ditdata inspect`'s recorded explained variance and cosine o
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from scratch import add_options, parse_on_device, parser  # noqa: E402  (bench/scratch.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -129,14 +129,11 @@ def rows_for(size: str, t: np.ndarray, ks: list[int]) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--images", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sizes", default="S,B,L")
-    ap.add_argument("--pca", default="384,256,128")
+    ap = parser(__doc__)
+    add_options(ap, ("--images", 64, "224 px views of the photographs (at most 64)"),
+                ("--sizes", "S,B,L", "DINOv2 sizes, of S, B, L"), ("--pca", "384,256,128", "PCA dims K for the int8+PCA rows"))
     ap.add_argument("--json", type=Path, help="also write the rows here")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args, _ = parse_on_device(ap)  # (--threads)
     x = photos(args.images)
     rows = []
     for size in args.sizes.split(","):

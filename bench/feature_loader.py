@@ -28,48 +28,28 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from loader_peers import PeakSampler  # bench/loader_peers.py
-from scratch import parser, scratch_dir  # bench/scratch.py
+from loader_peers import measured_child  # bench/loader_peers.py
+from scratch import parser, scratch_dir, synthetic_store  # bench/scratch.py
 
-SHAPE = (4, 32, 32)
+SHAPE = (4, 32, 32)  # bench/scratch.py's synthetic store
 TOKENS = 256
-INFO = {"vae": {"name": "bench"}, "image": {"resolution": 256},
-        "conditioning": {"type": "class", "num_classes": 1000}}
 
 
 def write(root: Path, n: int, shard: int, dims: int, dtype: str) -> None:
-    from ditdata.store import (
-        FeatureSchema,
-        FeatureWriter,
-        Schema,
-        StoreWriter,
-        TensorSpec,
-        open_store,
-        quantize,
-    )
+    """The synthetic store (bench/scratch.py's, at root/store) and its feature set "vitb"."""
+    from ditdata.store import FeatureSchema, FeatureWriter, open_store, quantize
 
-    tag = f"{n} {shard} {dims} {dtype}"
-    done = root / ".complete"
-    if done.is_file() and done.read_text() == tag:
+    store = open_store(synthetic_store(root / "store", n, shard))
+    entry = store.manifest.get("features", {}).get("vitb")
+    if entry and (entry["dims"], entry["dtype"]) == (dims, "int8" if dtype == "int8" else "float16"):
         return
-    shutil.rmtree(root / "store", ignore_errors=True)
-    rng = np.random.default_rng(0)
-    schema = Schema(tensors={"latent": TensorSpec(SHAPE, "float16")}, columns={"key": "string", "label": "int64"})
-    w = StoreWriter(root / "store", schema=schema, info=INFO, backend="zarr")
-    names = []
-    for s, start in enumerate(range(0, n, shard)):
-        m = min(n, start + shard) - start
-        names.append(f"{s:05d}")
-        w.write_shard(names[-1], {"latent": rng.standard_normal((m, *SHAPE), dtype=np.float32).astype(np.float16)},
-                      {"key": [str(i) for i in range(start, start + m)], "label": rng.integers(0, 1000, m)})
-    w.finalize()
-    store = open_store(root / "store")
+    shutil.rmtree(root / "store" / "features", ignore_errors=True)
+    rng = np.random.default_rng(1)
     info = {"encoder": {"name": "bench-vitb14", "resolution": 224, "patch": 14, "grid": [16, 16], "tokens": TOKENS,
                         "dim": dims}, "storage": {"dtype": dtype, "dims": dims, "pca": None}}
     fw = FeatureWriter(store, "vitb", schema=FeatureSchema.build(TOKENS, dims, dtype, False), info=info)
@@ -79,7 +59,6 @@ def write(root: Path, n: int, shard: int, dims: int, dtype: str) -> None:
             {"feat": x.astype(np.float16)}
         fw.write_shard(s.name, tensors, {"key": store.read(s, ["key"])["key"].tolist()})
     fw.finalize()
-    done.write_text(tag)
 
 
 def child(args) -> None:
@@ -115,10 +94,10 @@ def child(args) -> None:
 
 def main() -> None:
     ap = parser(__doc__, n=8192, shard_size=1024)
-    ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--dims", type=int, default=768)
-    ap.add_argument("--dtype", default="int8", choices=["int8", "float16"])
+    ap.add_argument("--dims", type=int, default=768, help="target dims (ViT-B/14: 768)")
+    ap.add_argument("--dtype", default="int8", choices=["int8", "float16"], help="the targets' storage")
+    ap.add_argument("--batch-size", type=int, default=256, help="samples per batch")
+    ap.add_argument("--workers", type=int, default=2, help="streaming loader processes")
     ap.add_argument("--budget", default="auto", help="the loader's memory budget (--loader-memory)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--child", choices=["latents", "targets", "dequantize"], help=argparse_hidden())
@@ -139,17 +118,11 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--child", kind, "--root", str(root), "--n", str(args.n),
                        "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--dims", str(args.dims),
                        "--dtype", args.dtype, "--budget", args.budget]
-                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-                sampler = PeakSampler(proc.pid)
-                sampler.start()
-                out, _ = proc.communicate()
-                peak = sampler.stop()
-                line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-                if proc.returncode or not line:
-                    sys.exit(f"feature_loader.py: the {kind} child failed (exit {proc.returncode})")
-                r = json.loads(line[-1][7:]) | {"peak": peak}
+                r, rc = measured_child(cmd)
+                if r is None:
+                    sys.exit(f"feature_loader.py: the {kind} child failed (exit {rc})")
                 results[kind].append(r)
-                print(f"round {rnd}: {kind}: {r['rate']:,.0f} samples/s, peak PSS {peak / 2**30:.2f} GiB, "
+                print(f"round {rnd}: {kind}: {r['rate']:,.0f} samples/s, peak PSS {r['peak'] / 2**30:.2f} GiB, "
                       f"startup {r['startup']:.1f} s; {r['reason']}", flush=True)
         print("\n| stream | samples/s (median) | peak PSS of the tree | startup (s) | the loader's startup line |")
         print("|---|---:|---:|---:|---|")

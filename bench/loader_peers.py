@@ -257,6 +257,20 @@ class PeakSampler(threading.Thread):
         return self.peak
 
 
+def measured_child(cmd: list[str]) -> tuple[dict | None, int]:
+    """Run a benchmark child (one thread; it prints `RESULT {json}`), sampling its process
+    tree's PSS: (its result with "peak" added, or None when it failed; its exit status)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    sampler = PeakSampler(proc.pid)
+    sampler.start()
+    out, _ = proc.communicate()
+    peak = sampler.stop()
+    line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not line:
+        return None, proc.returncode
+    return json.loads(line[-1][7:]) | {"peak": peak}, 0
+
+
 def compare(root: Path, args) -> None:
     skipped = write_all(root, args.n, args.shard_size)
     runs = [("dittrain", b) for b in args.budgets.split(",")] + [(p, None) for p in PEERS if p not in skipped]
@@ -267,20 +281,13 @@ def compare(root: Path, args) -> None:
                    "--batch-size", str(args.batch_size), "--workers", str(args.workers)]
             if budget:
                 cmd += ["--budget", budget]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                                    env=dict(os.environ, OMP_NUM_THREADS="1"))
-            sampler = PeakSampler(proc.pid)
-            sampler.start()
-            out, _ = proc.communicate()
-            peak = sampler.stop()
-            line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode != 0 or not line:
-                print(f"round {rnd}: {name} {budget or ''} failed (exit {proc.returncode})", flush=True)
+            r, rc = measured_child(cmd)
+            if r is None:
+                print(f"round {rnd}: {name} {budget or ''} failed (exit {rc})", flush=True)
                 continue
-            r = json.loads(line[-1][7:]) | {"peak": peak}
             results[(name, budget)].append(r)
             print(f"round {rnd}: {name} {budget or ''}: {r['rate']:,.0f} samples/s, peak PSS "
-                  f"{peak / 2**30:.2f} GiB, startup {r['startup']:.1f} s"
+                  f"{r['peak'] / 2**30:.2f} GiB, startup {r['startup']:.1f} s"
                   + (f", estimate {r['estimate'] / 2**30:.2f} GiB" if "estimate" in r else ""), flush=True)
     print(f"\n{args.n:,} latents {SHAPE} fp16 + labels, flips, batch {args.batch_size}, {args.workers} workers, "
           f"{args.rounds} interleaved rounds (median rate, max peak)\n")

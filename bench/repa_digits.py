@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 from latent_norm import digit_scores, sh  # bench/latent_norm.py
-from scratch import parser, scratch_dir  # bench/scratch.py
+from scratch import add_dir_arg, add_options, parser, scratch_dir  # bench/scratch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -141,12 +141,10 @@ def run(store: Path, root: Path, seed: int, repa: bool, a, env: dict) -> list[di
 
 def main() -> None:
     ap = parser(__doc__)
-    ap.add_argument("--steps", default="150,300,600", help="step counts at which samples are judged")
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--depth", type=int, default=2, help="--repa-depth (DiT-T has 6 blocks)")
-    ap.add_argument("--weight", type=float, default=0.5, help="--repa-weight")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dir", default=None, help="scratch directory, kept and reused (default: a temp dir)")
+    add_options(ap, ("--steps", "150,300,600", "step counts at which samples are judged"),
+                ("--seeds", "0,1,2", "the runs' --seed values"), ("--depth", 2, "--repa-depth (DiT-T has 6 blocks)"),
+                ("--weight", 0.5, "--repa-weight"), ("--threads", 2, "CPU threads of each command (OMP_NUM_THREADS)"))
+    add_dir_arg(ap)
     a = ap.parse_args()
     a.steps = [int(s) for s in a.steps.split(",")]
     env = dict(os.environ, HF_HUB_OFFLINE="1", NO_ALBUMENTATIONS_UPDATE="1", OMP_NUM_THREADS=str(a.threads),

@@ -1,6 +1,6 @@
 """What a REPA target costs per image: computed every step (the reference way) or read from the store.
 
-    python bench/repa_target_cost.py [--images 64] [--batch-size 32] [--threads 2] [--size S] [--dir DIR]
+    python bench/repa_target_cost.py [--images 64] [--batch-size 32] [--threads T] [--size S] [--dir DIR]
 
 The reference way (REPA's training script) keeps the JPEGs and, at EVERY step, decodes each image,
 (randomly flips it,) resizes it to 224 px (bicubic), normalises it and runs the frozen encoder on
@@ -27,7 +27,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from feature_bytes import photos  # bench/feature_bytes.py
-from scratch import parser, scratch_dir  # bench/scratch.py
+from scratch import (  # bench/scratch.py
+    add_dir_arg,
+    add_options,
+    parse_on_device,
+    parser,
+    scratch_dir,
+)
 
 SIZES = {"S": (384, 12, 6), "B": (768, 12, 12)}
 
@@ -109,15 +115,13 @@ def cached(root: Path, n: int, dims: int, batch: int, workers: int) -> tuple[flo
 
 def main() -> None:
     ap = parser(__doc__)
-    ap.add_argument("--images", type=int, default=64)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--size", default="S", choices=sorted(SIZES))
-    ap.add_argument("--store-samples", type=int, default=4096, help="samples of the cached side's store")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--dir", default=None, help="scratch directory (kept; its store reused)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    ap.add_argument("--size", default="S", choices=sorted(SIZES), help="the DINOv2 size of the reference side")
+    add_options(ap, ("--images", 64, "JPEGs the reference side decodes and encodes"),
+                ("--batch-size", 32, "the reference side's encoder batch"),
+                ("--store-samples", 4096, "samples of the cached side's store"),
+                ("--workers", 2, "the cached side's streaming loader processes"))
+    add_dir_arg(ap)
+    args, _ = parse_on_device(ap)  # (--threads)
     files = jpegs(args.images)
     model = encoder(args.size)
     reference(files[: args.batch_size], model, args.batch_size)  # warm-up
@@ -125,7 +129,7 @@ def main() -> None:
     with scratch_dir(args.dir, "ditkit-repa-cost-") as root:
         raw, deq = cached(root, args.store_samples, SIZES[args.size][0], 256, args.workers)
     print(f"\nViT-{args.size}/14 at 224 px, {args.images} images, batch {args.batch_size}, "
-          f"{args.threads} torch threads\n")
+          f"{torch.get_num_threads()} torch threads\n")
     print("| way | ms per image | images/s |\n|---|---:|---:|")
     rows = [("reference: JPEG decode + flip + resize + normalise", prep),
             (f"reference: ViT-{args.size}/14 forward", fwd), ("reference: total, every step", prep + fwd),

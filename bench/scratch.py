@@ -41,6 +41,14 @@ def add_device_args(ap, device: str = "cpu", *, threads: bool = True) -> None:
         ap.add_argument("--threads", type=int, default=None, help="torch's CPU threads (default: torch's)")
 
 
+def parse_on_device(ap, device: str = "cpu"):
+    """(args, torch device): --device and --threads added to `ap`, the command line parsed,
+    the device opened (open_device)."""
+    add_device_args(ap, device)
+    args = ap.parse_args()
+    return args, open_device(args)
+
+
 def open_device(args, no_cuda: str = "no CUDA device here: use --device cpu"):
     """torch.device(args.device), torch's CPU threads set to args.threads where given; where
     it names CUDA on a machine without, prints `no_cuda` and exits with status 2."""
@@ -67,6 +75,18 @@ def add_store_args(ap, *, n: int, shard_size: int) -> None:
     """The synthetic latent store's size and where it lives (--n, --shard-size, --dir)."""
     ap.add_argument("--n", type=int, default=n, help="latents in the synthetic store")
     ap.add_argument("--shard-size", type=int, default=shard_size, help="latents per store shard")
+    add_dir_arg(ap)
+
+
+def add_options(ap, *rows: tuple) -> None:
+    """A benchmark's own options from a table of (flag, default, help): each takes the type
+    of its default (int, float or str)."""
+    for flag, default, text in rows:
+        ap.add_argument(flag, type=type(default), default=default, help=f"{text} (default {default})")
+
+
+def add_dir_arg(ap) -> None:
+    """--dir: the scratch directory (scratch_dir's `path`)."""
     ap.add_argument("--dir", default=None,
                     help="scratch directory, kept and reused when complete (default: a temp dir, removed after)")
 
