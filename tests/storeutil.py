@@ -245,3 +245,81 @@ def add_features(root: Path, name: str = "feats", *, tokens: int = 16, dims: int
             w.write_shard(s.name, *feature_data(store, s.name, tokens, dims, dtype, seed))
     w.finalize(created_at=CREATED_AT)
     return root / "features" / name
+
+
+# ----------------------------------------------------------------------------- loaders
+
+LOADER_SIZES = [7, 13, 0, 5, 20, 9]  # the loader tests' stores: 54 samples, an empty shard on purpose
+LOADER_BATCH = 8  # their batches: 54 = 6 * 8 + 6, the seventh batch straddles epochs 0 and 1
+# (kind, workers): the resident loader, the streaming one in-process and with worker processes
+LOADERS = [("resident", 0), ("streaming", 0), ("streaming", 2)]
+
+
+def new_loader(store, kind: str, workers: int = 0, *, seed: int, batch_size: int = LOADER_BATCH,
+               with_index: bool = True, shuffle_window: int = 2, **kw):
+    """A dittrain.data loader of `kind` ("resident" or "streaming") over `store`, batches with
+    their index and flip; the streaming one on `workers` worker processes, shuffling windows of
+    `shuffle_window` shards. `kw`: the loader's other keywords."""
+    from dittrain.data import ResidentLoader, StreamingLoader
+
+    kw.update(batch_size=batch_size, seed=seed, with_index=with_index)
+    if kind == "resident":
+        return ResidentLoader(store, **kw)
+    return StreamingLoader(store, workers=workers, shuffle_window=shuffle_window, **kw)
+
+
+def each_cuda_loader(test):
+    """`test(..., kind, workers, on_cuda)` for each loader with CUDA batches, the resident one's
+    data kept on either side (on_cuda: new_loader()'s keywords for that); skipped without CUDA."""
+    import pytest
+    import torch
+
+    cases = {"resident-0-cpu": ("resident", 0, {"device": "cuda", "resident_device": "cpu"}),
+             "resident-0-cuda": ("resident", 0, {"device": "cuda", "resident_device": "cuda"}),
+             "streaming-2": ("streaming", 2, {"device": "cuda"})}
+    test = pytest.mark.parametrize("kind,workers,on_cuda", list(cases.values()), ids=list(cases))(test)
+    return pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test)
+
+
+def take(loader, n: int) -> list:
+    """The next n batches of `loader`."""
+    return [next(loader) for _ in range(n)]
+
+
+def roundtrip(state):
+    """`state` through torch.save and torch.load (weights_only), as a checkpoint carries it."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def resumed(new, total: int, split: int, keep=lambda batch: batch) -> tuple[list, list, dict]:
+    """(straight, first + rest, state): `total` batches of one loader new() straight through, and
+    the `split` first batches of a second one followed by the rest from a third one that loaded
+    the second's state (through roundtrip); each batch as keep(batch), taken while its loader runs."""
+    with new() as a:
+        straight = [keep(b) for b in take(a, total)]
+    with new() as b:
+        first = [keep(x) for x in take(b, split)]
+        state = roundtrip(b.state_dict())
+    with new() as c:
+        c.load_state_dict(state)
+        rest = [keep(x) for x in take(c, total - split)]
+    return straight, first + rest, state
+
+
+def batch_split(new, n: int, batch_size: int = LOADER_BATCH) -> tuple[list, list[list]]:
+    """(whole, [rank 0's, rank 1's]): n batches of new(batch_size=2 * batch_size) in one
+    process, and n of each of 2 ranks of new(split="batch") with batches of batch_size."""
+    with new(batch_size=2 * batch_size) as one:
+        whole = take(one, n)
+    halves = []
+    for rank in range(2):
+        with new(rank=rank, world_size=2, split="batch") as r:
+            halves.append(take(r, n))
+    return whole, halves

@@ -2,52 +2,46 @@
 
 from __future__ import annotations
 
-import io
 import shutil
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
-from storeutil import INFO, schema, shard_data, write_store
+from storeutil import (
+    INFO,
+    LOADER_BATCH,
+    LOADER_SIZES,
+    LOADERS,
+    batch_split,
+    each_cuda_loader,
+    new_loader,
+    resumed,
+    schema,
+    shard_data,
+    take,
+    write_store,
+)
 
 import dittrain.data as data
 from ditdata.store import open_store
 from dittrain.data import ResidentLoader, StreamingLoader, build_loader, choose_loader
 
-SIZES = [7, 13, 0, 5, 20, 9]  # 54 samples; an empty shard on purpose
+SIZES, B = LOADER_SIZES, LOADER_BATCH  # 54 samples, an empty shard on purpose; batches of 8
 N = sum(SIZES)
-B = 8
-
-# (kind, workers): the streaming loader in-process and with worker processes
-LOADERS = [("resident", 0), ("streaming", 0), ("streaming", 2)]
+make = partial(new_loader, seed=3)  # make(store, kind, workers=0, **kw): storeutil.new_loader
 
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
+    """Open stores of SIZES by name: fp16, bf16 and fp16 mean/std latents with flips (zarr),
+    fp16 latents without flips (wds)."""
     root = tmp_path_factory.mktemp("stores")
-    out = {}
-    for name, sch, backend in [
-        ("fp16", schema("float16"), "zarr"),
-        ("bf16", schema("bfloat16"), "zarr"),
-        ("meanstd", schema("float16", kind="mean_std"), "zarr"),
-        ("wds", schema("float16", flip=False), "wds"),
-    ]:
+    kinds = {"fp16": (schema("float16"), "zarr"), "bf16": (schema("bfloat16"), "zarr"),
+             "meanstd": (schema("float16", kind="mean_std"), "zarr"), "wds": (schema("float16", flip=False), "wds")}
+    for name, (sch, backend) in kinds.items():
         write_store(root / name, sch, SIZES, backend, chunk_samples=4)
-        out[name] = open_store(root / name)
-    return out
-
-
-def make(store, kind, workers=0, **kw):
-    kw.setdefault("batch_size", B)
-    kw.setdefault("seed", 3)
-    kw.setdefault("with_index", True)
-    if kind == "resident":
-        return ResidentLoader(store, **kw)
-    return StreamingLoader(store, workers=workers, shuffle_window=2, **kw)
-
-
-def take(loader, n):
-    return [next(loader) for _ in range(n)]
+    return {name: open_store(root / name) for name in kinds}
 
 
 def stream(batches, key="index"):
@@ -106,12 +100,7 @@ def test_split_batch_is_one_process_sliced(stores, kind, workers):
     """split="batch": W ranks together get exactly what one process gets with batch B * W
     (fresh draws included), and rank 0's state resumes rank 1."""
     store = stores["meanstd"]
-    with make(store, kind, workers, batch_size=2 * B) as one:
-        want = take(one, 9)
-    got = []
-    for rank in range(2):
-        with make(store, kind, workers, rank=rank, world_size=2, split="batch") as r:
-            got.append(take(r, 9))
+    want, got = batch_split(partial(make, store, kind, workers), 9)
     for w, g0, g1 in zip(want, *got, strict=True):
         assert all(torch.equal(w[k], torch.cat([g0[k], g1[k]])) for k in w)
     with make(store, kind, workers, rank=0, world_size=2, split="batch") as r0:
@@ -219,29 +208,13 @@ def test_text_store_has_no_labels(tmp_path):
 
 
 # -- exact resume ------------------------------------------------------------------------
-def roundtrip(state):
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
 @pytest.mark.parametrize("kind,workers", LOADERS)
 @pytest.mark.parametrize("split", [6, 7])  # batch 6 straddles epochs 0 and 1 (54 = 6 * 8 + 6)
 @pytest.mark.parametrize("name", ["fp16", "meanstd"])
 def test_exact_resume(stores, kind, workers, split, name):
-    store = stores[name]
-    total = 14
-    with make(store, kind, workers) as a:
-        straight = take(a, total)
-    with make(store, kind, workers) as b:
-        first = take(b, split)
-        state = roundtrip(b.state_dict())
+    straight, again, state = resumed(partial(make, stores[name], kind, workers), 14, split)
     assert state["batches"] == split and state["epoch"] == split * B // N
-    with make(store, kind, workers) as c:
-        c.load_state_dict(state)
-        rest = take(c, total - split)
-    for want, got in zip(straight, first + rest, strict=True):
+    for want, got in zip(straight, again, strict=True):
         assert want.keys() == got.keys()
         assert all(torch.equal(want[k], got[k]) for k in want)
 
@@ -356,38 +329,21 @@ def test_shard_data_is_what_the_store_holds(stores):
 
 # -- CUDA (skipped without a GPU): pinned copies, lookahead, GPU-resident, device eps -----
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-# (kind, workers, resident_device): each loader with CUDA batches, the resident one kept on either side
-CUDA_LOADERS = [("resident", 0, "cpu"), ("resident", 0, "cuda"), ("streaming", 2, "cpu")]
 
 
-def on_cuda(kind: str, resident_device: str) -> dict:
-    """make()'s keywords for CUDA batches (the resident loader's data kept on resident_device)."""
-    return {"device": "cuda", **({"resident_device": resident_device} if kind == "resident" else {})}
-
-
-@cuda
-@pytest.mark.parametrize("kind,workers,resident_device", CUDA_LOADERS)
-def test_cuda_batches_equal_cpu_batches(stores, kind, workers, resident_device):
-    with make(stores["fp16"], kind, workers) as cpu, \
-            make(stores["fp16"], kind, workers, **on_cuda(kind, resident_device)) as gpu:
+@each_cuda_loader
+def test_cuda_batches_equal_cpu_batches(stores, kind, workers, on_cuda):
+    with make(stores["fp16"], kind, workers) as cpu, make(stores["fp16"], kind, workers, **on_cuda) as gpu:
         for want, got in zip(take(cpu, 15), take(gpu, 15), strict=True):
             assert got["x"].is_cuda and got["x"].dtype == torch.float32
             assert all(torch.equal(want[k], got[k].cpu()) for k in want)
 
 
-@cuda
-@pytest.mark.parametrize("kind,workers,resident_device", CUDA_LOADERS)
-def test_cuda_exact_resume_with_fresh_draws(stores, kind, workers, resident_device):
-    kw, store = on_cuda(kind, resident_device), stores["meanstd"]
-    with make(store, kind, workers, **kw) as a:
-        straight = [b["x"].cpu() for b in take(a, 12)]
-    with make(store, kind, workers, **kw) as b:
-        first = [b_["x"].cpu() for b_ in take(b, 7)]
-        state = roundtrip(b.state_dict())
-    with make(store, kind, workers, **kw) as c:
-        c.load_state_dict(state)
-        rest = [b_["x"].cpu() for b_ in take(c, 5)]
-    assert all(torch.equal(w, g) for w, g in zip(straight, first + rest, strict=True))
+@each_cuda_loader
+def test_cuda_exact_resume_with_fresh_draws(stores, kind, workers, on_cuda):
+    new = partial(make, stores["meanstd"], kind, workers, **on_cuda)
+    straight, again, _ = resumed(new, 12, 7, keep=lambda b: b["x"].cpu())
+    assert all(torch.equal(w, g) for w, g in zip(straight, again, strict=True))
     assert not torch.equal(straight[0], straight[7])
 
 

@@ -5,12 +5,25 @@ without the feature set; resume is exact; the memory figures count the targets."
 
 from __future__ import annotations
 
-import io
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
-from storeutil import add_features, feature_data, schema, write_store
+from storeutil import (
+    LOADER_BATCH,
+    LOADER_SIZES,
+    LOADERS,
+    add_features,
+    batch_split,
+    each_cuda_loader,
+    feature_data,
+    new_loader,
+    resumed,
+    schema,
+    take,
+    write_store,
+)
 
 from ditdata.store import FeatureSchema, FeatureWriter, dequantize, open_store
 from dittrain.data import (
@@ -24,12 +37,11 @@ from dittrain.data import (
     targets as data_targets,
 )
 
-SIZES = [7, 13, 0, 5, 20, 9]  # 54 samples; an empty shard on purpose
+SIZES, B = LOADER_SIZES, LOADER_BATCH  # 54 samples, an empty shard on purpose; batches of 8
 N = sum(SIZES)
-B = 8
 TOKENS, DIMS = 16, 32  # int8: 576 bytes a variant, about twice a latent of 4x8x8 fp16
 SETS = {"int8": "f8", "float16": "f16"}
-LOADERS = [("resident", 0), ("streaming", 0), ("streaming", 2)]
+make = partial(new_loader, seed=5)  # make(store, kind, workers=0, **kw): storeutil.new_loader
 
 
 @pytest.fixture(scope="module")
@@ -46,20 +58,6 @@ def roots(tmp_path_factory):
     return out
 
 
-def make(store, kind, workers=0, **kw):
-    kw.setdefault("batch_size", B)
-    kw.setdefault("seed", 5)
-    kw.setdefault("with_index", True)
-    if kind == "resident":
-        return ResidentLoader(store, **kw)
-    kw.setdefault("shuffle_window", 2)
-    return StreamingLoader(store, workers=workers, **kw)
-
-
-def take(loader, n):
-    return [next(loader) for _ in range(n)]
-
-
 def targets(root, set_name) -> dict[bool, torch.Tensor]:
     """{flipped: (N, T, D) float32}: every sample's dequantized target of either variant,
     in global index order, as the store's own reader and dequantize() give them."""
@@ -68,13 +66,6 @@ def targets(root, set_name) -> dict[bool, torch.Tensor]:
     cat = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     return {flip: torch.from_numpy(dequantize(cat[f"feat{suffix}"], cat.get(f"feat{suffix}_scale")))
             for flip, suffix in [(False, ""), (True, "_flip")]}
-
-
-def roundtrip(state):
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 # -- the targets are those of the row's sample and variant ------------------------------
@@ -111,16 +102,9 @@ def test_the_stream_is_the_one_without_targets(roots, kind, workers, name):
 @pytest.mark.parametrize("kind,workers", LOADERS)
 def test_exact_resume_with_targets(roots, kind, workers):
     store = open_store(roots["meanstd"], features="f8")
-    total, split = 14, 7  # batch 7 straddles epochs 0 and 1 (54 = 6 * 8 + 6)
-    with make(store, kind, workers) as a:
-        straight = take(a, total)
-    with make(store, kind, workers) as b:
-        first = take(b, split)
-        state = roundtrip(b.state_dict())
-    with make(store, kind, workers) as c:
-        c.load_state_dict(state)
-        rest = take(c, total - split)
-    for want, got in zip(straight, first + rest, strict=True):
+    # batch 7 straddles epochs 0 and 1 (54 = 6 * 8 + 6)
+    straight, again, _ = resumed(partial(make, store, kind, workers), 14, 7)
+    for want, got in zip(straight, again, strict=True):
         assert want.keys() == got.keys() and "feat" in got
         assert all(torch.equal(want[k], got[k]) for k in want)
 
@@ -128,12 +112,7 @@ def test_exact_resume_with_targets(roots, kind, workers):
 @pytest.mark.parametrize("kind,workers", [("resident", 0), ("streaming", 0)])
 def test_split_batch_carries_the_targets(roots, kind, workers):
     store = open_store(roots["sample"], features="f16")
-    with make(store, kind, workers, batch_size=2 * B) as one:
-        whole = take(one, 4)
-    halves = []
-    for rank in range(2):
-        with make(store, kind, workers, rank=rank, world_size=2, split="batch") as r:
-            halves.append(take(r, 4))
+    whole, halves = batch_split(partial(make, store, kind, workers), 4)
     for w, a, b in zip(whole, *halves, strict=True):
         assert torch.equal(w["feat"], torch.cat([a["feat"], b["feat"]]))
 
@@ -202,16 +181,10 @@ def test_target_share_of_the_estimate(roots):
 
 
 # -- on a GPU: the same targets, dequantized there ---------------------------------------
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@cuda
-@pytest.mark.parametrize("kind,workers,resident_device",
-                         [("resident", 0, "cpu"), ("resident", 0, "cuda"), ("streaming", 2, "cpu")])
-def test_cuda_targets_equal_cpu_targets(roots, kind, workers, resident_device):
+@each_cuda_loader
+def test_cuda_targets_equal_cpu_targets(roots, kind, workers, on_cuda):
     store = open_store(roots["meanstd"], features="f8")
-    kw = {"device": "cuda", **({"resident_device": resident_device} if kind == "resident" else {})}
-    with make(store, kind, workers) as cpu, make(store, kind, workers, **kw) as gpu:
+    with make(store, kind, workers) as cpu, make(store, kind, workers, **on_cuda) as gpu:
         for want, got in zip(take(cpu, 9), take(gpu, 9), strict=True):
             assert got["feat"].is_cuda and data_targets(got).dtype == torch.float32
             assert torch.equal(data_targets(want), data_targets(got).cpu()) and torch.equal(want["index"], got["index"].cpu())
