@@ -44,7 +44,12 @@ from typing import TYPE_CHECKING, Any
 from ditdata.common.errors import described
 from ditdata.common.extras import require
 from ditdata.common.files import read_json, sha256_file
-from ditdata.common.hub import download_command, hub_cache_dir
+from ditdata.common.hub import (
+    download_command,
+    hub_cache_dir,
+    not_cached_message,
+    pretrained_weight_files,
+)
 from ditdata.errors import DitdataError
 from ditdata.presets import (  # noqa: F401  (re-exported: the presets' names, as before)
     KIND_KL,
@@ -350,14 +355,9 @@ def _kl_config(path: Path) -> dict[str, Any] | None:
 def _kl_weight_files(model_dir: Path) -> tuple[list[str], bool]:
     """The weight files diffusers will load from ``model_dir`` (it prefers safetensors),
     as paths relative to it, and whether they are safetensors."""
-    for ext, safe in (("safetensors", True), ("bin", False)):
-        single = f"diffusion_pytorch_model.{ext}"
-        if (model_dir / single).is_file():
-            return [single], safe
-        index = model_dir / f"diffusion_pytorch_model.{ext}.index.json"
-        if index.is_file():
-            shards = sorted(set(read_json(index)["weight_map"].values()))
-            return shards, safe
+    found = pretrained_weight_files(model_dir, ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin"))
+    if found is not None:
+        return found
     raise DitdataError(f"no diffusion_pytorch_model.safetensors or .bin weights in {model_dir}")
 
 
@@ -406,11 +406,8 @@ def _missing_hub_message(name: str, repo_id: str, subfolder: str | None, cache: 
     command = download_command(repo_id, include=f"{subfolder}/*" if subfolder else None, revision=revision)
     what = repo_id + (f" (subfolder {subfolder})" if subfolder else "")
     label = f"'{name}' = {what}" if name != repo_id else what
-    return (f"autoencoder {label}{' at revision ' + revision if revision else ''} is not in the "
-            f"local Hugging Face cache {cache}{' (' + detail + ')' if detail else ''} and nothing "
-            f"is downloaded here: on a machine with internet run `{command}` and copy ~/.cache/huggingface to this machine, or point "
-            f"HF_HOME / HF_HUB_CACHE at such a cache, or pass a local diffusers directory "
-            f"(--vae DIR)")
+    return not_cached_message(f"autoencoder {label}{' at revision ' + revision if revision else ''}", cache,
+                              command, detail, "a local diffusers directory (--vae DIR)")
 
 
 def _snapshot(repo_id: str, subfolder: str | None, revision: str | None, name: str) -> Path:

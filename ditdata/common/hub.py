@@ -1,6 +1,8 @@
 """The local Hugging Face hub cache: the one place ditdata looks for hub models (the
-autoencoders of ditdata/vae.py, the CLIP weights of ditdata/clip.py), and the command that
-fills it on a machine with internet (download_command). Nothing here downloads."""
+autoencoders of ditdata/vae.py, the feature encoders of ditdata/features/encoders.py, the CLIP
+weights of ditdata/clip.py), the command that fills it on a machine with internet
+(download_command) and the one wording of "not in the cache" (not_cached_message); and which
+weight files a save_pretrained folder holds (pretrained_weight_files). Nothing here downloads."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import shlex
 from pathlib import Path
 
 from ditdata.common.cache import xdg_cache_home
+from ditdata.common.files import read_json
 
 
 def hub_cache_dir() -> Path:
@@ -39,3 +42,28 @@ def download_command(repo_id: str, *files: str, include: str | None = None, revi
     if revision:
         args += ["--revision", revision]
     return shlex.join(args)
+
+
+def not_cached_message(subject: str, cache: Path, command: str, detail: str, instead: str) -> str:
+    """`subject` (the model, as its loader names it) is not in the hub cache `cache`: what to run
+    where there is internet (`command`) and the local alternative (`instead`, e.g. "a local
+    diffusers directory (--vae DIR)"); `detail` (why the lookup failed) is shown when given."""
+    return (f"{subject} is not in the local Hugging Face cache {cache}{' (' + detail + ')' if detail else ''} "
+            f"and nothing is downloaded here: on a machine with internet run `{command}` and copy "
+            "~/.cache/huggingface to this machine, or point HF_HOME / HF_HUB_CACHE at such a cache, "
+            f"or pass {instead}")
+
+
+def pretrained_weight_files(model_dir: Path, names: tuple[str, ...]) -> tuple[list[str], bool] | None:
+    """The weight files that from_pretrained (transformers or diffusers) loads from `model_dir`,
+    relative to it, and whether they are safetensors: the first of `names` found whole or
+    sharded (NAME.index.json lists the shards), so list the .safetensors name first, as both
+    libraries prefer it. None when there are none: the caller says what it expected."""
+    for single in names:
+        safe = single.endswith(".safetensors")
+        if (model_dir / single).is_file():
+            return [single], safe
+        index = model_dir / f"{single}.index.json"
+        if index.is_file():
+            return sorted(set(read_json(index)["weight_map"].values())), safe
+    return None

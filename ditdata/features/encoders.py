@@ -53,7 +53,12 @@ from typing import Any
 from ditdata.common.errors import described
 from ditdata.common.extras import require
 from ditdata.common.files import read_json, sha256_file
-from ditdata.common.hub import download_command, hub_cache_dir
+from ditdata.common.hub import (
+    download_command,
+    hub_cache_dir,
+    not_cached_message,
+    pretrained_weight_files,
+)
 from ditdata.config import FEATURE_RESOLUTION_RULE
 from ditdata.errors import DitdataError
 
@@ -74,15 +79,14 @@ class Preset:
     dim: int
 
 
+# DINOv2's four sizes (letter of the preset, word of the hub repository, width); each comes
+# plain and with registers, so the presets are the eight pairs: dinov2-vits14 ... dinov2-vitg14
+# (facebook/dinov2-small ...), then dinov2-vits14-reg ... (facebook/dinov2-with-registers-small ...)
+_DINOV2_SIZES = (("s", "small", 384), ("b", "base", 768), ("l", "large", 1024), ("g", "giant", 1536))
 PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset("dinov2-vits14", "facebook/dinov2-small", 384),
-    Preset("dinov2-vitb14", "facebook/dinov2-base", 768),
-    Preset("dinov2-vitl14", "facebook/dinov2-large", 1024),
-    Preset("dinov2-vitg14", "facebook/dinov2-giant", 1536),
-    Preset("dinov2-vits14-reg", "facebook/dinov2-with-registers-small", 384),
-    Preset("dinov2-vitb14-reg", "facebook/dinov2-with-registers-base", 768),
-    Preset("dinov2-vitl14-reg", "facebook/dinov2-with-registers-large", 1024),
-    Preset("dinov2-vitg14-reg", "facebook/dinov2-with-registers-giant", 1536),
+    Preset(f"dinov2-vit{letter}14{suffix}", f"facebook/dinov2-{variant}{size}", dim)
+    for suffix, variant in (("", ""), ("-reg", "with-registers-"))
+    for letter, size, dim in _DINOV2_SIZES
 )}
 
 # transformers config.json model_type -> its model class; every one of them puts the CLS
@@ -194,12 +198,9 @@ def _patch_tokens(model, prefix: int):
 
 def _weight_files(model_dir: Path) -> tuple[list[str], bool]:
     """The weight files transformers loads from `model_dir` (safetensors first), relative to it."""
-    for single, safe in (("model.safetensors", True), ("pytorch_model.bin", False)):
-        if (model_dir / single).is_file():
-            return [single], safe
-        index = model_dir / f"{single}.index.json"
-        if index.is_file():
-            return sorted(set(read_json(index)["weight_map"].values())), safe
+    found = pretrained_weight_files(model_dir, ("model.safetensors", "pytorch_model.bin"))
+    if found is not None:
+        return found
     raise DitdataError(f"{model_dir}: no model.safetensors or pytorch_model.bin weights (a directory saved "
                        "with transformers' save_pretrained holds config.json and model.safetensors)")
 
@@ -248,11 +249,8 @@ def _from_dir(model_dir: Path, name: str, ident: str, store_resolution: int, ove
 
 def _missing_hub_message(name: str, repo_id: str, cache: Path, detail: str = "") -> str:
     label = f"'{name}' = {repo_id}" if name != repo_id else repo_id
-    return (f"feature encoder {label} is not in the local Hugging Face cache {cache}"
-            f"{' (' + detail + ')' if detail else ''} and nothing is downloaded here: on a machine with "
-            f"internet run `{download_command(repo_id)}` and copy ~/.cache/huggingface to this machine, or "
-            "point HF_HOME / HF_HUB_CACHE at such a cache, or pass a local directory saved with "
-            "save_pretrained (--encoder DIR)")
+    return not_cached_message(f"feature encoder {label}", cache, download_command(repo_id), detail,
+                              "a local directory saved with save_pretrained (--encoder DIR)")
 
 
 def _from_hub(repo_id: str, name: str, store_resolution: int, override: int | None) -> FeatureEncoder:
