@@ -202,6 +202,16 @@ def read_json(path: Path, encoding: str = "utf-8"):
     return json.loads(Path(path).read_text(encoding=encoding))
 
 
+def read_json_or_none(path: Path):
+    """A JSON file's content, None when it is absent or damaged (ValueError: bad JSON or
+    UTF-8): for files that are rewritten when they cannot be used, such as a manifest or a
+    shard's record. Other OSErrors (permissions, I/O) still raise."""
+    try:
+        return read_json(path)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
 def json_digest(obj) -> str:
     """sha256 (hex) of a JSON value in canonical form (sorted keys, no spaces; anything JSON
     cannot hold as its str()): equal content, equal digest, on every machine."""

@@ -36,7 +36,6 @@ the definition, shared by the producer, verify and the trainer's check.
 
 from __future__ import annotations
 
-import datetime as dt
 import re
 from pathlib import Path
 
@@ -49,7 +48,7 @@ from .defaults import DEFAULT_BACKEND
 from .errors import StoreError
 from .reader import FeatureSet, Store
 from .schema import FeatureSchema
-from .writer import StoreWriter, tool_versions
+from .writer import StoreWriter, provenance_of
 
 FEATURES = "features"  # the folder of a store that holds its feature sets
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -156,15 +155,7 @@ class FeatureWriter(StoreWriter):
                  skipped_shards=None) -> dict:
         """Write the feature set's manifest (every store shard must have its feature shard)
         and then its entry in the store's manifest. Returns the feature set's manifest."""
-        names = [s.name for s in self.store.shards]
-        missing = [n for n in names if not self.done(n)]
-        if missing:
-            raise StoreError(f"{self.shard_dir}: feature shards not finished: {', '.join(missing[:10])}"
-                             f"{' ...' if len(missing) > 10 else ''}; rerun to complete them")
-        records = [self._read_record(n) for n in names]
-        prov = dict(provenance or {})
-        prov.setdefault("tools", tool_versions())
-        prov.setdefault("created_at", created_at or dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
+        records = self._records_if_finished([s.name for s in self.store.shards], "feature shards")
         m = {
             "format_version": manifest.FORMAT_VERSION, "kind": manifest.FEATURES_KIND, "name": self.name,
             "backend": self.config["backend"], "num_samples": sum(r["num_samples"] for r in records),
@@ -172,10 +163,10 @@ class FeatureWriter(StoreWriter):
             "store": {"identity": self.store.identity, "num_samples": len(self.store), "shards": self.sources},
             "encoder": self.config["encoder"], "storage": self.config["storage"],
             "shards": [{k: v for k, v in r.items() if k not in ("stats", "extra")} for r in records],
-            "provenance": prov,
+            "provenance": provenance_of(provenance, created_at),
         }
         path = self.root / manifest.MANIFEST
-        old = manifest._read_json_or_none(path)
+        old = files.read_json_or_none(path)
         if old is None or identity(old) != identity(m):
             files.write_json_atomic(path, m)
         else:

@@ -186,13 +186,6 @@ def _check_feature_entries(m: dict, path) -> None:
         "features must map names to {path, identity, ...} inside the store")
 
 
-def _read_json_or_none(path: Path) -> dict | None:
-    try:
-        return files.read_json(path)
-    except (FileNotFoundError, ValueError):
-        return None
-
-
 def _need(path, ok: bool, what: str) -> None:
     if not ok:
         raise StoreError(f"{path}: {what}; the manifest is damaged (re-encode the store or restore it)")

@@ -298,7 +298,7 @@ class RemoteStore(Store):
         if not (self.root / manifest.MANIFEST).is_file():
             files.write_json_atomic(self.root / "origin.json", {"url": self.url})
         # (again when it changed without changing the identity: feature sets added since)
-        if manifest._read_json_or_none(self.root / manifest.MANIFEST) != m:
+        if files.read_json_or_none(self.root / manifest.MANIFEST) != m:
             files.write_json_atomic(self.root / manifest.MANIFEST, m)
 
     # -- what the rest of the code asks a store --------------------------------------

@@ -47,6 +47,15 @@ def tool_versions() -> dict:
     return out
 
 
+def provenance_of(provenance: dict | None, created_at: str | None = None) -> dict:
+    """A manifest's provenance: the caller's entries, plus the tool versions and the time of
+    writing (now, in UTC, unless `created_at` is given) where the caller has none."""
+    prov = dict(provenance or {})
+    prov.setdefault("tools", tool_versions())
+    prov.setdefault("created_at", created_at or dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
+    return prov
+
+
 class StoreWriter:
     """Write a latent store shard by shard; safe to rerun, append to, and run per rank.
 
@@ -112,7 +121,7 @@ class StoreWriter:
     def _read_record(self, name: str) -> dict | None:
         """The shard's record, or None when absent or damaged: either way the shard is not
         finished and will be written again (ValueError covers bad JSON and bad UTF-8)."""
-        rec = _read_json(self.record_path(name))
+        rec = files.read_json_or_none(self.record_path(name))
         if not isinstance(rec, dict) or not isinstance(rec.get("files"), dict):
             return None
         return rec
@@ -210,6 +219,15 @@ class StoreWriter:
         return {"sum": v.sum(1).tolist(), "sumsq": (v * v).sum(1).tolist(), "count": int(v.shape[1])}
 
     # -- manifest ------------------------------------------------------------------
+    def _records_if_finished(self, names: list[str], what: str, then: str = "") -> list[dict]:
+        """The records of shards `names`, refusing (StoreError, the first ten named) while any
+        is not finished: a manifest never lists a shard that is missing."""
+        missing = [n for n in names if not self.done(n)]
+        if missing:
+            raise StoreError(f"{self.shard_dir}: {what} not finished: {', '.join(missing[:10])}"
+                             f"{' ...' if len(missing) > 10 else ''}; rerun to complete them{then}")
+        return [self._read_record(n) for n in names]
+
     def finalize(self, names: list[str] | None = None, *, provenance: dict | None = None,
                  created_at: str | None = None, skipped_shards: list[dict] | None = None) -> dict:
         """Write manifest.json over the given shards (default: every finished shard).
@@ -221,17 +239,8 @@ class StoreWriter:
         """
         if names is None:
             names = sorted(self._finished_records())
-        missing = [n for n in names if not self.done(n)]
-        if missing:
-            raise StoreError(
-                f"{self.shard_dir}: shards not finished: {', '.join(missing[:10])}"
-                f"{' ...' if len(missing) > 10 else ''}; rerun to complete them before the manifest is written"
-            )
-        records = [self._read_record(n) for n in names]
+        records = self._records_if_finished(names, "shards", " before the manifest is written")
         total = sum(r["num_samples"] for r in records)
-        prov = dict(provenance or {})
-        prov.setdefault("tools", tool_versions())
-        prov.setdefault("created_at", created_at or dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
         m = {
             "format_version": manifest.FORMAT_VERSION,
             "backend": self.config["backend"],
@@ -244,12 +253,12 @@ class StoreWriter:
             "filter": self.config["filter"],
             "stats": manifest.channel_stats(records, self.schema.primary),
             "shards": [{k: v for k, v in r.items() if k != "stats"} for r in records],
-            "provenance": prov,
+            "provenance": provenance_of(provenance, created_at),
         }
         if skipped_shards:
             m["skipped_shards"] = list(skipped_shards)
         path = self.root / manifest.MANIFEST
-        old = _read_json(path)
+        old = files.read_json_or_none(path)
         if old is not None and manifest.identity(old) == manifest.identity(m):
             return old  # nothing changed (e.g. a rerun that found every shard done): keep it
         _write_json(path, m, "the manifest")
@@ -289,11 +298,3 @@ def _read_config(path: Path) -> dict | None:
         raise StoreError(f"{path}: not a store config (a JSON object was expected); restore it, "
                          "or write to a new --out directory")
     return old
-
-
-def _read_json(path: Path) -> dict | None:
-    """A JSON file's content, None when it is absent or damaged (ValueError: bad JSON or UTF-8)."""
-    try:
-        return files.read_json(path)
-    except (FileNotFoundError, ValueError):
-        return None
