@@ -155,6 +155,33 @@ def stop_once_set_up(proc: subprocess.Popen, out: Path, stop, *, settle: float, 
             proc.wait()
 
 
+def one_and_two_ranks(store: Path, root: Path, common: list, *, timeout: float = 600) -> None:
+    """`dittrain run_args(store, root/"one", *common)` in one process and the same into
+    root/"two" under torchrun with 2 ranks on this machine (--standalone), both on one OpenMP
+    thread (torchrun's count, so that the CPU rounds alike): both must succeed."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    single = subprocess.run([str(BIN / "dittrain"), *run_args(store, root / "one", *common)], capture_output=True,
+                            text=True, env=env, timeout=timeout)
+    assert single.returncode == 0, single.stderr[-2000:]
+    multi = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "dittrain.cli",
+                            *run_args(store, root / "two", *common)], capture_output=True, text=True, env=env,
+                           timeout=timeout)
+    assert multi.returncode == 0, multi.stderr[-3000:]
+
+
+def assert_close_checkpoints(a: Path, b: Path, parts=("model",), *, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    """The latest checkpoints of runs `a` and `b`: each of `parts` ("model", "ema", "projector")
+    close, tensor for tensor, within rtol and atol (the order of float reductions)."""
+    import torch
+
+    from dittrain.checkpoint import latest_checkpoint, load_checkpoint
+
+    ca, cb = (load_checkpoint(latest_checkpoint(run)) for run in (a, b))
+    for part in parts:
+        for k in ca[part]:
+            torch.testing.assert_close(ca[part][k], cb[part][k], rtol=rtol, atol=atol)
+
+
 def assert_same_state(a: dict, b: dict) -> None:
     """Two checkpoints' model and EMA weights and optimizer state: equal, tensor for tensor."""
     import torch

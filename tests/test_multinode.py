@@ -16,12 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from cliutil import free_port, run_args
+from cliutil import assert_close_checkpoints, free_port, run_args
 from storeutil import make_store
 
 from ditdata.store import open_store
-from dittrain.checkpoint import latest_checkpoint, load_checkpoint
 
 BIN = Path(sys.executable).parent
 TORCHRUN = BIN / "torchrun"
@@ -113,10 +111,7 @@ def test_two_nodes_train_and_resume_like_one_process(tmp_path):
     # stated tolerance: float reduction order (all-reduce of two half-batch means)
     np.testing.assert_allclose([a[s] for s in b], [b[s] for s in b], rtol=1e-4)
     assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["step_00000004.pt", "step_00000008.pt"]
-    ca, cb = load_checkpoint(latest_checkpoint(tmp_path / "one")), load_checkpoint(latest_checkpoint(two))
-    for part in ("model", "ema"):
-        for k in ca[part]:
-            torch.testing.assert_close(ca[part][k], cb[part][k], rtol=1e-4, atol=1e-5)
+    assert_close_checkpoints(tmp_path / "one", two, ["model", "ema"], rtol=1e-4, atol=1e-5)
 
 
 def test_two_nodes_encode_like_one_process(class_shards, tmp_path):

@@ -5,16 +5,21 @@ projector), the one-line refusals and the --config round trip."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from cliutil import assert_has, losses, one_error_line, resume_after_sigkill, run_args
+from cliutil import (
+    assert_close_checkpoints,
+    assert_has,
+    losses,
+    one_and_two_ranks,
+    one_error_line,
+    resume_after_sigkill,
+    run_args,
+)
 from cliutil import dittrain as cli
 from storeutil import CREATED_AT, add_features, make_store
 from test_step import no_host_reads
@@ -31,7 +36,6 @@ from dittrain.step import TrainStep
 from dittrain.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-BIN = Path(sys.executable).parent
 REPA = ["--repa", "feats", "--repa-depth", 2, "--repa-projector-dim", 32]
 
 
@@ -262,21 +266,11 @@ def test_torchrun_two_ranks_match_single_process_with_repa(tmp_path):
     positional_features(store, "feats", noise=0.0)
     common = ["--max-steps", 4, "--save-every", 4, "--loader", "resident", "--lr", "1e-3", "--grad-clip", "0",
               "--accumulation-steps", 2, "--logger", "jsonl", *REPA]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    single = subprocess.run([BIN / "dittrain", *run_args(store, tmp_path / "one", *common)], capture_output=True,
-                            text=True, env=env, timeout=600)
-    assert single.returncode == 0, single.stderr[-2000:]
-    multi = subprocess.run([BIN / "torchrun", "--standalone", "--nproc_per_node", "2", "-m", "dittrain.cli",
-                            *run_args(store, tmp_path / "two", *common)], capture_output=True, text=True, env=env,
-                           timeout=600)
-    assert multi.returncode == 0, multi.stderr[-3000:]
+    one_and_two_ranks(store, tmp_path, common)
     a, b = _rows(tmp_path / "one"), _rows(tmp_path / "two")
     for key in ("loss", "repa_loss", "repa_cos"):  # stated tolerance: the order of float reductions
         np.testing.assert_allclose([r[key] for r in a], [r[key] for r in b], rtol=1e-4, atol=1e-6)
-    ca, cb = (load_checkpoint(latest_checkpoint(tmp_path / n)) for n in ("one", "two"))
-    for part in ("model", "projector"):
-        for k in ca[part]:
-            torch.testing.assert_close(ca[part][k], cb[part][k], rtol=1e-4, atol=1e-5)
+    assert_close_checkpoints(tmp_path / "one", tmp_path / "two", ["model", "projector"], rtol=1e-4, atol=1e-5)
 
 
 def test_nothing_of_the_projector_is_exported_and_sampling_is_unchanged(store, tmp_path):

@@ -3,24 +3,27 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from cliutil import (
+    assert_close_checkpoints,
+    losses,
+    one_and_two_ranks,
+    resume_after_sigkill,
+    run_args,
+    spawn,
+)
 from cliutil import dittrain as cli
-from cliutil import losses, resume_after_sigkill, run_args, spawn
 from storeutil import make_store
 
 from dittrain.checkpoint import latest_checkpoint, load_checkpoint
 from dittrain.weights import load_weights
 
-BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -105,21 +108,12 @@ def test_torchrun_two_ranks_match_single_process(tmp_path):
     global batch: noise, timesteps and dropout are drawn for the global batch and sliced."""
     store = make_store(tmp_path / "same", identical=True, flip=False)
     common = ["--max-steps", 8, "--save-every", 8, "--loader", "resident", "--lr", "1e-3", "--grad-clip", "0"]
-    single = subprocess.run([BIN / "dittrain", *run_args(store, tmp_path / "one", *common)], capture_output=True,
-                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert single.returncode == 0, single.stderr[-2000:]
-    multi = subprocess.run([BIN / "torchrun", "--standalone", "--nproc_per_node", "2", "-m", "dittrain.cli",
-                            *run_args(store, tmp_path / "two", *common)], capture_output=True, text=True,
-                           timeout=600)
-    assert multi.returncode == 0, multi.stderr[-3000:]
+    one_and_two_ranks(store, tmp_path, common)
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 9))
     # stated tolerance: float reduction order (all-reduce of two half-batch means)
     np.testing.assert_allclose([v for _, v in a], [v for _, v in b], rtol=1e-4)
-    wa = load_checkpoint(latest_checkpoint(tmp_path / "one"))["model"]
-    wb = load_checkpoint(latest_checkpoint(tmp_path / "two"))["model"]
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+    assert_close_checkpoints(tmp_path / "one", tmp_path / "two", ["model"], rtol=1e-4, atol=1e-5)
 
 
 def test_store_without_manifest(tmp_path):
