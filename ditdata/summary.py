@@ -59,17 +59,28 @@ def describe(path, **remote) -> str:
     return "\n".join(lines)
 
 
-def _feature_lines(s) -> list[str]:
-    """One line per feature set: name, encoder, tokens x dims and dtype, PCA, bytes per
-    sample, rows (or why it cannot be read)."""
+def _each_feature_set(s):
+    """(name, its FeatureSet, None) for each feature set the store records, in name order, or
+    (name, None, the StoreError) for one that cannot be opened: inspect and verify both
+    report that one and go on with the next."""
     from ditdata.store import StoreError, feature_sets, open_features
 
-    lines = []
     for name in sorted(feature_sets(s)):
         try:
             fs = open_features(s, name)
         except StoreError as e:
-            lines.append(f"features:     {name}: unusable ({e})")
+            yield name, None, e
+            continue
+        yield name, fs, None
+
+
+def _feature_lines(s) -> list[str]:
+    """One line per feature set: name, encoder, tokens x dims and dtype, PCA, bytes per
+    sample, rows (or why it cannot be read)."""
+    lines = []
+    for name, fs, error in _each_feature_set(s):
+        if error is not None:
+            lines.append(f"features:     {name}: unusable ({error})")
             continue
         enc, st, pca = fs.encoder, fs.storage, fs.storage.get("pca")
         dtype = fs.schema.tensors["feat"].dtype
@@ -94,15 +105,13 @@ def verify_store(path, *, progress: bool = True, **remote) -> tuple[list[str], i
 def verify_all(path, *, progress: bool = True, **remote) -> tuple[list[str], int, list[str]]:
     """verify_store's faults and samples, and the names of the feature sets verified."""
     from ditdata.common.progress import progress_bar
-    from ditdata.store import StoreError, feature_sets, open_features
+    from ditdata.store import feature_sets
 
     s = open_store(path, **remote)
     faults = s.verify(progress=lambda xs: progress_bar(xs, desc="verify", unit="shard", enabled=progress, leave=False))
-    for name in sorted(feature_sets(s)):
-        try:
-            fs = open_features(s, name)
-        except StoreError as e:
-            faults.append(str(e))
+    for name, fs, error in _each_feature_set(s):
+        if error is not None:
+            faults.append(str(error))
             continue
         faults += fs.verify(progress=lambda xs, n=name: progress_bar(xs, desc=f"verify {n}", unit="shard",
                                                                    enabled=progress, leave=False))
