@@ -44,12 +44,7 @@ from typing import TYPE_CHECKING, Any
 from ditdata.common.errors import described
 from ditdata.common.extras import require
 from ditdata.common.files import read_json, sha256_file
-from ditdata.common.hub import (
-    download_command,
-    hub_cache_dir,
-    not_cached_message,
-    pretrained_weight_files,
-)
+from ditdata.common.hub import download_command, hub_cache_dir, not_cached_message, saved_weights
 from ditdata.errors import DitdataError
 from ditdata.presets import (  # noqa: F401  (re-exported: the presets' names, as before)
     KIND_KL,
@@ -135,19 +130,11 @@ class Autoencoder:
     shift_factor = _fact("shift_factor", float)
     latent_channels = _fact("latent_channels", int)
     downsample = _fact("downsample", int)
-
-    @property
-    def deterministic(self) -> bool:
-        """True when ``encode`` returns no std (TAEF2, pixels)."""
-        return self.adapter.deterministic
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
+    deterministic = property(lambda self: self.adapter.deterministic,
+                             doc="True when ``encode`` returns no std (TAEF2, pixels).")
+    # -- where it runs and in what precision (changed by to() only)
+    device = property(lambda self: self._device)
+    dtype = property(lambda self: self._dtype)
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
         self._check_size(height, width)
@@ -355,7 +342,7 @@ def _kl_config(path: Path) -> dict[str, Any] | None:
 def _kl_weight_files(model_dir: Path) -> tuple[list[str], bool]:
     """The weight files diffusers will load from ``model_dir`` (it prefers safetensors),
     as paths relative to it, and whether they are safetensors."""
-    found = pretrained_weight_files(model_dir, ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin"))
+    found = saved_weights(model_dir, ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin"))
     if found is not None:
         return found
     raise DitdataError(f"no diffusion_pytorch_model.safetensors or .bin weights in {model_dir}")

@@ -17,7 +17,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO
 
@@ -206,10 +206,9 @@ def read_json_or_none(path: Path):
     """A JSON file's content, None when it is absent or damaged (ValueError: bad JSON or
     UTF-8): for files that are rewritten when they cannot be used, such as a manifest or a
     shard's record. Other OSErrors (permissions, I/O) still raise."""
-    try:
+    with suppress(FileNotFoundError, ValueError):
         return read_json(path)
-    except (FileNotFoundError, ValueError):
-        return None
+    return None
 
 
 def json_digest(obj) -> str:

@@ -2,7 +2,7 @@
 autoencoders of ditdata/vae.py, the feature encoders of ditdata/features/encoders.py, the CLIP
 weights of ditdata/clip.py), the command that fills it on a machine with internet
 (download_command) and the one wording of "not in the cache" (not_cached_message); and which
-weight files a save_pretrained folder holds (pretrained_weight_files). Nothing here downloads."""
+weight files a save_pretrained folder holds (saved_weights). Nothing here downloads."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def not_cached_message(subject: str, cache: Path, command: str, detail: str, ins
             f"or pass {instead}")
 
 
-def pretrained_weight_files(model_dir: Path, names: tuple[str, ...]) -> tuple[list[str], bool] | None:
+def saved_weights(model_dir: Path, names: tuple[str, ...]) -> tuple[list[str], bool] | None:
     """The weight files that from_pretrained (transformers or diffusers) loads from `model_dir`,
     relative to it, and whether they are safetensors: the first of `names` found whole or
     sharded (NAME.index.json lists the shards), so list the .safetensors name first, as both

@@ -53,12 +53,7 @@ from typing import Any
 from ditdata.common.errors import described
 from ditdata.common.extras import require
 from ditdata.common.files import read_json, sha256_file
-from ditdata.common.hub import (
-    download_command,
-    hub_cache_dir,
-    not_cached_message,
-    pretrained_weight_files,
-)
+from ditdata.common.hub import download_command, hub_cache_dir, not_cached_message, saved_weights
 from ditdata.config import FEATURE_RESOLUTION_RULE
 from ditdata.errors import DitdataError
 
@@ -198,7 +193,7 @@ def _patch_tokens(model, prefix: int):
 
 def _weight_files(model_dir: Path) -> tuple[list[str], bool]:
     """The weight files transformers loads from `model_dir` (safetensors first), relative to it."""
-    found = pretrained_weight_files(model_dir, ("model.safetensors", "pytorch_model.bin"))
+    found = saved_weights(model_dir, ("model.safetensors", "pytorch_model.bin"))
     if found is not None:
         return found
     raise DitdataError(f"{model_dir}: no model.safetensors or pytorch_model.bin weights (a directory saved "

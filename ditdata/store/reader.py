@@ -271,25 +271,13 @@ class FeatureSet(Store):
         self.root = Path(root)
         self._load(manifest.load(self.root, kind=manifest.FEATURES_KIND), verify)
 
-    @property
-    def name(self) -> str:
-        return self.manifest["name"]
-
-    @property
-    def encoder(self) -> dict:
-        return self.manifest["encoder"]
-
-    @property
-    def storage(self) -> dict:
-        return self.manifest["storage"]
-
-    @property
-    def tokens(self) -> int:
-        return self.schema.tokens
-
-    @property
-    def dims(self) -> int:
-        return self.schema.dims
+    # what its manifest (name, encoder, storage) and schema (tokens, dims, flip) say, as they say it
+    name = property(lambda self: self.manifest["name"])
+    encoder = property(lambda self: self.manifest["encoder"])
+    storage = property(lambda self: self.manifest["storage"])
+    tokens = property(lambda self: self.schema.tokens)
+    dims = property(lambda self: self.schema.dims)
+    flip = property(lambda self: self.schema.flip)
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -299,10 +287,6 @@ class FeatureSet(Store):
             return int(g[0]), int(g[1])
         side = int(round(self.tokens ** 0.5))
         return side, self.tokens // max(side, 1)
-
-    @property
-    def flip(self) -> bool:
-        return self.schema.flip
 
     def bytes_per_sample(self) -> int:
         return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in self.schema.tensors.values())
