@@ -1,8 +1,9 @@
 """The CLIs run in-process (click's CliRunner, arguments passed through str) for tests, what
 their results must say (ok, one_error_line; raises_one_line for a raised error), the
 `dittrain run` command line the tests train a store with, `dittrain` as a child process
-(to kill one and resume it) or a child Python that imports these helpers (child_env), and a
-local HTTP server for the commands to read from."""
+(to kill one and resume it) or a child Python that imports these helpers (child_env), a
+command in one process and under torchrun on 2 ranks (on_one_and_two_ranks; the checkpoints
+compared with assert_close_checkpoints), and a local HTTP server for the commands to read from."""
 
 from __future__ import annotations
 
@@ -155,18 +156,35 @@ def stop_once_set_up(proc: subprocess.Popen, out: Path, stop, *, settle: float, 
             proc.wait()
 
 
+def torchrun_or_skip() -> Path:
+    """The venv's torchrun; the test is skipped where it is not installed."""
+    import pytest
+
+    if not (BIN / "torchrun").exists():
+        pytest.skip("torchrun not installed")
+    return BIN / "torchrun"
+
+
+def on_one_and_two_ranks(cli: str, one: list, two: list, *, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`CLI ONE` (cli: ditdata or dittrain) in one process and `CLI TWO` under torchrun with 2
+    ranks on this machine (--standalone), both on one OpenMP thread (torchrun's count: CPU
+    kernels round differently with another) and at most `timeout` s: both must succeed.
+    The torchrun run (its output as text)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    single = subprocess.run([str(BIN / cli), *map(str, one)], capture_output=True, text=True, env=env,
+                            timeout=timeout)
+    assert single.returncode == 0, single.stderr[-2000:]
+    multi = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", f"{cli}.cli",
+                            *map(str, two)], capture_output=True, text=True, env=env, timeout=timeout)
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    return multi
+
+
 def one_and_two_ranks(store: Path, root: Path, common: list, *, timeout: float = 600) -> None:
     """`dittrain run_args(store, root/"one", *common)` in one process and the same into
-    root/"two" under torchrun with 2 ranks on this machine (--standalone), both on one OpenMP
-    thread (torchrun's count, so that the CPU rounds alike): both must succeed."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    single = subprocess.run([str(BIN / "dittrain"), *run_args(store, root / "one", *common)], capture_output=True,
-                            text=True, env=env, timeout=timeout)
-    assert single.returncode == 0, single.stderr[-2000:]
-    multi = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "dittrain.cli",
-                            *run_args(store, root / "two", *common)], capture_output=True, text=True, env=env,
-                           timeout=timeout)
-    assert multi.returncode == 0, multi.stderr[-3000:]
+    root/"two" under torchrun with 2 ranks (on_one_and_two_ranks): both must succeed."""
+    on_one_and_two_ranks("dittrain", run_args(store, root / "one", *common), run_args(store, root / "two", *common),
+                         timeout=timeout)
 
 
 def assert_close_checkpoints(a: Path, b: Path, parts=("model",), *, rtol: float = 1e-4, atol: float = 1e-5) -> None:

@@ -14,6 +14,11 @@ shard comes from a data generator `data(schema, index, n) -> (tensors, columns)`
 shard, pixels/TAEF2/any autoencoder, class/text/no conditioning, for `dittrain sample`)
 are the two ready-made stores. The pixels autoencoder's latent is the image in [-1, 1],
 so its stores decode to PNGs without any weights.
+
+The loader tests' helpers: `new_loader` (a resident or streaming dittrain.data loader over a
+store), `take`, `roundtrip` (a state through torch.save), `resumed` (a loader straight through
+and stopped-then-resumed), `batch_split` (one process and two split="batch" ranks) and
+`each_cuda_loader` (a test over each loader with CUDA batches).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from cliutil import ditdata, kill_when
+from cliutil import ditdata, kill_when, on_one_and_two_ranks, torchrun_or_skip
 from PIL import Image
 from tiny import class_tree, fetch_tree, real_images, save_tiny_kl
 
@@ -187,19 +187,12 @@ def test_sigkill_then_rerun_equals_clean_run(kl_dir, tmp_path):
 
 
 def test_torchrun_two_ranks_equal_single_process(shards, kl_dir, tmp_path):
-    torchrun = BIN / "torchrun"
-    if not torchrun.exists():
-        pytest.skip("torchrun not installed")
+    torchrun_or_skip()
     common = ["--vae", kl_dir, "--resolution", "32", "--device", "cpu", "--workers", "0", "--flip"]
     # torchrun sets OMP_NUM_THREADS=1; CPU convolutions round differently with another thread
     # count, so the single-process run uses one thread too and the bytes must then match.
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([BIN / "ditdata", "encode", shards, "--out", tmp_path / "single", *common],
-                   check=True, capture_output=True, env=env)
-    r = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "ditdata.cli",
-                        "encode", shards, "--out", tmp_path / "multi", *common],
-                       capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+    on_one_and_two_ranks("ditdata", ["encode", shards, "--out", tmp_path / "single", *common],
+                         ["encode", shards, "--out", tmp_path / "multi", *common], timeout=300)
     single, multi = open_store(tmp_path / "single"), open_store(tmp_path / "multi", verify=True)
     assert _checksums(tmp_path / "single") == _checksums(tmp_path / "multi")
     assert single.manifest["stats"] == multi.manifest["stats"]

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cliutil import ditdata, kill_when, ok, one_error_line
+from cliutil import ditdata, kill_when, ok, on_one_and_two_ranks, one_error_line, torchrun_or_skip
 
 from ditdata import imageshards
 from ditdata.encode import EncodeConfig, encode
@@ -82,8 +82,7 @@ class Slow(Patches):
 def make():
     return Patches()
 
-def make_slow():
-    return Slow()
+make_slow = Slow  # any callable that returns the module will do, a class too
 '''
 
 
@@ -433,17 +432,11 @@ def test_a_note_when_int8_loses_more_than_it_should():
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_equal_one_process(flip_store, py_encoder, tmp_path):
-    torchrun = BIN / "torchrun"
-    if not torchrun.exists():
-        pytest.skip("torchrun not installed")
+    torchrun_or_skip()
     one, two = _copy(flip_store, tmp_path / "one"), _copy(flip_store, tmp_path / "two")
     common = ["--encoder", f"python:{py_encoder}:make", "--device", "cpu", "--workers", "0", "--out-name", "f",
               "--batch-size", "1"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # torchrun's thread count, for the same rounding
-    subprocess.run([BIN / "ditdata", "features", one, *common], check=True, capture_output=True, env=env)
-    r = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "ditdata.cli", "features", two,
-                        *common], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = on_one_and_two_ranks("ditdata", ["features", one, *common], ["features", two, *common], timeout=300)
     assert r.stdout.count("feature set f (") == 1  # rank 0's line only
     assert _files(one / "features") == _files(two / "features")
     assert open_features(open_store(two), "f").verify() == []

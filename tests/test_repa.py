@@ -318,29 +318,33 @@ def test_refusals_are_one_line_and_write_nothing(store, tmp_path, extra, says):
     assert not (tmp_path / "r").exists()
 
 
-def test_a_feature_set_whose_rows_do_not_match_is_refused(tmp_path):
-    from ditdata.store import features
-
+@pytest.fixture
+def small_store(tmp_path) -> Path:
+    """A 12-latent store of the test's own (it may change it) with feature set feats."""
     root = make_store(tmp_path / "s", n=12)
     add_features(root, "feats")
-    path = root / "features" / "feats" / "manifest.json"
+    return root
+
+
+def test_a_feature_set_whose_rows_do_not_match_is_refused(small_store, tmp_path):
+    from ditdata.store import features
+
+    path = small_store / "features" / "feats" / "manifest.json"
     fm = json.loads(path.read_text())
     fm["shards"][0]["num_samples"] -= 1
     fm["num_samples"] -= 1
     path.write_text(json.dumps(fm))
-    sm = json.loads((root / "manifest.json").read_text())
+    sm = json.loads((small_store / "manifest.json").read_text())
     sm["features"]["feats"]["identity"] = features.identity(fm)  # a consistent record of the wrong rows
-    (root / "manifest.json").write_text(json.dumps(sm))
-    r = cli(*run_args(root, tmp_path / "r", "--max-steps", 1, *REPA))
+    (small_store / "manifest.json").write_text(json.dumps(sm))
+    r = cli(*run_args(small_store, tmp_path / "r", "--max-steps", 1, *REPA))
     assert "its rows do not match the store's" in one_error_line(r.output)
     assert not (tmp_path / "r").exists()
 
 
-def test_a_resume_keeps_the_repa_settings_and_the_feature_set(tmp_path):
-    root = make_store(tmp_path / "s", n=12)
-    add_features(root, "feats")
+def test_a_resume_keeps_the_repa_settings_and_the_feature_set(small_store, tmp_path):
     out = tmp_path / "r"
-    args = run_args(root, out, "--max-steps", 2, "--logger", "jsonl", *REPA)
+    args = run_args(small_store, out, "--max-steps", 2, "--logger", "jsonl", *REPA)
     assert cli(*args).exit_code == 0
     resume = ["run", "--resume", "--out", out, "--max-steps", 3]
     said = one_error_line(cli(*resume, "--repa-weight", 1).output)
@@ -352,8 +356,8 @@ def test_a_resume_keeps_the_repa_settings_and_the_feature_set(tmp_path):
     assert json.loads((out / "config.json").read_text())["train"]["repa"]["repa_weight"] == 1.0
 
     # the same set's name, computed again with other features: another identity
-    shutil.rmtree(root / "features" / "feats")
-    add_features(root, "feats", seed=1)
+    shutil.rmtree(small_store / "features" / "feats")
+    add_features(small_store, "feats", seed=1)
     said = one_error_line(cli("run", "--resume", "--out", out, "--max-steps", 4).output)
     assert_has(said, "aligned to feature set 'feats'", "is now another one", "start a new --out")
     assert [s for s, _ in losses(out)] == [1, 2, 3]
