@@ -31,6 +31,16 @@ def class_shards(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    """A class-conditioned pixels store to train on: storeutil.make_store's defaults (48
+    latents of 3x8x8 in 3 shards, classes a, b, c). Module-scoped: tests read it, never
+    change it; a module's own `store` fixture replaces this one."""
+    from storeutil import make_store
+
+    return make_store(tmp_path_factory.mktemp("store") / "s")
+
+
+@pytest.fixture(scope="module")
 def pixel_run(tmp_path_factory) -> tuple[Path, Path]:
     """(run, store): a fabricated "trained" run (test_sample.make_run) over a one-shard 16 px
     pixels store (storeutil.tiny_store: 6 latents, classes astronaut, chelsea, coffee).

@@ -27,7 +27,6 @@ import pytest
 import torch
 from cliutil import child_env, raises_one_line, run_args
 from cliutil import dittrain as cli
-from storeutil import make_store
 
 import dittrain.checkpoint as checkpoint
 from ditdata.common import files
@@ -46,11 +45,6 @@ from dittrain.specs import get_config
 from dittrain.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> Path:
-    return make_store(tmp_path_factory.mktemp("store") / "s")
 
 
 def trained_state(store: Path, steps: int = 2) -> RunState:

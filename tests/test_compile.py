@@ -11,7 +11,6 @@ import pytest
 import torch
 from cliutil import assert_same_state, run_args
 from cliutil import dittrain as cli
-from storeutil import make_store
 
 from dittrain.checkpoint import latest_checkpoint, load_checkpoint
 from dittrain.step import compile_target
@@ -21,11 +20,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # other kernels and reorders its float sums, so a compiled step differs from eager in the
 # last bits; over 4 steps of a tiny DiT that stays below 1e-4 relative in the loss.
 RTOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> Path:
-    return make_store(tmp_path_factory.mktemp("store") / "s")
 
 
 def losses(out: Path) -> list[float]:

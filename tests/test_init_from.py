@@ -15,7 +15,6 @@ from storeutil import (
     LABELLED,
     class_conditioning,
     latent_data,
-    make_store,
     pixels_info,
     schema,
     write_store,
@@ -44,11 +43,6 @@ def train(*args) -> str:
     r = cli(*args)
     assert r.exit_code == 0, r.output
     return r.output
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> Path:
-    return make_store(tmp_path_factory.mktemp("store") / "s")
 
 
 @pytest.fixture(scope="module")

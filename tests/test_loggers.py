@@ -10,17 +10,11 @@ from pathlib import Path
 
 import pytest
 from cliutil import dittrain, one_error_line, run_args
-from storeutil import make_store
 
 from dittrain.loggers import parse_loggers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 GRIDS = ["--sample-every", "2", "--sample-steps", "2"]  # grids at steps 2 and 4 of a 4-step run
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> Path:
-    return make_store(tmp_path_factory.mktemp("store") / "s")
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import pytest
 import torch
 from cliutil import dittrain as cli
 from cliutil import one_error_line, run_args
-from storeutil import make_store
 
 from dittrain.diffusion import Diffusion, DiffusionConfig, shift_t
 
@@ -94,11 +93,6 @@ def test_options_of_the_other_objective_are_refused():
         DiffusionConfig(objective="ddpm", t_shift=2.0)
     with pytest.raises(ValueError, match="t_shift"):
         DiffusionConfig(objective="flow", t_shift=0.0)
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    return make_store(tmp_path_factory.mktemp("store") / "s")
 
 
 def test_options_recorded_and_resume_keeps_them(store, tmp_path):

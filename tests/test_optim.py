@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from cliutil import dittrain as cli
 from cliutil import one_error_line, resume_after_sigkill, run_args
-from storeutil import make_store
 
 from dittrain.checkpoint import latest_checkpoint, load_checkpoint
 from dittrain.config import TrainConfig
@@ -20,11 +18,6 @@ from dittrain.optim import build_optimizer
 pytestmark = pytest.mark.usefixtures("one_thread")
 bnb = pytest.importorskip("bitsandbytes")
 QUANT = "__bnb_optimizer_quant_state__"  # where bitsandbytes' state dict keeps a parameter's state
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> Path:
-    return make_store(tmp_path_factory.mktemp("store") / "s")
 
 
 def assert_equal(a, b, where="") -> None:

@@ -11,15 +11,8 @@ import pytest
 import torch
 from cliutil import ditdata, losses, one_error_line, run_args
 from cliutil import dittrain as cli
-from storeutil import make_store
 
 from dittrain.checkpoint import latest_checkpoint, load_checkpoint
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> Path:
-    return make_store(tmp_path_factory.mktemp("store") / "s")
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -30,11 +30,6 @@ BIN = Path(sys.executable).parent
 FILE_KEYS = {"step", "model", "ema", "optimizer", "lr_schedule", "scaler", "ranks", "config", "nonfinite_total"}
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> Path:
-    return make_store(tmp_path_factory.mktemp("store") / "s")
-
-
 def fresh_state(store: Path, *, init: int = 0, batch_size: int = 4, seed: int = 0) -> RunState:
     torch.manual_seed(init)  # the weights' initialisation
     cfg = get_config("DiT-T/4", input_size=8, in_channels=3, num_classes=3)
