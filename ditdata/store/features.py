@@ -44,7 +44,6 @@ import numpy as np
 from ditdata.common import files
 
 from . import manifest
-from .defaults import DEFAULT_BACKEND
 from .errors import StoreError
 from .reader import FeatureSet, Store
 from .schema import FeatureSchema
@@ -139,13 +138,11 @@ class FeatureWriter(StoreWriter):
             raise StoreError(
                 f"feature shard {name}: its rows do not match the store shard's ({len(got)} vs {len(keys)} rows, "
                 f"first difference at row {diff}); features must be computed for exactly the store's samples")
-        return super().write_shard(name, tensors, columns, source=source,
-                                   extra={**(extra or {}), "store_checksum": self.sources[name]})
+        return super().write_shard(name, tensors, columns, source=source, extra=extra)
 
     def _record(self, name, n, tmp, final, primary, source, extra):
-        rec = super()._record(name, n, tmp, final, primary, source, extra)
-        rec["store_checksum"] = rec["extra"].pop("store_checksum")
-        return rec
+        # the store shard it was made from: done() tells a stale feature shard by it
+        return {**super()._record(name, n, tmp, final, primary, source, extra), "store_checksum": self.sources[name]}
 
     @staticmethod
     def _stats(x: np.ndarray) -> dict:
@@ -278,10 +275,6 @@ class FeaturedStore(Store):
         return self.base.verify(progress) + self.feature_set.verify(progress)
 
 
-def default_path(store_root, name: str) -> Path:
-    return Path(store_root) / FEATURES / check_name(name)
-
-
-__all__ = ["DEFAULT_BACKEND", "FEATURES", "FeatureSet", "FeatureWriter", "FeaturedStore", "check_matches",
+__all__ = ["FEATURES", "FeatureSet", "FeatureWriter", "FeaturedStore", "check_matches",
            "check_name", "chunk_samples_for", "dequantize", "feature_sets", "identity", "open_features",
            "quantize"]
