@@ -23,19 +23,22 @@ Prints a table per step count (mean and each seed) and writes DIR/results/summar
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
-from latent_norm import digit_scores, sh  # bench/latent_norm.py
+from digits_runs import (  # bench/digits_runs.py
+    BIN,
+    build_store,
+    print_comparison,
+    train_and_judge,
+    write_summary,
+)
+from latent_norm import sh  # bench/latent_norm.py
 from scratch import add_dir_arg, add_options, parser, scratch_dir  # bench/scratch.py
 
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 ENCODER = '''"""The digits' feature encoder of bench/repa_digits.py: a small CNN, images -> (N, 16, 32) tokens."""
 import torch
 import torch.nn as nn
@@ -65,20 +68,6 @@ def load():
     m.load_state_dict(torch.load(WEIGHTS, weights_only=True))
     return m.eval()
 '''
-
-
-def build_store(root: Path, env: dict) -> Path:
-    store = root / "store"
-    if (store / "manifest.json").is_file():
-        return store
-    for p in ("digits", "shards", "store"):
-        subprocess.run(["rm", "-rf", str(root / p)], check=True)
-    sh(sys.executable, ROOT / "pipelines" / "digits.py", root / "digits", 16)
-    sh(BIN / "ditdata", "fetch", root / "digits", "--out", root / "shards", "--config",
-       ROOT / "pipelines/configs/demo/fetch.toml", env=env)
-    sh(BIN / "ditdata", "encode", root / "shards", "--out", store, "--config",
-       ROOT / "pipelines/configs/demo/encode.toml", env=env)
-    return store
 
 
 def train_encoder(store: Path, root: Path) -> float:
@@ -115,30 +104,6 @@ def train_encoder(store: Path, root: Path) -> float:
     return acc
 
 
-def run(store: Path, root: Path, seed: int, repa: bool, a, env: dict) -> list[dict]:
-    name = f"{'repa' if repa else 'plain'}_{seed}"
-    out = root / f"run_{name}"
-    subprocess.run(["rm", "-rf", str(out)], check=True)
-    steps = sorted(a.steps)
-    extra = ["--repa", "digits", "--repa-depth", a.depth, "--repa-weight", a.weight] if repa else []
-    t0 = time.perf_counter()
-    sh(BIN / "dittrain", "run", "--config", ROOT / "pipelines/configs/demo/train.toml", "--latents", store,
-       "--out", out, "--max-steps", steps[-1], "--save-every", np.gcd.reduce(steps), "--keep", 1000,
-       "--seed", seed, "-q", *extra, env=env, log=root / f"train_{name}.log")
-    seconds = time.perf_counter() - t0
-    rows = []
-    for k in steps:
-        samples = root / f"samples_{name}_{k}"
-        sh(BIN / "dittrain", "sample", "--config", ROOT / "pipelines/configs/demo/sample.toml",
-           "--ckpt", out / "checkpoints" / f"step_{k:08d}.pt", "--n-per-class", 10, "--out", samples, env=env)
-        rows.append({"seed": seed, "repa": repa, "step": k, "train_s": seconds, **digit_scores(samples / "samples")})
-    log = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    cos = [r["repa_cos"] for r in log if "repa_cos" in r]
-    for r in rows:
-        r["final_repa_cos"] = cos[-1] if cos else None
-    return rows
-
-
 def main() -> None:
     ap = parser(__doc__)
     add_options(ap, ("--steps", "150,300,600", "step counts at which samples are judged"),
@@ -158,25 +123,17 @@ def main() -> None:
         sh(BIN / "ditdata", "features", store, "--shards", root / "shards", "--encoder", "python:digits_encoder:load",
            "--out-name", "digits", "--device", "cpu", "-q", env=env)
         rows = []
+        repa = ["--repa", "digits", "--repa-depth", a.depth, "--repa-weight", a.weight]
         for seed in map(int, a.seeds.split(",")):
-            for repa in (False, True):
-                rows += run(store, root, seed, repa, a, env)
-        (root / "results").mkdir(exist_ok=True)
-        (root / "results" / "summary.json").write_text(json.dumps({"args": vars(a), "encoder_accuracy": acc,
-                                                                   "rows": rows}, indent=1))
+            for variant, extra in (("plain", []), ("--repa", repa)):
+                rows += train_and_judge(store, root, variant, seed, a.steps, extra, env)
+        for r in rows:
+            cos = [rec["repa_cos"] for rec in r["log"] if "repa_cos" in rec]
+            r["final_repa_cos"] = cos[-1] if cos else None
+        write_summary(root, a, rows, encoder_accuracy=acc)
         print(f"\nDiT-T/4 on the 16 px digits (flow, batch 32, lr 1e-3); --repa digits --repa-depth {a.depth} "
               f"--repa-weight {a.weight}; encoder accuracy {acc:.3f}; seeds {a.seeds}; 100 samples per checkpoint\n")
-        print("| steps | 1-NN accuracy, plain (mean; per seed) | with --repa | 1-NN distance, plain | with --repa |")
-        print("|---:|---|---|---:|---:|")
-        for k in a.steps:
-            p = [r for r in rows if r["step"] == k and not r["repa"]]
-            q = [r for r in rows if r["step"] == k and r["repa"]]
-            acc_of = lambda rs: f"{np.mean([r['nn_accuracy'] for r in rs]):.3f}; " + \
-                " ".join(f"{r['nn_accuracy']:.2f}" for r in rs)  # noqa: E731
-            dist = lambda rs: f"{np.mean([r['nn_distance'] for r in rs]):.2f}"  # noqa: E731
-            print(f"| {k} | {acc_of(p)} | {acc_of(q)} | {dist(p)} | {dist(q)} |")
-        t = {repa: np.mean([r["train_s"] for r in rows if r["repa"] == repa]) for repa in (False, True)}
-        print(f"\ntrain time to {a.steps[-1]} steps: plain {t[False]:.0f} s, --repa {t[True]:.0f} s")
+        print_comparison(rows, a.steps, ("plain", "--repa"))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Run configuration: every training knob with its default, in one place.
 
 `TrainConfig` is what a user sets, in sections (data, model, diffusion, optim,
-checkpointing, logging, eval, performance, repa); the `dittrain run` flags map 1:1 onto its
+checkpointing, logging, eval, performance, repa, routing); the `dittrain run` flags map 1:1 onto its
 field names. The resolved config saved in config.json, in every checkpoint and in the EMA
 export adds what is DERIVED from the latent store (never set by hand):
 
@@ -209,9 +209,18 @@ class RepaSection:
     repa_projector_dim: int = 2048  # the projector MLP's width: hidden -> P -> P -> feature dims
 
 
+@dataclass
+class RoutingSection:
+    """Token routing, TREAD (Krause et al., 2025; dittrain.routing): during training a random fraction
+    of the tokens skips the middle blocks and rejoins after them. Training only: sampling, evaluation
+    and exports always use every token. Off unless route is given."""
+
+    route: str = ""  # RATE:START:END, e.g. 0.5:2:26 (DiT-XL/2's 28 blocks); "": off
+
+
 SECTIONS = {"data": DataSection, "model": ModelSection, "diffusion": DiffusionSection, "optim": OptimSection,
             "checkpointing": CheckpointingSection, "logging": LoggingSection, "eval": EvalSection,
-            "performance": PerformanceSection, "repa": RepaSection}
+            "performance": PerformanceSection, "repa": RepaSection, "routing": RoutingSection}
 # field name -> its section: every flag of `dittrain run` is the name of one field
 SECTION_OF = {f.name: section for section, cls in SECTIONS.items() for f in fields(cls)}
 
@@ -229,6 +238,7 @@ class TrainConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     performance: PerformanceSection = field(default_factory=PerformanceSection)
     repa: RepaSection = field(default_factory=RepaSection)
+    routing: RoutingSection = field(default_factory=RoutingSection)
 
     @classmethod
     def from_flat(cls, **values) -> TrainConfig:

@@ -27,6 +27,8 @@ from dittrain.loggers import parse_loggers
 from dittrain.record import Resumption
 from dittrain.repa import check as check_repa
 from dittrain.repa import feature_record
+from dittrain.routing import check as check_route
+from dittrain.routing import parse_route
 from dittrain.specs import DiTConfig, get_config
 from dittrain.step import compile_model, compile_target
 
@@ -123,6 +125,7 @@ def setup(cfg: TrainConfig) -> Run:
     features = feature_record(store) if cfg.repa.repa else None
     if features is not None:
         check_repa(cfg, model_cfg, features)
+    check_route(parse_route(cfg.routing.route), model_cfg.depth, cfg.model.model)  # RouteError: one line
     diff_cfg, latents = diffusion_config(cfg, model_cfg, store)
     resolved = {
         "train": asdict(cfg),

@@ -38,6 +38,7 @@ from dittrain.grad_checkpointing import (
     checkpoint_every,
     selective_checkpoint_context,
 )
+from dittrain.routing import TokenRoute, gather_tokens, rejoin_tokens
 from dittrain.specs import DiTConfig, get_config
 
 # -----------------------------------------------------------------------------
@@ -418,7 +419,7 @@ class DiT(nn.Module):
 
     def forward(
         self, x, t, y=None, text_pooled=None, text_tokens=None, text_mask=None, force_drop_ids=None,
-        return_hidden: int = 0,
+        return_hidden: int = 0, route: TokenRoute | None = None,
     ):
         """
         x: (N, C, H, W) latents; t: (N,) timesteps (int or float, 0..1000 scale)
@@ -428,6 +429,9 @@ class DiT(nn.Module):
         returns (N, out_channels, H, W): eps (or velocity), then the variance channels if learn_sigma
         return_hidden = k >= 1: returns (that output, the tokens after the k-th block (N, T, D)),
             what REPA aligns (dittrain.repa); the output is the same either way
+        route: training only (dittrain.routing, TREAD): blocks route.start <= i < route.end run on
+            the tokens route.idx (N, K); the others skip them and rejoin before block route.end.
+            The hidden tokens of a routed block are the kept ones, (N, K, D)
         """
         cfg = self.config
         x = self.x_embedder(x) + self.pos_embed  # (N, T, D), T = H * W / p^2
@@ -457,13 +461,19 @@ class DiT(nn.Module):
             raise ValueError(f"return_hidden={return_hidden}: the model has {len(self.blocks)} blocks")
         hidden = None
         for i, block in enumerate(self.blocks):
+            if route is not None and i == route.start:
+                x_all, x = x, gather_tokens(x, route.idx)  # (N, K, D): the routed tokens leave
+            if route is not None and i == route.end:
+                x = rejoin_tokens(x_all, x, route.idx)  # (N, T, D) again
             if k and i % k == 0:
                 # recompute this block's activations in backward: memory for ~1/3 more compute
                 x = checkpoint(block, x, c, context, text_mask, use_reentrant=False)
             else:
                 x = block(x, c, context, text_mask, recompute=recompute)  # (N, T, D)
             if i + 1 == return_hidden:
-                hidden = x  # (N, T, D) after block k
+                hidden = x  # (N, T, D) after block k; (N, K, D) when it is routed
+        if route is not None and route.end == len(self.blocks):
+            x = rejoin_tokens(x_all, x, route.idx)
         x = self.final_layer(x, c)  # (N, T, p^2 * out_channels)
         x = self.unpatchify(x)  # (N, out_channels, H, W)
         return (x, hidden) if return_hidden else x

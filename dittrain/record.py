@@ -9,7 +9,7 @@ it was started. A setting that differs from the record is one of three kinds:
   evaluate, where logs go, loader processes, compilation, the device): applied;
 - learned: the optimisation itself (lr and its schedule, EMA, clipping, batch, accumulation,
   the seed and data window, loss and timestep options, CFG dropout, precision, REPA's block
-  and weight): refused with the list of differences unless --allow-changes says so;
+  and weight, token routing): refused with the list of differences unless --allow-changes says so;
 - fixed: what the weights or the optimizer state are made of (the model, the objective, the
   optimizer, latent normalisation, REPA's feature set and projector width, which make the
   projector's tensors): never, a new run is the way (--init-from RUN).
@@ -33,6 +33,7 @@ LEARNED = frozenset({
     "lr", "lr_schedule", "min_lr", "warmup_steps", "weight_decay", "ema", "grad_clip", "batch_size",
     "accumulation_steps", "seed", "shuffle_window", "loss_weighting", "min_snr_gamma", "t_sampling",
     "t_mean", "t_std", "t_shift", "class_dropout", "caption_dropout", "amp", "tf32", "repa_depth", "repa_weight",
+    "route",
 })
 # What the checkpoint's tensors are: its weights or optimizer state would not fit another value.
 FIXED = frozenset({"model", "learn_sigma", "qk_norm", "objective", "optimizer", "latent_norm", "repa",

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ditdata.common.errors import UserError
 from dittrain.config import TrainConfig
+from dittrain.routing import TokenRoute, kept_targets
 from dittrain.specs import DiTConfig
 
 
@@ -107,10 +108,12 @@ class Alignment:
     def capture(self, train_model) -> _Capture:
         return _Capture(train_model, self.depth)
 
-    def loss(self, hidden: torch.Tensor, feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, hidden: torch.Tensor, feat: torch.Tensor,
+             route: TokenRoute | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(REPA loss, mean cosine) of the hidden tokens (N, T, D) against the batch's targets
-        (N, T', Dy), resized to the model's grid when T' is another grid."""
-        target = resize_targets(feat, self.target_grid, self.grid)
+        (N, T', Dy), resized to the model's grid when T' is another grid. Under --route, when the
+        block is a routed one, the hidden tokens are the kept ones (N, K, D) and so are the targets."""
+        target = kept_targets(route, self.depth, resize_targets(feat, self.target_grid, self.grid))
         return alignment_loss(self.train_projector(hidden), target)
 
 

@@ -51,6 +51,7 @@ from dittrain.diffusion import Diffusion
 from dittrain.latents import LatentNorm
 from dittrain.model import drop_text_conditioning
 from dittrain.repa import Alignment
+from dittrain.routing import draw, keep_rows, parse_route
 
 
 @dataclass
@@ -98,6 +99,7 @@ class TrainStep:
     clipping, EMA decay, dropout rates (TrainConfig). Every rank draws the noise, timesteps
     and dropout of the GLOBAL micro-batch from `gen` and keeps its slice, so N ranks compute
     what one process would. repa: --repa's Alignment (its projector trains with the model).
+    --route (cfg.routing, dittrain.routing): each micro-batch's kept tokens, drawn from `gen` too.
     """
 
     def __init__(self, *, model, train_model, ema, optimizer, scaler, diffusion: Diffusion, cfg: TrainConfig,
@@ -107,6 +109,7 @@ class TrainStep:
         self.train_model, self.optimizer, self.scaler, self.diffusion = train_model, optimizer, scaler, diffusion
         self.cfg, self.gen, self.device, self.amp_dtype = cfg, gen, device, amp_dtype
         self.norm, self.empty_text, self.world, self.repa = norm, empty_text or {}, world, repa
+        self.route, self.tokens = parse_route(cfg.routing.route), model.config.num_tokens  # --route, or None
         # clipped together: one total norm over the model's and the projector's gradients
         self.params = [p for p in model.parameters() if p.requires_grad] + trained_projector(repa)
         self.ema_params, self.model_params = list(ema.parameters()), list(model.parameters())
@@ -129,6 +132,8 @@ class TrainStep:
             t = self.diffusion.sample_timesteps(global_micro, generator=gen, device=device)[self.mine]
             u = torch.rand(global_micro, generator=gen, device=device)[self.mine]
             kwargs = conditioning(batch, self.empty_text, cfg, u)
+            if self.route is not None:  # --route: the kept tokens, drawn like the noise (exact resume)
+                kwargs["route"] = keep_rows(draw(self.route, global_micro, self.tokens, gen, device), self.mine)
             sync = micro == cfg.optim.accumulation_steps - 1 or world == 1
             with contextlib.nullcontext() if sync else self._no_sync():
                 with autocast(device, self.amp_dtype):
@@ -147,7 +152,7 @@ class TrainStep:
             return loss, loss, None
         model = self.repa.capture(self.train_model)  # the diffusion loss sees the output only
         loss = self.diffusion.training_loss(model, x0, kwargs, t=t, noise=noise).mean()
-        repa_loss, cos = self.repa.loss(model.hidden, targets(batch))
+        repa_loss, cos = self.repa.loss(model.hidden, targets(batch), kwargs.get("route"))
         return loss + self.repa.weight * repa_loss, loss, torch.stack([repa_loss.detach(), cos])
 
     def _no_sync(self):

@@ -23,6 +23,8 @@ what a checkpoint holds; the optimizer and schedule from dittrain.optim) and res
 
 --repa (dittrain.repa): the store opens with its feature set (batch["feat"]); a projector is
 built beside the model, joins its optimizer and its checkpoints, and is never in the EMA.
+--route (dittrain.routing): the step draws which tokens skip the middle blocks; nothing else
+of the run changes (the model, its checkpoints and exports are a plain run's).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ from dittrain.optim import build_optimizer, build_schedule
 from dittrain.record import Resumption
 from dittrain.repa import Alignment, build_projector, describe, model_grid
 from dittrain.report import Log, evaluate, note, sample_grid, training_memory_hint
+from dittrain.routing import describe as describe_route
+from dittrain.routing import parse_route
 from dittrain.step import Attempt, TrainStep, compile_model, compile_target, empty_text_on
 
 # --------------------------------------------------------------------------- setup (dittrain.launch) and FID
@@ -342,6 +346,8 @@ def _train(cfg: TrainConfig, resumption: Resumption | None, progress: bool = Tru
             if align is not None:
                 print(f"dittrain: {describe(cfg, run.model_cfg, run.resolved['store']['features'], state.projector)}",
                       file=sys.stderr)
+            if (route := parse_route(cfg.routing.route)) is not None:
+                print(f"dittrain: {describe_route(route, run.model_cfg.depth, run.model_cfg.num_tokens)}", file=sys.stderr)
         # (the bar closes on errors too; out of GPU memory is one line naming the model, batch, precision)
         with (_Stop() as stop, Log(run, state, resumed=ckpt is not None, progress=progress) as log,
               training_memory_hint(run)):

@@ -1,0 +1,92 @@
+"""Step time and activation memory of token routing (--route, TREAD) against none.
+
+    python bench/route_cost.py [--models DiT-S/2,DiT-B/2] [--routes 0.5:1:11] [--input-size 32]
+                               [--batch-size 32] [--reps 3] [--device cpu|cuda] [--threads N]
+
+For each model: one forward + backward of a training step (the loss over every output token)
+without routing and with each --routes value, alternated rep by rep so that a machine whose
+speed drifts weighs on both alike; the kept tokens are drawn afresh each step, as in training
+(dittrain.routing.draw). Reported: the bytes the forward keeps for the backward pass
+(activations only, counted as bench/activation_memory.py counts them: every tensor autograd
+saves, distinct storages, parameters left out), the median step time, and both against no
+routing. 0.5:1:11 routes half the tokens around 10 of the 12 blocks of S and B (blocks 2-11),
+the share of blocks that 0.5:2:26 routes on XL's 28. fp32 on the CPU; bf16 autocast on CUDA.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from activation_memory import KeptCounter, autocast, batch  # bench/activation_memory.py
+from scratch import add_device_args, open_device, parser, sync  # bench/scratch.py
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dittrain.model import build_model  # noqa: E402
+from dittrain.routing import draw, parse_route  # noqa: E402
+
+
+def step(model, inputs, route, gen, device) -> torch.Tensor:
+    kwargs = dict(inputs)
+    if route is not None:
+        kwargs["route"] = draw(route, inputs["x"].shape[0], model.config.num_tokens, gen, device)
+    with autocast(device):
+        return model(**kwargs).float().pow(2).mean()
+
+
+def measure(args, name: str, device) -> list[dict]:
+    torch.manual_seed(0)
+    model = build_model(name, input_size=args.input_size, in_channels=4, num_classes=1000).to(device).train()
+    inputs, gen = batch(args, device), torch.Generator(device=device).manual_seed(0)
+    routes = [None, *(parse_route(r) for r in args.routes.split(","))]
+    rows = []
+    for route in routes:
+        counter = KeptCounter(model)
+        with counter.counting():
+            loss = step(model, inputs, route, gen, device)
+        loss.backward()
+        rows.append(dict(model=name, route=str(route) if route else "none", kept=counter.total, times=[]))
+        del loss
+    for rep in range(args.reps + 1):  # rep 0 warms up; then the routes alternate
+        for route, row in zip(routes, rows, strict=True):
+            model.zero_grad(set_to_none=False)
+            sync(device)
+            t0 = time.perf_counter()
+            step(model, inputs, route, gen, device).backward()
+            sync(device)
+            if rep:
+                row["times"].append(time.perf_counter() - t0)
+    for row in rows:
+        row["step_s"] = statistics.median(row.pop("times"))
+    return rows
+
+
+def main():
+    ap = parser(__doc__)
+    ap.add_argument("--models", default="DiT-S/2,DiT-B/2")
+    ap.add_argument("--routes", default="0.5:1:11")
+    ap.add_argument("--input-size", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    add_device_args(ap)
+    args = ap.parse_args()
+    device = open_device(args)
+    dtype = "bf16 autocast" if device.type == "cuda" else "fp32"
+    print(f"{args.input_size}x{args.input_size}x4 latents, batch {args.batch_size}, {dtype}, {device}, "
+          f"median of {args.reps} alternated steps")
+    print("\n| model | route | kept for backward (MiB) | vs none | step (s, median) | vs none |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name in args.models.split(","):
+        rows = measure(args, name, device)
+        base = rows[0]
+        for r in rows:
+            print(f"| {r['model']} | {r['route']} | {r['kept'] / 2**20:.1f} | {r['kept'] / base['kept']:.2f}x | "
+                  f"{r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

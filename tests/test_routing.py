@@ -1,0 +1,253 @@
+"""dittrain.routing and `dittrain run --route RATE:START:END` (TREAD): the routed forward against
+one built by hand, RATE 0 against the plain model, which tokens the blocks see in training and in
+sampling, REPA on routed blocks, exact resume, the record, the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from cliutil import assert_has, losses, one_error_line, resume_after_sigkill, run_args
+from cliutil import dittrain as cli
+from storeutil import add_features
+
+from dittrain.checkpoint import latest_checkpoint, load_checkpoint
+from dittrain.model import DiT, DiTBlock
+from dittrain.repa import Alignment, alignment_loss, build_projector
+from dittrain.routing import (
+    Route,
+    RouteError,
+    TokenRoute,
+    draw,
+    gather_tokens,
+    kept_targets,
+    parse_route,
+    rejoin_tokens,
+    routed,
+)
+from dittrain.specs import get_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+# the tests' store is 3x8x8: patch 2 gives a 4x4 grid, 16 tokens; 4 blocks
+MODEL = "custom:hidden=64,depth=4,heads=2,patch=2"
+ROUTE = ["--route", "0.5:1:3"]  # 8 of 16 tokens skip blocks 2-3
+
+
+def _model(**overrides) -> DiT:
+    torch.manual_seed(0)
+    model = DiT(get_config(MODEL, input_size=8, in_channels=3, num_classes=3, **overrides))
+    # adaLN-Zero starts every block as the identity: give the blocks something to do
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def _inputs(n: int = 3):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 3, 8, 8, generator=g), torch.tensor([10.0, 500.0, 900.0][:n]), torch.arange(n) % 3
+
+
+def _by_hand(model: DiT, x, t, y, start: int, end: int, idx) -> torch.Tensor:
+    """The routed forward written out: embed, blocks [0, start) on all tokens, [start, end) on
+    the kept ones (gathered with plain indexing), the routed ones put back as they left, the rest."""
+    h = model.x_embedder(x) + model.pos_embed
+    c = model.t_embedder(t) + model.y_embedder(y, False)
+    for block in model.blocks[:start]:
+        h = block(h, c)
+    rows = torch.arange(h.shape[0])[:, None]
+    kept = h[rows, idx]
+    for block in model.blocks[start:end]:
+        kept = block(kept, c)
+    h = h.clone()
+    h[rows, idx] = kept
+    for block in model.blocks[end:]:
+        h = block(h, c)
+    return model.unpatchify(model.final_layer(h, c))
+
+
+@pytest.mark.parametrize(("start", "end"), [(1, 3), (0, 2), (2, 4)])
+def test_the_routed_forward_equals_one_built_by_hand(start, end):
+    model = _model().eval()
+    x, t, y = _inputs()
+    idx = torch.tensor([[0, 3, 5, 6, 9, 10, 12, 15], [1, 2, 4, 7, 8, 11, 13, 14], [0, 1, 2, 3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        out = model(x, t, y=y, route=TokenRoute(start, end, idx))
+        plain = model(x, t, y=y)
+        torch.testing.assert_close(out, _by_hand(model, x, t, y, start, end, idx), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(out, plain, atol=1e-4)  # routing changes what the model computes
+
+
+def test_rate_zero_is_the_plain_model_bit_for_bit():
+    model = _model().eval()
+    x, t, y = _inputs()
+    route = draw(Route(0.0, 1, 3), 3, 16, torch.Generator().manual_seed(0), "cpu")
+    assert torch.equal(route.idx, torch.arange(16).expand(3, 16))
+    with torch.no_grad():
+        assert torch.equal(model(x, t, y=y, route=route), model(x, t, y=y))
+
+
+def test_draw_keeps_a_sorted_random_subset_from_the_generator():
+    route = Route(0.75, 1, 3)
+    a = draw(route, 5, 16, torch.Generator().manual_seed(7), "cpu")
+    b = draw(route, 5, 16, torch.Generator().manual_seed(7), "cpu")
+    assert torch.equal(a.idx, b.idx) and a.idx.shape == (5, 4) == (5, route.kept(16))
+    assert all(len(set(row.tolist())) == 4 and row.tolist() == sorted(row.tolist()) for row in a.idx)
+    assert len({tuple(row.tolist()) for row in a.idx}) > 1  # each sample its own subset
+    assert (a.start, a.end) == (1, 3) and Route(0.999, 0, 1).kept(4) == 1
+
+
+def test_gradients_reach_every_token_and_checkpointing_changes_nothing():
+    """The loss covers all tokens: the routed tokens' inputs get a gradient through the skip; and
+    block checkpointing under routing gives the same gradients as none."""
+    x, t, y = _inputs()
+    route = draw(Route(0.5, 1, 3), 3, 16, torch.Generator().manual_seed(0), "cpu")
+    grads = []
+    for knob in ("none", "every", "attn", "selective"):
+        model = _model(grad_checkpointing=knob).train()
+        xi = x.clone().requires_grad_(True)
+        model(xi, t, y=y, force_drop_ids=torch.zeros(3), route=route).square().mean().backward()
+        grads.append((xi.grad, model.blocks[1].mlp.fc1.weight.grad))
+    assert (grads[0][0].abs().sum(dim=1) > 0).all()  # every pixel of every token
+    for g in grads[1:]:
+        torch.testing.assert_close(g[0], grads[0][0], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(g[1], grads[0][1], rtol=1e-5, atol=1e-7)
+
+
+def test_repa_on_a_routed_block_aligns_the_kept_tokens():
+    model = _model().eval()
+    x, t, y = _inputs()
+    route = draw(Route(0.5, 1, 3), 3, 16, torch.Generator().manual_seed(0), "cpu")
+    with torch.no_grad():
+        _, inside = model(x, t, y=y, route=route, return_hidden=2)  # block 2: routed
+        _, after = model(x, t, y=y, route=route, return_hidden=4)  # block 4: all tokens again
+    assert inside.shape == (3, 8, 64) and after.shape == (3, 16, 64)
+    assert [routed(route, k) for k in (1, 2, 3, 4)] == [False, True, True, False]
+    feat = torch.randn(3, 16, 5)
+    proj = build_projector(64, 16, 5, seed=0)
+    align = Alignment(proj, proj, depth=2, weight=0.5, grid=(4, 4), target_grid=(4, 4))
+    loss, _ = align.loss(inside, feat, route)
+    by_hand, _ = alignment_loss(proj(inside), torch.stack([feat[n, route.idx[n]] for n in range(3)]))
+    torch.testing.assert_close(loss, by_hand)
+    assert torch.equal(kept_targets(route, 4, feat), feat)
+
+
+def test_gather_and_rejoin_are_inverse_where_they_should_be():
+    full = torch.randn(2, 6, 3)
+    idx = torch.tensor([[0, 2, 5], [1, 3, 4]])
+    kept = gather_tokens(full, idx)
+    assert torch.equal(kept[1, 2], full[1, 4])
+    assert torch.equal(rejoin_tokens(full, kept, idx), full)
+    moved = rejoin_tokens(full, kept + 1, idx)
+    assert torch.equal(moved[0, 1], full[0, 1]) and torch.equal(moved[0, 2], full[0, 2] + 1)
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("0.5:2", "give RATE:START:END"),
+    ("half:1:3", "give RATE:START:END"),
+    ("0:1:3", "RATE 0 is outside (0, 1)"),
+    ("1:1:3", "RATE 1 is outside (0, 1)"),
+    ("nan:1:3", "is outside (0, 1)"),
+    ("0.5:3:3", "START 3 must be >= 0 and below END 3"),
+    ("0.5:-1:3", "START -1 must be >= 0"),
+])
+def test_values_that_do_not_parse(text, says):
+    with pytest.raises(RouteError) as e:
+        parse_route(text)
+    assert says in str(e.value) and "\n" not in str(e.value)
+    assert parse_route("") is None and parse_route(" 0.25:0:4 ") == Route(0.25, 0, 4)
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def _count_tokens(monkeypatch) -> list[int]:
+    """Every DiTBlock forward from now on appends its sequence length to the returned list."""
+    seen: list[int] = []
+    forward = DiTBlock.forward
+
+    def counting(self, x, *args, **kwargs):
+        seen.append(x.shape[1])
+        return forward(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(DiTBlock, "forward", counting)
+    return seen
+
+
+def test_a_routed_run_routes_in_training_only(store, tmp_path, monkeypatch):
+    """Training: blocks 2-3 of every forward see 8 of the 16 tokens, blocks 1 and 4 all 16; the
+    startup line and config.json say so. Sampling and exporting the run use every token."""
+    seen = _count_tokens(monkeypatch)
+    out = tmp_path / "r"
+    r = cli(*run_args(store, out, "--max-steps", 2, "--logger", "jsonl", *ROUTE, model=MODEL))
+    assert r.exit_code == 0, r.output
+    assert_has(r.output, "route: 0.5:1:3: 8 of 16 tokens (50%) skip blocks 2-3 of 4 and rejoin before block 4; "
+                         "those blocks see 8 tokens; training only")
+    assert seen and seen == [16, 8, 8, 16] * (len(seen) // 4)
+    assert json.loads((out / "config.json").read_text())["train"]["routing"] == {"route": "0.5:1:3"}
+
+    seen.clear()
+    r = cli("sample", "--ckpt", out, "--out", tmp_path / "g.png", "--n", 2, "--steps", 2, "--device", "cpu",
+            "--class", 0)
+    assert r.exit_code == 0, r.output
+    assert seen and set(seen) == {16}
+    plain = tmp_path / "plain"
+    assert cli(*run_args(store, plain, "--max-steps", 2, "--logger", "jsonl", model=MODEL)).exit_code == 0
+    assert load_checkpoint(latest_checkpoint(out))["model"].keys() == load_checkpoint(latest_checkpoint(plain))["model"].keys()
+    assert losses(out) != losses(plain)
+
+
+def test_route_with_repa_on_a_routed_block(store, tmp_path):
+    root = tmp_path / "s"
+    import shutil
+
+    shutil.copytree(store, root)
+    add_features(root, "feats", tokens=16, dims=8)
+    out = tmp_path / "r"
+    r = cli(*run_args(root, out, "--max-steps", 3, "--logger", "jsonl", *ROUTE, "--repa", "feats",
+                      "--repa-depth", 2, "--repa-projector-dim", 16, model=MODEL))
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(np.isfinite(row["repa_loss"]) and -1 <= row["repa_cos"] <= 1 for row in rows)
+
+
+def test_exact_resume_with_routing(store, tmp_path):
+    steps, half = 20, 10
+    common = ["--loader", "resident", "--max-steps", steps, "--save-every", half, "--lr", "1e-3", "--ema", "0.9",
+              "--logger", "jsonl", "--model", MODEL, *ROUTE]
+    resume_after_sigkill(store, tmp_path, common, steps=steps, half=half)
+    a, b = (load_checkpoint(latest_checkpoint(tmp_path / n)) for n in ("straight", "killed"))
+    for part in ("model", "ema"):
+        assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
+
+
+def test_another_route_on_resume_is_a_learned_change(store, tmp_path):
+    out = tmp_path / "r"
+    assert cli(*run_args(store, out, "--max-steps", 1, "--logger", "jsonl", *ROUTE, model=MODEL)).exit_code == 0
+    r = cli("run", "--resume", "--out", out, "--max-steps", 2, "--route", "0.25:1:3")
+    assert r.exit_code != 0 and "--route" in one_error_line(r.output), r.output
+    r = cli("run", "--resume", "--out", out, "--max-steps", 2, "--route", "0.25:1:3", "--allow-changes")
+    assert r.exit_code == 0, r.output
+    history = json.loads((out / "config.json").read_text())["history"]
+    assert history[-1]["changes"]["--route"] == {"from": "0.5:1:3", "to": "0.25:1:3"}
+
+
+@pytest.mark.parametrize(("route", "says"), [
+    ("0.5:1:5", f"--route 0.5:1:5: END 5 is beyond {MODEL}'s 4 blocks; choose END <= 4"),
+    ("1.5:1:3", "RATE 1.5 is outside (0, 1)"),
+    ("0.5:3:1", "START 3 must be >= 0 and below END 1"),
+])
+def test_refusals_are_one_line_and_write_nothing(store, tmp_path, route, says):
+    r = cli(*run_args(store, tmp_path / "r", "--max-steps", 1, "--route", route, model=MODEL))
+    assert r.exit_code != 0 and says in one_error_line(r.output), r.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_print_config_carries_the_route(store, tmp_path):
+    r = cli(*run_args(store, tmp_path / "r", *ROUTE, "--print-config", model=MODEL))
+    assert r.exit_code == 0, r.output
+    assert '[routing]\nroute = "0.5:1:3"' in r.output
+
