@@ -8,7 +8,7 @@ what one forward costs.
     flops_per_forward(config)        multiply-adds of one sample's forward (the paper's Gflops)
 
 Block choices (DiTConfig.mlp / norm / pos, the choice tuples of dittrain.config): DiT's blocks
-by default (gelu, layer, sincos); LightningDiT (Yao & Wang, 2025) swaps in a SwiGLU MLP,
+by default (gelu, layer, sincos); LightningDiT (Yao et al., 2025) swaps in a SwiGLU MLP,
 RMSNorm and 2-D rotary position embedding (dittrain.model has the layers).
 
 Arithmetic on names and numbers only (the grad-checkpointing knob is read by
@@ -95,7 +95,7 @@ _SIZES = {
 }
 _PATCHES = {"T": (2, 4), "S": (2, 4, 8), "B": (2, 4, 8), "L": (2, 4, 8), "XL": (2, 4, 8)}
 
-# LightningDiT (Yao & Wang, 2025, "Reconstruction vs. Generation", hustvl/LightningDiT): DiT's
+# LightningDiT (Yao et al., 2025, "Reconstruction vs. Generation", hustvl/LightningDiT): DiT's
 # B and XL sizes with patch 1 (its VA-VAE latents, 32x16x16 at 256 px, are already /16) or 2,
 # and these blocks. QK-norm on as well (the released XL/1 config leaves it off; it adds two
 # head_dim weights per block: 4032 parameters in XL).
