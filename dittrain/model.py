@@ -553,15 +553,16 @@ def rope_table(head_dim: int, grid_size: int, theta: float = 10000.0, device=Non
     each (grid_size^2, head_dim) float32, tokens in row-major order. The first half of a head's
     dims turns with the token's row, the second half with its column; within each half the
     pairs (2i, 2i + 1) turn by the angle pos * theta^(-2i / (head_dim / 2)), i < head_dim / 4,
-    so both entries of a pair share a column of the tables. Computed in float64."""
+    so both entries of a pair share a column of the tables. Computed in float64, on `device`
+    itself: a table made on the host and copied would make every forward wait for the GPU."""
     assert head_dim % 4 == 0, "2-D RoPE needs a head dim that is a multiple of 4"
     half = head_dim // 2
-    freqs = theta ** (-torch.arange(0, half, 2, dtype=torch.float64) / half)  # (head_dim/4,)
+    freqs = theta ** (-torch.arange(0, half, 2, dtype=torch.float64, device=device) / half)  # (head_dim/4,)
     freqs = freqs.repeat_interleave(2)  # (half,): one angle per pair
-    pos = torch.arange(grid_size, dtype=torch.float64)
+    pos = torch.arange(grid_size, dtype=torch.float64, device=device)
     rows, cols = torch.meshgrid(pos, pos, indexing="ij")  # token index = row * grid + col
     angles = torch.cat([rows.reshape(-1, 1) * freqs, cols.reshape(-1, 1) * freqs], dim=1)  # (T, head_dim)
-    return angles.cos().float().to(device), angles.sin().float().to(device)
+    return angles.cos().float(), angles.sin().float()
 
 
 def rope_rows(rope: tuple[torch.Tensor, torch.Tensor], idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
