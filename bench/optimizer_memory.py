@@ -74,7 +74,8 @@ def main() -> None:
     with torch.device("meta"):  # the values do not change the state's size: skip the init
         model = DiT(cfg)
     model = model.to_empty(device=device)
-    torch.nn.init.zeros_(model.pos_embed)
+    if hasattr(model, "pos_embed"):  # frozen, so the optimizers never read it (RoPE models have none)
+        torch.nn.init.zeros_(model.pos_embed)
     rows = [measure(args.model, o.strip(), model, device) for o in args.optimizers.split(",")]
     print(f"{args.model} at {args.resolution} px, {args.classes} classes: {rows[0]['params'] / 1e6:.1f}M trainable "
           f"parameters (fp32 weights {rows[0]['params'] * 4 / 1e9:.2f} GB), on {device}")

@@ -43,7 +43,7 @@ def main():
               help="Output the learned variance too (ddpm as in DiT).")
 @click.option("--model", "specs", multiple=True, metavar="SPEC",
               help="Also show this model (repeatable): a name, or a custom size "
-                   "custom:hidden=512,depth=8,heads=8,patch=2 (optional: ,mlp_ratio=R).")
+                   "custom:hidden=512,depth=8,heads=8,patch=2 (optional: ,mlp_ratio=R,mlp=swiglu,norm=rms,pos=rope,qk_norm=1).")
 def models_cmd(resolution, downsample, channels, num_classes, learn_sigma, specs):
     """The named DiT configs (and any --model SPEC) with parameters and forward GFLOPs
     (multiply-adds per sample)."""
@@ -167,8 +167,9 @@ def _opt(*names, field, **kw):
 @click.option("--out", "-o", default="", type=click.Path(file_okay=False, path_type=str),
               help="Run directory: config.json, metrics.jsonl, checkpoints/, ema.safetensors, samples/. "
                    "Required (in the --config file or here), except with --print-config.")
-@_opt("--model", field="model", help="A name from `dittrain models`, e.g. DiT-XL/2, or a custom size "
-      "custom:hidden=512,depth=8,heads=8,patch=2 (optional: ,mlp_ratio=R).")
+@_opt("--model", field="model", help="A name from `dittrain models`, e.g. DiT-XL/2 or LightningDiT-XL/1, or a "
+      "custom size custom:hidden=512,depth=8,heads=8,patch=2 (optional: ,mlp_ratio=R and the block choices "
+      ",mlp=gelu|swiglu,norm=layer|rms,pos=sincos|rope,qk_norm=0|1).")
 @_opt("--objective", field="objective", type=click.Choice(config.OBJECTIVES),
       help="ddpm: epsilon prediction as in DiT; flow: rectified flow (velocity).")
 @_opt("--batch-size", field="batch_size", type=click.IntRange(min=1),
@@ -189,7 +190,8 @@ def _opt(*names, field, **kw):
 @_opt("--caption-dropout", field="caption_dropout", type=FiniteFloat(0, 1), help="Caption dropout for CFG (0..1).")
 @click.option("--learn-sigma/--no-learn-sigma", default=None,
               help="Learned variance (default: on for ddpm, off for flow).")
-@_opt("--qk-norm/--no-qk-norm", field="qk_norm")
+@_opt("--qk-norm/--no-qk-norm", field="qk_norm", help="Add QK-norm (RMSNorm of q and k per head); without it a "
+      "model keeps its own (LightningDiT's, a custom spec's qk_norm=1).")
 @_opt("--latent-norm", field="latent_norm", type=click.Choice(config.LATENT_NORMS),
       help="channel: standardise each latent channel with the store's recorded mean/std before the model "
            "(recorded in the run config; sampling undoes it before decoding). Helps scale-1 stores (TAEF2).")

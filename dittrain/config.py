@@ -43,6 +43,11 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 LOADERS = ("auto", "resident", "streaming")  # dittrain.data
 RESIDENT_DEVICES = ("cpu", "cuda")  # where a resident store lives
 LOGGERS = ("jsonl", "tensorboard", "wandb")  # dittrain.loggers
+# The DiT's block choices (DiTConfig.mlp / norm / pos; dittrain.specs, dittrain.model), the first of
+# each DiT's own: the LightningDiT presets and custom:...,mlp=swiglu,norm=rms,pos=rope choose the others
+MLPS = ("gelu", "swiglu")  # gelu: DiT's tanh-GELU MLP; swiglu: silu(x W1) * (x W3), then W2
+NORMS = ("layer", "rms")  # the adaLN-modulated norms: LayerNorm (no affine) or RMSNorm (learned weight)
+POSITIONS = ("sincos", "rope")  # sincos: a fixed table added to the tokens; rope: 2-D rotary q and k
 
 
 # |guidance scale| beyond this is refused (--cfg, --sample-cfg, --eval-cfg; dittrain.sample.plan_samples):
@@ -106,9 +111,9 @@ class DataSection:
 class ModelSection:
     """The network (dittrain.model) and where its first weights come from."""
 
-    model: str = "DiT-B/2"  # a name from `dittrain models` or custom:hidden=H,depth=D,heads=N,patch=P
+    model: str = "DiT-B/2"  # a name from `dittrain models` (DiT-XL/2, LightningDiT-XL/1, ...) or custom:hidden=H,depth=D,heads=N,patch=P
     learn_sigma: bool | None = None  # None: True for ddpm (as DiT), False for flow
-    qk_norm: bool = False
+    qk_norm: bool = False  # True adds QK-norm to any model; False keeps the model's own (LightningDiT's: on)
     init_from: str = ""  # fine-tune from these weights: a plain state dict, an EMA export, a run, a checkpoint
 
 

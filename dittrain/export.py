@@ -26,8 +26,9 @@ diffusers  DIR/: a diffusers DiTPipeline folder (model_index.json, transformer/,
            scheduler/, and dittrain_export.json), which DiTPipeline.from_pretrained(DIR,
            local_files_only=True) loads offline. Class-conditional ddpm runs on a store
            encoded with a diffusers AutoencoderKL (shift 0) only; the others are refused with
-           the reason (text: no diffusers pipeline has our text DiT; flow: DiTPipeline is
-           DDPM eps; unconditional; QK-norm; a TAEF2 or pixels store).
+           the reason (text: no diffusers pipeline has our text DiT; LightningDiT's blocks
+           (SwiGLU, RMSNorm, RoPE): DiTTransformer2DModel has none of them; flow: DiTPipeline
+           is DDPM eps; unconditional; QK-norm; a TAEF2 or pixels store).
            transformer  DiTTransformer2DModel, weights mapped from facebookresearch/DiT's names
                         (the t/y embedders copied into every block, qkv split), norm_eps 1e-6,
                         out_channels 2C with learned sigma (the pipeline drops the variance).
@@ -84,7 +85,7 @@ from dittrain.opened import (
     open_run_store,
     run_store,
 )
-from dittrain.specs import DiTConfig
+from dittrain.specs import BLOCK_FIELDS, DiTConfig
 from dittrain.weights import full_weights, infer_run_config, read_weights
 
 FORMATS = ("onnx", "diffusers", "fp16", "int8")
@@ -269,6 +270,10 @@ def diffusers_refusal(config: dict, store=None) -> str | None:
     if cfg.text_pooled_dim or cfg.text_token_dim:
         return ("it is a text-conditioned DiT and no diffusers pipeline matches it (DiTPipeline is class-conditional); "
                 "export it as onnx, fp16 or int8")
+    blocks = [f"{k}={getattr(cfg, k)}" for k in BLOCK_FIELDS if k != "qk_norm" and getattr(cfg, k) != getattr(DiTConfig, k)]
+    if blocks:
+        return (f"its blocks are LightningDiT's ({', '.join(blocks)}) and no diffusers pipeline has these blocks "
+                "(DiTTransformer2DModel: GELU MLP, LayerNorm, sin-cos positions); export it as onnx, fp16 or int8")
     if not cfg.num_classes:
         return "it is unconditional and DiTPipeline is class-conditional; export it as onnx, fp16 or int8"
     if d.objective != "ddpm":

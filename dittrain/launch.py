@@ -57,10 +57,12 @@ def model_config_for(cfg: TrainConfig, store: Store) -> DiTConfig:
     # --grad-checkpointing 2 is recorded as the int 2 (the model config is compared on resume)
     granularity = cfg.performance.grad_checkpointing
     granularity = int(granularity) if str(granularity).isdigit() else granularity
+    # --qk-norm adds QK-norm; without it a model keeps its own (the LightningDiT presets have it)
+    qk_norm = {"qk_norm": True} if cfg.model.qk_norm else {}
     try:
         return get_config(
             cfg.model.model, input_size=h, in_channels=c, num_classes=cond.num_classes,
-            class_dropout_prob=cfg.diffusion.class_dropout, learn_sigma=learn_sigma, qk_norm=cfg.model.qk_norm,
+            class_dropout_prob=cfg.diffusion.class_dropout, learn_sigma=learn_sigma, **qk_norm,
             text_pooled_dim=cond.pooled_dim,
             text_token_dim=cond.tokens_shape[-1] if cond.tokens_shape else None,
             grad_checkpointing=granularity,

@@ -17,7 +17,20 @@ With learn_sigma=True and class conditioning the state-dict names and shapes are
 those of the released facebookresearch/DiT checkpoints, so they load strictly.
 QK-norm and the text layers add keys only when enabled.
 
-Public API: DiT(config), build_model(name, **overrides), drop_text_conditioning(...).
+Block choices (DiTConfig.mlp / norm / pos, tables below): DiT's tanh-GELU MLP, affine-free
+LayerNorm and fixed 2-D sin-cos table by default; LightningDiT's SwiGLU MLP (MLP_LAYERS),
+RMSNorm with its learned weight (NORM_LAYERS) and 2-D axial rotary position embedding
+(rope_table, apply_rope: no pos_embed at all) on request. The text cross-attention keeps
+its affine LayerNorm (norm_cross) and unrotated queries and keys whatever the choices:
+text tokens have no image position.
+
+RoPE interface (what token routing relies on): DiT.forward computes rope = (cos, sin) once,
+each (T, head_dim) in row-major token order, and passes it to every block as `rope=`
+(None for sin-cos models); blocks and attention also take per-sample tables (N, T', head_dim)
+of a subset of tokens, rope_rows(rope, idx) with idx (N, T').
+
+Public API: DiT(config), build_model(name, **overrides), drop_text_conditioning(...),
+rope_table(...), rope_rows(rope, idx), apply_rope(x, rope).
 """
 
 from __future__ import annotations
@@ -178,18 +191,22 @@ class _Heads(nn.Module):
 
 
 class Attention(_Heads):
-    """Multi-head self-attention; names (qkv, proj) match timm's, which DiT used."""
+    """Multi-head self-attention; names (qkv, proj) match timm's, which DiT used. With `rope`
+    (cos, sin), q and k are rotated by their tokens' positions after the QK-norm."""
 
     def __init__(self, dim: int, num_heads: int, qk_norm: bool = False):
         super().__init__(dim, num_heads, qk_norm)
         self.qkv = nn.Linear(dim, 3 * dim)
 
-    def forward(self, x):
+    def forward(self, x, rope=None):
+        # x (N, T, D); rope: None, or (cos, sin) each (T, head_dim) or per sample (N, T, head_dim)
         N, T, D = x.shape
         # (N, T, 3D) -> (3, N, heads, T, head_dim): the timm layout the checkpoints expect
         qkv = self.qkv(x).reshape(N, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         q, k = self._norm(q, k, v)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         x = F.scaled_dot_product_attention(q, k, v)  # (N, heads, T, head_dim)
         return self.proj(x.transpose(1, 2).reshape(N, T, D))
 
@@ -228,6 +245,8 @@ class CrossAttention(_Heads):
 
 
 class Mlp(nn.Module):
+    """DiT's MLP: fc2(gelu_tanh(fc1(x))), D -> H -> D."""
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
@@ -238,32 +257,59 @@ class Mlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+class SwiGLU(nn.Module):
+    """SwiGLU (Shazeer, 2020): W2 (silu(x W1) * (x W3)). W1 and W3 are one matmul, fc1
+    (D -> 2H', W1's rows first), so the block runs three matmuls in two calls; fc2 is W2
+    (H' -> D). H' is DiTConfig.mlp_hidden: the GELU MLP's parameters (dittrain.specs)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 2 * hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        a, b = self.fc1(x).chunk(2, dim=-1)  # (N, T, H') each: x W1, x W3
+        return self.fc2(F.silu(a) * b)
+
+
+# DiTConfig.mlp -> the block's MLP, built as cls(D, hidden)
+MLP_LAYERS = {"gelu": Mlp, "swiglu": SwiGLU}
+# DiTConfig.norm -> the adaLN-modulated norm (norm1, norm2, norm_final), built as f(D). DiT's
+# LayerNorm has no affine (the modulation scales and shifts); LightningDiT's RMSNorm keeps its
+# learned weight (its parameter counts include it)
+NORM_LAYERS = {"layer": partial(nn.LayerNorm, elementwise_affine=False, eps=1e-6),
+               "rms": partial(nn.RMSNorm, eps=1e-6)}
+
+
 class DiTBlock(nn.Module):
     """adaLN-Zero block: c regresses (shift, scale, gate) for attention and MLP; gates start
     at zero so every block is the identity at initialisation.
     With text tokens, a cross-attention layer sits between them (pre-LayerNorm, residual,
-    not modulated: it already sees the text; its output projection starts at zero)."""
+    not modulated: it already sees the text; its output projection starts at zero).
+    mlp, norm: the block choices (MLP_LAYERS, NORM_LAYERS); mlp_hidden: the MLP's hidden width."""
 
     def __init__(
-        self, hidden_size: int, num_heads: int, mlp_ratio: float, qk_norm: bool, cross: bool
+        self, hidden_size: int, num_heads: int, mlp_hidden: int, qk_norm: bool, cross: bool,
+        mlp: str = "gelu", norm: str = "layer",
     ):
         super().__init__()
-        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.norm1 = NORM_LAYERS[norm](hidden_size)
         self.attn = Attention(hidden_size, num_heads, qk_norm=qk_norm)
         if cross:
             self.norm_cross = nn.LayerNorm(hidden_size, eps=1e-6)
             self.cross_attn = CrossAttention(hidden_size, num_heads, qk_norm=qk_norm)
-        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
+        self.norm2 = NORM_LAYERS[norm](hidden_size)
+        self.mlp = MLP_LAYERS[mlp](hidden_size, mlp_hidden)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
         # recompute="selective" also recomputes matmul outputs this wide (None: keep them all);
         # bench/activation_memory.py sets it to the MLP width to measure that variant
         self.selective_recompute_width: int | None = None
 
-    def forward(self, x, c, context=None, context_mask=None, recompute=None):
+    def forward(self, x, c, context=None, context_mask=None, recompute=None, rope=None):
         # x (N, T, D), c (N, D); recompute: "attn" | "mlp" | None, the branch whose activations
         # are recomputed in the backward pass instead of kept, or "selective", the whole block
         # with its matmul/attention outputs kept (DiT.forward passes block_recompute(knob)).
+        # rope: None, or (cos, sin) of x's tokens, (T, head_dim) or per sample (N, T, head_dim).
         # The checkpoint sits INSIDE forward so that a compiled block (block.compile()) traces
         # it with its policy: an SAC region around a compiled block would run it eagerly.
         if recompute == CHECKPOINT_SELECTIVE:
@@ -271,11 +317,11 @@ class DiTBlock(nn.Module):
             # respect_saved_tensors_hooks: save_on_cpu and the like see what the policy keeps
             context_fn = partial(selective_checkpoint_context, self.selective_recompute_width)
             return checkpoint(self.forward, x, c, context, context_mask, use_reentrant=False,
-                              context_fn=context_fn, **SAC_HOOKS)
+                              context_fn=context_fn, rope=rope, **SAC_HOOKS)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(
             c
         ).chunk(6, dim=1)
-        attn_args = (x, shift_msa, scale_msa, gate_msa, context, context_mask)
+        attn_args = (x, shift_msa, scale_msa, gate_msa, context, context_mask, rope)
         if recompute == "attn":
             x = checkpoint(self._attention, *attn_args, use_reentrant=False)
         else:
@@ -284,9 +330,9 @@ class DiTBlock(nn.Module):
             return checkpoint(self._mlp, x, shift_mlp, scale_mlp, gate_mlp, use_reentrant=False)
         return self._mlp(x, shift_mlp, scale_mlp, gate_mlp)
 
-    def _attention(self, x, shift, scale, gate, context, context_mask):
+    def _attention(self, x, shift, scale, gate, context, context_mask, rope):
         # the attention branch with its residuals: self-attention, then (text) cross-attention
-        x = x + gate.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift, scale))
+        x = x + gate.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift, scale), rope)
         if context is not None:
             x = x + self.cross_attn(self.norm_cross(x), context, context_mask)
         return x
@@ -298,9 +344,9 @@ class DiTBlock(nn.Module):
 class FinalLayer(nn.Module):
     """adaLN, then a linear map of each token back to a p x p x out_channels patch."""
 
-    def __init__(self, hidden_size: int, patch_size: int, out_channels: int):
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int, norm: str = "layer"):
         super().__init__()
-        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.norm_final = NORM_LAYERS[norm](hidden_size)
         self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
 
@@ -330,20 +376,23 @@ class DiT(nn.Module):
             self.text_pooled_embedder = TextEmbedder(cfg.text_pooled_dim, D, nn.SiLU())
         if cfg.text_token_dim:
             self.text_token_embedder = TextEmbedder(cfg.text_token_dim, D, nn.GELU(approximate="tanh"))
-        # fixed 2-D sin-cos position embedding; a frozen Parameter (not a buffer) because the
-        # released checkpoints store it under "pos_embed"
-        self.pos_embed = nn.Parameter(torch.zeros(1, cfg.num_tokens, D), requires_grad=False)
+        if cfg.pos == "sincos":
+            # fixed 2-D sin-cos position embedding; a frozen Parameter (not a buffer) because the
+            # released checkpoints store it under "pos_embed". RoPE models have none: their
+            # positions enter the attention (rope_table), computed in each forward
+            self.pos_embed = nn.Parameter(torch.zeros(1, cfg.num_tokens, D), requires_grad=False)
         self.blocks = nn.ModuleList(
-            DiTBlock(D, cfg.num_heads, cfg.mlp_ratio, cfg.qk_norm, cross=bool(cfg.text_token_dim))
+            DiTBlock(D, cfg.num_heads, cfg.mlp_hidden, cfg.qk_norm, cross=bool(cfg.text_token_dim),
+                     mlp=cfg.mlp, norm=cfg.norm)
             for _ in range(cfg.depth)
         )
-        self.final_layer = FinalLayer(D, cfg.patch_size, cfg.out_channels)
+        self.final_layer = FinalLayer(D, cfg.patch_size, cfg.out_channels, norm=cfg.norm)
         self.initialize_weights()
 
     @torch.no_grad()
     def initialize_weights(self):
         """DiT's init. Call again after `to_empty()` when the model was built on meta."""
-        if self.pos_embed.is_meta:  # nothing to fill: a meta model is for counting only
+        if self.x_embedder.proj.weight.is_meta:  # nothing to fill: a meta model is for counting only
             return
 
         def _basic_init(module):
@@ -356,8 +405,9 @@ class DiT(nn.Module):
                     nn.init.zeros_(module.bias)
 
         self.apply(_basic_init)
-        grid = self.config.input_size // self.patch_size
-        self.pos_embed.copy_(sincos_pos_embed_2d(self.config.hidden_size, grid).unsqueeze(0))
+        if self.config.pos == "sincos":
+            grid = self.config.input_size // self.patch_size
+            self.pos_embed.copy_(sincos_pos_embed_2d(self.config.hidden_size, grid).unsqueeze(0))
         # the patch embedding is a linear map of the flattened patch
         w = self.x_embedder.proj.weight
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
@@ -434,7 +484,12 @@ class DiT(nn.Module):
             The hidden tokens of a routed block are the kept ones, (N, K, D)
         """
         cfg = self.config
-        x = self.x_embedder(x) + self.pos_embed  # (N, T, D), T = H * W / p^2
+        x = self.x_embedder(x)  # (N, T, D), T = H * W / p^2
+        rope = None
+        if cfg.pos == "sincos":
+            x = x + self.pos_embed
+        else:  # the rotary table of the grid, once for every block
+            rope = rope_table(cfg.head_dim, cfg.input_size // cfg.patch_size, device=x.device)
         c = self.t_embedder(t)  # (N, D)
         if cfg.num_classes:
             if y is None:
@@ -467,9 +522,9 @@ class DiT(nn.Module):
                 x = rejoin_tokens(x_all, x, route.idx)  # (N, T, D) again
             if k and i % k == 0:
                 # recompute this block's activations in backward: memory for ~1/3 more compute
-                x = checkpoint(block, x, c, context, text_mask, use_reentrant=False)
+                x = checkpoint(block, x, c, context, text_mask, use_reentrant=False, rope=rope)
             else:
-                x = block(x, c, context, text_mask, recompute=recompute)  # (N, T, D)
+                x = block(x, c, context, text_mask, recompute=recompute, rope=rope)  # (N, T, D)
             if i + 1 == return_hidden:
                 hidden = x  # (N, T, D) after block k; (N, K, D) when it is routed
         if route is not None and route.end == len(self.blocks):
@@ -503,10 +558,49 @@ def sincos_pos_embed_2d(dim: int, grid_size: int) -> torch.Tensor:
     return torch.cat([emb_1d(cols), emb_1d(rows)], dim=1).float()
 
 
+def rope_table(head_dim: int, grid_size: int, theta: float = 10000.0, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """2-D axial rotary position embedding (RoFormer's rotation, EVA-02's 2-D layout): (cos, sin),
+    each (grid_size^2, head_dim) float32, tokens in row-major order. The first half of a head's
+    dims turns with the token's row, the second half with its column; within each half the
+    pairs (2i, 2i + 1) turn by the angle pos * theta^(-2i / (head_dim / 2)), i < head_dim / 4,
+    so both entries of a pair share a column of the tables. Computed in float64, on `device`
+    itself: a table made on the host and copied would make every forward wait for the GPU."""
+    assert head_dim % 4 == 0, "2-D RoPE needs a head dim that is a multiple of 4"
+    half = head_dim // 2
+    freqs = theta ** (-torch.arange(0, half, 2, dtype=torch.float64, device=device) / half)  # (head_dim/4,)
+    freqs = freqs.repeat_interleave(2)  # (half,): one angle per pair
+    pos = torch.arange(grid_size, dtype=torch.float64, device=device)
+    rows, cols = torch.meshgrid(pos, pos, indexing="ij")  # token index = row * grid + col
+    angles = torch.cat([rows.reshape(-1, 1) * freqs, cols.reshape(-1, 1) * freqs], dim=1)  # (T, head_dim)
+    return angles.cos().float(), angles.sin().float()
+
+
+def rope_rows(rope: tuple[torch.Tensor, torch.Tensor], idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of the rotary tables (cos, sin) (T, head_dim) for tokens idx (N, T') (indices
+    into the row-major grid): per-sample tables (N, T', head_dim), what a block takes for the
+    kept tokens of a routed subset x[n, idx[n]]."""
+    cos, sin = rope
+    return cos[idx], sin[idx]
+
+
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x (N, heads, T, head_dim) rotated by rope = (cos, sin), (T, head_dim) for every sample or
+    (N, T, head_dim) per sample: x * cos + rot(x) * sin with rot(x0, x1) = (-x1, x0) on each pair.
+    In float32 (a bf16 rotation of a large angle is coarse), back in x's dtype."""
+    cos, sin = rope
+    if cos.dim() == 3:  # per sample: broadcast over heads
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    xf = x.float()
+    pairs = xf.unflatten(-1, (-1, 2))  # (..., head_dim/2, 2)
+    rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
 def build_model(name: str, **overrides) -> DiT:
     """build_model("DiT-XL/2", input_size=32, num_classes=1000) -> DiT.
     Build under `with torch.device("meta"):` to count parameters of big models for free."""
     return DiT(get_config(name, **overrides))
 
 
-__all__ = ["DiT", "build_model", "drop_text_conditioning", "modulate"]
+__all__ = ["MLP_LAYERS", "NORM_LAYERS", "DiT", "SwiGLU", "apply_rope", "build_model", "drop_text_conditioning",
+           "modulate", "rope_rows", "rope_table"]

@@ -265,7 +265,6 @@ def load_model(weights: dict, config: dict, device="cpu") -> DiT:
     except RuntimeError as e:
         raise SampleError(f"the weights do not fit the run's model config ({cfg.depth} blocks, "
                           f"hidden {cfg.hidden_size}): {one_line(e, 300)}") from e
-    model.pos_embed.requires_grad_(False)
     return model.to(device=sampling_device(device), dtype=torch.float32).eval().requires_grad_(False)
 
 

@@ -13,7 +13,9 @@ What the shapes say (facebookresearch/DiT's key names, which our DiT keeps):
     x_embedder.proj.weight              (D, C, p, p)  hidden size D, latent channels C, patch p
     pos_embed                           (1, T, D)     input size sqrt(T) * p
     blocks.N.*                                        depth: the number of blocks N
-    blocks.0.mlp.fc1.weight             (r D, D)      MLP ratio r
+    blocks.0.mlp.fc1.weight             (r D, D)      MLP ratio r; (2H', D) with fc2 (D, H'): SwiGLU,
+                                                      r D = ceil(3H' / 2) (dittrain.specs.MLP_WIDTH)
+    blocks.0.norm1.weight                             present: RMSNorm (DiT's LayerNorm has no weight)
     t_embedder.mlp.0.weight             (D, F)        F sinusoidal timestep features
     y_embedder.embedding_table.weight   (K + 1, D)    K classes and the null class (absent: 0)
     final_layer.linear.weight           (p p C', D)   C' = 2C: learned sigma; C' = C: not
@@ -21,6 +23,8 @@ What the shapes say (facebookresearch/DiT's key names, which our DiT keeps):
     text_pooled_embedder.mlp.0.weight   (D, Dp)       present: pooled text embeddings of width Dp
     text_token_embedder.mlp.0.weight    (D, Dt)       present: cross-attention to tokens of width Dt
 
+A RoPE model (pos=rope) has no pos_embed, so its input size is not in the shapes: its plain
+state dict is refused; its run, checkpoints and EMA exports record it.
 The attention heads are not in the shapes: they come from the named size (dittrain.model's
 CONFIGS) with the same hidden size and depth, or from `--model NAME`, which replaces the
 inferred name and architecture (its hidden size, depth and patch must be the weights'). A size
@@ -59,8 +63,10 @@ from dittrain.config import TrainConfig, recorded
 from dittrain.diffusion import DiffusionConfig
 from dittrain.model import DiT
 from dittrain.specs import (
+    BLOCK_FIELDS,
     CONFIGS,
     CUSTOM_SPEC,
+    MLP_WIDTH,
     DiTConfig,
     ModelSpecError,
     architecture,
@@ -190,12 +196,16 @@ def _shape(state: dict, key: str) -> tuple[int, ...] | None:
 
 def _architecture(state: dict, where) -> dict:
     """The DiTConfig fields the shapes tell (all but num_heads); see the module docstring."""
-    needed = ("x_embedder.proj.weight", "pos_embed", "t_embedder.mlp.0.weight", "blocks.0.mlp.fc1.weight",
-              "final_layer.linear.weight")
+    needed = ("x_embedder.proj.weight", "t_embedder.mlp.0.weight", "blocks.0.mlp.fc1.weight",
+              "blocks.0.mlp.fc2.weight", "final_layer.linear.weight")
     missing = [k for k in needed if k not in state]
     if missing:
         raise WeightsError(f"{where}: not a DiT state dict (no {missing[0]}); expected facebookresearch/DiT's "
                            "key names")
+    if "pos_embed" not in state:
+        raise WeightsError(f"{where}: a DiT state dict without pos_embed, a RoPE model (pos=rope), whose input size "
+                           "its shapes do not tell: sample or export its run directory, checkpoint or EMA export "
+                           "(they record it)")
     proj = _shape(state, "x_embedder.proj.weight")
     if len(proj) != 4 or proj[2] != proj[3]:
         raise WeightsError(f"{where}: x_embedder.proj.weight is {proj}, not (hidden, channels, p, p)")
@@ -211,10 +221,17 @@ def _architecture(state: dict, where) -> dict:
     table = _shape(state, LABEL_TABLE)
     pooled = _shape(state, "text_pooled_embedder.mlp.0.weight")
     tokens = _shape(state, "text_token_embedder.mlp.0.weight")
+    fc1, fc2 = _shape(state, "blocks.0.mlp.fc1.weight")[0], _shape(state, "blocks.0.mlp.fc2.weight")[1]
+    # GELU: fc1 D -> M, fc2 M -> D; SwiGLU: fc1 D -> 2H', fc2 H' -> D, H' = floor(2M / 3): of the two
+    # GELU widths M that give H', the one with the shorter ratio (4 rather than 4.00087)
+    mlp, width = "gelu", fc1
+    if fc1 == 2 * fc2:
+        widths = [m for m in range(-(-3 * fc2 // 2), -(-3 * fc2 // 2) + 2) if MLP_WIDTH["swiglu"](m) == fc2]
+        mlp, width = "swiglu", min(widths, key=lambda m: len(f"{m / D:g}"))
     return dict(
         input_size=grid * p, in_channels=C, patch_size=p, hidden_size=D,
         depth=len({int(m.group(1)) for k in state if (m := _BLOCK.match(k))}),
-        mlp_ratio=_shape(state, "blocks.0.mlp.fc1.weight")[0] / D,
+        mlp_ratio=width / D, mlp=mlp, norm="rms" if "blocks.0.norm1.weight" in state else "layer",
         num_classes=table[0] - 1 if table else 0,  # the last row is the null class
         learn_sigma=out == 2 * p * p * C, qk_norm="blocks.0.attn.q_norm.weight" in state,
         text_pooled_dim=pooled[1] if pooled else None, text_token_dim=tokens[1] if tokens else None,
@@ -222,8 +239,18 @@ def _architecture(state: dict, where) -> dict:
     )
 
 
+_KINDS = BLOCK_FIELDS[:3]  # mlp, norm, pos: the block choices a --model must share with the shapes (QK-norm:
+# the shapes decide)
+
+
+def _blocks(spec: dict) -> tuple:
+    """The MLP, norm and position kinds of architecture fields (DiT's where not given)."""
+    return tuple(spec.get(k, getattr(DiTConfig, k)) for k in _KINDS)
+
+
 def _size(arch: dict) -> str:
-    return f"hidden {arch['hidden_size']}, depth {arch['depth']}, patch {arch['patch_size']}"
+    blocks = "".join(f", {k} {v}" for k, v in zip(_KINDS, _blocks(arch), strict=True) if v != getattr(DiTConfig, k))
+    return f"hidden {arch['hidden_size']}, depth {arch['depth']}, patch {arch['patch_size']}{blocks}"
 
 
 def _name_and_heads(arch: dict, model: str | None, where) -> tuple[str, int]:
@@ -237,15 +264,17 @@ def _name_and_heads(arch: dict, model: str | None, where) -> tuple[str, int]:
                                f"{CUSTOM_SPEC}") from None
         except ModelSpecError as e:
             raise WeightsError(f"--model: {e}") from None
-        mlp = int(arch["hidden_size"] * spec.get("mlp_ratio", arch["mlp_ratio"]))  # a custom spec's ratio
+        hidden = MLP_WIDTH[arch["mlp"]]  # the MLP width of a ratio (SwiGLU: two ratios may give one width)
+        width = hidden(int(arch["hidden_size"] * spec.get("mlp_ratio", arch["mlp_ratio"])))  # a custom spec's ratio
         if (any(spec[k] != arch[k] for k in ("hidden_size", "depth", "patch_size"))
-                or mlp != int(arch["hidden_size"] * arch["mlp_ratio"])):
+                or width != hidden(int(arch["hidden_size"] * arch["mlp_ratio"])) or _blocks(spec) != _blocks(arch)):
             raise WeightsError(f"--model {model} ({_size(spec)}) does not fit {where} ({_size(arch)})")
         return model, spec["num_heads"]
-    for name, spec in CONFIGS.items():
-        if (spec["hidden_size"], spec["depth"]) == (arch["hidden_size"], arch["depth"]):
+    for name, spec in CONFIGS.items():  # a named size with these blocks
+        if (spec["hidden_size"], spec["depth"]) == (arch["hidden_size"], arch["depth"]) and _blocks(spec) == _blocks(arch):
             return f"{name.rsplit('/', 1)[0]}/{arch['patch_size']}", spec["num_heads"]
-    suggestion = custom_name(arch["hidden_size"], arch["depth"], "?", arch["patch_size"], arch["mlp_ratio"])
+    suggestion = custom_name(arch["hidden_size"], arch["depth"], "?", arch["patch_size"], arch["mlp_ratio"],
+                             mlp=arch["mlp"], norm=arch["norm"], qk_norm=arch["qk_norm"])
     raise WeightsError(f"{where}: no named DiT size has hidden {arch['hidden_size']} and depth {arch['depth']}, "
                        "and the shapes do not tell the attention heads: pass --model NAME (see `dittrain "
                        f"models`) or --model {suggestion} with the heads it was trained with")

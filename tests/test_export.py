@@ -259,9 +259,12 @@ def test_refused_exports_say_why_in_one_line(kl_run, tmp_path, monkeypatch):
                                                       text_pooled_dim=16, text_token_dim=16)))
     flow = _run_dir(tmp_path / "flow", DiT(get_config("DiT-T/4", input_size=8, in_channels=4, num_classes=3,
                                                       learn_sigma=False)), objective="flow")
+    swiglu = _run_dir(tmp_path / "swiglu", DiT(get_config("DiT-T/4", input_size=8, in_channels=4, num_classes=3,
+                                                          mlp="swiglu", norm="rms")))
     pixels = make_run(tmp_path / "pixels-run", tiny_store(tmp_path / "pixels-store"))
     cases = [
         ((text, "diffusers", "p"), ["text-conditioned", "no diffusers pipeline matches it"]),
+        ((swiglu, "diffusers", "p"), ["LightningDiT's (mlp=swiglu, norm=rms)", "no diffusers pipeline has these blocks"]),
         ((flow, "diffusers", "p"), ["objective is flow", "DiTPipeline samples DDPM"]),
         ((pixels, "diffusers", "p"), ["autoencoder is 'pixels'", "AutoencoderKL"]),
         ((run, "tflite", "p"), ["Invalid value for '--format'"]),
@@ -281,4 +284,5 @@ def test_refused_exports_say_why_in_one_line(kl_run, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxruntime", None)
     line = one_error_line(export("--ckpt", run, "--format", "onnx", "--out", tmp_path / "m.onnx").output)
     assert "needs onnxruntime" in line and "pip install 'ditkit[export]'" in line
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["flow", "pixels-run", "pixels-store", "taken.pt", "text"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flow", "pixels-run", "pixels-store", "swiglu", "taken.pt",
+                                                          "text"]

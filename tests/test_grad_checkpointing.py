@@ -1,7 +1,8 @@
 """Gradient checkpointing by part: --grad-checkpointing attn | mlp recompute one branch of
 every block in the backward pass, selective recomputes every block but keeps its matmul and
-attention outputs. The loss and every gradient equal the plain model's, the chosen part (and
-only it) runs again during backward, and less is kept for backward."""
+attention outputs. The loss and every gradient equal the plain model's (with DiT's blocks and
+with LightningDiT's, whose rotary table every checkpoint passes on), the chosen part (and only
+it) runs again during backward, and less is kept for backward."""
 
 from __future__ import annotations
 
@@ -12,16 +13,17 @@ from tiny import assert_grads_close, backward_each
 import dittrain.model as model_mod
 from dittrain.grad_checkpointing import block_recompute, checkpoint_branch, checkpoint_every
 from dittrain.model import build_model
-from dittrain.specs import get_config
+from dittrain.specs import LIGHTNING, get_config
 
 TEXT = 24  # a text model: the attention branch holds the cross-attention too
 MODES = ["none", "attn", "mlp", "every", 2, "selective"]
 
 
-def tiny(granularity):
+def tiny(granularity, **blocks):
     torch.manual_seed(0)  # the same initial weights for every mode
-    return build_model("DiT-T/2", input_size=8, in_channels=4, num_classes=10, hidden_size=64, depth=3,
-                       num_heads=4, qk_norm=True, text_token_dim=TEXT, grad_checkpointing=granularity).train()
+    return build_model("DiT-T/2", **{**dict(input_size=8, in_channels=4, num_classes=10, hidden_size=64, depth=3,
+                                            num_heads=4, qk_norm=True, text_token_dim=TEXT), **blocks},
+                       grad_checkpointing=granularity).train()
 
 
 def perturbed(model):
@@ -35,9 +37,9 @@ def perturbed(model):
     return model
 
 
-def randomized(granularity):
+def randomized(granularity, **blocks):
     """The same non-zero weights for every mode."""
-    return perturbed(tiny(granularity))
+    return perturbed(tiny(granularity, **blocks))
 
 
 def batch():
@@ -63,9 +65,10 @@ def test_knob_validation():
             get_config("DiT-T/2", grad_checkpointing=bad)
 
 
+@pytest.mark.parametrize("blocks", [{}, LIGHTNING], ids=["dit", "lightning"])
 @pytest.mark.parametrize("mode", MODES[1:])
-def test_same_loss_and_gradients(mode):
-    ref, ckpt = randomized("none"), randomized(mode)
+def test_same_loss_and_gradients(mode, blocks):
+    ref, ckpt = randomized("none", **blocks), randomized(mode, **blocks)
     losses = backward_each(loss_of, ref, ckpt)
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
     grads = assert_grads_close(ref, ckpt, rtol=1e-6, atol=1e-7)

@@ -1,7 +1,11 @@
 """DiT: sizes, parameter and FLOP counts against the paper, checkpoint compatibility,
-adaLN-Zero init, conditioning, gradient checkpointing and the `dittrain models` table."""
+adaLN-Zero init, conditioning, gradient checkpointing and the `dittrain models` table; the
+LightningDiT blocks (SwiGLU, RMSNorm, 2-D RoPE) against their definitions, and the default
+blocks against the DiT paper's network, bit for bit."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -11,9 +15,18 @@ from tiny import assert_grads_close, backward_each
 
 import dittrain.model as model_mod
 from dittrain.cli import main as cli
-from dittrain.model import build_model, drop_text_conditioning
+from dittrain.model import (
+    NORM_LAYERS,
+    DiTBlock,
+    SwiGLU,
+    apply_rope,
+    build_model,
+    drop_text_conditioning,
+    rope_rows,
+    rope_table,
+)
 from dittrain.sizes import num_params
-from dittrain.specs import CONFIGS, flops_per_forward, get_config
+from dittrain.specs import CONFIGS, LIGHTNING, flops_per_forward, get_config
 
 # The DiT paper at 256 px: 4 latent channels, 32x32 latents, 1000 classes, learned sigma.
 PAPER_256 = dict(input_size=32, in_channels=4, num_classes=1000, learn_sigma=True)
@@ -320,3 +333,235 @@ def test_models_command_lists_sizes():
     assert "524.54" in next(
         row for row in result.output.splitlines() if row.startswith("DiT-XL/2 ")
     )
+
+
+# -----------------------------------------------------------------------------
+# LightningDiT blocks: SwiGLU, RMSNorm, 2-D RoPE
+
+
+def grid_rotations(head_dim: int, grid: int, theta: float = 10000.0) -> torch.Tensor:
+    """(T, head_dim, head_dim): RoPE by its definition, one rotation matrix per token of a
+    row-major grid, block-diagonal in 2x2 planes: plane j < head_dim/4 of the first half turns by
+    row * w_j, plane j of the second half by col * w_j, w_j = theta^(-2j / (head_dim / 2))."""
+    half = head_dim // 2
+    R = torch.zeros(grid * grid, head_dim, head_dim, dtype=torch.float64)
+    for token in range(grid * grid):
+        for offset, pos in ((0, token // grid), (half, token % grid)):  # (row half, column half)
+            for j in range(half // 2):
+                a = pos * theta ** (-2 * j / half)
+                i = offset + 2 * j
+                R[token, i:i + 2, i:i + 2] = torch.tensor([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]],
+                                                          dtype=torch.float64)
+    return R
+
+
+def test_rope_is_the_rotation_of_its_definition():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 25, 16, generator=g, dtype=torch.float64).float()  # (N, heads, T, head_dim), 5x5 grid
+    want = torch.einsum("tij,nhtj->nhti", grid_rotations(16, 5), q.double())
+    torch.testing.assert_close(apply_rope(q, rope_table(16, 5)), want.float(), rtol=1e-5, atol=1e-5)
+    cos, sin = rope_table(16, 5)
+    assert cos.shape == sin.shape == (25, 16) and cos.dtype == torch.float32
+    # the row half turns with the row only, the column half with the column only
+    assert torch.equal(cos[7, :8], cos[9, :8]) and not torch.equal(cos[7, 8:], cos[9, 8:])  # (1, 2) vs (1, 4)
+    assert torch.equal(cos[2, 8:], cos[17, 8:]) and not torch.equal(cos[2, :8], cos[17, :8])  # (0, 2) vs (3, 2)
+
+
+def test_rope_logits_depend_on_relative_position_only():
+    """<R(p) q, R(r) k> = <R(p + o) q, R(r + o) k> for any 2-D offset o: the rotated queries and
+    keys of two tokens give the same attention logit wherever the pair sits on the grid."""
+    grid, head_dim = 12, 32
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 1, 1, head_dim, generator=g).unbind(0)  # one query and one key vector
+    rope = rope_table(head_dim, grid)
+    every = torch.arange(grid * grid)
+    rq = apply_rope(q.expand(1, 1, grid * grid, head_dim), rope)[0, 0]  # (T, head_dim): q at every position
+    rk = apply_rope(k.expand(1, 1, grid * grid, head_dim), rope)[0, 0]
+    logits = rq @ rk.T  # (T, T): q at token p against k at token r
+    rows, cols = every // grid, every % grid
+    inner = (rows < 6) & (cols < 6)  # the pairs inside the top-left 6x6, shifted by each offset
+    p_idx = every[inner]
+    for dy, dx in ((0, 1), (3, 0), (5, 4), (6, 6)):
+        moved = p_idx + dy * grid + dx
+        torch.testing.assert_close(logits[moved][:, moved], logits[p_idx][:, p_idx], rtol=1e-4, atol=1e-4)
+        # moving only the query changes them: the logit does depend on the relative position
+        assert (logits[moved][:, p_idx] - logits[p_idx][:, p_idx]).abs().max() > 1e-2
+
+
+def test_swiglu_and_rmsnorm_match_their_definitions():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 5, 24, generator=g)
+    mlp = SwiGLU(24, 10)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    W, b = mlp.fc1.weight, mlp.fc1.bias  # (2H', D): W1's rows, then W3's
+    W1, W3, b1, b3 = W[:10], W[10:], b[:10], b[10:]
+    want = (torch.nn.functional.silu(x @ W1.T + b1) * (x @ W3.T + b3)) @ mlp.fc2.weight.T + mlp.fc2.bias
+    torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-5)
+    assert (mlp.fc1.out_features, mlp.fc2.in_features) == (20, 10)
+
+    norm = NORM_LAYERS["rms"](24)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(24, generator=g))
+    want = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    torch.testing.assert_close(norm(x), want, rtol=1e-5, atol=1e-6)
+    assert not [p for p in NORM_LAYERS["layer"](24).parameters()]  # DiT's LayerNorm: no affine
+
+
+def reference_forward(sd: dict, cfg, x, t, y) -> torch.Tensor:
+    """The class-conditional DiT written out from its definitions, on a state dict: the paper's
+    network (adaLN-Zero blocks, tanh-GELU MLP, affine-free LayerNorm, the sin-cos table in
+    pos_embed) for default blocks; LightningDiT's with cfg.mlp / norm / pos (SwiGLU, RMSNorm
+    x / sqrt(mean x^2 + eps) * w, q and k rotated by grid_rotations)."""
+    F = torch.nn.functional
+    D, p, heads = cfg.hidden_size, cfg.patch_size, cfg.num_heads
+    grid = cfg.input_size // p
+
+    def norm(h, key):
+        if cfg.norm == "rms":
+            return h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * sd[key + ".weight"]
+        return F.layer_norm(h, (D,), eps=1e-6)
+
+    def linear(h, key):
+        return F.linear(h, sd[key + ".weight"], sd[key + ".bias"])
+
+    def rotate(h):  # (N, heads, T, head_dim)
+        R = grid_rotations(D // heads, grid).float()
+        return torch.einsum("tij,nhtj->nhti", R, h)
+
+    h = F.conv2d(x, sd["x_embedder.proj.weight"], sd["x_embedder.proj.bias"], stride=p).flatten(2).transpose(1, 2)
+    if cfg.pos == "sincos":
+        h = h + sd["pos_embed"]
+    half = cfg.frequency_embedding_size // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half) / half)
+    args = t.float()[:, None] * freqs[None]
+    c = linear(F.silu(linear(torch.cat([torch.cos(args), torch.sin(args)], dim=-1), "t_embedder.mlp.0")),
+               "t_embedder.mlp.2")
+    c = c + sd["y_embedder.embedding_table.weight"][y]
+    N, T, _ = h.shape
+    for i in range(cfg.depth):
+        b = f"blocks.{i}."
+        shift1, scale1, gate1, shift2, scale2, gate2 = linear(F.silu(c), b + "adaLN_modulation.1").chunk(6, dim=1)
+        a = norm(h, b + "norm1") * (1 + scale1.unsqueeze(1)) + shift1.unsqueeze(1)
+        q, k, v = linear(a, b + "attn.qkv").reshape(N, T, 3, heads, D // heads).permute(2, 0, 3, 1, 4).unbind(0)
+        if cfg.pos == "rope":
+            q, k = rotate(q), rotate(k)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(N, T, D)
+        h = h + gate1.unsqueeze(1) * linear(a, b + "attn.proj")
+        m = norm(h, b + "norm2") * (1 + scale2.unsqueeze(1)) + shift2.unsqueeze(1)
+        if cfg.mlp == "swiglu":
+            u, w = linear(m, b + "mlp.fc1").chunk(2, dim=-1)
+            m = linear(F.silu(u) * w, b + "mlp.fc2")
+        else:
+            m = linear(F.gelu(linear(m, b + "mlp.fc1"), approximate="tanh"), b + "mlp.fc2")
+        h = h + gate2.unsqueeze(1) * m
+    shift, scale = linear(F.silu(c), "final_layer.adaLN_modulation.1").chunk(2, dim=1)
+    h = linear(norm(h, "final_layer.norm_final") * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1),
+               "final_layer.linear")
+    h = torch.einsum("nhwpqc->nchpwq", h.reshape(N, grid, grid, p, p, cfg.out_channels))
+    return h.reshape(N, cfg.out_channels, grid * p, grid * p)
+
+
+def test_default_blocks_are_the_dit_paper_network_bit_for_bit():
+    """With the block choices at their defaults the model is the DiT of before: the released
+    checkpoints' keys (test_official_*), no new ones, and the paper's forward, bit for bit."""
+    m = randomize_(tiny(learn_sigma=True)).eval()
+    cfg = m.config
+    assert (cfg.mlp, cfg.norm, cfg.pos) == ("gelu", "layer", "sincos")
+    assert set(m.state_dict()) == set(official_dit_shapes(depth=3, hidden=64, patch=2, num_classes=10,
+                                                           input_size=8))
+    x, t, y = inputs()
+    with torch.no_grad():
+        assert torch.equal(m(x, t, y), reference_forward(m.state_dict(), cfg, x, t, y))
+
+
+LIGHT = dict(LIGHTNING, hidden_size=64, num_heads=4)  # head_dim 16
+
+
+def test_lightning_blocks_are_their_definitions():
+    m = randomize_(tiny(**LIGHT)).eval()
+    cfg = m.config
+    sd = m.state_dict()
+    assert "pos_embed" not in sd and not hasattr(m, "pos_embed")  # RoPE: no table at all
+    assert {"blocks.0.norm1.weight", "blocks.0.norm2.weight", "final_layer.norm_final.weight",
+            "blocks.0.attn.q_norm.weight"} <= set(sd)
+    assert sd["blocks.0.mlp.fc1.weight"].shape == (2 * cfg.mlp_hidden, 64) and cfg.mlp_hidden == 170  # 2 * 256 // 3
+    x, t, y = inputs()
+    with torch.no_grad():
+        out = m(x, t, y)
+        # the reference has no QK-norm: compare on a model without it
+        plain = randomize_(tiny(**{**LIGHT, "qk_norm": False})).eval()
+        torch.testing.assert_close(plain(x, t, y), reference_forward(plain.state_dict(), plain.config, x, t, y),
+                                   rtol=1e-4, atol=1e-5)
+        again, hidden = m(x, t, y, return_hidden=2)  # REPA's hidden tokens: the output unchanged
+    assert torch.equal(again, out) and hidden.shape == (3, 16, 64)
+    # the positions matter: the same tokens in another order give other outputs
+    assert not torch.allclose(out, m(x.flip(-1), t, y).flip(-1), atol=1e-4)
+
+
+def test_blocks_take_per_sample_rope_rows():
+    """What token routing passes a block: the kept tokens x[n, idx[n]] with rope_rows(rope, idx)
+    (N, T', head_dim). With idx a permutation per sample, the block's output is the full
+    block's, permuted the same way (attention with RoPE sees positions, not the order); with
+    idx = every token, bit for bit the shared table's."""
+    torch.manual_seed(0)
+    m = randomize_(tiny(**LIGHT)).eval()
+    block = m.blocks[0]
+    g = torch.Generator().manual_seed(3)
+    x, c = torch.randn(3, 16, 64, generator=g), torch.randn(3, 64, generator=g)
+    rope = rope_table(16, 4)
+    with torch.no_grad():
+        full = block(x, c, rope=rope)
+        every = torch.arange(16).expand(3, 16)
+        assert torch.equal(block(x, c, rope=rope_rows(rope, every)), full)
+        idx = torch.stack([torch.randperm(16, generator=g) for _ in range(3)])  # (N, T')
+        rows = rope_rows(rope, idx)
+        assert rows[0].shape == (3, 16, 16)
+        kept = torch.gather(x, 1, idx[..., None].expand(-1, -1, 64))
+        want = torch.gather(full, 1, idx[..., None].expand(-1, -1, 64))
+        torch.testing.assert_close(block(kept, c, rope=rows), want, rtol=1e-5, atol=1e-5)
+        # a subset of 10 kept tokens runs too: (N, 10, D) with (N, 10, head_dim) tables
+        assert block(kept[:, :10], c, rope=rope_rows(rope, idx[:, :10])).shape == (3, 10, 64)
+
+
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_a_lightning_block_compiles_in_one_graph(per_sample):
+    """dittrain.step.compile_model compiles each DiTBlock: with rope (a tuple kwarg, shared or per
+    sample) dynamo traces it whole (fullgraph: no graph break) and computes what eager does."""
+    torch._dynamo.reset()
+    block = DiTBlock(64, 4, 170, qk_norm=True, cross=False, mlp="swiglu", norm="rms").eval()
+    g = torch.Generator().manual_seed(4)
+    x, c = torch.randn(2, 16, 64, generator=g), torch.randn(2, 64, generator=g)
+    rope = rope_table(16, 4)
+    if per_sample:
+        rope = rope_rows(rope, torch.stack([torch.randperm(16, generator=g) for _ in range(2)]))
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, c, rope=rope), block(x, c, rope=rope))
+
+
+def test_lightning_registry_and_counts():
+    """LightningDiT-B and -XL at patch 1 and 2: DiT's sizes with swiglu + rms + rope + QK-norm.
+    Parameters: the published 675 M of LightningDiT-XL/1 on VA-VAE latents (32x16x16, 1000
+    classes, no learned sigma); GFLOPs: the closed form, equal to the matmuls torch counts."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    for size, dit in (("B", "DiT-B"), ("XL", "DiT-XL")):
+        for p in (1, 2):
+            arch = CONFIGS[f"LightningDiT-{size}/{p}"]
+            assert arch == {**CONFIGS[f"{dit}/2"], "patch_size": p, **LIGHTNING}
+    assert LIGHTNING == dict(mlp="swiglu", norm="rms", pos="rope", qk_norm=True)
+    vavae = dict(input_size=16, in_channels=32, num_classes=1000, learn_sigma=False)
+    xl1 = get_config("LightningDiT-XL/1", **vavae)
+    assert xl1.mlp_hidden == 3072 and xl1.num_tokens == 256
+    assert abs(num_params(xl1) / 1e6 - 675) / 675 < 0.005  # measured 674.97 M
+    for name in ("LightningDiT-XL/1", "LightningDiT-B/1", "custom:hidden=64,depth=2,heads=2,patch=2,mlp=swiglu"):
+        with torch.device("meta"):
+            m = build_model(name, **vavae).eval()
+            with FlopCounterMode(display=False) as counted:
+                m(torch.empty(1, 32, 16, 16), torch.ones(1), torch.zeros(1, dtype=torch.long))
+        assert counted.get_total_flops() == 2 * flops_per_forward(m.config), name  # FLOPs = 2 x multiply-adds
+    # SwiGLU's three matmuls of width H' = 2/3 of GELU's: the same MLP multiply-adds
+    assert flops_per_forward(get_config("DiT-XL/2", input_size=32)) == flops_per_forward(
+        get_config("DiT-XL/2", input_size=32, mlp="swiglu"))

@@ -4,6 +4,7 @@ shapes imply, and `dittrain sample --ckpt FILE.pt --vae ...` without a latent st
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from dataclasses import asdict, replace
 
@@ -74,6 +75,33 @@ def test_every_field_the_shapes_hold_is_read(name, overrides):
     cfg = get_config(name, **overrides)
     got_name, got = infer_model(meta_model_state(name, **overrides))
     assert got_name == name and got == cfg
+
+
+@pytest.mark.parametrize("blocks, spelled", [
+    (dict(mlp="swiglu"), ",mlp=swiglu"), (dict(norm="rms"), ",norm=rms"),
+    (dict(mlp="swiglu", norm="rms", qk_norm=True), ",mlp=swiglu,norm=rms,qk_norm=1"),
+    (dict(mlp="swiglu", mlp_ratio=2.5), ",mlp_ratio=2.5,mlp=swiglu"),  # H' 160: GELU widths 240 or 241
+])
+def test_swiglu_and_rmsnorm_are_read_from_the_shapes(blocks, spelled):
+    """SwiGLU: fc1 twice fc2's width (of the two GELU widths that give its H', the ratio that
+    reads shorter); RMSNorm: norm1 has a weight. No named size has them with sin-cos positions,
+    so the heads come from --model, whose blocks must be the shapes'."""
+    overrides = dict(input_size=16, in_channels=4, num_classes=10, hidden_size=96, depth=2, num_heads=4, **blocks)
+    state = meta_model_state("DiT-T/2", **overrides)
+    spec = f"custom:hidden=96,depth=2,heads=?,patch=2{spelled}"
+    with pytest.raises(WeightsError, match=re.escape(f"--model {spec} with the heads")):
+        infer_model(state)
+    assert infer_model(state, spec.replace("?", "4")) == (spec.replace("?", "4"), get_config("DiT-T/2", **overrides))
+    for other in ("DiT-T/2", "custom:hidden=96,depth=2,heads=4,patch=2,mlp=swiglu,norm=rms,pos=rope"):
+        with pytest.raises(WeightsError, match=re.escape(f"--model {other} (hidden") + r".*\) does not fit"):
+            infer_model(state, other)
+
+
+def test_a_rope_model_plain_state_dict_is_refused():
+    state = meta_model_state("LightningDiT-B/2", input_size=16)
+    with pytest.raises(WeightsError, match="without pos_embed, a RoPE model .* its run directory, checkpoint or EMA "
+                                           "export"):
+        infer_model(state, "LightningDiT-B/2")
 
 
 def test_heads_come_from_the_named_size_or_model():
