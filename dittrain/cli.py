@@ -47,30 +47,10 @@ def main():
 def models_cmd(resolution, downsample, channels, num_classes, learn_sigma, specs):
     """The named DiT configs (and any --model SPEC) with parameters and forward GFLOPs
     (multiply-adds per sample)."""
-    from dittrain.sizes import describe
-    from dittrain.specs import CONFIGS, architecture
+    from dittrain.sizes import models_table
 
-    if resolution % downsample:
-        raise click.UsageError(f"--resolution {resolution} is not a multiple of --downsample {downsample}")
-    size = resolution // downsample
-    for spec in specs:  # every --model checked before any output
-        try:
-            patch = architecture(spec)["patch_size"]
-        except (KeyError, ValueError) as e:
-            raise click.UsageError(f"--model: {e.args[0]}") from None
-        if size % patch:
-            raise click.UsageError(f"--model {spec}: patch {patch} does not split the {size}x{size} latent")
-    rows = [name for name, arch in CONFIGS.items() if size % arch["patch_size"] == 0]  # whole patches only
-    rows += [spec for spec in specs if spec not in rows]
-    width = max(10, *map(len, rows))
-    click.echo(f"at {resolution} px: latent {channels}x{size}x{size}, {num_classes} classes, "
-               f"learn_sigma={learn_sigma}; GFLOPs = multiply-adds per sample per forward")
-    click.echo(f"{'model':<{width}} {'depth':>5} {'hidden':>6} {'heads':>5} {'tokens':>6} {'params':>9} {'GFLOPs':>9}")
-    for name in rows:
-        row = describe(name, input_size=size, in_channels=channels, num_classes=num_classes,
-                       learn_sigma=learn_sigma)
-        click.echo(f"{name:<{width}} {row['depth']:>5} {row['hidden']:>6} {row['heads']:>5} {row['tokens']:>6} "
-                   f"{row['params'] / 1e6:>8.1f}M {row['gflops']:>9.2f}")
+    for line in models_table(resolution, downsample, channels, num_classes, learn_sigma, specs):
+        click.echo(line)
 
 
 _D = None  # TrainConfig defaults, read lazily (dittrain.config is light, but keep one source)

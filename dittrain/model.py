@@ -516,10 +516,11 @@ class DiT(nn.Module):
             raise ValueError(f"return_hidden={return_hidden}: the model has {len(self.blocks)} blocks")
         hidden = None
         for i, block in enumerate(self.blocks):
-            if route is not None and i == route.start:
-                x_all, x = x, gather_tokens(x, route.idx)  # (N, K, D): the routed tokens leave
-            if route is not None and i == route.end:
-                x = rejoin_tokens(x_all, x, route.idx)  # (N, T, D) again
+            if route is not None and i == route.start:  # the routed tokens leave: (N, K, D)
+                x_all, rope_all = x, rope
+                x, rope = gather_tokens(x, route.idx), None if rope is None else rope_rows(rope, route.idx)
+            if route is not None and i == route.end:  # and rejoin: (N, T, D) again
+                x, rope = rejoin_tokens(x_all, x, route.idx), rope_all
             if k and i % k == 0:
                 # recompute this block's activations in backward: memory for ~1/3 more compute
                 x = checkpoint(block, x, c, context, text_mask, use_reentrant=False, rope=rope)

@@ -14,7 +14,7 @@ from cliutil import dittrain as cli
 from storeutil import add_features
 
 from dittrain.checkpoint import latest_checkpoint, load_checkpoint
-from dittrain.model import DiT, DiTBlock
+from dittrain.model import DiT, DiTBlock, rope_table
 from dittrain.repa import Alignment, alignment_loss, build_projector
 from dittrain.routing import (
     Route,
@@ -35,9 +35,12 @@ MODEL = "custom:hidden=64,depth=4,heads=2,patch=2"
 ROUTE = ["--route", "0.5:1:3"]  # 8 of 16 tokens skip blocks 2-3
 
 
-def _model(**overrides) -> DiT:
+LIGHTNING = f"{MODEL},mlp=swiglu,norm=rms,pos=rope,qk_norm=1"  # LightningDiT's blocks: RoPE rows follow the tokens
+
+
+def _model(name: str = MODEL, **overrides) -> DiT:
     torch.manual_seed(0)
-    model = DiT(get_config(MODEL, input_size=8, in_channels=3, num_classes=3, **overrides))
+    model = DiT(get_config(name, input_size=8, in_channels=3, num_classes=3, **overrides))
     # adaLN-Zero starts every block as the identity: give the blocks something to do
     with torch.no_grad():
         for p in model.parameters():
@@ -54,24 +57,31 @@ def _inputs(n: int = 3):
 def _by_hand(model: DiT, x, t, y, start: int, end: int, idx) -> torch.Tensor:
     """The routed forward written out: embed, blocks [0, start) on all tokens, [start, end) on
     the kept ones (gathered with plain indexing), the routed ones put back as they left, the rest."""
-    h = model.x_embedder(x) + model.pos_embed
+    cfg, rope, kept_rope = model.config, None, None
+    h = model.x_embedder(x)
+    rows = torch.arange(h.shape[0])[:, None]
+    if cfg.pos == "sincos":
+        h = h + model.pos_embed
+    else:  # the kept tokens rotate by their own positions
+        rope = rope_table(cfg.head_dim, cfg.input_size // cfg.patch_size, device=x.device)
+        kept_rope = (rope[0][idx], rope[1][idx])
     c = model.t_embedder(t) + model.y_embedder(y, False)
     for block in model.blocks[:start]:
-        h = block(h, c)
-    rows = torch.arange(h.shape[0])[:, None]
+        h = block(h, c, rope=rope)
     kept = h[rows, idx]
     for block in model.blocks[start:end]:
-        kept = block(kept, c)
+        kept = block(kept, c, rope=kept_rope)
     h = h.clone()
     h[rows, idx] = kept
     for block in model.blocks[end:]:
-        h = block(h, c)
+        h = block(h, c, rope=rope)
     return model.unpatchify(model.final_layer(h, c))
 
 
+@pytest.mark.parametrize("name", [MODEL, LIGHTNING])
 @pytest.mark.parametrize(("start", "end"), [(1, 3), (0, 2), (2, 4)])
-def test_the_routed_forward_equals_one_built_by_hand(start, end):
-    model = _model().eval()
+def test_the_routed_forward_equals_one_built_by_hand(name, start, end):
+    model = _model(name).eval()
     x, t, y = _inputs()
     idx = torch.tensor([[0, 3, 5, 6, 9, 10, 12, 15], [1, 2, 4, 7, 8, 11, 13, 14], [0, 1, 2, 3, 4, 5, 6, 7]])
     with torch.no_grad():
@@ -107,7 +117,7 @@ def test_gradients_reach_every_token_and_checkpointing_changes_nothing():
     route = draw(Route(0.5, 1, 3), 3, 16, torch.Generator().manual_seed(0), "cpu")
     grads = []
     for knob in ("none", "every", "attn", "selective"):
-        model = _model(grad_checkpointing=knob).train()
+        model = _model(LIGHTNING, grad_checkpointing=knob).train()
         xi = x.clone().requires_grad_(True)
         model(xi, t, y=y, force_drop_ids=torch.zeros(3), route=route).square().mean().backward()
         grads.append((xi.grad, model.blocks[1].mlp.fc1.weight.grad))
