@@ -490,24 +490,7 @@ class DiT(nn.Module):
             x = x + self.pos_embed
         else:  # the rotary table of the grid, once for every block
             rope = rope_table(cfg.head_dim, cfg.input_size // cfg.patch_size, device=x.device)
-        c = self.t_embedder(t)  # (N, D)
-        if cfg.num_classes:
-            if y is None:
-                raise ValueError(
-                    "this model is class-conditional: pass y (use num_classes for the null class)"
-                )
-            c = c + self.y_embedder(y, self.training, force_drop_ids)
-        if cfg.text_pooled_dim:
-            if text_pooled is None:
-                raise ValueError("this model takes a pooled text embedding: pass text_pooled")
-            c = c + self.text_pooled_embedder(text_pooled.to(c.dtype))
-        context = None
-        if cfg.text_token_dim:
-            if text_tokens is None:
-                raise ValueError(
-                    "this model cross-attends to text tokens: pass text_tokens (and text_mask)"
-                )
-            context = self.text_token_embedder(text_tokens.to(c.dtype))  # (N, L, D)
+        c, context = self._conditioning(t, y, text_pooled, text_tokens, force_drop_ids)
 
         training = self.training and torch.is_grad_enabled()
         k = checkpoint_every(cfg.grad_checkpointing) if training else 0
@@ -533,6 +516,30 @@ class DiT(nn.Module):
         x = self.final_layer(x, c)  # (N, T, p^2 * out_channels)
         x = self.unpatchify(x)  # (N, out_channels, H, W)
         return (x, hidden) if return_hidden else x
+
+    def _conditioning(self, t, y, text_pooled, text_tokens, force_drop_ids):
+        """c (N, D), the sum of the timestep, class and pooled-text embeddings, and the text
+        tokens each block cross-attends to, (N, L, D) (None without text tokens)."""
+        cfg = self.config
+        c = self.t_embedder(t)  # (N, D)
+        if cfg.num_classes:
+            if y is None:
+                raise ValueError(
+                    "this model is class-conditional: pass y (use num_classes for the null class)"
+                )
+            c = c + self.y_embedder(y, self.training, force_drop_ids)
+        if cfg.text_pooled_dim:
+            if text_pooled is None:
+                raise ValueError("this model takes a pooled text embedding: pass text_pooled")
+            c = c + self.text_pooled_embedder(text_pooled.to(c.dtype))
+        context = None
+        if cfg.text_token_dim:
+            if text_tokens is None:
+                raise ValueError(
+                    "this model cross-attends to text tokens: pass text_tokens (and text_mask)"
+                )
+            context = self.text_token_embedder(text_tokens.to(c.dtype))  # (N, L, D)
+        return c, context
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in asdict(self.config).items())
