@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared script for a GPU device session (issues 7, 14, 17, 25): DiT training step speed
+# The one prepared script for a GPU device session (issues 7, 14, 17, 25, 26): DiT training step speed
 # (the trainer's own step: dittrain.step.TrainStep, eager against torch.compile, CUDA graphs,
 # checkpointing, host syncs, the SDPA kernel, the loaders' data wait) and sampling speed.
 #
@@ -11,8 +11,9 @@
 # they are recorded as skipped). Writes $OUT/gpu_train.json (rewritten after every
 # configuration, so a cut-short run keeps what it measured), $OUT/gpu_train.md (the printed
 # table), $OUT/sample_throughput.{json,md} and $OUT/nvidia-smi.txt.
-# Expected: about 7-9 minutes on an H200 (17 training configurations, most compiled: each
-# compile 20-60 s; then 8 sampling configurations, about 1 minute).
+# Expected: about 8-10 minutes on an H200 (21 training configurations, most compiled: each
+# compile 20-60 s; gpu_train.py stops at 8 minutes, keeping the rows measured; then 8 sampling
+# configurations, about 1 minute).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_check}"
@@ -28,8 +29,9 @@ python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', 
 
 # bench/gpu_train.py's default list: XL/2, S/2, B/2 at batch 256, eager / compiled (blocks,
 # model) / CUDA graphs, checkpointing every block / selective, the real loaders, XL/2 with --repa
-# on synthetic targets (eager and compiled: the overhead against the rows without) (in order of
-# importance: a cut-short run keeps the first rows)
+# on synthetic targets and with --route 0.5:2:26 (eager and compiled: against the rows without),
+# LightningDiT-XL/1 on VA-VAE's 32x16x16 latents (in order of importance: a cut-short run keeps
+# the first rows)
 timeout 480 python3 bench/gpu_train.py --json "$OUT/gpu_train.json" 2>&1 | tee "$OUT/gpu_train.md"
 rc=${PIPESTATUS[0]}
 echo "gpu_train.py exit status: $rc"

@@ -4,22 +4,28 @@ one step late as dittrain.train's loop does, per configuration.
     python3 bench/gpu_train.py [--configs SPEC;SPEC;...] [--steps 10] [--warmup 3] [--json out.json]
     python3 bench/gpu_train.py --device cpu --configs "DiT-T/2:4:none:off;DiT-T/2:4:selective:blocks"  # smoke test
 
-A configuration SPEC is MODEL:BATCH:CKPT:COMPILE[:MODE[:LOADER[:REPA]]]
+A configuration SPEC is MODEL:BATCH:CKPT:COMPILE[:MODE[:LOADER[:EXTRA]]]
   CKPT      --grad-checkpointing: none | every | k | attn | mlp | selective
   COMPILE   --compile: off | blocks (each DiTBlock, regional) | model (the whole forward)
   MODE      torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune-no-cudagraphs
   LOADER    gpu (default: a synthetic store held on the device, a batch = one index_select, no
             disk, torch only) | resident-cuda | resident | streaming (dittrain.data's loaders over
             a real latent store written to --store-dir first: needs ditdata's store backends, zarr)
-  REPA      repa (with the gpu loader): `dittrain run --repa` on synthetic targets held on the
-            device like the latents, ViT-B/14's 256 tokens x 768 dims int8 + per-token scale,
-            block 8, weight 0.5, projector 2048 (dittrain.repa, as dittrain.train builds it);
-            the row next to the same configuration without it gives REPA's step-time overhead
+  EXTRA     options joined by "+" (with the gpu loader):
+            repa: `dittrain run --repa` on synthetic targets held on the device like the
+              latents, ViT-B/14's 256 tokens x 768 dims int8 + per-token scale, block 8, weight
+              0.5, projector 2048 (dittrain.repa, as dittrain.train builds it); the row next to
+              the same configuration without it gives REPA's step-time overhead
+            route=RATE,START,END: `dittrain run --route RATE:START:END` (TREAD, dittrain.routing);
+              its MFU counts the FLOPs the routed step computes (flops_per_forward(routed=))
+            latent=CxHxW: the latents' shape (default 4x32x32; 32x16x16 is VA-VAE's at 256 px,
+              what LightningDiT-XL/1 trains on)
 The default list (CUDA) covers DiT-XL/2, B/2 and S/2 at batch 256, eager against compiled,
 CUDA graphs for the small models, checkpointing every block against selective checkpointing,
-and the loaders' data wait for DiT-S/2 (only where zarr imports).
+the loaders' data wait for DiT-S/2 (only where zarr imports), XL/2 with --repa and with
+--route 0.5:2:26, and LightningDiT-XL/1 on VA-VAE's 32x16x16 latents.
 
-What one configuration reports (DiT at 256 px: 4x32x32 latents, 1000 classes, ddpm with
+What one configuration reports (DiT at 256 px: 4x32x32 latents unless latent=, 1000 classes, ddpm with
 learn_sigma, bf16 autocast on the GPU; AdamW fused, lr 1e-4, clipping at 1.0, EMA 0.9999, TF32):
   ms/step, images/s   wall time of --steps timed steps / steps, after --warmup untimed ones
                       (compilation, CUDA-graph recording, allocator warm-up); no per-step sync,
@@ -65,6 +71,8 @@ from dittrain.config import TrainConfig  # noqa: E402
 from dittrain.diffusion import Diffusion, DiffusionConfig  # noqa: E402
 from dittrain.model import DiT  # noqa: E402
 from dittrain.repa import Alignment, build_projector  # noqa: E402
+from dittrain.routing import check as check_route  # noqa: E402
+from dittrain.routing import parse_route, routed_blocks  # noqa: E402
 from dittrain.sdpa import attention_backend  # noqa: E402
 from dittrain.specs import flops_per_forward, get_config  # noqa: E402
 from dittrain.step import TrainStep, compile_model  # noqa: E402
@@ -80,14 +88,17 @@ REPA_DEPTH, REPA_PROJECTOR = 8, 2048  # dittrain run's --repa-depth and --repa-p
 NUM_CLASSES = 1000
 DEFAULT_CUDA = ";".join([  # the issue's targets first: a run cut short keeps what matters most
     "DiT-XL/2:256:none:off", "DiT-XL/2:256:none:blocks", "DiT-XL/2:256:none:off:default:gpu:repa",
+    "DiT-XL/2:256:none:off:default:gpu:route=0.5,2,26", "LightningDiT-XL/1:256:none:off:default:gpu:latent=32x16x16",
     "DiT-S/2:256:none:off", "DiT-S/2:256:none:model:reduce-overhead",
     "DiT-XL/2:256:every:blocks", "DiT-XL/2:256:selective:blocks", "DiT-XL/2:256:every:off",
     "DiT-S/2:256:none:blocks", "DiT-S/2:256:none:model", "DiT-S/2:256:none:blocks:reduce-overhead",
     "DiT-B/2:256:none:off", "DiT-B/2:256:none:blocks", "DiT-B/2:256:none:model:reduce-overhead",
     "DiT-S/2:256:none:model:reduce-overhead:resident-cuda", "DiT-S/2:256:none:model:reduce-overhead:streaming",
-    "DiT-XL/2:256:none:blocks:default:gpu:repa",
+    "DiT-XL/2:256:none:blocks:default:gpu:repa", "DiT-XL/2:256:none:blocks:default:gpu:route=0.5,2,26",
+    "LightningDiT-XL/1:256:none:blocks:default:gpu:latent=32x16x16",
 ])
-DEFAULT_CPU = "DiT-T/2:4:none:off;DiT-T/2:4:selective:off;DiT-T/2:4:none:off:default:gpu:repa"
+DEFAULT_CPU = ("DiT-T/2:4:none:off;DiT-T/2:4:selective:off;DiT-T/2:4:none:off:default:gpu:repa;"
+               "DiT-T/2:4:none:off:default:gpu:route=0.5,1,5")
 
 
 class DeviceLatents:
@@ -95,9 +106,10 @@ class DeviceLatents:
     next batch_size samples of a fresh permutation per epoch (index_select + float32), as
     dittrain's ResidentLoader with the store on the GPU. An iterator, as the trainer's loaders."""
 
-    def __init__(self, n: int, batch_size: int, device: torch.device, seed: int = 0, targets: bool = False):
+    def __init__(self, n: int, batch_size: int, device: torch.device, seed: int = 0, targets: bool = False,
+                 latent: tuple[int, int, int] = LATENT):
         g = torch.Generator(device=device).manual_seed(seed)
-        self.x = torch.randn((n, *LATENT), generator=g, device=device).to(torch.float16)
+        self.x = torch.randn((n, *latent), generator=g, device=device).to(torch.float16)
         self.y = torch.randint(0, NUM_CLASSES, (n,), generator=g, device=device)
         self.feat = self.scale = None
         if targets:  # REPA targets as a feature set stores them: int8 codes and a per-token scale
@@ -122,11 +134,12 @@ class DeviceLatents:
         pass
 
 
-def make_loader(kind: str, batch: int, device: torch.device, args, repa: bool = False):
+def make_loader(spec: dict, device: torch.device, args):
+    kind, batch = spec["loader"], spec["batch"]
     if kind == "gpu":
-        return DeviceLatents(args.store_size, batch, device, targets=repa)
-    if repa:
-        raise SystemExit("gpu_train: REPA rows use the gpu loader (synthetic targets on the device)")
+        return DeviceLatents(args.store_size, batch, device, targets=spec["repa"], latent=spec["latent"])
+    if spec["repa"] or spec["route"] or spec["latent"] != LATENT:
+        raise SystemExit("gpu_train: repa, route= and latent= rows use the gpu loader (synthetic latents on the device)")
     from scratch import synthetic_store  # bench/scratch.py (imports the store module: zarr)
 
     from dittrain.data import build_loader
@@ -141,31 +154,46 @@ def make_loader(kind: str, batch: int, device: torch.device, args, repa: bool = 
 
 def parse_spec(spec: str) -> dict:
     parts = spec.strip().split(":")
-    if not 4 <= len(parts) <= 7 or (len(parts) == 7 and parts[6] != "repa"):
-        raise SystemExit(f"gpu_train: config {spec!r}: want MODEL:BATCH:CKPT:COMPILE[:MODE[:LOADER[:repa]]]")
+    if parts[0] == "custom":  # a custom size, custom:hidden=..., holds a colon of its own
+        parts = [f"custom:{parts[1]}", *parts[2:]]
+    if not 4 <= len(parts) <= 7:
+        raise SystemExit(f"gpu_train: config {spec!r}: want MODEL:BATCH:CKPT:COMPILE[:MODE[:LOADER[:EXTRA]]]")
     model, batch, ckpt, comp = parts[:4]
     mode = parts[4] if len(parts) > 4 else "default"
     loader = parts[5] if len(parts) > 5 else "gpu"
-    return {"model": model, "batch": int(batch), "grad_ckpt": ckpt, "compile": comp, "mode": mode, "loader": loader,
-            "repa": len(parts) == 7}
+    row = {"model": model, "batch": int(batch), "grad_ckpt": ckpt, "compile": comp, "mode": mode, "loader": loader,
+           "repa": False, "route": "", "latent": LATENT}
+    for option in (parts[6].split("+") if len(parts) == 7 else []):
+        key, _, value = option.partition("=")
+        if key == "repa" and not value:
+            row["repa"] = True
+        elif key == "route" and value:
+            row["route"] = value.replace(",", ":")  # --route's RATE:START:END
+        elif key == "latent" and value:
+            row["latent"] = tuple(int(v) for v in value.split("x"))
+        else:
+            raise SystemExit(f"gpu_train: config {spec!r}: unknown option {option!r} (repa, route=R,S,E, latent=CxHxW)")
+    return row
 
 
 def build(spec: dict, device: torch.device, amp: str):
     """Model, EMA, optimizer and TrainStep as dittrain.train builds them (one rank)."""
     ckpt = int(spec["grad_ckpt"]) if spec["grad_ckpt"].isdigit() else spec["grad_ckpt"]
-    cfg = get_config(spec["model"], input_size=LATENT[-1], in_channels=LATENT[0], num_classes=NUM_CLASSES,
+    latent = spec["latent"]
+    cfg = get_config(spec["model"], input_size=latent[-1], in_channels=latent[0], num_classes=NUM_CLASSES,
                      class_dropout_prob=0.1, learn_sigma=True, grad_checkpointing=ckpt)
+    check_route(parse_route(spec["route"]), cfg.depth, spec["model"])  # as dittrain run: END within the model
     torch.manual_seed(0)
     with device:  # initialised in place: the weights' values do not change the speed
         model = DiT(cfg)
         ema = DiT(cfg).requires_grad_(False)
     ema.load_state_dict(model.state_dict())
     ema.eval()
-    tcfg = TrainConfig.from_flat(batch_size=spec["batch"], grad_clip=1.0, ema=0.9999, lr=1e-4)
+    tcfg = TrainConfig.from_flat(batch_size=spec["batch"], grad_clip=1.0, ema=0.9999, lr=1e-4, route=spec["route"])
     align = None
     if spec.get("repa"):  # as dittrain.train's _projector and _alignment (one rank)
         projector = build_projector(cfg.hidden_size, REPA_PROJECTOR, REPA_TARGETS[1], 0).to(device)
-        side = LATENT[-1] // cfg.patch_size
+        side = latent[-1] // cfg.patch_size
         align = Alignment(projector, projector, depth=min(REPA_DEPTH, cfg.depth), weight=0.5, grid=(side, side), target_grid=(16, 16))
     params = [p for p in model.parameters() if p.requires_grad] + ([] if align is None else
                                                                     list(align.projector.parameters()))
@@ -195,7 +223,7 @@ def run_steps(step: TrainStep, sched, loader, n: int, pending=None):
 
 def measure(spec: dict, device: torch.device, args) -> dict:
     cfg, model, step, sched, amp_dtype = build(spec, device, args.amp)
-    loader = make_loader(spec["loader"], spec["batch"], device, args, repa=spec.get("repa", False))
+    loader = make_loader(spec, device, args)
     try:
         t0 = time.perf_counter()
         pending = run_steps(step, sched, loader, 1)
@@ -223,8 +251,9 @@ def measure(spec: dict, device: torch.device, args) -> dict:
     finally:
         loader.close()
     ms = 1e3 * dt / args.steps
-    flops = 6 * flops_per_forward(cfg) * spec["batch"]
-    row = {**spec, "params_m": model.num_params() / 1e6, "ms_per_step": ms,
+    route = parse_route(spec["route"])
+    flops = 6 * flops_per_forward(cfg, routed=routed_blocks(route, cfg.num_tokens)) * spec["batch"]
+    row = {**spec, "latent": list(spec["latent"]), "params_m": model.num_params() / 1e6, "ms_per_step": ms,
            "images_per_s": spec["batch"] / (ms / 1e3), "tflops": flops / (ms / 1e3) / 1e12,
            "first_step_s": first, "warmup_s": warm,
            "compile_s": max(0.0, first - ms / 1e3) if spec["compile"] != "off" else 0.0,
@@ -270,7 +299,8 @@ def matmul_peak(device: torch.device, n: int = 8192, reps: int = 50) -> float:
 
 def fmt(row: dict) -> str:
     head = (f"| {row['model']} | {row['batch']} | {row['grad_ckpt']} | {row['compile']} | {row['mode']} | "
-            f"{row['loader']}{' + repa' if row.get('repa') else ''} |")
+            f"{row['loader']}{' + repa' if row.get('repa') else ''}{' + route ' + row['route'] if row.get('route') else ''}"
+            f"{' + latent ' + 'x'.join(map(str, row['latent'])) if tuple(row.get('latent', LATENT)) != LATENT else ''} |")
     if row["status"] != "ok":
         return f"{head} - | - | - | - | - | - | - | - | {row['status']} |"
     mfu = f"{100 * row['mfu']:.1f}%" if row.get("mfu") is not None else "-"

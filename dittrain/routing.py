@@ -130,6 +130,11 @@ def kept_targets(route: TokenRoute | None, block: int, target: torch.Tensor) -> 
     return gather_tokens(target, route.idx) if routed(route, block) else target
 
 
+def routed_blocks(route: Route | None, tokens: int) -> tuple[int, int]:
+    """(blocks routed, tokens they see): dittrain.specs.flops_per_forward's `routed`."""
+    return (0, 0) if route is None else (route.end - route.start, route.kept(tokens))
+
+
 def describe(route: Route, depth: int, tokens: int) -> str:
     """The startup line of a routed run."""
     k = route.kept(tokens)
@@ -139,4 +144,4 @@ def describe(route: Route, depth: int, tokens: int) -> str:
 
 
 __all__ = ["ROUTE_GRAMMAR", "Route", "RouteError", "TokenRoute", "check", "describe", "draw", "gather_tokens",
-           "keep_rows", "kept_targets", "parse_route", "rejoin_tokens", "routed"]
+           "keep_rows", "kept_targets", "parse_route", "rejoin_tokens", "routed", "routed_blocks"]

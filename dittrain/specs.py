@@ -212,7 +212,7 @@ def get_config(name: str, **overrides) -> DiTConfig:
     return DiTConfig(**{**architecture(name), **overrides})
 
 
-def flops_per_forward(config: DiTConfig, text_tokens: int = 0) -> int:
+def flops_per_forward(config: DiTConfig, text_tokens: int = 0, routed: tuple[int, int] = (0, 0)) -> int:
     """Multiply-adds of ONE sample's forward pass (multiply by 2 for FLOPs, by 3 for
     forward + backward). Counts every matmul: patch embedding, timestep MLP, the adaLN
     regressions (once per sample, not per token), per block q/k/v/out projections, the
@@ -220,19 +220,12 @@ def flops_per_forward(config: DiTConfig, text_tokens: int = 0) -> int:
     the text embedders and the cross-attention (L = text_tokens). Leaves out
     element-wise work (norms, softmax, activations, modulation, the label lookup, the
     rotation of RoPE, SwiGLU's gate).
-    This is the convention of the DiT paper's Gflops: XL/2 at 256 px gives 118.62 G."""
+    This is the convention of the DiT paper's Gflops: XL/2 at 256 px gives 118.62 G.
+    routed (B, K): B of the blocks see K tokens only (token routing, dittrain.routing.routed_blocks)."""
     D, T, p = config.hidden_size, config.num_tokens, config.patch_size
-    H = config.mlp_hidden
     L = text_tokens if config.text_token_dim else 0
-
-    # qkv, proj, the MLP: fc1 + fc2 (GELU: D -> H -> D), or fc1 (D -> 2H') + fc2 (H' -> D) of SwiGLU
-    per_block = T * (3 * D * D + D * D + MLP_MATMULS[config.mlp] * D * H)
-    per_block += 2 * T * T * D  # QK^T and AV, all heads together
-    per_block += 6 * D * D  # adaLN modulation, once per sample
-    if L:
-        per_block += T * D * D + L * 2 * D * D + T * D * D  # q, kv, proj
-        per_block += 2 * T * L * D  # QK^T and AV
-    total = config.depth * per_block
+    blocks, kept = routed
+    total = (config.depth - blocks) * block_flops(config, T, L) + blocks * block_flops(config, kept, L)
     total += T * config.in_channels * p * p * D  # patch embedding
     total += config.frequency_embedding_size * D + D * D  # timestep MLP
     total += 2 * D * D + T * D * p * p * config.out_channels  # final adaLN + linear
@@ -243,5 +236,18 @@ def flops_per_forward(config: DiTConfig, text_tokens: int = 0) -> int:
     return total
 
 
+def block_flops(config: DiTConfig, tokens: int, text_tokens: int = 0) -> int:
+    """Multiply-adds of one block on `tokens` tokens of one sample (flops_per_forward's terms)."""
+    D, T, H, L = config.hidden_size, tokens, config.mlp_hidden, text_tokens
+    # qkv, proj, the MLP: fc1 + fc2 (GELU: D -> H -> D), or fc1 (D -> 2H') + fc2 (H' -> D) of SwiGLU
+    per_block = T * (3 * D * D + D * D + MLP_MATMULS[config.mlp] * D * H)
+    per_block += 2 * T * T * D  # QK^T and AV, all heads together
+    per_block += 6 * D * D  # adaLN modulation, once per sample
+    if L:
+        per_block += T * D * D + L * 2 * D * D + T * D * D  # q, kv, proj
+        per_block += 2 * T * L * D  # QK^T and AV
+    return per_block
+
+
 __all__ = ["BLOCK_FIELDS", "CONFIGS", "CUSTOM_PREFIX", "CUSTOM_SPEC", "LIGHTNING", "MLP_WIDTH", "DiTConfig",
-           "ModelSpecError", "architecture", "custom_name", "flops_per_forward", "get_config", "parse_custom"]
+           "ModelSpecError", "architecture", "block_flops", "custom_name", "flops_per_forward", "get_config", "parse_custom"]

@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_gpu_train_cpu_path(tmp_path):
     out = tmp_path / "r.json"
     configs = ("DiT-T/2:2:none:off;DiT-T/2:2:selective:off;DiT-T/2:2:none:off:default:resident;DiT-T/2:2:x:off;"
-               "DiT-T/2:2:none:off:default:gpu:repa")
+               "DiT-T/2:2:none:off:default:gpu:repa;DiT-T/2:2:none:off:default:gpu:route=0.5,1,5;"
+               "custom:hidden=64,depth=2,heads=2,patch=1,mlp=swiglu,norm=rms,pos=rope:2:none:off:default:gpu:latent=8x4x4;"
+               "DiT-T/2:2:none:off:default:gpu:route=0.5,1,9")
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_train.py"), "--device", "cpu", "--configs", configs,
                         "--steps", "1", "--store-size", "8", "--store-dir", str(tmp_path / "store"),
                         "--json", str(out)], capture_output=True, text=True, timeout=600,
@@ -30,6 +32,12 @@ def test_gpu_train_cpu_path(tmp_path):
     assert [row["loader"] for row in rows[:3]] == ["gpu", "gpu", "resident"]
     assert "| DiT-T/2 | 2 | selective | off | default | gpu |" in r.stdout  # the markdown table
     assert rows[4]["status"] == "ok" and rows[4]["repa"] and "| gpu + repa |" in r.stdout  # --repa's step
+    # --route: the routed step, its MFU from the FLOPs it computes (fewer than the plain row's)
+    assert rows[5]["status"] == "ok" and "| gpu + route 0.5:1:5 |" in r.stdout
+    assert rows[5]["tflops"] * rows[5]["ms_per_step"] < rows[0]["tflops"] * rows[0]["ms_per_step"]
+    # a LightningDiT-style model on VA-VAE-like latents (8 channels, a 4x4 grid at patch 1)
+    assert rows[6]["status"] == "ok" and rows[6]["latent"] == [8, 4, 4] and "| gpu + latent 8x4x4 |" in r.stdout
+    assert rows[7]["status"].startswith("error: RouteError") and "END 9 is beyond" in rows[7]["status"]
 
 
 def test_gpu_train_without_cuda_says_so():

@@ -26,8 +26,9 @@ from dittrain.routing import (
     parse_route,
     rejoin_tokens,
     routed,
+    routed_blocks,
 )
-from dittrain.specs import get_config
+from dittrain.specs import flops_per_forward, get_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # the tests' store is 3x8x8: patch 2 gives a 4x4 grid, 16 tokens; 4 blocks
@@ -108,6 +109,24 @@ def test_draw_keeps_a_sorted_random_subset_from_the_generator():
     assert all(len(set(row.tolist())) == 4 and row.tolist() == sorted(row.tolist()) for row in a.idx)
     assert len({tuple(row.tolist()) for row in a.idx}) > 1  # each sample its own subset
     assert (a.start, a.end) == (1, 3) and Route(0.999, 0, 1).kept(4) == 1
+
+
+@pytest.mark.parametrize("name", ["DiT-XL/2", "LightningDiT-XL/1"])
+def test_routed_flops_are_what_the_forward_computes(name):
+    """flops_per_forward(routed=) against torch's own count of a routed forward (on meta: free)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    latent = (4, 32, 32) if name.startswith("DiT") else (32, 16, 16)
+    route = Route(0.5, 2, 26)
+    with torch.device("meta"):
+        m = DiT(get_config(name, input_size=latent[-1], in_channels=latent[0], num_classes=1000)).eval()
+        idx = torch.zeros(2, route.kept(m.config.num_tokens), dtype=torch.long)
+        with FlopCounterMode(display=False) as counted:
+            m(torch.empty(2, *latent), torch.ones(2), torch.zeros(2, dtype=torch.long), route=TokenRoute(2, 26, idx))
+    routed = routed_blocks(route, m.config.num_tokens)
+    assert routed == (24, 128)
+    assert counted.get_total_flops() == 2 * 2 * flops_per_forward(m.config, routed=routed)
+    assert 0.5 < flops_per_forward(m.config, routed=routed) / flops_per_forward(m.config) < 0.6
 
 
 def test_gradients_reach_every_token_and_checkpointing_changes_nothing():
