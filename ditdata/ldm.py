@@ -129,13 +129,14 @@ def _params(raw: dict) -> tuple[Mapping, Any]:
 
 
 def _architecture(dd: Mapping) -> dict[str, Any]:
-    out = {}
-    for key in ARCHITECTURE:
-        if key in dd:
-            value = dd[key]
-            out[key] = [int(v) for v in value] if isinstance(value, list | tuple) else \
-                value if isinstance(value, bool) else int(value)
-    out.setdefault("double_z", True)
+    """The ddconfig's ARCHITECTURE entries as JSON values (flags, integers, lists of integers)."""
+    def value(v):
+        if isinstance(v, bool):
+            return v
+        return [int(x) for x in v] if isinstance(v, list | tuple) else int(v)
+
+    out = {key: value(dd[key]) for key in ARCHITECTURE if key in dd}
+    out.setdefault("double_z", True)  # the LDM Encoder's defaults
     out.setdefault("attn_resolutions", [])
     return out
 
@@ -162,10 +163,6 @@ def attention_levels(cfg: dict) -> list[int]:
     """The encoder/decoder levels with attention blocks: level i works at resolution / 2**i."""
     arch = cfg["ddconfig"]
     return [i for i in range(len(arch["ch_mult"])) if arch.get("resolution", 0) >> i in arch["attn_resolutions"]]
-
-
-def downsample(cfg: dict) -> int:
-    return 2 ** (len(cfg["ddconfig"]["ch_mult"]) - 1)
 
 
 # --------------------------------------------------------------------------- the checkpoint
@@ -213,10 +210,14 @@ def load_module(path: Path, cfg: dict, label: str | None = None):
 
     label = label or str(path)
     ldm = read_checkpoint(path)
-    mapping = SINGLE_FILE_LOADABLE_CLASSES["AutoencoderKL"]
-    config = diffusers_config(cfg, ldm, mapping["config_mapping_fn"])
-    state = mapping["checkpoint_mapping_fn"](checkpoint=ldm, config=config)
-    _convert_level_attention(state, ldm, cfg)
+    config = diffusers_config(cfg, ldm)
+    try:
+        state = SINGLE_FILE_LOADABLE_CLASSES["AutoencoderKL"]["checkpoint_mapping_fn"](checkpoint=ldm, config=config)
+        _convert_level_attention(state, ldm, cfg)
+    except Exception as e:  # a checkpoint whose layout the mapping does not expect
+        raise DitdataError(f"{label}: diffusers cannot convert the checkpoint with its LDM config: "
+                           f"{described(e)}") from e
+    state = {k: v for k, v in state.items() if v is not None}  # the mapping's .get() of an absent weight
     try:
         with torch.device("meta"):  # no time goes into an init the checkpoint overwrites
             module = AutoencoderKL.from_config(config)
@@ -227,13 +228,14 @@ def load_module(path: Path, cfg: dict, label: str | None = None):
     return module.eval()
 
 
-def diffusers_config(cfg: dict, ldm: dict, config_mapping_fn=None) -> dict:
-    """The diffusers AutoencoderKL config of the LDM config `cfg`: diffusers' own mapping, with
-    attention blocks in the levels the ddconfig puts attention in (module docstring)."""
-    if config_mapping_fn is None:
-        from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+def diffusers_config(cfg: dict, ldm: dict) -> dict:
+    """The diffusers AutoencoderKL config of the LDM config `cfg` (and checkpoint `ldm`, which
+    diffusers reads its sample size from): diffusers' own mapping, with attention blocks in the
+    levels the ddconfig puts attention in (module docstring)."""
+    _single_file_utils()
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
-        config_mapping_fn = SINGLE_FILE_LOADABLE_CLASSES["AutoencoderKL"]["config_mapping_fn"]
+    config_mapping_fn = SINGLE_FILE_LOADABLE_CLASSES["AutoencoderKL"]["config_mapping_fn"]
     first_stage = {"params": {"embed_dim": cfg["embed_dim"], "ddconfig": cfg["ddconfig"]}}
     config = config_mapping_fn(original_config={"model": {"params": {"first_stage_config": first_stage}}},
                                checkpoint=ldm, scaling_factor=cfg.get("scale_factor", 1.0))
@@ -272,4 +274,4 @@ def _check_fit(want: dict, got: dict, label: str) -> None:
                            "check --vae-config (ddconfig ch, ch_mult, num_res_blocks, z_channels, attn_resolutions)")
 
 
-__all__ = ["LDM_SPEC", "attention_levels", "checkpoint_of", "diffusers_config", "downsample", "load_module", "read_checkpoint", "read_config"]
+__all__ = ["LDM_SPEC", "attention_levels", "checkpoint_of", "diffusers_config", "load_module", "read_checkpoint", "read_config"]

@@ -399,6 +399,13 @@ def test_vavae_preset_is_va_vaes_architecture():
     assert (p.kind, p.scaling_factor, p.shift_factor, p.latent_channels, p.downsample) == ("autoencoder_kl", 1.0, 0.0, 32, 16)
     cfg = read_config(p.ldm_config)
     assert "scale_factor" not in cfg  # no published scaling factor
+    # a config in the layout VA-VAE's yaml has (its training keys beside the architecture) reads the same
+    published = {"ckpt_path": "vavae.pt", "model": {"target": "ldm.models.autoencoder.AutoencoderKL", "params": {
+        "monitor": "val/rec_loss", "embed_dim": 32, "use_vf": "dinov2", "reverse_proj": True,
+        "lossconfig": {"target": "ldm.modules.losses.LPIPSWithDiscriminator", "params": {"vf_weight": 0.1}},
+        "ddconfig": {"double_z": True, "z_channels": 32, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+                     "ch_mult": [1, 1, 2, 2, 4], "num_res_blocks": 2, "attn_resolutions": [16], "dropout": 0.0}}}}
+    assert read_config(published) == cfg
     with torch.device("meta"):
         model = diffusers.AutoencoderKL.from_config(diffusers_config(cfg, {}))
     assert list(model.config.block_out_channels) == [128, 128, 256, 256, 512] and model.config.latent_channels == 32
