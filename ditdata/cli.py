@@ -38,6 +38,7 @@ from ditdata.config import (
     FeaturesConfig,
     FetchConfig,
 )
+from ditdata.presets import PRESETS
 from ditdata.store.defaults import BACKENDS
 
 
@@ -283,7 +284,7 @@ def _cache(cache_dir, cache_limit) -> dict:
               help="Directory for the --decode PNGs (named by sample key).")
 @click.option("--vae", default=None,
               help="Where to find the store's autoencoder if not where it was recorded "
-                   "(a directory or preset name).")
+                   "(a directory, a preset name, or ldm:CHECKPOINT: the manifest has its LDM config).")
 @click.option("--device", default="cpu", show_default=True)
 @_cache_opts
 def inspect(store, decode_n, out, vae, device, cache_dir, cache_limit):
@@ -343,8 +344,14 @@ def verify(store, cache_dir, cache_limit, quiet):
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False, path_type=str),
               help="The latent store directory (created, resumed or appended to).")
 @_encode_opt("--vae", field="vae",
-             help="Autoencoder: sd-vae-ft-ema, sd-vae-ft-mse, sdxl-vae, flux-vae, taef2, pixels, "
-                  "a local directory (diffusers AutoencoderKL or TAEF2 weights) or a cached hub id.")
+             help=f"Autoencoder: {', '.join(PRESETS)}, a local directory (diffusers AutoencoderKL or TAEF2 "
+                  "weights), a cached hub id, or ldm:CHECKPOINT (one LDM-format .ckpt/.pt/.safetensors file, "
+                  "with --vae-config).")
+@_encode_opt("--vae-config", field="vae_config", type=click.Path(exists=True, dir_okay=False, path_type=str),
+             metavar="CONFIG.yaml",
+             help="The LDM config of --vae ldm:CHECKPOINT (model.params.embed_dim and ddconfig, as VA-VAE and the "
+                  "CompVis autoencoders ship it). Without a scale_factor in it the latents are stored unscaled and "
+                  "`dittrain run` standardises them per channel (--latent-norm auto).")
 @_encode_opt("--resolution", field="resolution", type=click.IntRange(min=1),
              help="Square crop size in pixels (ADM rule: resize short side, center crop).")
 @_encode_opt("--backend", field="backend", type=click.Choice(BACKENDS))

@@ -75,7 +75,8 @@ class EncodeConfig:
 
     shards: str
     out: str
-    vae: str = "sd-vae-ft-ema"
+    vae: str = "sd-vae-ft-ema"  # a preset, ldm:CHECKPOINT, a directory or a cached hub id (ditdata.vae)
+    vae_config: str | None = None  # the LDM config (yaml) of --vae ldm:CHECKPOINT (ditdata.ldm)
     resolution: int = 256
     backend: str = DEFAULT_BACKEND  # one of ditdata.store.defaults.BACKENDS
     flip: bool = False

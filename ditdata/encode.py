@@ -185,7 +185,7 @@ class Encoder:
 
     def __init__(self, cfg: EncodeConfig, device: torch.device):
         self.cfg, self.device = cfg, device
-        self.ae = load_autoencoder(cfg.vae, device=device)
+        self.ae = load_autoencoder(cfg.vae, device=device, vae_config=cfg.vae_config)
         if cfg.posterior == "mean_std" and self.ae.deterministic:
             raise DitdataError(
                 f"--posterior mean_std needs a KL autoencoder with a posterior; {self.ae.name} is "

@@ -34,7 +34,9 @@ def describe(path, **remote) -> str:
         f"latent:       {tuple(lat['shape'])} {lat['dtype']}, stored as {lat['stored']}"
         f"{', with flipped variant' if lat['flip'] else ''}",
         f"autoencoder:  {vae.get('name')} ({vae.get('id')}), scaling {vae.get('scaling_factor')}, "
-        f"shift {vae.get('shift_factor')}, {vae.get('latent_channels')} channels, /{vae.get('downsample')}",
+        f"shift {vae.get('shift_factor')}, {vae.get('latent_channels')} channels, /{vae.get('downsample')}"
+        + ("; no published scaling: `dittrain run` standardises it per channel (--latent-norm auto)"
+           if vae.get("latent_norm") == "channel" else ""),
         f"image:        {m['image'].get('resolution')} px, crop {m['image'].get('crop')}",
         *_conditioning(s.conditioning),
         f"filter:       {m['filter'] if m['filter'] else 'none'}",

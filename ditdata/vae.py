@@ -4,18 +4,26 @@
 ``load_autoencoder(name_or_path)`` resolves, in this order:
 
 1. a preset name from ``PRESETS`` (``sd-vae-ft-ema``, ``sd-vae-ft-mse``, ``sdxl-vae``,
-   ``flux-vae``, ``taef2``, ``pixels``);
-2. an existing local directory: one holding ``taef2_encoder.pth`` + ``taef2_decoder.pth``
+   ``flux-vae``, ``vavae-f16d32``, ``taef2``, ``pixels``);
+2. ``ldm:CHECKPOINT`` with ``vae_config`` (its LDM yaml config, or the dict): an AutoencoderKL
+   from ONE checkpoint file in the LDM (CompVis) layout, as VA-VAE, the original Stable
+   Diffusion VAEs and many research tokenizers ship (ditdata/ldm.py: diffusers' single-file
+   conversion). Scaled by the config's ``scale_factor`` where it has one; without one the
+   latents are stored unscaled (1.0, shift 0) and the entry says ``"latent_norm": "channel"``:
+   ``dittrain run --latent-norm auto`` then standardises them per channel;
+3. an existing local directory: one holding ``taef2_encoder.pth`` + ``taef2_decoder.pth``
    is TAEF2; one with a ``config.json`` whose ``_class_name`` is ``AutoencoderKL`` (or a
    diffusers pipeline directory with such a ``vae/`` subfolder) is a diffusers AutoencoderKL
-   whose scaling and shift come from its config;
-3. a hub id ``org/name`` or ``org/name/subfolder``: a diffusers AutoencoderKL from the
+   whose scaling and shift come from its config; one holding an LDM preset's checkpoint
+   (``vavae-imagenet256-f16d32-dinov2.pt``) is that preset;
+4. a hub id ``org/name`` or ``org/name/subfolder``: a diffusers AutoencoderKL from the
    LOCAL Hugging Face cache only (``ditdata.common.hub.hub_cache_dir``: ``$HF_HUB_CACHE``, else
    ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``, in huggingface_hub's order).
 
 Nothing is ever downloaded: a model that is not on disk fails at once with a
 ``DitdataError`` naming the model and how to provide it. The ``taef2`` preset finds its
-weights through ``$DITKIT_TAEF2`` (a directory) or takes the directory itself.
+weights through ``$DITKIT_TAEF2`` (a directory) or takes the directory itself; ``vavae-f16d32``
+through ``$DITKIT_VAVAE`` (its checkpoint, or a directory holding it), else the hub cache.
 
 Latent convention (all kinds): ``encode`` takes images (B, 3, H, W) in [0, 1] and returns
 the SCALED posterior mean ``z = (mean - shift) * scale`` and the scaled std
@@ -28,8 +36,9 @@ preset, a directory or a manifest entry); the presets themselves live in ``ditda
 
 ``Autoencoder.info`` is exactly the store manifest's ``"vae"`` entry;
 ``autoencoder_from_manifest`` rebuilds the autoencoder a store was made with, trusting the
-manifest's scaling and shift. Importing this module is cheap (torch and diffusers are
-imported inside the functions that need them).
+manifest's scaling and shift (and, for an LDM checkpoint, its recorded ``ldm_config``).
+Importing this module is cheap (torch and diffusers are imported inside the functions that
+need them).
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import importlib.util
 import os
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +56,7 @@ from ditdata.common.extras import require
 from ditdata.common.files import read_json, sha256_file
 from ditdata.common.hub import download_command, hub_cache_dir, not_cached_message, saved_weights
 from ditdata.errors import DitdataError
+from ditdata.ldm import LDM_SPEC, checkpoint_of
 from ditdata.presets import (  # noqa: F401  (re-exported: the presets' names, as before)
     KIND_KL,
     KIND_PIXELS,
@@ -67,8 +78,11 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(/[\w.-]+)*")
 
 def _info(name: str, ident: str | None, *, sha: dict[str, str] | None, scaling: float, shift: float,
           channels: int, downsample: int, input_range: str, kind: str, subfolder: str | None = None,
-          revision: str | None = None) -> dict[str, Any]:
-    """An ``Autoencoder.info`` (the manifest's ``"vae"`` entry), keys in their recorded order."""
+          revision: str | None = None, latent_norm: str = "none", ldm_config: dict | None = None) -> dict[str, Any]:
+    """An ``Autoencoder.info`` (the manifest's ``"vae"`` entry), keys in their recorded order.
+    ``latent_norm``: the normalisation training should give these latents (``dittrain run
+    --latent-norm auto``): "channel" where the autoencoder publishes no scaling factor, else
+    "none". ``ldm_config``: the architecture of an LDM checkpoint (ditdata.ldm), else None."""
     return {
         "name": name,
         "id": ident,
@@ -81,6 +95,8 @@ def _info(name: str, ident: str | None, *, sha: dict[str, str] | None, scaling: 
         "downsample": int(downsample),
         "input_range": input_range,
         "kind": kind,
+        "latent_norm": latent_norm,
+        "ldm_config": ldm_config,
     }
 
 
@@ -103,7 +119,8 @@ class Autoencoder:
     """A torch module plus the facts a latent store needs about it.
 
     ``info`` is the manifest entry: name, id, subfolder, revision, weights_sha256,
-    scaling_factor, shift_factor, latent_channels, downsample, input_range, kind.
+    scaling_factor, shift_factor, latent_channels, downsample, input_range, kind, latent_norm,
+    ldm_config (``_info``).
     ``weights_sha256`` maps each weight file actually loaded (path relative to the model
     directory) to its sha256; None for ``pixels``. What the module itself does with the
     pixels is its kind's business (``KINDS``); the scaling and value range are done here,
@@ -265,9 +282,14 @@ class _TAEF2Kind(AutoencoderKind):
 
 
 class _KLKind(AutoencoderKind):
+    """A diffusers AutoencoderKL, found as a diffusers folder (local or in the hub cache) or as
+    one LDM-format checkpoint with its LDM config (a preset's ``filename``, ``ldm:``, a manifest
+    entry with ``ldm_config``): loaded, both are the same module."""
+
     name = KIND_KL
     deterministic = False
-    dir_hint = "a diffusers AutoencoderKL (config.json + diffusion_pytorch_model.safetensors)"
+    dir_hint = ("a diffusers AutoencoderKL (config.json + diffusion_pytorch_model.safetensors) or "
+                + " / ".join(f"{p.filename} ({p.name})" for p in PRESETS.values() if p.filename))
 
     def encode(self, module, x):
         dist = module.encode(x).latent_dist
@@ -277,6 +299,8 @@ class _KLKind(AutoencoderKind):
         return module.decode(latents).sample
 
     def from_preset(self, preset, device, dtype):
+        if preset.filename:  # one LDM-format checkpoint (VA-VAE)
+            return _ldm_preset(preset, preset.ldm_config, device, dtype)
         return _kl_from_hub(preset.repo_id, preset.subfolder, device, dtype, name=preset.name,
                             scaling=preset.scaling_factor, shift=preset.shift_factor)
 
@@ -285,9 +309,14 @@ class _KLKind(AutoencoderKind):
             cfg = _kl_config(cand)
             if cfg is not None and cfg.get("_class_name") == "AutoencoderKL":
                 return _kl_from_dir(cand, device, dtype)
+        for p in PRESETS.values():  # a directory holding an LDM preset's checkpoint
+            if p.filename and (path / p.filename).is_file():
+                return _ldm(path / p.filename, p.ldm_config, device, dtype, name=p.name)
         return None
 
     def from_manifest(self, entry, device, dtype):
+        if entry.get("ldm_config"):
+            return _ldm_from_manifest(entry, device, dtype)
         ident, name = entry.get("id"), entry.get("name")
         if ident and Path(ident).is_absolute():  # local directories are recorded absolute
             if not Path(ident).is_dir():
@@ -295,8 +324,9 @@ class _KLKind(AutoencoderKind):
                                    "this machine; pass its directory (--vae DIR)")
             return _kl_from_dir(Path(ident), device, dtype)
         if ident and _HUB_ID.fullmatch(ident):
-            return _kl_from_hub_pinned(ident, entry.get("subfolder"), entry.get("revision"),
-                                       name or ident, device, dtype)
+            sub = entry.get("subfolder")
+            return _from_hub_pinned(lambda rev: _kl_from_hub(ident, sub, device, dtype, name=name or ident, revision=rev),
+                                    ident, entry.get("revision"), name or ident)
         raise DitdataError(f"store autoencoder {name!r}: unusable id {ident!r}; "
                            "pass its directory (--vae DIR)")
 
@@ -389,12 +419,15 @@ def _kl_info(name: str, ident: str, subfolder: str | None, revision: str | None,
 
 
 def _missing_hub_message(name: str, repo_id: str, subfolder: str | None, cache: Path,
-                         revision: str | None = None, detail: str = "") -> str:
-    command = download_command(repo_id, include=f"{subfolder}/*" if subfolder else None, revision=revision)
-    what = repo_id + (f" (subfolder {subfolder})" if subfolder else "")
+                         revision: str | None = None, detail: str = "", filename: str | None = None,
+                         instead: str = "a local diffusers directory (--vae DIR)") -> str:
+    """Not in the cache: the whole repo (or its `subfolder`), or one checkpoint `filename`."""
+    files = (filename,) if filename else ()
+    command = download_command(repo_id, *files, include=f"{subfolder}/*" if subfolder else None, revision=revision)
+    what = repo_id + (f" (subfolder {subfolder})" if subfolder else "") + (f" file {filename}" if filename else "")
     label = f"'{name}' = {what}" if name != repo_id else what
     return not_cached_message(f"autoencoder {label}{' at revision ' + revision if revision else ''}", cache,
-                              command, detail, "a local diffusers directory (--vae DIR)")
+                              command, detail, instead)
 
 
 def _snapshot(repo_id: str, subfolder: str | None, revision: str | None, name: str) -> Path:
@@ -469,6 +502,79 @@ def _kl_from_hub(repo_id: str, subfolder: str | None, device: Any, dtype: torch.
     return Autoencoder(module, info).to(device, dtype)
 
 
+def _ldm(checkpoint: Path, config: str | Path | dict, device: Any, dtype: torch.dtype, *,
+         name: str | None = None, ident: str | None = None, revision: str | None = None) -> Autoencoder:
+    """An LDM-format checkpoint file with its LDM config (a yaml path or the normalised dict):
+    scaled by the config's scale_factor, else stored unscaled and marked for channel
+    normalisation. `ident`: a hub id (the file is in the cache), else the file's path."""
+    from ditdata.ldm import load_module, read_config
+
+    path = checkpoint.expanduser().absolute()  # not resolved: a hub cache file is a link into blobs/
+    if not path.is_file():
+        raise DitdataError(f"{LDM_SPEC}{checkpoint}: no such checkpoint file")
+    cfg = read_config(config)
+    name = name or f"{LDM_SPEC}{path}"
+    module = load_module(path, cfg, label=name)
+    scale = cfg.get("scale_factor")
+    info = _kl_info(name, ident or str(path), None, revision, {path.name: sha256_file(path)}, module,
+                    1.0 if scale is None else scale, 0.0)
+    info.update(latent_norm="channel" if scale is None else "none", ldm_config=cfg)
+    return Autoencoder(module, info).to(device, dtype)
+
+
+def _ldm_preset(preset: Preset, config: dict, device: Any, dtype: torch.dtype) -> Autoencoder:
+    """An LDM preset's checkpoint: from ``$ENV`` (the file, or a directory holding it) when set,
+    else from the hub cache."""
+    env = os.environ.get(preset.env) if preset.env else None
+    if not env:
+        return _ldm_from_hub(preset.repo_id, preset.filename, None, config, preset.name, device, dtype)
+    where = Path(env).expanduser()
+    path = where / preset.filename if where.is_dir() else where
+    if not path.is_file():
+        raise DitdataError(f"autoencoder {preset.name!r}: ${preset.env}={env} is not {preset.filename} nor a "
+                           f"directory holding it; point ${preset.env} at it, or unset it to use the Hugging Face "
+                           f"cache (`{download_command(preset.repo_id, preset.filename)}`)")
+    return _ldm(path, config, device, dtype, name=preset.name)
+
+
+def _ldm_from_hub(repo_id: str, filename: str, revision: str | None, config: dict, name: str,
+                  device: Any, dtype: torch.dtype) -> Autoencoder:
+    """One checkpoint file of a hub repo, from the local cache only."""
+    cache = hub_cache_dir()
+    hub = require("huggingface_hub", f"autoencoder {name} ({repo_id})", "vae", DitdataError)
+    preset = PRESETS.get(name)
+    instead = (f"${preset.env}=FILE (the file, or a directory holding it)" if preset is not None and preset.env
+               else f"--vae {LDM_SPEC}FILE")
+    try:
+        path = Path(hub.hf_hub_download(repo_id, filename, revision=revision, cache_dir=str(cache),
+                                        local_files_only=True))
+    except Exception as e:
+        raise DitdataError(_missing_hub_message(name, repo_id, None, cache, revision, type(e).__name__,
+                                                filename=filename, instead=instead)) from e
+    snapshot = path.parents[len(Path(filename).parts) - 1]  # .../snapshots/COMMIT/FILENAME
+    return _ldm(path, config, device, dtype, name=name, ident=repo_id, revision=snapshot.name)
+
+
+def _ldm_from_manifest(entry: dict[str, Any], device: Any, dtype: torch.dtype) -> Autoencoder:
+    """An LDM checkpoint where the entry recorded it (a local file; a hub file, at its commit
+    if cached), with the recorded config; a preset's moved file is found as the preset is."""
+    ident, name, config = entry.get("id"), entry.get("name"), entry["ldm_config"]
+    preset = PRESETS.get(name) if name else None
+    if ident and Path(ident).is_absolute():
+        if Path(ident).is_file():
+            return _ldm(Path(ident), config, device, dtype, name=name)
+        if preset is not None and preset.filename:
+            return _ldm_preset(preset, config, device, dtype)
+        raise DitdataError(f"store autoencoder {name!r}: {ident} is not on this machine; pass its "
+                           f"checkpoint (--vae {LDM_SPEC}FILE; the manifest has its config)")
+    filename = next(iter(entry.get("weights_sha256") or {}), None)
+    if ident and _HUB_ID.fullmatch(ident) and filename:
+        return _from_hub_pinned(lambda rev: _ldm_from_hub(ident, filename, rev, config, name or ident, device, dtype),
+                                ident, entry.get("revision"), name or ident)
+    raise DitdataError(f"store autoencoder {name!r}: unusable id {ident!r}; pass its checkpoint "
+                       f"(--vae {LDM_SPEC}FILE)")
+
+
 def _resolve_dir(path: Path, device: Any, dtype: torch.dtype) -> Autoencoder:
     for kind in KINDS.values():
         ae = kind.from_dir(path, device, dtype)
@@ -480,14 +586,24 @@ def _resolve_dir(path: Path, device: Any, dtype: torch.dtype) -> Autoencoder:
     raise DitdataError(f"{path}: not a recognised autoencoder directory ({found}); expected {expected}")
 
 
-def load_autoencoder(name_or_path: str, device: Any = "cpu",
-                     dtype: torch.dtype | None = None) -> Autoencoder:
-    """Load a preset, a local directory or a cached hub id (see the module docstring).
-    ``dtype`` defaults to float32. Raises ``DitdataError`` when the model is not on disk."""
+def load_autoencoder(name_or_path: str, device: Any = "cpu", dtype: torch.dtype | None = None, *,
+                     vae_config: str | Path | dict | None = None) -> Autoencoder:
+    """Load a preset, ``ldm:CHECKPOINT`` with its ``vae_config``, a local directory or a cached
+    hub id (see the module docstring). ``dtype`` defaults to float32. Raises ``DitdataError``
+    when the model is not on disk."""
     import torch
 
     dtype = dtype or torch.float32
     s = str(name_or_path).strip()
+    checkpoint = checkpoint_of(s)
+    if vae_config is not None and checkpoint is None:
+        raise DitdataError(f"--vae-config {vae_config} goes with --vae {LDM_SPEC}CHECKPOINT (one LDM-format "
+                           f"checkpoint file), not with --vae {s}")
+    if checkpoint is not None:
+        if vae_config is None:
+            raise DitdataError(f"--vae {s}: an LDM-format checkpoint needs its LDM config: --vae-config CONFIG.yaml "
+                               "(model.params.embed_dim and ddconfig)")
+        return _ldm(checkpoint, vae_config, device, dtype)
     preset = PRESETS.get(s)
     if preset is not None:
         return KINDS[preset.kind].from_preset(preset, device, dtype)
@@ -495,27 +611,27 @@ def load_autoencoder(name_or_path: str, device: Any = "cpu",
     if path.is_dir():
         return _resolve_dir(path, device, dtype)
     if path.exists():
-        raise DitdataError(f"{s}: an autoencoder must be a directory "
-                           f"(or one of the presets {', '.join(PRESETS)})")
+        raise DitdataError(f"{s}: an autoencoder is a directory, one of the presets {', '.join(PRESETS)}, "
+                           f"or one LDM-format checkpoint given as --vae {LDM_SPEC}{s} --vae-config CONFIG.yaml")
     if _HUB_ID.fullmatch(s) and ".." not in s:
         parts = s.split("/")
         repo_id, sub = "/".join(parts[:2]), "/".join(parts[2:]) or None
         return _kl_from_hub(repo_id, sub, device, dtype, name=s)
     raise DitdataError(f"unknown autoencoder {s!r}: not a preset ({', '.join(PRESETS)}), "
-                       "not an existing directory, not a hub id (org/name)")
+                       f"not {LDM_SPEC}CHECKPOINT, not an existing directory, not a hub id (org/name)")
 
 
-def _kl_from_hub_pinned(repo_id: str, subfolder: str | None, revision: str | None, name: str,
-                        device: Any, dtype: torch.dtype) -> Autoencoder:
-    """The recorded commit from the cache; when only another commit is cached, that one with
-    a warning (the caller's sha256 check tells whether its weights are the same)."""
+def _from_hub_pinned(load: Callable[[str | None], Autoencoder], repo_id: str, revision: str | None,
+                     name: str) -> Autoencoder:
+    """load(revision): the recorded commit from the cache; when only another commit is cached,
+    load(None) with a warning (the caller's sha256 check tells whether its weights are the same)."""
     try:
-        return _kl_from_hub(repo_id, subfolder, device, dtype, name=name, revision=revision)
+        return load(revision)
     except DitdataError as pinned_error:
         if revision is None:
             raise
         try:
-            ae = _kl_from_hub(repo_id, subfolder, device, dtype, name=name)
+            ae = load(None)
         except DitdataError:
             raise pinned_error from None
     warnings.warn(f"autoencoder {name!r}: revision {revision} of {repo_id} is not cached, "
@@ -535,10 +651,12 @@ def autoencoder_from_manifest(vae_entry: dict[str, Any], device: Any = "cpu",
     """Rebuild the autoencoder a store was made with from its manifest ``"vae"`` entry.
 
     The manifest is the source of truth for scaling and shift. The model is found at
-    ``source`` when given (a directory or name, e.g. from ``--vae``), else at the recorded
-    id (a local directory, or a hub id at the recorded revision in the local cache); a TAEF2
-    whose recorded directory is gone falls back to ``$DITKIT_TAEF2``. When the weights
-    loaded differ from the recorded sha256 a warning is issued (``strict=True``: an error).
+    ``source`` when given (a directory or name, e.g. from ``--vae``; ``ldm:CHECKPOINT`` takes
+    the entry's recorded LDM config), else at the recorded id (a local directory or
+    checkpoint, or a hub id at the recorded revision in the local cache); a TAEF2 whose
+    recorded directory is gone falls back to ``$DITKIT_TAEF2``, a preset's moved LDM checkpoint
+    to the preset's own search. When the weights loaded differ from the recorded sha256 a
+    warning is issued (``strict=True``: an error).
     """
     import torch
 
@@ -546,7 +664,8 @@ def autoencoder_from_manifest(vae_entry: dict[str, Any], device: Any = "cpu",
     e = dict(vae_entry)
     kind = KINDS.get(e.get("kind"))
     if source is not None and (kind is None or kind.has_weights):
-        ae = load_autoencoder(source, device, dtype)
+        config = e.get("ldm_config") if checkpoint_of(source) is not None else None
+        ae = load_autoencoder(source, device, dtype, vae_config=config)
     elif kind is None:
         raise DitdataError(f"store manifest names an unknown autoencoder kind {e.get('kind')!r}")
     else:

@@ -174,7 +174,9 @@ def _opt(*names, field, **kw):
       "model keeps its own (LightningDiT's, a custom spec's qk_norm=1).")
 @_opt("--latent-norm", field="latent_norm", type=click.Choice(config.LATENT_NORMS),
       help="channel: standardise each latent channel with the store's recorded mean/std before the model "
-           "(recorded in the run config; sampling undoes it before decoding). Helps scale-1 stores (TAEF2).")
+           "(recorded in the run config; sampling undoes it before decoding). Helps scale-1 stores (TAEF2). "
+           "auto: channel where the store's autoencoder publishes no scaling factor (VA-VAE, ldm: without "
+           "scale_factor), else none; the startup line says which, the run records it.")
 @_opt("--loss-weighting", field="loss_weighting", type=click.Choice(config.LOSS_WEIGHTINGS),
       help="ddpm: min-snr weights the eps MSE by min(SNR, gamma) / SNR (the learned-variance VLB term "
            "stays unweighted).")

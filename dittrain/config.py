@@ -9,7 +9,8 @@ export adds what is DERIVED from the latent store (never set by hand):
      "model": asdict(DiTConfig)        in_channels, input_size, num_classes, text dims
      "diffusion": asdict(DiffusionConfig),  loss weighting, flow t sampling and shift too
      "latents": {"norm": "none"} or {"norm": "channel", "mean": [C], "std": [C], ...}
-                (dittrain.latents: the store's stats the model's inputs were standardised with)
+                (dittrain.latents: the store's stats the model's inputs were standardised with;
+                "train" records --latent-norm resolved too: none or channel, never auto)
      "store": {"path": absolute path, "identity": manifest digest, "num_samples": N,
                "features": {"name", "identity", ...} of the --repa feature set, only with it},
      "init": what --init-from loaded (dittrain.weights.init_model's record), only with it}
@@ -28,7 +29,7 @@ OBJECTIVES = ("ddpm", "flow")  # ddpm: epsilon (DiT); flow: rectified flow, velo
 SAMPLERS = ("ddpm", "ddim", "euler", "heun")  # dittrain sample --sampler: ddpm/ddim for ddpm runs, euler/heun for flow
 LOSS_WEIGHTINGS = ("none", "min-snr")  # ddpm
 T_SAMPLINGS = ("logit-normal", "uniform")  # flow: how training draws t
-LATENT_NORMS = ("none", "channel")  # dittrain.latents
+LATENT_NORMS = ("auto", "none", "channel")  # dittrain.latents (auto: resolved to none or channel at the start)
 OPTIMIZERS = ("adamw", "adamw8bit")  # dittrain.optim
 LR_SCHEDULES = ("constant", "cosine")  # dittrain.optim.lr_at
 AMP_MODES = ("auto", "bf16", "fp16", "fp32")  # --amp: ditdata.common.devices.PRECISIONS, in --help's order
@@ -97,7 +98,9 @@ class DataSection:
     latents: str = ""  # the latent store (ditdata encode --out), or its URL (s3://, gs://, http(s)://)
     cache_dir: str = ""  # a URL store's local cache ("": $XDG_CACHE_HOME/ditkit/stores, ditdata.store.remote)
     cache_limit: str = ""  # its size limit ("": 50 GiB, remote.DEFAULT_CACHE_LIMIT); LRU shards are removed
-    latent_norm: str = "none"  # none | channel (standardise with the store's per-channel mean/std)
+    # auto (channel where the store's autoencoder publishes no scaling factor, e.g. VA-VAE; else none) |
+    # none | channel (standardise with the store's per-channel mean/std); recorded resolved
+    latent_norm: str = "auto"
     loader: str = "auto"  # auto | resident | streaming
     resident_device: str = "cpu"  # cpu | cuda: where a resident store lives
     workers: int = 4  # streaming loader processes

@@ -7,8 +7,13 @@ stored latents), as LightningDiT does:
     x' = (x - mean_c) / std_c          before the model (train.py, once per batch, on the device)
     x  = x' * std_c + mean_c           before the autoencoder decodes (sample.run_plan)
 
-It matters for autoencoders stored with scale 1 (TAEF2: channels far from unit variance).
-The values used are copied into the run config's "latents" section,
+It matters for autoencoders stored with scale 1 (TAEF2: channels far from unit variance), and
+most for those that publish no scaling factor at all (VA-VAE: LightningDiT trains only on
+channel-normalised latents). `--latent-norm auto`, the default, is resolved when a run starts
+(`choose`): channel where the store's manifest says its autoencoder has no published scaling
+factor (its "vae" entry's "latent_norm": "channel", ditdata.vae), none otherwise; the run
+records the resolved value, never auto. The values used are copied into the run config's
+"latents" section,
 
     {"norm": "none"}  or  {"norm": "channel", "mean": [C], "std": [C], "stats_count": N}
 
@@ -25,16 +30,32 @@ import torch
 from ditdata.common.errors import UserError
 from dittrain.config import LATENT_NORMS
 
+RESOLVED = ("none", "channel")  # what a run records and a "latents" section holds
+
 
 class LatentNormError(UserError, ValueError):
     """The store cannot give what --latent-norm asks for."""
 
 
-def latent_record(store, norm: str) -> dict:
-    """The run config's "latents" section for `norm` on `store`; LatentNormError (one line)
-    when `channel` finds no usable per-channel statistics in the store's manifest."""
+def choose(store, norm: str) -> tuple[str, str]:
+    """(none | channel, the startup line's words for it): `norm` itself, or what auto picks
+    for `store` (the module docstring) and why."""
     if norm not in LATENT_NORMS:
         raise LatentNormError(f"--latent-norm must be one of {', '.join(LATENT_NORMS)}, got {norm!r}")
+    if norm != "auto":
+        return norm, norm
+    vae = store.manifest.get("vae") or {}
+    name = vae.get("name") or vae.get("id")
+    if vae.get("latent_norm") == "channel":
+        return "channel", f"channel (auto: the store's autoencoder {name} has no published scaling factor)"
+    return "none", f"none (auto: the store's autoencoder {name} scales its latents by {vae.get('scaling_factor')})"
+
+
+def latent_record(store, norm: str) -> dict:
+    """The run config's "latents" section for `norm` on `store` (auto: as `choose` resolves it);
+    LatentNormError (one line) when `channel` finds no usable per-channel statistics in the
+    store's manifest."""
+    norm, _ = choose(store, norm)
     if norm == "none":
         return {"norm": "none"}
     stats = store.manifest.get("stats") or {}
@@ -58,7 +79,7 @@ class LatentNorm:
 
     def __init__(self, record: dict | None = None):
         record = record or {"norm": "none"}
-        if record.get("norm", "none") not in LATENT_NORMS:
+        if record.get("norm", "none") not in RESOLVED:
             raise LatentNormError(f"unknown latent normalisation {record.get('norm')!r} in the run config")
         self.record = record
         self.enabled = record.get("norm") == "channel"
@@ -96,4 +117,4 @@ class LatentNorm:
         return z * std + mean
 
 
-__all__ = ["LATENT_NORMS", "LatentNorm", "LatentNormError", "latent_record"]
+__all__ = ["LATENT_NORMS", "RESOLVED", "LatentNorm", "LatentNormError", "choose", "latent_record"]

@@ -22,7 +22,7 @@ from ditdata.store import Store, open_store
 from dittrain.checkpoint import CheckpointWriter
 from dittrain.config import TrainConfig
 from dittrain.diffusion import Diffusion, DiffusionConfig
-from dittrain.latents import latent_record
+from dittrain.latents import choose, latent_record
 from dittrain.loggers import parse_loggers
 from dittrain.record import Resumption
 from dittrain.repa import check as check_repa
@@ -98,6 +98,7 @@ class Run:
     evaluator: object | None = None  # --eval-every: the FID evaluator (every rank shares the work)
     saver: CheckpointWriter | None = None  # --async-save, rank 0: the background writer (made by the first save)
     resumption: Resumption | None = None  # a resume of a recorded run: what it changes (dittrain.record)
+    latent_norm: str = ""  # the startup line's words for the latent normalisation (dittrain.latents.choose)
 
     @property
     def master(self) -> bool:
@@ -124,6 +125,9 @@ def setup(cfg: TrainConfig) -> Run:
     store = open_store(cfg.data.latents, cache_dir=cfg.data.cache_dir or None, cache_limit=cfg.data.cache_limit,
                        features=cfg.repa.repa or None)
     model_cfg = model_config_for(cfg, store)
+    # --latent-norm auto becomes what it picks for this store, in the record too: a resume and
+    # sampling see none or channel (dittrain.latents)
+    cfg.data.latent_norm, latent_words = choose(store, cfg.data.latent_norm)
     features = feature_record(store) if cfg.repa.repa else None
     if features is not None:
         check_repa(cfg, model_cfg, features)
@@ -148,7 +152,7 @@ def setup(cfg: TrainConfig) -> Run:
     compile_model(None, "off", cfg.performance.compile_mode)  # validates the mode before anything is written
     # auto: bf16 on GPUs that have it, else fp16 (with a grad scaler); fp32 on the CPU
     return Run(cfg, rank, world, device, amp_dtype(device, cfg.performance.amp), store, model_cfg,
-               Diffusion(diff_cfg), resolved, per_rank, created_group)
+               Diffusion(diff_cfg), resolved, per_rank, created_group, latent_norm=latent_words)
 
 
 def diffusion_config(cfg: TrainConfig, model_cfg: DiTConfig, store: Store) -> tuple[DiffusionConfig, dict]:

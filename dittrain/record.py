@@ -14,6 +14,9 @@ it was started. A setting that differs from the record is one of three kinds:
   optimizer, latent normalisation, REPA's feature set and projector width, which make the
   projector's tensors): never, a new run is the way (--init-from RUN).
 
+A setting whose "auto" the start resolved (--latent-norm: the record holds none or channel)
+given as auto again is no change: it means the recorded value.
+
 Every applied change is appended to config.json's "history" with the step it took effect
 at, so the record says what the run's weights were really trained with.
 """
@@ -42,6 +45,9 @@ FIXED = frozenset({"model", "learn_sigma", "qk_norm", "objective", "optimizer", 
 REPA_OPTIONS = ("repa_depth", "repa_weight", "repa_projector_dim")
 # Not settings of the run: how this command was asked to start.
 IGNORED = frozenset({"resume", "out", "init_from"})
+# Settings whose "auto" a start resolves and records resolved (dittrain.launch): on a resume,
+# auto means the recorded value (the same store resolves it the same way).
+RESOLVED_AUTO = frozenset({"latent_norm"})
 
 RECORD = "config.json"
 
@@ -111,7 +117,8 @@ def settle(options: dict, chosen: set[str], *, allow_changes: bool = False) -> t
     base = TrainConfig.from_record(record.get("train") or {})
     values = base.flat()
     for name in chosen & set(SECTION_OF):
-        values[name] = options[name]
+        if not (name in RESOLVED_AUTO and options[name] == "auto"):
+            values[name] = options[name]
     values["resume"], values["out"] = True, options["out"]
     if "latents" not in chosen and (record.get("store") or {}).get("path"):
         # the store where the run found it (absolute, or its URL): a resume from another

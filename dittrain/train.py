@@ -341,8 +341,8 @@ def _train(cfg: TrainConfig, resumption: Resumption | None, progress: bool = Tru
             print(f"dittrain: {cfg.model.model} ({state.model.num_params() / 1e6:.1f} M params) on {run.device}, "
                   f"{len(run.store)} latents {tuple(run.store.latent_shape)} from {cfg.data.latents}; loader "
                   f"{state.loader.kind} ({state.loader.reason}); global batch {cfg.optim.batch_size} = {run.world} "
-                  f"rank(s) x {cfg.optim.accumulation_steps} accumulation x {run.per_rank}; "
-                  f"{_origin(cfg, ckpt, state)}", file=sys.stderr)
+                  f"rank(s) x {cfg.optim.accumulation_steps} accumulation x {run.per_rank}; latent norm "
+                  f"{run.latent_norm}; {_origin(cfg, ckpt, state)}", file=sys.stderr)
             if align is not None:
                 print(f"dittrain: {describe(cfg, run.model_cfg, run.resolved['store']['features'], state.projector)}",
                       file=sys.stderr)

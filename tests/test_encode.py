@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 from cliutil import ditdata, kill_when, on_one_and_two_ranks, torchrun_or_skip
 from PIL import Image
-from tiny import class_tree, fetch_tree, real_images, save_tiny_kl
+from tiny import class_tree, fetch_tree, real_images, save_ldm, save_tiny_kl, tiny_ldm_kl
 
 from ditdata import imageshards
 from ditdata.cli import main as ditdata_cli
@@ -115,6 +115,36 @@ def test_taef2_real_photos_psnr_and_inspect_decode(taef2_dir, tmp_path):
     assert [p.stem for p in pngs] == sorted(data["key"])
     for key in data["key"]:
         assert _psnr(np.asarray(Image.open(out / f"{key}.png")), crops[key]) >= 28.0
+
+
+def test_ldm_checkpoint_through_the_command(shards, tmp_path):
+    """`--vae ldm:CHECKPOINT --vae-config CONFIG`: the stored posterior means are the diffusers
+    model's of the same crops, and the manifest records the file's sha256, the architecture and
+    that these unscaled latents want channel normalisation (no scale_factor in the config)."""
+    import hashlib
+
+    import torch
+
+    model = tiny_ldm_kl(attention=True)
+    ckpt, config = save_ldm(model, tmp_path / "vae" / "tokenizer.pt")
+    r = _cli("encode", shards, "--vae", f"ldm:{ckpt}", "--vae-config", config, "--resolution", 32, "--out",
+             tmp_path / "s", "--posterior", "mean_std", "--workers", 0, "--device", "cpu", "--quiet")
+    assert r.exit_code == 0, r.output
+    store = open_store(tmp_path / "s", verify=True)
+    vae = store.manifest["vae"]
+    assert vae["weights_sha256"] == {"tokenizer.pt": hashlib.sha256(ckpt.read_bytes()).hexdigest()}
+    assert vae["ldm_config"]["ddconfig"]["attn_resolutions"] == [16] and vae["ldm_config"]["embed_dim"] == 4
+    assert (vae["scaling_factor"], vae["shift_factor"], vae["latent_norm"]) == (1.0, 0.0, "channel")
+    assert store.latent_shape == (4, 16, 16) and len(store.manifest["stats"]["mean"]) == 4
+    data = store.read(0)
+    crops = {s.key: center_crop(s.decode(), 32) for s in imageshards.iter_shard(imageshards.list_shards(shards)[0])}
+    x = torch.stack([torch.from_numpy(np.asarray(crops[k])).permute(2, 0, 1) for k in data["key"]]).float() / 255
+    with torch.no_grad():
+        want = model.encode(x * 2 - 1).latent_dist.mean.numpy()
+    np.testing.assert_allclose(data["mean"].astype(np.float32), want, rtol=2e-3, atol=2e-3)  # stored fp16
+    assert "no published scaling" in _cli("inspect", tmp_path / "s").output
+    r = ditdata("encode", shards, "--vae", "pixels", "--vae-config", config, "--out", tmp_path / "p")
+    assert r.exit_code != 0 and "--vae-config" in r.output and "goes with --vae ldm:CHECKPOINT" in r.output
 
 
 def test_missing_hub_vae_fails_fast(shards, tmp_path):

@@ -1,5 +1,8 @@
 """--latent-norm channel: the model sees standardised latents (the store's recorded
-per-channel stats), the run config records them, and sampling undoes them before decoding."""
+per-channel stats), the run config records them, and sampling undoes them before decoding.
+--latent-norm auto (the default): channel on a store whose autoencoder publishes no scaling
+factor (an LDM checkpoint without scale_factor, as VA-VAE), none otherwise, said at the start
+and recorded resolved."""
 
 from __future__ import annotations
 
@@ -9,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cliutil import ditdata, one_error_line, run_args
 from cliutil import dittrain as cli
-from cliutil import one_error_line, run_args
 from storeutil import LABELLED, class_conditioning, pixels_info, schema, write_store
+from tiny import save_ldm, tiny_ldm_kl
 
 from dittrain.diffusion import Diffusion
 from dittrain.latents import LatentNorm, LatentNormError, latent_record
@@ -144,3 +148,68 @@ def test_store_without_stats_is_refused_at_start(store, tmp_path):
 
     with pytest.raises(LatentNormError):
         latent_record(open_store(bare), "channel")
+
+
+# --------------------------------------------------------------------------- auto
+
+
+@pytest.fixture(scope="module")
+def ldm_run(class_shards, tmp_path_factory):
+    """(run, store, checkpoint): `ditdata encode` with a tiny LDM checkpoint whose config has no
+    scale_factor (as VA-VAE's; --config file keys), at 16 px (latents 4x8x8), and a 2-step run
+    on it with the default --latent-norm (auto)."""
+    root = tmp_path_factory.mktemp("ldm")
+    ckpt, config = save_ldm(tiny_ldm_kl(attention=True), root / "vae" / "tiny-vavae.pt")
+    (root / "encode.toml").write_text(f'vae = "ldm:{ckpt}"\nvae-config = "{config}"\nresolution = 16\n'
+                                      'workers = 0\ndevice = "cpu"\n')
+    r = ditdata("encode", class_shards, "--config", root / "encode.toml", "--out", root / "store", "--quiet")
+    assert r.exit_code == 0, r.output
+    r = cli(*run_args(root / "store", root / "run", "--max-steps", 2))
+    assert r.exit_code == 0, r.output
+    return root / "run", root / "store", ckpt, r.output
+
+
+def test_auto_standardises_a_store_without_published_scaling_and_says_so(ldm_run):
+    run, store, ckpt, output = ldm_run
+    assert (f"latent norm channel (auto: the store's autoencoder ldm:{ckpt} has no published scaling factor)"
+            in output)
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["train"]["data"]["latent_norm"] == "channel" and cfg["latents"]["norm"] == "channel"  # never auto
+    from ditdata.store import open_store
+
+    assert cfg["latents"]["mean"] == open_store(store).manifest["stats"]["mean"]
+    # a resume that says auto again continues as recorded (no change, nothing refused)
+    r = cli(*run_args(store, run, "--max-steps", 3, "--resume", "--latent-norm", "auto"))
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["train"]["data"]["latent_norm"] == "channel"
+    assert [list(h["changes"]) for h in cfg["history"]] == [["--max-steps"]]
+
+
+def test_sampling_decodes_through_the_ldm_checkpoint(ldm_run, monkeypatch, tmp_path):
+    """`dittrain sample` of the run opens the store's LDM autoencoder (the recorded file and
+    config) and decodes mean_c + std_c * z: with the sampler returning z = 0, each sample is the
+    decode of the store's channel means."""
+    from PIL import Image
+
+    from ditdata.store import open_store
+    from ditdata.vae import load_autoencoder
+
+    run, store, ckpt, _ = ldm_run
+    monkeypatch.setattr(Diffusion, "sample", lambda self, model, shape, **kw: torch.zeros(shape))
+    r = cli("sample", "--ckpt", run, "--out", tmp_path / "s", "--n", 2, "--steps", 2, "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    stats = open_store(store).manifest["stats"]
+    ae = load_autoencoder(f"ldm:{ckpt}", vae_config=open_store(store).manifest["vae"]["ldm_config"])
+    want = ae.decode(torch.tensor(stats["mean"]).view(1, 4, 1, 1).expand(1, 4, 8, 8))[0]
+    want = (want.permute(1, 2, 0).numpy() * 255).round()
+    got = np.asarray(Image.open(tmp_path / "s" / "samples" / "0001.png").convert("RGB")).astype(float)
+    assert got.shape == (16, 16, 3) and np.abs(got - want).max() <= 1
+
+
+def test_auto_keeps_a_scaled_store_as_it_is(store, tmp_path):
+    r = cli(*run_args(store, tmp_path / "r", "--max-steps", 1))
+    assert r.exit_code == 0, r.output
+    assert "latent norm none (auto: the store's autoencoder pixels scales its latents by 1.0)" in r.output
+    cfg = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert cfg["train"]["data"]["latent_norm"] == "none" and cfg["latents"] == {"norm": "none"}

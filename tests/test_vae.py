@@ -1,6 +1,8 @@
 """The autoencoder registry: local diffusers directories and a fake Hugging Face cache
-(tiny random AutoencoderKL through the real from_pretrained path), fast failure for
-missing models, pixels, TAEF2 resolution and rebuilding from a manifest entry."""
+(tiny random AutoencoderKL through the real from_pretrained path), LDM-format checkpoints
+(ldm:FILE + an LDM config, the vavae-f16d32 preset; made in the tests from a tiny diffusers
+model of the architecture), fast failure for missing models, pixels, TAEF2 resolution and
+rebuilding from a manifest entry."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import tiny_kl
+from cliutil import raises_one_line
+from tiny import ldm_state_dict, save_ldm, tiny_kl, tiny_ldm_kl
 
 from ditdata.errors import DitdataError
 from ditdata.vae import PRESETS, Autoencoder, autoencoder_from_manifest, load_autoencoder
@@ -20,7 +23,7 @@ from ditdata.vae import PRESETS, Autoencoder, autoencoder_from_manifest, load_au
 diffusers = pytest.importorskip("diffusers")
 
 INFO_KEYS = {"name", "id", "subfolder", "revision", "weights_sha256", "scaling_factor",
-             "shift_factor", "latent_channels", "downsample", "input_range", "kind"}
+             "shift_factor", "latent_channels", "downsample", "input_range", "kind", "latent_norm", "ldm_config"}
 REV = "0123456789abcdef0123456789abcdef01234567"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
@@ -266,3 +269,195 @@ def test_a_new_kind_is_one_adapter(monkeypatch):
     torch.testing.assert_close(ae.decode(z), x)
     with pytest.raises(DitdataError, match="unknown autoencoder kind 'gone'"):
         autoencoder_from_manifest(dict(entry, kind="gone"))
+
+
+# --------------------------------------------------------------------------- LDM-format checkpoints
+
+VAVAE_FILE = "vavae-imagenet256-f16d32-dinov2.pt"
+# what VA-VAE's checkpoint holds besides the autoencoder: its loss networks and its DINOv2 teacher
+NOT_THE_AUTOENCODER = {"loss.discriminator.main.0.weight": torch.ones(2, 3), "loss.logvar": torch.zeros(()),
+                       "foundation_model.model.blocks.0.attn.qkv.weight": torch.ones(6, 2),
+                       "linear_proj.weight": torch.ones(2, 4)}
+
+
+@pytest.fixture(scope="module")
+def vavae_like(tmp_path_factory):
+    """(model, checkpoint, config): a tiny AutoencoderKL with attention inside its lowest level
+    (VA-VAE's layout), saved as VA-VAE ships: a torch .pt, the weights under "state_dict" beside
+    loss and teacher tensors, and an autoencoder LDM config without scale_factor."""
+    model = tiny_ldm_kl(attention=True)
+    ckpt, config = save_ldm(model, tmp_path_factory.mktemp("vavae") / VAVAE_FILE, extra=NOT_THE_AUTOENCODER)
+    return model, ckpt, config
+
+
+def _same_as(ae, model, scale: float = 1.0):
+    """ae encodes and decodes exactly as the diffusers `model` does (on the same weights)."""
+    x = _images()
+    z, std = ae.encode(x)
+    with torch.no_grad():
+        dist = model.encode(x * 2 - 1).latent_dist
+        want = ((model.decode(dist.mean).sample + 1) / 2).clamp(0, 1)
+    torch.testing.assert_close(z, dist.mean * scale, rtol=0, atol=0)
+    torch.testing.assert_close(std, dist.std * scale, rtol=0, atol=0)
+    torch.testing.assert_close(ae.decode(z), want, rtol=0, atol=1e-6)
+    return z
+
+
+def test_ldm_checkpoint_with_attention_in_a_level_equals_its_diffusers_model(vavae_like, tmp_path):
+    model, ckpt, config = vavae_like
+    ae = load_autoencoder(f"ldm:{ckpt}", vae_config=str(config))
+    assert ae.module.config.down_block_types[-1] == "AttnDownEncoderBlock2D"  # the level's attention is there
+    z = _same_as(ae, model)
+    info = json.loads(json.dumps(ae.info))  # the manifest entry, as stored
+    assert set(info) == INFO_KEYS and info["kind"] == "autoencoder_kl"
+    assert info["weights_sha256"] == {VAVAE_FILE: _sha(ckpt)} and info["id"] == str(ckpt)
+    # no published scaling: stored unscaled, and the store asks for channel normalisation
+    assert (ae.scaling_factor, ae.shift_factor, info["latent_norm"]) == (1.0, 0.0, "channel")
+    assert info["ldm_config"] == {"embed_dim": 4, "ddconfig": {
+        "double_z": True, "z_channels": 4, "resolution": 32, "in_channels": 3, "out_ch": 3, "ch": 32,
+        "ch_mult": [1, 2], "num_res_blocks": 1, "attn_resolutions": [16]}}  # the architecture only
+    assert (ae.latent_channels, ae.downsample) == (4, 2)
+
+    back = autoencoder_from_manifest(info)  # decoding a store: the recorded file and config
+    assert back.info == ae.info
+    torch.testing.assert_close(back.decode(z), ae.decode(z), rtol=0, atol=0)
+    # moved: the recorded config travels with the manifest, --vae ldm:FILE says where the file is
+    moved = tmp_path / "elsewhere.pt"
+    moved.write_bytes(ckpt.read_bytes())
+    gone = dict(info, id=str(tmp_path / "gone.pt"), name="ldm:" + str(tmp_path / "gone.pt"))
+    assert "not on this machine" in raises_one_line(DitdataError, lambda: autoencoder_from_manifest(gone))
+    with pytest.warns(UserWarning, match="differ"):  # recorded as another file name: its sha256 differs
+        again = autoencoder_from_manifest(gone, source=f"ldm:{moved}")
+    torch.testing.assert_close(again.decode(z), ae.decode(z), rtol=0, atol=0)
+
+
+def test_ldm_checkpoint_of_a_whole_pipeline_equals_diffusers_from_single_file(tmp_path):
+    """A Stable Diffusion style file (.safetensors, keys under first_stage_model., the config's
+    scale_factor beside first_stage_config): the same module as diffusers' own
+    AutoencoderKL.from_single_file, offline, and scaled by the published factor."""
+    model = tiny_ldm_kl()
+    ckpt, config = save_ldm(model, tmp_path / "sd.safetensors", prefix="first_stage_model.",
+                            extra={"model.diffusion_model.out.0.weight": torch.ones(3)}, sd_layout=True,
+                            scale_factor=0.25)
+    ae = load_autoencoder(f"ldm:{ckpt}", vae_config=config)
+    _same_as(ae, model, scale=0.25)
+    assert (ae.scaling_factor, ae.info["latent_norm"], ae.info["ldm_config"]["scale_factor"]) == (0.25, "none", 0.25)
+    theirs = diffusers.AutoencoderKL.from_single_file(str(ckpt), original_config=str(config), local_files_only=True)
+    ours = ae.module.state_dict()
+    assert ours.keys() == theirs.state_dict().keys()
+    assert all(torch.equal(v, ours[k]) for k, v in theirs.state_dict().items())
+
+
+def test_bad_ldm_input_is_one_line(vavae_like, tmp_path):
+    import yaml
+
+    _, ckpt, config = vavae_like
+    spec = f"ldm:{ckpt}"
+
+    def load(vae, cfg=config):
+        return raises_one_line(DitdataError, lambda: load_autoencoder(vae, vae_config=cfg))
+
+    def with_config(edit) -> Path:
+        raw = yaml.safe_load(config.read_text())
+        edit(raw["model"]["params"])
+        path = tmp_path / f"c{len(list(tmp_path.iterdir()))}.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        return path
+
+    assert "no such checkpoint file" in load(f"ldm:{tmp_path / 'missing.pt'}")
+    assert "needs its LDM config: --vae-config" in load(spec, None)
+    assert "goes with --vae ldm:CHECKPOINT" in load("pixels")
+    assert f"--vae ldm:{ckpt} --vae-config" in load(str(ckpt), None)  # a bare file: how to give it
+    (tmp_path / "broken.yaml").write_text("model: [unclosed\n  params: {")
+    assert "not readable as YAML" in load(spec, tmp_path / "broken.yaml")
+    assert "cannot read the LDM config" in load(spec, tmp_path / "absent.yaml")
+    (tmp_path / "other.yaml").write_text("model:\n  params:\n    lr: 1\n")
+    assert "no ddconfig and embed_dim" in load(spec, tmp_path / "other.yaml")
+    narrower = with_config(lambda p: p["ddconfig"].update(ch_mult=[1, 1]))
+    msg = load(spec, narrower)
+    assert "does not fit its LDM config" in msg and "of another shape" in msg and "--vae-config" in msg
+    no_attention = with_config(lambda p: p["ddconfig"].update(attn_resolutions=[]))
+    assert "unexpected weights (e.g. encoder.down.1.attn.0" in load(spec, no_attention)
+    wider = with_config(lambda p: p.update(embed_dim=8))
+    assert "embed_dim 8 != ddconfig z_channels 4" in load(spec, wider)
+    linear = with_config(lambda p: p["ddconfig"].update(attn_type="linear"))
+    assert "attn_type: 'linear' is not supported" in load(spec, linear)
+    (tmp_path / "notes.pt").write_text("not a checkpoint")
+    assert "cannot read the checkpoint" in load(f"ldm:{tmp_path / 'notes.pt'}")
+    torch.save({"state_dict": {"net.weight": torch.ones(2)}}, tmp_path / "unet.pt")
+    assert "no KL autoencoder weights" in load(f"ldm:{tmp_path / 'unet.pt'}")
+
+
+def test_vavae_preset_is_va_vaes_architecture():
+    """The shipped config builds VA-VAE's network: five levels /16, 32 channels, about 70 M
+    parameters, and attention inside the 16 px level only: its LDM weight names are those of
+    VA-VAE's checkpoint (encoder.down.4.attn.0-1, decoder.up.4.attn.0-2)."""
+    from ditdata.ldm import diffusers_config, read_config
+
+    p = PRESETS["vavae-f16d32"]
+    assert (p.repo_id, p.filename, p.env) == ("hustvl/vavae-imagenet256-f16d32-dinov2", VAVAE_FILE, "DITKIT_VAVAE")
+    assert (p.kind, p.scaling_factor, p.shift_factor, p.latent_channels, p.downsample) == ("autoencoder_kl", 1.0, 0.0, 32, 16)
+    cfg = read_config(p.ldm_config)
+    assert "scale_factor" not in cfg  # no published scaling factor
+    # a config in the layout VA-VAE's yaml has (its training keys beside the architecture) reads the same
+    published = {"ckpt_path": "vavae.pt", "model": {"target": "ldm.models.autoencoder.AutoencoderKL", "params": {
+        "monitor": "val/rec_loss", "embed_dim": 32, "use_vf": "dinov2", "reverse_proj": True,
+        "lossconfig": {"target": "ldm.modules.losses.LPIPSWithDiscriminator", "params": {"vf_weight": 0.1}},
+        "ddconfig": {"double_z": True, "z_channels": 32, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+                     "ch_mult": [1, 1, 2, 2, 4], "num_res_blocks": 2, "attn_resolutions": [16], "dropout": 0.0}}}}
+    assert read_config(published) == cfg
+    with torch.device("meta"):
+        model = diffusers.AutoencoderKL.from_config(diffusers_config(cfg, {}))
+    assert list(model.config.block_out_channels) == [128, 128, 256, 256, 512] and model.config.latent_channels == 32
+    names = ldm_state_dict(model)
+    assert 69e6 < sum(v.numel() for v in names.values()) < 71e6
+    assert sorted({".".join(k.split(".")[:5]) for k in names if ".attn." in k}) == [
+        "decoder.up.4.attn.0", "decoder.up.4.attn.1", "decoder.up.4.attn.2", "encoder.down.4.attn.0",
+        "encoder.down.4.attn.1"]
+
+
+def test_vavae_preset_fails_fast_offline_with_the_download_command(empty_cache, monkeypatch):
+    monkeypatch.delenv("DITKIT_VAVAE", raising=False)
+    t0 = time.monotonic()
+    msg = raises_one_line(DitdataError, lambda: load_autoencoder("vavae-f16d32"))
+    assert time.monotonic() - t0 < 10
+    assert f"`hf download hustvl/vavae-imagenet256-f16d32-dinov2 {VAVAE_FILE}`" in msg
+    assert "DITKIT_VAVAE" in msg and "HF_HOME" in msg
+
+
+def test_vavae_preset_found_in_env_dir_hub_cache_and_again_from_a_manifest(vavae_like, empty_cache, monkeypatch,
+                                                                          tmp_path):
+    """The preset's search, with the tiny checkpoint standing in for VA-VAE's (the preset's
+    config swapped for the tiny model's): $DITKIT_VAVAE (a directory or the file), --vae DIR,
+    the hub cache at a recorded commit; a store's entry whose file moved finds it again so."""
+    import dataclasses
+
+    from ditdata import ldm
+
+    model, ckpt, config = vavae_like
+    tiny = ldm.read_config(config)
+    monkeypatch.setitem(PRESETS, "vavae-f16d32", dataclasses.replace(PRESETS["vavae-f16d32"], ldm_config=tiny))
+    monkeypatch.setenv("DITKIT_VAVAE", str(ckpt.parent))
+    ae = load_autoencoder("vavae-f16d32")
+    _same_as(ae, model)
+    assert (ae.info["name"], ae.info["id"], ae.info["latent_norm"]) == ("vavae-f16d32", str(ckpt), "channel")
+    monkeypatch.setenv("DITKIT_VAVAE", str(ckpt))
+    assert load_autoencoder("vavae-f16d32").info == ae.info
+    assert load_autoencoder(str(ckpt.parent)).info == ae.info  # --vae DIR holding the file
+    monkeypatch.setenv("DITKIT_VAVAE", str(tmp_path))
+    assert "holding it" in raises_one_line(DitdataError, lambda: load_autoencoder("vavae-f16d32"))
+
+    monkeypatch.delenv("DITKIT_VAVAE")
+    snap = empty_cache / "models--hustvl--vavae-imagenet256-f16d32-dinov2" / "snapshots" / REV
+    snap.mkdir(parents=True)
+    (snap / VAVAE_FILE).write_bytes(ckpt.read_bytes())
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text(REV)
+    hub = load_autoencoder("vavae-f16d32")
+    assert (hub.info["id"], hub.info["revision"]) == ("hustvl/vavae-imagenet256-f16d32-dinov2", REV)
+    assert hub.info["weights_sha256"] == ae.info["weights_sha256"]
+    assert autoencoder_from_manifest(json.loads(json.dumps(hub.info))).info == hub.info
+    # a store made from a local copy that is gone: the preset's search finds the cached one
+    moved = dict(ae.info, id=str(tmp_path / "gone" / VAVAE_FILE))
+    torch.testing.assert_close(autoencoder_from_manifest(moved).decode(torch.zeros(1, 4, 2, 2)),
+                               ae.decode(torch.zeros(1, 4, 2, 2)), rtol=0, atol=0)

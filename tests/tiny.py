@@ -27,6 +27,105 @@ def save_tiny_kl(path: Path, **config) -> Path:
     return path
 
 
+# --------------------------------------------------------------------------- LDM-format checkpoints
+
+
+def tiny_ldm_kl(latent_channels: int = 4, attention: bool = False):
+    """A diffusers AutoencoderKL that an LDM config can describe (LDM normalises in 32 groups:
+    widths 32 and 64, /2), every weight perturbed so that no two norms or biases are alike.
+    attention: an attention block after each ResNet block of its second (lowest-resolution)
+    level too, as VA-VAE has in its fifth."""
+    import diffusers
+    import torch
+
+    torch.manual_seed(0)
+    down, up = ("DownEncoderBlock2D", "DownEncoderBlock2D"), ("UpDecoderBlock2D", "UpDecoderBlock2D")
+    if attention:
+        down, up = ("DownEncoderBlock2D", "AttnDownEncoderBlock2D"), ("AttnUpDecoderBlock2D", "UpDecoderBlock2D")
+    model = diffusers.AutoencoderKL(down_block_types=down, up_block_types=up, block_out_channels=(32, 64),
+                                    layers_per_block=1, latent_channels=latent_channels, sample_size=32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+# diffusers' AutoencoderKL names -> the LDM (CompVis) names of the same weights, written for the
+# tests from the LDM Encoder/Decoder layout (the loader under test uses diffusers' own mapping).
+# The decoder's diffusers block k is LDM level n-1-k ({up}); attention 1x1 convs are Linear here.
+_LDM_NAMES = (
+    (r"encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.", r"encoder.down.\1.block.\2."),
+    (r"encoder\.down_blocks\.(\d+)\.downsamplers\.0\.", r"encoder.down.\1.downsample."),
+    (r"encoder\.down_blocks\.(\d+)\.attentions\.(\d+)\.", r"encoder.down.\1.attn.\2."),
+    (r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.", "decoder.up.{up}.block.\\2."),
+    (r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.", "decoder.up.{up}.upsample."),
+    (r"decoder\.up_blocks\.(\d+)\.attentions\.(\d+)\.", "decoder.up.{up}.attn.\\2."),
+    (r"mid_block\.resnets\.0\.", "mid.block_1."), (r"mid_block\.resnets\.1\.", "mid.block_2."),
+    (r"mid_block\.attentions\.0\.", "mid.attn_1."), (r"conv_shortcut", "nin_shortcut"),
+    (r"conv_norm_out", "norm_out"),
+)
+_LDM_ATTENTION = (("group_norm.", "norm."), ("to_q.", "q."), ("to_k.", "k."), ("to_v.", "v."),
+                  ("to_out.0.", "proj_out."))
+
+
+def ldm_state_dict(model) -> dict:
+    """The model's weights under their LDM names, attention projections as 1x1 convolutions."""
+    import re
+
+    n = len(model.config.block_out_channels)
+    out = {}
+    for name, w in model.state_dict().items():
+        m = re.match(r"decoder\.up_blocks\.(\d+)\.", name)
+        for pattern, repl in _LDM_NAMES:
+            name = re.sub(pattern, repl.replace("{up}", str(n - 1 - int(m.group(1))) if m else ""), name)
+        if ".attn" in name:
+            for a, b in _LDM_ATTENTION:
+                name = name.replace(a, b)
+            w = w[:, :, None, None] if w.ndim == 2 else w
+        out[name] = w.clone()
+    return out
+
+
+def ldm_config(model, *, resolution: int = 32, scale_factor: float | None = None, sd_layout: bool = False) -> dict:
+    """The LDM config of the model (CompVis autoencoder layout: model.params.{embed_dim, ddconfig},
+    with a loss section as VA-VAE's has); sd_layout: a whole latent diffusion config's
+    first_stage_config beside scale_factor, as Stable Diffusion's v1-inference.yaml."""
+    c = model.config
+    attn = [resolution >> i for i, t in enumerate(c.down_block_types) if t.startswith("Attn")]
+    ddconfig = {"double_z": True, "z_channels": c.latent_channels, "resolution": resolution, "in_channels": 3,
+                "out_ch": 3, "ch": c.block_out_channels[0],
+                "ch_mult": [w // c.block_out_channels[0] for w in c.block_out_channels],
+                "num_res_blocks": c.layers_per_block, "attn_resolutions": attn, "dropout": 0.0}
+    params = {"embed_dim": c.latent_channels, "ddconfig": ddconfig,
+              "lossconfig": {"target": "ldm.modules.losses.LPIPSWithDiscriminator", "params": {"kl_weight": 1e-6}}}
+    if sd_layout:
+        params = {"first_stage_config": {"target": "ldm.models.autoencoder.AutoencoderKL", "params": params}}
+    if scale_factor is not None:
+        params["scale_factor"] = scale_factor
+    return {"model": {"target": "ldm.models.autoencoder.AutoencoderKL", "params": params}}
+
+
+def save_ldm(model, path: Path, *, config: Path | None = None, prefix: str = "", extra: dict | None = None,
+             **config_options) -> tuple[Path, Path]:
+    """(checkpoint, config yaml): the model in the LDM layout as one file (.safetensors, or a torch
+    pickle under "state_dict" as VA-VAE's .pt, with `extra` tensors such as a loss network's
+    beside it), every key under `prefix` (e.g. first_stage_model.)."""
+    import torch
+    import yaml
+
+    state = {prefix + k: v for k, v in ldm_state_dict(model).items()} | dict(extra or {})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    else:
+        torch.save({"state_dict": state, "global_step": torch.tensor(7)}, path)
+    config = config or path.with_suffix(".yaml")
+    config.write_text(yaml.safe_dump(ldm_config(model, **config_options)))
+    return path, config
+
+
 def real_images() -> dict[str, np.ndarray]:
     """Real photographs shipped inside scikit-image (RGB uint8)."""
     from skimage import data
