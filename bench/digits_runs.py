@@ -2,6 +2,7 @@
 `dittrain run` of the demo's model with extra flags and a checkpoint at each step count, each
 checkpoint sampled and judged by 1-NN on the real digits, and the table comparing two variants.
 
+    args, env = parse_args(__doc__, *options)              --steps --seeds --threads --dir, and the bench's own
     store = build_store(root, env)                          pipelines/demo.sh's data: 16 px digits, pixels
     rows = train_and_judge(store, root, name, seed, steps, extra_flags, env)
     print_comparison(rows, steps, ("plain", "--repa"))      rows[i]["variant"] is one of the two
@@ -10,6 +11,7 @@ checkpoint sampled and judged by 1-NN on the real digits, and the table comparin
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -17,10 +19,27 @@ from pathlib import Path
 
 import numpy as np
 from latent_norm import digit_scores, sh  # bench/latent_norm.py
+from scratch import add_dir_arg, add_options, parser  # bench/scratch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 DEMO = ROOT / "pipelines" / "configs" / "demo"
+
+
+def parse_args(doc: str, *options: tuple):
+    """The arguments every digits comparison takes (--steps, --seeds, --threads, --dir) and
+    `options` (scratch.add_options rows); and the commands' environment: offline, --threads
+    OpenMP threads, no progress lines."""
+    ap = parser(doc)
+    add_options(ap, ("--steps", "150,300,600", "step counts at which samples are judged"),
+                ("--seeds", "0,1,2", "the runs' --seed values"), *options,
+                ("--threads", 2, "CPU threads of each command (OMP_NUM_THREADS)"))
+    add_dir_arg(ap)
+    args = ap.parse_args()
+    args.steps = [int(s) for s in args.steps.split(",")]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", NO_ALBUMENTATIONS_UPDATE="1", OMP_NUM_THREADS=str(args.threads),
+               DITKIT_PROGRESS_INTERVAL="600")
+    return args, env
 
 
 def build_store(root: Path, env: dict) -> Path:

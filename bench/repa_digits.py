@@ -32,12 +32,13 @@ import numpy as np
 from digits_runs import (  # bench/digits_runs.py
     BIN,
     build_store,
+    parse_args,
     print_comparison,
     train_and_judge,
     write_summary,
 )
 from latent_norm import sh  # bench/latent_norm.py
-from scratch import add_dir_arg, add_options, parser, scratch_dir  # bench/scratch.py
+from scratch import scratch_dir  # bench/scratch.py
 
 ENCODER = '''"""The digits' feature encoder of bench/repa_digits.py: a small CNN, images -> (N, 16, 32) tokens."""
 import torch
@@ -105,15 +106,7 @@ def train_encoder(store: Path, root: Path) -> float:
 
 
 def main() -> None:
-    ap = parser(__doc__)
-    add_options(ap, ("--steps", "150,300,600", "step counts at which samples are judged"),
-                ("--seeds", "0,1,2", "the runs' --seed values"), ("--depth", 2, "--repa-depth (DiT-T has 6 blocks)"),
-                ("--weight", 0.5, "--repa-weight"), ("--threads", 2, "CPU threads of each command (OMP_NUM_THREADS)"))
-    add_dir_arg(ap)
-    a = ap.parse_args()
-    a.steps = [int(s) for s in a.steps.split(",")]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", NO_ALBUMENTATIONS_UPDATE="1", OMP_NUM_THREADS=str(a.threads),
-               DITKIT_PROGRESS_INTERVAL="600")
+    a, env = parse_args(__doc__, ("--depth", 2, "--repa-depth (DiT-T has 6 blocks)"), ("--weight", 0.5, "--repa-weight"))
     with scratch_dir(a.dir, "repa_digits_") as root:
         store = build_store(root, env)
         acc = train_encoder(store, root)

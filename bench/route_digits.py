@@ -15,27 +15,18 @@ writes DIR/results/summary.json.
 
 from __future__ import annotations
 
-import os
-
 from digits_runs import (  # bench/digits_runs.py
     build_store,
+    parse_args,
     print_comparison,
     train_and_judge,
     write_summary,
 )
-from scratch import add_dir_arg, add_options, parser, scratch_dir  # bench/scratch.py
+from scratch import scratch_dir  # bench/scratch.py
 
 
 def main() -> None:
-    ap = parser(__doc__)
-    add_options(ap, ("--steps", "150,300,600", "step counts at which samples are judged"),
-                ("--seeds", "0,1,2", "the runs' --seed values"), ("--route", "0.5:1:5", "--route (DiT-T has 6 blocks)"),
-                ("--threads", 2, "CPU threads of each command (OMP_NUM_THREADS)"))
-    add_dir_arg(ap)
-    a = ap.parse_args()
-    a.steps = [int(s) for s in a.steps.split(",")]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", NO_ALBUMENTATIONS_UPDATE="1", OMP_NUM_THREADS=str(a.threads),
-               DITKIT_PROGRESS_INTERVAL="600")
+    a, env = parse_args(__doc__, ("--route", "0.5:1:5", "--route (DiT-T has 6 blocks)"))
     with scratch_dir(a.dir, "route_digits_") as root:
         store = build_store(root, env)
         rows = []
