@@ -280,3 +280,17 @@ def test_print_config_carries_the_route(store, tmp_path):
     assert r.exit_code == 0, r.output
     assert '[routing]\nroute = "0.5:1:3"' in r.output
 
+
+
+def test_compiled_blocks_with_routing_match_eager(store, tmp_path):
+    """--compile blocks under --route: each block compiled once for the full and once for the kept
+    sequence; the losses of eager within test_compile's stated tolerance."""
+    from test_compile import RTOL
+
+    common = ["--max-steps", 2, "--lr", "1e-3", "--loader", "resident", "--logger", "jsonl", *ROUTE]
+    for out, flags in (("eager", ["--no-compile"]), ("blocks", ["--compile", "blocks"])):
+        r = cli(*run_args(store, tmp_path / out, *common, *flags, model=MODEL))
+        assert r.exit_code == 0, r.output
+    a, b = losses(tmp_path / "eager"), losses(tmp_path / "blocks")
+    assert [s for s, _ in a] == [s for s, _ in b] == [1, 2]
+    np.testing.assert_allclose([loss for _, loss in b], [loss for _, loss in a], rtol=RTOL)
