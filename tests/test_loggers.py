@@ -102,7 +102,12 @@ def _wandb_history(path: Path) -> dict[int, dict]:
 
 def _wandb_run(folder: Path) -> tuple[Path, dict]:
     """(the offline run folder under `folder`/wandb, what its .wandb file says of the run: id,
-    project, name); exactly one such folder."""
+    project, name); exactly one such folder. W&B's service process writes the file and may still
+    hold part of it in its buffers after run.finish() returns (seen on a loaded machine: no run
+    record yet): tearing the service down closes the file first."""
+    import wandb
+
+    wandb.teardown()
     (run_dir,) = (folder / "wandb").glob("offline-run-*")
     (log,) = run_dir.glob("run-*.wandb")
     (run,) = (rec.run for rec in _wandb_records(log) if rec.WhichOneof("record_type") == "run")
