@@ -9,7 +9,8 @@ FID evaluations during training; and what running out of GPU memory says.
     sample_grid(run, ema, step, log)             an EMA grid in RUN/samples/ (never stops a run)
     evaluate(run, state, step, log)              FID of the EMA model (never stops a run)
     with training_memory_hint(run): ...          out of GPU memory -> one line: model, batch, precision,
-                                                 the flags that lower it (ditdata.common.memory)
+                                                 the flags that lower it (ditdata.common.memory) and
+                                                 the `dittrain plan` command that lists what fits
 
 The bar is ditdata.common.progress's: tqdm on a terminal; in a file (Slurm, nohup, CI) one
 plain line per --log-every steps, `train: 200/400000 step (0%), 3.10 step/s, elapsed 01:04,
@@ -18,6 +19,7 @@ ETA 35:49:28; loss 0.1520 lr 1.00e-04 794 img/s wait 2%`.
 
 from __future__ import annotations
 
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -204,7 +206,15 @@ def training_memory_hint(run: Run):
     if micro % 2:
         hints.append(halved("--batch-size", cfg.optim.batch_size))
     return out_of_memory_hint(what=f"training {cfg.model.model}", batch=batch, precision=run.amp_dtype,
-                              hints=hints, device=run.device)
+                              hints=hints, device=run.device, see=plan_hint(cfg, run.device))
+
+
+def plan_hint(cfg, device) -> str:
+    """Where an out-of-memory run is sent: `dittrain plan` with the run's model, store and batch
+    lists the settings that fit this GPU and picks the fastest."""
+    store = shlex.quote(cfg.data.latents) if cfg.data.latents else "STORE"
+    return (f"`dittrain plan --model {shlex.quote(cfg.model.model)} --latents {store} --batch-size "
+            f"{cfg.optim.batch_size} --device {device}` lists the settings that fit this GPU")
 
 
 __all__ = ["PEAK_FLOPS", "Log", "evaluate", "note", "sample_grid", "training_memory_hint"]
