@@ -179,14 +179,15 @@ def kept_step(model: DiT, n: int, dtype, objective: str = "ddpm", kernel: str | 
     """Bytes the trainer's forward keeps for the backward (KeptCounter): the diffusion loss of
     dittrain.step.TrainStep on n samples with label dropout, under CPU autocast for bf16; repa
     (width, dims): with REPA's projector and targets aligned after block 1. split_at_final:
-    (all of it, what was kept when the final layer started)."""
-    config = model.config
+    (all of it, what was kept when the final layer started). On the model's device (CUDA: its
+    autocast, which --check compares with the CPU's rows)."""
+    config, device = model.config, next(model.parameters()).device
     diffusion = Diffusion(DiffusionConfig(objective=objective, learn_sigma=config.learn_sigma))
     g = torch.Generator().manual_seed(1)
-    x0 = torch.randn(n, config.in_channels, config.input_size, config.input_size, generator=g)
-    t = diffusion.sample_timesteps(n, generator=g, device=x0.device)
-    kwargs = {"y": torch.randint(0, config.num_classes, (n,), generator=g),
-              "force_drop_ids": torch.rand(n, generator=g) < 0.1}
+    x0 = torch.randn(n, config.in_channels, config.input_size, config.input_size, generator=g).to(device)
+    t = diffusion.sample_timesteps(n, generator=g).to(device)
+    kwargs = {"y": torch.randint(0, config.num_classes, (n,), generator=g).to(device),
+              "force_drop_ids": (torch.rand(n, generator=g) < 0.1).to(device)}
     owners, fn, align = torch.nn.ModuleList([model]), model, None
     if repa is not None:
         projector = build_projector(config.hidden_size, repa[0], repa[1], 0)
@@ -198,8 +199,9 @@ def kept_step(model: DiT, n: int, dtype, objective: str = "ddpm", kernel: str | 
     hook = model.final_layer.register_forward_pre_hook(lambda *_: before.append(counter.total))
     try:
         with (counter.counting(), attention_kernel(kernel) if kernel else contextlib.nullcontext(),
-              devices.autocast(torch.device("cpu"), dtype)):
-            loss = diffusion.training_loss(fn, x0, kwargs, t=t, noise=torch.randn(x0.shape, generator=g)).mean()
+              devices.autocast(device, dtype)):
+            noise = torch.randn(x0.shape, generator=g).to(device)
+            loss = diffusion.training_loss(fn, x0, kwargs, t=t, noise=noise).mean()
             if align is not None:
                 loss = loss + align.loss(fn.hidden, feat)[0]
     finally:
@@ -389,10 +391,10 @@ def check(specs: str, input_size: int, device: torch.device) -> None:
         predicted = footprint(setting)
         measured = measured_peak(cfg, model_cfg, device)
         torch.manual_seed(0)
-        kept = kept_step(DiT(model_cfg).train(), n, DTYPES[setting.dtype]) if device.type == "cpu" else None
+        kept = kept_step(DiT(model_cfg).to(device).train(), n, DTYPES[setting.dtype])
         print(f"| {model} | {n} | {mode} | {precision} | {predicted.peak / 2**20:.1f} | {measured / 2**20:.1f} | "
               f"{100 * (predicted.peak / measured - 1):+.1f}% | {kept_bytes(setting) / 2**20:.1f} | "
-              f"{'-' if kept is None else f'{kept / 2**20:.1f}'} | {predicted.moment} |", flush=True)
+              f"{kept / 2**20:.1f} | {predicted.moment} |", flush=True)
 
 
 def _custom(spec: str) -> list[str]:

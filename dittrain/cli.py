@@ -21,6 +21,7 @@ def main():
 
     \b
       dittrain models                         the named DiT sizes, parameters and GFLOPs
+      dittrain plan --model DiT-XL/2 --latents STORE --gpu-memory 24GiB   what fits, how fast, how long
       dittrain run --latents STORE --model DiT-B/2 --out RUN
       dittrain sample --ckpt RUN --class 207 --cfg 4.0 --out grid.png
       dittrain sample --ckpt RUN --n 50000 --npz samples.npz    FID-50K samples (resumable)
@@ -321,7 +322,7 @@ def plan_cmd(write_config, **options):
       dittrain plan --model DiT-XL/2 --latent-shape 4x32x32 --classes 1000 --gpu "RTX 4090"
       dittrain plan --model DiT-B/2 --latents ./store --device cuda --probe --epochs 80
     """
-    from dittrain.plan import make_plan, report, request_from
+    from dittrain.plan import make_plan, report, request_from, write_config_file
 
     run = {p.name for p in main.commands["run"].params}
     req = request_from({k: v for k, v in options.items() if k in run}, configfile.given(click.get_current_context()),
@@ -329,11 +330,7 @@ def plan_cmd(write_config, **options):
     plan = make_plan(req, log=_say)
     click.echo("\n".join(report(plan)))
     if write_config:
-        from ditdata.common.files import write_text_atomic
-        from dittrain.record import config_toml
-
-        write_text_atomic(write_config, config_toml(plan.config))
-        click.echo(f"wrote {write_config} (dittrain run --config {write_config} --out RUN)")
+        click.echo(write_config_file(plan, write_config))
 
 
 plan_cmd.params[:0] = [p for p in run_cmd.params if p.name in config.PLAN_RUN_OPTIONS]  # the same options

@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from ditdata.common.errors import UserError
 from ditdata.common.sizes import format_size
@@ -268,22 +269,27 @@ def _choices(req: PlanRequest, model: DiTConfig, target: Target) -> dict:
     return {"micro": micros, "mode": modes, "optimizer": optimizers, "compile": compiles}
 
 
-def _setting(req: PlanRequest, model: DiTConfig, target: Target, repa, micro: int, mode: str, optimizer: str) -> Setting:
-    cfg = req.cfg
-    resident = 0
-    return Setting(model, micro_batch=micro, accumulation=cfg.optim.batch_size // micro, mode=mode,
-                   precision=target.precision, optimizer=optimizer, kernel=target.kernel,
-                   loss=loss_kind(cfg.diffusion.objective, model.learn_sigma), route=parse_route(cfg.routing.route),
-                   repa=repa, resident_bytes=resident)
+def resident_bytes(req: PlanRequest, store, target: Target) -> int:
+    """A store held in GPU memory (--resident-device cuda): every tensor of every sample (its latents,
+    flipped twins, REPA targets), as the resident loader holds them; 0 otherwise."""
+    if store is None or req.cfg.data.resident_device != "cuda" or target.device != "cuda":
+        return 0
+    from ditdata.store.schema import numpy_dtype
+
+    per_sample = sum(math.prod(t.shape) * numpy_dtype(t.dtype).itemsize for t in store.schema.tensors.values())
+    return len(store) * (per_sample + 8)
 
 
-def _candidates(req: PlanRequest, model: DiTConfig, target: Target, repa) -> list[Candidate]:
-    choices = _choices(req, model, target)
+def _candidates(req: PlanRequest, model: DiTConfig, target: Target, repa, resident: int) -> list[Candidate]:
+    cfg, choices = req.cfg, _choices(req, model, target)
+    common = dict(precision=target.precision, kernel=target.kernel, loss=loss_kind(cfg.diffusion.objective,
+                  model.learn_sigma), route=parse_route(cfg.routing.route), repa=repa, resident_bytes=resident)
     out = []
     for mode in choices["mode"]:
         for optimizer in choices["optimizer"]:
             for micro in choices["micro"]:
-                fp = footprint(_setting(req, model, target, repa, micro, mode, optimizer))
+                fp = footprint(Setting(model, micro_batch=micro, accumulation=cfg.optim.batch_size // micro, mode=mode,
+                                       optimizer=optimizer, **common))
                 fits = fp.peak * (1 + MARGIN) <= target.capacity
                 for comp in choices["compile"]:
                     out.append(Candidate(micro, req.cfg.optim.batch_size // micro, mode, optimizer, comp, fp, fits))
@@ -324,17 +330,18 @@ def shown(plan: Plan) -> list[Candidate]:
     if plan.request.show_all:
         return sorted(plan.candidates, key=_order)
     best: dict[tuple, Candidate] = {}
-    for c in plan.candidates:  # candidates come with the micro-batches descending
-        key = (c.mode, c.optimizer, c.compile)
-        if key not in best or (c.fits and not best[key].fits) or (not c.fits and not best[key].fits):
-            if key not in best or not best[key].fits:
-                best[key] = c
+    for c in plan.candidates:  # the micro-batches come largest first: keep the first that fits, else the last
+        held = best.get((c.mode, c.optimizer, c.compile))
+        if held is None or not held.fits:
+            best[c.mode, c.optimizer, c.compile] = c
     rows = []
     for (mode, optimizer, comp), c in best.items():
         adamw = best.get((mode, "adamw", comp))
-        if optimizer != "adamw" and adamw is not None and adamw.fits and (not c.fits or c.micro <= adamw.micro):
+        if optimizer != "adamw" and adamw is not None and (not c.fits or (adamw.fits and adamw.micro >= c.micro)):
             continue
         rows.append(c)
+    if plan.pick not in rows:
+        rows.append(plan.pick)
     return sorted(rows, key=_order)
 
 
@@ -371,7 +378,7 @@ def _make_plan(req: PlanRequest, log) -> Plan:
         raise PlanError(f"--route {route}: END {route.end} is beyond {req.cfg.model.model}'s {model.depth} blocks")
     repa = _repa(req, model, store)
     target = _target(req, model, probe_device)
-    candidates = _candidates(req, model, target, repa)
+    candidates = _candidates(req, model, target, repa, resident_bytes(req, store, target))
     for c in candidates:
         _speed(c, req, model, target, repa)
     fitting = [c for c in candidates if c.fits]
@@ -510,7 +517,8 @@ def header_lines(plan: Plan) -> list[str]:
     m, t, cfg = plan.model, plan.target, plan.request.cfg
     params = sum(model_parts(m).trainable)
     cond = f"{m.num_classes} classes" if m.num_classes else "unconditional"
-    speed = ("speed: " + (f"{t.gpu.name}: {plan.pick.rate.source}; {RECORD_SOURCE}" if plan.pick.rate is not None
+    speed = ("speed: " + (f"{t.gpu.name}: {plan.pick.rate.source}; {RECORD_SOURCE}; selective's element-wise "
+                          "recomputation and --compile are not in the records" if plan.pick.rate is not None
                           else "no throughput recorded for this device (--gpu NAME or --probe on the device)"))
     return [f"{cfg.model.model}: {params / 1e6:.1f} M parameters, {m.depth} blocks of {m.num_tokens} tokens, "
             f"{m.in_channels}x{m.input_size}x{m.input_size} latents, {cond}; global batch {cfg.optim.batch_size}, "
@@ -607,6 +615,18 @@ def report(plan: Plan) -> list[str]:
             *time_lines(plan), *loader_lines(plan)]
 
 
+def write_config_file(plan: Plan, path: str) -> str:
+    """The pick's settings as a `dittrain run --config` file (dittrain.record.config_toml); its line."""
+    from ditdata.common.files import write_text_atomic
+    from dittrain.record import config_toml
+
+    try:
+        write_text_atomic(Path(path), config_toml(plan.config))
+    except OSError as e:
+        raise PlanError(f"--write-config {path}: could not write ({e.strerror or e})") from None
+    return f"wrote {path} (dittrain run --config {path} --out RUN)"
+
+
 def request_from(options: dict, given: set, *, latent_shape: str | None, gpu_memory: str | None,
                  **plan_options) -> PlanRequest:
     """A PlanRequest from `dittrain plan`'s options: dittrain run's (`options`, by field name;
@@ -630,5 +650,6 @@ def request_from(options: dict, given: set, *, latent_shape: str | None, gpu_mem
 
 
 __all__ = ["CUDA_CONTEXT", "MARGIN", "RECORD_SOURCE", "SEARCHED", "SEARCHED_MODES", "Candidate", "Plan", "PlanError",
-           "PlanRequest", "Target", "fid_seconds", "loader_lines", "report", "request_from", "run_command", "make_plan", "run_settings", "shown", "steps_and_epochs",
+           "PlanRequest", "Target", "fid_seconds", "loader_lines", "report", "request_from", "run_command",
+           "write_config_file", "make_plan", "run_settings", "shown", "steps_and_epochs",
            "table_lines", "time_lines", "with_settings"]

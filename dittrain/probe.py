@@ -15,6 +15,7 @@ timed apart from the steady steps.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -174,7 +175,8 @@ def sync(device: torch.device) -> None:
 def probe(cfg: TrainConfig, model_cfg: DiTConfig, device: torch.device, *, steps: int = 3,
           targets: tuple[int, int] | None = None) -> ProbeResult:
     """Time `steps` steps after a first one (which compiles, with --compile) of this setting."""
-    if device.type == "cuda":
+    if device.type == "cuda":  # what an earlier probe left must not count
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     step, sched, loader = build(cfg, model_cfg, device, targets=targets)

@@ -35,10 +35,7 @@ from dittrain.launch import Run, text_token_count
 from dittrain.loggers import open_loggers
 from dittrain.model import DiT
 from dittrain.specs import flops_per_forward
-
-# Dense bf16/fp16 tensor-core peak FLOP/s by device name, for MFU. Unknown devices: no MFU.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "RTX 4090": 165e12,
-              "RTX 3090": 71e12, "A6000": 155e12, "V100": 125e12}
+from dittrain.throughput import gpu_named
 
 
 class Log:
@@ -53,8 +50,9 @@ class Log:
         self.run, self.state = run, state
         # 2 FLOPs/MAC x (forward + 2 backward) per sample of the global batch
         self.flops_step = 6 * flops_per_forward(run.model_cfg, text_token_count(run.store)) * cfg.optim.batch_size
-        self.peak = next((v for k, v in PEAK_FLOPS.items() if device.type == "cuda"
-                          and k in torch.cuda.get_device_name(device)), None)
+        # MFU against the card's dense bf16/fp16 peak (dittrain.throughput.GPUS); unknown cards: no MFU
+        gpu = gpu_named(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        self.peak = gpu.peak_flops if gpu is not None else None
         self.loggers = open_loggers(cfg.logging.logger, run.out, config=run.resolved, resumed=resumed,
                                     wandb_project=cfg.logging.wandb_project, wandb_name=cfg.logging.wandb_name,
                                     note=note) if run.master else []
@@ -217,4 +215,4 @@ def plan_hint(cfg, device) -> str:
             f"{cfg.optim.batch_size} --device {device}` lists the settings that fit this GPU")
 
 
-__all__ = ["PEAK_FLOPS", "Log", "evaluate", "note", "sample_grid", "training_memory_hint"]
+__all__ = ["Log", "evaluate", "note", "sample_grid", "training_memory_hint"]
