@@ -397,6 +397,23 @@ def check(specs: str, input_size: int, device: torch.device) -> None:
               f"{kept / 2**20:.1f} | {predicted.moment} |", flush=True)
 
 
+def records() -> None:
+    """dittrain.throughput.RECORDS (bench/gpu_train.py on an H200) against what dittrain.footprint
+    and the speed model predict for them: a markdown table."""
+    from dittrain.throughput import GPUS, RECORDS, rate, record_config, step_flops
+
+    print("| model | grad ckpt | batch | measured peak (GiB) | predicted (GiB) | error | peak moment | measured img/s "
+          "| predicted img/s | error |")
+    print("|---|---|---:|---:|---:|---:|---|---:|---:|---:|")
+    for r in RECORDS:
+        cfg = record_config(r.model, r.mode)
+        fp = footprint(Setting(cfg, micro_batch=r.batch, mode=r.mode, precision=HALF))
+        speed = rate(GPUS[r.gpu], cfg, r.batch).flops_per_s / step_flops(cfg, r.mode)
+        print(f"| {r.model} | {r.mode} | {r.batch} | {r.peak_gib:.1f} | {fp.peak / 2**30:.1f} | "
+              f"{100 * (fp.peak / 2**30 / r.peak_gib - 1):+.1f}% | {fp.moment} | {r.images_per_s:.0f} | {speed:.0f} | "
+              f"{100 * (speed / r.images_per_s - 1):+.1f}% |")
+
+
 def _custom(spec: str) -> list[str]:
     """A custom size holds a colon of its own: custom:hidden=...:BATCH:MODE[:PRECISION]."""
     parts = spec.split(":")
@@ -415,6 +432,9 @@ def main():
                          "attention) and write it to --write")
     ap.add_argument("--write", default=None, metavar="PATH", help="--table: the file to write "
                     "(default: print a summary only)")
+    ap.add_argument("--records", action="store_true",
+                    help="the H200 records of bench/gpu_train.py (dittrain.throughput) against dittrain plan's "
+                         "predicted peak memory and speed")
     ap.add_argument("--check", default=None, metavar="SPECS",
                     help="predicted (dittrain.footprint) against measured peak and kept bytes of the trainer's "
                          "step: MODEL:BATCH:MODE[:PRECISION];... (CPU: the allocator's record; CUDA: "
@@ -426,6 +446,8 @@ def main():
         return write_table(measure_table(), args.write)
     if args.check:
         return check(args.check, args.input_size, device)
+    if args.records:
+        return records()
     dtype = "bf16 autocast" if device.type == "cuda" else "fp32"
     print(f"{args.model}, {args.input_size}x{args.input_size}x4 latents, batch {args.batch_size}, {dtype}, "
           f"{device}, attention {attention_backend(get_config(args.model, input_size=args.input_size), args.batch_size, torch.bfloat16 if device.type == 'cuda' else torch.float32, device)}")

@@ -70,6 +70,7 @@ from ditdata.common.devices import amp_dtype as trainer_amp  # noqa: E402
 from dittrain.config import TrainConfig  # noqa: E402
 from dittrain.diffusion import Diffusion, DiffusionConfig  # noqa: E402
 from dittrain.model import DiT  # noqa: E402
+from dittrain.probe import run_steps  # noqa: E402 (n steps as dittrain.train._loop runs them)
 from dittrain.repa import Alignment, build_projector  # noqa: E402
 from dittrain.routing import check as check_route  # noqa: E402
 from dittrain.routing import parse_route, routed_blocks  # noqa: E402
@@ -203,18 +204,6 @@ def build(spec: dict, device: torch.device, amp: str):
                      gen=torch.Generator(device=device).manual_seed(0), device=device, amp_dtype=amp_dtype,
                      repa=align)
     return cfg, model, step, sched, amp_dtype
-
-
-def run_steps(step: TrainStep, sched, loader, n: int, pending=None):
-    """n steps as dittrain.train._loop runs them between log steps: step k+1 queued, then
-    step k settled (EMA and LR schedule for a kept step), then step k+1's update."""
-    for _ in range(n):
-        queued = step.backward(loader)
-        if pending is not None and pending.settle()[0]:
-            step.ema_update()
-            sched.step()
-        pending = step.update(queued)
-    return pending
 
 
 def measure(spec: dict, device: torch.device, args) -> dict:

@@ -40,7 +40,7 @@ from functools import lru_cache
 
 from ditdata.common.errors import UserError
 from dittrain import activation_table as table
-from dittrain.routing import Route
+from dittrain.routing import Route, block_tokens
 from dittrain.specs import DiTConfig
 
 # The features the table's coefficients multiply (dittrain.activation_table; the bench fits them).
@@ -274,9 +274,7 @@ class _Blocks:
         self.s, self.cfg, self.parts = s, cfg, model_parts(cfg)
         self.rows = _row(table.BLOCK, f"{block_kind(cfg)}/{s.dtype}/{s.kernel}", f"{block_kind(cfg)} blocks")
         self.modes = block_modes(s.mode, cfg.depth)
-        T = cfg.num_tokens
-        K = s.route.kept(T) if s.route is not None else T
-        self.tokens = [K if s.route is not None and s.route.start <= i < s.route.end else T for i in range(cfg.depth)]
+        self.tokens = block_tokens(s.route, cfg.depth, cfg.num_tokens)
 
     def kept(self, i: int, mode: str | None = None) -> float:
         """What block i keeps for the backward in `mode` (default: its own)."""

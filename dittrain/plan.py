@@ -32,7 +32,7 @@ from ditdata.common.sizes import format_size
 from dittrain.config import EvalSampleConfig, TrainConfig
 from dittrain.footprint import Footprint, FootprintError, Setting, block_modes, footprint, loss_kind
 from dittrain.probe import ProbeResult
-from dittrain.routing import parse_route, routed_blocks
+from dittrain.routing import block_tokens, parse_route, routed_blocks
 from dittrain.specs import DiTConfig, flops_per_forward
 from dittrain.throughput import GPUS, RECORD_SOURCE, RECORDS, Gpu, Rate, gpu_named, rate, step_flops
 
@@ -183,13 +183,8 @@ def _repa(req: PlanRequest, model: DiTConfig, store) -> tuple[int, int, int] | N
 
 def _target(req: PlanRequest, model: DiTConfig, probe_device) -> Target:
     """The device, the memory a step may use and the card, from --gpu-memory, --device and --gpu."""
-    from dittrain.data.budget import available_memory
-    from dittrain.sdpa import attention_backend
-
-    cfg, gpu = req.cfg, gpu_named(req.gpu)
+    gpu = gpu_named(req.gpu)
     if req.gpu and gpu is None:
-        from dittrain.throughput import GPUS
-
         raise PlanError(f"--gpu {req.gpu}: not a card this table knows ({', '.join(GPUS)}); give --gpu-memory "
                         "SIZE instead (speeds then need --probe)")
     device = probe_device.type if probe_device is not None else ("cuda" if (gpu or req.memory) else "cpu")
@@ -197,32 +192,44 @@ def _target(req: PlanRequest, model: DiTConfig, probe_device) -> Target:
         import torch
 
         gpu = gpu or gpu_named(torch.cuda.get_device_name(probe_device))
+    capacity, source = _capacity(req, device, gpu, probe_device)
+    precision = _precision(req.cfg.performance.amp, device, gpu, probe_device)
+    return Target(device, capacity, source, gpu, precision, _kernel(model, precision, probe_device))
+
+
+def _capacity(req: PlanRequest, device: str, gpu: Gpu | None, probe_device) -> tuple[int, str]:
+    """(bytes a step may use, where that comes from): --gpu-memory less a CUDA context, the free
+    memory of --device cuda, --gpu's memory less a context, or the CPU's available memory."""
     if req.memory is not None:
-        capacity = req.memory - (CUDA_CONTEXT if device == "cuda" else 0)
-        source = f"--gpu-memory {format_size(req.memory)}" + (" less 1 GiB for the CUDA context" if device == "cuda" else "")
-    elif probe_device is not None and device == "cuda":
+        context = " less 1 GiB for the CUDA context" if device == "cuda" else ""
+        return req.memory - (CUDA_CONTEXT if device == "cuda" else 0), f"--gpu-memory {format_size(req.memory)}{context}"
+    if probe_device is not None and device == "cuda":
         import torch
 
-        capacity, _ = torch.cuda.mem_get_info(probe_device)
-        source = f"the free memory of {probe_device} ({torch.cuda.get_device_name(probe_device)})"
-    elif gpu is not None:
-        capacity = int(gpu.memory_gib * 2**30) - CUDA_CONTEXT
-        source = f"the {gpu.name}'s {gpu.memory_gib:g} GB less 1 GiB for the CUDA context"
-    else:
-        capacity, where = available_memory()
-        if capacity is None:
-            raise PlanError("the available memory is unknown here: give --gpu-memory SIZE")
-        source = f"the CPU's available memory ({where})"
-    precision = _precision(cfg.performance.amp, device, gpu, probe_device)
-    kernel = "fused"
-    if probe_device is not None:
-        import torch
+        free, _ = torch.cuda.mem_get_info(probe_device)
+        return free, f"the free memory of {probe_device} ({torch.cuda.get_device_name(probe_device)})"
+    if gpu is not None:
+        return (int(gpu.memory_gib * 2**30) - CUDA_CONTEXT,
+                f"the {gpu.name}'s {gpu.memory_gib:g} GB less 1 GiB for the CUDA context")
+    from dittrain.data.budget import available_memory
 
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-        kernel = "math" if attention_backend(model, 2, dtype, probe_device) == "math" else "fused"
-    elif model.head_dim % 8 or model.head_dim > 256:  # what CUDA's fused kernels take
-        kernel = "math"
-    return Target(device, capacity, source, gpu, precision, kernel)
+    capacity, where = available_memory()
+    if capacity is None:
+        raise PlanError("the available memory is unknown here: give --gpu-memory SIZE")
+    return capacity, f"the CPU's available memory ({where})"
+
+
+def _kernel(model: DiTConfig, precision: str, probe_device) -> str:
+    """The self-attention kernel's table row: what torch picks on the device, else what CUDA's
+    fused kernels take (head dims that are multiples of 8, up to 256)."""
+    if probe_device is None:
+        return "math" if model.head_dim % 8 or model.head_dim > 256 else "fused"
+    import torch
+
+    from dittrain.sdpa import attention_backend
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return "math" if attention_backend(model, 2, dtype, probe_device) == "math" else "fused"
 
 
 def _precision(amp: str, device: str, gpu: Gpu | None, probe_device) -> str:
@@ -299,14 +306,11 @@ def _candidates(req: PlanRequest, model: DiTConfig, target: Target, repa, reside
 def _speed(c: Candidate, req: PlanRequest, model: DiTConfig, target: Target, repa) -> None:
     """c.seconds and c.rate from the card's record (dittrain.throughput), when it has one."""
     route = parse_route(req.cfg.routing.route)
-    tokens = None
-    if route is not None:
-        k = route.kept(model.num_tokens)
-        tokens = [k if route.start <= i < route.end else model.num_tokens for i in range(model.depth)]
+    tokens = block_tokens(route, model.depth, model.num_tokens)
     extra = 0.0
-    if repa is not None:
-        _, width, dims = repa
-        extra = model.num_tokens * (model.hidden_size * width + width * width + width * dims)
+    if repa is not None:  # the projector's matmuls, on the tokens that reach its block
+        block, width, dims = repa
+        extra = tokens[block - 1] * (model.hidden_size * width + width * width + width * dims)
     flops = step_flops(model, c.mode, routed_blocks(route, model.num_tokens), tokens, extra) * req.cfg.optim.batch_size
     c.rate = rate(target.gpu, model, c.micro, target.precision)
     if c.rate is not None:
