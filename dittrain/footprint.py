@@ -19,7 +19,7 @@ The terms, each from what the trainer builds (dittrain.train._build, dittrain.st
   workspace    the transient of the block whose backward (or forward) runs at the peak: its
                recomputation (checkpointed modes: what "none" keeps and the mode does not). The
                backward's own temporaries (one op's gradient buffers) are left out: the peaks
-               measured on the CPU allocator lie 0-6% above the prediction (bench/RESULTS.md)
+               measured on the CPU allocator lie up to 3.5% above the prediction (bench/RESULTS.md)
   data         the micro-batch on the device (latents, REPA targets) and a store held there
 
 The peak is the largest of four moments of a step (Footprint.moment names it): the end of the
