@@ -481,8 +481,6 @@ def fid_seconds(plan: Plan) -> tuple[float, int, int, float] | None:
 # ----------------------------------------------------------------------------- what is printed
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f}"
 
 
 def run_settings(plan: Plan) -> dict:
@@ -497,17 +495,23 @@ def run_settings(plan: Plan) -> dict:
 def table_lines(plan: Plan) -> list[str]:
     """The candidates' table, the pick marked with *."""
     probed = any(c.probed is not None for c in plan.candidates)
+    rows = shown(plan)
+    unit, scale = ("GiB", 2**30) if max(c.fp.peak for c in rows) >= 2**30 else ("MiB", 2**20)
+
+    def size(n: float) -> str:
+        return f"{n / scale:.1f}"
+
     head = (f"  {'micro x acc':>11} {'checkpointing':<13} {'optimizer':<9} {'compile':<7} | {'weights':>7} {'EMA':>5} "
             f"{'optim':>5} {'grads':>5} {'activ':>6} {'work':>5} {'data':>5} | {'peak':>6} {'fits':<4} | "
             f"{'img/s':>7}" + (f" {'probed':>7}" if probed else ""))
-    lines = ["GiB at the predicted peak of a step, by part; img/s predicted" + (", and measured by --probe" if probed else ""),
-             head]
-    for c in shown(plan):
+    lines = [f"{unit} at the predicted peak of a step, by part; img/s predicted"
+             + (", and measured by --probe" if probed else ""), head]
+    for c in rows:
         fp, speed = c.fp, plan.request.cfg.optim.batch_size
         predicted = f"{speed / c.seconds:7.0f}" if c.seconds else f"{'-':>7}"
         line = (f"{'*' if c is plan.pick else ' '} {f'{c.micro} x {c.accumulation}':>11} {c.mode:<13} {c.optimizer:<9} "
-                f"{c.compile:<7} | {_gib(fp.weights):>7} {_gib(fp.ema):>5} {_gib(fp.optimizer):>5} {_gib(fp.gradients):>5} "
-                f"{_gib(fp.activations):>6} {_gib(fp.workspace):>5} {_gib(fp.data):>5} | {_gib(fp.peak):>6} "
+                f"{c.compile:<7} | {size(fp.weights):>7} {size(fp.ema):>5} {size(fp.optimizer):>5} {size(fp.gradients):>5} "
+                f"{size(fp.activations):>6} {size(fp.workspace):>5} {size(fp.data):>5} | {size(fp.peak):>6} "
                 f"{'yes' if c.fits else 'no':<4} | {predicted}")
         if probed:
             line += f" {speed / c.measured_seconds:7.1f}" if c.measured_seconds else f" {'-':>7}"
@@ -537,7 +541,7 @@ def time_lines(plan: Plan) -> list[str]:
     steps, epochs = steps_and_epochs(plan)
     c = plan.pick
     seconds = c.measured_seconds if c.probed is not None else c.seconds
-    length = f"{steps:,} steps" + (f" ({epochs:.1f} epochs of {plan.num_samples:,} samples)" if epochs else "")
+    length = f"{steps:,} steps" + (f" ({epochs:,.1f} epochs of {plan.num_samples:,} samples)" if epochs else "")
     where = plan.target.gpu.name if plan.target.gpu is not None else plan.target.device
     if seconds is None:
         lines = [f"time: {length}; no speed for this device: --gpu NAME or --probe"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cliutil import dittrain, ok, one_error_line
+from cliutil import assert_has, dittrain, ok, one_error_line
 
 from dittrain.config import TrainConfig
 from dittrain.footprint import Setting, footprint, kept_bytes
@@ -124,12 +124,17 @@ def test_probe_ranks_by_measured_speed_and_its_pick_runs(store16, tmp_path):
     ok(dittrain(*words, "--max-steps", 2, "--sample-every", 0, "--log-every", 1, "-q"), "finished at step 2")
 
 
-def test_the_pick_as_command_and_config_file_is_what_dittrain_run_takes(store, tmp_path):
+def test_the_pick_as_command_and_config_file_is_what_dittrain_run_takes(tmp_path):
+    from storeutil import add_features, make_store
+
+    store = make_store(tmp_path / "store")
+    add_features(store, "feats", tokens=16, dims=8)  # REPA targets on DiT-T/2's 4x4 grid
     config = tmp_path / "pick.toml"
     r = ok(dittrain("plan", "--model", "DiT-T/2", "--latents", store, "--batch-size", 16, "--device", "cpu",
-                    "--gpu-memory", "200MiB", "--route", "0.5:1:5", "--write-config", config), f"wrote {config}")
+                    "--gpu-memory", "200MiB", "--route", "0.5:1:5", "--repa", "feats", "--repa-depth", 2,
+                    "--write-config", config), f"wrote {config}", "MiB at the predicted peak")
     command = next(ln for ln in r.output.splitlines() if ln.startswith("  dittrain run "))
-    assert "--route 0.5:1:5" in command and f"--latents {store}" in command
+    assert_has(command, "--route 0.5:1:5", f"--latents {store}", "--repa feats --repa-depth 2")
     settings = ok(dittrain(*shlex.split(command)[1:], "--print-config")).output
     from_file = ok(dittrain("run", "--config", config, "--out", "RUN", "--print-config")).output
     assert from_file == settings
