@@ -3,7 +3,7 @@ the run and its FID-50K take, before anything starts.
 
     request = PlanRequest(cfg, given, latent_shape=(4, 32, 32), classes=1000, memory=24 * 2**30)
     plan = make_plan(request)          the model, the target, every candidate, the pick
-    for line in describe(plan): ...    the table, the pick's `dittrain run` command, the times
+    for line in report(plan): ...      the table, the pick's `dittrain run` command, the times
 
 A candidate is one choice of what `dittrain run` leaves open for a given global batch: the
 micro-batch and accumulation, --grad-checkpointing, --optimizer, --compile (with --probe on a
@@ -117,8 +117,9 @@ class Plan:
 
     @property
     def config(self) -> TrainConfig:
-        """The run's settings with the pick's choices."""
-        return with_settings(self.request.cfg, self.pick.settings())
+        """The run's settings with the pick's choices (and --epochs as --max-steps)."""
+        length = {"max_steps": steps_and_epochs(self)[0]} if self.request.epochs is not None else {}
+        return with_settings(self.request.cfg, {**self.pick.settings(), **length})
 
 
 def with_settings(cfg: TrainConfig, values: dict) -> TrainConfig:
@@ -388,20 +389,17 @@ def _make_plan(req: PlanRequest, log) -> Plan:
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         smallest = min(candidates, key=lambda c: c.fp.peak)
-        need = smallest.fp.peak * (1 + MARGIN) + (target_context(target))
+        need = smallest.fp.peak * (1 + MARGIN) + (CUDA_CONTEXT if target.device == "cuda" else 0)
         raise PlanError(
             f"nothing fits in {format_size(target.capacity)} ({target.source}): the smallest setting, micro-batch "
             f"{smallest.micro} with --grad-checkpointing {smallest.mode} and --optimizer {smallest.optimizer}, "
             f"needs {format_size(smallest.fp.peak)} (+{MARGIN:.0%} headroom), so at least {format_size(need)} "
             f"of {'GPU memory' if target.device == 'cuda' else 'memory'}; or a smaller model or --batch-size")
     plan = Plan(req, model, target, candidates, min(fitting, key=_order), samples, store)
+    steps_and_epochs(plan)  # --epochs without the dataset's size: refused before any probe
     if req.probe:
         _probe(plan, probe_device, log)
     return plan
-
-
-def target_context(target: Target) -> int:
-    return CUDA_CONTEXT if target.device == "cuda" else 0
 
 
 def _probe(plan: Plan, device, log) -> None:
@@ -415,7 +413,7 @@ def _probe(plan: Plan, device, log) -> None:
         cfg, model, _, targets = _probe_setting(plan, c, device)
         try:
             c.probed = probe(cfg, model, device, steps=plan.request.probe_steps, targets=targets)
-        except Exception as e:  # out of memory, or a compile failure: that candidate is out
+        except Exception as e:  # out of memory: that candidate is out (anything else is an error)
             from ditdata.common.memory import is_out_of_memory
 
             if not is_out_of_memory(e):
@@ -488,7 +486,7 @@ def run_settings(plan: Plan) -> dict:
     choices that are not the defaults (the rest are run's defaults already)."""
     defaults, cfg = TrainConfig().flat(), plan.config.flat()
     chosen = {k for k in SEARCHED if cfg[k] != defaults[k]}
-    keep = ("latents", "model", "batch_size")
+    keep = ("latents", "model", "batch_size", *(("max_steps",) if plan.request.epochs is not None else ()))
     return {k: cfg[k] for k in cfg if k in plan.request.given or k in chosen or k in keep}
 
 

@@ -150,6 +150,7 @@ def test_time_lines_from_the_record_and_the_store(store):
     # the recorded H200 speed of XL/2 at batch 256 (394 img/s): 80 epochs of ImageNet in about 72 hours
     assert re.search(r"400,365 steps \(80\.0 epochs of 1,281,167 samples\) at 0\.65 s/step \(predicted\): 72\.\d GPU-hours", out), out
     assert "bench/gpu_train.py on one H200, 2026-11-30" in out and "FID-50K: 250 sampler steps at CFG 1.5" in out
+    assert "--max-steps 400365" in out  # --epochs as the run's length
     local = ok(dittrain("plan", "--model", "DiT-T/2", "--latents", store, "--batch-size", 8, "--device", "cpu"))
     assert "loader: needs" in local.output and "resident in RAM" in local.output, local.output
 
