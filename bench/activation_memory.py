@@ -19,6 +19,22 @@ autocast and also reports torch.cuda.max_memory_allocated over a step (the peak 
 weights, their gradients and the recomputation of one block during backward).
 CPU step times say little about GPU recompute cost (element-wise ops are cheap in FLOPs but
 memory-bound on a GPU); the kept bytes are the same on any device for the same dtype.
+
+`dittrain plan`'s memory model (issue 27, dittrain.footprint) reads what this bench measures:
+
+    python bench/activation_memory.py --table --write dittrain/activation_table.py [--threads 1]
+        the kept bytes of the trainer's forward for every block kind (mlp x norm x pos x QK-norm),
+        fp32 and bf16 (CPU autocast), fused and math attention, modes none/every/selective/attn/
+        mlp, on small shapes at 2 and 4 samples and depth 1 and 2, fitted exactly as coefficients
+        of T*D, T*H, T*heads, T, D, T*T*heads per sample (and of the linear parameters per step);
+        the embedders, the final layer with the loss, and REPA likewise (a few minutes on a CPU)
+    python bench/activation_memory.py --check "MODEL:BATCH:MODE[:PRECISION];..." [--device cuda]
+        predicted against measured: the peak of two steps of the trainer's step (CPU: the
+        allocator's record, dittrain.probe.cpu_peak_bytes; CUDA: torch.cuda.max_memory_allocated)
+        and the kept bytes (on CUDA under its own autocast: the check of the CPU-measured bf16 rows)
+    python bench/activation_memory.py --records
+        the H200 records of bench/gpu_train.py (dittrain.throughput) against the predicted peaks
+        and speeds
 """
 
 from __future__ import annotations
