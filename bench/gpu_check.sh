@@ -41,5 +41,6 @@ echo "gpu_train.py exit status: $rc"
 timeout 120 python3 bench/sample_throughput.py --json "$OUT/sample_throughput.json" 2>&1 | tee "$OUT/sample_throughput.md"
 rc2=${PIPESTATUS[0]}
 echo "sample_throughput.py exit status: $rc2"
+timeout 120 python3 bench/activation_memory.py --device cuda --check "DiT-XL/2:64:none;DiT-XL/2:64:every;DiT-XL/2:64:selective;DiT-B/2:64:mlp" 2>&1 | tee "$OUT/activation_check.md"  # issue 27: dittrain plan's CPU-measured bf16 rows against CUDA
 [ "$rc" -eq 0 ] && rc=$rc2
 exit "$rc"

@@ -70,17 +70,14 @@ from ditdata.common.devices import amp_dtype as trainer_amp  # noqa: E402
 from dittrain.config import TrainConfig  # noqa: E402
 from dittrain.diffusion import Diffusion, DiffusionConfig  # noqa: E402
 from dittrain.model import DiT  # noqa: E402
+from dittrain.probe import run_steps  # noqa: E402 (n steps as dittrain.train._loop runs them)
 from dittrain.repa import Alignment, build_projector  # noqa: E402
 from dittrain.routing import check as check_route  # noqa: E402
 from dittrain.routing import parse_route, routed_blocks  # noqa: E402
 from dittrain.sdpa import attention_backend  # noqa: E402
 from dittrain.specs import flops_per_forward, get_config  # noqa: E402
 from dittrain.step import TrainStep, compile_model  # noqa: E402
-
-# A copy of dittrain.train.PEAK_FLOPS (dense bf16/fp16 tensor-core FLOP/s by device name):
-# importing dittrain.train would pull in the store module and its backends.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "RTX 4090": 165e12,
-              "RTX 3090": 71e12, "A6000": 155e12, "V100": 125e12}
+from dittrain.throughput import gpu_named  # noqa: E402
 
 LATENT = (4, 32, 32)  # 256 px through an f8 autoencoder with 4 channels
 REPA_TARGETS = (256, 768)  # DINOv2 ViT-B/14 at 224 px: 16 x 16 patch tokens of 768 dims
@@ -209,18 +206,6 @@ def build(spec: dict, device: torch.device, amp: str):
     return cfg, model, step, sched, amp_dtype
 
 
-def run_steps(step: TrainStep, sched, loader, n: int, pending=None):
-    """n steps as dittrain.train._loop runs them between log steps: step k+1 queued, then
-    step k settled (EMA and LR schedule for a kept step), then step k+1's update."""
-    for _ in range(n):
-        queued = step.backward(loader)
-        if pending is not None and pending.settle()[0]:
-            step.ema_update()
-            sched.step()
-        pending = step.update(queued)
-    return pending
-
-
 def measure(spec: dict, device: torch.device, args) -> dict:
     cfg, model, step, sched, amp_dtype = build(spec, device, args.amp)
     loader = make_loader(spec, device, args)
@@ -346,8 +331,8 @@ def main():
         dev_name = torch.cuda.get_device_name(device)
     else:
         dev_name = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else next(
-        (v for k, v in PEAK_FLOPS.items() if device.type == "cuda" and k in dev_name), None)
+    card = gpu_named(dev_name) if device.type == "cuda" else None  # dense bf16 peaks: dittrain.throughput.GPUS
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else (card.peak_flops if card is not None else None)
     measured = matmul_peak(device) if device.type == "cuda" else None
     amp_dtype = trainer_amp(device, args.amp)
     env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": dev_name,

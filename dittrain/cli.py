@@ -5,12 +5,11 @@ handed to the module named after each command; torch is imported inside them so
 from __future__ import annotations
 
 import sys
-from dataclasses import fields
 
 import click
 
 from ditdata.common import configfile
-from ditdata.common.cli import FiniteFloat, OneLineErrors, quiet_option
+from ditdata.common.cli import FiniteFloat, OneLineErrors, SectionedCommand, quiet_option
 from dittrain import config
 
 
@@ -22,6 +21,7 @@ def main():
 
     \b
       dittrain models                         the named DiT sizes, parameters and GFLOPs
+      dittrain plan --model DiT-XL/2 --latents STORE --gpu-memory 24GiB   what fits, how fast, how long
       dittrain run --latents STORE --model DiT-B/2 --out RUN
       dittrain sample --ckpt RUN --class 207 --cfg 4.0 --out grid.png
       dittrain sample --ckpt RUN --n 50000 --npz samples.npz    FID-50K samples (resumable)
@@ -53,28 +53,8 @@ def models_cmd(resolution, downsample, channels, num_classes, learn_sigma, specs
         click.echo(line)
 
 
-_D = None  # TrainConfig defaults, read lazily (dittrain.config is light, but keep one source)
-
-
-def _defaults():
-    global _D
-    if _D is None:
-        from dittrain.config import TrainConfig
-
-        _D = TrainConfig().flat()
-    return _D
-
-
-def _sample_defaults():
-    from dittrain.config import SampleConfig
-
-    return SampleConfig()
-
-
-def _eval_defaults():
-    from dittrain.config import EvalSampleConfig
-
-    return EvalSampleConfig()
+# the defaults, from their one place (dittrain.config, light: imported above anyway)
+_D, _SAMPLE, _EVAL = config.TrainConfig().flat(), config.SampleConfig(), config.EvalSampleConfig()
 
 
 def _say(line: str) -> None:
@@ -87,9 +67,9 @@ def _sampling_options(batch_help: str):
     def add(f):
         for option in reversed((
                 click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
-                click.option("--batch-size", default=_sample_defaults().batch_size, show_default=True,
+                click.option("--batch-size", default=_SAMPLE.batch_size, show_default=True,
                              type=click.IntRange(min=1), help=batch_help),
-                click.option("--precision", default=_sample_defaults().precision, show_default=True,
+                click.option("--precision", default=_SAMPLE.precision, show_default=True,
                              type=click.Choice(config.PRECISIONS),
                              help="Model autocast; auto: bf16 on GPUs that have it, else fp32."))):
             f = option(f)
@@ -97,27 +77,28 @@ def _sampling_options(batch_help: str):
     return add
 
 
-class SectionedCommand(click.Command):
+class RunCommand(SectionedCommand):
     """`dittrain run --help`: the options under TrainConfig's section headings (data, model,
     diffusion, optim, ...), in the order config.json and the README use."""
 
     # flags without a field of their own; "config": how this invocation reads its settings
     EXTRA = {"no_compile": "performance", "config": "config", "print_config": "config", "allow_changes": "config",
              "quiet": "logging"}
+    FIRST: tuple[str, ...] = ()  # sections before config's
 
-    def format_options(self, ctx, formatter):
-        from dittrain.config import SECTION_OF, SECTIONS
+    def section_of(self, name: str) -> str | None:
+        return config.SECTION_OF.get(name) or self.EXTRA.get(name)
 
-        groups: dict[str, list] = {}
-        for param in self.get_params(ctx):
-            record = param.get_help_record(ctx)
-            if record is not None:
-                section = SECTION_OF.get(param.name) or self.EXTRA.get(param.name, "other")
-                groups.setdefault(section, []).append(record)
-        for section in ["config", *SECTIONS, "other"]:
-            if section in groups:
-                with formatter.section(f"{section.capitalize()} options"):
-                    formatter.write_dl(groups[section])
+    def sections(self) -> list[str]:
+        return [*self.FIRST, "config", *config.SECTIONS]
+
+
+class PlanCommand(RunCommand):
+    """`dittrain plan --help`: its own options, then the run's it shares, by section."""
+
+    EXTRA = {name: "plan" for name in ("latent_shape", "classes", "samples", "gpu_memory", "gpu", "epochs", "probe",
+                                        "show_all", "write_config")}
+    FIRST = ("plan",)
 
 
 _CFG_RANGE = FiniteFloat(-config.MAX_CFG_SCALE, config.MAX_CFG_SCALE)  # a guidance scale
@@ -125,11 +106,11 @@ _CFG_RANGE = FiniteFloat(-config.MAX_CFG_SCALE, config.MAX_CFG_SCALE)  # a guida
 
 def _opt(*names, field, **kw):
     """A click option whose default is TrainConfig's (the one place defaults live)."""
-    return click.option(*names, default=_defaults()[field], show_default=True, **kw)
+    return click.option(*names, default=_D[field], show_default=True, **kw)
 
 
-@main.command("run", cls=SectionedCommand)
-@configfile.option(sections=lambda: {**config.SECTION_OF, **SectionedCommand.EXTRA},
+@main.command("run", cls=RunCommand)
+@configfile.option(sections=lambda: {**config.SECTION_OF, **RunCommand.EXTRA},
                    cli_only=("print_config", "allow_changes"))
 @click.option("--print-config", is_flag=True,
               help="Print the resolved settings (the --config file, the flags and, with --resume, the "
@@ -236,9 +217,9 @@ def _opt(*names, field, **kw):
 @_opt("--logger", field="logger", metavar="NAMES",
       help="Where metrics and sample grids go, comma-separated: tensorboard, wandb, jsonl (metrics.jsonl, "
            "always on). wandb needs the wandb extra, honours WANDB_MODE=offline|disabled and never stops a run.")
-@click.option("--wandb-project", default=_defaults()["wandb_project"],
+@click.option("--wandb-project", default=_D["wandb_project"],
               help="W&B project (--logger wandb; default: $WANDB_PROJECT, else ditkit).")
-@click.option("--wandb-name", default=_defaults()["wandb_name"],
+@click.option("--wandb-name", default=_D["wandb_name"],
               help="W&B run name (default: $WANDB_NAME, else the --out folder's name).")
 @_opt("--eval-every", field="eval_every", type=click.IntRange(min=0),
       help="FID of the EMA model every N steps and at the end, to metrics.jsonl and TensorBoard "
@@ -258,7 +239,7 @@ def _opt(*names, field, **kw):
 @_opt("--resume/--no-resume", field="resume",
       help="Continue from the latest checkpoint in --out, with the settings recorded in its config.json "
            "(`--resume --out RUN` alone is enough); flags given apply on top, see --allow-changes.")
-@click.option("--init-from", default=_defaults()["init_from"], metavar="FILE_OR_RUN",
+@click.option("--init-from", default=_D["init_from"], metavar="FILE_OR_RUN",
               help="Fine-tune: start the model and its EMA from these weights (a plain state dict .pt such "
                    "as DiT-XL-2-256x256.pt, an EMA export, a run directory or a checkpoint: its EMA); "
                    "optimizer, step and schedule start fresh. Another class count re-initialises the label "
@@ -298,7 +279,9 @@ def run_cmd(print_config, allow_changes, quiet, **options):
         chosen.add("compile")
     cfg, resumption = settle(options, chosen, allow_changes=allow_changes)
     if print_config:
-        click.echo(_config_toml(cfg, ctx.command), nl=False)
+        from dittrain.record import config_toml
+
+        click.echo(config_toml(cfg), nl=False)
         return 0
     if not cfg.checkpointing.out:
         raise click.UsageError("Missing option '--out' (the run directory)")
@@ -314,14 +297,43 @@ def run_cmd(print_config, allow_changes, quiet, **options):
     return 0
 
 
-def _config_toml(cfg, command: click.Command) -> str:
-    """A TrainConfig as the TOML file --config reads: its sections as tables, the flag names as keys."""
-    from dittrain.config import SECTIONS
+@main.command("plan", cls=PlanCommand)
+@click.option("--latent-shape", metavar="CxHxW", help="Without --latents: the latents' shape, e.g. 4x32x32.")
+@click.option("--classes", default=0, type=click.IntRange(min=0), help="Without --latents: classes (0: none).")
+@click.option("--samples", type=click.IntRange(min=1), help="Without --latents: the dataset's size (for epochs).")
+@click.option("--gpu-memory", metavar="SIZE", help="The memory to fit in, e.g. 24GiB (1 GiB of a GPU's is left to "
+              "the CUDA context). Default: the free memory of --device, else --gpu's.")
+@click.option("--gpu", metavar="NAME", help="The card, for its memory and recorded speed: H200, H100, A100, "
+              "A100-80GB, L40S, RTX 4090, RTX 3090, A6000, V100.")
+@click.option("--epochs", type=FiniteFloat(min=0, min_open=True), help="The run's length (else --max-steps).")
+@click.option("--probe", is_flag=True, help="Time a few steps of each fitting candidate on --device; rank by them.")
+@click.option("--all", "show_all", is_flag=True, help="Every candidate, not the largest micro-batch of each mode.")
+@click.option("--write-config", type=click.Path(dir_okay=False, path_type=str), metavar="FILE.toml",
+              help="Also write the pick as a `dittrain run --config` file.")
+def plan_cmd(write_config, **options):
+    """What fits a GPU, how fast, for how long, before a run starts: the candidate settings of the
+    global batch (micro-batch and accumulation, --grad-checkpointing, --optimizer; --compile with
+    --probe on a GPU) with their predicted peak memory by part, the fastest that fits and its
+    `dittrain run` command, the run's steps, epochs and GPU-hours, what the loader must deliver
+    and the FID-50K sampling time. `dittrain run` flags given are kept; the rest are searched.
 
-    keys = {p.name: configfile.key_of(p) for p in command.params}
-    tables = {section: {keys[f]: getattr(getattr(cfg, section), f) for f in (x.name for x in fields(cls))}
-              for section, cls in SECTIONS.items()}
-    return configfile.to_toml(tables, header="dittrain run --config FILE: the settings of one run, by section")
+    \b
+    Examples:
+      dittrain plan --model DiT-XL/2 --latent-shape 4x32x32 --classes 1000 --gpu "RTX 4090"
+      dittrain plan --model DiT-B/2 --latents ./store --device cuda --probe --epochs 80
+    """
+    from dittrain.plan import make_plan, report, request_from, write_config_file
+
+    run = {p.name for p in main.commands["run"].params}
+    req = request_from({k: v for k, v in options.items() if k in run}, configfile.given(click.get_current_context()),
+                       **{k: v for k, v in options.items() if k not in run})
+    plan = make_plan(req, log=_say)
+    click.echo("\n".join(report(plan)))
+    if write_config:
+        click.echo(write_config_file(plan, write_config))
+
+
+plan_cmd.params[:0] = [p for p in run_cmd.params if p.name in config.PLAN_RUN_OPTIONS]  # the same options
 
 
 @main.command("sample")
@@ -357,8 +369,8 @@ def _config_toml(cfg, command: click.Command) -> str:
 @click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
               help="Text models: a prompt (repeatable), embedded with the store's text encoder.")
 @click.option("--n", "--num-samples", "n", type=click.IntRange(min=1), default=None,
-              help=f"Samples in all (default {_sample_defaults().n}); classes or prompts are cycled over them. "
-                   f"With --npz the default is {_eval_defaults().n}. Under torchrun write --num-samples "
+              help=f"Samples in all (default {_SAMPLE.n}); classes or prompts are cycled over them. "
+                   f"With --npz the default is {_EVAL.n}. Under torchrun write --num-samples "
                    "(torchrun's own parser takes --n for an ambiguous option of its own).")
 @click.option("--n-per-class", type=click.IntRange(min=1), default=None,
               help="One ROW per class (or prompt) of this many samples; singles under "
@@ -371,19 +383,19 @@ def _config_toml(cfg, command: click.Command) -> str:
               help="Enlarge the grid this many times (nearest neighbour) for tiny images.")
 @click.option("--cfg", "cfg_scale", default=None, type=_CFG_RANGE,
               help=f"Classifier-free guidance scale (1: none; ignored for unconditional models). Default "
-                   f"{_sample_defaults().cfg_scale}; with --npz {_eval_defaults().cfg_scale} (the DiT paper's "
+                   f"{_SAMPLE.cfg_scale}; with --npz {_EVAL.cfg_scale} (the DiT paper's "
                    "FID protocol).")
-@click.option("--cfg-channels", default=_sample_defaults().cfg_channels, show_default=True,
+@click.option("--cfg-channels", default=_SAMPLE.cfg_channels, show_default=True,
               type=click.IntRange(min=0),
               help="Guide only the first N latent channels (0: all). facebookresearch/DiT's and SiT's "
                    "samplers guide 3 of the 4 'for exact reproducibility': --cfg-channels 3 reproduces "
                    "the FIDs published with their checkpoints.")
 @click.option("--steps", default=None, type=click.IntRange(min=1),
-              help=f"Sampling steps. Default {_sample_defaults().steps}; with --npz {_eval_defaults().ddpm_steps} "
-                   f"for a ddpm run (DiT's FID protocol), {_eval_defaults().flow_steps} Euler steps for a flow run.")
+              help=f"Sampling steps. Default {_SAMPLE.steps}; with --npz {_EVAL.ddpm_steps} "
+                   f"for a ddpm run (DiT's FID protocol), {_EVAL.flow_steps} Euler steps for a flow run.")
 @click.option("--sampler", type=click.Choice(config.SAMPLERS), default=None,
               help="Default: ddpm for the ddpm objective, euler for flow (dittrain.diffusion.SAMPLER_TABLE).")
-@click.option("--seed", default=_sample_defaults().seed, show_default=True, type=int)
+@click.option("--seed", default=_SAMPLE.seed, show_default=True, type=int)
 @_sampling_options("Samples per forward pass (CFG doubles it).")
 @click.option("--latents", type=click.Path(file_okay=False, path_type=str), default=None,
               help="The latent store, if not at the path the run recorded (e.g. moved).")
@@ -443,7 +455,7 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
                                        "--per-class-dir (--classes balanced gives every class alike)")
         sample_to_npz(drawer, npz, n=n, classes=classes, prompts=prompts, steps=steps, cfg_scale=cfg_scale,
                       cfg_channels=cfg_channels, sampler=sampler, seed=seed, batch_size=batch_size, precision=precision,
-                      chunk_size=chunk_size or _eval_defaults().chunk_size, device=device,
+                      chunk_size=chunk_size or _EVAL.chunk_size, device=device,
                       text_pretrained=text_pretrained, overwrite=overwrite, preview=out, log=_say,
                       progress=not quiet)
         return

@@ -226,6 +226,12 @@ class RoutingSection:
     route: str = ""  # RATE:START:END, e.g. 0.5:2:26 (DiT-XL/2's 28 blocks); "": off
 
 
+# `dittrain plan` takes these options of `dittrain run` (the same ones): the run it plans
+PLAN_RUN_OPTIONS = ("latents", "cache_dir", "cache_limit", "model", "objective", "learn_sigma", "qk_norm", "batch_size",
+                    "accumulation_steps", "optimizer", "max_steps", "amp", "grad_checkpointing", "compile", "loader",
+                    "resident_device", "workers", "device", "repa", "repa_depth", "repa_projector_dim", "route",
+                    "eval_steps", "eval_cfg", "eval_batch_size")
+
 SECTIONS = {"data": DataSection, "model": ModelSection, "diffusion": DiffusionSection, "optim": OptimSection,
             "checkpointing": CheckpointingSection, "logging": LoggingSection, "eval": EvalSection,
             "performance": PerformanceSection, "repa": RepaSection, "routing": RoutingSection}

@@ -24,12 +24,12 @@ at, so the record says what the run's weights were really trained with.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ditdata.common.errors import UserError, one_line
 from ditdata.common.files import read_json
-from dittrain.config import SECTION_OF, TrainConfig
+from dittrain.config import SECTION_OF, SECTIONS, TrainConfig
 
 # What an optimizer step computes: a resume with other values trains another run.
 LEARNED = frozenset({
@@ -81,6 +81,16 @@ class Resumption:
 def flag(name: str) -> str:
     """A field's flag as the user types it (--amp is --precision since the flags were named alike)."""
     return "--" + ("precision" if name == "amp" else name.replace("_", "-"))
+
+
+def config_toml(cfg: TrainConfig) -> str:
+    """A TrainConfig as the TOML file `dittrain run --config` reads: its sections as tables, the
+    flag names as keys (`dittrain run --print-config`, `dittrain plan --write-config`)."""
+    from ditdata.common import configfile
+
+    tables = {section: {flag(f.name)[2:]: getattr(getattr(cfg, section), f.name) for f in fields(cls)}
+              for section, cls in SECTIONS.items()}
+    return configfile.to_toml(tables, header="dittrain run --config FILE: the settings of one run, by section")
 
 
 def kind(name: str, recorded: TrainConfig) -> str:

@@ -9,7 +9,8 @@ FID evaluations during training; and what running out of GPU memory says.
     sample_grid(run, ema, step, log)             an EMA grid in RUN/samples/ (never stops a run)
     evaluate(run, state, step, log)              FID of the EMA model (never stops a run)
     with training_memory_hint(run): ...          out of GPU memory -> one line: model, batch, precision,
-                                                 the flags that lower it (ditdata.common.memory)
+                                                 the flags that lower it (ditdata.common.memory) and
+                                                 the `dittrain plan` command that lists what fits
 
 The bar is ditdata.common.progress's: tqdm on a terminal; in a file (Slurm, nohup, CI) one
 plain line per --log-every steps, `train: 200/400000 step (0%), 3.10 step/s, elapsed 01:04,
@@ -18,6 +19,7 @@ ETA 35:49:28; loss 0.1520 lr 1.00e-04 794 img/s wait 2%`.
 
 from __future__ import annotations
 
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -33,10 +35,7 @@ from dittrain.launch import Run, text_token_count
 from dittrain.loggers import open_loggers
 from dittrain.model import DiT
 from dittrain.specs import flops_per_forward
-
-# Dense bf16/fp16 tensor-core peak FLOP/s by device name, for MFU. Unknown devices: no MFU.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "RTX 4090": 165e12,
-              "RTX 3090": 71e12, "A6000": 155e12, "V100": 125e12}
+from dittrain.throughput import gpu_named
 
 
 class Log:
@@ -51,8 +50,9 @@ class Log:
         self.run, self.state = run, state
         # 2 FLOPs/MAC x (forward + 2 backward) per sample of the global batch
         self.flops_step = 6 * flops_per_forward(run.model_cfg, text_token_count(run.store)) * cfg.optim.batch_size
-        self.peak = next((v for k, v in PEAK_FLOPS.items() if device.type == "cuda"
-                          and k in torch.cuda.get_device_name(device)), None)
+        # MFU against the card's dense bf16/fp16 peak (dittrain.throughput.GPUS); unknown cards: no MFU
+        gpu = gpu_named(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        self.peak = gpu.peak_flops if gpu is not None else None
         self.loggers = open_loggers(cfg.logging.logger, run.out, config=run.resolved, resumed=resumed,
                                     wandb_project=cfg.logging.wandb_project, wandb_name=cfg.logging.wandb_name,
                                     note=note) if run.master else []
@@ -204,7 +204,15 @@ def training_memory_hint(run: Run):
     if micro % 2:
         hints.append(halved("--batch-size", cfg.optim.batch_size))
     return out_of_memory_hint(what=f"training {cfg.model.model}", batch=batch, precision=run.amp_dtype,
-                              hints=hints, device=run.device)
+                              hints=hints, device=run.device, see=plan_hint(cfg, run.device))
 
 
-__all__ = ["PEAK_FLOPS", "Log", "evaluate", "note", "sample_grid", "training_memory_hint"]
+def plan_hint(cfg, device) -> str:
+    """Where an out-of-memory run is sent: `dittrain plan` with the run's model, store and batch
+    lists the settings that fit this GPU and picks the fastest."""
+    store = shlex.quote(cfg.data.latents) if cfg.data.latents else "STORE"
+    return (f"`dittrain plan --model {shlex.quote(cfg.model.model)} --latents {store} --batch-size "
+            f"{cfg.optim.batch_size} --device {device}` lists the settings that fit this GPU")
+
+
+__all__ = ["Log", "evaluate", "note", "sample_grid", "training_memory_hint"]

@@ -17,6 +17,7 @@ from the run's noise generator (the same device generator as the noise and the t
 every checkpoint), so a resumed run draws the same selections: exact resume holds.
 
     route = parse_route("0.5:2:26")            Route(rate, start, end), or None for ""
+    block_tokens(route, depth, tokens)         the tokens each block sees (memory and FLOPs models)
     check(route, depth)                        RouteError: START >= END, END beyond the model
     r = draw(route, n, tokens, gen, device)    TokenRoute(start, end, idx (n, K) sorted)
     model(x, t, y=y, route=r)                  the routed forward (dittrain.model.DiT)
@@ -135,6 +136,13 @@ def routed_blocks(route: Route | None, tokens: int) -> tuple[int, int]:
     return (0, 0) if route is None else (route.end - route.start, route.kept(tokens))
 
 
+def block_tokens(route: Route | None, depth: int, tokens: int) -> list[int]:
+    """The tokens each of `depth` blocks sees: K in the routed blocks, all `tokens` elsewhere."""
+    if route is None:
+        return [tokens] * depth
+    return [route.kept(tokens) if route.start <= i < route.end else tokens for i in range(depth)]
+
+
 def describe(route: Route, depth: int, tokens: int) -> str:
     """The startup line of a routed run."""
     k = route.kept(tokens)
@@ -143,5 +151,5 @@ def describe(route: Route, depth: int, tokens: int) -> str:
             f"; those blocks see {k} tokens; training only (sampling and exports use every token)")
 
 
-__all__ = ["ROUTE_GRAMMAR", "Route", "RouteError", "TokenRoute", "check", "describe", "draw", "gather_tokens",
+__all__ = ["ROUTE_GRAMMAR", "Route", "RouteError", "TokenRoute", "block_tokens", "check", "describe", "draw", "gather_tokens",
            "keep_rows", "kept_targets", "parse_route", "rejoin_tokens", "routed", "routed_blocks"]

@@ -86,12 +86,14 @@ def test_training_hint_names_model_batch_precision_and_unused_savings():
             oom()
         return str(e.value)
 
-    assert message(64, batch_size=256, accumulation_steps=4) == (
+    assert message(64, batch_size=256, accumulation_steps=4, latents="/data/in 1k") == (
         "out of GPU memory (2.00 GiB more asked for) training DiT-XL/2 at global batch 256 (micro-batch 64 x 4 "
         "accumulation), bf16: lower it with --grad-checkpointing selective, --accumulation-steps 8 "
-        "(micro-batch 32) or --optimizer adamw8bit")
+        "(micro-batch 32) or --optimizer adamw8bit; `dittrain plan --model DiT-XL/2 --latents '/data/in 1k' "
+        "--batch-size 256 --device cpu` lists the settings that fit this GPU")
     done = message(1, world=2, batch_size=2, accumulation_steps=1, grad_checkpointing="every", optimizer="adamw8bit")
-    assert done.endswith("(micro-batch 1 x 1 accumulation x 2 ranks), bf16: lower it with --batch-size 1"), done
+    assert ("(micro-batch 1 x 1 accumulation x 2 ranks), bf16: lower it with --batch-size 1; `dittrain plan --model "
+            "DiT-XL/2 --latents STORE --batch-size 2 --device cpu`") in done, done
     assert "--grad-checkpointing every" in message(8, batch_size=8, grad_checkpointing="selective")
 
 
@@ -148,7 +150,8 @@ def test_train(tmp_path, monkeypatch):
     r = dittrain(*run_args(store, tmp_path / "run", "--max-steps", 2, "--accumulation-steps", 2))
     line = failed_with(r)
     assert_has(line, "training DiT-T/4 at global batch 8 (micro-batch 4 x 2 accumulation), fp32: lower it with "
-                     "--grad-checkpointing selective, --accumulation-steps 4 (micro-batch 2) or --optimizer adamw8bit")
+                     "--grad-checkpointing selective, --accumulation-steps 4 (micro-batch 2) or --optimizer adamw8bit; "
+                     "`dittrain plan --model DiT-T/4 --latents", "--batch-size 8 --device cpu` lists the settings")
 
 
 @pytest.mark.parametrize("npz", [False, True])

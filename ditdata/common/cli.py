@@ -84,6 +84,28 @@ class OneLineErrors(click.Group):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
+class SectionedCommand(click.Command):
+    """A command whose --help lists its options under section headings: section_of(name) names a
+    parameter's section (None: "other"), sections() gives their order ("other" comes last)."""
+
+    def section_of(self, name: str) -> str | None:
+        return None
+
+    def sections(self) -> list[str]:
+        return []
+
+    def format_options(self, ctx, formatter):
+        groups: dict[str, list] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                groups.setdefault(self.section_of(param.name) or "other", []).append(record)
+        for section in [*self.sections(), "other"]:
+            if section in groups:
+                with formatter.section(f"{section.capitalize()} options"):
+                    formatter.write_dl(groups[section])
+
+
 # -q/--quiet of every long command: no progress bar, and no progress lines in a log file
 quiet_option = click.option("--quiet", "-q", is_flag=True,
                             help="No progress bar (and, when stderr is not a terminal, no progress lines).")

@@ -73,9 +73,10 @@ def memory_in_use(device=None) -> str | None:
 
 
 def out_of_memory_message(e: BaseException, *, what: str | None = None, batch: str | None = None,
-                          precision="", hints: Sequence[str] = (), device=None) -> str:
+                          precision="", hints: Sequence[str] = (), device=None, see: str = "") -> str:
     """The one line (module docstring). precision: an autocast dtype (None: fp32) or a name;
-    "" (unknown) leaves it out. Without `hints`, GENERAL_HINT."""
+    "" (unknown) leaves it out. Without `hints`, GENERAL_HINT. see: a last clause after "; "
+    (where to find more, e.g. the command that plans what fits)."""
     asked = _ASKED.search(str(e))
     facts = [f for f in (memory_in_use(device), asked and f"{asked.group(1)} more asked for") if f]
     line = "out of GPU memory" + (f" ({', '.join(facts)})" if facts else "")
@@ -86,15 +87,16 @@ def out_of_memory_message(e: BaseException, *, what: str | None = None, batch: s
     if precision != "":
         line += f", {precision_name(precision)}"
     hints = [h for h in hints if h]
+    tail = f"; {see}" if see else ""
     if not hints:
-        return f"{line}: {GENERAL_HINT}"
+        return f"{line}: {GENERAL_HINT}{tail}"
     listed = hints[0] if len(hints) == 1 else f"{', '.join(hints[:-1])} or {hints[-1]}"
-    return f"{line}: lower it with {listed}"
+    return f"{line}: lower it with {listed}{tail}"
 
 
 @contextmanager
 def out_of_memory_hint(*, what: str, batch: str | None = None, precision="", hints: Sequence[str] = (),
-                       device=None, error: type[UserError] = OutOfGpuMemory) -> Iterator[None]:
+                       device=None, see: str = "", error: type[UserError] = OutOfGpuMemory) -> Iterator[None]:
     """Inside the block, torch's out-of-memory error becomes `error` with the one line of
     out_of_memory_message (the original is its __cause__: DITKIT_DEBUG=1 shows it); anything
     else passes unchanged. precision: the autocast dtype (None: fp32) or its name."""
@@ -104,7 +106,7 @@ def out_of_memory_hint(*, what: str, batch: str | None = None, precision="", hin
         if not is_out_of_memory(e):
             raise
         raise error(out_of_memory_message(e, what=what, batch=batch, precision=precision, hints=hints,
-                                          device=device)) from e
+                                          device=device, see=see)) from e
 
 
 def halved(flag: str, value: int) -> str | None:
