@@ -22,7 +22,7 @@ memory-bound on a GPU); the kept bytes are the same on any device for the same d
 
 `dittrain plan`'s memory model (issue 27, dittrain.footprint) reads what this bench measures:
 
-    python bench/activation_memory.py --table --write dittrain/activation_table.py [--threads 1]
+    python bench/activation_memory.py --table --write dittrain/activation_table.json [--threads 1]
         the kept bytes of the trainer's forward for every block kind (mlp x norm x pos x QK-norm),
         fp32 and bf16 (CPU autocast), fused and math attention, modes none/every/selective/attn/
         mlp, on small shapes at 2 and 4 samples and depth 1 and 2, fitted exactly as coefficients
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import statistics
 import sys
 import time
@@ -324,7 +325,7 @@ def repa_row(dtype: str, residuals: list) -> tuple[float, ...]:
 
 
 def measure_table() -> dict:
-    """Every row of dittrain.activation_table, measured (a few minutes on a CPU)."""
+    """Every row of dittrain/activation_table.json, measured (a few minutes on a CPU)."""
     residuals: list[float] = []
     t0 = time.perf_counter()
     # LightningDiT's RMSNorm under CPU autocast: "Mismatch dtype ... Cannot dispatch to fused implementation"
@@ -341,51 +342,22 @@ def measure_table() -> dict:
     return {"BLOCK": block, "OUTSIDE": outside, "REPA": repa}
 
 
-TABLE_DOC = '''"""Activation memory of the DiT's training step, as dittrain.footprint reads it: measured,
-not worked out. WRITTEN BY `python bench/activation_memory.py --table --write
-dittrain/activation_table.py` (do not edit by hand; bench/RESULTS.md has the run).
-
-Bytes, as coefficients of dittrain.footprint's features (the bench fits them exactly on small
-shapes, so a new model size needs no new measurement):
-  BLOCK["mlp,norm,pos,qk/dtype/kernel"][mode]  one block: per sample BLOCK_SAMPLE (T*D, T*H,
-      T*heads, T, D, T*T*heads), then per step BLOCK_FIXED (the parameters of its attention +
-      adaLN linears, and of its MLP linears: autocast's 16-bit copies the saved matmuls keep)
-  OUTSIDE["mlp,norm,pos,qk/dtype/loss"]  outside the blocks: "head" (the embedders) and "tail"
-      (the final layer and the loss), each per sample OUTSIDE_SAMPLE (T*D, latent elements, D, 1),
-      per step OUTSIDE_FIXED (linear parameters outside the blocks, the RoPE table T*head_dim, 1)
-  REPA[dtype]  --repa's projector and targets: T*width, T*dims, T*D, T per sample, its linear parameters
-dtype: fp32, or bf16 (CPU autocast; fp16 reads the same rows). kernel: fused (flash, memory-
-efficient, cuDNN or the CPU's flash attention: the output and a logsumexp are kept) or math
-(the attention matrix too: the T*T*heads column).
-"""
-
-'''
-
-
 def write_table(tables: dict, path: str | None) -> None:
+    """The measured table as dittrain/activation_table.json (dittrain.footprint describes it)."""
     import platform
 
-    source = {"command": "python bench/activation_memory.py --table --write dittrain/activation_table.py",
+    source = {"command": "python bench/activation_memory.py --table --write dittrain/activation_table.json",
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
               "device": "cpu (fp32, and bf16 under CPU autocast)"}
-    lines = [TABLE_DOC, f"SOURCE = {source!r}"]
-    for name in ("BLOCK", "OUTSIDE", "REPA"):
-        lines.append(f"{name} = {{")
-        for key, row in tables[name].items():
-            lines.append(f"    {key!r}: {_compact(row)},")
-        lines.append("}")
-    text = "\n".join(lines) + "\n"
+    about = ("Activation memory of the DiT's training step, measured: bytes as coefficients of dittrain.footprint's "
+             "features (BLOCK_SAMPLE, BLOCK_FIXED, OUTSIDE_SAMPLE, OUTSIDE_FIXED, REPA_FEATURES). Written by "
+             f"`{source['command']}`; do not edit by hand.")
+    text = json.dumps({"about": about, "SOURCE": source, **tables}, indent=1) + "\n"
     if path is None:
         print(text)
         return
     Path(path).write_text(text)
     print(f"wrote {path}", file=sys.stderr)
-
-
-def _compact(row) -> str:
-    if isinstance(row, dict):
-        return "{" + ", ".join(f"{k!r}: {_compact(v)}" for k, v in row.items()) + "}"
-    return "(" + ", ".join(f"{v + 0.0:g}" for v in row) + ("," if len(row) == 1 else "") + ")"
 
 
 def check(specs: str, input_size: int, device: torch.device) -> None:
@@ -444,7 +416,7 @@ def main():
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--table", action="store_true",
-                    help="measure dittrain.activation_table (every block kind, fp32 and bf16, fused and math "
+                    help="measure dittrain/activation_table.json (every block kind, fp32 and bf16, fused and math "
                          "attention) and write it to --write")
     ap.add_argument("--write", default=None, metavar="PATH", help="--table: the file to write "
                     "(default: print a summary only)")

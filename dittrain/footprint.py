@@ -12,7 +12,7 @@ The terms, each from what the trainer builds (dittrain.train._build, dittrain.st
   optimizer    the state of the real optimizer class (optimizer_state_bytes: one step of
                dittrain.optim.build_optimizer's optimizer on probe tensors of every size)
   gradients    fp32 gradients of the trainable parameters, those alive at the peak
-  activations  what the forward keeps for the backward: dittrain.activation_table's bytes per
+  activations  what the forward keeps for the backward: activation_table.json's bytes per
                sample per block and checkpointing mode (measured by bench/activation_memory.py
                --table as coefficients of T*D, T*H, T*heads, ...) at this model's sizes, plus
                autocast's bf16/fp16 copies of the weights the saved matmuls read
@@ -31,19 +31,41 @@ same widths); the bench measured them under CPU autocast: the assumption is that
 treats the DiT's ops as the CPU's does (matmuls, convolutions and attention in 16 bits; norms,
 the residual stream and the loss in fp32), which `bench/activation_memory.py --check --device
 cuda` verifies on a GPU.
+
+The table (dittrain/activation_table.json, data: measured, not worked out) holds coefficients of
+the features below, fitted exactly by the bench on small shapes, so a new model size needs no
+new measurement:
+  BLOCK["mlp,norm,pos,qk/dtype/kernel"][mode]  one block: per sample BLOCK_SAMPLE, then per step
+      BLOCK_FIXED; kernel: fused (flash, memory-efficient, cuDNN or the CPU's flash attention:
+      the output and a logsumexp are kept) or math (the attention matrix too: the T*T*heads column)
+  OUTSIDE["mlp,norm,pos,qk/dtype/loss"]  "head" (the embedders) and "tail" (the final layer and
+      the loss), each per sample OUTSIDE_SAMPLE, per step OUTSIDE_FIXED
+  REPA[dtype]  --repa's projector and targets: REPA_FEATURES
+dtype: fp32, or bf16 (CPU autocast; fp16 reads the same rows).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
+from pathlib import Path
+from types import SimpleNamespace
 
 from ditdata.common.errors import UserError
-from dittrain import activation_table as table
 from dittrain.routing import Route, block_tokens
 from dittrain.specs import DiTConfig
 
-# The features the table's coefficients multiply (dittrain.activation_table; the bench fits them).
+TABLE = Path(__file__).with_name("activation_table.json")
+
+
+@lru_cache(maxsize=1)
+def activation_table() -> SimpleNamespace:
+    """The measured table (SOURCE, BLOCK, OUTSIDE, REPA), read once, when a footprint needs it."""
+    return SimpleNamespace(**json.loads(TABLE.read_text()))
+
+
+# The features the table's coefficients multiply (activation_table.json; the bench fits them).
 # One block on T tokens, per sample: T*D, T*H (the MLP's hidden width), T*heads, T, D, T*T*heads
 # (the attention matrix, which only the math kernel keeps).
 BLOCK_SAMPLE = ("TD", "TH", "Th", "T", "D", "TTh")
@@ -272,7 +294,7 @@ class _Blocks:
     def __init__(self, s: Setting):
         cfg = s.config
         self.s, self.cfg, self.parts = s, cfg, model_parts(cfg)
-        self.rows = _row(table.BLOCK, f"{block_kind(cfg)}/{s.dtype}/{s.kernel}", f"{block_kind(cfg)} blocks")
+        self.rows = _row(activation_table().BLOCK, f"{block_kind(cfg)}/{s.dtype}/{s.kernel}", f"{block_kind(cfg)} blocks")
         self.modes = block_modes(s.mode, cfg.depth)
         self.tokens = block_tokens(s.route, cfg.depth, cfg.num_tokens)
 
@@ -293,7 +315,7 @@ class _Blocks:
 
 
 def _outside_row(s: Setting):
-    return _row(table.OUTSIDE, f"{block_kind(s.config)}/{s.dtype}/{s.loss}", f"the {s.loss} loss")
+    return _row(activation_table().OUTSIDE, f"{block_kind(s.config)}/{s.dtype}/{s.loss}", f"the {s.loss} loss")
 
 
 def _outside_kept(s: Setting, part: str) -> float:
@@ -308,7 +330,7 @@ def _repa_kept(s: Setting, tokens: list[int]) -> float:
         return 0.0
     block, width, dims = s.repa
     T = tokens[block - 1]  # the tokens that reach the aligned block (its kept ones when routed)
-    coef, D = _row(table.REPA, s.dtype, "--repa"), s.config.hidden_size
+    coef, D = _row(activation_table().REPA, s.dtype, "--repa"), s.config.hidden_size
     return (s.micro_batch * dot(coef[:4], (T * width, T * dims, T * D, T))
             + coef[4] * sum(projector_parts(D, width, dims)))
 
