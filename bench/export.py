@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from scratch import add_device_args, open_device, parser, sync  # bench/scratch.py
+from scratch import add_device_args, add_options, open_device, parser, sync  # bench/scratch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -127,15 +127,10 @@ def psnr(a: np.ndarray, ref: np.ndarray, peak: float) -> float:
 
 def main(argv=None) -> int:
     p = parser(__doc__)
-    p.add_argument("--model", default="DiT-S/2")
-    p.add_argument("--latent", default="4x32x32")
-    p.add_argument("--num-classes", type=int, default=1000)
-    p.add_argument("--formats", default="fp32,fp16,int8,onnx")
-    p.add_argument("--n", type=int, default=8)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--cfg", type=float, default=4.0)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    add_options(p, ("--model", "DiT-S/2", "the DiT size"), ("--latent", "4x32x32", "latent shape CxHxW"),
+                ("--num-classes", 1000, "classes"), ("--formats", "fp32,fp16,int8,onnx", "export formats"),
+                ("--n", 8, "samples per format"), ("--steps", 10, "sampling steps"), ("--cfg", 4.0, "guidance scale"),
+                ("--batch", 8, "samples per forward"), ("--seed", 0, "sampling seed"))
     add_device_args(p)
     p.add_argument("--vae", default=None)
     p.add_argument("--inception", default=None)

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from scratch import (  # bench/scratch.py
     add_device_args,
+    add_options,
     open_device,
     parser,
     scratch_dir,
@@ -143,9 +144,8 @@ def run_ceiling(store, passes: float, batch_size: int) -> float:
 
 def main():
     ap = parser(__doc__, n=100_000, shard_size=10_000)
-    ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--shuffle-window", type=int, default=4)
+    add_options(ap, ("--batch-size", 256, "samples per batch"), ("--workers", 4, "streaming loader processes"),
+                ("--shuffle-window", 4, "streaming: shards shuffled together"))
     add_device_args(ap)
     ap.add_argument("--passes", type=float, default=2.0, help="passes over the data timed per dittrain loader")
     ap.add_argument("--skip-baseline", action="store_true")

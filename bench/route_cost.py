@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 from activation_memory import KeptCounter, autocast, batch  # bench/activation_memory.py
-from scratch import add_device_args, open_device, parser, sync  # bench/scratch.py
+from scratch import add_options, parse_on_device, parser, sync  # bench/scratch.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dittrain.model import build_model  # noqa: E402
-from dittrain.routing import draw, parse_route  # noqa: E402
+from dittrain.routing import RouteError, check, draw, parse_route  # noqa: E402
 
 
 def step(model, inputs, route, gen, device) -> torch.Tensor:
@@ -43,6 +43,11 @@ def measure(args, name: str, device) -> list[dict]:
     model = build_model(name, input_size=args.input_size, in_channels=4, num_classes=1000).to(device).train()
     inputs, gen = batch(args, device), torch.Generator(device=device).manual_seed(0)
     routes = [None, *(parse_route(r) for r in args.routes.split(","))]
+    try:  # END within the model, as dittrain run checks
+        for route in routes:
+            check(route, model.config.depth, name)
+    except RouteError as e:
+        raise SystemExit(f"route_cost: {e}") from None
     rows = []
     for route in routes:
         counter = KeptCounter(model)
@@ -67,14 +72,11 @@ def measure(args, name: str, device) -> list[dict]:
 
 def main():
     ap = parser(__doc__)
-    ap.add_argument("--models", default="DiT-S/2,DiT-B/2")
-    ap.add_argument("--routes", default="0.5:1:11")
-    ap.add_argument("--input-size", type=int, default=32)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=3)
-    add_device_args(ap)
-    args = ap.parse_args()
-    device = open_device(args)
+    add_options(ap, ("--models", "DiT-S/2,DiT-B/2", "DiT sizes, comma-separated"),
+                ("--routes", "0.5:1:11", "--route values against none, comma-separated"),
+                ("--input-size", 32, "latent side"), ("--batch-size", 32, "samples per step"),
+                ("--reps", 3, "timed steps per variant"))
+    args, device = parse_on_device(ap)
     dtype = "bf16 autocast" if device.type == "cuda" else "fp32"
     print(f"{args.input_size}x{args.input_size}x4 latents, batch {args.batch_size}, {dtype}, {device}, "
           f"median of {args.reps} alternated steps")

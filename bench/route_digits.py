@@ -15,28 +15,22 @@ writes DIR/results/summary.json.
 
 from __future__ import annotations
 
-from digits_runs import (  # bench/digits_runs.py
-    build_store,
-    parse_args,
-    print_comparison,
-    train_and_judge,
-    write_summary,
-)
+import digits_runs as runs  # bench/digits_runs.py
 from scratch import scratch_dir  # bench/scratch.py
 
 
 def main() -> None:
-    a, env = parse_args(__doc__, ("--route", "0.5:1:5", "--route (DiT-T has 6 blocks)"))
+    a, env = runs.parse_args(__doc__, ("--route", "0.5:1:5", "--route (DiT-T has 6 blocks)"))
     with scratch_dir(a.dir, "route_digits_") as root:
-        store = build_store(root, env)
+        store = runs.build_store(root, env)
         rows = []
         for seed in map(int, a.seeds.split(",")):
             for variant, extra in (("plain", []), ("--route", ["--route", a.route])):
-                rows += train_and_judge(store, root, variant, seed, a.steps, extra, env)
-        write_summary(root, a, rows)
+                rows += runs.train_and_judge(store, root, variant, seed, a.steps, extra, env)
+        runs.write_summary(root, a, rows)
         print(f"\nDiT-T/4 on the 16 px digits (flow, batch 32, lr 1e-3); --route {a.route}; seeds {a.seeds}; "
               "100 samples per checkpoint\n")
-        print_comparison(rows, a.steps, ("plain", "--route"))
+        runs.print_comparison(rows, a.steps, ("plain", "--route"))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from scratch import add_device_args, open_device, parser, sync  # bench/scratch.py
+from scratch import add_device_args, add_options, open_device, parser, sync  # bench/scratch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -92,10 +92,8 @@ def measure(name: str, protocol: str, batch: int, device: torch.device, args) ->
 
 def main(argv=None) -> int:
     p = parser(__doc__)
-    p.add_argument("--models", default="DiT-S/2,DiT-XL/2")
-    p.add_argument("--batch-sizes", default="64,256")
-    p.add_argument("--protocols", default="ddpm250,euler50")
-    p.add_argument("--timed-steps", type=int, default=10)
+    add_options(p, ("--models", "DiT-S/2,DiT-XL/2", "DiT sizes"), ("--batch-sizes", "64,256", "samples per forward"),
+                ("--protocols", "ddpm250,euler50", "sampler and steps"), ("--timed-steps", 10, "steps timed"))
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     add_device_args(p, "cuda")
     p.add_argument("--json", default=None)

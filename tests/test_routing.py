@@ -12,6 +12,7 @@ import torch
 from cliutil import assert_has, losses, one_error_line, resume_after_sigkill, run_args
 from cliutil import dittrain as cli
 from storeutil import add_features
+from tiny import nudged
 
 from dittrain.checkpoint import latest_checkpoint, load_checkpoint
 from dittrain.model import DiT, DiTBlock, rope_table
@@ -41,13 +42,12 @@ LIGHTNING = f"{MODEL},mlp=swiglu,norm=rms,pos=rope,qk_norm=1"  # LightningDiT's 
 
 def _model(name: str = MODEL, **overrides) -> DiT:
     torch.manual_seed(0)
-    model = DiT(get_config(name, input_size=8, in_channels=3, num_classes=3, **overrides))
-    # adaLN-Zero starts every block as the identity: give the blocks something to do
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn_like(p))
-    return model
+    return nudged(DiT(get_config(name, input_size=8, in_channels=3, num_classes=3, **overrides)), 0.05)
+
+
+def _drawn(rate: float) -> TokenRoute:
+    """The kept tokens of _inputs' 3 samples under RATE:1:3 (blocks 2-3 routed), seed 0."""
+    return draw(Route(rate, 1, 3), 3, 16, torch.Generator().manual_seed(0), "cpu")
 
 
 def _inputs(n: int = 3):
@@ -95,7 +95,7 @@ def test_the_routed_forward_equals_one_built_by_hand(name, start, end):
 def test_rate_zero_is_the_plain_model_bit_for_bit():
     model = _model().eval()
     x, t, y = _inputs()
-    route = draw(Route(0.0, 1, 3), 3, 16, torch.Generator().manual_seed(0), "cpu")
+    route = _drawn(0.0)
     assert torch.equal(route.idx, torch.arange(16).expand(3, 16))
     with torch.no_grad():
         assert torch.equal(model(x, t, y=y, route=route), model(x, t, y=y))
@@ -133,7 +133,7 @@ def test_gradients_reach_every_token_and_checkpointing_changes_nothing():
     """The loss covers all tokens: the routed tokens' inputs get a gradient through the skip; and
     block checkpointing under routing gives the same gradients as none."""
     x, t, y = _inputs()
-    route = draw(Route(0.5, 1, 3), 3, 16, torch.Generator().manual_seed(0), "cpu")
+    route = _drawn(0.5)
     grads = []
     for knob in ("none", "every", "attn", "selective"):
         model = _model(LIGHTNING, grad_checkpointing=knob).train()
@@ -149,7 +149,7 @@ def test_gradients_reach_every_token_and_checkpointing_changes_nothing():
 def test_repa_on_a_routed_block_aligns_the_kept_tokens():
     model = _model().eval()
     x, t, y = _inputs()
-    route = draw(Route(0.5, 1, 3), 3, 16, torch.Generator().manual_seed(0), "cpu")
+    route = _drawn(0.5)
     with torch.no_grad():
         _, inside = model(x, t, y=y, route=route, return_hidden=2)  # block 2: routed
         _, after = model(x, t, y=y, route=route, return_hidden=4)  # block 4: all tokens again

@@ -14,6 +14,7 @@ import torch
 from cliutil import dittrain, ok
 from PIL import Image
 from storeutil import SAMPLE_CLASSES, tiny_store
+from tiny import nudged
 
 from ditdata.store import encode_array, open_store
 from dittrain.checkpoint import export_weights, save_checkpoint
@@ -48,10 +49,7 @@ def make_run(run_dir: Path, store_root: Path, *, model="DiT-T/4", objective="ddp
     torch.manual_seed(seed)
     dit = DiT(get_config(model, **kw))
     if perturb:
-        with torch.no_grad():
-            for p in dit.parameters():
-                if p.requires_grad:
-                    p.add_(0.02 * torch.randn_like(p))
+        nudged(dit, 0.02)
     config = {
         "train": {"model": {"model": model}, "diffusion": {"objective": objective}, "optim": {"seed": seed}},
         "model": asdict(dit.config),

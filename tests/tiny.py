@@ -232,3 +232,15 @@ def assert_grads_close(ref, other, *, rtol: float, atol: float) -> int:
         torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=name)
         nonzero += bool(p.grad.abs().sum() > 0)
     return nonzero
+
+
+def nudged(model, scale: float):
+    """`model` with scale x N(0, 1) noise (the global RNG) added to every trainable parameter: a
+    fresh DiT is adaLN-Zero's identity in every block, which would test nothing."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(scale * torch.randn_like(p))
+    return model
