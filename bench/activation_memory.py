@@ -352,12 +352,23 @@ def write_table(tables: dict, path: str | None) -> None:
     about = ("Activation memory of the DiT's training step, measured: bytes as coefficients of dittrain.footprint's "
              "features (BLOCK_SAMPLE, BLOCK_FIXED, OUTSIDE_SAMPLE, OUTSIDE_FIXED, REPA_FEATURES). Written by "
              f"`{source['command']}`; do not edit by hand.")
-    text = json.dumps({"about": about, "SOURCE": source, **tables}, indent=1) + "\n"
+    text = _table_json({"about": about, "SOURCE": source, **tables})
     if path is None:
         print(text)
         return
     Path(path).write_text(text)
     print(f"wrote {path}", file=sys.stderr)
+
+
+def _table_json(data: dict) -> str:
+    """JSON with one line per table row (a diff of a re-measured table shows the rows that moved)."""
+    def entry(name, value, indent):
+        if isinstance(value, dict) and any(isinstance(v, dict) for v in value.values()):
+            rows = ",\n".join(f"{indent}  {json.dumps(k)}: {json.dumps(v)}" for k, v in value.items())
+            return f"{indent}{json.dumps(name)}: {{\n{rows}\n{indent}}}"
+        return f"{indent}{json.dumps(name)}: {json.dumps(value)}"
+
+    return "{\n" + ",\n".join(entry(k, v, " ") for k, v in data.items()) + "\n}\n"
 
 
 def check(specs: str, input_size: int, device: torch.device) -> None:
