@@ -17,7 +17,7 @@ A configuration SPEC is MODEL:BATCH:CKPT:COMPILE[:MODE[:LOADER[:EXTRA]]]
               0.5, projector 2048 (dittrain.repa, as dittrain.train builds it); the row next to
               the same configuration without it gives REPA's step-time overhead
             route=RATE,START,END: `dittrain run --route RATE:START:END` (TREAD, dittrain.routing);
-              its MFU counts the FLOPs the routed step computes (flops_per_forward(routed=))
+              its MFU counts the FLOPs the routed step computes (flops_per_forward(tokens=))
             latent=CxHxW: the latents' shape (default 4x32x32; 32x16x16 is VA-VAE's at 256 px,
               what LightningDiT-XL/1 trains on)
 The default list (CUDA) covers DiT-XL/2, B/2 and S/2 at batch 256, eager against compiled,
@@ -72,8 +72,8 @@ from dittrain.diffusion import Diffusion, DiffusionConfig  # noqa: E402
 from dittrain.model import DiT  # noqa: E402
 from dittrain.probe import run_steps  # noqa: E402 (n steps as dittrain.train._loop runs them)
 from dittrain.repa import Alignment, build_projector  # noqa: E402
+from dittrain.routing import block_tokens, parse_route  # noqa: E402
 from dittrain.routing import check as check_route  # noqa: E402
-from dittrain.routing import parse_route, routed_blocks  # noqa: E402
 from dittrain.sdpa import attention_backend  # noqa: E402
 from dittrain.specs import flops_per_forward, get_config  # noqa: E402
 from dittrain.step import TrainStep, compile_model  # noqa: E402
@@ -237,7 +237,7 @@ def measure(spec: dict, device: torch.device, args) -> dict:
         loader.close()
     ms = 1e3 * dt / args.steps
     route = parse_route(spec["route"])
-    flops = 6 * flops_per_forward(cfg, routed=routed_blocks(route, cfg.num_tokens)) * spec["batch"]
+    flops = 6 * flops_per_forward(cfg, tokens=block_tokens(route, cfg.depth, cfg.num_tokens)) * spec["batch"]
     row = {**spec, "latent": list(spec["latent"]), "params_m": model.num_params() / 1e6, "ms_per_step": ms,
            "images_per_s": spec["batch"] / (ms / 1e3), "tflops": flops / (ms / 1e3) / 1e12,
            "first_step_s": first, "warmup_s": warm,

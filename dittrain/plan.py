@@ -32,7 +32,7 @@ from ditdata.common.sizes import format_size
 from dittrain.config import EvalSampleConfig, TrainConfig
 from dittrain.footprint import Footprint, FootprintError, Setting, block_modes, footprint, loss_kind
 from dittrain.probe import ProbeResult
-from dittrain.routing import block_tokens, parse_route, routed_blocks
+from dittrain.routing import block_tokens, parse_route
 from dittrain.specs import DiTConfig, flops_per_forward
 from dittrain.throughput import GPUS, RECORD_SOURCE, RECORDS, Gpu, Rate, gpu_named, rate, step_flops
 
@@ -312,7 +312,7 @@ def _speed(c: Candidate, req: PlanRequest, model: DiTConfig, target: Target, rep
     if repa is not None:  # the projector's matmuls, on the tokens that reach its block
         block, width, dims = repa
         extra = tokens[block - 1] * (model.hidden_size * width + width * width + width * dims)
-    flops = step_flops(model, c.mode, routed_blocks(route, model.num_tokens), tokens, extra) * req.cfg.optim.batch_size
+    flops = step_flops(model, c.mode, tokens, extra) * req.cfg.optim.batch_size
     c.rate = rate(target.gpu, model, c.micro, target.precision)
     if c.rate is not None:
         c.seconds = flops / c.rate.flops_per_s

@@ -34,6 +34,7 @@ from dittrain.checkpoint import RunState
 from dittrain.launch import Run, text_token_count
 from dittrain.loggers import open_loggers
 from dittrain.model import DiT
+from dittrain.routing import block_tokens, parse_route
 from dittrain.specs import flops_per_forward
 from dittrain.throughput import gpu_named
 
@@ -48,8 +49,10 @@ class Log:
     def __init__(self, run: Run, state: RunState, *, resumed: bool = False, progress: bool = True):
         cfg, device = run.cfg, run.device
         self.run, self.state = run, state
-        # 2 FLOPs/MAC x (forward + 2 backward) per sample of the global batch
-        self.flops_step = 6 * flops_per_forward(run.model_cfg, text_token_count(run.store)) * cfg.optim.batch_size
+        # 2 FLOPs/MAC x (forward + 2 backward) per sample of the global batch; --route: what the routed step computes
+        m = run.model_cfg
+        tokens = block_tokens(parse_route(cfg.routing.route), m.depth, m.num_tokens)
+        self.flops_step = 6 * flops_per_forward(m, text_token_count(run.store), tokens) * cfg.optim.batch_size
         # MFU against the card's dense bf16/fp16 peak (dittrain.throughput.GPUS); unknown cards: no MFU
         gpu = gpu_named(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         self.peak = gpu.peak_flops if gpu is not None else None

@@ -17,7 +17,7 @@ from the run's noise generator (the same device generator as the noise and the t
 every checkpoint), so a resumed run draws the same selections: exact resume holds.
 
     route = parse_route("0.5:2:26")            Route(rate, start, end), or None for ""
-    block_tokens(route, depth, tokens)         the tokens each block sees (memory and FLOPs models)
+    block_tokens(route, depth, tokens)         the tokens each block sees (flops_per_forward, memory model)
     check(route, depth)                        RouteError: START >= END, END beyond the model
     r = draw(route, n, tokens, gen, device)    TokenRoute(start, end, idx (n, K) sorted)
     model(x, t, y=y, route=r)                  the routed forward (dittrain.model.DiT)
@@ -131,11 +131,6 @@ def kept_targets(route: TokenRoute | None, block: int, target: torch.Tensor) -> 
     return gather_tokens(target, route.idx) if routed(route, block) else target
 
 
-def routed_blocks(route: Route | None, tokens: int) -> tuple[int, int]:
-    """(blocks routed, tokens they see): dittrain.specs.flops_per_forward's `routed`."""
-    return (0, 0) if route is None else (route.end - route.start, route.kept(tokens))
-
-
 def block_tokens(route: Route | None, depth: int, tokens: int) -> list[int]:
     """The tokens each of `depth` blocks sees: K in the routed blocks, all `tokens` elsewhere."""
     if route is None:
@@ -152,4 +147,4 @@ def describe(route: Route, depth: int, tokens: int) -> str:
 
 
 __all__ = ["ROUTE_GRAMMAR", "Route", "RouteError", "TokenRoute", "block_tokens", "check", "describe", "draw", "gather_tokens",
-           "keep_rows", "kept_targets", "parse_route", "rejoin_tokens", "routed", "routed_blocks"]
+           "keep_rows", "kept_targets", "parse_route", "rejoin_tokens", "routed"]

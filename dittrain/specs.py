@@ -212,7 +212,7 @@ def get_config(name: str, **overrides) -> DiTConfig:
     return DiTConfig(**{**architecture(name), **overrides})
 
 
-def flops_per_forward(config: DiTConfig, text_tokens: int = 0, routed: tuple[int, int] = (0, 0)) -> int:
+def flops_per_forward(config: DiTConfig, text_tokens: int = 0, tokens: list[int] | None = None) -> int:
     """Multiply-adds of ONE sample's forward pass (multiply by 2 for FLOPs, by 3 for
     forward + backward). Counts every matmul: patch embedding, timestep MLP, the adaLN
     regressions (once per sample, not per token), per block q/k/v/out projections, the
@@ -221,11 +221,10 @@ def flops_per_forward(config: DiTConfig, text_tokens: int = 0, routed: tuple[int
     element-wise work (norms, softmax, activations, modulation, the label lookup, the
     rotation of RoPE, SwiGLU's gate).
     This is the convention of the DiT paper's Gflops: XL/2 at 256 px gives 118.62 G.
-    routed (B, K): B of the blocks see K tokens only (token routing, dittrain.routing.routed_blocks)."""
+    tokens: the tokens each block sees (token routing: dittrain.routing.block_tokens); default all T."""
     D, T, p = config.hidden_size, config.num_tokens, config.patch_size
     L = text_tokens if config.text_token_dim else 0
-    blocks, kept = routed
-    total = (config.depth - blocks) * block_flops(config, T, L) + blocks * block_flops(config, kept, L)
+    total = sum(block_flops(config, t, L) for t in tokens or [T] * config.depth)
     total += T * config.in_channels * p * p * D  # patch embedding
     total += config.frequency_embedding_size * D + D * D  # timestep MLP
     total += 2 * D * D + T * D * p * p * config.out_channels  # final adaLN + linear

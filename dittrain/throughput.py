@@ -106,11 +106,11 @@ def recompute_flops(config: DiTConfig, mode: str | int, tokens: list[int] | None
     return 0.0
 
 
-def step_flops(config: DiTConfig, mode: str | int, routed: tuple[int, int] = (0, 0),
-               tokens: list[int] | None = None, extra: float = 0.0) -> float:
+def step_flops(config: DiTConfig, mode: str | int, tokens: list[int] | None = None, extra: float = 0.0) -> float:
     """FLOPs of one sample's training step: 2 x (3 x the forward's multiply-adds + the
-    recomputation), `extra` multiply-adds per forward beside the DiT (--repa's projector)."""
-    forward = flops_per_forward(config, routed=routed) + extra
+    recomputation), `extra` multiply-adds per forward beside the DiT (--repa's projector);
+    tokens: each block's tokens (routing), default all of them."""
+    forward = flops_per_forward(config, tokens=tokens) + extra
     return 2 * (3 * forward + recompute_flops(config, mode, tokens))
 
 

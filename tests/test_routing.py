@@ -21,13 +21,13 @@ from dittrain.routing import (
     Route,
     RouteError,
     TokenRoute,
+    block_tokens,
     draw,
     gather_tokens,
     kept_targets,
     parse_route,
     rejoin_tokens,
     routed,
-    routed_blocks,
 )
 from dittrain.specs import flops_per_forward, get_config
 
@@ -113,7 +113,7 @@ def test_draw_keeps_a_sorted_random_subset_from_the_generator():
 
 @pytest.mark.parametrize("name", ["DiT-XL/2", "LightningDiT-XL/1"])
 def test_routed_flops_are_what_the_forward_computes(name):
-    """flops_per_forward(routed=) against torch's own count of a routed forward (on meta: free)."""
+    """flops_per_forward(tokens=) against torch's own count of a routed forward (on meta: free)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     latent = (4, 32, 32) if name.startswith("DiT") else (32, 16, 16)
@@ -123,10 +123,10 @@ def test_routed_flops_are_what_the_forward_computes(name):
         idx = torch.zeros(2, route.kept(m.config.num_tokens), dtype=torch.long)
         with FlopCounterMode(display=False) as counted:
             m(torch.empty(2, *latent), torch.ones(2), torch.zeros(2, dtype=torch.long), route=TokenRoute(2, 26, idx))
-    routed = routed_blocks(route, m.config.num_tokens)
-    assert routed == (24, 128)
-    assert counted.get_total_flops() == 2 * 2 * flops_per_forward(m.config, routed=routed)
-    assert 0.5 < flops_per_forward(m.config, routed=routed) / flops_per_forward(m.config) < 0.6
+    tokens = block_tokens(route, m.config.depth, m.config.num_tokens)
+    assert tokens == [256] * 2 + [128] * 24 + [256] * 2
+    assert counted.get_total_flops() == 2 * 2 * flops_per_forward(m.config, tokens=tokens)
+    assert 0.5 < flops_per_forward(m.config, tokens=tokens) / flops_per_forward(m.config) < 0.6
 
 
 def test_gradients_reach_every_token_and_checkpointing_changes_nothing():
