@@ -8,13 +8,14 @@ A configuration SPEC is MODEL:BATCH:CKPT:COMPILE[:MODE[:LOADER[:EXTRA]]]
   CKPT      --grad-checkpointing: none | every | k | attn | mlp | selective
   COMPILE   --compile: off | blocks (each DiTBlock, regional) | model (the whole forward)
   MODE      torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune-no-cudagraphs
-  LOADER    gpu (default: a synthetic store held on the device, a batch = one index_select, no
-            disk, torch only) | resident-cuda | resident | streaming (dittrain.data's loaders over
+  LOADER    gpu (default: dittrain.probe's synthetic store held on the device, a batch = one
+            index_select of a fresh permutation per pass, no disk, torch only) | resident-cuda | resident | streaming (dittrain.data's loaders over
             a real latent store written to --store-dir first: needs ditdata's store backends, zarr)
   EXTRA     options joined by "+" (with the gpu loader):
             repa: `dittrain run --repa` on synthetic targets held on the device like the
-              latents, ViT-B/14's 256 tokens x 768 dims int8 + per-token scale, block 8, weight
-              0.5, projector 2048 (dittrain.repa, as dittrain.train builds it); the row next to
+              latents, ViT-B/14's 768 dims on the model's token grid (16 x 16 for XL/2, as ViT-B/14
+              at 224 px), int8 + per-token scale, block 8, weight 0.5, projector 2048 (dittrain.repa,
+              as dittrain.train builds it: dittrain.probe.build); the row next to
               the same configuration without it gives REPA's step-time overhead
             route=RATE,START,END: `dittrain run --route RATE:START:END` (TREAD, dittrain.routing);
               its MFU counts the FLOPs the routed step computes (flops_per_forward(tokens=))
@@ -68,19 +69,17 @@ sys.path.insert(0, str(ROOT))
 
 from ditdata.common.devices import amp_dtype as trainer_amp  # noqa: E402
 from dittrain.config import TrainConfig  # noqa: E402
-from dittrain.diffusion import Diffusion, DiffusionConfig  # noqa: E402
-from dittrain.model import DiT  # noqa: E402
+from dittrain.probe import build as build_step  # noqa: E402 (the step as dittrain.train builds it)
 from dittrain.probe import run_steps  # noqa: E402 (n steps as dittrain.train._loop runs them)
-from dittrain.repa import Alignment, build_projector  # noqa: E402
 from dittrain.routing import block_tokens, parse_route  # noqa: E402
 from dittrain.routing import check as check_route  # noqa: E402
 from dittrain.sdpa import attention_backend  # noqa: E402
+from dittrain.sizes import num_params  # noqa: E402
 from dittrain.specs import flops_per_forward, get_config  # noqa: E402
-from dittrain.step import TrainStep, compile_model  # noqa: E402
 from dittrain.throughput import gpu_named  # noqa: E402
 
 LATENT = (4, 32, 32)  # 256 px through an f8 autoencoder with 4 channels
-REPA_TARGETS = (256, 768)  # DINOv2 ViT-B/14 at 224 px: 16 x 16 patch tokens of 768 dims
+REPA_DIMS = 768  # DINOv2 ViT-B/14's patch features (its 16 x 16 tokens at 224 px: the XL/2 grid)
 REPA_DEPTH, REPA_PROJECTOR = 8, 2048  # dittrain run's --repa-depth and --repa-projector-dim defaults
 NUM_CLASSES = 1000
 DEFAULT_CUDA = ";".join([  # the issue's targets first: a run cut short keeps what matters most
@@ -98,43 +97,8 @@ DEFAULT_CPU = ("DiT-T/2:4:none:off;DiT-T/2:4:selective:off;DiT-T/2:4:none:off:de
                "DiT-T/2:4:none:off:default:gpu:route=0.5,1,5")
 
 
-class DeviceLatents:
-    """A synthetic store held on the device: x (n, C, h, w) fp16, y (n,) int64; a batch is the
-    next batch_size samples of a fresh permutation per epoch (index_select + float32), as
-    dittrain's ResidentLoader with the store on the GPU. An iterator, as the trainer's loaders."""
-
-    def __init__(self, n: int, batch_size: int, device: torch.device, seed: int = 0, targets: bool = False,
-                 latent: tuple[int, int, int] = LATENT):
-        g = torch.Generator(device=device).manual_seed(seed)
-        self.x = torch.randn((n, *latent), generator=g, device=device).to(torch.float16)
-        self.y = torch.randint(0, NUM_CLASSES, (n,), generator=g, device=device)
-        self.feat = self.scale = None
-        if targets:  # REPA targets as a feature set stores them: int8 codes and a per-token scale
-            self.feat = torch.randint(-127, 128, (n, *REPA_TARGETS), generator=g, device=device, dtype=torch.int8)
-            self.scale = torch.rand((n, REPA_TARGETS[0]), generator=g, device=device) / 127
-        self.gen, self.n, self.pos, self.batch_size = g, n, n, batch_size
-        self.perm, self.wait_seconds = None, 0.0
-
-    def __next__(self) -> dict:
-        t0 = time.perf_counter()
-        if self.pos + self.batch_size > self.n:
-            self.perm, self.pos = torch.randperm(self.n, generator=self.gen, device=self.x.device), 0
-        idx = self.perm[self.pos:self.pos + self.batch_size]
-        self.pos += self.batch_size
-        out = {"x": self.x.index_select(0, idx).float(), "y": self.y.index_select(0, idx)}
-        if self.feat is not None:
-            out["feat"], out["feat_scale"] = self.feat.index_select(0, idx), self.scale.index_select(0, idx)
-        self.wait_seconds += time.perf_counter() - t0
-        return out
-
-    def close(self) -> None:
-        pass
-
-
-def make_loader(spec: dict, device: torch.device, args):
-    kind, batch = spec["loader"], spec["batch"]
-    if kind == "gpu":
-        return DeviceLatents(args.store_size, batch, device, targets=spec["repa"], latent=spec["latent"])
+def real_loader(spec: dict, device: torch.device, args):
+    """One of dittrain.data's loaders over a real latent store written to --store-dir first."""
     if spec["repa"] or spec["route"] or spec["latent"] != LATENT:
         raise SystemExit("gpu_train: repa, route= and latent= rows use the gpu loader (synthetic latents on the device)")
     from scratch import synthetic_store  # bench/scratch.py (imports the store module: zarr)
@@ -143,8 +107,8 @@ def make_loader(spec: dict, device: torch.device, args):
 
     store = synthetic_store(Path(args.store_dir) / f"store-{args.store_size}", args.store_size, 10_000)
     loader_kind, resident_device = {"resident-cuda": ("resident", "cuda"), "resident": ("resident", "cpu"),
-                                    "streaming": ("streaming", "cpu")}[kind]
-    return build_loader(str(store), batch_size=batch, kind=loader_kind, seed=0, device=device,
+                                    "streaming": ("streaming", "cpu")}[spec["loader"]]
+    return build_loader(str(store), batch_size=spec["batch"], kind=loader_kind, seed=0, device=device,
                         resident_device=resident_device if device.type == "cuda" else "cpu",
                         workers=args.workers)
 
@@ -173,42 +137,29 @@ def parse_spec(spec: str) -> dict:
     return row
 
 
-def build(spec: dict, device: torch.device, amp: str):
-    """Model, EMA, optimizer and TrainStep as dittrain.train builds them (one rank)."""
+def build(spec: dict, device: torch.device, args):
+    """(model config, TrainStep, LR schedule, loader, autocast dtype) of one configuration, built by
+    dittrain.probe as dittrain.train builds a run (one rank); the gpu loader is probe's synthetic
+    store on the device, the others dittrain.data's over a real store."""
     ckpt = int(spec["grad_ckpt"]) if spec["grad_ckpt"].isdigit() else spec["grad_ckpt"]
     latent = spec["latent"]
     cfg = get_config(spec["model"], input_size=latent[-1], in_channels=latent[0], num_classes=NUM_CLASSES,
                      class_dropout_prob=0.1, learn_sigma=True, grad_checkpointing=ckpt)
     check_route(parse_route(spec["route"]), cfg.depth, spec["model"])  # as dittrain run: END within the model
-    torch.manual_seed(0)
-    with device:  # initialised in place: the weights' values do not change the speed
-        model = DiT(cfg)
-        ema = DiT(cfg).requires_grad_(False)
-    ema.load_state_dict(model.state_dict())
-    ema.eval()
-    tcfg = TrainConfig.from_flat(batch_size=spec["batch"], grad_clip=1.0, ema=0.9999, lr=1e-4, route=spec["route"])
-    align = None
-    if spec.get("repa"):  # as dittrain.train's _projector and _alignment (one rank)
-        projector = build_projector(cfg.hidden_size, REPA_PROJECTOR, REPA_TARGETS[1], 0).to(device)
-        side = latent[-1] // cfg.patch_size
-        align = Alignment(projector, projector, depth=min(REPA_DEPTH, cfg.depth), weight=0.5, grid=(side, side), target_grid=(16, 16))
-    params = [p for p in model.parameters() if p.requires_grad] + ([] if align is None else
-                                                                    list(align.projector.parameters()))
-    opt = torch.optim.AdamW(params, lr=tcfg.optim.lr, weight_decay=0.0, fused=True)  # dittrain.train.build_optimizer's
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    amp_dtype = trainer_amp(device, amp)
-    train_model = compile_model(model, spec["compile"], spec["mode"])  # as dittrain.train._wrap
-    step = TrainStep(model=model, train_model=train_model, ema=ema, optimizer=opt,
-                     scaler=torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16),
-                     diffusion=Diffusion(DiffusionConfig(objective="ddpm", learn_sigma=True)), cfg=tcfg,
-                     gen=torch.Generator(device=device).manual_seed(0), device=device, amp_dtype=amp_dtype,
-                     repa=align)
-    return cfg, model, step, sched, amp_dtype
+    repa = dict(repa="synthetic", repa_depth=min(REPA_DEPTH, cfg.depth), repa_weight=0.5,
+                repa_projector_dim=REPA_PROJECTOR) if spec["repa"] else {}
+    tcfg = TrainConfig.from_flat(batch_size=spec["batch"], grad_clip=1.0, ema=0.9999, lr=1e-4, seed=0, amp=args.amp,
+                                 compile=spec["compile"], compile_mode=spec["mode"], route=spec["route"], **repa)
+    gpu = spec["loader"] == "gpu"
+    step, sched, loader = build_step(tcfg, cfg, device, samples=args.store_size if gpu else None,
+                                     targets=(cfg.num_tokens, REPA_DIMS) if spec["repa"] else None)
+    if not gpu:
+        loader = real_loader(spec, device, args)
+    return cfg, step, sched, loader, trainer_amp(device, args.amp)
 
 
 def measure(spec: dict, device: torch.device, args) -> dict:
-    cfg, model, step, sched, amp_dtype = build(spec, device, args.amp)
-    loader = make_loader(spec, device, args)
+    cfg, step, sched, loader, amp_dtype = build(spec, device, args)
     try:
         t0 = time.perf_counter()
         pending = run_steps(step, sched, loader, 1)
@@ -238,7 +189,7 @@ def measure(spec: dict, device: torch.device, args) -> dict:
     ms = 1e3 * dt / args.steps
     route = parse_route(spec["route"])
     flops = 6 * flops_per_forward(cfg, tokens=block_tokens(route, cfg.depth, cfg.num_tokens)) * spec["batch"]
-    row = {**spec, "latent": list(spec["latent"]), "params_m": model.num_params() / 1e6, "ms_per_step": ms,
+    row = {**spec, "latent": list(spec["latent"]), "params_m": num_params(cfg) / 1e6, "ms_per_step": ms,
            "images_per_s": spec["batch"] / (ms / 1e3), "tflops": flops / (ms / 1e3) / 1e12,
            "first_step_s": first, "warmup_s": warm,
            "compile_s": max(0.0, first - ms / 1e3) if spec["compile"] != "off" else 0.0,

@@ -3,7 +3,7 @@ trainer's own step (dittrain.step.TrainStep: noise, AMP forward, loss, backward,
 optimizer dittrain.optim builds, EMA), on synthetic latents held on the device.
 
     result = probe(cfg, model_cfg, device, steps=3)      ProbeResult: s/step, first step, peak
-    step, sched, loader = build(cfg, model_cfg, device)  the pieces, for a bench (bench/activation_memory.py)
+    step, sched, loader = build(cfg, model_cfg, device)  the pieces, for a bench (bench/gpu_train.py)
     pending = run_steps(step, sched, loader, n)          n steps as dittrain.train._loop runs them
 
 Built as dittrain.train._build builds a run: the model and its EMA, the --repa projector (its
@@ -41,15 +41,16 @@ class ProbeResult:
 
 
 class SyntheticLatents:
-    """Random latents held on the device; a batch is the next micro-batch of a fixed pool (an
-    index_select, as the resident loader with the store on the GPU). An iterator of the
-    trainer's batches: x (float32), y (labels) and, with REPA targets, feat (int8) and
-    feat_scale."""
+    """A synthetic store held on the device: `samples` random latents (fp16), labels and, with
+    REPA targets, int8 codes and a per-token scale, as a feature set stores them. A batch is the
+    next micro-batch of a fresh permutation per pass (an index_select, as the resident loader
+    with the store on the GPU). An iterator of the trainer's batches: x (float32), y, feat,
+    feat_scale; wait_seconds: the time spent in next(), as the trainer's loaders count it."""
 
-    def __init__(self, model_cfg: DiTConfig, batch_size: int, device: torch.device, pool: int = 2,
+    def __init__(self, model_cfg: DiTConfig, batch_size: int, device: torch.device, samples: int | None = None,
                  targets: tuple[int, int] | None = None):
         g = torch.Generator(device=device).manual_seed(0)
-        n, c, s = pool * batch_size, model_cfg.in_channels, model_cfg.input_size
+        n, c, s = max(samples or 2 * batch_size, batch_size), model_cfg.in_channels, model_cfg.input_size
         self.x = torch.randn((n, c, s, s), generator=g, device=device).to(torch.float16)
         self.y = (torch.randint(0, model_cfg.num_classes, (n,), generator=g, device=device)
                   if model_cfg.num_classes else None)
@@ -57,31 +58,39 @@ class SyntheticLatents:
         if targets is not None:  # (tokens, dims)
             self.feat = torch.randint(-127, 128, (n, *targets), generator=g, device=device, dtype=torch.int8)
             self.scale = torch.rand((n, targets[0]), generator=g, device=device) / 127
-        self.batch_size, self.pos, self.wait_seconds = batch_size, 0, 0.0
+        self.gen, self.batch_size, self.pos, self.perm, self.wait_seconds = g, batch_size, n, None, 0.0
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict:
-        idx = torch.arange(self.pos, self.pos + self.batch_size, device=self.x.device) % len(self.x)
-        self.pos = (self.pos + self.batch_size) % len(self.x)
+        t0 = time.perf_counter()
+        if self.pos + self.batch_size > len(self.x):
+            self.perm, self.pos = torch.randperm(len(self.x), generator=self.gen, device=self.x.device), 0
+        idx = self.perm[self.pos:self.pos + self.batch_size]
+        self.pos += self.batch_size
         batch = {"x": self.x.index_select(0, idx).float()}
         if self.y is not None:
             batch["y"] = self.y.index_select(0, idx)
         if self.feat is not None:
             batch["feat"], batch["feat_scale"] = self.feat.index_select(0, idx), self.scale.index_select(0, idx)
+        self.wait_seconds += time.perf_counter() - t0
         return batch
 
     def close(self) -> None:
         pass
 
 
-def build(cfg: TrainConfig, model_cfg: DiTConfig, device: torch.device, *, targets: tuple[int, int] | None = None):
+def build(cfg: TrainConfig, model_cfg: DiTConfig, device: torch.device, *, targets: tuple[int, int] | None = None,
+          samples: int | None = None):
     """(TrainStep, LR schedule, loader) of one rank as dittrain.train builds them. targets: --repa's
-    (tokens, dims) of the synthetic feature set (on the model's grid)."""
+    (tokens, dims) of the synthetic feature set (on the model's grid); samples: the synthetic
+    store's size (default two micro-batches). The weights are initialised on the device itself
+    (their values do not change speed or memory; an XL model made on the host takes seconds)."""
     torch.manual_seed(cfg.optim.seed)
-    model = DiT(model_cfg).to(device)
-    ema = DiT(model_cfg).to(device).requires_grad_(False)
+    with device:
+        model = DiT(model_cfg)
+        ema = DiT(model_cfg).requires_grad_(False)
     ema.load_state_dict(model.state_dict())
     ema.eval()
     align, params = None, [p for p in model.parameters() if p.requires_grad]
@@ -101,7 +110,7 @@ def build(cfg: TrainConfig, model_cfg: DiTConfig, device: torch.device, *, targe
                      scaler=torch.amp.GradScaler(device.type, enabled=precision == torch.float16),
                      diffusion=diffusion, cfg=cfg, gen=torch.Generator(device=device).manual_seed(cfg.optim.seed),
                      device=device, amp_dtype=precision, repa=align)
-    return step, build_schedule(opt, cfg), SyntheticLatents(model_cfg, micro, device, targets=targets)
+    return step, build_schedule(opt, cfg), SyntheticLatents(model_cfg, micro, device, samples, targets)
 
 
 def run_steps(step: TrainStep, sched, loader, n: int, pending=None):
