@@ -9,7 +9,7 @@ import sys
 import click
 
 from ditdata.common import configfile
-from ditdata.common.cli import FiniteFloat, OneLineErrors, SectionedCommand, quiet_option
+from ditdata.common.cli import FiniteFloat, OneLineErrors, SectionedCommand, aliased, quiet_option
 from dittrain import config
 
 
@@ -333,7 +333,9 @@ def plan_cmd(write_config, **options):
         click.echo(write_config_file(plan, write_config))
 
 
-plan_cmd.params[:0] = [p for p in run_cmd.params if p.name in config.PLAN_RUN_OPTIONS]  # the same options
+# the same options as run's (--steps: the issue's and the users' name for --max-steps here)
+plan_cmd.params[:0] = [aliased(p, "--steps") if p.name == "max_steps" else p for p in run_cmd.params
+                       if p.name in config.PLAN_RUN_OPTIONS]
 
 
 @main.command("sample")

@@ -155,6 +155,15 @@ def test_time_lines_from_the_record_and_the_store(store):
     assert "loader: needs" in local.output and "resident in RAM" in local.output, local.output
 
 
+def test_steps_is_plans_name_for_max_steps_and_run_keeps_its_own():
+    common = ["--model", "DiT-XL/2", "--latent-shape", "4x32x32", "--classes", 1000, "--gpu", "H200",
+              "--grad-checkpointing", "none", "--accumulation-steps", 1]
+    r = ok(dittrain("plan", *common, "--steps", 1000))
+    assert "--max-steps 1000" in r.output and "1,000 steps" in r.output, r.output
+    assert r.output == ok(dittrain("plan", *common, "--max-steps", 1000)).output
+    assert "No such option '--steps'" in dittrain("run", "--steps", 3).output  # the shared option is unchanged
+
+
 @pytest.mark.parametrize("args,needles", [
     (["--model", "DiT-Q/2", "--latent-shape", "4x32x32"], ["unknown model 'DiT-Q/2'"]),
     (["--model", "DiT-XL/2", "--latent-shape", "4x32x32", "--classes", 1000, "--gpu-memory", "4GiB"],

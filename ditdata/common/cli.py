@@ -106,6 +106,16 @@ class SectionedCommand(click.Command):
                     formatter.write_dl(groups[section])
 
 
+def aliased(option: click.Option, *names: str) -> click.Option:
+    """A copy of an option shared between commands that also answers to `names` in one of them
+    (dittrain plan's --steps for run's --max-steps); the shared one is left as it is."""
+    import copy
+
+    option = copy.copy(option)
+    option.opts = [*option.opts, *names]
+    return option
+
+
 # -q/--quiet of every long command: no progress bar, and no progress lines in a log file
 quiet_option = click.option("--quiet", "-q", is_flag=True,
                             help="No progress bar (and, when stderr is not a terminal, no progress lines).")
