@@ -13,6 +13,12 @@ manifest once every shard exists.
 Resumable and idempotent: the store writer publishes each shard atomically and skips
 finished ones, so a rerun after a kill encodes only the missing shards.
 
+With `buckets` (--buckets AREA[:STEP]) each image goes to the aspect-ratio bucket nearest
+its shape (ditdata.buckets; the cover crop instead of the square one), a worker's batches
+hold one bucket each, and every input shard becomes at most one shard per bucket store,
+then its record (ditdata.bucketwriter, which also makes reruns skip finished input shards
+and discard what a killed run left of the others); the top manifest is written last.
+
 With `features` (--features NAME) a feature set is made in the same pass: each batch's
 cropped images also go through the feature encoder, and each feature shard is written right
 after its latent shard, with exactly its keys (ditdata.features.inpass); once the store's
@@ -313,8 +319,8 @@ def encode(cfg: EncodeConfig) -> dict:
         raise DitdataError("--batch-size and --chunk-samples must be at least 1, --workers at least 0")
     _check_features(cfg)
     if cfg.buckets and cfg.features:
-        raise DitdataError("--buckets with --features is not supported yet; encode the buckets, then add the "
-                           "feature set per bucket store with `ditdata features STORE/buckets/WxH`")
+        raise DitdataError("--buckets with --features is not supported yet (feature sets of bucketed stores "
+                           "would need each bucket's crop); drop one of them")
     _check_out(Path(cfg.out), Path(cfg.shards), bool(cfg.buckets))
     if launch_env().rank != 0:
         return _encode(cfg)

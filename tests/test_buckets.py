@@ -218,7 +218,7 @@ def test_sigkill_then_rerun_equals_clean_run(photos, bucketed, tmp_path):
     assert not list((tmp_path / "s" / "buckets" / other.name / "shards").glob(f"{victim}*"))
 
 
-def test_refusals_are_one_line(photos, tmp_path):
+def test_refusals_are_one_line(photos, bucketed, tmp_path):
     shards = photos[1]
     for spec, needle in [("33:4", "--buckets 33:4: AREA 33 must be a positive multiple of STEP 4"),
                          ("32:0", "STEP 0 must be a positive multiple"), ("big", "expected AREA or AREA:STEP")]:
@@ -231,6 +231,8 @@ def test_refusals_are_one_line(photos, tmp_path):
     assert "is a plain latent store" in one_error_line(_encode(shards, tmp_path / "p", "--buckets", "32").output)
     line = one_error_line(_encode(shards, tmp_path / "b", "--features", "dinov2-vits14", "--buckets", "32").output)
     assert "--buckets with --features is not supported" in line
+    line = one_error_line(ditdata("features", bucketed, "--encoder", "dinov2-vits14").output)
+    assert "a bucketed store (encode --buckets); feature sets of bucketed stores are not supported" in line
 
 
 def test_config_file_and_other_buckets_refused(photos, tmp_path):
