@@ -212,6 +212,11 @@ def test_retry_failed_refetches_transient_failures_only(tmp_path, script):
     assert [(p["number"], p["retried"], p["recovered"], p["shards"]) for p in info["retries"]] == [
         (1, 2, 1, [2]), (2, 1, 1, [3])]
     assert info["options"]["image_size"] == 32 and not (out / RETRY_SCRATCH).exists()
+    r = ditdata("fetch", tmp_path / "other.parquet", "--retry-failed", "--out", out)
+    assert r.exit_code == 2 and "does not exist" in r.output
+    (tmp_path / "other.parquet").write_bytes(b"")
+    r = ditdata("fetch", tmp_path / "other.parquet", "--retry-failed", "--out", out)
+    assert r.exit_code == 1 and f"was fetched from {tmp_path / 'urls.parquet'}, not " in r.output
 
     # encode sees each sample once
     store = tmp_path / "store"

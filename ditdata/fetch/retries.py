@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import sys
 import tarfile
@@ -52,6 +53,7 @@ from ditdata.fetch.state import RETRY_RECORD, RETRY_SCRATCH, PackOptions, write_
 from ditdata.fetch.urllists import run_img2dataset
 
 ORIGINAL_KEY = "ditdata_key"  # the column that carries a retried row's key through img2dataset
+_SHARD_DATA = re.compile(r"^(\d{5,})\.(tar|parquet)$")  # what a pass publishes before the stats file
 # FetchConfig fields a pass may change: how it downloads, not what a shard holds
 OVERRIDABLE = ("processes", "threads", "timeout", "retries", "distributor", "spark_master", "ray_address")
 
@@ -153,7 +155,7 @@ def _finished_url_fetch(out: Path) -> tuple[dict, dict]:
         raise refuse(f"it holds a {kind} fetch; only a URL list has downloads to retry")
     info_path, record_path = out / shards.DATASET_INFO, out / RETRY_RECORD
     if info_path.is_file():
-        info = read_json(info_path)
+        info = shards.read_dataset_info(out)
         record = {"source": info["source"], "options": info["options"], "passes": info.get("retries", [])}
     elif record_path.is_file():  # a pass was killed while publishing: its record stands in
         record = read_json(record_path)
@@ -182,9 +184,9 @@ def _drop_unpublished(out: Path) -> None:
     shutil.rmtree(out / RETRY_SCRATCH, ignore_errors=True)
     shards.remove_stale_tmp(out)
     finished = set(shards.read_shard_stats(out))
-    for p in list(out.glob("*.tar")) + list(out.glob("*.parquet")):
-        stem = p.name.split(".", 1)[0]
-        if stem.isdigit() and len(stem) >= shards.SHARD_DIGITS and int(stem) not in finished:
+    for p in out.iterdir():
+        m = _SHARD_DATA.match(p.name)
+        if m and int(m.group(1)) not in finished:
             print(f"note: {p.name} was left by an interrupted --retry-failed pass; deleted", file=sys.stderr)
             p.unlink()
 
