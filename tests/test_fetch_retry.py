@@ -1,4 +1,4 @@
-"""`ditdata fetch --retry-failed`: a loopback HTTP server answers each path from a script
+"""`ditdata fetch --retry-failed`: a loopback HTTP server answers each path from a list
 (503 twice then the image, 429 once then the image, always 404, ...) and counts the
 requests per path, so the tests see which rows each pass refetched, that the rows keep
 their keys, that a pass killed and rerun completes, and that `ditdata encode` afterwards
@@ -7,19 +7,16 @@ paid once, not per command; its workers are spawned processes all the same."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
-import threading
-import time
 from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from cliutil import assert_has, ditdata, http_server
-from test_fetch import real_images
+from cliutil import assert_has, ditdata
+from test_fetch import real_images, serve
 from test_imageshards import encode
 
 from ditdata.fetch import ledger
@@ -66,56 +63,22 @@ def test_failure_classes(status, message, cls):
 # ============================================================================ the server
 
 
-class Script:
-    """{path: [answer, ...]}: each request to a path takes the next answer (the last one
-    repeats); an answer is bytes (200 with that body) or an HTTP status code. Counts the
-    requests per path."""
-
-    def __init__(self, answers: dict):
-        self.answers = answers
-        self.requests: Counter = Counter()
-        self.delay = 0.0
-        self._lock = threading.Lock()
-
-    def next(self, path: str):
-        with self._lock:
-            n = self.requests[path]
-            self.requests[path] += 1
-        answers = self.answers.get(path, [404])
-        return answers[min(n, len(answers) - 1)]
-
-
 @pytest.fixture
-def script():
-    s = Script({})
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            answer = s.next(self.path)
-            time.sleep(s.delay)
-            if isinstance(answer, int):
-                self.send_error(answer)
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", "image/jpeg")
-            self.send_header("Content-Length", str(len(answer)))
-            self.end_headers()
-            self.wfile.write(answer)
-
-        def log_message(self, *args):
-            pass
-
-    with http_server(Handler) as base:
-        s.base = base
-        yield s
+def web():
+    """serve(): (base URL, {path: answers}, {path: requests so far})."""
+    files: dict = {}
+    requests: Counter = Counter()
+    with serve(files, requests=requests) as base:
+        yield base, files, requests
 
 
-def _url_list(tmp_path: Path, script: Script) -> tuple[Path, list[dict]]:
+def _url_list(tmp_path: Path, web) -> tuple[Path, list[dict]]:
     """Seven rows, 4 per shard: two images, a 503-503-200, a 404, a 429-200, garbage bytes
     (a decode error) and a file:// URL (refused)."""
     photos = real_images()
     jpeg = {name: encode(photos[name][:128, :128], "JPEG", quality=90) for name in ("astronaut", "chelsea", "coffee", "rocket")}
-    script.answers.update({
+    base, files, _ = web
+    files.update({
         "/astronaut.jpg": [jpeg["astronaut"]],
         "/flaky.jpg": [503, 503, jpeg["chelsea"]],
         "/missing.jpg": [404],
@@ -124,7 +87,7 @@ def _url_list(tmp_path: Path, script: Script) -> tuple[Path, list[dict]]:
         "/garbage.jpg": [os.urandom(3000)],
     })
     paths = ["/astronaut.jpg", "/flaky.jpg", "/missing.jpg", "/busy.jpg", "/rocket.jpg", "/garbage.jpg", None]
-    rows = [{"url": script.base + p if p else "file:///etc/passwd", "caption": f"row {i}", "similarity": i / 10}
+    rows = [{"url": base + p if p else "file:///etc/passwd", "caption": f"row {i}", "similarity": i / 10}
             for i, p in enumerate(paths)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "urls.parquet")
     return tmp_path / "urls.parquet", rows
@@ -137,8 +100,8 @@ def _key(row: int) -> str:
 FETCH = ("--image-size", 32, "--samples-per-shard", 4, "--processes", 1, "--threads", 2, "--keep-col", "similarity")
 
 
-def _fetch(tmp_path: Path, script: Script) -> tuple[Path, list[dict]]:
-    src, rows = _url_list(tmp_path, script)
+def _fetch(tmp_path: Path, web) -> tuple[Path, list[dict]]:
+    src, rows = _url_list(tmp_path, web)
     out = tmp_path / "shards"
     r = ditdata("fetch", src, "--out", out, *FETCH, "-q")
     assert r.exit_code == 0, r.output
@@ -159,10 +122,11 @@ PERMANENT = "permanent failures 3 (HTTP Error 404: Not Found 1, Image decoding e
 
 
 @pytest.mark.slow
-def test_retry_failed_refetches_transient_failures_only(tmp_path, script):
-    out, rows = _fetch(tmp_path, script)
+def test_retry_failed_refetches_transient_failures_only(tmp_path, web):
+    out, rows = _fetch(tmp_path, web)
+    requests = web[2]
     assert read_dataset_info(out)["num_samples"] == 2
-    assert script.requests == {"/astronaut.jpg": 1, "/flaky.jpg": 1, "/missing.jpg": 1, "/busy.jpg": 1,
+    assert requests == {"/astronaut.jpg": 1, "/flaky.jpg": 1, "/missing.jpg": 1, "/busy.jpg": 1,
                                "/rocket.jpg": 1, "/garbage.jpg": 1}
 
     line = _retry(out)  # the 429 recovers, the 503 fails again
@@ -187,7 +151,7 @@ def test_retry_failed_refetches_transient_failures_only(tmp_path, script):
     assert _retry(out) == f"{out}: nothing to retry: no row's latest status is a transient failure (" \
         "permanent failures 3: HTTP Error 404: Not Found 1, Image decoding error 1, refused URL: file scheme 1)"
     # the 404 and the decode error were fetched once, the 503 three times, the 429 twice
-    assert script.requests == {"/astronaut.jpg": 1, "/flaky.jpg": 3, "/missing.jpg": 1, "/busy.jpg": 2,
+    assert requests == {"/astronaut.jpg": 1, "/flaky.jpg": 3, "/missing.jpg": 1, "/busy.jpg": 2,
                                "/rocket.jpg": 1, "/garbage.jpg": 1}
 
     # new shards, the first fetch's untouched; every image at the key of its row
