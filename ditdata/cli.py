@@ -87,7 +87,8 @@ def main():
 @click.option("--retry-failed", is_flag=True,
               help="On the --out of a finished URL fetch: refetch only the rows whose latest status is a "
                    "transient failure (timeout, connection error, HTTP 5xx or 429) into new shards under "
-                   "their keys, with the first fetch's settings (SOURCE may be left out). Repeatable.")
+                   "their keys, with the first fetch's settings (SOURCE and the others may be left out; only "
+                   "--processes, --threads, --timeout, --retries and the distributor may change). Repeatable.")
 @_fetch_opt("--kind", field="kind", type=click.Choice(KINDS),
             help="What SOURCE holds. Default: detected (a URL-list file or folder of them -> urls; "
                  "images with same-stem .txt files -> captions; one folder per class -> classes).")
@@ -181,17 +182,9 @@ def fetch(source, out, retry_failed, quiet, **options):
     from ditdata.fetch import report
 
     if retry_failed:
-        from ditdata.fetch.retries import OVERRIDABLE
         from ditdata.fetch.retries import retry_failed as run_retry
 
-        ctx = click.get_current_context()
-        flag = {p.name: p.opts[0] for p in ctx.command.params}
-        given = configfile.given(ctx) & set(options)
-        fixed = sorted(given - set(OVERRIDABLE))
-        if fixed:
-            raise click.UsageError(f"--retry-failed refetches with the first fetch's settings: drop "
-                                   f"{', '.join(flag[f] for f in fixed)} (only "
-                                   f"{', '.join(flag[f] for f in OVERRIDABLE)} may change)")
+        given = configfile.given(click.get_current_context()) & set(options)
         line, _ = run_retry(out, source, **{k: options[k] for k in sorted(given)})
         click.echo(f"{out}: {line}")
         return

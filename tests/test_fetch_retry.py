@@ -148,7 +148,11 @@ def test_retry_failed_refetches_transient_failures_only(tmp_path, web):
     line = r.output.strip().splitlines()[-1]  # the rerun completes: the 503 recovers
     assert line == (f"{out}: retry pass 2: retried 1, recovered 1, still failing transiently 0, "
                                 + PERMANENT)
-    assert _retry(out) == f"{out}: nothing to retry: no row's latest status is a transient failure (" \
+    # what decides a shard's contents stays the first fetch's: its own flags may be given again
+    r = ditdata("fetch", "--retry-failed", "--out", out, "--image-size", 64)
+    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
+    assert_has(r.output, "--image-size 64 is not the recorded 32; drop it (only --processes, --threads")
+    assert _retry(out, *FETCH, "--caption-col", "caption") == f"{out}: nothing to retry: no row's latest status is a transient failure (" \
         "permanent failures 3: HTTP Error 404: Not Found 1, Image decoding error 1, refused URL: file scheme 1)"
     # the 404 and the decode error were fetched once, the 503 three times, the 429 twice
     assert requests == {"/astronaut.jpg": 1, "/flaky.jpg": 3, "/missing.jpg": 1, "/busy.jpg": 2,
@@ -218,10 +222,7 @@ def test_retry_failed_refuses_what_is_not_a_finished_url_fetch(tmp_path):
     r = ditdata("fetch", "--retry-failed", "--out", tmp_path / "urls")
     assert r.exit_code == 1 and "the fetch did not finish; rerun the first `ditdata fetch`" in r.output
     assert not (tmp_path / "nowhere").exists()
-    # settings that decide a shard's contents are the first fetch's
-    r = ditdata("fetch", "--retry-failed", "--out", tmp_path / "urls", "--image-size", 64)
-    assert r.exit_code == 2 and "drop --image-size" in r.output
     with pytest.raises(TypeError):
-        retry_failed(tmp_path / "urls", image_size=64)
+        retry_failed(tmp_path / "urls", no_such_option=64)
     r = ditdata("fetch", "--out", tmp_path / "urls")
     assert r.exit_code == 2 and "Missing argument 'SOURCE'" in r.output

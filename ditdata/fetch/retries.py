@@ -76,25 +76,28 @@ class Pass:
                 f"still failing transiently {self.transient}, permanent failures {perm}{reasons}")
 
 
-def retry_failed(out, source=None, **overrides) -> tuple[str, dict]:
-    """One --retry-failed pass over the URL fetch in OUT (module docstring); OVERRIDES are
-    OVERRIDABLE FetchConfig fields. Returns the pass's one-line summary and dataset.json."""
+def retry_failed(out, source=None, **options) -> tuple[str, dict]:
+    """One --retry-failed pass over the URL fetch in OUT (module docstring). OPTIONS are the
+    FetchConfig fields the user gave: the OVERRIDABLE ones apply to this pass, any other must
+    be what the first fetch recorded. Returns the pass's one-line summary and dataset.json."""
     out = Path(out)
-    bad = sorted(set(overrides) - set(OVERRIDABLE))
-    if bad:
-        raise TypeError(f"retry_failed() cannot change {', '.join(bad)}")
+    unknown = sorted(set(options) - {f.name for f in fields(FetchConfig)})
+    if unknown:
+        raise TypeError(f"retry_failed() got unknown options {', '.join(unknown)}")
     if not out.is_dir():
         raise DitdataError(f"--retry-failed: {out} is not a finished URL fetch (no such directory); "
                            "pass the --out of a finished `ditdata fetch` of a URL list")
     with DirLock(out, "ditdata fetch --retry-failed"):
-        return _retry_locked(out, source, overrides)
+        return _retry_locked(out, source, options)
 
 
-def _retry_locked(out: Path, source, overrides: dict) -> tuple[str, dict]:
+def _retry_locked(out: Path, source, given: dict) -> tuple[str, dict]:
     state, record = _finished_url_fetch(out)
     if source is not None and Path(source).resolve() != Path(state["source"]):
         raise DitdataError(f"--retry-failed: {out} was fetched from {state['source']}, not {source}; "
                            "drop SOURCE (the recorded one is used) or choose the right --out")
+    overrides = {k: v for k, v in given.items() if k in OVERRIDABLE}
+    _check_recorded({k: v for k, v in given.items() if k not in OVERRIDABLE}, record["options"])
     opts = _pack_options(state["options"])
     options = record["options"]
     cfg = FetchConfig(**{**{k: options[k] for k in ("processes", "threads", "timeout", "retries", "distributor")},
@@ -168,6 +171,25 @@ def _finished_url_fetch(out: Path) -> tuple[dict, dict]:
         raise refuse(f"{len(missing)} of its {expected} shards have no stats file; rerun the first "
                      "`ditdata fetch` command to complete it")
     return state, record
+
+
+def _check_recorded(given: dict, recorded: dict) -> None:
+    """GIVEN settings (FetchConfig fields) that decide what a shard holds must be the ones
+    the first fetch recorded (a --config file of that fetch may be passed again)."""
+    defaults = {f.name: f.default for f in fields(FetchConfig)}
+    for name, value in given.items():
+        want = recorded.get(name, defaults[name])
+        if name == "caption_col" and value == "":
+            value = None  # --caption-col '' is "no caption column", recorded as null
+        if isinstance(value, float) and math.isinf(value):
+            value = None  # JSON has no infinity (state.jsonable)
+        if name == "keep_cols":
+            value, want = list(value), list(want)
+        if value != want:
+            flag = "--keep-col" if name == "keep_cols" else "--" + name.replace("_", "-")
+            raise DitdataError(
+                f"--retry-failed refetches with the first fetch's settings: {flag} {value!r} is not the recorded "
+                f"{want!r}; drop it (only --{', --'.join(o.replace('_', '-') for o in OVERRIDABLE)} may change)")
 
 
 def _pack_options(recorded: dict) -> PackOptions:
