@@ -81,9 +81,14 @@ def main():
 
 @main.command()
 @configfile.option()
-@click.argument("source", type=click.Path(exists=True, path_type=str))
+@click.argument("source", required=False, type=click.Path(exists=True, path_type=str))
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Shards folder to write (created; an interrupted fetch into it is resumed).")
+@click.option("--retry-failed", is_flag=True,
+              help="On the --out of a finished URL fetch: refetch only the rows whose latest status is a "
+                   "transient failure (timeout, connection error, HTTP 5xx or 429) into new shards under "
+                   "their keys, with the first fetch's settings (SOURCE and the others may be left out; only "
+                   "--processes, --threads, --timeout, --retries and the distributor may change). Repeatable.")
 @_fetch_opt("--kind", field="kind", type=click.Choice(KINDS),
             help="What SOURCE holds. Default: detected (a URL-list file or folder of them -> urls; "
                  "images with same-stem .txt files -> captions; one folder per class -> classes).")
@@ -131,7 +136,7 @@ def main():
 @_fetch_opt("--overwrite", field="overwrite", is_flag=True,
             help="Delete a previous fetch in --out first instead of resuming it.")
 @_quiet
-def fetch(source, out, quiet, **options):
+def fetch(source, out, retry_failed, quiet, **options):
     """Fetch SOURCE into WebDataset image shards in SHARDS_DIR (--out): NNNNN.tar with
     {key}.jpg, {key}.json (key, source, size, caption or label) and {key}.txt captions,
     NNNNN_stats.json per shard, and dataset.json written last when everything is done.
@@ -149,12 +154,20 @@ def fetch(source, out, quiet, **options):
     are not fetched but counted by reason ("refused URL: file scheme", "refused
     redirect: ftp scheme", ...); a list without any http(s) URL is refused.
 
+    `ditdata fetch --retry-failed --out SHARDS` refetches, in a new pass, the rows of a
+    finished URL fetch whose latest status is a transient failure (timeout, connection
+    error, HTTP 5xx or 429; never a 4xx, a decode error or a refused URL) into new shards
+    under the keys they had, and rewrites dataset.json; repeat it until nothing is left.
+
     \b
     Examples:
       # LAION-style parquet: 256 px centre crops, keep CLIP similarity and safety scores
       ditdata fetch laion_part0.parquet --out ./laion_shards --url-col URL --caption-col TEXT \\
           --image-size 256 --resize-mode center_crop --min-image-size 128 --max-aspect-ratio 2 \\
           --keep-col similarity --keep-col punsafe --keep-col pwatermark --processes 16 --threads 64
+    \b
+      # then refetch the rows that timed out or got a 5xx / 429, with a longer timeout
+      ditdata fetch --retry-failed --out ./laion_shards --timeout 30
     \b
       # ImageNet ILSVRC2012 train (n01440764/..., 1000 classes), originals kept
       ditdata fetch /data/imagenet/train --out ./imagenet_shards --kind classes --processes 8
@@ -168,6 +181,15 @@ def fetch(source, out, quiet, **options):
     from ditdata.fetch import fetch as run_fetch
     from ditdata.fetch import report
 
+    if retry_failed:
+        from ditdata.fetch.retries import retry_failed as run_retry
+
+        given = configfile.given(click.get_current_context()) & set(options)
+        line, _ = run_retry(out, source, **{k: options[k] for k in sorted(given)})
+        click.echo(f"{out}: {line}")
+        return
+    if source is None:
+        raise click.UsageError("Missing argument 'SOURCE'.")
     info = run_fetch(source, out, FetchConfig(**options, progress=not quiet))
     click.echo(f"{out}: {report(info)}")
 

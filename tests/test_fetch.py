@@ -3,6 +3,7 @@ caption folders, the bad-input zoo, and resuming after SIGKILL."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import http.server
@@ -12,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -81,15 +83,23 @@ def run_cli(*args, timeout=180) -> subprocess.CompletedProcess:
 
 
 @contextlib.contextmanager
-def serve(files: dict[str, bytes], settings: dict | None = None, redirects: dict[str, str] | None = None):
+def serve(files: dict, settings: dict | None = None, redirects: dict[str, str] | None = None,
+          requests: dict | None = None):
     """An HTTP server on 127.0.0.1:<free port> serving `files` {path: bytes} (404 for the
     rest) and 302 `redirects` {path: Location}; settings["delay"] seconds per image request
-    slow it down. Yields the base URL."""
+    slow it down. A path may also map to a list of answers, one per request (the last one
+    repeats), each bytes or an HTTP status code; `requests` (a Counter) counts the requests
+    per path. Yields the base URL."""
     settings = {"delay": 0.0} if settings is None else settings
     redirects = redirects or {}
+    requests = collections.Counter() if requests is None else requests
+    lock = threading.Lock()
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
+            with lock:
+                n = requests[self.path]
+                requests[self.path] += 1
             if self.path in redirects:
                 self.send_response(302)
                 self.send_header("Location", redirects[self.path])
@@ -97,8 +107,10 @@ def serve(files: dict[str, bytes], settings: dict | None = None, redirects: dict
                 self.end_headers()
                 return
             body = files.get(self.path)
-            if body is None:
-                self.send_error(404, "Not Found")
+            if isinstance(body, list):
+                body = body[min(n, len(body) - 1)]
+            if body is None or isinstance(body, int):
+                self.send_error(body or 404)
                 return
             time.sleep(settings["delay"])
             self.send_response(200)

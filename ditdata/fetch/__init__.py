@@ -9,6 +9,8 @@ Two engines, one output, one module each:
                      multiprocessing, pyspark or ray distributor (distributors.py)
     folders.py       folders packed here by worker processes, one shard each
     state.py         what both record beside the shards: .fetch_state, dataset.json
+    ledger.py        a URL fetch's rows at their latest status, transient or permanent failures
+    retries.py       --retry-failed: those transient failures refetched into new shards
 
 This module is the entry point: `fetch()` checks the settings, detects the kind of
 source, takes the output folder's lock and hands over to one engine.

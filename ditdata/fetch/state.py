@@ -26,6 +26,8 @@ from ditdata.images import DEFAULT_MAX_PIXELS
 
 STATE = shards.FETCH_STATE
 URL_COPIES = ".urls"  # the screened copies of a URL list that img2dataset reads
+RETRY_RECORD = ".fetch_retries"  # --retry-failed: the fetch's options and passes (ditdata/fetch/retries.py)
+RETRY_SCRATCH = ".retry"  # --retry-failed: img2dataset's output while a pass downloads
 _SHARD_FILE = re.compile(r"^\d{5,}(\.tar|_stats\.json|\.parquet)$")  # what a fetch writes per shard
 
 
@@ -91,8 +93,8 @@ def clear_previous(out: Path) -> None:
     for q in out.iterdir():
         if q.name == LOCK_FILE:
             continue
-        if (_SHARD_FILE.match(q.name) or q.name in (shards.DATASET_INFO, STATE) or shards.is_tmp(q)
-                or (q.name in ("_tmp", URL_COPIES) and q.is_dir())):
+        if (_SHARD_FILE.match(q.name) or q.name in (shards.DATASET_INFO, STATE, RETRY_RECORD) or shards.is_tmp(q)
+                or (q.name in ("_tmp", URL_COPIES, RETRY_SCRATCH) and q.is_dir())):
             known.append(q)
         else:
             strangers.append(q.name)

@@ -33,8 +33,15 @@ from ditdata.common.extras import missing_extra
 from ditdata.common.files import read_json
 from ditdata.config import FetchConfig
 from ditdata.errors import DitdataError
-from ditdata.fetch import distributors, urls
-from ditdata.fetch.state import URL_COPIES, PackOptions, check_state, jsonable, write_dataset_info
+from ditdata.fetch import distributors, ledger, urls
+from ditdata.fetch.state import (
+    RETRY_RECORD,
+    URL_COPIES,
+    PackOptions,
+    check_state,
+    jsonable,
+    write_dataset_info,
+)
 
 URL_LIST_FORMATS = ("parquet", "csv", "tsv", "jsonl", "json", "txt")  # (+ .gz except parquet)
 URL_COLUMNS = ("url", "URL", "image_url", "img_url", "link")
@@ -82,7 +89,7 @@ def fetch_urls(src: Path, out: Path, opts: PackOptions, cfg: FetchConfig) -> dic
             print(f"note: {refused.total()} of {sum(counts)} rows are not http(s) URLs and are not fetched "
                   f"({urls.describe(refused)}); they are counted as refused in the summary", file=sys.stderr)
         lists = _screened_copies(out, files, fmt, [url_col, caption_col, *keep_cols], url_col)
-        _run_img2dataset(lists, out, opts, cfg, url_col=url_col, caption_col=caption_col)
+        run_img2dataset(lists, out, opts, cfg, url_col=url_col, caption_col=caption_col)
     stats = shards.read_shard_stats(out)
     missing = [i for i in range(num_shards) if i not in stats]
     if missing:
@@ -91,14 +98,16 @@ def fetch_urls(src: Path, out: Path, opts: PackOptions, cfg: FetchConfig) -> dic
             "rerun the same command to retry them"
         )
     _remove_tree(out / URL_COPIES)  # only needed while shards are left to download
-    summary = shards.summarize_stats(stats)
+    summary, extra = shards.summarize_stats(stats), {}
+    if max(stats) >= num_shards:  # `--retry-failed` passes added shards: count each row at its latest status
+        summary, extra = ledger.summary(ledger.latest(out, stats)), {"retries": read_json(out / RETRY_RECORD)["passes"]}
     summary["duration_s"] = round(time.time() - t0, 3)
     options = {
         **asdict(opts), "kind": "urls", "processes": cfg.processes, "threads": cfg.threads, "url_col": url_col,
         "caption_col": caption_col, "keep_cols": keep_cols, "distributor": cfg.distributor,
         "timeout": cfg.timeout, "retries": cfg.retries, "input_format": fmt,
     }
-    return write_dataset_info(out, "urls", src, num_shards, summary, options, {})
+    return write_dataset_info(out, "urls", src, len(stats), summary, options, extra)
 
 
 def _drop_torn_shards(out: Path) -> None:
@@ -175,7 +184,7 @@ _SAME_NAME_PACK = ("image_size", "resize_mode", "min_image_size", "max_aspect_ra
 _SAME_NAME_FETCH = ("distributor", "timeout", "retries")
 
 
-def _run_img2dataset(lists: Path, out, opts: PackOptions, cfg: FetchConfig, *, url_col, caption_col) -> None:
+def run_img2dataset(lists: Path, out, opts: PackOptions, cfg: FetchConfig, *, url_col, caption_col) -> None:
     distributors.check(cfg)  # before img2dataset's imports: a missing Java fails at once
     os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
     # img2dataset decodes with OpenCV, whose own limit is 2**30 pixels; the spawned
