@@ -190,6 +190,9 @@ def _opt(*names, field, **kw):
 @_opt("--tf32/--no-tf32", field="tf32")
 @_opt("--loader", field="loader", type=click.Choice(config.LOADERS),
       help="auto: keep the store in RAM when it fits, else stream it.")
+@_opt("--bucket-remainder", field="bucket_remainder", type=click.Choice(config.BUCKET_REMAINDERS),
+      help="A bucketed store (ditdata encode --buckets): each bucket's last partial batch of an epoch, pad "
+           "(filled with repeats of the bucket's samples: every sample seen every epoch) or drop.")
 @_opt("--resident-device", field="resident_device", type=click.Choice(config.RESIDENT_DEVICES),
       help="Where a resident store lives (cuda: on the GPU, no host-to-device copies).")
 @_opt("--workers", field="workers", type=click.IntRange(min=0), help="Streaming loader processes.")
@@ -398,6 +401,9 @@ plan_cmd.params[:0] = [aliased(p, "--steps") if p.name == "max_steps" else p for
 @click.option("--sampler", type=click.Choice(config.SAMPLERS), default=None,
               help="Default: ddpm for the ddpm objective, euler for flow (dittrain.diffusion.SAMPLER_TABLE).")
 @click.option("--seed", default=_SAMPLE.seed, show_default=True, type=int)
+@click.option("--size", default=None, metavar="WxH",
+              help="A run trained on a bucketed store (ditdata encode --buckets): sample at this bucket's size in "
+                   "pixels, e.g. 352x176 (default: its square bucket, else its most populated one).")
 @_sampling_options("Samples per forward pass (CFG doubles it).")
 @click.option("--latents", type=click.Path(file_okay=False, path_type=str), default=None,
               help="The latent store, if not at the path the run recorded (e.g. moved).")
@@ -414,7 +420,7 @@ plan_cmd.params[:0] = [aliased(p, "--steps") if p.name == "max_steps" else p for
 @quiet_option
 def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow, cfg_scale, cfg_channels, steps,
                sampler, seed, device, batch_size, precision, latents, vae, model, text_pretrained,
-               grid_scale, npz, chunk_size, overwrite, engine, onnx_file):
+               grid_scale, npz, chunk_size, overwrite, engine, onnx_file, size):
     """Sample a trained run with classifier-free guidance; write a PNG grid and every sample.
 
     Decodes with the autoencoder named in the store's manifest. Same --seed (and
@@ -436,6 +442,7 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
       dittrain sample --ckpt runs/t2i --prompt "a red fox in snow" --n 8 --out fox.png
       dittrain sample --ckpt DiT-XL-2-256x256.pt --vae sd-vae-ft-ema --class 207 --out panda.png
       dittrain sample --engine onnx --onnx dit.onnx --class 207 --out grid.png   (dittrain export)
+      dittrain sample --ckpt runs/buckets --size 352x176 --n 8 --out wide.png   (a bucketed store's run)
 
     \b
     Evaluation samples (--npz; the ADM evaluator's file, `dittrain eval` reads it):
@@ -448,6 +455,9 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
     from dittrain.config import SampleConfig
     from dittrain.sample import sample_to_files
 
+    if size is not None and (npz is not None or engine == "onnx"):
+        raise click.ClickException(f"--size {size}: {'--npz' if npz is not None else '--engine onnx'} samples at the "
+                                   "run's default size only; leave out --size (or sample PNGs with the torch engine)")
     drawer = _sample_engine(engine, onnx_file, ckpt, npz, latents=latents, vae=vae, model=model)
     if npz is not None:
         from dittrain.npz import sample_to_npz
@@ -471,7 +481,7 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
                             batch_size=batch_size, precision=precision, cfg_channels=cfg_channels)
     sample_to_files(drawer, out, classes=classes, prompts=prompts, n=n, n_per_class=n_per_class,
                     per_class_dir=per_class_dir, nrow=nrow, settings=settings, device=device,
-                    text_pretrained=text_pretrained, grid_scale=grid_scale, log=_say)
+                    text_pretrained=text_pretrained, grid_scale=grid_scale, size=size, log=_say)
 
 
 def _sample_engine(engine: str, onnx_file, ckpt, npz, *, latents, vae, model):

@@ -17,6 +17,11 @@ and random class labels from a separate generator with the same seed. So a seed 
 same images on every run with the same --batch-size and device; the deterministic samplers
 (ddim, euler, heun) do not depend on --batch-size either.
 
+Sizes: a run trained on a bucketed store (ditdata encode --buckets) samples at any of its
+buckets' sizes (size="WxH" in pixels, `dittrain sample --size`; run_sizes lists them, the run
+config's store.buckets); the default is the bucket whose latents are the model's square input
+(else the most populated one). A run on a plain store samples at its one size, as ever.
+
 One pass checks and plans: plan_samples turns the run's config, its store and the user's
 choices into a frozen SamplePlan (conditions per sample, layout, sampler, device, precision)
 before any weights or encoders load (|--cfg| <= MAX_CFG_SCALE); run_plan draws it and
@@ -255,6 +260,14 @@ class SamplePlan:
     nrow: int = 1
     rows_per_class: bool = False  # the layout: a grid row per class or prompt (else flat)
     latents: dict | None = None  # the run's "latents" record (dittrain.latents): undone before decoding
+    grid: tuple[int, int] | None = None  # (H, W) of the sampled latents; None: the model's square input
+    size: str | None = None  # a bucketed run: the bucket sampled ("WxH" px)
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of each sampled latent."""
+        h, w = self.grid or (self.model.input_size, self.model.input_size)
+        return self.model.in_channels, h, w
 
     @property
     def guide(self) -> bool:
@@ -266,7 +279,8 @@ class SamplePlan:
         guidance = f", cfg {s.cfg_scale:g}" if self.kind != "none" else ""
         if guidance and s.cfg_channels:
             guidance += f" on the first {s.cfg_channels} channels"
-        return (f"sampling {self.total} image{many} with {self.name} ({self.diffusion.objective}, {s.sampler}, "
+        size = f" at {self.size} px" if self.size else ""
+        return (f"sampling {self.total} image{many}{size} with {self.name} ({self.diffusion.objective}, {s.sampler}, "
                 f"{s.steps} steps{guidance}) on {self.device}, seed {s.seed}")
 
     def record(self) -> dict:
@@ -275,7 +289,8 @@ class SamplePlan:
         return {"model": self.name, "objective": self.diffusion.objective, "sampler": s.sampler,
                 "steps": s.steps, "cfg_scale": s.cfg_scale if self.kind != "none" else None,
                 "cfg_channels": s.cfg_channels or None, "seed": s.seed,
-                "batch_size": s.batch_size, "layout": "row per class" if self.rows_per_class else "flat"}
+                "batch_size": s.batch_size, "layout": "row per class" if self.rows_per_class else "flat",
+                **({"size": self.size} if self.size else {})}
 
 
 _IS = {"class": "class-conditional (use --class)", "text": "text-conditioned (use --prompt)",
@@ -336,10 +351,46 @@ def _text_inputs(text: dict, cfg: DiTConfig) -> dict[str, torch.Tensor]:
     return {k: torch.as_tensor(text[k]) for k in keys}
 
 
+def run_sizes(config: dict) -> list[dict]:
+    """A bucketed run's buckets as its config records them ({"name": "WxH", "size": [W, H],
+    "latent_shape": [C, h, w], "num_samples"}), sorted by name; [] for a run on a plain store."""
+    return sorted((config.get("store") or {}).get("buckets") or [], key=lambda b: b["name"])
+
+
+def default_size(config: dict, cfg: DiTConfig) -> str | None:
+    """The bucket sampled without --size: the one of the model's square input, else the most
+    populated (the top manifest's choice); None for a plain run."""
+    buckets = run_sizes(config)
+    if not buckets:
+        return None
+    square = [b for b in buckets if b["latent_shape"][1:] == [cfg.input_size, cfg.input_size]]
+    return (square or sorted(buckets, key=lambda b: -b["num_samples"]))[0]["name"]
+
+
+def choose_size(config: dict, cfg: DiTConfig, size: str | None) -> tuple[str | None, tuple[int, int] | None]:
+    """(bucket name, latent (H, W)) to sample at: `size` ("WxH" px, e.g. "352x176"), or the
+    default; (None, None) for a plain run without --size. SampleError (one line, listing the
+    sizes) for a size that is not one of the run's buckets."""
+    buckets = run_sizes(config)
+    given = None if size is None else str(size).strip().lower().replace(" ", "")
+    if given is not None and not buckets:
+        raise SampleError(f"--size {size}: this run was trained on a store without aspect-ratio buckets, so it samples "
+                          "at its own size only; leave out --size")
+    name = given or default_size(config, cfg)
+    if name is None:
+        return None, None
+    chosen = next((b for b in buckets if b["name"] == name), None)
+    if chosen is None:
+        raise SampleError(f"--size {size}: not a bucket of this run's store; choose one of "
+                          f"{', '.join(b['name'] for b in buckets)} (WxH pixels)")
+    _, h, w = chosen["latent_shape"]
+    return chosen["name"], (h, w)
+
+
 def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiTConfig | None = None,
                  device="auto", classes=(), prompts=(), text: dict | None = None, n: int | None = None,
                  n_per_class: int | None = None, per_class_dir: bool = False,
-                 nrow: int | None = None) -> SamplePlan:
+                 nrow: int | None = None, size: str | None = None) -> SamplePlan:
     """Check a sampling call and decide all it draws; SampleError on the first problem.
 
     config: the run's resolved config (model: its DiTConfig, when the caller holds the DiT).
@@ -348,8 +399,10 @@ def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiT
     n_per_class = K: K samples of each class (default: all) or prompt, a grid row each.
     text: a text model's embeddings {field: (N, ...)}, one sample each, instead of prompts.
     per_class_dir: the singles in a folder per class or prompt in the flat layout too.
-    nrow: images per grid row (default: K in rows, else ceil(sqrt(samples)))."""
+    nrow: images per grid row (default: K in rows, else ceil(sqrt(samples))).
+    size: a bucketed run's bucket to sample at ("WxH" px; choose_size; None: the default)."""
     cfg = model or model_config(config)
+    bucket, grid = choose_size(config, cfg, size)
     diffusion, kind = diffusion_config(config), conditioning_kind(cfg)
     _check_choices(kind, settings, classes=classes, prompts=prompts, text=text, n=n, n_per_class=n_per_class,
                    nrow=nrow)
@@ -381,7 +434,7 @@ def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiT
         groups=_tuple(picks) if n_per_class is not None or per_class_dir else None,
         records=tuple(records) or tuple({} for _ in range(total)),
         nrow=nrow or n_per_class or _square(total), rows_per_class=n_per_class is not None,
-        latents=config.get("latents"),
+        latents=config.get("latents"), grid=grid, size=bucket,
     )
 
 
@@ -415,10 +468,9 @@ def run_plan(model, plan: SamplePlan, store, *, autoencoder=None, text_encoder=N
     `vae`): (N, H, W, 3) uint8. Prompts are embedded with `text_encoder` or the store's.
     NonFiniteSamples (a SampleError) when a batch's latents or images hold NaN or inf."""
     cond, empty = _conditions(plan, store, text_encoder=text_encoder, text_pretrained=text_pretrained)
-    cfg, s, dev = plan.model, plan.settings, plan.device
+    s, dev = plan.settings, plan.device
     generator = torch.Generator().manual_seed(s.seed)
-    noise = torch.randn((plan.total, cfg.in_channels, cfg.input_size, cfg.input_size),
-                        generator=generator)  # all first: batch-size independent
+    noise = torch.randn((plan.total, *plan.latent_shape), generator=generator)  # all first: batch-size independent
     if autoencoder is None:
         autoencoder = load_autoencoder(store, dev, vae)
     diffusion = Diffusion(plan.diffusion)
@@ -637,6 +689,7 @@ def sample_to_files(
     device="auto",
     text_pretrained: str | None = None,
     grid_scale: int = 1,
+    size: str | None = None,
     log=print,
 ) -> dict:
     """The `dittrain sample` command: open, plan, sample, write, report.
@@ -648,11 +701,12 @@ def sample_to_files(
     (classes drawn at random with the seed when none are given); nrow = ceil(sqrt(n)).
     Row layout (n_per_class = K): one row of K samples per class (default: all classes)
     or per prompt, singles under SINGLES/<class or prompt index>/ (as per_class_dir).
-    settings: cfg scale, steps, sampler, seed, batch size and precision (SampleConfig)."""
+    settings: cfg scale, steps, sampler, seed, batch size and precision (SampleConfig).
+    size: a bucketed run's bucket ("WxH" px; plan_samples)."""
     check_output(out)
     config, store, note = engine.open(device)
     plan = plan_samples(config, store, settings, device=device, classes=classes, prompts=list(prompts), n=n,
-                        n_per_class=n_per_class, per_class_dir=per_class_dir, nrow=nrow)
+                        n_per_class=n_per_class, per_class_dir=per_class_dir, nrow=nrow, size=size)
     if note:
         log(note)
     log(plan.describe())
@@ -686,7 +740,7 @@ def _report(result: dict, images: np.ndarray, plan: SamplePlan, log) -> None:
 
 __all__ = [
     "CLASS_MODES", "MAX_CFG_SCALE", "NonFiniteSamples", "SamplePlan", "balanced_labels", "check_finite",
-    "check_sampler", "class_mode", "embed_prompts",
+    "check_sampler", "choose_size", "class_mode", "default_size", "embed_prompts", "run_sizes",
     "make_grid", "output_paths", "parse_classes",
     "pick_labels", "plan_samples", "run_plan", "sample_images", "sample_to_files", "save_png", "store_text",
     "write_samples", "write_training_grid",
