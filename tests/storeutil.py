@@ -12,7 +12,8 @@ shard comes from a data generator `data(schema, index, n) -> (tensors, columns)`
 
 `make_store` (class-conditioned pixels store for `dittrain run`) and `tiny_store` (one
 shard, pixels/TAEF2/any autoencoder, class/text/no conditioning, for `dittrain sample`)
-are the two ready-made stores. The pixels autoencoder's latent is the image in [-1, 1],
+are the two ready-made stores; `bucketed_store` writes a pixels store of aspect-ratio
+buckets ({(W, H): n}, class or text conditioning, flips) for the bucketed loader. The pixels autoencoder's latent is the image in [-1, 1],
 so its stores decode to PNGs without any weights.
 
 The loader tests' helpers: `new_loader` (a resident or streaming dittrain.data loader over a
@@ -202,6 +203,70 @@ def tiny_store(root: Path, *, shape=(3, 16, 16), vae: dict | None = None, condit
     adds text fields and captions instead of labels."""
     sch = schema(shape=shape, flip=False, text=text or False, columns=CAPTIONED if text else LABELLED)
     write_store(root, sch, [n], info=pixels_info(shape[1], conditioning, vae=vae), data=tiny_data(seed))
+    return root
+
+
+# ----------------------------------------------------------------------------- bucketed stores
+
+def text_conditioning(pooled: int = 16, tokens=None) -> dict:
+    """A stand-in text encoder's conditioning: the empty caption all zeros."""
+    from ditdata.store import encode_array
+
+    empty = {"text_pooled": encode_array(np.zeros(pooled, np.float16))}
+    if tokens:
+        empty |= {"text_tokens": encode_array(np.zeros(tokens, np.float16)),
+                  "text_mask": encode_array(np.ones(tokens[0], bool))}
+    return {"type": "text", "text": {"model": "stand-in", "pretrained": None, "encoder": "stand-in",
+                                     "pooled_dim": pooled, "tokens_shape": list(tokens) if tokens else None,
+                                     "empty": empty}}
+
+
+def bucket_data(seed: int, name: str):
+    """Generator of a bucket's shards: latents ~ N(0, 0.5^2) with true mirror flips, labels in
+    0..2 (LABELLED) or captions "NAME caption i" (CAPTIONED), standard-normal text fields and
+    all-true masks, keys NAME/SHARD-i (unique across the buckets); one RNG per (seed, bucket)."""
+    rng = np.random.default_rng([seed, *map(ord, name)])
+
+    def data(sch: Schema, index: int, n: int) -> tuple[dict, dict]:
+        x = rng.standard_normal((n, *sch.tensors["latent"].shape)).astype(np.float32) * 0.5
+        tensors = {"latent": x, "latent_flip": x[..., ::-1]}
+        for field, spec in sch.tensors.items():
+            if spec.dtype == "bool":
+                tensors[field] = np.ones((n, *spec.shape), dtype=bool)
+            elif field.startswith("text"):
+                tensors[field] = rng.standard_normal((n, *spec.shape))
+        tensors = {f: _cast(tensors[f], spec.dtype) for f, spec in sch.tensors.items()}
+        columns = {"key": [f"{name}/{index}-{i}" for i in range(n)]}
+        if "caption" in sch.columns:
+            columns["caption"] = [f"{name} caption {i}" for i in range(n)]
+        else:
+            columns["label"] = rng.integers(0, 3, n).tolist()
+        return tensors, columns
+
+    return data
+
+
+def bucketed_store(root: Path, sizes: dict, *, text: dict | None = None, flip: bool = True, shards: int = 1,
+                   area: int | None = None, step: int | None = None, seed: int = 0, backend: str = "zarr") -> Path:
+    """A bucketed pixels store (latents (3, H, W)): bucket "WxH" holds n bucket_data samples
+    for each (W, H): n of `sizes`, in `shards` shards (as even as can be); class-conditioned
+    over a, b, c, or text-conditioned ({"pooled": D, "tokens": (L, W) or None}: text fields,
+    captions, text_conditioning). area defaults to the side of the largest bucket's area,
+    step to the sides' greatest common divisor."""
+    import math
+
+    from ditdata.store import bucket_name, finalize_buckets
+
+    cond = text_conditioning(text["pooled"], text.get("tokens")) if text else class_conditioning(["a", "b", "c"])
+    area = area or math.isqrt(max(w * h for w, h in sizes))
+    step = step or math.gcd(*(side for size in sizes for side in size))
+    info = pixels_info(area, cond)
+    for (w, h), n in sizes.items():
+        sch = schema(shape=(3, h, w), flip=flip, text=text or False, columns=CAPTIONED if text else LABELLED)
+        counts = [n // shards + (i < n % shards) for i in range(shards)]
+        write_store(root / "buckets" / bucket_name((w, h)), sch, counts, backend=backend, info=info,
+                    data=bucket_data(seed, bucket_name((w, h))))
+    finalize_buckets(root, info, area=area, step=step, created_at=CREATED_AT)
     return root
 
 

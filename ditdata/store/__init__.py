@@ -9,6 +9,16 @@ formats (a table of Backend classes with capability flags), reader.py for readin
 store, remote.py for a store at a URL, open.py for opening either, and features.py for the
 feature sets (representation targets, row for row) a store can hold beside its latents.
 
+A bucketed store (`ditdata encode --buckets`, aspect-ratio buckets) is a directory of plain
+stores, one per bucket size, under a top manifest (buckets.py):
+
+    STORE/manifest.json        top manifest, written last: counts, stats, "buckets" section
+    STORE/buckets/WxH/         a plain store (manifest.json, config.json, shards/) whose
+                               latents are all (C, H/f, W/f)
+
+`open_store` opens either; `store.buckets` is () for a plain store and the Buckets (each
+with its plain `.store`) of a bucketed one, whose top reads no samples itself.
+
 The package holds the contract and nothing else; what both command-line tools share
 (atomic files, locks, devices, one-line errors, sizes) is in ditdata.common. Names are
 imported on first use, so importing the package does not pay for numpy.
@@ -33,6 +43,8 @@ _EXPORTS = {
     "FeatureSet": "features", "FeatureWriter": "features", "FeaturedStore": "features",
     "open_features": "features", "feature_sets": "features", "quantize": "features", "dequantize": "features",
     "RemoteStore": "remote", "parse_size": "remote",
+    "Bucket": "buckets", "BucketedStore": "buckets", "finalize_buckets": "buckets", "bucket_name": "buckets",
+    "parse_bucket_name": "buckets",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -21,6 +21,15 @@ Layout (format_version 1)::
                      [{"name", "shard", "reason", "samples_lost"}]
     features         only once feature sets were added (ditdata features; features.py):
                      {SET: {"path", "identity", "tokens", "dims", "dtype", "encoder"}}
+    buckets          only in the TOP manifest of a bucketed store (ditdata encode --buckets;
+                     buckets.py), whose `shards` is [] and whose buckets/WxH/ directories are
+                     plain stores of one latent shape each:
+                     {"area": AREA, "step": STEP, "cropped_beyond_step": N,
+                      "list": [{"name": "WxH", "size": [W, H], "latent_shape": [C, h, w],
+                                "num_samples", "path": "buckets/WxH", "identity"}, ...]}
+                     num_samples and stats are over every bucket; latent and fields describe
+                     the square bucket (else the most populated one). The bucket identities
+                     make identity() of the top manifest cover every bucket.
 
 ARRAY is {"dtype", "shape", "base64"}: exact, compact, and still JSON.
 The latents in a store are already scaled, z = (x - shift_factor) * scaling_factor,
@@ -53,6 +62,9 @@ REQUIRED_KEYS = (
 SHARD_KEYS = ("name", "path", "num_samples", "checksum", "files")
 # A feature set's manifest (features.py has its layout).
 FEATURES_KIND = "features"
+# The section (and directory) of a bucketed store's buckets (buckets.py).
+BUCKETS = "buckets"
+BUCKET_KEYS = ("name", "size", "latent_shape", "num_samples", "path", "identity")
 FEATURE_KEYS = ("format_version", "kind", "name", "backend", "num_samples", "fields", "store", "encoder",
                 "storage", "shards", "provenance")
 
@@ -256,9 +268,35 @@ def check_shards(m: dict, path) -> None:
     if not isinstance(skipped, list) or not all(isinstance(x, dict) and "name" in x for x in skipped):
         raise StoreError(f"{path}: skipped_shards must be a list of shard records")
     _need(path, _count(m["num_samples"]), "num_samples must be a non-negative integer")
-    total = sum(s["num_samples"] for s in m["shards"])
+    parts, held = "shards", m["shards"]
+    if BUCKETS in m:
+        _need(path, not m["shards"], "shards must be [] in a bucketed store (its buckets hold them)")
+        parts, held = "buckets", _bucket_entries(m[BUCKETS], path)
+    total = sum(s["num_samples"] for s in held)
     if total != m["num_samples"]:
-        raise StoreError(f"{path}: num_samples is {m['num_samples']} but the shards hold {total}")
+        raise StoreError(f"{path}: num_samples is {m['num_samples']} but the {parts} hold {total}")
+
+
+def _bucket_entries(b, path) -> list[dict]:
+    """The checked list of a top manifest's buckets section: names "WxH" matching sizes,
+    each once, positive latent shapes, paths inside the store."""
+    _need(path, isinstance(b, dict) and all(_count(b.get(k)) and b[k] > 0 for k in ("area", "step"))
+          and _count(b.get("cropped_beyond_step")) and isinstance(b.get("list"), list) and b["list"],
+          "buckets must be {area, step (positive integers), cropped_beyond_step, list (not empty)}")
+    seen = set()
+    for i, e in enumerate(b["list"]):
+        ok = (isinstance(e, dict) and all(k in e for k in BUCKET_KEYS) and isinstance(e["name"], str)
+              and _sizes(e["size"], 2) and e["name"] == f"{e['size'][0]}x{e['size'][1]}"
+              and _sizes(e["latent_shape"], 3) and _count(e["num_samples"]) and _inside(e["path"])
+              and isinstance(e["identity"], str) and e["name"] not in seen)
+        _need(path, ok, f"buckets.list #{i} must be {{name 'WxH' (once), size [W, H], latent_shape [C, h, w], "
+                        "num_samples, path, identity}")
+        seen.add(e["name"])
+    return b["list"]
+
+
+def _sizes(v, n: int) -> bool:
+    return isinstance(v, list) and len(v) == n and all(_count(x) and x > 0 for x in v)
 
 
 def _count(v) -> bool:

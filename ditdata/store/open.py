@@ -4,6 +4,7 @@ and the remote store builds on it."""
 
 from __future__ import annotations
 
+from .buckets import open_local
 from .reader import Store
 
 
@@ -13,7 +14,7 @@ def is_url(root) -> bool:
 
 
 def open_store(root, *, verify: bool = False, features: str | None = None, **remote) -> Store:
-    """The store at `root`: a directory, or a URL (s3://, gs://, http(s)://, ...) read through
+    """The store at `root`: a directory (a bucketed one: buckets.BucketedStore), or a URL (s3://, gs://, http(s)://, ...) read through
     a local cache (remote.RemoteStore; `remote` holds its cache_dir, cache_limit, storage_options).
     features: the name of one of its feature sets, read with it (features.FeaturedStore)."""
     if is_url(root):
@@ -21,7 +22,7 @@ def open_store(root, *, verify: bool = False, features: str | None = None, **rem
 
         store = RemoteStore(root, verify=verify, **remote)
     else:
-        store = Store(root, verify=verify)
+        store = open_local(root, verify=verify)
     if features:
         from .features import FeaturedStore, open_features
 

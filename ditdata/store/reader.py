@@ -75,23 +75,34 @@ class Shard:
 class Store:
     url: str | None = None  # where a store read from object storage lives (remote.RemoteStore)
     schema_class = Schema  # what its manifest's fields are (a feature set: FeatureSchema)
+    buckets_top = False  # whether it reads a bucketed store's top manifest (buckets.BucketedStore)
+    buckets: tuple = ()  # a plain store has no aspect-ratio buckets (buckets.BucketedStore has)
 
     def __init__(self, root, *, verify: bool = False):
         self.root = Path(root)
         self._load(manifest.load(self.root), verify)
 
     @classmethod
+    def from_manifest(cls, root, m: dict, *, verify: bool = False) -> Store:
+        """The store at `root` whose (validated) manifest `m` has already been read."""
+        store = cls.__new__(cls)
+        store.root = Path(root)
+        store._load(m, verify)
+        return store
+
+    @classmethod
     def being_written(cls, root, config: dict, records: list[dict]) -> Store:
         """A store whose manifest is not written yet, holding the finished shards `records`
         (their records, as the writer wrote them) made with `config` (the writer's config):
         what a feature set written in the same pass as the latents is checked against."""
-        store = cls.__new__(cls)
-        store.root = Path(root)
-        store._load({"backend": config["backend"], "fields": config["fields"],
-                     "num_samples": sum(r["num_samples"] for r in records), "shards": list(records)}, verify=False)
-        return store
+        return cls.from_manifest(root, {"backend": config["backend"], "fields": config["fields"],
+                                        "num_samples": sum(r["num_samples"] for r in records),
+                                        "shards": list(records)})
 
     def _load(self, m: dict, verify: bool) -> None:
+        if manifest.BUCKETS in m and not self.buckets_top:
+            raise StoreError(f"{self.location}: a bucketed store (aspect-ratio buckets), which this reader cannot "
+                             "open; open it with ditdata.store.open_store (a local directory) and read its buckets")
         self.manifest = m
         self.schema = self.schema_class.from_json(self.manifest["fields"])
         self.backend = get_backend(self.manifest["backend"])
@@ -109,6 +120,10 @@ class Store:
 
     # -- description -----------------------------------------------------------------
     def __len__(self) -> int:
+        return self.manifest["num_samples"]
+
+    @property
+    def num_samples(self) -> int:
         return self.manifest["num_samples"]
 
     @property
