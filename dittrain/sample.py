@@ -648,7 +648,10 @@ def kept_autoencoder(store, device: torch.device):
 
 
 def store_text(store, n: int) -> dict[str, torch.Tensor]:
-    """The text embeddings of the store's first n samples (for grids without a text encoder)."""
+    """The text embeddings of the store's first n samples (for grids without a text encoder);
+    of a bucketed store, its most populated bucket's (captions do not depend on the size)."""
+    if store.buckets:
+        store = max(store.buckets, key=lambda b: b.num_samples).store
     fields_ = [f for f in TEXT_FIELDS if f in store.schema.tensors]
     if not fields_ or not store.shards:
         raise SampleError(f"{store.root}: the store holds no text embeddings")
