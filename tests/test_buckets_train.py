@@ -249,9 +249,8 @@ def test_sample_at_two_bucket_sizes_and_refuse_others(bucket_run, tmp_path):
 
 
 def test_size_on_a_plain_run_is_refused(tmp_path):
-    from test_sample import make_run
-
     from storeutil import tiny_store
+    from test_sample import make_run
 
     run = make_run(tmp_path / "run", tiny_store(tmp_path / "store"))
     line = one_error_line(dittrain("sample", "--ckpt", run, "--size", "16x16", "--out", tmp_path / "x.png").output)
