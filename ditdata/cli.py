@@ -354,6 +354,12 @@ def verify(store, cache_dir, cache_limit, quiet):
                   "`dittrain run` standardises them per channel (--latent-norm auto).")
 @_encode_opt("--resolution", field="resolution", type=click.IntRange(min=1),
              help="Square crop size in pixels (ADM rule: resize short side, center crop).")
+@_encode_opt("--buckets", field="buckets", metavar="AREA[:STEP]",
+             help="Aspect-ratio buckets instead of the square crop (--resolution is then unused): sizes W x H of "
+                  "about AREA^2 pixels, sides multiples of STEP (default: the autoencoder's downsample factor x 2), "
+                  "ratios 1:2 to 2:1. Each image goes to the bucket nearest its aspect ratio, resized to cover it "
+                  "and centre-cropped by at most STEP pixels; one store per bucket under STORE/buckets/WxH. "
+                  "E.g. 256 or 512:32.")
 @_encode_opt("--backend", field="backend", type=click.Choice(BACKENDS))
 @_encode_opt("--flip/--no-flip", field="flip", help="Also store the latent of the horizontally flipped image.")
 @_encode_opt("--posterior", field="posterior", type=click.Choice(POSTERIORS),
@@ -403,6 +409,11 @@ def encode(shards, out, quiet, **options):
     fp16 overflow) are skipped and counted by reason. A folder of tars written by another
     tool (no dataset.json) is read as it is.
 
+    With --buckets AREA[:STEP] the store is bucketed: every image keeps (nearly) its
+    aspect ratio, in the bucket whose shape is nearest it; each input shard becomes at most
+    one shard per bucket (named after it), and the top manifest, written last, lists the
+    buckets with their counts (`ditdata inspect STORE` shows the histogram).
+
     With --features ENCODER the feature set of `ditdata features` is made in the same
     pass, from the same cropped images: each feature shard is written right after its
     latent shard with exactly its rows; shards encoded before (or by a killed run) get
@@ -412,6 +423,7 @@ def encode(shards, out, quiet, **options):
     Examples:
       ditdata encode ./imagenet-shards --vae sd-vae-ft-ema --resolution 256 --flip --out ./store
       ditdata encode ./imagenet-shards --vae sd-vae-ft-ema --flip --features dinov2-vitb14 --out ./store
+      ditdata encode ./laion-shards --vae sdxl-vae --buckets 512 --flip --out ./store
       ditdata encode ./laion-shards --vae sdxl-vae --select keep.parquet \\
           --text-encoder ViT-B-32 --text-pretrained laion2b_s34b_b79k --out ./store
       torchrun --standalone --nproc_per_node 8 -m ditdata.cli encode ./shards --vae taef2 --out ./store

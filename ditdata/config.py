@@ -78,6 +78,7 @@ class EncodeConfig:
     vae: str = "sd-vae-ft-ema"  # a preset, ldm:CHECKPOINT, a directory or a cached hub id (ditdata.vae)
     vae_config: str | None = None  # the LDM config (yaml) of --vae ldm:CHECKPOINT (ditdata.ldm)
     resolution: int = 256
+    buckets: str | None = None  # "AREA[:STEP]": aspect-ratio buckets instead of the square crop (ditdata.buckets)
     backend: str = DEFAULT_BACKEND  # one of ditdata.store.defaults.BACKENDS
     flip: bool = False
     posterior: str = "sample"  # one of POSTERIORS: one frozen draw, or mean and std (fresh draws in training)

@@ -13,6 +13,12 @@ manifest once every shard exists.
 Resumable and idempotent: the store writer publishes each shard atomically and skips
 finished ones, so a rerun after a kill encodes only the missing shards.
 
+With `buckets` (--buckets AREA[:STEP]) each image goes to the aspect-ratio bucket nearest
+its shape (ditdata.buckets; the cover crop instead of the square one), a worker's batches
+hold one bucket each, and every input shard becomes at most one shard per bucket store,
+then its record (ditdata.bucketwriter, which also makes reruns skip finished input shards
+and discard what a killed run left of the others); the top manifest is written last.
+
 With `features` (--features NAME) a feature set is made in the same pass: each batch's
 cropped images also go through the feature encoder, and each feature shard is written right
 after its latent shard, with exactly its keys (ditdata.features.inpass); once the store's
@@ -43,6 +49,8 @@ import torch
 import torch.distributed as dist
 
 from ditdata import imageshards
+from ditdata.buckets import crop_pixels, nearest, parse_spec
+from ditdata.bucketwriter import BucketWriter, with_latent_shape
 from ditdata.common.devices import amp_dtype, autocast, resolve_device
 from ditdata.common.dist import join, launch_env, leave
 from ditdata.common.lock import DirLock
@@ -50,9 +58,9 @@ from ditdata.common.memory import halved, out_of_memory_hint
 from ditdata.common.progress import progress_bar
 from ditdata.config import DTYPES, MAX_RESOLUTION, POSTERIORS, EncodeConfig  # noqa: F401  (EncodeConfig: re-exported)
 from ditdata.errors import DitdataError
-from ditdata.preprocess import CROP_RULE, center_crop
+from ditdata.preprocess import COVER_RULE, CROP_RULE, center_crop, cover_crop
 from ditdata.score import score_path
-from ditdata.store import BFLOAT16, Schema, StoreWriter, TensorSpec, encode_array
+from ditdata.store import BFLOAT16, LATENT_FIELDS, Schema, StoreWriter, TensorSpec, encode_array
 from ditdata.vae import load_autoencoder
 
 NON_FINITE = "non-finite latent"
@@ -63,32 +71,52 @@ GROUP_TIMEOUT = dt.timedelta(hours=12)
 # --------------------------------------------------------------------------- workers
 
 
+@dataclass(frozen=True)
+class Framing:
+    """How an image becomes the array encoded: the ADM centre crop to `resolution`, or with
+    bucket `sizes` (--buckets) the cover crop onto the bucket nearest its aspect ratio.
+    Called with a PIL image: (bucket (W, H) or None, uint8 (H, W, 3), extra meta)."""
+
+    resolution: int
+    sizes: tuple | None = None
+
+    def __call__(self, img):
+        if self.sizes is None:
+            return None, center_crop(img, self.resolution), {}
+        bucket = nearest(img.size, self.sizes)
+        return bucket, cover_crop(img, bucket), {"crop": crop_pixels(img.size, bucket)}
+
+
 class ShardImages(torch.utils.data.IterableDataset):
     """Per-shard uint8 image batches; each DataLoader worker takes whole shards.
     jobs: (store shard name, tar path, samples its stats file records or None); keep: the
-    keys to read (None: all), or {store shard name: its keys} (`ditdata features`)."""
+    keys to read (None: all), or {store shard name: its keys} (`ditdata features`);
+    buckets: the bucket sizes of --buckets (each batch then holds one bucket's images)."""
 
-    def __init__(self, jobs, resolution: int, batch_size: int, keep: set | dict | None):
-        self.jobs, self.resolution, self.batch_size, self.keep = jobs, resolution, batch_size, keep
+    def __init__(self, jobs, resolution: int, batch_size: int, keep: set | dict | None, buckets=None):
+        self.jobs, self.batch_size, self.keep = jobs, batch_size, keep
+        self.framing = Framing(resolution, tuple(buckets) if buckets else None)
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         mine = self.jobs if info is None else self.jobs[info.id::info.num_workers]
         for name, path, expected in mine:
             keep = self.keep.get(name, set()) if isinstance(self.keep, dict) else self.keep
-            yield from _shard_batches(name, path, expected, self.resolution, self.batch_size, keep)
+            yield from _shard_batches(name, path, expected, self.framing, self.batch_size, keep)
 
 
-def _shard_batches(name, path, expected, resolution, batch_size, keep):
-    """The decoded, cropped images of one shard in batches; the last batch carries the
-    shard's skip counts and, when the tar turned out damaged or short (it was checked
-    before, but files can change), `bad`: the main process then drops the shard."""
+def _shard_batches(name, path, expected, framing: Framing, batch_size, keep):
+    """The decoded, cropped images of one shard in batches (of one bucket each with
+    --buckets: a shard's buckets fill in parallel); the last batch carries the shard's skip
+    counts and, when the tar turned out damaged or short (it was checked before, but files
+    can change), `bad`: the main process then drops the shard."""
     skipped, skipped_keys, filtered, seen = Counter(), [], 0, 0
-    batch = []
+    groups: dict = {None: []}  # bucket (None: the square crop) -> its pending (image, meta)
+    res = framing.resolution
 
-    def pack(last, bad=None):
-        images = np.stack([b[0] for b in batch]) if batch else np.zeros((0, resolution, resolution, 3), np.uint8)
-        out = {"shard": name, "images": images, "meta": [b[1] for b in batch], "last": last}
+    def pack(bucket, batch, last, bad=None):
+        images = np.stack([b[0] for b in batch]) if batch else np.zeros((0, res, res, 3), np.uint8)
+        out = {"shard": name, "bucket": bucket, "images": images, "meta": [b[1] for b in batch], "last": last}
         if last:
             out["stats"] = {"skipped": dict(skipped), "skipped_keys": skipped_keys[:1000], "filtered_out": filtered}
             out["bad"] = bad
@@ -110,19 +138,22 @@ def _shard_batches(name, path, expected, resolution, batch_size, keep):
             if meta.get("original_width") is None or meta.get("original_height") is None:
                 # tars from other tools may not record it: the image as stored is the source
                 meta = {**meta, "original_width": img.size[0], "original_height": img.size[1]}
-            batch.append((center_crop(img, resolution), meta))
+            bucket, arr, extra = framing(img)
+            batch = groups.setdefault(bucket, [])
+            batch.append((arr, {**meta, **extra}))
             if len(batch) == batch_size:
-                yield pack(last=False)
-                batch = []
+                yield pack(bucket, batch, last=False)
+                groups[bucket] = []
     except DitdataError as e:
-        batch = []
-        yield pack(last=True, bad=f"{e} after {seen} samples")
+        yield pack(None, [], last=True, bad=f"{e} after {seen} samples")
         return
     if expected is not None and seen != expected:
-        batch = []
-        yield pack(last=True, bad=f"holds {seen} samples but its stats file records {expected}")
+        yield pack(None, [], last=True, bad=f"holds {seen} samples but its stats file records {expected}")
         return
-    yield pack(last=True)
+    for bucket, batch in groups.items():
+        if bucket is not None and batch:
+            yield pack(bucket, batch, last=False)
+    yield pack(None, groups[None], last=True)
 
 
 # --------------------------------------------------------------------------- main side
@@ -144,8 +175,11 @@ class _ShardOut:
     generator of its posterior draws (seeded by the shard, so the split of the work does
     not change the bytes) and the keys of the samples left out as not finite."""
 
-    def __init__(self, seed: int, name: str):
-        self.gen = torch.Generator().manual_seed(_shard_seed(seed, name))
+    def __init__(self, seed: int, name: str, bucket: tuple[int, int] | None = None):
+        shard_seed = _shard_seed(seed, name)
+        if bucket is not None:  # a bucket's draws: seeded by (shard, bucket), not by batch order
+            shard_seed = (shard_seed * 1_000_003 + bucket[0] * 65_537 + bucket[1]) % (2**63)
+        self.gen = torch.Generator().manual_seed(shard_seed)
         self.tensors: dict[str, list] = {}
         self.columns: dict[str, list] = {}
         self.nonfinite_keys: list[str] = []
@@ -174,10 +208,16 @@ class _ShardOut:
 
     def stats(self, worker_stats: dict) -> dict:
         """The shard's record extras: the worker's skip counts plus the non-finite samples."""
-        nonfinite = Counter({NON_FINITE: len(self.nonfinite_keys)})
-        return {**worker_stats,
-                "skipped": dict(Counter(worker_stats["skipped"]) + nonfinite),
-                "skipped_keys": (worker_stats["skipped_keys"] + self.nonfinite_keys)[:1000]}
+        return _skip_stats(worker_stats, self.nonfinite_keys)
+
+
+def _skip_stats(worker_stats: dict, nonfinite_keys: list[str]) -> dict:
+    """An input shard's skip counts: the worker's (undecodable images, ...) plus the samples
+    left out as not finite."""
+    nonfinite = Counter({NON_FINITE: len(nonfinite_keys)})
+    return {**worker_stats,
+            "skipped": dict(Counter(worker_stats["skipped"]) + nonfinite),
+            "skipped_keys": (worker_stats["skipped_keys"] + nonfinite_keys)[:1000]}
 
 
 class Encoder:
@@ -278,7 +318,10 @@ def encode(cfg: EncodeConfig) -> dict:
     if cfg.batch_size < 1 or cfg.chunk_samples < 1 or cfg.workers < 0:
         raise DitdataError("--batch-size and --chunk-samples must be at least 1, --workers at least 0")
     _check_features(cfg)
-    _check_out(Path(cfg.out), Path(cfg.shards))
+    if cfg.buckets and cfg.features:
+        raise DitdataError("--buckets with --features is not supported yet (feature sets of bucketed stores "
+                           "would need each bucket's crop); drop one of them")
+    _check_out(Path(cfg.out), Path(cfg.shards), bool(cfg.buckets))
     if launch_env().rank != 0:
         return _encode(cfg)
     # One encode per store: rank 0 takes the lock before the ranks meet, so the other ranks
@@ -287,9 +330,10 @@ def encode(cfg: EncodeConfig) -> dict:
         return _encode(cfg)
 
 
-def _check_out(out: Path, shards: Path) -> None:
-    """--out must be a new or empty directory, or a store: never the image shards or
-    another tool's folder, which the store's files would be mixed into."""
+def _check_out(out: Path, shards: Path, bucketed: bool) -> None:
+    """--out must be a new or empty directory, or a store (bucketed with --buckets, plain
+    without): never the image shards or another tool's folder, which the store's files
+    would be mixed into."""
     from ditdata.store import refuse_inside_store
 
     refuse_inside_store(out.parent, "--out")  # a store inside another store
@@ -297,18 +341,27 @@ def _check_out(out: Path, shards: Path) -> None:
         return
     if out.resolve() == shards.resolve() or shards.resolve() in out.resolve().parents:
         raise DitdataError(f"--out {out}: must not be the image-shard folder {shards} or inside it")
+    from ditdata.bucketwriter import INPUTS
     from ditdata.common.lock import LOCK_FILE
     from ditdata.store import MANIFEST
+    from ditdata.store.buckets import BUCKETS
     from ditdata.store.features import FEATURES
     from ditdata.store.writer import CONFIG, SHARDS
 
     names = {p.name for p in out.iterdir()} - {LOCK_FILE}
-    if names and not names & {CONFIG, MANIFEST}:
+    if names and not names & {CONFIG, MANIFEST, BUCKETS}:
         first = sorted(names)[0]
         raise DitdataError(f"--out {out} is not empty and not a latent store (it holds {first!r}, ...); "
                            "choose a new directory")
-    if names - {CONFIG, MANIFEST, SHARDS, FEATURES}:
-        extra = sorted(names - {CONFIG, MANIFEST, SHARDS, FEATURES})
+    if bucketed and names & {CONFIG, SHARDS}:
+        raise DitdataError(f"--out {out} is a plain latent store (one crop size); --buckets writes a bucketed "
+                           "one: choose a new --out")
+    if not bucketed and BUCKETS in names:
+        raise DitdataError(f"--out {out} is a bucketed latent store (encoded with --buckets); give the same "
+                           "--buckets to add to it, or choose a new --out")
+    allowed = {CONFIG, MANIFEST, SHARDS, FEATURES} | ({BUCKETS, INPUTS} if bucketed else set())
+    if names - allowed:
+        extra = sorted(names - allowed)
         raise DitdataError(f"--out {out} holds files a latent store does not ({', '.join(extra[:3])}); "
                            "choose a new directory")
 
@@ -326,15 +379,20 @@ def _encode(cfg: EncodeConfig) -> dict:
     torch.manual_seed(cfg.seed)
     with _memory_hint(cfg, device):
         enc = Encoder(cfg, device)
-        layout = _store_layout(cfg, enc, folder)
-        writer = StoreWriter(
-            cfg.out, schema=layout.schema, backend=cfg.backend, chunk_samples=cfg.chunk_samples,
-            info={"vae": enc.ae.info,
-                  "image": {"resolution": cfg.resolution, "crop": "center", "crop_rule": CROP_RULE, "flip": cfg.flip},
-                  "conditioning": layout.conditioning,
-                  "filter": None if selection is None else {**selection.rule,
-                                                            "selection": str(Path(cfg.select).resolve())}},
-        )
+        spec = parse_spec(cfg.buckets, enc.ae.downsample) if cfg.buckets else None
+        layout = _store_layout(cfg, enc, folder, spec)
+        image = {"resolution": cfg.resolution, "crop": "center", "crop_rule": CROP_RULE, "flip": cfg.flip}
+        if spec is not None:
+            image = {"resolution": spec.area, "crop": "cover", "crop_rule": COVER_RULE, "flip": cfg.flip,
+                     "buckets": {"area": spec.area, "step": spec.step}}
+        info = {"vae": enc.ae.info, "image": image, "conditioning": layout.conditioning,
+                "filter": None if selection is None else {**selection.rule,
+                                                          "selection": str(Path(cfg.select).resolve())}}
+        options = {"backend": cfg.backend, "chunk_samples": cfg.chunk_samples}
+        if spec is None:
+            writer = StoreWriter(cfg.out, schema=layout.schema, info=info, **options)
+        else:
+            writer = BucketWriter(cfg.out, spec, layout.bucket_schema, info, **options)
         plan = _plan_shards(cfg, folder, writer, env.rank, env.world_size)
         keep = None if selection is None else selection.keys
         feats = _features_hook(cfg, device, folder, keep, plan)
@@ -399,19 +457,29 @@ def _read_inputs(cfg: EncodeConfig) -> imageshards.ShardFolder:
 class _Layout:
     """What every store shard of the run holds, and where its values come from."""
 
-    schema: Schema
+    schema: Schema  # with --buckets: the square bucket's
     conditioning: dict  # the manifest's conditioning entry
     scores: dict[str, dict | None]  # image shard file name -> {key: clip_score}, None: not scored
+    latent_shape: object = None  # (H, W) pixels -> the autoencoder's latent shape (C, h, w)
+    buckets: tuple | None = None  # the bucket sizes (W, H) of --buckets
+
+    def bucket_schema(self, size: tuple[int, int]) -> Schema:
+        """The schema of bucket `size` (W, H): its latents are (C, H/f, W/f)."""
+        return with_latent_shape(self.schema, self.latent_shape(size[1], size[0]), LATENT_FIELDS)
+
+    def schema_of(self, bucket: tuple[int, int] | None) -> Schema:
+        return self.schema if bucket is None else self.bucket_schema(bucket)
 
 
-def _store_layout(cfg: EncodeConfig, enc: Encoder, folder: imageshards.ShardFolder) -> _Layout:
+def _store_layout(cfg: EncodeConfig, enc: Encoder, folder: imageshards.ShardFolder, spec=None) -> _Layout:
     ae, info = enc.ae, folder.info
-    if cfg.resolution % ae.downsample:
+    if spec is None and cfg.resolution % ae.downsample:
         lo = cfg.resolution // ae.downsample * ae.downsample
         fits = " or ".join(str(r) for r in (lo, lo + ae.downsample) if r > 0)
         raise DitdataError(f"--resolution {cfg.resolution} is not a multiple of {ae.name}'s downsample "
                            f"factor {ae.downsample}; use a multiple of {ae.downsample}, e.g. {fits}")
-    latent_shape = ae.latent_shape(cfg.resolution, cfg.resolution)
+    side = cfg.resolution if spec is None else spec.area
+    latent_shape = ae.latent_shape(side, side)
     tensors = {n: TensorSpec(latent_shape, cfg.dtype) for n in enc.latent_names()}
     conditioning: dict = {"type": "none"}
     if info["kind"] == "classes":
@@ -433,7 +501,10 @@ def _store_layout(cfg: EncodeConfig, enc: Encoder, folder: imageshards.ShardFold
                "source": "string", "original_width": "int64", "original_height": "int64"}
     if any(v is not None for v in scores.values()):
         columns["clip_score"] = "float64"
-    return _Layout(Schema(tensors=tensors, columns=columns), conditioning, scores)
+    if spec is not None:
+        columns["crop"] = "int64"  # pixels the cover crop cut off (ditdata.buckets.crop_pixels)
+    return _Layout(Schema(tensors=tensors, columns=columns), conditioning, scores, ae.latent_shape,
+                   None if spec is None else tuple(spec.sizes()))
 
 
 @dataclass
@@ -448,7 +519,7 @@ class _Plan:
     world: int
 
 
-def _plan_shards(cfg: EncodeConfig, folder, writer: StoreWriter, rank: int, world: int) -> _Plan:
+def _plan_shards(cfg: EncodeConfig, folder, writer: StoreWriter | BucketWriter, rank: int, world: int) -> _Plan:
     inputs = folder.shards
     names = [p.name[: -len(".tar")] for p in inputs]
     mine = [(n, p) for i, (n, p) in enumerate(zip(names, inputs, strict=True)) if i % world == rank]
@@ -462,40 +533,44 @@ def _plan_shards(cfg: EncodeConfig, folder, writer: StoreWriter, rank: int, worl
 
 
 def _encode_shards(cfg: EncodeConfig, enc: Encoder, layout: _Layout, plan: _Plan, keep: set | None,
-                   writer: StoreWriter, feats=None) -> dict:
+                   writer: StoreWriter | BucketWriter, feats=None) -> dict:
     """The batch loop: decoded images from the workers -> latents -> one store shard per
-    image shard, written when its last batch is in (and its feature shard right after, with
-    its keys, when `feats`: ditdata.features.inpass). Returns what the run did."""
+    image shard (with --buckets: one per bucket its images went to), written when its last
+    batch is in (and its feature shard right after, with its keys, when `feats`:
+    ditdata.features.inpass). Returns what the run did."""
     todo = plan.todo
     workers = min(cfg.workers, len(todo))
     loader = torch.utils.data.DataLoader(
-        ShardImages(todo, cfg.resolution, cfg.batch_size, keep), batch_size=None, num_workers=workers,
-        persistent_workers=False, prefetch_factor=4 if workers else None,
+        ShardImages(todo, cfg.resolution, cfg.batch_size, keep, layout.buckets), batch_size=None,
+        num_workers=workers, persistent_workers=False, prefetch_factor=4 if workers else None,
     )
     jobs = {n: (p, e) for n, p, e in todo}
-    pending: dict[str, _ShardOut] = {}
+    pending: dict[tuple, _ShardOut] = {}  # (input shard, bucket or None) -> its samples so far
     encoded, skipped, late_bad = 0, Counter(), []
     t0 = time.perf_counter()
     bar = progress_bar(total=sum(e or 0 for _, _, e in todo) or None, unit="img",
                        desc=f"encode[{plan.rank}]" if plan.world > 1 else "encode", enabled=cfg.progress)
     for batch in loader:
-        name = batch["shard"]
-        if name not in pending:
-            pending[name] = _ShardOut(cfg.seed, name)
-        shard = pending[name]
+        name, bucket = batch["shard"], batch["bucket"] and tuple(batch["bucket"])  # (the loader makes it a list)
+        if (name, bucket) not in pending:
+            pending[name, bucket] = _ShardOut(cfg.seed, name, bucket)
+        shard = pending[name, bucket]
         if batch["meta"]:
             encoded += shard.add(*_encode_batch(cfg, enc, layout, batch, shard.gen))
             if feats is not None:
                 feats.batch(name, batch["images"], [m["key"] for m in batch["meta"]])
             bar.update(len(batch["meta"]))
         if batch["last"]:
-            del pending[name]
+            outs = {b: pending.pop((n, b)) for n, b in list(pending) if n == name}
             path, expected = jobs[name]
             if batch["bad"]:  # the tar changed since it was checked: same rules as before the run
                 late_bad.append(_bad_shard(name, path, expected, batch["bad"]))
                 _refuse_bad_shards(late_bad[-1:], cfg)
                 if feats is not None:
                     feats.discard(name)
+                continue
+            if layout.buckets is not None:
+                skipped.update(_write_buckets(cfg, writer, layout, name, outs, batch["stats"], str(path)))
                 continue
             stats = shard.stats(batch["stats"])
             skipped.update(stats["skipped"])
@@ -507,13 +582,31 @@ def _encode_shards(cfg: EncodeConfig, enc: Encoder, layout: _Layout, plan: _Plan
     return {"encoded": encoded, "skipped": skipped, "late_bad": late_bad, "seconds": time.perf_counter() - t0}
 
 
+def _write_buckets(cfg: EncodeConfig, writer: BucketWriter, layout: _Layout, name: str, outs: dict,
+                   worker_stats: dict, source: str) -> Counter:
+    """Input shard `name`'s buckets, each a shard of its bucket store, then the record that
+    says it is finished (ditdata.bucketwriter). Returns its skipped samples by reason."""
+    parts, nonfinite = {}, []
+    for bucket, out in outs.items():
+        nonfinite += out.nonfinite_keys
+        if bucket is None or not out.columns.get("key"):
+            continue
+        tensors, columns = out.result(layout.schema_of(bucket))
+        parts[bucket] = (tensors, columns, {"nonfinite_keys": out.nonfinite_keys[:1000]})
+    stats = _skip_stats(worker_stats, nonfinite)
+    step = writer.spec.step
+    beyond = sum(1 for _, c, _ in parts.values() for crop in c["crop"] if crop > step)
+    writer.write(name, parts, source=source, stats=stats, cropped_beyond_step=beyond)
+    return Counter(stats["skipped"])
+
+
 def _encode_batch(cfg: EncodeConfig, enc: Encoder, layout: _Layout, batch: dict, gen) -> tuple[dict, dict]:
     """One worker batch -> (arrays in the storage dtype, columns) for the store."""
     metas = batch["meta"]
     out = {k: _to_numpy(v, cfg.dtype) for k, v in enc.images(batch["images"], gen).items()}
     cols = {"key": [m["key"] for m in metas],
             **{k: [m.get(k) for m in metas] for k in ("source", "original_width", "original_height")}}
-    for k in ("label", "caption"):
+    for k in ("label", "caption", "crop"):
         if k in layout.schema.columns:
             cols[k] = [m.get(k) for m in metas]
     if "clip_score" in layout.schema.columns:
@@ -552,6 +645,7 @@ def _finish(cfg: EncodeConfig, folder, writer: StoreWriter, plan: _Plan, run: di
         "seconds": elapsed,
         "images_per_s": encoded / elapsed if elapsed > 0 else 0.0,
         "num_samples": manifest["num_samples"] if manifest else None,
+        "buckets": (manifest or {}).get("buckets"),
     }
 
 
@@ -567,6 +661,10 @@ def report(summary: dict) -> str | None:
             f"{r['shards_written']} shards ({r['shards_skipped']} already done) at "
             f"{r['images_per_s']:.1f} img/s; skipped: {skipped}"
             + (f"; skipped shards: {bad}" if bad else ""))
+    if r.get("buckets"):
+        b = r["buckets"]
+        line += (f"; {len(b['list'])} aspect-ratio buckets ({b['cropped_beyond_step']} images cropped by more "
+                 f"than {b['step']} px; `ditdata inspect` shows the histogram)")
     if r.get("features"):
         from ditdata.features.options import report as features_report
 

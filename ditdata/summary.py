@@ -1,6 +1,7 @@
 """Human-readable reports on a latent store: `ditdata inspect` and `ditdata verify`, which
-cover the store's feature sets too (ditdata.store.features); a store without any reads as
-it always did."""
+cover the store's feature sets too (ditdata.store.features) and a bucketed store's buckets
+(ditdata.store.buckets: inspect shows their histogram); a plain store without feature sets
+reads as it always did."""
 
 from __future__ import annotations
 
@@ -30,9 +31,12 @@ def describe(path, **remote) -> str:
     lines = [
         f"store:        {s.url or s.root}" + (f" (cached in {s.root})" if s.url else ""),
         f"format:       version {m['format_version']}, backend {m['backend']}",
-        f"samples:      {m['num_samples']} in {len(s.shards)} shards",
+        f"samples:      {m['num_samples']} in " + (
+            f"{len(s.buckets)} buckets ({sum(len(b.store.shards) for b in s.buckets)} shards)" if s.buckets
+            else f"{len(s.shards)} shards"),
         f"latent:       {tuple(lat['shape'])} {lat['dtype']}, stored as {lat['stored']}"
-        f"{', with flipped variant' if lat['flip'] else ''}",
+        f"{', with flipped variant' if lat['flip'] else ''}"
+        + (" (the square or most populated bucket's; all below)" if s.buckets else ""),
         f"autoencoder:  {vae.get('name')} ({vae.get('id')}), scaling {vae.get('scaling_factor')}, "
         f"shift {vae.get('shift_factor')}, {vae.get('latent_channels')} channels, /{vae.get('downsample')}"
         + ("; no published scaling: `dittrain run` standardises it per channel (--latent-norm auto)"
@@ -50,6 +54,7 @@ def describe(path, **remote) -> str:
         lines.append(f"channel stats ({st['field']}, {st['count']} values each):")
         for c, (mu, sd) in enumerate(zip(st["mean"], st["std"], strict=True)):
             lines.append(f"  c{c:<3d} mean {mu:+.4f}  std {sd:.4f}")
+    lines += _bucket_lines(s)
     for b in m.get("skipped_shards", []):
         lost = b.get("samples_lost")
         lines.append(f"skipped:      image shard {b.get('shard') or b['name']} ({b.get('reason')}; "
@@ -59,6 +64,25 @@ def describe(path, **remote) -> str:
     prov = m.get("provenance", {})
     lines.append(f"created:      {prov.get('created_at')} with ditkit {prov.get('tools', {}).get('ditkit')}")
     return "\n".join(lines)
+
+
+BAR = 30  # characters of the histogram's longest bar
+
+
+def _bucket_lines(s) -> list[str]:
+    """A bucketed store's histogram: one line per bucket (name, latent shape, count, share,
+    bar); none for a plain store."""
+    if not s.buckets:
+        return []
+    total, top = max(len(s), 1), max(b.num_samples for b in s.buckets) or 1
+    lines = [f"buckets:      {len(s.buckets)}, AREA {s.area} STEP {s.step}: {s.cropped_beyond_step} images cropped "
+             f"by more than {s.step} px (beyond the 1:2 to 2:1 ratios)",
+             f"  {'bucket':<11} {'latent':<16} {'samples':>8} {'share':>6}"]
+    for b in s.buckets:
+        bar = "#" * round(BAR * b.num_samples / top)
+        lines.append(f"  {b.name:<11} {str(b.latent_shape):<16} {b.num_samples:>8} "
+                     f"{100 * b.num_samples / total:>5.1f}% {bar}")
+    return lines
 
 
 def _each_feature_set(s):
@@ -144,10 +168,11 @@ def decode_samples(path, n: int, out, *, vae: str | None = None, device: str = "
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for shard in s.shards:
+    shards = [(b.store, shard) for b in s.buckets for shard in b.store.shards] or [(s, shard) for shard in s.shards]
+    for store, shard in shards:
         if len(written) >= n:
             break
-        data = s.read(shard, fields=[field, "key"], stop=n - len(written))
+        data = store.read(shard, fields=[field, "key"], stop=n - len(written))
         for i in range(0, len(data["key"]), batch_size):
             z = torch.from_numpy(data[field][i:i + batch_size].astype(np.float32))
             images = ae.decode(z).mul(255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()

@@ -51,7 +51,10 @@ def compute_features(cfg: FeaturesConfig) -> dict:
         raise DitdataError(f"{cfg.store}: feature sets are added to a local store; run `ditdata features` "
                            "where the store is written, then upload it")
     name = check_name(cfg.out_name or default_feature_set_name(cfg.encoder))
-    _open(cfg.store)  # a store, before its lock is taken (the lock would create the folder)
+    store = _open(cfg.store)  # a store, before its lock is taken (the lock would create the folder)
+    if store.buckets:
+        raise DitdataError(f"{cfg.store}: a bucketed store (encode --buckets); feature sets of bucketed stores "
+                           "are not supported yet (their targets would need each bucket's crop)")
     if launch_env().rank != 0:
         return _compute(cfg, name)
     # one writer per store: the lock `ditdata encode` takes, so neither runs beside the other
