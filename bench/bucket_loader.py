@@ -27,7 +27,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from scratch import INFO, add_dir_arg, add_options, parse_on_device, parser, scratch_dir, sync, synthetic_store
+from scratch import (
+    INFO,
+    add_dir_arg,
+    add_options,
+    parse_on_device,
+    parser,
+    scratch_dir,
+    sync,
+    synthetic_store,
+)
 
 from ditdata.store import Schema, StoreWriter, TensorSpec, finalize_buckets
 from dittrain.data import BucketedLoader, ResidentLoader

@@ -11,6 +11,7 @@ import click
 from ditdata.common import configfile
 from ditdata.common.cli import FiniteFloat, OneLineErrors, SectionedCommand, aliased, quiet_option
 from dittrain import config
+from dittrain.sample_options import sample_engine, sampling_options
 
 
 @click.group(cls=OneLineErrors,
@@ -60,21 +61,6 @@ _D, _SAMPLE, _EVAL = config.TrainConfig().flat(), config.SampleConfig(), config.
 def _say(line: str) -> None:
     """A command's log line: notes on stderr, the rest on stdout (sample, export)."""
     click.echo(line, err=line.startswith("note:"))
-
-
-def _sampling_options(batch_help: str):
-    """--device, --batch-size and --precision of the sampling commands (sample, serve)."""
-    def add(f):
-        for option in reversed((
-                click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
-                click.option("--batch-size", default=_SAMPLE.batch_size, show_default=True,
-                             type=click.IntRange(min=1), help=batch_help),
-                click.option("--precision", default=_SAMPLE.precision, show_default=True,
-                             type=click.Choice(config.PRECISIONS),
-                             help="Model autocast; auto: bf16 on GPUs that have it, else fp32."))):
-            f = option(f)
-        return f
-    return add
 
 
 class RunCommand(SectionedCommand):
@@ -191,8 +177,7 @@ def _opt(*names, field, **kw):
 @_opt("--loader", field="loader", type=click.Choice(config.LOADERS),
       help="auto: keep the store in RAM when it fits, else stream it.")
 @_opt("--bucket-remainder", field="bucket_remainder", type=click.Choice(config.BUCKET_REMAINDERS),
-      help="A bucketed store (ditdata encode --buckets): each bucket's last partial batch of an epoch, pad "
-           "(filled with repeats of the bucket's samples: every sample seen every epoch) or drop.")
+      help="A bucketed store: each bucket's last partial batch per epoch, pad (with repeats) or drop.")
 @_opt("--resident-device", field="resident_device", type=click.Choice(config.RESIDENT_DEVICES),
       help="Where a resident store lives (cuda: on the GPU, no host-to-device copies).")
 @_opt("--workers", field="workers", type=click.IntRange(min=0), help="Streaming loader processes.")
@@ -402,9 +387,8 @@ plan_cmd.params[:0] = [aliased(p, "--steps") if p.name == "max_steps" else p for
               help="Default: ddpm for the ddpm objective, euler for flow (dittrain.diffusion.SAMPLER_TABLE).")
 @click.option("--seed", default=_SAMPLE.seed, show_default=True, type=int)
 @click.option("--size", default=None, metavar="WxH",
-              help="A run trained on a bucketed store (ditdata encode --buckets): sample at this bucket's size in "
-                   "pixels, e.g. 352x176 (default: its square bucket, else its most populated one).")
-@_sampling_options("Samples per forward pass (CFG doubles it).")
+              help="A bucketed store's run: sample at this bucket's size in pixels, e.g. 352x176 (default: square).")
+@sampling_options("Samples per forward pass (CFG doubles it).")
 @click.option("--latents", type=click.Path(file_okay=False, path_type=str), default=None,
               help="The latent store, if not at the path the run recorded (e.g. moved).")
 @click.option("--vae", default=None, metavar="NAME_OR_DIR",
@@ -442,7 +426,6 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
       dittrain sample --ckpt runs/t2i --prompt "a red fox in snow" --n 8 --out fox.png
       dittrain sample --ckpt DiT-XL-2-256x256.pt --vae sd-vae-ft-ema --class 207 --out panda.png
       dittrain sample --engine onnx --onnx dit.onnx --class 207 --out grid.png   (dittrain export)
-      dittrain sample --ckpt runs/buckets --size 352x176 --n 8 --out wide.png   (a bucketed store's run)
 
     \b
     Evaluation samples (--npz; the ADM evaluator's file, `dittrain eval` reads it):
@@ -455,10 +438,7 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
     from dittrain.config import SampleConfig
     from dittrain.sample import sample_to_files
 
-    if size is not None and (npz is not None or engine == "onnx"):
-        raise click.ClickException(f"--size {size}: {'--npz' if npz is not None else '--engine onnx'} samples at the "
-                                   "run's default size only; leave out --size (or sample PNGs with the torch engine)")
-    drawer = _sample_engine(engine, onnx_file, ckpt, npz, latents=latents, vae=vae, model=model)
+    drawer = sample_engine(engine, onnx_file, ckpt, npz, latents=latents, vae=vae, model=model, size=size)
     if npz is not None:
         from dittrain.npz import sample_to_npz
 
@@ -482,24 +462,6 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
     sample_to_files(drawer, out, classes=classes, prompts=prompts, n=n, n_per_class=n_per_class,
                     per_class_dir=per_class_dir, nrow=nrow, settings=settings, device=device,
                     text_pretrained=text_pretrained, grid_scale=grid_scale, size=size, log=_say)
-
-
-def _sample_engine(engine: str, onnx_file, ckpt, npz, *, latents, vae, model):
-    """What `dittrain sample --engine` draws with, its options checked (nothing loads yet):
-    dittrain.opened.TorchEngine or dittrain.onnx.OnnxEngine."""
-    if (engine == "onnx") != (onnx_file is not None):
-        raise click.UsageError("--engine onnx and --onnx FILE go together")
-    if ckpt is None and engine == "torch":
-        raise click.UsageError("Missing option '--ckpt'")
-    if engine == "onnx" and npz is not None:
-        raise click.ClickException("--engine onnx writes --out samples; --npz samples with the torch engine")
-    if engine == "onnx":
-        from dittrain.onnx import OnnxEngine
-
-        return OnnxEngine(onnx_file, ckpt, latents=latents, vae=vae, model=model)
-    from dittrain.opened import TorchEngine
-
-    return TorchEngine(ckpt, latents=latents, vae=vae, model=model)
 
 
 @main.command("export")
@@ -671,7 +633,7 @@ def eval_cmd(samples, ref, inception, json_out, batch_size, device, resolution, 
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="The address to listen on; 0.0.0.0 opens the page to the network (no login: trusted networks).")
 @click.option("--port", default=7860, show_default=True, type=click.IntRange(1, 65535))
-@_sampling_options("Samples per forward pass (CFG doubles it); part of what decides ddpm's images.")
+@sampling_options("Samples per forward pass (CFG doubles it); part of what decides ddpm's images.")
 @click.option("--max-images", default=64, show_default=True, type=click.IntRange(min=1),
               help="The most images one request may ask for.")
 @click.option("--max-steps", default=1000, show_default=True, type=click.IntRange(min=1),

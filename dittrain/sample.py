@@ -17,11 +17,6 @@ and random class labels from a separate generator with the same seed. So a seed 
 same images on every run with the same --batch-size and device; the deterministic samplers
 (ddim, euler, heun) do not depend on --batch-size either.
 
-Sizes: a run trained on a bucketed store (ditdata encode --buckets) samples at any of its
-buckets' sizes (size="WxH" in pixels, `dittrain sample --size`; run_sizes lists them, the run
-config's store.buckets); the default is the bucket whose latents are the model's square input
-(else the most populated one). A run on a plain store samples at its one size, as ever.
-
 One pass checks and plans: plan_samples turns the run's config, its store and the user's
 choices into a frozen SamplePlan (conditions per sample, layout, sampler, device, precision)
 before any weights or encoders load (|--cfg| <= MAX_CFG_SCALE); run_plan draws it and
@@ -51,6 +46,7 @@ import torch
 from ditdata.common import files as files_api
 from ditdata.common.devices import autocast
 from ditdata.store import TEXT_FIELDS
+from dittrain.bucket_sizes import choose_size
 from dittrain.config import MAX_CFG_SCALE, SampleConfig, recorded
 from dittrain.diffusion import SAMPLER_TABLE, SAMPLERS, Diffusion, DiffusionConfig
 from dittrain.latents import LatentNorm
@@ -260,14 +256,8 @@ class SamplePlan:
     nrow: int = 1
     rows_per_class: bool = False  # the layout: a grid row per class or prompt (else flat)
     latents: dict | None = None  # the run's "latents" record (dittrain.latents): undone before decoding
-    grid: tuple[int, int] | None = None  # (H, W) of the sampled latents; None: the model's square input
-    size: str | None = None  # a bucketed run: the bucket sampled ("WxH" px)
-
-    @property
-    def latent_shape(self) -> tuple[int, int, int]:
-        """(C, H, W) of each sampled latent."""
-        h, w = self.grid or (self.model.input_size, self.model.input_size)
-        return self.model.in_channels, h, w
+    grid: tuple[int, int] = (0, 0)  # (H, W) of the sampled latents: the model's square, or a bucket's
+    size: str | None = None  # a bucketed run: the bucket sampled ("WxH" px; dittrain.bucket_sizes)
 
     @property
     def guide(self) -> bool:
@@ -279,8 +269,8 @@ class SamplePlan:
         guidance = f", cfg {s.cfg_scale:g}" if self.kind != "none" else ""
         if guidance and s.cfg_channels:
             guidance += f" on the first {s.cfg_channels} channels"
-        size = f" at {self.size} px" if self.size else ""
-        return (f"sampling {self.total} image{many}{size} with {self.name} ({self.diffusion.objective}, {s.sampler}, "
+        at = f" at {self.size} px" if self.size else ""
+        return (f"sampling {self.total} image{many}{at} with {self.name} ({self.diffusion.objective}, {s.sampler}, "
                 f"{s.steps} steps{guidance}) on {self.device}, seed {s.seed}")
 
     def record(self) -> dict:
@@ -351,42 +341,6 @@ def _text_inputs(text: dict, cfg: DiTConfig) -> dict[str, torch.Tensor]:
     return {k: torch.as_tensor(text[k]) for k in keys}
 
 
-def run_sizes(config: dict) -> list[dict]:
-    """A bucketed run's buckets as its config records them ({"name": "WxH", "size": [W, H],
-    "latent_shape": [C, h, w], "num_samples"}), sorted by name; [] for a run on a plain store."""
-    return sorted((config.get("store") or {}).get("buckets") or [], key=lambda b: b["name"])
-
-
-def default_size(config: dict, cfg: DiTConfig) -> str | None:
-    """The bucket sampled without --size: the one of the model's square input, else the most
-    populated (the top manifest's choice); None for a plain run."""
-    buckets = run_sizes(config)
-    if not buckets:
-        return None
-    square = [b for b in buckets if b["latent_shape"][1:] == [cfg.input_size, cfg.input_size]]
-    return (square or sorted(buckets, key=lambda b: -b["num_samples"]))[0]["name"]
-
-
-def choose_size(config: dict, cfg: DiTConfig, size: str | None) -> tuple[str | None, tuple[int, int] | None]:
-    """(bucket name, latent (H, W)) to sample at: `size` ("WxH" px, e.g. "352x176"), or the
-    default; (None, None) for a plain run without --size. SampleError (one line, listing the
-    sizes) for a size that is not one of the run's buckets."""
-    buckets = run_sizes(config)
-    given = None if size is None else str(size).strip().lower().replace(" ", "")
-    if given is not None and not buckets:
-        raise SampleError(f"--size {size}: this run was trained on a store without aspect-ratio buckets, so it samples "
-                          "at its own size only; leave out --size")
-    name = given or default_size(config, cfg)
-    if name is None:
-        return None, None
-    chosen = next((b for b in buckets if b["name"] == name), None)
-    if chosen is None:
-        raise SampleError(f"--size {size}: not a bucket of this run's store; choose one of "
-                          f"{', '.join(b['name'] for b in buckets)} (WxH pixels)")
-    _, h, w = chosen["latent_shape"]
-    return chosen["name"], (h, w)
-
-
 def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiTConfig | None = None,
                  device="auto", classes=(), prompts=(), text: dict | None = None, n: int | None = None,
                  n_per_class: int | None = None, per_class_dir: bool = False,
@@ -399,8 +353,7 @@ def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiT
     n_per_class = K: K samples of each class (default: all) or prompt, a grid row each.
     text: a text model's embeddings {field: (N, ...)}, one sample each, instead of prompts.
     per_class_dir: the singles in a folder per class or prompt in the flat layout too.
-    nrow: images per grid row (default: K in rows, else ceil(sqrt(samples))).
-    size: a bucketed run's bucket to sample at ("WxH" px; choose_size; None: the default)."""
+    nrow: images per grid row (default: K in rows, else ceil(sqrt(samples))); size: a bucketed run's "WxH"."""
     cfg = model or model_config(config)
     bucket, grid = choose_size(config, cfg, size)
     diffusion, kind = diffusion_config(config), conditioning_kind(cfg)
@@ -470,7 +423,7 @@ def run_plan(model, plan: SamplePlan, store, *, autoencoder=None, text_encoder=N
     cond, empty = _conditions(plan, store, text_encoder=text_encoder, text_pretrained=text_pretrained)
     s, dev = plan.settings, plan.device
     generator = torch.Generator().manual_seed(s.seed)
-    noise = torch.randn((plan.total, *plan.latent_shape), generator=generator)  # all first: batch-size independent
+    noise = torch.randn((plan.total, plan.model.in_channels, *plan.grid), generator=generator)  # all first
     if autoencoder is None:
         autoencoder = load_autoencoder(store, dev, vae)
     diffusion = Diffusion(plan.diffusion)
@@ -648,10 +601,8 @@ def kept_autoencoder(store, device: torch.device):
 
 
 def store_text(store, n: int) -> dict[str, torch.Tensor]:
-    """The text embeddings of the store's first n samples (for grids without a text encoder);
-    of a bucketed store, its most populated bucket's (captions do not depend on the size)."""
-    if store.buckets:
-        store = max(store.buckets, key=lambda b: b.num_samples).store
+    """The text embeddings of the store's first n samples (for grids without a text encoder)."""
+    store = max(store.buckets, key=lambda b: b.num_samples).store if store.buckets else store  # its largest bucket
     fields_ = [f for f in TEXT_FIELDS if f in store.schema.tensors]
     if not fields_ or not store.shards:
         raise SampleError(f"{store.root}: the store holds no text embeddings")
@@ -704,8 +655,7 @@ def sample_to_files(
     (classes drawn at random with the seed when none are given); nrow = ceil(sqrt(n)).
     Row layout (n_per_class = K): one row of K samples per class (default: all classes)
     or per prompt, singles under SINGLES/<class or prompt index>/ (as per_class_dir).
-    settings: cfg scale, steps, sampler, seed, batch size and precision (SampleConfig).
-    size: a bucketed run's bucket ("WxH" px; plan_samples)."""
+    settings: cfg scale, steps, sampler, seed, batch size and precision (SampleConfig); size: plan_samples'."""
     check_output(out)
     config, store, note = engine.open(device)
     plan = plan_samples(config, store, settings, device=device, classes=classes, prompts=list(prompts), n=n,
@@ -743,7 +693,7 @@ def _report(result: dict, images: np.ndarray, plan: SamplePlan, log) -> None:
 
 __all__ = [
     "CLASS_MODES", "MAX_CFG_SCALE", "NonFiniteSamples", "SamplePlan", "balanced_labels", "check_finite",
-    "check_sampler", "choose_size", "class_mode", "default_size", "embed_prompts", "run_sizes",
+    "check_sampler", "class_mode", "embed_prompts",
     "make_grid", "output_paths", "parse_classes",
     "pick_labels", "plan_samples", "run_plan", "sample_images", "sample_to_files", "save_png", "store_text",
     "write_samples", "write_training_grid",

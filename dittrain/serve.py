@@ -58,6 +58,7 @@ import numpy as np
 
 from ditdata.common.errors import UserError, one_line
 from ditdata.common.extras import missing_extra
+from dittrain.bucket_sizes import default_size, run_sizes
 from dittrain.config import SampleConfig
 from dittrain.diffusion import SAMPLERS
 from dittrain.opened import (
@@ -70,14 +71,7 @@ from dittrain.opened import (
     load_text_encoder,
     model_config,
 )
-from dittrain.sample import (
-    MAX_CFG_SCALE,
-    NonFiniteSamples,
-    default_size,
-    plan_samples,
-    run_plan,
-    run_sizes,
-)
+from dittrain.sample import MAX_CFG_SCALE, NonFiniteSamples, plan_samples, run_plan
 
 _S = SampleConfig()
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes any int up to 2**64 - 1; the CLI any int
