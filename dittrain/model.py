@@ -620,10 +620,10 @@ def rope_table(head_dim: int, grid: int | tuple[int, int], theta: float = 10000.
                device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """2-D axial rotary position embedding (RoFormer's rotation, EVA-02's 2-D layout): (cos, sin),
     each (h * w, head_dim) float32 for a grid of h rows and w columns (an int: square), tokens
-    in row-major order. The first half of a head's
-    dims turns with the token's row, the second half with its column; within each half the
-    pairs (2i, 2i + 1) turn by the angle pos * theta^(-2i / (head_dim / 2)), i < head_dim / 4,
-    so both entries of a pair share a column of the tables. Computed in float64, on `device`
+    in row-major order. The first half of a head's dims turns with the token's row, the second
+    half with its column; within each half the pairs (2i, 2i + 1) turn by the angle
+    pos * theta^(-2i / (head_dim / 2)), i < head_dim / 4, so both entries of a pair share a
+    column of the tables. Computed in float64, on `device`
     itself: a table made on the host and copied would make every forward wait for the GPU."""
     assert head_dim % 4 == 0, "2-D RoPE needs a head dim that is a multiple of 4"
     half = head_dim // 2
