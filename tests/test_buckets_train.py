@@ -14,10 +14,18 @@ import numpy as np
 import pytest
 import torch
 from cliutil import dittrain, ok, one_error_line, raises_one_line, resume_after_sigkill, run_args
-from storeutil import bucketed_store, make_store, take
+from storeutil import (
+    bucketed_store,
+    class_conditioning,
+    pixels_info,
+    schema,
+    take,
+    write_store,
+)
 from test_sample import read_png
 from test_train import assert_same_state
 
+from ditdata.store import finalize_buckets
 from dittrain.checkpoint import latest_checkpoint, load_checkpoint
 from dittrain.data import BucketedLoader, LoaderError, build_loader
 from dittrain.model import DiT, rope_table, sincos_pos_embed_2d
@@ -172,6 +180,30 @@ def test_flips_are_the_stored_twins_and_change_between_epochs(bstore):
     assert any(len(v) == 2 for v in flips.values())  # a sample's coin is drawn again each epoch
 
 
+def test_mean_std_buckets_draw_fresh_samples_each_epoch_and_resume_them(tmp_path):
+    info = pixels_info(8, class_conditioning(["a", "b", "c"]))
+    for w, h in ((8, 8), (16, 8)):
+        sch = schema(kind="mean_std", flip=False, text=False, shape=(3, h, w))  # shard_data's columns and values
+        write_store(tmp_path / "buckets" / f"{w}x{h}", sch, [6], info=info)
+    finalize_buckets(tmp_path, info, area=8, step=8)
+    loader = BucketedLoader(tmp_path, batch_size=3, seed=1, with_index=True)
+    per = loader.batches_per_epoch
+    eps = collections.defaultdict(list)  # (bucket, index) -> eps of each epoch
+    for k in range(2 * per):
+        bucket = loader.buckets[loader.bucket_of(k)]
+        data = bucket.store.read(bucket.store.shards[0], fields=["mean", "std"])
+        batch = next(loader)
+        for i, x in zip(batch["index"].tolist(), batch["x"], strict=True):
+            mean, std = (torch.from_numpy(data[f][i].astype(np.float32)) for f in ("mean", "std"))
+            eps[(bucket.name, i)].append((x - mean) / std)
+    assert len(eps) == 12 and all(len(v) == 2 and not torch.allclose(v[0], v[1]) for v in eps.values())
+    again = BucketedLoader(tmp_path, batch_size=3, seed=1)
+    again.load_state_dict({**loader.state_dict(), "batches": per + 1})
+    replay = BucketedLoader(tmp_path, batch_size=3, seed=1)
+    take(replay, per + 1)
+    assert torch.equal(next(again)["x"], next(replay)["x"])  # the same draw at resume
+
+
 def test_resume_from_any_batch_and_ranks_split_each_batch(bstore):
     whole = take(BucketedLoader(bstore, batch_size=4, seed=7, with_index=True), 25)
     first = BucketedLoader(bstore, batch_size=4, seed=7, with_index=True)
@@ -216,13 +248,6 @@ def test_run_logs_each_batch_shape_and_resumes_exactly_after_sigkill(bstore, tmp
     assert config["model"]["input_size"] == 8 and config["train"]["data"]["bucket_remainder"] == "pad"
     assert [(b["name"], b["latent_shape"], b["num_samples"]) for b in config["store"]["buckets"]] == [
         ("16x8", [3, 8, 16], 12), ("8x16", [3, 16, 8], 5), ("8x8", [3, 8, 8], 20)]
-
-
-def test_a_plain_store_logs_no_batch_shape(tmp_path):
-    ok(dittrain(*run_args(make_store(tmp_path / "plain"), tmp_path / "run", "--max-steps", 2)))
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all("batch_shape" not in r for r in rows)
-    assert "buckets" not in json.loads((tmp_path / "run" / "config.json").read_text())["store"]
 
 
 @pytest.fixture(scope="module")
