@@ -289,7 +289,9 @@ def _cache(cache_dir, cache_limit) -> dict:
 @_cache_opts
 def inspect(store, decode_n, out, vae, device, cache_dir, cache_limit):
     """Print a readable summary of a latent STORE: samples, shards, latent shape and dtype,
-    autoencoder, conditioning, per-channel statistics, feature sets and size on disk.
+    autoencoder, conditioning, per-channel statistics, feature sets and size on disk; for a
+    bucketed store (encode --buckets) the histogram of its buckets (size, latent shape,
+    samples, share, a bar).
 
     With --decode N --out DIR, decode the first N latents back to images so you can
     eyeball the cache.
@@ -321,8 +323,8 @@ def inspect(store, decode_n, out, vae, device, cache_dir, cache_limit):
 @_quiet
 def verify(store, cache_dir, cache_limit, quiet):
     """Recompute every checksum of a latent STORE and read every shard to check shapes and
-    counts, and the same for each of its feature sets, which must match the store row for
-    row. Exits non-zero, naming each faulty file, if anything is wrong.
+    counts (of every bucket, for a bucketed store), and the same for each of its feature
+    sets, which must match the store row for row. Exits non-zero, naming each faulty file, if anything is wrong.
 
     \b
     Example:

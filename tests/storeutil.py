@@ -261,6 +261,7 @@ def bucketed_store(root: Path, sizes: dict, *, text: dict | None = None, flip: b
     area = area or math.isqrt(max(w * h for w, h in sizes))
     step = step or math.gcd(*(side for size in sizes for side in size))
     info = pixels_info(area, cond)
+    info["image"] |= {"crop": "cover", "buckets": {"area": area, "step": step}}  # as encode --buckets records it
     for (w, h), n in sizes.items():
         sch = schema(shape=(3, h, w), flip=flip, text=text or False, columns=CAPTIONED if text else LABELLED)
         counts = [n // shards + (i < n % shards) for i in range(shards)]

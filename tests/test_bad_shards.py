@@ -20,7 +20,7 @@ from PIL import Image
 from tiny import fetch_tree, real_images
 
 from ditdata import imageshards
-from ditdata.encode import _shard_batches
+from ditdata.encode import Framing, _shard_batches
 from ditdata.store import open_store
 
 
@@ -121,12 +121,12 @@ def test_encode_stops_on_a_bad_shard_then_skips_and_records_it(pristine, shards,
 def test_worker_reports_a_shard_that_changed_after_the_check(shards):
     tar = imageshards.shard_path(shards, 2)
     cut_between_samples(tar)
-    batches = list(_shard_batches("00002", tar, 2, 32, 8, None))
+    batches = list(_shard_batches("00002", tar, 2, Framing(32), 8, None))
     assert batches[-1]["last"] and batches[-1]["bad"] == "holds 1 samples but its stats file records 2"
     cut_inside_a_member(imageshards.shard_path(shards, 3))
-    batches = list(_shard_batches("00003", imageshards.shard_path(shards, 3), 2, 32, 8, None))
+    batches = list(_shard_batches("00003", imageshards.shard_path(shards, 3), 2, Framing(32), 8, None))
     assert batches[-1]["bad"].startswith(f"{imageshards.shard_path(shards, 3)}: damaged tar")
-    good = list(_shard_batches("00000", imageshards.shard_path(shards, 0), 2, 32, 8, None))
+    good = list(_shard_batches("00000", imageshards.shard_path(shards, 0), 2, Framing(32), 8, None))
     assert good[-1]["bad"] is None and sum(len(b["meta"]) for b in good) == 2
 
 
