@@ -11,6 +11,7 @@ import click
 from ditdata.common import configfile
 from ditdata.common.cli import FiniteFloat, OneLineErrors, SectionedCommand, aliased, quiet_option
 from dittrain import config
+from dittrain.sample_options import sample_engine, sampling_options
 
 
 @click.group(cls=OneLineErrors,
@@ -60,21 +61,6 @@ _D, _SAMPLE, _EVAL = config.TrainConfig().flat(), config.SampleConfig(), config.
 def _say(line: str) -> None:
     """A command's log line: notes on stderr, the rest on stdout (sample, export)."""
     click.echo(line, err=line.startswith("note:"))
-
-
-def _sampling_options(batch_help: str):
-    """--device, --batch-size and --precision of the sampling commands (sample, serve)."""
-    def add(f):
-        for option in reversed((
-                click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
-                click.option("--batch-size", default=_SAMPLE.batch_size, show_default=True,
-                             type=click.IntRange(min=1), help=batch_help),
-                click.option("--precision", default=_SAMPLE.precision, show_default=True,
-                             type=click.Choice(config.PRECISIONS),
-                             help="Model autocast; auto: bf16 on GPUs that have it, else fp32."))):
-            f = option(f)
-        return f
-    return add
 
 
 class RunCommand(SectionedCommand):
@@ -190,6 +176,8 @@ def _opt(*names, field, **kw):
 @_opt("--tf32/--no-tf32", field="tf32")
 @_opt("--loader", field="loader", type=click.Choice(config.LOADERS),
       help="auto: keep the store in RAM when it fits, else stream it.")
+@_opt("--bucket-remainder", field="bucket_remainder", type=click.Choice(config.BUCKET_REMAINDERS),
+      help="A bucketed store: each bucket's last partial batch per epoch, pad (with repeats) or drop.")
 @_opt("--resident-device", field="resident_device", type=click.Choice(config.RESIDENT_DEVICES),
       help="Where a resident store lives (cuda: on the GPU, no host-to-device copies).")
 @_opt("--workers", field="workers", type=click.IntRange(min=0), help="Streaming loader processes.")
@@ -398,7 +386,9 @@ plan_cmd.params[:0] = [aliased(p, "--steps") if p.name == "max_steps" else p for
 @click.option("--sampler", type=click.Choice(config.SAMPLERS), default=None,
               help="Default: ddpm for the ddpm objective, euler for flow (dittrain.diffusion.SAMPLER_TABLE).")
 @click.option("--seed", default=_SAMPLE.seed, show_default=True, type=int)
-@_sampling_options("Samples per forward pass (CFG doubles it).")
+@click.option("--size", default=None, metavar="WxH",
+              help="A bucketed store's run: sample at this bucket's size in pixels, e.g. 352x176 (default: square).")
+@sampling_options("Samples per forward pass (CFG doubles it).")
 @click.option("--latents", type=click.Path(file_okay=False, path_type=str), default=None,
               help="The latent store, if not at the path the run recorded (e.g. moved).")
 @click.option("--vae", default=None, metavar="NAME_OR_DIR",
@@ -414,7 +404,7 @@ plan_cmd.params[:0] = [aliased(p, "--steps") if p.name == "max_steps" else p for
 @quiet_option
 def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow, cfg_scale, cfg_channels, steps,
                sampler, seed, device, batch_size, precision, latents, vae, model, text_pretrained,
-               grid_scale, npz, chunk_size, overwrite, engine, onnx_file):
+               grid_scale, npz, chunk_size, overwrite, engine, onnx_file, size):
     """Sample a trained run with classifier-free guidance; write a PNG grid and every sample.
 
     Decodes with the autoencoder named in the store's manifest. Same --seed (and
@@ -448,7 +438,7 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
     from dittrain.config import SampleConfig
     from dittrain.sample import sample_to_files
 
-    drawer = _sample_engine(engine, onnx_file, ckpt, npz, latents=latents, vae=vae, model=model)
+    drawer = sample_engine(engine, onnx_file, ckpt, npz, latents=latents, vae=vae, model=model, size=size)
     if npz is not None:
         from dittrain.npz import sample_to_npz
 
@@ -471,25 +461,7 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
                             batch_size=batch_size, precision=precision, cfg_channels=cfg_channels)
     sample_to_files(drawer, out, classes=classes, prompts=prompts, n=n, n_per_class=n_per_class,
                     per_class_dir=per_class_dir, nrow=nrow, settings=settings, device=device,
-                    text_pretrained=text_pretrained, grid_scale=grid_scale, log=_say)
-
-
-def _sample_engine(engine: str, onnx_file, ckpt, npz, *, latents, vae, model):
-    """What `dittrain sample --engine` draws with, its options checked (nothing loads yet):
-    dittrain.opened.TorchEngine or dittrain.onnx.OnnxEngine."""
-    if (engine == "onnx") != (onnx_file is not None):
-        raise click.UsageError("--engine onnx and --onnx FILE go together")
-    if ckpt is None and engine == "torch":
-        raise click.UsageError("Missing option '--ckpt'")
-    if engine == "onnx" and npz is not None:
-        raise click.ClickException("--engine onnx writes --out samples; --npz samples with the torch engine")
-    if engine == "onnx":
-        from dittrain.onnx import OnnxEngine
-
-        return OnnxEngine(onnx_file, ckpt, latents=latents, vae=vae, model=model)
-    from dittrain.opened import TorchEngine
-
-    return TorchEngine(ckpt, latents=latents, vae=vae, model=model)
+                    text_pretrained=text_pretrained, grid_scale=grid_scale, size=size, log=_say)
 
 
 @main.command("export")
@@ -661,7 +633,7 @@ def eval_cmd(samples, ref, inception, json_out, batch_size, device, resolution, 
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="The address to listen on; 0.0.0.0 opens the page to the network (no login: trusted networks).")
 @click.option("--port", default=7860, show_default=True, type=click.IntRange(1, 65535))
-@_sampling_options("Samples per forward pass (CFG doubles it); part of what decides ddpm's images.")
+@sampling_options("Samples per forward pass (CFG doubles it); part of what decides ddpm's images.")
 @click.option("--max-images", default=64, show_default=True, type=click.IntRange(min=1),
               help="The most images one request may ask for.")
 @click.option("--max-steps", default=1000, show_default=True, type=click.IntRange(min=1),

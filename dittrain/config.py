@@ -12,7 +12,9 @@ export adds what is DERIVED from the latent store (never set by hand):
                 (dittrain.latents: the store's stats the model's inputs were standardised with;
                 "train" records --latent-norm resolved too: none or channel, never auto)
      "store": {"path": absolute path, "identity": manifest digest, "num_samples": N,
-               "features": {"name", "identity", ...} of the --repa feature set, only with it},
+               "features": {"name", "identity", ...} of the --repa feature set, only with it,
+               "buckets": [{"name": "WxH", "size": [W, H], "latent_shape": [C, h, w],
+                            "num_samples": N}, ...] of a bucketed store, only with one},
      "init": what --init-from loaded (dittrain.weights.init_model's record), only with it}
 """
 
@@ -42,6 +44,9 @@ COMPILE = ("off", "auto", "blocks", "model")  # --compile (dittrain.step.compile
 COMPILE_TARGETS = ("off", "blocks", "model")  # what --compile resolves to
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 LOADERS = ("auto", "resident", "streaming")  # dittrain.data
+# a bucketed store's last partial batch of each bucket (dittrain.data.bucketed): pad it with repeats
+# (the default: every sample seen every epoch) or drop it
+BUCKET_REMAINDERS = ("pad", "drop")
 RESIDENT_DEVICES = ("cpu", "cuda")  # where a resident store lives
 LOGGERS = ("jsonl", "tensorboard", "wandb")  # dittrain.loggers
 # The DiT's block choices (DiTConfig.mlp / norm / pos; dittrain.specs, dittrain.model), the first of
@@ -101,7 +106,8 @@ class DataSection:
     # auto (channel where the store's autoencoder publishes no scaling factor, e.g. VA-VAE; else none) |
     # none | channel (standardise with the store's per-channel mean/std); recorded resolved
     latent_norm: str = "auto"
-    loader: str = "auto"  # auto | resident | streaming
+    loader: str = "auto"  # auto | resident | streaming (a bucketed store: auto | resident)
+    bucket_remainder: str = "pad"  # a bucketed store: each bucket's last partial batch, pad (with repeats) | drop
     resident_device: str = "cpu"  # cpu | cuda: where a resident store lives
     workers: int = 4  # streaming loader processes
     shuffle_window: int = 0  # streaming: shards shuffled together in memory (0: the most, up to 4, that fit loader_memory)

@@ -48,10 +48,15 @@ def training_device(name: str) -> torch.device:
 
 def model_config_for(cfg: TrainConfig, store: Store) -> DiTConfig:
     """The DiT config a store implies: in_channels, input size, classes and text dims come
-    from the store (its latent shape and conditioning); the architecture from the named size."""
+    from the store (its latent shape and conditioning); the architecture from the named size.
+    A bucketed store's input size is its top manifest's bucket (the square one, else the most
+    populated; a non-square one gives the square of its shorter side): the grid of the model's
+    pos_embed; every bucket's grid is computed (dittrain.model), so each must divide by the patch."""
     c, h, w = store.latent_shape
-    if h != w:
-        raise TrainError(f"latents are {h}x{w}; DiT here needs square latents")
+    if h != w and not store.buckets:
+        raise TrainError(f"latents are {h}x{w}; DiT here needs square latents (or a bucketed store: "
+                         "ditdata encode --buckets)")
+    h = min(h, w)  # a bucketed store's non-square top bucket: the square of its shorter side
     cond = store.conditioning  # num_classes is 0 and the text dims None unless the store has them
     learn_sigma = cfg.model.learn_sigma if cfg.model.learn_sigma is not None else cfg.diffusion.objective == "ddpm"
     # --grad-checkpointing 2 is recorded as the int 2 (the model config is compared on resume)
@@ -72,6 +77,26 @@ def model_config_for(cfg: TrainConfig, store: Store) -> DiTConfig:
                          "custom:hidden=H,depth=D,heads=N,patch=P") from e
     except AssertionError as e:
         raise TrainError(f"{cfg.model.model} does not fit latents {c}x{h}x{w}: {e}") from e
+
+
+def check_buckets(cfg: TrainConfig, store: Store, model_cfg: DiTConfig) -> list[dict] | None:
+    """A bucketed store's buckets as the run config records them (None for a plain store);
+    TrainError (one line) for a bucket whose latent grid the patch does not divide, and for
+    --repa (its targets' grid is one square grid)."""
+    if not store.buckets:
+        return None
+    p = model_cfg.patch_size
+    bad = [b.name for b in store.buckets if b.latent_shape[1] % p or b.latent_shape[2] % p]
+    if bad:
+        raise TrainError(f"{cfg.model.model} has patch {p}, which does not divide the latents of bucket(s) "
+                         f"{', '.join(bad)}; choose a model with patch {p // 2 or 1}, or re-encode with a --buckets STEP "
+                         f"that is a multiple of the autoencoder's factor x {p}")
+    if cfg.repa.repa:
+        raise TrainError(f"--repa {cfg.repa.repa}: not supported on a bucketed store ({cfg.data.latents}); "
+                         "train without --repa")
+    return [{"name": b.name, "size": list(b.size), "latent_shape": list(b.latent_shape),
+             "num_samples": b.num_samples} for b in store.buckets]
+
 
 
 def text_token_count(store: Store) -> int:
@@ -125,6 +150,7 @@ def setup(cfg: TrainConfig) -> Run:
     store = open_store(cfg.data.latents, cache_dir=cfg.data.cache_dir or None, cache_limit=cfg.data.cache_limit,
                        features=cfg.repa.repa or None)
     model_cfg = model_config_for(cfg, store)
+    buckets = check_buckets(cfg, store, model_cfg)
     # --latent-norm auto becomes what it picks for this store, in the record too: a resume and
     # sampling see none or channel (dittrain.latents)
     cfg.data.latent_norm, latent_words = choose(store, cfg.data.latent_norm)
@@ -143,6 +169,8 @@ def setup(cfg: TrainConfig) -> Run:
     }
     if features is not None:  # beside the store's identity: a resume refuses another feature set
         resolved["store"]["features"] = features
+    if buckets is not None:  # the sizes `dittrain sample --size` and serve offer
+        resolved["store"]["buckets"] = buckets
     per_rank, rem = divmod(cfg.optim.batch_size, world * cfg.optim.accumulation_steps)
     if rem or per_rank == 0:
         raise TrainError(f"--batch-size {cfg.optim.batch_size} must be a multiple of ranks ({world}) x "
@@ -168,5 +196,5 @@ def diffusion_config(cfg: TrainConfig, model_cfg: DiTConfig, store: Store) -> tu
     return diff_cfg, latent_record(store, cfg.data.latent_norm)  # LatentNormError: a user error already
 
 
-__all__ = ["Run", "TrainError", "diffusion_config", "model_config_for", "setup", "text_token_count",
-           "training_device"]
+__all__ = ["Run", "TrainError", "check_buckets", "diffusion_config", "model_config_for", "setup",
+           "text_token_count", "training_device"]

@@ -110,7 +110,8 @@ class TensorBoardLogger:
 
     def scalars(self, step: int, values: dict) -> None:
         for tag, v in values.items():
-            self.writer.add_scalar(tag, v, step)
+            if not isinstance(v, str):  # text (a bucketed run's batch_shape) is metrics.jsonl's
+                self.writer.add_scalar(tag, v, step)
 
     def image(self, step: int, tag: str, image: np.ndarray) -> None:
         self.writer.add_image(tag, image, step, dataformats="HWC")

@@ -24,6 +24,12 @@ RMSNorm with its learned weight (NORM_LAYERS) and 2-D axial rotary position embe
 its affine LayerNorm (norm_cross) and unrotated queries and keys whatever the choices:
 text tokens have no image position.
 
+Any token grid (aspect-ratio buckets, dittrain.data.bucketed): an input (N, C, H, W) gives the
+grid (H/p, W/p) of T = (H/p)(W/p) tokens in row-major order; the sin-cos table and the rotary
+tables are computed for that grid (the sin-cos one cached per grid and device), and unpatchify
+returns (N, C, H, W). The configured square grid (input_size/p per side) uses the frozen
+pos_embed parameter itself, so checkpoints, exports and a square run's numbers are unchanged.
+
 RoPE interface (what token routing relies on): DiT.forward computes rope = (cos, sin) once,
 each (T, head_dim) in row-major token order, and passes it to every block as `rope=`
 (None for sin-cos models); blocks and attention also take per-sample tables (N, T', head_dim)
@@ -381,6 +387,9 @@ class DiT(nn.Module):
             # released checkpoints store it under "pos_embed". RoPE models have none: their
             # positions enter the attention (rope_table), computed in each forward
             self.pos_embed = nn.Parameter(torch.zeros(1, cfg.num_tokens, D), requires_grad=False)
+        # (grid h, grid w, device, dtype) -> (1, T, D): the sin-cos tables of the other grids
+        # (buckets), made once each; not state (a pure function of the grid), never saved
+        self._pos_tables: dict[tuple, torch.Tensor] = {}
         self.blocks = nn.ModuleList(
             DiTBlock(D, cfg.num_heads, cfg.mlp_hidden, cfg.qk_norm, cross=bool(cfg.text_token_dim),
                      mlp=cfg.mlp, norm=cfg.norm)
@@ -458,11 +467,39 @@ class DiT(nn.Module):
             uncond.update(drop_text_conditioning(text, empty_text, drop))
         return uncond
 
-    def unpatchify(self, x):
-        # (N, T, p*p*C) -> (N, C, H, W)
+    @property
+    def square_grid(self) -> tuple[int, int]:
+        """(h, w) tokens of the configured input_size: the grid pos_embed holds."""
+        side = self.config.input_size // self.patch_size
+        return side, side
+
+    def token_grid(self, x: torch.Tensor) -> tuple[int, int]:
+        """(h, w) = (H/p, W/p) of latents x (N, C, H, W); a side that p does not divide is refused."""
+        H, W = x.shape[-2:]
+        p = self.patch_size
+        if H % p or W % p:
+            raise ValueError(f"latents {H}x{W} do not divide into {p}x{p} patches")
+        return H // p, W // p
+
+    def pos_table(self, grid: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+        """The sin-cos embedding (1, T, D) of a grid (h, w): pos_embed itself for the square
+        grid (so a checkpoint's table is the one used), else computed once per grid and device."""
+        if tuple(grid) == self.square_grid:
+            return self.pos_embed
+        key = (*grid, like.device, self.pos_embed.dtype)
+        if key not in self._pos_tables:
+            table = sincos_pos_embed_2d(self.config.hidden_size, grid).unsqueeze(0)
+            self._pos_tables[key] = table.to(device=like.device, dtype=self.pos_embed.dtype)
+        return self._pos_tables[key]
+
+    def unpatchify(self, x, grid: tuple[int, int] | None = None):
+        # (N, T, p*p*C) -> (N, C, h*p, w*p); grid (h, w), default the square grid of T tokens
         N, T, _ = x.shape
         p, C = self.patch_size, self.out_channels
-        h = w = int(T**0.5)
+        if grid is None:
+            h = w = int(T**0.5)
+        else:
+            h, w = grid
         x = x.reshape(N, h, w, p, p, C)
         x = torch.einsum("nhwpqc->nchpwq", x)
         return x.reshape(N, C, h * p, w * p)
@@ -484,12 +521,13 @@ class DiT(nn.Module):
             The hidden tokens of a routed block are the kept ones, (N, K, D)
         """
         cfg = self.config
-        x = self.x_embedder(x)  # (N, T, D), T = H * W / p^2
+        grid = self.token_grid(x)  # (h, w) = (H/p, W/p)
+        x = self.x_embedder(x)  # (N, T, D), T = h * w
         rope = None
         if cfg.pos == "sincos":
-            x = x + self.pos_embed
+            x = x + self.pos_table(grid, x)
         else:  # the rotary table of the grid, once for every block
-            rope = rope_table(cfg.head_dim, cfg.input_size // cfg.patch_size, device=x.device)
+            rope = rope_table(cfg.head_dim, grid, device=x.device)
         c, context = self._conditioning(t, y, text_pooled, text_tokens, force_drop_ids)
 
         training = self.training and torch.is_grad_enabled()
@@ -514,7 +552,7 @@ class DiT(nn.Module):
         if route is not None and route.end == len(self.blocks):
             x = rejoin_tokens(x_all, x, route.idx)
         x = self.final_layer(x, c)  # (N, T, p^2 * out_channels)
-        x = self.unpatchify(x)  # (N, out_channels, H, W)
+        x = self.unpatchify(x, grid)  # (N, out_channels, H, W)
         return (x, hidden) if return_hidden else x
 
     def _conditioning(self, t, y, text_pooled, text_tokens, force_drop_ids):
@@ -549,14 +587,26 @@ class DiT(nn.Module):
 # Position embedding
 
 
-def sincos_pos_embed_2d(dim: int, grid_size: int) -> torch.Tensor:
-    """(grid_size^2, dim): the first half of the channels encodes the row, the second the
-    column, each as [sin, cos] of the position times frequencies 1 / 10000^(i / (dim/4)).
-    This is the MAE/DiT layout (tokens in row-major order), computed in float64."""
+def _grid_hw(grid: int | tuple[int, int]) -> tuple[int, int]:
+    """A grid given as a side (square) or (h, w)."""
+    return (grid, grid) if isinstance(grid, int) else (int(grid[0]), int(grid[1]))
+
+
+def _grid_positions(grid: int | tuple[int, int], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols), each (h, w) float64: token (i, j) of an h x w grid, row-major (index i * w + j)."""
+    h, w = _grid_hw(grid)
+    return torch.meshgrid(torch.arange(h, dtype=torch.float64, device=device),
+                          torch.arange(w, dtype=torch.float64, device=device), indexing="ij")
+
+
+def sincos_pos_embed_2d(dim: int, grid: int | tuple[int, int]) -> torch.Tensor:
+    """(h * w, dim) for a grid of h rows and w columns (an int: square): the first half of the
+    channels encodes the column, the second the row, each as [sin, cos] of the position times
+    frequencies 1 / 10000^(i / (dim/4)). This is the MAE/DiT layout (tokens in row-major
+    order), computed in float64; a non-square grid is the same formula at its positions."""
     assert dim % 4 == 0
     omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4))  # (D/4,)
-    pos = torch.arange(grid_size, dtype=torch.float64)
-    rows, cols = torch.meshgrid(pos, pos, indexing="ij")  # token index = row * grid + col
+    rows, cols = _grid_positions(grid)  # (h, w) each; token index = row * w + col
 
     def emb_1d(p):
         out = p.reshape(-1)[:, None] * omega[None]  # (M, D/4)
@@ -566,19 +616,20 @@ def sincos_pos_embed_2d(dim: int, grid_size: int) -> torch.Tensor:
     return torch.cat([emb_1d(cols), emb_1d(rows)], dim=1).float()
 
 
-def rope_table(head_dim: int, grid_size: int, theta: float = 10000.0, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_table(head_dim: int, grid: int | tuple[int, int], theta: float = 10000.0,
+               device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """2-D axial rotary position embedding (RoFormer's rotation, EVA-02's 2-D layout): (cos, sin),
-    each (grid_size^2, head_dim) float32, tokens in row-major order. The first half of a head's
-    dims turns with the token's row, the second half with its column; within each half the
-    pairs (2i, 2i + 1) turn by the angle pos * theta^(-2i / (head_dim / 2)), i < head_dim / 4,
-    so both entries of a pair share a column of the tables. Computed in float64, on `device`
+    each (h * w, head_dim) float32 for a grid of h rows and w columns (an int: square), tokens
+    in row-major order. The first half of a head's dims turns with the token's row, the second
+    half with its column; within each half the pairs (2i, 2i + 1) turn by the angle
+    pos * theta^(-2i / (head_dim / 2)), i < head_dim / 4, so both entries of a pair share a
+    column of the tables. Computed in float64, on `device`
     itself: a table made on the host and copied would make every forward wait for the GPU."""
     assert head_dim % 4 == 0, "2-D RoPE needs a head dim that is a multiple of 4"
     half = head_dim // 2
     freqs = theta ** (-torch.arange(0, half, 2, dtype=torch.float64, device=device) / half)  # (head_dim/4,)
     freqs = freqs.repeat_interleave(2)  # (half,): one angle per pair
-    pos = torch.arange(grid_size, dtype=torch.float64, device=device)
-    rows, cols = torch.meshgrid(pos, pos, indexing="ij")  # token index = row * grid + col
+    rows, cols = _grid_positions(grid, device)  # (h, w) each; token index = row * w + col
     angles = torch.cat([rows.reshape(-1, 1) * freqs, cols.reshape(-1, 1) * freqs], dim=1)  # (T, head_dim)
     return angles.cos().float(), angles.sin().float()
 

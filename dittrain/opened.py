@@ -147,10 +147,17 @@ def conditioning_kind(cfg: DiTConfig) -> str:
 
 def store_mismatches(store, cfg: DiTConfig) -> list[str]:
     """Why `store` cannot serve a model of config `cfg` (empty when it can): the latent shape
-    must be the model's input and the store must hold the conditioning the model takes."""
+    must be the model's input (a bucketed store's: its channels, every bucket's grid divisible
+    by the patch) and the store must hold the conditioning the model takes."""
     problems = []
     want = (cfg.in_channels, cfg.input_size, cfg.input_size)
-    if tuple(store.latent_shape) != want:
+    if getattr(store, "buckets", ()):
+        p = cfg.patch_size
+        if store.latent_shape[0] != cfg.in_channels or any(b.latent_shape[1] % p or b.latent_shape[2] % p
+                                                           for b in store.buckets):
+            problems.append(f"its buckets' latents ({', '.join('x'.join(map(str, b.latent_shape)) for b in store.buckets)}) "
+                            f"do not fit a model of {cfg.in_channels} channels and patch {p}")
+    elif tuple(store.latent_shape) != want:
         problems.append(f"latents are {'x'.join(map(str, store.latent_shape))}, the model takes "
                         f"{'x'.join(map(str, want))}")
     cond = store.conditioning

@@ -166,6 +166,7 @@ class _Shape:
 
     latent_shape: tuple[int, int, int]
     conditioning: object
+    buckets: tuple = ()  # a planned store has no aspect-ratio buckets
 
 
 def _repa(req: PlanRequest, model: DiTConfig, store) -> tuple[int, int, int] | None:

@@ -8,7 +8,7 @@ it was started. A setting that differs from the record is one of three kinds:
 - safe: it does not change what is learned (how long, how often to save, log, sample or
   evaluate, where logs go, loader processes, compilation, the device): applied;
 - learned: the optimisation itself (lr and its schedule, EMA, clipping, batch, accumulation,
-  the seed and data window, loss and timestep options, CFG dropout, precision, REPA's block
+  the seed, data window and bucket remainder, loss and timestep options, CFG dropout, precision, REPA's block
   and weight, token routing): refused with the list of differences unless --allow-changes says so;
 - fixed: what the weights or the optimizer state are made of (the model, the objective, the
   optimizer, latent normalisation, REPA's feature set and projector width, which make the
@@ -34,7 +34,7 @@ from dittrain.config import SECTION_OF, SECTIONS, TrainConfig
 # What an optimizer step computes: a resume with other values trains another run.
 LEARNED = frozenset({
     "lr", "lr_schedule", "min_lr", "warmup_steps", "weight_decay", "ema", "grad_clip", "batch_size",
-    "accumulation_steps", "seed", "shuffle_window", "loss_weighting", "min_snr_gamma", "t_sampling",
+    "accumulation_steps", "seed", "shuffle_window", "bucket_remainder", "loss_weighting", "min_snr_gamma", "t_sampling",
     "t_mean", "t_std", "t_shift", "class_dropout", "caption_dropout", "amp", "tf32", "repa_depth", "repa_weight",
     "route",
 })

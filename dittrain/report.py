@@ -3,8 +3,10 @@
 FID evaluations during training; and what running out of GPU memory says.
 
     with Log(run, state, resumed=..., progress=...) as log:   the loggers and the bar, closed on errors too
-        log.step(loss, grad_norm[, repa])        after every kept optimizer step (repa: --repa's
-                                                 [REPA loss, mean cosine], logged as repa_loss, repa_cos)
+        log.step(loss, grad_norm[, repa, shapes]) after every kept optimizer step (repa: --repa's
+                                                 [REPA loss, mean cosine], logged as repa_loss, repa_cos;
+                                                 shapes: the micro-batches' (B, C, H, W), logged as
+                                                 batch_shape on a bucketed store's run)
         log.skipped()                            after a step skipped for a non-finite loss
     sample_grid(run, ema, step, log)             an EMA grid in RUN/samples/ (never stops a run)
     evaluate(run, state, step, log)              FID of the EMA model (never stops a run)
@@ -63,6 +65,7 @@ class Log:
                                 enabled=run.master and progress, every=cfg.logging.log_every, mininterval=1.0)
         self.postfix, self.shown = "", 0.0
         self.t_last, self.wait_last, self.steps_since = time.perf_counter(), state.loader.wait_seconds, 0
+        self.bucketed = bool(run.store.buckets)  # aspect-ratio buckets: each record says its batch's shape
 
     def __enter__(self) -> Log:
         return self
@@ -72,18 +75,22 @@ class Log:
         for logger in self.loggers:
             logger.close()
 
-    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor, repa: torch.Tensor | None = None) -> None:
+    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor, repa: torch.Tensor | None = None,
+             shapes: tuple[tuple[int, ...], ...] = ()) -> None:
         """After an optimizer step (state.step is its number). The device scalars are read on
-        log steps only."""
+        log steps only. shapes: the step's micro-batch shapes (a bucketed run logs them)."""
         cfg, step = self.run.cfg, self.state.step
         self.steps_since += 1
         if step % cfg.logging.log_every == 0 or step == cfg.optim.max_steps:
             rec, now = self._record(loss, grad_norm, repa)
+            if self.bucketed and shapes:  # "8x4x32x48" (B x C x H x W), micro-batches joined by "+"
+                rec["batch_shape"] = "+".join("x".join(map(str, s)) for s in shapes)
             if self.run.master:
                 self._scalars("train", rec)
                 aligned = f" repa_loss {rec['repa_loss']:.4f}" if repa is not None else ""
+                shape = f" batch {rec['batch_shape']}" if "batch_shape" in rec else ""
                 self.postfix = (f"loss {rec['loss']:.4f}{aligned} lr {rec['lr']:.2e} {rec['images_per_s']:.0f} img/s "
-                                f"wait {100 * rec['data_wait_frac']:.0f}%")
+                                f"wait {100 * rec['data_wait_frac']:.0f}%{shape}")
                 self.bar.set_postfix_str(self._postfix())
             self.t_last, self.wait_last, self.steps_since = now, self.state.loader.wait_seconds, 0
         self.bar.update(1)

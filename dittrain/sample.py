@@ -46,6 +46,7 @@ import torch
 from ditdata.common import files as files_api
 from ditdata.common.devices import autocast
 from ditdata.store import TEXT_FIELDS
+from dittrain.bucket_sizes import choose_size
 from dittrain.config import MAX_CFG_SCALE, SampleConfig, recorded
 from dittrain.diffusion import SAMPLER_TABLE, SAMPLERS, Diffusion, DiffusionConfig
 from dittrain.latents import LatentNorm
@@ -255,6 +256,8 @@ class SamplePlan:
     nrow: int = 1
     rows_per_class: bool = False  # the layout: a grid row per class or prompt (else flat)
     latents: dict | None = None  # the run's "latents" record (dittrain.latents): undone before decoding
+    grid: tuple[int, int] = (0, 0)  # (H, W) of the sampled latents: the model's square, or a bucket's
+    size: str | None = None  # a bucketed run: the bucket sampled ("WxH" px; dittrain.bucket_sizes)
 
     @property
     def guide(self) -> bool:
@@ -266,7 +269,8 @@ class SamplePlan:
         guidance = f", cfg {s.cfg_scale:g}" if self.kind != "none" else ""
         if guidance and s.cfg_channels:
             guidance += f" on the first {s.cfg_channels} channels"
-        return (f"sampling {self.total} image{many} with {self.name} ({self.diffusion.objective}, {s.sampler}, "
+        at = f" at {self.size} px" if self.size else ""
+        return (f"sampling {self.total} image{many}{at} with {self.name} ({self.diffusion.objective}, {s.sampler}, "
                 f"{s.steps} steps{guidance}) on {self.device}, seed {s.seed}")
 
     def record(self) -> dict:
@@ -275,7 +279,8 @@ class SamplePlan:
         return {"model": self.name, "objective": self.diffusion.objective, "sampler": s.sampler,
                 "steps": s.steps, "cfg_scale": s.cfg_scale if self.kind != "none" else None,
                 "cfg_channels": s.cfg_channels or None, "seed": s.seed,
-                "batch_size": s.batch_size, "layout": "row per class" if self.rows_per_class else "flat"}
+                "batch_size": s.batch_size, "layout": "row per class" if self.rows_per_class else "flat",
+                **({"size": self.size} if self.size else {})}
 
 
 _IS = {"class": "class-conditional (use --class)", "text": "text-conditioned (use --prompt)",
@@ -339,7 +344,7 @@ def _text_inputs(text: dict, cfg: DiTConfig) -> dict[str, torch.Tensor]:
 def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiTConfig | None = None,
                  device="auto", classes=(), prompts=(), text: dict | None = None, n: int | None = None,
                  n_per_class: int | None = None, per_class_dir: bool = False,
-                 nrow: int | None = None) -> SamplePlan:
+                 nrow: int | None = None, size: str | None = None) -> SamplePlan:
     """Check a sampling call and decide all it draws; SampleError on the first problem.
 
     config: the run's resolved config (model: its DiTConfig, when the caller holds the DiT).
@@ -348,8 +353,9 @@ def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiT
     n_per_class = K: K samples of each class (default: all) or prompt, a grid row each.
     text: a text model's embeddings {field: (N, ...)}, one sample each, instead of prompts.
     per_class_dir: the singles in a folder per class or prompt in the flat layout too.
-    nrow: images per grid row (default: K in rows, else ceil(sqrt(samples)))."""
+    nrow: images per grid row (default: K in rows, else ceil(sqrt(samples))); size: a bucketed run's "WxH"."""
     cfg = model or model_config(config)
+    bucket, grid = choose_size(config, cfg, size)
     diffusion, kind = diffusion_config(config), conditioning_kind(cfg)
     _check_choices(kind, settings, classes=classes, prompts=prompts, text=text, n=n, n_per_class=n_per_class,
                    nrow=nrow)
@@ -381,7 +387,7 @@ def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiT
         groups=_tuple(picks) if n_per_class is not None or per_class_dir else None,
         records=tuple(records) or tuple({} for _ in range(total)),
         nrow=nrow or n_per_class or _square(total), rows_per_class=n_per_class is not None,
-        latents=config.get("latents"),
+        latents=config.get("latents"), grid=grid, size=bucket,
     )
 
 
@@ -415,10 +421,9 @@ def run_plan(model, plan: SamplePlan, store, *, autoencoder=None, text_encoder=N
     `vae`): (N, H, W, 3) uint8. Prompts are embedded with `text_encoder` or the store's.
     NonFiniteSamples (a SampleError) when a batch's latents or images hold NaN or inf."""
     cond, empty = _conditions(plan, store, text_encoder=text_encoder, text_pretrained=text_pretrained)
-    cfg, s, dev = plan.model, plan.settings, plan.device
+    s, dev = plan.settings, plan.device
     generator = torch.Generator().manual_seed(s.seed)
-    noise = torch.randn((plan.total, cfg.in_channels, cfg.input_size, cfg.input_size),
-                        generator=generator)  # all first: batch-size independent
+    noise = torch.randn((plan.total, plan.model.in_channels, *plan.grid), generator=generator)  # all first
     if autoencoder is None:
         autoencoder = load_autoencoder(store, dev, vae)
     diffusion = Diffusion(plan.diffusion)
@@ -597,6 +602,7 @@ def kept_autoencoder(store, device: torch.device):
 
 def store_text(store, n: int) -> dict[str, torch.Tensor]:
     """The text embeddings of the store's first n samples (for grids without a text encoder)."""
+    store = max(store.buckets, key=lambda b: b.num_samples).store if store.buckets else store  # its largest bucket
     fields_ = [f for f in TEXT_FIELDS if f in store.schema.tensors]
     if not fields_ or not store.shards:
         raise SampleError(f"{store.root}: the store holds no text embeddings")
@@ -637,6 +643,7 @@ def sample_to_files(
     device="auto",
     text_pretrained: str | None = None,
     grid_scale: int = 1,
+    size: str | None = None,
     log=print,
 ) -> dict:
     """The `dittrain sample` command: open, plan, sample, write, report.
@@ -648,11 +655,11 @@ def sample_to_files(
     (classes drawn at random with the seed when none are given); nrow = ceil(sqrt(n)).
     Row layout (n_per_class = K): one row of K samples per class (default: all classes)
     or per prompt, singles under SINGLES/<class or prompt index>/ (as per_class_dir).
-    settings: cfg scale, steps, sampler, seed, batch size and precision (SampleConfig)."""
+    settings: cfg scale, steps, sampler, seed, batch size and precision (SampleConfig); size: plan_samples'."""
     check_output(out)
     config, store, note = engine.open(device)
     plan = plan_samples(config, store, settings, device=device, classes=classes, prompts=list(prompts), n=n,
-                        n_per_class=n_per_class, per_class_dir=per_class_dir, nrow=nrow)
+                        n_per_class=n_per_class, per_class_dir=per_class_dir, nrow=nrow, size=size)
     if note:
         log(note)
     log(plan.describe())

@@ -2,6 +2,8 @@
 
     server = Server(RUN, device="auto")              opened.TorchEngine: the run and its DiT, once
     out = server.generate(Request(choice="207", n=4, steps=50, seed=None))
+                                                     (size="352x176": a bucketed run's bucket, as --size;
+                                                     the page offers them in a dropdown, server.sizes)
     out.images, out.command, out.message, out.seed   PNG-ready uint8 images, the `dittrain sample`
                                                      line that gives them, a note, the seed used
     demo = build_app(server)                         gradio Blocks over generate
@@ -56,6 +58,7 @@ import numpy as np
 
 from ditdata.common.errors import UserError, one_line
 from ditdata.common.extras import missing_extra
+from dittrain.bucket_sizes import default_size, run_sizes
 from dittrain.config import SampleConfig
 from dittrain.diffusion import SAMPLERS
 from dittrain.opened import (
@@ -88,6 +91,7 @@ class Request:
     cfg_scale: float = _S.cfg_scale
     sampler: str | None = None
     seed: int | None = _S.seed
+    size: str | None = None  # a bucketed run: the bucket ("WxH" px); None: its default
 
 
 class Generated(NamedTuple):
@@ -110,6 +114,7 @@ class _Call:
     prompts: tuple[str, ...]
     n: int
     settings: SampleConfig
+    size: str | None = None  # a bucketed run's bucket, as `--size`
 
 
 def _int(value, what: str, lo: int, hi: int, why: str = "") -> int:
@@ -181,6 +186,9 @@ class Server:
         self._steps_limit = " (ddpm: the run's timesteps)" if ddpm_limit <= max_steps else " (the server's --max-steps)"
         self.samplers = tuple(SAMPLERS[self.diffusion.objective])
         self.names = class_names(self.store) if self.kind == "class" else None
+        # a bucketed run: the page's size dropdown ("WxH" px), its default first chosen
+        self.sizes = [b["name"] for b in run_sizes(self.config)]
+        self.default_size = default_size(self.config, self.model_cfg)
         self.model = engine.network(self.device)
         del engine  # and its reference to the state dict
         self.autoencoder = load_autoencoder(self.store, self.device, vae)  # what run_plan would load
@@ -206,6 +214,9 @@ class Server:
 
     @property
     def image_size(self) -> tuple[int, int] | None:
+        if self.default_size:  # a bucketed run: its default bucket's (W, H)
+            w, h = self.default_size.split("x")
+            return int(w), int(h)
         res = (self.store.manifest.get("image") or {}).get("resolution") if hasattr(self.store, "manifest") else None
         return (res, res) if res else None
 
@@ -253,7 +264,10 @@ class Server:
             prompts = (choice,)
         settings = SampleConfig(cfg_scale=cfg if self.kind != "none" else _S.cfg_scale, steps=steps,
                                 sampler=sampler, seed=seed, batch_size=self.batch_size, precision=self.precision)
-        return _Call(classes, prompts, n, settings)
+        size = str(req.size).strip() if req.size and self.sizes else None  # plan_samples refuses an unknown one
+        if req.size and not self.sizes:
+            raise SampleError(f"size {req.size}: this run samples at its own size only (no aspect-ratio buckets)")
+        return _Call(classes, prompts, n, settings, size)
 
     def command(self, call: _Call) -> str:
         """The `dittrain sample` line whose plan is this call's (see the module docstring)."""
@@ -268,6 +282,8 @@ class Server:
         for p in call.prompts:
             args += ["--prompt", p]
         args += ["--n", str(call.n), "--steps", str(s.steps)]
+        if call.size is not None:
+            args += ["--size", call.size]
         if self.kind != "none":
             args += ["--cfg", repr(s.cfg_scale)]
         args += ["--sampler", s.sampler, "--seed", str(s.seed), "--batch-size", str(s.batch_size),
@@ -284,7 +300,7 @@ class Server:
             seed = _int(seed, "seed", 0, MAX_SEED)
             call = self._call(req, seed)
             plan = plan_samples(self.config, self.store, call.settings, device=self.device, classes=call.classes,
-                                prompts=list(call.prompts), n=call.n)
+                                prompts=list(call.prompts), n=call.n, size=call.size)
             with self._lock:  # gradio's queue runs one request at a time; direct callers too
                 encoder = self.text_encoder() if plan.kind == "text" else None
                 images = run_plan(self.model, plan, self.store, autoencoder=self.autoencoder, text_encoder=encoder)
@@ -356,6 +372,11 @@ def build_app(server: Server):
                                       placeholder="embedded with the store's text encoder")
                 else:
                     cond = gr.State("")
+                if server.sizes:  # a bucketed run: one of its buckets' sizes
+                    size_choice = gr.Dropdown(server.sizes, value=server.default_size, label="size (W x H px)",
+                                              elem_id="size")
+                else:
+                    size_choice = gr.State(None)
                 n = gr.Slider(1, server.max_images, value=min(4, server.max_images), step=1, label="images",
                               elem_id="n")
                 steps = gr.Number(value=min(_S.steps, server.max_steps), precision=0, elem_id="steps",
@@ -375,15 +396,15 @@ def build_app(server: Server):
                                      lines=2, elem_id="command", buttons=["copy"])
                 message = gr.Markdown(elem_id="message")
 
-        def on_generate(choice, n_, steps_, cfg_, sampler_, seed_, random_):
+        def on_generate(choice, n_, steps_, cfg_, sampler_, seed_, random_, size_):
             out = server.generate(Request(choice=choice, n=n_, steps=steps_, cfg_scale=cfg_, sampler=sampler_,
-                                          seed=None if random_ else seed_))
+                                          seed=None if random_ else seed_, size=size_))
             if not out.ok:
                 raise gr.Error(out.message, print_exception=False)
             items = list(zip(list(out.images), server.captions(out), strict=True))
             return items, out.command, out.message, out.seed
 
-        inputs = [cond, n, steps, cfg, sampler, seed, random_seed]
+        inputs = [cond, n, steps, cfg, sampler, seed, random_seed, size_choice]
         go.click(on_generate, inputs, [gallery, command, message, seed])
         if server.kind == "text":
             cond.submit(on_generate, inputs, [gallery, command, message, seed])

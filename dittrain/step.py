@@ -61,14 +61,17 @@ class Pending:
     loss: torch.Tensor  # () fp32, on the device
     stop: bool  # this rank was asked to stop (SIGTERM/SIGINT) before the step
     repa: torch.Tensor | None = None  # (2,) fp32 on the device, --repa: [REPA loss, mean cosine]
+    # (B, C, H, W) of each micro-batch's latents, this rank's: a bucketed store's differ (the logs show them)
+    shapes: tuple[tuple[int, ...], ...] = ()
 
 
 class Attempt:
     """An optimizer step queued on the device; `settle()` gives its verdict on the host."""
 
     def __init__(self, loss: torch.Tensor, grad_norm: torch.Tensor, ok: torch.Tensor, stop: torch.Tensor,
-                 repa: torch.Tensor | None = None):
+                 repa: torch.Tensor | None = None, shapes: tuple[tuple[int, ...], ...] = ()):
         self.loss, self.grad_norm = loss, grad_norm  # () device tensors: mean over ranks; total norm
+        self.shapes = shapes  # Pending.shapes: the micro-batches' latent shapes
         self.repa = repa  # (2,) device tensor (REPA loss, mean cosine; mean over ranks) or None
         dev = ok.device
         # [ok, stop] copied behind the step's own work: waiting on the event waits for this
@@ -109,7 +112,7 @@ class TrainStep:
         self.train_model, self.optimizer, self.scaler, self.diffusion = train_model, optimizer, scaler, diffusion
         self.cfg, self.gen, self.device, self.amp_dtype = cfg, gen, device, amp_dtype
         self.norm, self.empty_text, self.world, self.repa = norm, empty_text or {}, world, repa
-        self.route, self.tokens = parse_route(cfg.routing.route), model.config.num_tokens  # --route, or None
+        self.route, self.patch = parse_route(cfg.routing.route), model.config.patch_size  # --route, or None
         # clipped together: one total norm over the model's and the projector's gradients
         self.params = [p for p in model.parameters() if p.requires_grad] + trained_projector(repa)
         self.ema_params, self.model_params = list(ema.parameters()), list(model.parameters())
@@ -125,15 +128,19 @@ class TrainStep:
         global_micro = self.per_rank * world
         loss_sum = torch.zeros((), device=device)
         repa_sum = torch.zeros(2, device=device) if self.repa is not None else None
+        shapes = []
         for micro in range(cfg.optim.accumulation_steps):
             batch = next(loader)
             x0 = batch["x"] if self.norm is None else self.norm.normalize(batch["x"])  # on the device
+            shapes.append(tuple(x0.shape))
             noise = torch.randn((global_micro, *x0.shape[1:]), generator=gen, device=device)[self.mine]
             t = self.diffusion.sample_timesteps(global_micro, generator=gen, device=device)[self.mine]
             u = torch.rand(global_micro, generator=gen, device=device)[self.mine]
             kwargs = conditioning(batch, self.empty_text, cfg, u)
             if self.route is not None:  # --route: the kept tokens, drawn like the noise (exact resume)
-                kwargs["route"] = keep_rows(draw(self.route, global_micro, self.tokens, gen, device), self.mine)
+                # T of this batch's grid (a bucketed store's batches differ in shape)
+                tokens = (x0.shape[-2] // self.patch) * (x0.shape[-1] // self.patch)
+                kwargs["route"] = keep_rows(draw(self.route, global_micro, tokens, gen, device), self.mine)
             sync = micro == cfg.optim.accumulation_steps - 1 or world == 1
             with contextlib.nullcontext() if sync else self._no_sync():
                 with autocast(device, self.amp_dtype):
@@ -143,7 +150,7 @@ class TrainStep:
             if repa is not None:
                 repa_sum += repa
         acc = cfg.optim.accumulation_steps
-        return Pending(loss_sum / acc, stop, repa_sum / acc if repa_sum is not None else None)
+        return Pending(loss_sum / acc, stop, repa_sum / acc if repa_sum is not None else None, tuple(shapes))
 
     def _losses(self, batch: dict, x0, kwargs: dict, t, noise):
         """(what the backward takes, the diffusion loss, [REPA loss, mean cosine] or None)."""
@@ -181,7 +188,7 @@ class TrainStep:
         self._gated_step(ok)
         if self.scaler.is_enabled():  # fp16: the scale backs off after inf/NaN gradients
             self.scaler.update()
-        return Attempt(loss, grad_norm, ok, stop, repa)
+        return Attempt(loss, grad_norm, ok, stop, repa, pending.shapes)
 
     def _gated_step(self, ok: torch.Tensor) -> None:
         opt = self.optimizer

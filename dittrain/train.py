@@ -127,6 +127,7 @@ def _build(run: Run, ckpt: dict | None) -> RunState:
             run.store, batch_size=run.per_rank, kind=kind, seed=cfg.optim.seed, rank=run.rank,
             world_size=run.world, device=device, resident_device=cfg.data.resident_device,
             workers=cfg.data.workers, shuffle_window=window, memory=cfg.data.loader_memory,
+            remainder=cfg.data.bucket_remainder,
         )
     except ValueError as e:  # LoaderError (does not fit) or settings the loader refuses
         raise TrainError(str(e)) from e
@@ -237,7 +238,7 @@ def _keep_init(run: Run, saved: dict, first: str) -> None:
 # TrainConfig's names of the diffusion options whose DiffusionConfig names differ
 _DIFFUSION_NAME = {"t_mean": "logit_normal_mean", "t_std": "logit_normal_std"}
 # Changes (let through by --allow-changes) after which the data order cannot continue exactly
-_ORDER = frozenset({"batch_size", "accumulation_steps", "seed", "shuffle_window"})
+_ORDER = frozenset({"batch_size", "accumulation_steps", "seed", "shuffle_window", "bucket_remainder"})
 
 
 def _resume(run: Run, state: RunState, ckpt: dict, path: Path) -> None:
@@ -343,6 +344,8 @@ def _train(cfg: TrainConfig, resumption: Resumption | None, progress: bool = Tru
                   f"{state.loader.kind} ({state.loader.reason}); global batch {cfg.optim.batch_size} = {run.world} "
                   f"rank(s) x {cfg.optim.accumulation_steps} accumulation x {run.per_rank}; latent norm "
                   f"{run.latent_norm}; {_origin(cfg, ckpt, state)}", file=sys.stderr)
+            if (buckets := getattr(state.loader, "describe_buckets", None)) is not None:
+                print(f"dittrain: aspect-ratio buckets: {buckets()}", file=sys.stderr)
             if align is not None:
                 print(f"dittrain: {describe(cfg, run.model_cfg, run.resolved['store']['features'], state.projector)}",
                       file=sys.stderr)
@@ -498,7 +501,7 @@ class _Books:
             self.step.ema_update()
             state.lr_schedule.step()
             state.step += 1
-            self.log.step(attempt.loss, attempt.grad_norm, attempt.repa)
+            self.log.step(attempt.loss, attempt.grad_norm, attempt.repa, attempt.shapes)
             return kept, stop
         self.consecutive_bad += 1
         state.nonfinite_total += 1

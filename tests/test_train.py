@@ -94,10 +94,12 @@ def test_run_directory_and_logs(store, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model"]["in_channels"] == 3 and cfg["model"]["input_size"] == 8
     assert cfg["model"]["num_classes"] == 3 and cfg["train"]["model"]["model"] == "DiT-T/4"
+    assert "buckets" not in cfg["store"]  # a plain store records none
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004.pt", "step_00000006.pt"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert {"loss", "lr", "grad_norm", "images_per_s", "data_wait_frac"} <= rows[0].keys()
+    assert "batch_shape" not in rows[0]  # a bucketed store's runs log it; a plain one's records are as they were
     assert (out / "ema.safetensors").is_file() and any((out / "tensorboard").iterdir())
     assert sorted(p.name for p in (out / "samples").iterdir()) == ["step_00000003.png", "step_00000006.png"]
 

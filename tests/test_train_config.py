@@ -27,6 +27,7 @@ def test_run_choices_are_the_config_constants():
         "latent_norm": config.LATENT_NORMS, "loss_weighting": config.LOSS_WEIGHTINGS,
         "t_sampling": config.T_SAMPLINGS, "amp": config.AMP_MODES, "compile": config.COMPILE,
         "compile_mode": config.COMPILE_MODES, "loader": config.LOADERS, "resident_device": config.RESIDENT_DEVICES,
+        "bucket_remainder": config.BUCKET_REMAINDERS,
     }
 
 
@@ -37,8 +38,10 @@ def test_sample_samplers_are_the_config_constant():
 def test_the_constants_are_what_their_modules_check():
     from ditdata.common import devices
     from dittrain import grad_checkpointing, latents, loggers, step
+    from dittrain.data import bucketed
 
     assert latents.LATENT_NORMS is config.LATENT_NORMS and loggers.LOGGERS is config.LOGGERS
+    assert bucketed.REMAINDERS is config.BUCKET_REMAINDERS
     assert config.PRECISIONS == devices.PRECISIONS and set(config.AMP_MODES) == set(devices.PRECISIONS)
     assert set(config.COMPILE_TARGETS) < set(config.COMPILE)
     for knob in config.COMPILE:

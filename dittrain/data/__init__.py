@@ -10,7 +10,7 @@
     loader = build_loader(...); loader.load_state_dict(state)   # the next batches are identical
     loader.close()                         # stops the streaming worker processes
 
-Two loaders, one contract:
+Two loaders, one contract (and a third for a store of aspect-ratio buckets):
 
 ResidentLoader   the whole store (this rank's part of it) held in memory in its stored dtype
                  (fp16/bf16), in RAM or on the GPU; a batch is one index_select.
@@ -18,6 +18,9 @@ StreamingLoader  for stores larger than memory: worker processes read WINDOWS of
                  shards in bulk, shuffle each window in memory and cut it into batches that
                  travel through shared-memory slots; the main process puts them back into
                  the canonical order, pins them and copies them to the GPU ahead of the step.
+BucketedLoader   a bucketed store (ditdata encode --buckets), held in memory: every batch from
+                 one bucket, an epoch each bucket's samples cut into batches (the last partial
+                 one padded or dropped), all in one seeded order (bucketed.py's docstring).
 
 THE SAMPLE STREAM. Each rank's loader yields an infinite stream of samples: epoch 0's order,
 then epoch 1's, and so on. A batch is the next `batch_size` samples of that stream, so the
@@ -63,12 +66,14 @@ window is read again (a shuffle needs all of it) and its consumed part is skippe
 THE MODULES. base.py: the loader interface (what a batch is made of, the seeded streams, the
 errors, _Loader). resident.py: ResidentLoader. streaming.py: StreamingLoader, its plan, windows,
 workers and shared-memory slots. budget.py: the memory available (RAM, a container's limit, a
-GPU), choose_loader, and the streaming loader's memory budget. build_loader is here.
+GPU), choose_loader, and the streaming loader's memory budget. bucketed.py: BucketedLoader.
+build_loader is here.
 """
 
 from __future__ import annotations
 
 from .base import LoaderError, LoaderStateError, _open, targets
+from .bucketed import REMAINDERS, BucketedLoader
 from .budget import (
     AUTO_MAX_PREFETCH,
     AUTO_MAX_WINDOW,
@@ -80,6 +85,7 @@ from .budget import (
     WORKER_OVERHEAD,
     StreamingMemory,
     available_memory,
+    choose_bucketed,
     choose_loader,
     gpu_memory,
     loader_budget,
@@ -90,8 +96,8 @@ from .resident import ResidentLoader
 from .streaming import StreamingLoader
 
 __all__ = [
-    "LoaderError", "LoaderStateError", "ResidentLoader", "StreamingLoader", "available_memory",
-    "build_loader", "choose_loader", "gpu_memory", "loader_budget", "parse_memory", "targets",
+    "BucketedLoader", "LoaderError", "LoaderStateError", "REMAINDERS", "ResidentLoader", "StreamingLoader", "available_memory",
+    "build_loader", "choose_bucketed", "choose_loader", "gpu_memory", "loader_budget", "parse_memory", "targets",
     # the streaming loader's memory plan and the budget's settings (budget.py)
     "StreamingMemory", "plan_streaming_memory", "RESIDENT_MAX_FRACTION", "LOADER_MEMORY_FRACTION",
     "LOADER_MEMORY_CAP", "AUTO_MAX_WINDOW", "AUTO_MAX_PREFETCH", "AUTO_MIN_PREFETCH",
@@ -103,15 +109,23 @@ def build_loader(store, *, batch_size: int, kind: str = "auto", seed: int = 0, r
                  world_size: int = 1, device="cpu", resident_device="cpu", workers: int = 4,
                  shuffle_window: int | None = None, prefetch: int | None = None, with_index: bool = False,
                  memory_fraction: float = 0.5, local_world_size: int | None = None,
-                 split: str = "part", memory=None):
-    """A ResidentLoader or StreamingLoader over `store` (a Store or its path).
+                 split: str = "part", memory=None, remainder: str = REMAINDERS[0]):
+    """A ResidentLoader, StreamingLoader or BucketedLoader over `store` (a Store or its path).
 
     batch_size is per rank (the micro-batch one forward pass sees). kind: auto | resident |
     streaming; the choice and its reason are in loader.kind and loader.reason. split: how
     ranks share the data, "part" or "batch" (see the module's docstring). memory: the
     streaming loader's budget (see StreamingLoader); shuffle_window/prefetch None: sized by it.
+    A bucketed store (ditdata encode --buckets) gets a BucketedLoader whatever kind says but
+    streaming (refused: LoaderError); remainder: its buckets' last partial batches, pad | drop.
     """
     store = _open(store)
+    if store.buckets:  # aspect-ratio buckets: held in memory, a batch from one bucket (bucketed.py)
+        reason = choose_bucketed(store, kind=kind, world_size=world_size, resident_device=resident_device,
+                                 local_world_size=local_world_size)
+        return BucketedLoader(store, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size,
+                              device=device, resident_device=resident_device, with_index=with_index, reason=reason,
+                              remainder=remainder)
     kind, rdev, reason = choose_loader(store, kind=kind, rank=rank, world_size=world_size,
                                        resident_device=resident_device, memory_fraction=memory_fraction,
                                        local_world_size=local_world_size, split=split)
@@ -121,3 +135,4 @@ def build_loader(store, *, batch_size: int, kind: str = "auto", seed: int = 0, r
         return ResidentLoader(store, resident_device=rdev, **common)
     return StreamingLoader(store, workers=workers, shuffle_window=shuffle_window, prefetch=prefetch,
                            memory=memory, local_world_size=local_world_size, **common)
+

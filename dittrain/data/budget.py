@@ -225,6 +225,23 @@ def choose_loader(store, *, kind: str = "auto", rank: int = 0, world_size: int =
         f"streaming: {what}{share} is {frac}, over the {memory_fraction:.0%} limit for a resident store{note}")
 
 
+def choose_bucketed(store, *, kind: str = "auto", world_size: int = 1, resident_device="cpu",
+                    local_world_size: int | None = None) -> str:
+    """The reason of a bucketed store's loader (dittrain.data.bucketed): always resident, every
+    rank holding the whole store (its buckets), refused (LoaderError) where that cannot fit, as an
+    explicit resident loader is, and for kind "streaming" (not supported for buckets)."""
+    if kind == "streaming":
+        raise LoaderError(f"--loader streaming: {store.root} is a bucketed store (aspect-ratio buckets), which is "
+                          "read into memory only; use --loader auto or resident")
+    if kind not in ("auto", "resident", "bucketed"):
+        raise ValueError(f"unknown loader kind {kind!r}; use auto, resident or streaming")
+    need = sum(b.num_samples * _Spec(b.store).resident_bytes for b in store.buckets)
+    what = f"its {len(store.buckets)} buckets ({len(store):,} samples, {_gib(need)} as stored)"
+    fit = _check_resident_fits(torch.device(resident_device), need, _local_ranks(local_world_size, world_size), what)
+    return (f"bucketed: resident (a bucketed store is held in memory; streaming one is not supported); "
+            f"{what}{fit}; every batch from one bucket")
+
+
 def _local_ranks(local_world_size: int | None, world_size: int) -> int:
     """How many ranks share this machine's RAM (each holds its own resident part)."""
     local = local_world_size or launch_env().local_world_size

@@ -111,6 +111,13 @@ class ResidentLoader(_Loader):
             order, rows = torch.cat(order_parts), torch.cat(row_parts)
         if self.split == "batch":  # this rank's rows of the one-process batch
             order, rows = order[self._my_rows], rows[self._my_rows]
+        return self._finish(self.gather(order, rows), e, o)
+
+    def gather(self, order: torch.Tensor, rows: torch.Tensor) -> dict:
+        """The raw batch (stored dtypes, on the device) of block positions `order` with their
+        variant rows `rows` (i * V + variant), both on the resident device: the latents and
+        targets by `rows`, the extras (and index) by `order`. dittrain.data.bucketed holds
+        one ResidentLoader per bucket and makes its batches through this too."""
         pin = self._lookahead
         raw = {"lat": self._select(self._flat, rows, pin).view(-1, self.spec.P, *self.spec.lat_shape)}
         for f in self.spec.target_fields:  # the same rows: the targets of the latent's variant
@@ -120,7 +127,7 @@ class ResidentLoader(_Loader):
         if self.with_index:
             raw["index"] = self._select(self._block.index, order, pin)
             raw["flip"] = (rows % self.spec.V).bool()
-        return self._finish(self._to_device(raw), e, o)
+        return self._to_device(raw)
 
     @staticmethod
     def _select(t: torch.Tensor, idx: torch.Tensor, pin: bool) -> torch.Tensor:
