@@ -15,7 +15,8 @@ nearest its aspect ratio (distance in log ratio), resized to cover it and centre
 by the excess, loses at most STEP pixels in the cropped direction (half of it, mostly);
 an image beyond the extreme ratios goes to the extreme bucket and may lose more, which
 encode counts (`cropped_beyond_step`). The crop itself is preprocess.cover_crop, the
-square encode's ADM rule generalised to a rectangle.
+square encode's ADM rule generalised to a rectangle; Framing is what encode calls per image
+(the square crop without buckets, the bucket and its cover crop with them).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import math
 from dataclasses import dataclass
 
 from ditdata.errors import DitdataError
-from ditdata.preprocess import cover_size
+from ditdata.preprocess import center_crop, cover_crop, cover_size
 
 MAX_RATIO = 2.0  # the widest bucket is 2:1, the tallest 1:2
 
@@ -106,3 +107,19 @@ def crop_pixels(size: tuple[int, int], bucket: tuple[int, int]) -> int:
     an image of `size` to land it on `bucket`."""
     w, h = cover_size(size, bucket)
     return max(w - bucket[0], h - bucket[1])
+
+
+@dataclass(frozen=True)
+class Framing:
+    """How an image becomes the array encoded: the ADM centre crop to `resolution`, or with
+    bucket `sizes` (--buckets) the cover crop onto the bucket nearest its aspect ratio.
+    Called with a PIL image: (bucket (W, H) or None, uint8 (H, W, 3), extra meta)."""
+
+    resolution: int
+    sizes: tuple | None = None
+
+    def __call__(self, img):
+        if self.sizes is None:
+            return None, center_crop(img, self.resolution), {}
+        bucket = nearest(img.size, self.sizes)
+        return bucket, cover_crop(img, bucket), {"crop": crop_pixels(img.size, bucket)}

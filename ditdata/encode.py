@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ditdata import imageshards
-from ditdata.buckets import crop_pixels, nearest, parse_spec
+from ditdata.buckets import Framing, parse_spec
 from ditdata.bucketwriter import BucketWriter, with_latent_shape
 from ditdata.common.devices import amp_dtype, autocast, resolve_device
 from ditdata.common.dist import join, launch_env, leave
@@ -58,7 +58,7 @@ from ditdata.common.memory import halved, out_of_memory_hint
 from ditdata.common.progress import progress_bar
 from ditdata.config import DTYPES, MAX_RESOLUTION, POSTERIORS, EncodeConfig  # noqa: F401  (EncodeConfig: re-exported)
 from ditdata.errors import DitdataError
-from ditdata.preprocess import COVER_RULE, CROP_RULE, center_crop, cover_crop
+from ditdata.preprocess import COVER_RULE, CROP_RULE
 from ditdata.score import score_path
 from ditdata.store import BFLOAT16, LATENT_FIELDS, Schema, StoreWriter, TensorSpec, encode_array
 from ditdata.vae import load_autoencoder
@@ -69,22 +69,6 @@ GROUP_TIMEOUT = dt.timedelta(hours=12)
 
 
 # --------------------------------------------------------------------------- workers
-
-
-@dataclass(frozen=True)
-class Framing:
-    """How an image becomes the array encoded: the ADM centre crop to `resolution`, or with
-    bucket `sizes` (--buckets) the cover crop onto the bucket nearest its aspect ratio.
-    Called with a PIL image: (bucket (W, H) or None, uint8 (H, W, 3), extra meta)."""
-
-    resolution: int
-    sizes: tuple | None = None
-
-    def __call__(self, img):
-        if self.sizes is None:
-            return None, center_crop(img, self.resolution), {}
-        bucket = nearest(img.size, self.sizes)
-        return bucket, cover_crop(img, bucket), {"crop": crop_pixels(img.size, bucket)}
 
 
 class ShardImages(torch.utils.data.IterableDataset):

@@ -20,7 +20,8 @@ from PIL import Image
 from tiny import fetch_tree, real_images
 
 from ditdata import imageshards
-from ditdata.encode import Framing, _shard_batches
+from ditdata.buckets import Framing
+from ditdata.encode import _shard_batches
 from ditdata.store import open_store
 
 
