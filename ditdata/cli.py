@@ -193,9 +193,15 @@ def fetch(source, out, quiet, **options):
               help="Recompute every shard, replacing scores made by another model or weights.")
 @click.option("--skip-bad-shards", is_flag=True,
               help=_skip_bad_shards_help("each gets NNNNN.clip.skipped.json; filter selects nothing from it"))
+@click.option("--save-embeddings", is_flag=True,
+              help="Also keep each image's L2-normalised CLIP embedding (float16 column image_embedding), "
+                   "for `ditdata dedup`. Shards scored before without them are scored again.")
+@click.option("--aesthetic", type=click.Path(dir_okay=False, path_type=str), default=None, metavar="FILE",
+              help="Also score each image with the LAION aesthetic predictor in this local state-dict file "
+                   "(the MLP or the linear head; made for ViT-L-14 embeddings): column aesthetic.")
 @_quiet
 def score(shards, clip_name, pretrained, clip_config, device, batch_size, workers, overwrite,
-          skip_bad_shards, quiet):
+          skip_bad_shards, save_embeddings, aesthetic, quiet):
     """CLIP-score every image-caption pair of the image SHARDS folder (from `ditdata fetch`).
 
     Writes NNNNN.clip.parquet beside each NNNNN.tar: key, clip_score (cosine similarity
@@ -211,13 +217,16 @@ def score(shards, clip_name, pretrained, clip_config, device, batch_size, worker
       ditdata score ./laion_shards --clip ViT-B-32 --pretrained laion2b_s34b_b79k
       ditdata score ./laion_shards --clip ViT-L-14 --pretrained datacomp_xl_s13b_b90k --batch-size 256
       ditdata score ./shards --clip ViT-B-32 --pretrained ./open_clip_pytorch_model.bin --device cpu
+      ditdata score ./laion_shards --clip ViT-L-14 --pretrained openai --save-embeddings \\
+          --aesthetic ./sac+logos+ava1-l14-linearMSE.pth
     """
     from ditdata.score import report
     from ditdata.score import score as run_score
 
     summary = run_score(shards, clip=clip_name, pretrained=pretrained, clip_config=clip_config, device=device,
                         batch_size=batch_size, workers=workers, overwrite=overwrite,
-                        skip_bad_shards=skip_bad_shards, progress=not quiet)
+                        skip_bad_shards=skip_bad_shards, progress=not quiet, save_embeddings=save_embeddings,
+                        aesthetic=aesthetic)
     click.echo(f"{shards}: {report(summary)}")
 
 
@@ -235,30 +244,53 @@ def score(shards, clip_name, pretrained, clip_config, device, batch_size, worker
               help="Longer side / shorter side <= R.")
 @click.option("--min-caption-length", type=click.IntRange(min=0), default=None,
               help="Caption of at least N characters (after stripping whitespace).")
+@click.option("--min-aesthetic", type=FiniteFloat(), default=None,
+              help="Keep aesthetic >= A (from `ditdata score --aesthetic`; LAION-Aesthetics: 5, 6, 6.5).")
+@click.option("--top-aesthetic-fraction", type=FiniteFloat(min=0, max=1, min_open=True), default=None,
+              help="Keep the top F by aesthetic score (ties at the cut-off all kept).")
+@click.option("--select", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
+              metavar="SELECTION",
+              help="Only samples of this earlier selection (e.g. `ditdata dedup`'s); top fractions are "
+                   "then of its samples.")
 @click.option("--out", "-o", required=True, type=click.Path(dir_okay=False, path_type=str),
               help="Selection file to write: parquet, or JSON if the name ends in .json.")
-def filter_(shards, min_clip_score, top_fraction, min_width, min_height, max_aspect_ratio, min_caption_length, out):
-    """Select samples of a scored SHARDS folder by CLIP score and write their keys to --out.
+def filter_(shards, min_clip_score, top_fraction, min_width, min_height, max_aspect_ratio, min_caption_length,
+            min_aesthetic, top_aesthetic_fraction, select, out):
+    """Select samples of a scored SHARDS folder by CLIP score, aesthetic score, size and
+    caption, and write their keys to --out.
 
-    Exactly one score rule: --min-clip-score X or --top-fraction F (a global threshold over
-    all shards). Samples without a score (no caption, undecodable image) are never kept.
-    Size and caption rules are combined with AND; sizes are those of the source image
-    when fetch recorded them. Images are never rewritten: pass the selection to
-    `ditdata encode --select`.
+    At most one CLIP-score rule (--min-clip-score X or --top-fraction F) and at most one
+    aesthetic rule (--min-aesthetic A or --top-aesthetic-fraction F), each a global
+    threshold over all shards; at least one rule of any kind. Every rule given must hold
+    (AND). The two top fractions are each resolved on their own score over the same
+    candidates (all samples, or those of --select), not one after the other: 0.5 and 0.5
+    keep the samples in both top halves. Samples without a score (no caption,
+    undecodable image) never pass a score rule. Sizes are those of the source image when
+    fetch recorded them. Images are never rewritten: pass the selection to
+    `ditdata encode --select`. To drop near-duplicates too, run `ditdata dedup --select`
+    on this selection (or --select a dedup selection here).
 
     \b
     Examples:
       ditdata filter ./laion_shards --min-clip-score 0.28 --out keep.parquet
       ditdata filter ./laion_shards --top-fraction 0.3 --min-width 256 --min-height 256 \\
           --max-aspect-ratio 2 --min-caption-length 5 --out keep.parquet
+      ditdata filter ./laion_shards --min-clip-score 0.28 --min-aesthetic 5 --out keep.parquet
+      ditdata filter ./laion_shards --top-aesthetic-fraction 0.2 --select dedup.parquet --out keep.parquet
     """
-    if (min_clip_score is None) == (top_fraction is None):
-        raise click.UsageError("give exactly one of --min-clip-score X and --top-fraction F")
+    for a, b, flags in ((min_clip_score, top_fraction, "--min-clip-score X and --top-fraction F"),
+                        (min_aesthetic, top_aesthetic_fraction, "--min-aesthetic A and --top-aesthetic-fraction F")):
+        if a is not None and b is not None:
+            raise click.UsageError(f"give at most one of {flags}")
+    if all(v is None for v in (min_clip_score, top_fraction, min_aesthetic, top_aesthetic_fraction, select)):
+        raise click.UsageError("give a rule: --min-clip-score X, --top-fraction F, --min-aesthetic A, "
+                               "--top-aesthetic-fraction F or --select SELECTION")
     from ditdata.selection import filter_shards, report
 
     _, summary = filter_shards(shards, out, min_clip_score=min_clip_score, top_fraction=top_fraction,
                                min_width=min_width, min_height=min_height, max_aspect_ratio=max_aspect_ratio,
-                               min_caption_length=min_caption_length)
+                               min_caption_length=min_caption_length, min_aesthetic=min_aesthetic,
+                               top_aesthetic_fraction=top_aesthetic_fraction, select=select)
     click.echo(f"{shards}: {report(summary)}")
 
 
