@@ -3,6 +3,7 @@ command parses and checks its options, hands them to one module and prints what 
 module reports (its `report`, `describe` or list of faults):
 
     fetch -> ditdata.fetch    score -> ditdata.score    filter -> ditdata.selection
+    dedup -> ditdata.dedup
     encode -> ditdata.encode  features -> ditdata.features  inspect, verify -> ditdata.summary
 
 The defaults and choices of fetch, encode and features are those of ditdata/config.py
@@ -22,6 +23,7 @@ from ditdata.common.cli import FiniteFloat, OneLineErrors, quiet_option
 from ditdata.common.extras import install_hint
 from ditdata.config import (
     CLIP_MODEL,
+    DEDUP_EXACT_MAX,
     DEFAULT_URL_IMAGE_SIZE,
     DISTRIBUTORS,
     DTYPES,
@@ -34,6 +36,7 @@ from ditdata.config import (
     POSTERIORS,
     RESIZE_MODES,
     SCORE_BATCH_SIZE,
+    DedupConfig,
     EncodeConfig,
     FeaturesConfig,
     FetchConfig,
@@ -53,6 +56,7 @@ def _opt(config, *names, field, **kw):
 _fetch_opt = partial(_opt, FetchConfig)
 _encode_opt = partial(_opt, EncodeConfig)
 _features_opt = partial(_opt, FeaturesConfig)
+_dedup_opt = partial(_opt, DedupConfig)
 _quiet = quiet_option
 
 
@@ -72,6 +76,7 @@ def main():
       ditdata fetch   SOURCE --out SHARDS        URL list / ImageNet / folder -> image shards
       ditdata score   SHARDS --clip ViT-B-32     CLIP score per image-caption pair
       ditdata filter  SHARDS --min-clip-score X  -> a selection of keys
+      ditdata dedup   SHARDS --threshold 0.95    near-duplicates out -> a selection
       ditdata encode  SHARDS --vae NAME --out STORE
       ditdata features STORE --encoder dinov2-vitb14   representation targets (REPA) beside the latents
       ditdata inspect STORE                      summary (and --decode N to eyeball latents)
@@ -291,6 +296,47 @@ def filter_(shards, min_clip_score, top_fraction, min_width, min_height, max_asp
                                min_width=min_width, min_height=min_height, max_aspect_ratio=max_aspect_ratio,
                                min_caption_length=min_caption_length, min_aesthetic=min_aesthetic,
                                top_aesthetic_fraction=top_aesthetic_fraction, select=select)
+    click.echo(f"{shards}: {report(summary)}")
+
+
+@main.command()
+@configfile.option()
+@click.argument("shards", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False, path_type=str),
+              help="Selection file to write: parquet, or JSON if the name ends in .json.")
+@_dedup_opt("--threshold", field="threshold", type=FiniteFloat(min=0, max=1, min_open=True),
+            help="Cosine similarity of the CLIP image embeddings at or above which two images are duplicates.")
+@_dedup_opt("--exact/--approximate", field="exact",
+            help=f"Compare every pair (exact) or join within k-means cells (approximate). Default: exact up "
+                 f"to {DEDUP_EXACT_MAX} images, approximate above.")
+@_dedup_opt("--select", field="select", type=click.Path(exists=True, dir_okay=False, path_type=str),
+            metavar="SELECTION", help="Only the samples of this selection (e.g. `ditdata filter`'s).")
+@_dedup_opt("--grid", field="grid", type=click.Path(dir_okay=False, path_type=str), metavar="PNG",
+            help="The sample grid of the largest groups. Default: --out's name with .groups.png; '' for none.")
+@_dedup_opt("--grid-groups", field="grid_groups", type=click.IntRange(min=0), help="Groups shown in the grid.")
+@_dedup_opt("--threads", field="threads", type=click.IntRange(min=1), help="faiss threads. Default: all cores.")
+@_quiet
+def dedup(shards, quiet, **options):
+    """Drop near-duplicate images of a scored SHARDS folder: write a selection that keeps one
+    image per group (the highest CLIP score; ties: the smallest key).
+
+    Needs the image embeddings of `ditdata score --save-embeddings` (faiss-cpu, the dedup
+    extra, searches them). Two images whose embeddings reach --threshold are a pair; pairs
+    chain into groups. Images without an embedding (no caption, undecodable) are left out.
+    The selection composes with `ditdata filter` both ways (--select here, or there);
+    pass it to `ditdata encode --select`. Look at the grid before trusting a threshold.
+
+    \b
+    Examples:
+      ditdata score ./laion_shards --clip ViT-L-14 --pretrained openai --save-embeddings
+      ditdata dedup ./laion_shards --threshold 0.95 --out dedup.parquet
+      ditdata filter ./laion_shards --min-clip-score 0.28 --out keep.parquet
+      ditdata dedup ./laion_shards --select keep.parquet --out keep-dedup.parquet
+    """
+    from ditdata.dedup import dedup as run_dedup
+    from ditdata.dedup import report
+
+    summary = run_dedup(DedupConfig(shards=shards, progress=not quiet, **options))
     click.echo(f"{shards}: {report(summary)}")
 
 

@@ -372,7 +372,7 @@ def filter_shards(
     if rule["kept"] == 0:
         rng = f"scores range {np.nanmin(scores):.4f}..{np.nanmax(scores):.4f}" if scored else "no sample has a score"
         raise DitdataError(f"no sample passes the rule ({rng}); nothing written")
-    by_shard, kept_scores = _kept(table.column("shard").to_pylist(), keys, scores, keep)
+    by_shard, kept_scores = kept_samples(table.column("shard").to_pylist(), keys, scores, keep)
     write_selection(out, by_shard, rule, kept_scores)
     sel = Selection(keys={k for ks in by_shard.values() for k in ks}, rule=rule, shards=by_shard, path=str(out))
     summary = {"rule": rule, "drops": dict(drops.most_common()), "scores": scores, "keep": keep, "out": str(out),
@@ -404,7 +404,7 @@ def candidates_of(select, keys: list[str]):
     return mask, {"path": str(Path(sel.path).resolve()) if sel.path else None, "rule": sel.rule}
 
 
-def _kept(shard_col: list[str], keys: list[str], scores, keep) -> tuple[dict[str, list[str]], list]:
+def kept_samples(shard_col: list[str], keys: list[str], scores, keep) -> tuple[dict[str, list[str]], list]:
     """The kept samples: {shard: keys in stored order} and their scores (None: null)."""
     import numpy as np
 
