@@ -237,7 +237,13 @@ def dedup(cfg: DedupConfig) -> dict:
     returns the summary `report` prints (module docstring)."""
     import numpy as np
 
-    from ditdata.selection import candidates_of, kept_samples, read_scores, unique_keys, write_selection
+    from ditdata.selection import (
+        candidates_of,
+        kept_samples,
+        read_scores,
+        unique_keys,
+        write_selection,
+    )
 
     if not 0 < cfg.threshold <= 1:
         raise DitdataError(f"--threshold must be in (0, 1], got {cfg.threshold}")
