@@ -114,7 +114,8 @@ def _cells(faiss, emb, plan: dict):
     n, d = emb.shape
     cells, k = plan["cells"], plan["cells_per_image"]
     sample = np.sort(np.random.default_rng(SEED).choice(n, min(n, cells * TRAIN_PER_CELL), replace=False))
-    km = faiss.Kmeans(d, cells, niter=KMEANS_ITERATIONS, spherical=True, seed=SEED, verbose=False)
+    km = faiss.Kmeans(d, cells, niter=KMEANS_ITERATIONS, spherical=True, seed=SEED, verbose=False,
+                      min_points_per_centroid=1)  # TRAIN_PER_CELL is below faiss' advice (39); fewer is fine here
     km.train(_f32(emb[sample]))
     quantizer = faiss.IndexFlatIP(d)
     quantizer.add(km.centroids)
@@ -367,7 +368,7 @@ def report(summary: dict) -> str:
     dd = r["dedup"]
     plan = dd["search"]
     how = (f"exact ({plan['index']})" if plan["kind"] == "exact"
-           else f"approximate ({plan['index']}, {plan['cells']} cells, nprobe {plan['nprobe']})")
+           else f"approximate ({plan['index']}, {plan['cells']} cells, {plan['cells_per_image']} per image)")
     lines = [
         f"kept {r['kept']} / {r['total']} samples -> {summary['out']}",
         f"  compared {r['compared']} images" + (f" (of the selection {r['select']['path']})" if r.get("select") else "")

@@ -375,8 +375,9 @@ def filter_shards(
     by_shard, kept_scores = kept_samples(table.column("shard").to_pylist(), keys, scores, keep)
     write_selection(out, by_shard, rule, kept_scores)
     sel = Selection(keys={k for ks in by_shard.values() for k in ks}, rule=rule, shards=by_shard, path=str(out))
-    summary = {"rule": rule, "drops": dict(drops.most_common()), "scores": scores, "keep": keep, "out": str(out),
-               "aesthetic": cols.get("aesthetic")}
+    a = cols.get("aesthetic")  # the histograms show the candidates (--select) only
+    summary = {"rule": rule, "drops": dict(drops.most_common()), "scores": scores[among], "keep": keep[among],
+               "out": str(out), "aesthetic": None if a is None else a[among]}
     return sel, summary
 
 
