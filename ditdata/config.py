@@ -64,7 +64,7 @@ SCORE_BATCH_SIZE = 128
 
 # Up to this many embeddings `ditdata dedup` compares every pair (exact); above it, an IVF
 # self-join (ditdata.dedup). The exact search's cost grows with the square of the count: on 2
-# shared CPU cores 20 k took 5-20 s and 100 k about 5 minutes, while the IVF join did 200 k
+# shared CPU cores 20 k took 5-20 s and 100 k 5-6 minutes, while the IVF join did 200 k
 # in 35 s (bench/dedup.py, bench/RESULTS.md).
 DEDUP_EXACT_MAX = 20_000
 

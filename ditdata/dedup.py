@@ -240,10 +240,11 @@ def dedup(cfg: DedupConfig) -> dict:
 
     from ditdata.selection import (
         candidates_of,
-        kept_samples,
+        clip_rule,
+        folder_rule,
+        publish,
         read_scores,
         unique_keys,
-        write_selection,
     )
 
     if not 0 < cfg.threshold <= 1:
@@ -254,60 +255,59 @@ def dedup(cfg: DedupConfig) -> dict:
     scores = table.column("clip_score").to_numpy(zero_copy_only=False).astype(np.float64)
     emb, has = _embeddings(d, table, ident)
     candidates, picked = candidates_of(cfg.select, keys)
-    use = has if candidates is None else has & candidates
-    idx = np.flatnonzero(use)
+    idx = np.flatnonzero(has if candidates is None else has & candidates)
     if idx.size == 0:
         raise DitdataError(f"{d}: no image has an embedding (every sample lacks a caption or is undecodable)")
-    sub = emb[idx]
-    a, b, cos, plan = neighbour_pairs(sub, cfg.threshold, exact=cfg.exact, threads=cfg.threads,
-                                      progress=cfg.progress)
-    labels = groups_of(len(idx), a, b)
-    sub_keys = [keys[i] for i in idx]
+    sub, sub_keys = emb[idx], [keys[i] for i in idx]
+    a, _, _, plan = pairs = neighbour_pairs(sub, cfg.threshold, exact=cfg.exact, threads=cfg.threads,
+                                            progress=cfg.progress)
+    labels = groups_of(len(idx), pairs[0], pairs[1])
     keep_sub = keep_one(labels, scores[idx], sub_keys)
     keep = np.zeros(len(keys), bool)
     keep[idx[keep_sub]] = True
-    sizes = np.bincount(labels, minlength=len(idx))
-    group_sizes = Counter(sizes[sizes >= 2].tolist())
-    rule = {
-        "clip_model": ident["model"],
-        "clip_pretrained": ident["pretrained"],
-        "clip_weights_sha256": ident["weights_sha256"],
-        "threshold": None,
-        "dedup": {
-            "threshold": float(cfg.threshold),
-            "search": plan,
-            "pairs": int(len(a)),
-            "groups": int(sum(group_sizes.values())),
-            "images_in_groups": int(sum(s * c for s, c in group_sizes.items())),
-            "removed": int(len(idx) - keep_sub.sum()),
-            "group_sizes": {str(s): c for s, c in sorted(group_sizes.items())},
-            "embeddings": ident["embeddings"],
-            "kept_per_group": "highest clip_score, ties by smallest key",
-        },
-        "kept": int(keep.sum()),
-        "total": len(keys),
-        "compared": int(idx.size),
-        "without_embedding": int((~has).sum()),
-        "shards_dir": str(d.resolve()),
-        "num_shards": len(set(table.column("shard").to_pylist())),
-    }
+    record = _record(cfg, plan, len(a), labels, keep_sub, ident)
+    rule = {**clip_rule(ident), "threshold": None, "dedup": record, "kept": int(keep.sum()),
+            "compared": int(idx.size), "without_embedding": int((~has).sum()), **folder_rule(d, table)}
     if picked is not None:
         rule["select"] = picked
-    shard_col = table.column("shard").to_pylist()
-    by_shard, kept_scores = kept_samples(shard_col, keys, scores, keep)
-    write_selection(cfg.out, by_shard, rule, kept_scores)
+    publish(cfg.out, table, keys, scores, keep, rule)
     grid = None if cfg.grid == "" else (cfg.grid or str(Path(cfg.out).with_suffix(".groups.png")))
     shown = 0
-    if grid and cfg.grid_groups > 0 and group_sizes:
-        rows = []
-        for g in _largest_groups(labels, keep_sub, scores[idx], sub_keys, cfg.grid_groups):
-            g = g[:GRID_COLUMNS]
-            cos_to_kept = _f32(sub[g]) @ _f32(sub[g[:1]])[0]
-            rows.append([(shard_col[idx[i]], keys[idx[i]], bool(keep_sub[i]), float(c))
-                         for i, c in zip(g, cos_to_kept, strict=True)])
-        sample_grid(grid, d, rows)
-        shown = len(rows)
+    if grid and cfg.grid_groups > 0 and record["groups"]:
+        groups = _largest_groups(labels, keep_sub, scores[idx], sub_keys, cfg.grid_groups)
+        shard_col = table.column("shard").to_pylist()
+        shown = sample_grid(grid, d, _grid_rows(groups, sub, keep_sub, [shard_col[i] for i in idx], sub_keys))
     return {"rule": rule, "out": str(cfg.out), "grid": grid if shown else None, "grid_rows": shown}
+
+
+def _record(cfg: DedupConfig, plan: dict, pairs: int, labels, keep, ident: dict) -> dict:
+    """The selection rule's dedup entry (module docstring)."""
+    import numpy as np
+
+    sizes = np.bincount(labels, minlength=len(labels))
+    group_sizes = Counter(sizes[sizes >= 2].tolist())
+    return {
+        "threshold": float(cfg.threshold),
+        "search": plan,
+        "pairs": int(pairs),
+        "groups": int(sum(group_sizes.values())),
+        "images_in_groups": int(sum(s * c for s, c in group_sizes.items())),
+        "removed": int(len(labels) - keep.sum()),
+        "group_sizes": {str(s): c for s, c in sorted(group_sizes.items())},
+        "embeddings": ident["embeddings"],
+        "kept_per_group": "highest clip_score, ties by smallest key",
+    }
+
+
+def _grid_rows(groups: list[list[int]], emb, keep, shards: list[str], keys: list[str]) -> list[list[tuple]]:
+    """The grid's rows: (shard, key, kept, cosine to the kept image) of each group's first
+    GRID_COLUMNS images."""
+    rows = []
+    for g in groups:
+        g = g[:GRID_COLUMNS]
+        cos_to_kept = _f32(emb[g]) @ _f32(emb[g[:1]])[0]
+        rows.append([(shards[i], keys[i], bool(keep[i]), float(c)) for i, c in zip(g, cos_to_kept, strict=True)])
+    return rows
 
 
 def _largest_groups(labels, keep, scores, keys: list[str], count: int) -> list[list[int]]:
@@ -325,9 +325,9 @@ def _largest_groups(labels, keep, scores, keys: list[str], count: int) -> list[l
     return out
 
 
-def sample_grid(path, shards_dir: Path, rows: list[list[tuple]]) -> None:
+def sample_grid(path, shards_dir: Path, rows: list[list[tuple]]) -> int:
     """A PNG with one row per group: (shard, key, kept, cosine to the kept image) per image;
-    the kept image framed green, the others red with their cosine."""
+    the kept image framed green, the others red with their cosine. Returns the rows drawn."""
     import io
 
     from PIL import Image, ImageDraw, ImageOps
@@ -360,6 +360,7 @@ def sample_grid(path, shards_dir: Path, rows: list[list[tuple]]) -> None:
     canvas.save(buf, "PNG")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(Path(path), buf.getvalue())
+    return len(rows)
 
 
 def report(summary: dict) -> str:

@@ -128,14 +128,18 @@ def schema(embed_dim: int | None = None, aesthetic: bool = False):
     return pa.schema(columns)
 
 
-def embedding_column(emb, valid):
-    """(N, D) float16 embeddings and an (N,) bool mask (False: null) -> a pyarrow column."""
+def embedding_column(embedded: dict, n: int, dim: int):
+    """{row: (D,) embedding} of n rows -> a float16 fixed-size-list pyarrow column (null
+    where a row has none; its slots hold zeros)."""
     import numpy as np
     import pyarrow as pa
 
-    emb = np.ascontiguousarray(emb, dtype=np.float16)
+    emb = np.zeros((n, dim), np.float16)
+    valid = np.zeros(n, bool)
+    for i, e in embedded.items():
+        emb[i], valid[i] = e, True
     values = pa.array(emb.reshape(-1), type=pa.float16())
-    return pa.FixedSizeListArray.from_arrays(values, emb.shape[1], mask=pa.array(~np.asarray(valid, bool)))
+    return pa.FixedSizeListArray.from_arrays(values, dim, mask=pa.array(~valid))
 
 
 def read_embeddings(path, num_rows: int, dim: int):
@@ -253,17 +257,7 @@ def score_shard(clip, shard_tar, *, batch_size: int = SCORE_BATCH_SIZE, workers:
 
     samples = shards.iter_shard(tar)
     for i, (s, px, status, w, h) in enumerate(prepared_samples(samples, clip.prepare_image, workers, 2 * batch_size)):
-        caption = (s.caption or "").strip()
-        rows["key"].append(s.key)
-        rows["clip_score"].append(None)
-        if aesthetic is not None:
-            rows[AESTHETIC].append(None)
-        rows["status"].append(status)
-        rows["width"].append(w)
-        rows["height"].append(h)
-        rows["original_width"].append(_int_or_none(s.meta.get("original_width")))
-        rows["original_height"].append(_int_or_none(s.meta.get("original_height")))
-        rows["caption_length"].append(len(caption) if caption else None)
+        caption = _append_row(rows, s, status, w, h)
         counts[status] += 1
         if status == OK:
             batch_idx.append(i)
@@ -279,16 +273,24 @@ def score_shard(clip, shard_tar, *, batch_size: int = SCORE_BATCH_SIZE, workers:
     rows["pretrained"] = [info["pretrained"]] * n
     meta = _score_meta(tar, info, n, counts)
     if save_embeddings:
-        dim = info["embed_dim"]
-        emb = np.zeros((n, dim), np.float16)
-        for i, e in embedded.items():
-            emb[i] = e
-        rows[EMBEDDING] = embedding_column(emb, np.isin(np.arange(n), list(embedded)))
-        meta["embeddings"] = {"dim": dim, "dtype": EMBEDDING_DTYPE, "normalized": True}
+        rows[EMBEDDING] = embedding_column(embedded, n, info["embed_dim"])
+        meta["embeddings"] = {"dim": info["embed_dim"], "dtype": EMBEDDING_DTYPE, "normalized": True}
     if aesthetic is not None:
         meta["aesthetic"] = aesthetic.record()
     write_scores(score_path(tar), rows, meta)
     return meta
+
+
+def _append_row(rows: dict, s, status: str, w, h) -> str:
+    """A sample's row, its scores null until its batch is scored; returns its stripped caption."""
+    caption = (s.caption or "").strip()
+    for name, v in (("key", s.key), ("clip_score", None), (AESTHETIC, None), ("status", status), ("width", w),
+                    ("height", h), ("original_width", _int_or_none(s.meta.get("original_width"))),
+                    ("original_height", _int_or_none(s.meta.get("original_height"))),
+                    ("caption_length", len(caption) if caption else None)):
+        if name in rows:  # AESTHETIC only with a predictor
+            rows[name].append(v)
+    return caption
 
 
 def _score_meta(tar: Path, info: dict, num_samples: int, counts: Counter) -> dict:
@@ -359,11 +361,7 @@ def _score(folder, *, clip, pretrained, clip_config, device, batch_size, workers
     if not clip and not clip_config:
         clip = DEFAULT_MODEL
     ident = resolve_pretrained(clip, pretrained, config=clip_config)
-    predictor = None
-    if aesthetic is not None:
-        from ditdata.aesthetic import load_predictor
-
-        predictor = load_predictor(aesthetic)
+    predictor = _load_predictor(aesthetic)  # a bad file stops the run before any work
     done = _already_scored(folder, ident, overwrite, save_embeddings, predictor)
     todo, skipped = _leave_out_bad(folder, [t for t in tars if t.name not in done], skip_bad_shards)
     metas = dict(done)
@@ -409,6 +407,15 @@ def _score(folder, *, clip, pretrained, clip_config, device, batch_size, workers
         "seconds": seconds,
         "samples_per_s": n_new / seconds if n_new and seconds > 0 else None,
     }
+
+
+def _load_predictor(path):
+    """The aesthetic predictor of --aesthetic FILE (ditdata.aesthetic); None without one."""
+    if path is None:
+        return None
+    from ditdata.aesthetic import load_predictor
+
+    return load_predictor(path)
 
 
 def _memory_hint(model: str, batch_size: int, device):

@@ -213,9 +213,7 @@ def read_scores(shards_dir, needs: tuple[str, ...] = ()):
     tars = shards.read_folder(d).shards
     if not tars:
         raise DitdataError(f"{d}: no image shards")
-    tables, missing, stale, idents, skipped = [], [], [], {}, []
-    lacking: dict[str, list[str]] = {n: [] for n in needs}
-    predictors: dict[str, dict] = {}
+    missing, stale, idents, skipped = [], [], {}, []
     metas: dict[str, dict] = {}
     for tar in tars:
         sp = score_path(tar)
@@ -232,16 +230,7 @@ def read_scores(shards_dir, needs: tuple[str, ...] = ()):
             continue
         ident = (meta.get("model"), meta.get("pretrained"), meta.get("weights_sha256"))
         idents.setdefault(ident, []).append(tar.name)
-        for n in needs:
-            if not meta.get(NEEDS[n][0]):
-                lacking[n].append(tar.name)
-        if "aesthetic" in needs and meta.get("aesthetic"):
-            predictors.setdefault(meta["aesthetic"].get("sha256"), meta["aesthetic"])
         metas[tar.name] = meta
-        if any(lacking.values()):
-            continue
-        t = pq.read_table(sp, columns=list(COLUMNS) + (["aesthetic"] if "aesthetic" in needs else []))
-        tables.append(t.append_column("shard", pa.array([tar.name] * t.num_rows, pa.string())))
     if missing:
         raise DitdataError(
             f"{d}: {len(missing)} of {len(tars)} shards have no complete CLIP scores (first: {missing[0]}); "
@@ -257,23 +246,39 @@ def read_scores(shards_dir, needs: tuple[str, ...] = ()):
         raise DitdataError(f"{d}: shards were scored by different CLIP models: {desc}; rescore with one model (--overwrite)")
     if not idents:
         raise DitdataError(f"{d}: every shard was left out as damaged by `ditdata score`; refetch them")
-    for n, names in lacking.items():
+    predictor = _check_needs(d, metas, needs)
+    tables = []
+    for name in metas:
+        t = pq.read_table(score_path(d / name), columns=list(COLUMNS) + (["aesthetic"] if "aesthetic" in needs else []))
+        tables.append(t.append_column("shard", pa.array([name] * t.num_rows, pa.string())))
+    (model, pretrained, sha), = idents
+    first = next(iter(metas.values()))
+    return pa.concat_tables(tables), {"model": model, "pretrained": pretrained, "weights_sha256": sha,
+                                      "skipped_shards": skipped, "aesthetic": predictor,
+                                      "embeddings": first.get("embeddings"), "metas": metas}
+
+
+def _check_needs(d: Path, metas: dict[str, dict], needs: tuple[str, ...]) -> dict | None:
+    """DitdataError when a scored shard lacks what `needs` names (the line names the flag to
+    rerun `ditdata score` with) or shards hold aesthetic scores of different predictors;
+    returns the one predictor's record (None without "aesthetic" in `needs`)."""
+    for n in needs:
+        key, flag = NEEDS[n]
+        names = [name for name, meta in metas.items() if not meta.get(key)]
         if names:
             raise DitdataError(
-                f"{d}: {len(names)} of {len(metas)} scored shards were scored without {NEEDS[n][1]} (first: "
-                f"{names[0]}); rerun `ditdata score {d} --clip MODEL --pretrained TAG_OR_FILE {NEEDS[n][1]}` "
+                f"{d}: {len(names)} of {len(metas)} scored shards were scored without {flag} (first: "
+                f"{names[0]}); rerun `ditdata score {d} --clip MODEL --pretrained TAG_OR_FILE {flag}` "
                 f"(the same model; only those shards are scored again)"
             )
+    if "aesthetic" not in needs:
+        return None
+    predictors = {m["aesthetic"].get("sha256"): m["aesthetic"] for m in metas.values()}
     if len(predictors) > 1:
         files = ", ".join(sorted(str(p.get("file")) for p in predictors.values()))
         raise DitdataError(f"{d}: shards hold aesthetic scores of different predictors ({files}); rescore with "
                            f"one (ditdata score --aesthetic FILE --overwrite)")
-    (model, pretrained, sha), = idents
-    table = pa.concat_tables(tables)
-    first = next(iter(metas.values()))
-    return table, {"model": model, "pretrained": pretrained, "weights_sha256": sha, "skipped_shards": skipped,
-                   "aesthetic": next(iter(predictors.values()), None), "embeddings": first.get("embeddings"),
-                   "metas": metas}
+    return next(iter(predictors.values()))
 
 
 def rule_columns(table) -> dict:
@@ -322,31 +327,24 @@ def filter_shards(
     import numpy as np
 
     aesthetic_rule = min_aesthetic is not None or top_aesthetic_fraction is not None
-    if min_clip_score is None and top_fraction is None and not aesthetic_rule and select is None:
-        raise DitdataError("give a rule: --min-clip-score X, --top-fraction F, --min-aesthetic A, "
-                           "--top-aesthetic-fraction F or --select SELECTION")
-    if max_aspect_ratio is not None and not max_aspect_ratio >= 1:
-        raise DitdataError(f"--max-aspect-ratio must be >= 1, got {max_aspect_ratio}")
+    _check_rule(min_clip_score is not None or top_fraction is not None or aesthetic_rule or select is not None,
+                max_aspect_ratio)
     table, ident = read_scores(shards_dir, needs=("aesthetic",) if aesthetic_rule else ())
     keys = unique_keys(table, shards_dir)
     cols = rule_columns(table)
     candidates, picked = candidates_of(select, keys)
     among = np.ones(len(keys), bool) if candidates is None else candidates
     threshold = resolve_threshold(cols["clip_score"][among], min_clip_score=min_clip_score, top_fraction=top_fraction)
-    a_threshold = None
-    if aesthetic_rule:
-        a_threshold = resolve_threshold(cols["aesthetic"][among], min_clip_score=min_aesthetic,
-                                        top_fraction=top_aesthetic_fraction, flags=AESTHETIC_FLAGS,
-                                        what="aesthetic score")
+    a_threshold = None if not aesthetic_rule else resolve_threshold(
+        cols["aesthetic"][among], min_clip_score=min_aesthetic, top_fraction=top_aesthetic_fraction,
+        flags=AESTHETIC_FLAGS, what="aesthetic score")
     keep, drops = apply_rule(cols, threshold=threshold, min_width=min_width, min_height=min_height,
                              max_aspect_ratio=max_aspect_ratio, min_caption_length=min_caption_length,
                              aesthetic_threshold=a_threshold, candidates=candidates)
     scores = cols["clip_score"]
     scored = int((~np.isnan(scores[among])).sum())
     rule = {
-        "clip_model": ident["model"],
-        "clip_pretrained": ident["pretrained"],
-        "clip_weights_sha256": ident["weights_sha256"],
+        **clip_rule(ident),
         "min_clip_score": None if min_clip_score is None else float(min_clip_score),
         "top_fraction": None if top_fraction is None else float(top_fraction),
         "threshold": threshold,
@@ -357,28 +355,56 @@ def filter_shards(
         "size": SIZE_POLICY,
         "ties": TIE_POLICY,
         "kept": int(keep.sum()),
-        "total": len(keys),
         "scored": scored,
-        "shards_dir": str(Path(shards_dir).resolve()),
-        "num_shards": len(set(table.column("shard").to_pylist())),
+        **folder_rule(shards_dir, table),
+        **_extra_rule(ident, picked, aesthetic_rule and {"aesthetic": ident["aesthetic"], "min_aesthetic": min_aesthetic,
+                                                         "top_aesthetic_fraction": top_aesthetic_fraction,
+                                                         "aesthetic_threshold": a_threshold}),
     }
-    if aesthetic_rule:
-        rule.update(aesthetic=ident["aesthetic"], min_aesthetic=min_aesthetic,
-                    top_aesthetic_fraction=top_aesthetic_fraction, aesthetic_threshold=a_threshold)
-    if picked is not None:
-        rule["select"] = picked
-    if ident["skipped_shards"]:  # damaged shards score left out: nothing of them is selected
-        rule["skipped_shards"] = ident["skipped_shards"]
     if rule["kept"] == 0:
         rng = f"scores range {np.nanmin(scores):.4f}..{np.nanmax(scores):.4f}" if scored else "no sample has a score"
         raise DitdataError(f"no sample passes the rule ({rng}); nothing written")
+    sel = publish(out, table, keys, scores, keep, rule)
+    return sel, {"rule": rule, "drops": dict(drops.most_common()), "scores": scores[among], "keep": keep[among],
+                 "out": str(out), "aesthetic": cols["aesthetic"][among] if aesthetic_rule else None}  # candidates only
+
+
+def _check_rule(any_rule: bool, max_aspect_ratio: float | None) -> None:
+    if not any_rule:
+        raise DitdataError("give a rule: --min-clip-score X, --top-fraction F, --min-aesthetic A, "
+                           "--top-aesthetic-fraction F or --select SELECTION")
+    if max_aspect_ratio is not None and not max_aspect_ratio >= 1:
+        raise DitdataError(f"--max-aspect-ratio must be >= 1, got {max_aspect_ratio}")
+
+
+def _extra_rule(ident: dict, picked: dict | None, aesthetic: dict | bool) -> dict:
+    """The rule's entries that are there only when they apply: the aesthetic rule, the
+    --select selection, the damaged shards score left out (nothing of them is selected)."""
+    extra = dict(aesthetic) if aesthetic else {}
+    if picked is not None:
+        extra["select"] = picked
+    if ident["skipped_shards"]:
+        extra["skipped_shards"] = ident["skipped_shards"]
+    return extra
+
+
+def publish(out, table, keys: list[str], scores, keep, rule: dict) -> Selection:
+    """Write the kept rows of a score table as the selection file `out` (write_selection)."""
     by_shard, kept_scores = kept_samples(table.column("shard").to_pylist(), keys, scores, keep)
     write_selection(out, by_shard, rule, kept_scores)
-    sel = Selection(keys={k for ks in by_shard.values() for k in ks}, rule=rule, shards=by_shard, path=str(out))
-    a = cols.get("aesthetic")  # the histograms show the candidates (--select) only
-    summary = {"rule": rule, "drops": dict(drops.most_common()), "scores": scores[among], "keep": keep[among],
-               "out": str(out), "aesthetic": None if a is None else a[among]}
-    return sel, summary
+    return Selection(keys={k for ks in by_shard.values() for k in ks}, rule=rule, shards=by_shard, path=str(out))
+
+
+def clip_rule(ident: dict) -> dict:
+    """The CLIP model a selection's scores come from, as its rule records it."""
+    return {"clip_model": ident["model"], "clip_pretrained": ident["pretrained"],
+            "clip_weights_sha256": ident["weights_sha256"]}
+
+
+def folder_rule(shards_dir, table) -> dict:
+    """The scored folder a selection was made from, as its rule records it."""
+    return {"total": table.num_rows, "shards_dir": str(Path(shards_dir).resolve()),
+            "num_shards": len(set(table.column("shard").to_pylist()))}
 
 
 def unique_keys(table, shards_dir) -> list[str]:
