@@ -13,6 +13,9 @@ never assumed):
 - the plain linear head (LAION-AI/aesthetic-predictor, e.g. sa_0_4_vit_l_14_linear.pth):
   one nn.Linear(768, 1), keys weight and bias.
 
+The "reluMSE" variants of the improved predictor put a ReLU between the layers, which the
+keys do not show: their scores would be wrong here (use the linearMSE files).
+
 Any chain of linear layers `P.N.weight` / `P.N.bias` ordered by N, each layer's input the
 previous one's output and the last one's output 1, is accepted the same way; a file with
 other tensors (norms, activations with weights) is refused, naming the first odd key. The

@@ -450,21 +450,18 @@ def _already_scored(folder, ident: dict, overwrite: bool, save_embeddings: bool 
         elif (meta.get("shard_bytes") == tar.stat().st_size and not overwrite
               and (not save_embeddings or "embeddings" in meta) and (predictor is None or rec)):
             done[tar.name] = meta
-    if other_aesthetic and not overwrite:
-        first = next(iter(other_aesthetic.values()))
-        raise DitdataError(
-            f"{folder.path}: {len(other_aesthetic)} shard(s) hold aesthetic scores of another predictor "
-            f"({first.get('file')}, sha256 {str(first.get('sha256'))[:12]}), not {predictor.path}; rerun "
-            f"with --overwrite to replace them (or score a copy of the folder)"
-        )
-    if other and not overwrite:
-        first = next(iter(other.values()))
-        raise DitdataError(
-            f"{folder.path}: {len(other)} shard(s) were already scored with {first.get('model')} / "
-            f"{first.get('pretrained')} (weights sha256 {str(first.get('weights_sha256'))[:12]}), not "
-            f"{ident['model']} / {ident['pretrained']}; rerun with --overwrite to replace their scores "
-            f"(or score a copy of the folder)"
-        )
+    refusals = (  # (shards, what they hold instead): the weights first
+        (other, lambda m: f"were already scored with {m.get('model')} / {m.get('pretrained')} (weights sha256 "
+                          f"{str(m.get('weights_sha256'))[:12]}), not {ident['model']} / {ident['pretrained']}; "
+                          "rerun with --overwrite to replace their scores"),
+        (other_aesthetic, lambda r: f"hold aesthetic scores of another predictor ({r.get('file')}, sha256 "
+                                    f"{str(r.get('sha256'))[:12]}), not {predictor.path}; rerun with --overwrite "
+                                    "to replace them"),
+    )
+    for found, held in refusals:
+        if found and not overwrite:
+            first = next(iter(found.values()))
+            raise DitdataError(f"{folder.path}: {len(found)} shard(s) {held(first)} (or score a copy of the folder)")
     return done
 
 
