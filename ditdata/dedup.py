@@ -55,8 +55,8 @@ GRID_COLUMNS = 8  # images shown per group in the grid
 
 
 def ivf_cells(n: int) -> int:
-    """IVF cells for n embeddings: about 2 sqrt(n) (1M -> 2048), a power of two."""
-    return max(1, 2 ** round(math.log2(max(2 * math.sqrt(n), 1))))
+    """IVF cells for n embeddings: about 2 sqrt(n) (1M -> 2048), a power of two, at most n."""
+    return max(1, min(n, 2 ** round(math.log2(max(2 * math.sqrt(n), 1)))))
 
 
 def _faiss(threads: int | None):

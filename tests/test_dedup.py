@@ -195,6 +195,15 @@ def test_groups_chain_and_ties_go_to_the_smallest_key():
     assert keep.tolist() == [False, False, True, True, False, True]
 
 
+def test_tiny_sets_search_both_ways():
+    emb = np.eye(3, 8, dtype=np.float16)
+    emb[1] = emb[0]  # rows 0 and 1 identical
+    for exact in (True, False):
+        a, b, cos, plan = neighbour_pairs(emb, 0.95, exact=exact)
+        assert (a.tolist(), b.tolist(), plan["kind"]) == ([0], [1], "exact" if exact else "ivf")
+        assert cos.tolist() == [1.0]
+
+
 def test_without_faiss_the_extra_is_named(monkeypatch):
     import sys
 
