@@ -3,6 +3,7 @@ command parses and checks its options, hands them to one module and prints what 
 module reports (its `report`, `describe` or list of faults):
 
     fetch -> ditdata.fetch    score -> ditdata.score    filter -> ditdata.selection
+    dedup -> ditdata.dedup
     encode -> ditdata.encode  features -> ditdata.features  inspect, verify -> ditdata.summary
 
 The defaults and choices of fetch, encode and features are those of ditdata/config.py
@@ -22,6 +23,7 @@ from ditdata.common.cli import FiniteFloat, OneLineErrors, quiet_option
 from ditdata.common.extras import install_hint
 from ditdata.config import (
     CLIP_MODEL,
+    DEDUP_EXACT_MAX,
     DEFAULT_URL_IMAGE_SIZE,
     DISTRIBUTORS,
     DTYPES,
@@ -34,6 +36,7 @@ from ditdata.config import (
     POSTERIORS,
     RESIZE_MODES,
     SCORE_BATCH_SIZE,
+    DedupConfig,
     EncodeConfig,
     FeaturesConfig,
     FetchConfig,
@@ -53,6 +56,7 @@ def _opt(config, *names, field, **kw):
 _fetch_opt = partial(_opt, FetchConfig)
 _encode_opt = partial(_opt, EncodeConfig)
 _features_opt = partial(_opt, FeaturesConfig)
+_dedup_opt = partial(_opt, DedupConfig)
 _quiet = quiet_option
 
 
@@ -72,6 +76,7 @@ def main():
       ditdata fetch   SOURCE --out SHARDS        URL list / ImageNet / folder -> image shards
       ditdata score   SHARDS --clip ViT-B-32     CLIP score per image-caption pair
       ditdata filter  SHARDS --min-clip-score X  -> a selection of keys
+      ditdata dedup   SHARDS --threshold 0.95    near-duplicates out -> a selection
       ditdata encode  SHARDS --vae NAME --out STORE
       ditdata features STORE --encoder dinov2-vitb14   representation targets (REPA) beside the latents
       ditdata inspect STORE                      summary (and --decode N to eyeball latents)
@@ -215,9 +220,15 @@ def fetch(source, out, retry_failed, quiet, **options):
               help="Recompute every shard, replacing scores made by another model or weights.")
 @click.option("--skip-bad-shards", is_flag=True,
               help=_skip_bad_shards_help("each gets NNNNN.clip.skipped.json; filter selects nothing from it"))
+@click.option("--save-embeddings", is_flag=True,
+              help="Also keep each image's L2-normalised CLIP embedding (float16 column image_embedding), "
+                   "for `ditdata dedup`. Shards scored before without them are scored again.")
+@click.option("--aesthetic", type=click.Path(dir_okay=False, path_type=str), default=None, metavar="FILE",
+              help="Also score each image with the LAION aesthetic predictor in this local state-dict file "
+                   "(the MLP or the linear head; made for ViT-L-14 embeddings): column aesthetic.")
 @_quiet
 def score(shards, clip_name, pretrained, clip_config, device, batch_size, workers, overwrite,
-          skip_bad_shards, quiet):
+          skip_bad_shards, save_embeddings, aesthetic, quiet):
     """CLIP-score every image-caption pair of the image SHARDS folder (from `ditdata fetch`).
 
     Writes NNNNN.clip.parquet beside each NNNNN.tar: key, clip_score (cosine similarity
@@ -233,13 +244,16 @@ def score(shards, clip_name, pretrained, clip_config, device, batch_size, worker
       ditdata score ./laion_shards --clip ViT-B-32 --pretrained laion2b_s34b_b79k
       ditdata score ./laion_shards --clip ViT-L-14 --pretrained datacomp_xl_s13b_b90k --batch-size 256
       ditdata score ./shards --clip ViT-B-32 --pretrained ./open_clip_pytorch_model.bin --device cpu
+      ditdata score ./laion_shards --clip ViT-L-14 --pretrained openai --save-embeddings \\
+          --aesthetic ./sac+logos+ava1-l14-linearMSE.pth
     """
     from ditdata.score import report
     from ditdata.score import score as run_score
 
     summary = run_score(shards, clip=clip_name, pretrained=pretrained, clip_config=clip_config, device=device,
                         batch_size=batch_size, workers=workers, overwrite=overwrite,
-                        skip_bad_shards=skip_bad_shards, progress=not quiet)
+                        skip_bad_shards=skip_bad_shards, progress=not quiet, save_embeddings=save_embeddings,
+                        aesthetic=aesthetic)
     click.echo(f"{shards}: {report(summary)}")
 
 
@@ -257,30 +271,94 @@ def score(shards, clip_name, pretrained, clip_config, device, batch_size, worker
               help="Longer side / shorter side <= R.")
 @click.option("--min-caption-length", type=click.IntRange(min=0), default=None,
               help="Caption of at least N characters (after stripping whitespace).")
+@click.option("--min-aesthetic", type=FiniteFloat(), default=None,
+              help="Keep aesthetic >= A (from `ditdata score --aesthetic`; LAION-Aesthetics: 5, 6, 6.5).")
+@click.option("--top-aesthetic-fraction", type=FiniteFloat(min=0, max=1, min_open=True), default=None,
+              help="Keep the top F by aesthetic score (ties at the cut-off all kept).")
+@click.option("--select", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
+              metavar="SELECTION",
+              help="Only samples of this earlier selection (e.g. `ditdata dedup`'s); top fractions are "
+                   "then of its samples.")
 @click.option("--out", "-o", required=True, type=click.Path(dir_okay=False, path_type=str),
               help="Selection file to write: parquet, or JSON if the name ends in .json.")
-def filter_(shards, min_clip_score, top_fraction, min_width, min_height, max_aspect_ratio, min_caption_length, out):
-    """Select samples of a scored SHARDS folder by CLIP score and write their keys to --out.
+def filter_(shards, min_clip_score, top_fraction, min_width, min_height, max_aspect_ratio, min_caption_length,
+            min_aesthetic, top_aesthetic_fraction, select, out):
+    """Select samples of a scored SHARDS folder by CLIP score, aesthetic score, size and
+    caption, and write their keys to --out.
 
-    Exactly one score rule: --min-clip-score X or --top-fraction F (a global threshold over
-    all shards). Samples without a score (no caption, undecodable image) are never kept.
-    Size and caption rules are combined with AND; sizes are those of the source image
-    when fetch recorded them. Images are never rewritten: pass the selection to
-    `ditdata encode --select`.
+    At most one CLIP-score rule (--min-clip-score X or --top-fraction F) and at most one
+    aesthetic rule (--min-aesthetic A or --top-aesthetic-fraction F), each a global
+    threshold over all shards; at least one rule of any kind. Every rule given must hold
+    (AND). The two top fractions are each resolved on their own score over the same
+    candidates (all samples, or those of --select), not one after the other: 0.5 and 0.5
+    keep the samples in both top halves. Samples without a score (no caption,
+    undecodable image) never pass a score rule. Sizes are those of the source image when
+    fetch recorded them. Images are never rewritten: pass the selection to
+    `ditdata encode --select`. To drop near-duplicates too, run `ditdata dedup --select`
+    on this selection (or --select a dedup selection here).
 
     \b
     Examples:
       ditdata filter ./laion_shards --min-clip-score 0.28 --out keep.parquet
       ditdata filter ./laion_shards --top-fraction 0.3 --min-width 256 --min-height 256 \\
           --max-aspect-ratio 2 --min-caption-length 5 --out keep.parquet
+      ditdata filter ./laion_shards --min-clip-score 0.28 --min-aesthetic 5 --out keep.parquet
+      ditdata filter ./laion_shards --top-aesthetic-fraction 0.2 --select dedup.parquet --out keep.parquet
     """
-    if (min_clip_score is None) == (top_fraction is None):
-        raise click.UsageError("give exactly one of --min-clip-score X and --top-fraction F")
+    for a, b, flags in ((min_clip_score, top_fraction, "--min-clip-score X and --top-fraction F"),
+                        (min_aesthetic, top_aesthetic_fraction, "--min-aesthetic A and --top-aesthetic-fraction F")):
+        if a is not None and b is not None:
+            raise click.UsageError(f"give at most one of {flags}")
+    if all(v is None for v in (min_clip_score, top_fraction, min_aesthetic, top_aesthetic_fraction, select)):
+        raise click.UsageError("give a rule: --min-clip-score X, --top-fraction F, --min-aesthetic A, "
+                               "--top-aesthetic-fraction F or --select SELECTION")
     from ditdata.selection import filter_shards, report
 
     _, summary = filter_shards(shards, out, min_clip_score=min_clip_score, top_fraction=top_fraction,
                                min_width=min_width, min_height=min_height, max_aspect_ratio=max_aspect_ratio,
-                               min_caption_length=min_caption_length)
+                               min_caption_length=min_caption_length, min_aesthetic=min_aesthetic,
+                               top_aesthetic_fraction=top_aesthetic_fraction, select=select)
+    click.echo(f"{shards}: {report(summary)}")
+
+
+@main.command()
+@configfile.option()
+@click.argument("shards", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False, path_type=str),
+              help="Selection file to write: parquet, or JSON if the name ends in .json.")
+@_dedup_opt("--threshold", field="threshold", type=FiniteFloat(min=0, max=1, min_open=True),
+            help="Cosine similarity of the CLIP image embeddings at or above which two images are duplicates.")
+@_dedup_opt("--exact/--approximate", field="exact",
+            help=f"Compare every pair (exact) or join within k-means cells (approximate). Default: exact up "
+                 f"to {DEDUP_EXACT_MAX} images, approximate above.")
+@_dedup_opt("--select", field="select", type=click.Path(exists=True, dir_okay=False, path_type=str),
+            metavar="SELECTION", help="Only the samples of this selection (e.g. `ditdata filter`'s).")
+@_dedup_opt("--grid", field="grid", type=click.Path(dir_okay=False, path_type=str), metavar="PNG",
+            help="The sample grid of the largest groups. Default: --out's name with .groups.png; '' for none.")
+@_dedup_opt("--grid-groups", field="grid_groups", type=click.IntRange(min=0), help="Groups shown in the grid.")
+@_dedup_opt("--threads", field="threads", type=click.IntRange(min=1), help="faiss threads. Default: all cores.")
+@_quiet
+def dedup(shards, quiet, **options):
+    """Drop near-duplicate images of a scored SHARDS folder: write a selection that keeps one
+    image per group (the highest CLIP score; ties: the smallest key).
+
+    Needs the image embeddings of `ditdata score --save-embeddings` (faiss-cpu, the dedup
+    extra, searches them). Two images whose embeddings reach --threshold are a pair; pairs
+    chain into groups. Images without an embedding (no caption, undecodable) are left out.
+    The selection composes with `ditdata filter` both ways (--select here, or there);
+    pass it to `ditdata encode --select`. Look at the grid before trusting a threshold.
+
+    \b
+    Examples:
+      ditdata score ./laion_shards --clip ViT-L-14 --pretrained openai --save-embeddings
+      ditdata dedup ./laion_shards --threshold 0.95 --out dedup.parquet
+      ditdata filter ./laion_shards --min-clip-score 0.28 --out keep.parquet
+      ditdata dedup ./laion_shards --select keep.parquet --out keep-dedup.parquet
+    """
+    from ditdata.dedup import dedup as run_dedup
+    from ditdata.dedup import report
+
+    summary = run_dedup(DedupConfig(shards=shards, progress=not quiet, **options))
     click.echo(f"{shards}: {report(summary)}")
 
 

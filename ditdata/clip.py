@@ -463,9 +463,14 @@ class ClipModel:
 
     def score_pixels(self, pixels, captions) -> torch.Tensor:
         """Like score() for already preprocessed pixels (B, 3, H, W)."""
+        return self.score_and_embed_pixels(pixels, captions)[0]
+
+    def score_and_embed_pixels(self, pixels, captions) -> tuple[torch.Tensor, torch.Tensor]:
+        """(score_pixels' (B,) scores, the (B, D) L2-normalised image embeddings they came from):
+        `ditdata score --save-embeddings / --aesthetic` keep the embeddings of the same pass."""
         img = self.embed_pixels(pixels)
         txt = self.embed_text(captions, normalize=True)["text_pooled"]
-        return (img * txt).sum(-1)
+        return (img * txt).sum(-1), img
 
 
 def _split_preprocess(preprocess):

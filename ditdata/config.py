@@ -60,6 +60,31 @@ class FetchConfig:
 CLIP_MODEL = "ViT-B-32"  # the open_clip model of `ditdata score` when none is named
 SCORE_BATCH_SIZE = 128
 
+# ------------------------------------------------------------------------------- dedup
+
+# Up to this many embeddings `ditdata dedup` compares every pair (exact); above it, an IVF
+# self-join (ditdata.dedup). The exact search's cost grows with the square of the count: on 2
+# shared CPU cores 20 k took 5-20 s and 100 k 5-6 minutes, while the IVF join did 200 k
+# in 35 s (bench/dedup.py, bench/RESULTS.md).
+DEDUP_EXACT_MAX = 20_000
+
+
+@dataclass
+class DedupConfig:
+    """`ditdata dedup`: near-duplicate groups over the image embeddings `ditdata score
+    --save-embeddings` kept, one image kept per group, written as a selection."""
+
+    shards: str = ""  # the scored image-shard folder
+    out: str = ""  # the selection file to write (parquet, or JSON if it ends in .json)
+    threshold: float = 0.95  # cosine similarity at or above which two images are duplicates
+    exact: bool | None = None  # None: exact up to DEDUP_EXACT_MAX embeddings, an IVF index above
+    select: str | None = None  # only the samples of an earlier selection (e.g. `ditdata filter`'s)
+    grid: str | None = None  # the sample grid PNG; default: OUT's name with .groups.png; "" for none
+    grid_groups: int = 8  # largest groups shown in the grid, one row each
+    threads: int | None = None  # faiss threads; default: all CPU cores
+    progress: bool = True
+
+
 # ------------------------------------------------------------------------------ encode
 
 POSTERIORS = ("sample", "mean_std")

@@ -19,17 +19,28 @@ written beside it, one row per sample in stored order:
     original_height           as recorded in the sample's json (null if unknown)
     caption_length   int32    characters of the stripped caption (null: no caption)
 
+and, when asked for:
+
+    image_embedding  fixed_size_list<float16>[D]   (--save-embeddings) the L2-normalised
+                              open_clip image embedding the score was computed from, stored
+                              in float16 (null where clip_score is null); `ditdata dedup`
+                              searches these
+    aesthetic        float64  (--aesthetic FILE) the LAION aesthetic predictor's score of
+                              that embedding (ditdata.aesthetic; null where clip_score is)
+
 The parquet's schema metadata holds b"ditdata" = JSON {format: "ditdata-clip-scores",
 version, shard, shard_bytes, num_samples, model, pretrained, weights_sha256, counts,
-created_at}. `ditdata filter` reads only these files, never the images again.
+created_at}, plus embeddings = {dim, dtype, normalized} (the CLIP model is the file's) and
+aesthetic = {file, sha256, kind, widths} when those columns are there. `ditdata filter` reads only these files, never the images again.
 
 Writing is atomic (a hidden temporary, fsync, rename), so a killed run leaves no
 NNNNN.clip.parquet that looks finished. A rerun skips a shard whose score file is
 readable, has num_samples rows, matches the shard's size in bytes and was made with the
-same model, pretrained weights and weights checksum; an unreadable or truncated one is
-recomputed. Score files made by a DIFFERENT model or weights are never mixed with new
+same model, pretrained weights and weights checksum, and that holds what this run asks
+for (embeddings with --save-embeddings, scores of the same predictor file with
+--aesthetic); an unreadable or truncated one is recomputed. Score files made by a DIFFERENT model or weights are never mixed with new
 ones: the run stops before doing any work and names both (rerun with --overwrite to
-replace them all). One `ditdata score` (or `ditdata fetch`) per folder at a time: the
+replace them all); the same holds for aesthetic scores made by another predictor file. One `ditdata score` (or `ditdata fetch`) per folder at a time: the
 folder's lock refuses a second writer at once, naming the first's pid.
 
 Damaged shards. Before scoring, each shard to score must read through to its end and
@@ -97,13 +108,50 @@ def read_skipped(shard_tar) -> dict | None:
     return rec if rec.get("shard_bytes") == Path(shard_tar).stat().st_size else None
 
 
-def schema():
+EMBEDDING = "image_embedding"
+AESTHETIC = "aesthetic"
+EMBEDDING_DTYPE = "float16"
+
+
+def schema(embed_dim: int | None = None, aesthetic: bool = False):
+    """The score file's columns; the embedding column (of width embed_dim) and the aesthetic
+    column only when asked for."""
     import pyarrow as pa
 
     columns = [("key", pa.string()), ("clip_score", pa.float64())]
     columns += [(name, pa.string()) for name in ("model", "pretrained", "status")]
     columns += [(name, pa.int32()) for name in ("width", "height", "original_width", "original_height", "caption_length")]
+    if aesthetic:
+        columns.append((AESTHETIC, pa.float64()))
+    if embed_dim is not None:
+        columns.append((EMBEDDING, pa.list_(pa.float16(), embed_dim)))
     return pa.schema(columns)
+
+
+def embedding_column(embedded: dict, n: int, dim: int):
+    """{row: (D,) embedding} of n rows -> a float16 fixed-size-list pyarrow column (null
+    where a row has none; its slots hold zeros)."""
+    import numpy as np
+    import pyarrow as pa
+
+    emb = np.zeros((n, dim), np.float16)
+    valid = np.zeros(n, bool)
+    for i, e in embedded.items():
+        emb[i], valid[i] = e, True
+    values = pa.array(emb.reshape(-1), type=pa.float16())
+    return pa.FixedSizeListArray.from_arrays(values, dim, mask=pa.array(~valid))
+
+
+def read_embeddings(path, num_rows: int, dim: int):
+    """(N, D) float16 embeddings of a score file (zeros where null) and the (N,) bool mask of
+    the rows that have one."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    col = pq.read_table(path, columns=[EMBEDDING]).column(EMBEDDING).combine_chunks()
+    valid = ~np.asarray(col.is_null().to_numpy(zero_copy_only=False), bool)
+    flat = col.values.to_numpy(zero_copy_only=False)  # null slots hold the zeros written there
+    return np.asarray(flat, np.float16).reshape(num_rows, dim), valid
 
 
 def read_score_meta(path) -> dict | None:
@@ -132,7 +180,8 @@ def write_scores(path, rows: dict, meta: dict) -> None:
     import pyarrow as pa
 
     path = Path(path)
-    sch = schema().with_metadata({META_KEY: json.dumps(meta, sort_keys=True).encode()})
+    dim = meta.get("embeddings", {}).get("dim") if EMBEDDING in rows else None
+    sch = schema(dim, AESTHETIC in rows).with_metadata({META_KEY: json.dumps(meta, sort_keys=True).encode()})
     table = pa.Table.from_pydict({f.name: rows[f.name] for f in sch}, schema=sch)
     shards.write_parquet_atomic(path, table)
 
@@ -173,12 +222,17 @@ def prepared_samples(samples, prepare_image, workers: int, ahead: int) -> Iterat
             yield (s0, *fut.result())
 
 
-def score_shard(clip, shard_tar, *, batch_size: int = SCORE_BATCH_SIZE, workers: int = 4, progress=None) -> dict:
-    """Score one shard and write its score file; returns the file's metadata."""
+def score_shard(clip, shard_tar, *, batch_size: int = SCORE_BATCH_SIZE, workers: int = 4, progress=None,
+                save_embeddings: bool = False, aesthetic=None) -> dict:
+    """Score one shard and write its score file; returns the file's metadata. With
+    `save_embeddings` the image embeddings are kept; with `aesthetic` (an
+    ditdata.aesthetic.AestheticPredictor) they are also scored by it."""
+    import numpy as np
 
     tar = Path(shard_tar)
     info = clip.info
-    rows = {f.name: [] for f in schema()}
+    rows = {f.name: [] for f in schema(aesthetic=aesthetic is not None)}
+    embedded: dict[int, np.ndarray] = {}  # row -> float16 embedding
     counts: Counter = Counter()
     batch_idx: list[int] = []
     batch_px: list = []
@@ -187,9 +241,14 @@ def score_shard(clip, shard_tar, *, batch_size: int = SCORE_BATCH_SIZE, workers:
     def flush():
         if not batch_idx:
             return
-        s = clip.score_pixels(clip.pixels(batch_px), batch_cap).tolist()
-        for i, v in zip(batch_idx, s, strict=True):
+        s, emb = clip.score_and_embed_pixels(clip.pixels(batch_px), batch_cap)
+        for i, v in zip(batch_idx, s.tolist(), strict=True):
             rows["clip_score"][i] = float(v)
+        if aesthetic is not None:
+            for i, v in zip(batch_idx, aesthetic(emb).tolist(), strict=True):
+                rows[AESTHETIC][i] = float(v)
+        if save_embeddings:
+            embedded.update(zip(batch_idx, emb.numpy().astype(np.float16), strict=True))
         if progress is not None:
             progress.update(len(batch_idx))
         batch_idx.clear()
@@ -198,15 +257,7 @@ def score_shard(clip, shard_tar, *, batch_size: int = SCORE_BATCH_SIZE, workers:
 
     samples = shards.iter_shard(tar)
     for i, (s, px, status, w, h) in enumerate(prepared_samples(samples, clip.prepare_image, workers, 2 * batch_size)):
-        caption = (s.caption or "").strip()
-        rows["key"].append(s.key)
-        rows["clip_score"].append(None)
-        rows["status"].append(status)
-        rows["width"].append(w)
-        rows["height"].append(h)
-        rows["original_width"].append(_int_or_none(s.meta.get("original_width")))
-        rows["original_height"].append(_int_or_none(s.meta.get("original_height")))
-        rows["caption_length"].append(len(caption) if caption else None)
+        caption = _append_row(rows, s, status, w, h)
         counts[status] += 1
         if status == OK:
             batch_idx.append(i)
@@ -221,8 +272,25 @@ def score_shard(clip, shard_tar, *, batch_size: int = SCORE_BATCH_SIZE, workers:
     rows["model"] = [info["model"]] * n
     rows["pretrained"] = [info["pretrained"]] * n
     meta = _score_meta(tar, info, n, counts)
+    if save_embeddings:
+        rows[EMBEDDING] = embedding_column(embedded, n, info["embed_dim"])
+        meta["embeddings"] = {"dim": info["embed_dim"], "dtype": EMBEDDING_DTYPE, "normalized": True}
+    if aesthetic is not None:
+        meta["aesthetic"] = aesthetic.record()
     write_scores(score_path(tar), rows, meta)
     return meta
+
+
+def _append_row(rows: dict, s, status: str, w, h) -> str:
+    """A sample's row, its scores null until its batch is scored; returns its stripped caption."""
+    caption = (s.caption or "").strip()
+    for name, v in (("key", s.key), ("clip_score", None), (AESTHETIC, None), ("status", status), ("width", w),
+                    ("height", h), ("original_width", _int_or_none(s.meta.get("original_width"))),
+                    ("original_height", _int_or_none(s.meta.get("original_height"))),
+                    ("caption_length", len(caption) if caption else None)):
+        if name in rows:  # AESTHETIC only with a predictor
+            rows[name].append(v)
+    return caption
 
 
 def _score_meta(tar: Path, info: dict, num_samples: int, counts: Counter) -> dict:
@@ -258,9 +326,12 @@ def _same_weights(meta: dict, ident: dict) -> bool:
 
 def score(shards_dir, *, clip: str | None = None, pretrained: str | None, clip_config: str | None = None,
           device: str | None = None, batch_size: int = SCORE_BATCH_SIZE, workers: int | None = None,
-          overwrite: bool = False, skip_bad_shards: bool = False, progress: bool = True) -> dict:
+          overwrite: bool = False, skip_bad_shards: bool = False, progress: bool = True,
+          save_embeddings: bool = False, aesthetic: str | None = None) -> dict:
     """Score every finished shard of SHARDS_DIR (module docstring) with open_clip model
-    `clip` (default ViT-B-32; the config's stem with `clip_config`). Returns a summary:
+    `clip` (default ViT-B-32; the config's stem with `clip_config`), keeping the image
+    embeddings (`save_embeddings`) and scoring them with the aesthetic predictor in the
+    file `aesthetic` when asked. Returns a summary:
     {model, pretrained, weights_sha256, shards, scored_shards, skipped_shards, samples,
     scored, counts (status -> n over all shards), seconds, samples_per_s}."""
     from ditdata.common.lock import DirLock
@@ -274,11 +345,12 @@ def score(shards_dir, *, clip: str | None = None, pretrained: str | None, clip_c
     with DirLock(d, "ditdata score"):
         return _score(folder, clip=clip, pretrained=pretrained, clip_config=clip_config, device=device,
                       batch_size=batch_size, workers=workers, overwrite=overwrite,
-                      skip_bad_shards=skip_bad_shards, progress=progress)
+                      skip_bad_shards=skip_bad_shards, progress=progress, save_embeddings=save_embeddings,
+                      aesthetic=aesthetic)
 
 
 def _score(folder, *, clip, pretrained, clip_config, device, batch_size, workers, overwrite,
-           skip_bad_shards, progress) -> dict:
+           skip_bad_shards, progress, save_embeddings, aesthetic) -> dict:
     from ditdata.clip import load_clip, resolve_pretrained
 
     d, tars = folder.path, folder.shards
@@ -289,7 +361,8 @@ def _score(folder, *, clip, pretrained, clip_config, device, batch_size, workers
     if not clip and not clip_config:
         clip = DEFAULT_MODEL
     ident = resolve_pretrained(clip, pretrained, config=clip_config)
-    done = _already_scored(folder, ident, overwrite)
+    predictor = _load_predictor(aesthetic)  # a bad file stops the run before any work
+    done = _already_scored(folder, ident, overwrite, save_embeddings, predictor)
     todo, skipped = _leave_out_bad(folder, [t for t in tars if t.name not in done], skip_bad_shards)
     metas = dict(done)
     t0 = time.perf_counter()
@@ -302,10 +375,13 @@ def _score(folder, *, clip, pretrained, clip_config, device, batch_size, workers
             print(f"resuming: {len(done)} of {len(tars)} shards already scored", file=sys.stderr)
         with _memory_hint(ident["model"], batch_size, device):
             model = load_clip(ident["model"], pretrained, device=device, config=clip_config)
+            if predictor is not None:
+                predictor.check_width(model.info)
             t0 = time.perf_counter()  # the rate is of scoring, not of loading the model
             with progress_bar(total=expected or None, unit=" samples", enabled=progress, desc="clip score") as bar:
                 for tar in todo:
-                    m = score_shard(model, tar, batch_size=batch_size, workers=workers, progress=bar)
+                    m = score_shard(model, tar, batch_size=batch_size, workers=workers, progress=bar,
+                                    save_embeddings=save_embeddings, aesthetic=predictor)
                     skipped_path(tar).unlink(missing_ok=True)  # a refetched shard is whole again
                     metas[tar.name] = m
                     n_new += m["num_samples"]
@@ -318,6 +394,8 @@ def _score(folder, *, clip, pretrained, clip_config, device, batch_size, workers
         "model": ident["model"],
         "pretrained": ident["pretrained"],
         "weights_sha256": ident["weights_sha256"],
+        "embeddings": sum("embeddings" in m for m in metas.values()),
+        "aesthetic": None if predictor is None else predictor.record(),
         "shards": len(tars),
         "bad_shards": skipped,
         "scored_shards": len(todo),
@@ -329,6 +407,15 @@ def _score(folder, *, clip, pretrained, clip_config, device, batch_size, workers
         "seconds": seconds,
         "samples_per_s": n_new / seconds if n_new and seconds > 0 else None,
     }
+
+
+def _load_predictor(path):
+    """The aesthetic predictor of --aesthetic FILE (ditdata.aesthetic); None without one."""
+    if path is None:
+        return None
+    from ditdata.aesthetic import load_predictor
+
+    return load_predictor(path)
 
 
 def _memory_hint(model: str, batch_size: int, device):
@@ -343,27 +430,38 @@ def _memory_hint(model: str, batch_size: int, device):
                               error=DitdataError)
 
 
-def _already_scored(folder, ident: dict, overwrite: bool) -> dict[str, dict]:
+def _already_scored(folder, ident: dict, overwrite: bool, save_embeddings: bool = False,
+                    predictor=None) -> dict[str, dict]:
     """{shard name: score metadata} of the shards whose scores are complete, for this shard
-    as it is, and made with these weights. Scores made with OTHER weights stop the run
-    (unless `overwrite`): the two are never mixed."""
-    done, other = {}, {}
+    as it is, made with these weights and holding what this run asks for (embeddings,
+    this predictor's aesthetic scores; a shard without them is scored again). Scores made
+    with OTHER weights, or aesthetic scores of another predictor file, stop the run (unless
+    `overwrite`): the two are never mixed."""
+    done, other, other_aesthetic = {}, {}, {}
     for tar in folder.shards:
         meta = read_score_meta(score_path(tar))
         if meta is None:
             continue
+        rec = meta.get("aesthetic")
         if not _same_weights(meta, ident):
             other[tar.name] = meta
-        elif meta.get("shard_bytes") == tar.stat().st_size and not overwrite:
+        elif predictor is not None and rec and rec.get("sha256") != predictor.sha256:
+            other_aesthetic[tar.name] = rec
+        elif (meta.get("shard_bytes") == tar.stat().st_size and not overwrite
+              and (not save_embeddings or "embeddings" in meta) and (predictor is None or rec)):
             done[tar.name] = meta
-    if other and not overwrite:
-        first = next(iter(other.values()))
-        raise DitdataError(
-            f"{folder.path}: {len(other)} shard(s) were already scored with {first.get('model')} / "
-            f"{first.get('pretrained')} (weights sha256 {str(first.get('weights_sha256'))[:12]}), not "
-            f"{ident['model']} / {ident['pretrained']}; rerun with --overwrite to replace their scores "
-            f"(or score a copy of the folder)"
-        )
+    refusals = (  # (shards, what they hold instead): the weights first
+        (other, lambda m: f"were already scored with {m.get('model')} / {m.get('pretrained')} (weights sha256 "
+                          f"{str(m.get('weights_sha256'))[:12]}), not {ident['model']} / {ident['pretrained']}; "
+                          "rerun with --overwrite to replace their scores"),
+        (other_aesthetic, lambda r: f"hold aesthetic scores of another predictor ({r.get('file')}, sha256 "
+                                    f"{str(r.get('sha256'))[:12]}), not {predictor.path}; rerun with --overwrite "
+                                    "to replace them"),
+    )
+    for found, held in refusals:
+        if found and not overwrite:
+            first = next(iter(found.values()))
+            raise DitdataError(f"{folder.path}: {len(found)} shard(s) {held(first)} (or score a copy of the folder)")
     return done
 
 
@@ -396,6 +494,11 @@ def report(summary: dict) -> str:
         lines.append(f"  scored {s['scored_shards']} shard(s), {s['new_samples']} samples in {s['seconds']:.1f} s{rate}")
     if s["skipped_shards"]:
         lines.append(f"  skipped {s['skipped_shards']} shard(s) already scored with these weights")
+    if s.get("embeddings"):
+        lines.append(f"  image embeddings saved in {s['embeddings']} of {s['shards']} shard(s)")
+    if s.get("aesthetic"):
+        a = s["aesthetic"]
+        lines.append(f"  aesthetic scores: {a['kind']} {'-'.join(map(str, a['widths']))} from {a['file']}")
     for b in s.get("bad_shards", []):
         lines.append(f"  left out the damaged shard {shards.left_out(b['shard'], b['reason'], b['samples_lost'])}")
     counts = s["counts"]

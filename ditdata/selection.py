@@ -13,8 +13,23 @@ The rule is global over every shard of the folder, and every condition must hold
                             width >= W / height >= H
     --max-aspect-ratio R    max(width, height) / min(width, height) <= R
     --min-caption-length N  len(caption.strip()) >= N characters
+    --min-aesthetic A       aesthetic >= A (the LAION aesthetic predictor's score, from
+                            `ditdata score --aesthetic FILE`; LAION-Aesthetics used 5, 6, 6.5)
+    --top-aesthetic-fraction F
+                            the top F by aesthetic score, the same rule as --top-fraction
+    --select SELECTION      only samples of an earlier selection (e.g. `ditdata dedup`'s):
+                            the other rules, top fractions included, apply among its samples
 
-A null score (no caption, or an undecodable image) never passes a score rule. Width and
+Any combination works, at least one rule given: every condition must hold. Each top
+fraction is resolved on its own score over the candidates (all samples, or those of
+--select), so --top-fraction 0.5 --top-aesthetic-fraction 0.5 keeps the samples in both
+top halves (about a quarter when the scores are independent), not the top half of the
+top half. `ditdata dedup --select` takes a filter's selection the other way round
+(duplicates looked for among the filtered samples only; the better order, since a group's
+kept image then passes the filter).
+
+A null score (no caption, or an undecodable image) never passes a score rule; a null
+aesthetic score never passes an aesthetic rule. Width and
 height are those of the SOURCE image before `ditdata fetch` resized it (original_width /
 original_height in the sample's json) when recorded, else the stored image's size; a
 sample whose size is unknown fails any size or aspect rule. Images are never rewritten.
@@ -32,7 +47,11 @@ clip_model, clip_pretrained, clip_weights_sha256, min_clip_score, top_fraction,
 threshold (the score threshold applied: X, or t resolved from F; null with neither),
 min_width, min_height, max_aspect_ratio, min_caption_length (null when not set), size
 (which size the size rules used), ties, kept, total (samples in the scored shards),
-scored (samples with a score), shards_dir, num_shards.
+scored (samples with a score), shards_dir, num_shards; with an aesthetic rule also
+aesthetic (the predictor: file, sha256, kind, widths), min_aesthetic,
+top_aesthetic_fraction and aesthetic_threshold; with --select, select = {path, rule}
+(the earlier selection's); a selection of `ditdata dedup` has dedup = {...} (see
+ditdata.dedup).
 
     from ditdata.selection import load_selection
     sel = load_selection("selection.parquet")      # DitdataError if missing or invalid
@@ -88,35 +107,43 @@ def top_fraction_count(fraction: float, n: int) -> int:
     return math.ceil(Fraction(repr(float(fraction))) * n)
 
 
-def resolve_threshold(scores, *, min_clip_score: float | None = None, top_fraction: float | None = None):
+def resolve_threshold(scores, *, min_clip_score: float | None = None, top_fraction: float | None = None,
+                      flags: tuple[str, str] = ("--min-clip-score", "--top-fraction"), what: str = "CLIP score"):
     """The score threshold of the rule: min_clip_score itself, or the k-th highest of the
-    non-null (non-NaN) scores for top_fraction; None when neither is given."""
+    non-null (non-NaN) scores for top_fraction; None when neither is given. `flags` and
+    `what` name the options and the score in errors (the aesthetic rule uses it too)."""
     import numpy as np
 
+    min_flag, frac_flag = flags
     if min_clip_score is not None and top_fraction is not None:
-        raise DitdataError("give either --min-clip-score or --top-fraction, not both")
+        raise DitdataError(f"give either {min_flag} or {frac_flag}, not both")
     if min_clip_score is not None:
         if not math.isfinite(min_clip_score):
-            raise DitdataError(f"--min-clip-score must be a finite number, got {min_clip_score}")
+            raise DitdataError(f"{min_flag} must be a finite number, got {min_clip_score}")
         return float(min_clip_score)
     if top_fraction is None:
         return None
     s = np.asarray(scores, dtype=np.float64)
     s = s[~np.isnan(s)]
     if s.size == 0:
-        raise DitdataError("--top-fraction: no sample has a CLIP score")
+        raise DitdataError(f"{frac_flag}: no sample has a {what}")
     k = top_fraction_count(top_fraction, s.size)
     return float(np.sort(s)[::-1][k - 1])
 
 
+AESTHETIC_FLAGS = ("--min-aesthetic", "--top-aesthetic-fraction")
+
+
 def apply_rule(cols: dict, *, threshold: float | None = None, min_width: int | None = None,
                min_height: int | None = None, max_aspect_ratio: float | None = None,
-               min_caption_length: int | None = None):
+               min_caption_length: int | None = None, aesthetic_threshold: float | None = None,
+               candidates=None):
     """(keep: bool array, drops: Counter of the FIRST failed condition per dropped sample).
 
     `cols` holds equal-length arrays: clip_score (NaN = null), width, height (the sizes
     the size rules apply to; NaN = unknown), caption_length (NaN = no caption) and status
-    (to tell a missing caption from an undecodable image)."""
+    (to tell a missing caption from an undecodable image), and aesthetic (NaN = null) for
+    an aesthetic rule. `candidates` (bool) marks the samples of an earlier selection."""
     import numpy as np
 
     score = np.asarray(cols["clip_score"], dtype=np.float64)
@@ -126,6 +153,8 @@ def apply_rule(cols: dict, *, threshold: float | None = None, min_width: int | N
     cap = np.asarray(cols.get("caption_length", np.full(n, np.nan)), dtype=np.float64)
     status = np.asarray(cols.get("status", np.full(n, "ok")), dtype=object)
     conditions = []
+    if candidates is not None:
+        conditions.append(("not in the --select selection", np.asarray(candidates, bool)))
     if threshold is not None:
         null = np.isnan(score)
         nocap = null & (status == "no caption")
@@ -144,6 +173,10 @@ def apply_rule(cols: dict, *, threshold: float | None = None, min_width: int | N
             conditions.append((f"aspect ratio > {max_aspect_ratio:g}", ratio <= max_aspect_ratio))
         if min_caption_length is not None:
             conditions.append((f"caption shorter than {min_caption_length}", np.nan_to_num(cap, nan=0) >= min_caption_length))
+        if aesthetic_threshold is not None:
+            a = np.asarray(cols["aesthetic"], dtype=np.float64)
+            conditions += [("no aesthetic score", ~np.isnan(a)),
+                           ("aesthetic below threshold", np.where(np.isnan(a), False, a >= aesthetic_threshold))]
     keep = np.ones(n, dtype=bool)
     drops: Counter = Counter()
     for name, ok in conditions:  # NaN comparisons are False: unknown fails
@@ -157,11 +190,19 @@ def apply_rule(cols: dict, *, threshold: float | None = None, min_width: int | N
 # ----------------------------------------------------------------------------- reading scores
 
 
-def read_scores(shards_dir):
+NEEDS = {  # what a reader may need beyond COLUMNS: (score file metadata key, the score flag that makes it)
+    "aesthetic": ("aesthetic", "--aesthetic FILE"),
+    "embeddings": ("embeddings", "--save-embeddings"),
+}
+
+
+def read_scores(shards_dir, needs: tuple[str, ...] = ()):
     """All score files of a scored image-shard folder as one pyarrow Table (COLUMNS plus
-    `shard`), and the shared {model, pretrained, weights_sha256}. DitdataError when a
-    finished shard has no (or a stale) score file, or shards were scored by different
-    models."""
+    `shard`, and the aesthetic column when "aesthetic" is in `needs`), and the shared
+    {model, pretrained, weights_sha256, aesthetic, embeddings, tars}. DitdataError when a
+    finished shard has no (or a stale) score file, shards were scored by different models
+    or predictors, or a shard lacks what `needs` names ("aesthetic", "embeddings": the one
+    line says which `ditdata score` flag to rerun with)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -172,7 +213,8 @@ def read_scores(shards_dir):
     tars = shards.read_folder(d).shards
     if not tars:
         raise DitdataError(f"{d}: no image shards")
-    tables, missing, stale, idents, skipped = [], [], [], {}, []
+    missing, stale, idents, skipped = [], [], {}, []
+    metas: dict[str, dict] = {}
     for tar in tars:
         sp = score_path(tar)
         meta = read_score_meta(sp)
@@ -188,8 +230,7 @@ def read_scores(shards_dir):
             continue
         ident = (meta.get("model"), meta.get("pretrained"), meta.get("weights_sha256"))
         idents.setdefault(ident, []).append(tar.name)
-        t = pq.read_table(sp, columns=list(COLUMNS))
-        tables.append(t.append_column("shard", pa.array([tar.name] * t.num_rows, pa.string())))
+        metas[tar.name] = meta
     if missing:
         raise DitdataError(
             f"{d}: {len(missing)} of {len(tars)} shards have no complete CLIP scores (first: {missing[0]}); "
@@ -205,9 +246,39 @@ def read_scores(shards_dir):
         raise DitdataError(f"{d}: shards were scored by different CLIP models: {desc}; rescore with one model (--overwrite)")
     if not idents:
         raise DitdataError(f"{d}: every shard was left out as damaged by `ditdata score`; refetch them")
+    predictor = _check_needs(d, metas, needs)
+    tables = []
+    for name in metas:
+        t = pq.read_table(score_path(d / name), columns=list(COLUMNS) + (["aesthetic"] if "aesthetic" in needs else []))
+        tables.append(t.append_column("shard", pa.array([name] * t.num_rows, pa.string())))
     (model, pretrained, sha), = idents
-    table = pa.concat_tables(tables)
-    return table, {"model": model, "pretrained": pretrained, "weights_sha256": sha, "skipped_shards": skipped}
+    first = next(iter(metas.values()))
+    return pa.concat_tables(tables), {"model": model, "pretrained": pretrained, "weights_sha256": sha,
+                                      "skipped_shards": skipped, "aesthetic": predictor,
+                                      "embeddings": first.get("embeddings"), "metas": metas}
+
+
+def _check_needs(d: Path, metas: dict[str, dict], needs: tuple[str, ...]) -> dict | None:
+    """DitdataError when a scored shard lacks what `needs` names (the line names the flag to
+    rerun `ditdata score` with) or shards hold aesthetic scores of different predictors;
+    returns the one predictor's record (None without "aesthetic" in `needs`)."""
+    for n in needs:
+        key, flag = NEEDS[n]
+        names = [name for name, meta in metas.items() if not meta.get(key)]
+        if names:
+            raise DitdataError(
+                f"{d}: {len(names)} of {len(metas)} scored shards were scored without {flag} (first: "
+                f"{names[0]}); rerun `ditdata score {d} --clip MODEL --pretrained TAG_OR_FILE {flag}` "
+                f"(the same model; only those shards are scored again)"
+            )
+    if "aesthetic" not in needs:
+        return None
+    predictors = {m["aesthetic"].get("sha256"): m["aesthetic"] for m in metas.values()}
+    if len(predictors) > 1:
+        files = ", ".join(sorted(str(p.get("file")) for p in predictors.values()))
+        raise DitdataError(f"{d}: shards hold aesthetic scores of different predictors ({files}); rescore with "
+                           f"one (ditdata score --aesthetic FILE --overwrite)")
+    return next(iter(predictors.values()))
 
 
 def rule_columns(table) -> dict:
@@ -230,6 +301,7 @@ def rule_columns(table) -> dict:
         "height": np.where(known, oh, h),
         "caption_length": num("caption_length"),
         "status": np.asarray(table.column("status").to_pylist(), dtype=object),
+        **({"aesthetic": num("aesthetic")} if "aesthetic" in table.column_names else {}),
     }
 
 
@@ -246,30 +318,33 @@ def filter_shards(
     min_height: int | None = None,
     max_aspect_ratio: float | None = None,
     min_caption_length: int | None = None,
+    min_aesthetic: float | None = None,
+    top_aesthetic_fraction: float | None = None,
+    select=None,
 ) -> tuple[Selection, dict]:
     """Apply the rule (module docstring) to every scored shard of SHARDS_DIR and write the
     selection file `out`. Returns (the selection, a summary for `report`)."""
     import numpy as np
 
-    if min_clip_score is None and top_fraction is None:
-        raise DitdataError("give --min-clip-score X or --top-fraction F")
-    if max_aspect_ratio is not None and not max_aspect_ratio >= 1:
-        raise DitdataError(f"--max-aspect-ratio must be >= 1, got {max_aspect_ratio}")
-    table, ident = read_scores(shards_dir)
-    keys = table.column("key").to_pylist()
-    if len(set(keys)) != len(keys):
-        dup = next(k for k, c in Counter(keys).items() if c > 1)
-        raise DitdataError(f"{shards_dir}: sample key {dup!r} occurs more than once; keys must be unique")
+    aesthetic_rule = min_aesthetic is not None or top_aesthetic_fraction is not None
+    _check_rule(min_clip_score is not None or top_fraction is not None or aesthetic_rule or select is not None,
+                max_aspect_ratio)
+    table, ident = read_scores(shards_dir, needs=("aesthetic",) if aesthetic_rule else ())
+    keys = unique_keys(table, shards_dir)
     cols = rule_columns(table)
-    threshold = resolve_threshold(cols["clip_score"], min_clip_score=min_clip_score, top_fraction=top_fraction)
+    candidates, picked = candidates_of(select, keys)
+    among = np.ones(len(keys), bool) if candidates is None else candidates
+    threshold = resolve_threshold(cols["clip_score"][among], min_clip_score=min_clip_score, top_fraction=top_fraction)
+    a_threshold = None if not aesthetic_rule else resolve_threshold(
+        cols["aesthetic"][among], min_clip_score=min_aesthetic, top_fraction=top_aesthetic_fraction,
+        flags=AESTHETIC_FLAGS, what="aesthetic score")
     keep, drops = apply_rule(cols, threshold=threshold, min_width=min_width, min_height=min_height,
-                             max_aspect_ratio=max_aspect_ratio, min_caption_length=min_caption_length)
+                             max_aspect_ratio=max_aspect_ratio, min_caption_length=min_caption_length,
+                             aesthetic_threshold=a_threshold, candidates=candidates)
     scores = cols["clip_score"]
-    scored = int((~np.isnan(scores)).sum())
+    scored = int((~np.isnan(scores[among])).sum())
     rule = {
-        "clip_model": ident["model"],
-        "clip_pretrained": ident["pretrained"],
-        "clip_weights_sha256": ident["weights_sha256"],
+        **clip_rule(ident),
         "min_clip_score": None if min_clip_score is None else float(min_clip_score),
         "top_fraction": None if top_fraction is None else float(top_fraction),
         "threshold": threshold,
@@ -280,24 +355,83 @@ def filter_shards(
         "size": SIZE_POLICY,
         "ties": TIE_POLICY,
         "kept": int(keep.sum()),
-        "total": len(keys),
         "scored": scored,
-        "shards_dir": str(Path(shards_dir).resolve()),
-        "num_shards": len(set(table.column("shard").to_pylist())),
+        **folder_rule(shards_dir, table),
+        **_extra_rule(ident, picked, aesthetic_rule and {"aesthetic": ident["aesthetic"], "min_aesthetic": min_aesthetic,
+                                                         "top_aesthetic_fraction": top_aesthetic_fraction,
+                                                         "aesthetic_threshold": a_threshold}),
     }
-    if ident["skipped_shards"]:  # damaged shards score left out: nothing of them is selected
-        rule["skipped_shards"] = ident["skipped_shards"]
     if rule["kept"] == 0:
         rng = f"scores range {np.nanmin(scores):.4f}..{np.nanmax(scores):.4f}" if scored else "no sample has a score"
         raise DitdataError(f"no sample passes the rule ({rng}); nothing written")
-    by_shard, kept_scores = _kept(table.column("shard").to_pylist(), keys, scores, keep)
+    sel = publish(out, table, keys, scores, keep, rule)
+    return sel, {"rule": rule, "drops": dict(drops.most_common()), "scores": scores[among], "keep": keep[among],
+                 "out": str(out), "aesthetic": cols["aesthetic"][among] if aesthetic_rule else None}  # candidates only
+
+
+def _check_rule(any_rule: bool, max_aspect_ratio: float | None) -> None:
+    if not any_rule:
+        raise DitdataError("give a rule: --min-clip-score X, --top-fraction F, --min-aesthetic A, "
+                           "--top-aesthetic-fraction F or --select SELECTION")
+    if max_aspect_ratio is not None and not max_aspect_ratio >= 1:
+        raise DitdataError(f"--max-aspect-ratio must be >= 1, got {max_aspect_ratio}")
+
+
+def _extra_rule(ident: dict, picked: dict | None, aesthetic: dict | bool) -> dict:
+    """The rule's entries that are there only when they apply: the aesthetic rule, the
+    --select selection, the damaged shards score left out (nothing of them is selected)."""
+    extra = dict(aesthetic) if aesthetic else {}
+    if picked is not None:
+        extra["select"] = picked
+    if ident["skipped_shards"]:
+        extra["skipped_shards"] = ident["skipped_shards"]
+    return extra
+
+
+def publish(out, table, keys: list[str], scores, keep, rule: dict) -> Selection:
+    """Write the kept rows of a score table as the selection file `out` (write_selection)."""
+    by_shard, kept_scores = kept_samples(table.column("shard").to_pylist(), keys, scores, keep)
     write_selection(out, by_shard, rule, kept_scores)
-    sel = Selection(keys={k for ks in by_shard.values() for k in ks}, rule=rule, shards=by_shard, path=str(out))
-    summary = {"rule": rule, "drops": dict(drops.most_common()), "scores": scores, "keep": keep, "out": str(out)}
-    return sel, summary
+    return Selection(keys={k for ks in by_shard.values() for k in ks}, rule=rule, shards=by_shard, path=str(out))
 
 
-def _kept(shard_col: list[str], keys: list[str], scores, keep) -> tuple[dict[str, list[str]], list]:
+def clip_rule(ident: dict) -> dict:
+    """The CLIP model a selection's scores come from, as its rule records it."""
+    return {"clip_model": ident["model"], "clip_pretrained": ident["pretrained"],
+            "clip_weights_sha256": ident["weights_sha256"]}
+
+
+def folder_rule(shards_dir, table) -> dict:
+    """The scored folder a selection was made from, as its rule records it."""
+    return {"total": table.num_rows, "shards_dir": str(Path(shards_dir).resolve()),
+            "num_shards": len(set(table.column("shard").to_pylist()))}
+
+
+def unique_keys(table, shards_dir) -> list[str]:
+    """The key column of a score table; DitdataError when a key occurs twice."""
+    keys = table.column("key").to_pylist()
+    if len(set(keys)) != len(keys):
+        dup = next(k for k, c in Counter(keys).items() if c > 1)
+        raise DitdataError(f"{shards_dir}: sample key {dup!r} occurs more than once; keys must be unique")
+    return keys
+
+
+def candidates_of(select, keys: list[str]):
+    """(bool mask of `keys` in the selection file `select`, {path, rule} to record), or
+    (None, None) without one. DitdataError when the selection picks none of these samples."""
+    import numpy as np
+
+    if select is None:
+        return None, None
+    sel = select if isinstance(select, Selection) else load_selection(select)
+    mask = np.fromiter((k in sel.keys for k in keys), bool, len(keys))
+    if not mask.any():
+        raise DitdataError(f"{sel.path}: the selection holds none of this folder's samples (made from "
+                           f"{sel.rule.get('shards_dir', 'another folder')})")
+    return mask, {"path": str(Path(sel.path).resolve()) if sel.path else None, "rule": sel.rule}
+
+
+def kept_samples(shard_col: list[str], keys: list[str], scores, keep) -> tuple[dict[str, list[str]], list]:
     """The kept samples: {shard: keys in stored order} and their scores (None: null)."""
     import numpy as np
 
@@ -432,12 +566,17 @@ def report(summary: dict) -> str:
     r = summary["rule"]
     total, kept = r["total"], r["kept"]
     pct = 100 * kept / total if total else 0.0
-    how = (f"top {100 * r['top_fraction']:g}% of {r['scored']} scored -> threshold {r['threshold']:.4f}"
-           if r["top_fraction"] is not None else f"clip_score >= {r['threshold']:g}")
-    lines = [
-        f"kept {kept} / {total} samples ({pct:.1f}%) -> {summary['out']}",
-        f"  rule: {how} ({r['clip_model']} / {r['clip_pretrained']})",
-    ]
+    lines = [f"kept {kept} / {total} samples ({pct:.1f}%) -> {summary['out']}"]
+    if r.get("select"):
+        lines.append(f"  among: the {r['select']['rule'].get('kept', '?')} samples of {r['select']['path']}")
+    if r["threshold"] is not None:
+        how = (f"top {100 * r['top_fraction']:g}% of {r['scored']} scored -> threshold {r['threshold']:.4f}"
+               if r["top_fraction"] is not None else f"clip_score >= {r['threshold']:g}")
+        lines.append(f"  rule: {how} ({r['clip_model']} / {r['clip_pretrained']})")
+    if r.get("aesthetic_threshold") is not None:
+        how = (f"top {100 * r['top_aesthetic_fraction']:g}% -> threshold {r['aesthetic_threshold']:.3f}"
+               if r["top_aesthetic_fraction"] is not None else f"aesthetic >= {r['aesthetic_threshold']:g}")
+        lines.append(f"  rule: {how} (predictor {r['aesthetic']['file']})")
     extra = [f"{k} {r[k]:g}" for k in ("min_width", "min_height", "max_aspect_ratio", "min_caption_length")
              if r[k] is not None]
     if extra:
@@ -449,4 +588,7 @@ def report(summary: dict) -> str:
         lines += [f"    {v:>8}  {k}" for k, v in summary["drops"].items()]
     lines.append(f"  clip_score histogram ({r['scored']} with a score):")
     lines.append(histogram(summary["scores"], summary["keep"], r["threshold"]))
+    if r.get("aesthetic_threshold") is not None:
+        lines.append("  aesthetic histogram:")
+        lines.append(histogram(summary["aesthetic"], summary["keep"], r["aesthetic_threshold"]))
     return "\n".join(lines)

@@ -205,9 +205,11 @@ def test_cli_filter(scored, tmp_path):
                                  "--out", str(out)]),
        "kept 4 / 9 samples (44.4%)", "top 40% of 7 scored -> threshold 0.2800", "<- threshold")
     assert load_selection(out).keys == {"k00", "k03", "k04", "k10"}
-    for args in (["--min-clip-score", "0.2", "--top-fraction", "0.3"], []):
+    for args, says in ((["--min-clip-score", "0.2", "--top-fraction", "0.3"], "at most one of"),
+                       (["--min-aesthetic", "5", "--top-aesthetic-fraction", "0.3"], "at most one of"),
+                       ([], "give a rule")):
         r = CliRunner().invoke(main, ["filter", str(scored), *args, "--out", str(out)])
-        assert r.exit_code == 2 and "exactly one of" in r.output
+        assert r.exit_code == 2 and says in r.output
     r = CliRunner().invoke(main, ["filter", str(scored), "--top-fraction", "1.5", "--out", str(out)])
     assert r.exit_code == 2
     r = CliRunner().invoke(main, ["filter", str(tmp_path), "--min-clip-score", "0.2", "--out", str(out)])
