@@ -298,3 +298,23 @@ def test_serve_offers_the_bucket_sizes(bucket_run, tmp_path):
     assert [c[1] for c in by_id["size"]["props"]["choices"]] == ["16x8", "8x16", "8x8"]
     assert by_id["size"]["props"]["value"] == "8x8"
 
+
+
+def test_text_buckets_carry_each_rows_embeddings_and_train(tmp_path):
+    store = bucketed_store(tmp_path / "text", {(8, 8): 5, (16, 8): 4}, text={"pooled": 16, "tokens": (5, 16)})
+    loader = BucketedLoader(store, batch_size=3, seed=4, with_index=True)
+    fields = ("text_pooled", "text_tokens", "text_mask")
+    seen = set()
+    for k in range(2 * loader.batches_per_epoch):
+        bucket = loader.buckets[loader.bucket_of(k)]
+        data = bucket.store.read(bucket.store.shards[0], fields=list(fields))
+        batch = next(loader)
+        for f in fields:  # each row's own caption embedding, from its own bucket's store
+            want = np.stack([data[f][i] for i in batch["index"].tolist()])
+            assert np.array_equal(batch[f].float().numpy(), want.astype(np.float32)), (bucket.name, f)
+        seen.add(tuple(batch["x"].shape))
+    assert seen == {(3, 3, 8, 8), (3, 3, 8, 16)}
+    run = tmp_path / "run"
+    ok(dittrain(*run_args(store, run, "--max-steps", 4, "--batch-size", 3, "--caption-dropout", 0.5)))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and {r["batch_shape"] for r in rows} <= {"3x3x8x8", "3x3x8x16"} and all(np.isfinite(r["loss"]) for r in rows)
