@@ -39,8 +39,6 @@ sys.path.insert(0, str(ROOT))
 from ditdata.common.sizes import format_size  # noqa: E402  (standard library only)
 
 PROJECT = "ditkit"
-EXTRAS = ("core", "demo", "data", "vae", "train", "optim", "wandb", "eval", "serve", "export",
-          "distributed", "remote", "all", "test")
 NOT_COUNTED = {"pip", "setuptools", PROJECT}
 
 
@@ -158,13 +156,15 @@ def listing(extra: str, pyproject: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pyproject", type=Path, default=ROOT / "pyproject.toml")
-    ap.add_argument("--extras", nargs="+", default=list(EXTRAS), help="Rows of the table (default: all).")
+    ap.add_argument("--extras", nargs="+", default=None,
+                    help="Rows of the table (default: the core, then every extra in pyproject.toml's order).")
     ap.add_argument("--list", metavar="EXTRA", help="Print what one extra adds beyond the core (core: the core itself), largest first.")
     args = ap.parse_args(argv)
     if args.list:
         print(listing(args.list, args.pyproject))
         return 0
-    text, notes = table(tuple(args.extras), args.pyproject)
+    extras = args.extras or ["core", *project_requirements(args.pyproject)[1]]
+    text, notes = table(tuple(extras), args.pyproject)
     print(text)
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
