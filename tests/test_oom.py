@@ -118,7 +118,7 @@ def test_score(tmp_path, monkeypatch):
     from ditdata.clip import ClipModel
 
     config, weights = tiny_clip_files(tmp_path / "clip")
-    monkeypatch.setattr(ClipModel, "score_pixels", oom)
+    monkeypatch.setattr(ClipModel, "score_and_embed_pixels", oom)
     r = ditdata("score", caption_shards(tmp_path / "shards"), "--clip-config", config, "--pretrained", weights,
                 "--device", "cpu", "--batch-size", 4, "--threads", 0, "-q")
     failed_with(r, "scoring with CLIP tiny-clip at --batch-size 4, fp32: lower it with --batch-size 2")
