@@ -29,8 +29,6 @@ import numpy as np
 import torch
 from scratch import (
     INFO,
-    add_dir_arg,
-    add_options,
     parse_on_device,
     parser,
     scratch_dir,
@@ -100,10 +98,8 @@ def interleaved(makers: dict, passes: int, device: torch.device) -> dict[str, tu
 
 
 def main():
-    ap = parser(__doc__)
-    add_options(ap, ("--n", 20000, "latents in each store"), ("--batch-size", 256, "batch size"),
-                ("--passes", 5, "epochs timed"))
-    add_dir_arg(ap)
+    ap = parser(__doc__, ("--n", 20000, "latents in each store"), ("--batch-size", 256, "batch size"),
+                ("--passes", 5, "epochs timed"), scratch=True)
     args, device = parse_on_device(ap)
     with scratch_dir(args.dir, "bucket_loader_") as root:
         plain = synthetic_store(root / "plain", args.n, args.n)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 from latent_norm import digit_scores, sh  # bench/latent_norm.py
-from scratch import add_dir_arg, add_options, parser  # bench/scratch.py
+from scratch import parser  # bench/scratch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -30,11 +30,9 @@ def parse_args(doc: str, *options: tuple):
     """The arguments every digits comparison takes (--steps, --seeds, --threads, --dir) and
     `options` (scratch.add_options rows); and the commands' environment: offline, --threads
     OpenMP threads, no progress lines."""
-    ap = parser(doc)
-    add_options(ap, ("--steps", "150,300,600", "step counts at which samples are judged"),
+    ap = parser(doc, ("--steps", "150,300,600", "step counts at which samples are judged"),
                 ("--seeds", "0,1,2", "the runs' --seed values"), *options,
-                ("--threads", 2, "CPU threads of each command (OMP_NUM_THREADS)"))
-    add_dir_arg(ap)
+                ("--threads", 2, "CPU threads of each command (OMP_NUM_THREADS)"), scratch=True)
     args = ap.parse_args()
     args.steps = [int(s) for s in args.steps.split(",")]
     env = dict(os.environ, HF_HUB_OFFLINE="1", NO_ALBUMENTATIONS_UPDATE="1", OMP_NUM_THREADS=str(args.threads),

@@ -69,14 +69,11 @@ def naive(shards: Path, out: Path, ae, resolution: int, device: str) -> int:
 
 
 def main():
-    ap = parser(__doc__)
+    ap = parser(__doc__, ("--n", 96, "images"), ("--resolution", 256, "image side, px"),
+                ("--batch-size", 32, "encode's batch"), ("--workers", 2, "encode's decoding workers"),
+                ("--samples-per-shard", 16, "images per fetched shard"))
     ap.add_argument("--taef2", required=True, help="directory with taef2_encoder.pth and taef2_decoder.pth")
-    ap.add_argument("--n", type=int, default=96, help="images")
-    ap.add_argument("--resolution", type=int, default=256)
     add_device_args(ap, threads=False)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--samples-per-shard", type=int, default=16)
     args = ap.parse_args()
 
     from ditdata.encode import EncodeConfig, encode

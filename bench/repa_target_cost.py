@@ -28,8 +28,6 @@ import numpy as np
 import torch
 from feature_bytes import photos  # bench/feature_bytes.py
 from scratch import (  # bench/scratch.py
-    add_dir_arg,
-    add_options,
     parse_on_device,
     parser,
     scratch_dir,
@@ -114,13 +112,11 @@ def cached(root: Path, n: int, dims: int, batch: int, workers: int) -> tuple[flo
 
 
 def main() -> None:
-    ap = parser(__doc__)
-    ap.add_argument("--size", default="S", choices=sorted(SIZES), help="the DINOv2 size of the reference side")
-    add_options(ap, ("--images", 64, "JPEGs the reference side decodes and encodes"),
+    ap = parser(__doc__, ("--images", 64, "JPEGs the reference side decodes and encodes"),
                 ("--batch-size", 32, "the reference side's encoder batch"),
                 ("--store-samples", 4096, "samples of the cached side's store"),
-                ("--workers", 2, "the cached side's streaming loader processes"))
-    add_dir_arg(ap)
+                ("--workers", 2, "the cached side's streaming loader processes"), scratch=True)
+    ap.add_argument("--size", default="S", choices=sorted(SIZES), help="the DINOv2 size of the reference side")
     args, _ = parse_on_device(ap)  # (--threads)
     files = jpegs(args.images)
     model = encoder(args.size)

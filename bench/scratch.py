@@ -25,12 +25,17 @@ def scratch_dir(path: str | None, prefix: str) -> Iterator[Path]:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def parser(doc: str, *, n: int | None = None, shard_size: int | None = None) -> argparse.ArgumentParser:
+def parser(doc: str, *options: tuple, n: int | None = None, shard_size: int | None = None,
+           scratch: bool = False) -> argparse.ArgumentParser:
     """A benchmark's command line, its module docstring as the --help text (layout kept); with
-    n and shard_size, the synthetic store's arguments too (add_store_args)."""
+    n and shard_size, the synthetic store's arguments too (add_store_args); its own `options`
+    (add_options rows); with `scratch`, --dir (add_dir_arg)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     if n is not None:
         add_store_args(ap, n=n, shard_size=shard_size)
+    add_options(ap, *options)
+    if scratch:
+        add_dir_arg(ap)
     return ap
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ditdata.buckets import BucketSpec
 from ditdata.common import files
+from ditdata.common.errors import first_names
 from ditdata.errors import DitdataError
 from ditdata.store import Schema, StoreWriter, bucket_name, finalize_buckets, parse_bucket_name
 from ditdata.store.buckets import BUCKETS
@@ -99,8 +100,8 @@ class BucketWriter:
         is removed."""
         missing = [n for n in names if not self.done(n)]
         if missing:
-            raise DitdataError(f"{self.root}: input shards not finished: {', '.join(missing[:10])}"
-                               f"{' ...' if len(missing) > 10 else ''}; rerun `ditdata encode` to complete them")
+            raise DitdataError(f"{self.root}: input shards not finished: {first_names(missing)}; "
+                               "rerun `ditdata encode` to complete them")
         held: dict[str, list[str]] = {}
         cropped = 0
         for n in names:

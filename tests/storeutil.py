@@ -140,6 +140,14 @@ def latent_data(seed: int = 0, *, identical: bool = False, nan_every: int = 0):
     return data
 
 
+def _key_columns(sch: Schema, keys: list[str], prefix: str, labels) -> dict:
+    """The key column and, for a CAPTIONED schema, captions "PREFIXcaption i", else labels()
+    (called only then, so a generator's RNG draws nothing for captions)."""
+    if "caption" in sch.columns:
+        return {"key": keys, "caption": [f"{prefix}caption {i}" for i in range(len(keys))]}
+    return {"key": keys, "label": labels()}
+
+
 def tiny_data(seed: int = 0):
     """Generator of standard-normal tensors (all-true bool masks) from one RNG, with
     keys k0.. and captions "caption i" (CAPTIONED schemas) or labels i % 3."""
@@ -152,12 +160,7 @@ def tiny_data(seed: int = 0):
                 tensors[name] = np.ones((n, *spec.shape), dtype=bool)
             else:
                 tensors[name] = _cast(rng.standard_normal((n, *spec.shape)), spec.dtype)
-        columns = {"key": [f"k{i}" for i in range(n)]}
-        if "caption" in sch.columns:
-            columns["caption"] = [f"caption {i}" for i in range(n)]
-        else:
-            columns["label"] = [i % 3 for i in range(n)]
-        return tensors, columns
+        return tensors, _key_columns(sch, [f"k{i}" for i in range(n)], "", lambda: [i % 3 for i in range(n)])
 
     return data
 
@@ -236,12 +239,8 @@ def bucket_data(seed: int, name: str):
             elif field.startswith("text"):
                 tensors[field] = rng.standard_normal((n, *spec.shape))
         tensors = {f: _cast(tensors[f], spec.dtype) for f, spec in sch.tensors.items()}
-        columns = {"key": [f"{name}/{index}-{i}" for i in range(n)]}
-        if "caption" in sch.columns:
-            columns["caption"] = [f"{name} caption {i}" for i in range(n)]
-        else:
-            columns["label"] = rng.integers(0, 3, n).tolist()
-        return tensors, columns
+        return tensors, _key_columns(sch, [f"{name}/{index}-{i}" for i in range(n)], f"{name} ",
+                                     lambda: rng.integers(0, 3, n).tolist())
 
     return data
 

@@ -213,14 +213,12 @@ def test_retry_failed_refuses_what_is_not_a_finished_url_fetch(tmp_path):
         assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
         assert_has(r.output, f"--retry-failed: {folder} is not a finished URL fetch", why)
     # a folder fetch has no downloads; an unfinished URL fetch must be completed first
-    (tmp_path / "classes").mkdir()
-    (tmp_path / "classes" / ".fetch_state").write_text(json.dumps({"kind": "classes"}))
-    r = ditdata("fetch", "--retry-failed", "--out", tmp_path / "classes")
-    assert r.exit_code == 1 and "holds a classes fetch; only a URL list has downloads to retry" in r.output
-    (tmp_path / "urls").mkdir()
-    (tmp_path / "urls" / ".fetch_state").write_text(json.dumps({"kind": "urls"}))
-    r = ditdata("fetch", "--retry-failed", "--out", tmp_path / "urls")
-    assert r.exit_code == 1 and "the fetch did not finish; rerun the first `ditdata fetch`" in r.output
+    for kind, why in (("classes", "holds a classes fetch; only a URL list has downloads to retry"),
+                      ("urls", "the fetch did not finish; rerun the first `ditdata fetch`")):
+        (tmp_path / kind).mkdir()
+        (tmp_path / kind / ".fetch_state").write_text(json.dumps({"kind": kind}))
+        r = ditdata("fetch", "--retry-failed", "--out", tmp_path / kind)
+        assert r.exit_code == 1 and why in r.output, r.output
     assert not (tmp_path / "nowhere").exists()
     with pytest.raises(TypeError):
         retry_failed(tmp_path / "urls", no_such_option=64)

@@ -23,3 +23,10 @@ def one_line(e: BaseException | str, limit: int = 500) -> str:
 def described(e: BaseException, limit: int = 300) -> str:
     """A third-party library's exception as one line that names its type ("OSError: ...")."""
     return f"{type(e).__name__}: {one_line(e, limit)}"
+
+
+def first_names(names, most: int = 10) -> str:
+    """The first `most` of `names`, comma-separated, with " ..." when there are more: a list
+    an error message can name without growing past a line."""
+    names = list(names)
+    return ", ".join(map(str, names[:most])) + (" ..." if len(names) > most else "")

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ditdata.common import files
+from ditdata.common.errors import first_names
 
 from . import manifest
 from .backends import get_backend
@@ -224,8 +225,8 @@ class StoreWriter:
         is not finished: a manifest never lists a shard that is missing."""
         missing = [n for n in names if not self.done(n)]
         if missing:
-            raise StoreError(f"{self.shard_dir}: {what} not finished: {', '.join(missing[:10])}"
-                             f"{' ...' if len(missing) > 10 else ''}; rerun to complete them{then}")
+            raise StoreError(f"{self.shard_dir}: {what} not finished: {first_names(missing)}; "
+                             f"rerun to complete them{then}")
         return [self._read_record(n) for n in names]
 
     def finalize(self, names: list[str] | None = None, *, provenance: dict | None = None,

@@ -35,6 +35,23 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(k) for k in key])))
 
 
+def _order_and_rows(rng: np.random.Generator, n: int, V: int) -> tuple[np.ndarray, np.ndarray]:
+    """An epoch's sample order (n,), a permutation drawn from rng, and each sample's row
+    i * V + variant: where a flipped twin is stored (V == 2) its coin is drawn with the order."""
+    order = rng.permutation(n)
+    return order, (order * V + rng.integers(0, 2, n) if V == 2 else order)
+
+
+def _epoch_cached(epochs: dict, e: int, make) -> tuple:
+    """epochs[e], made by make(e) when missing; the epochs before e - 1 are dropped (a batch
+    spans at most two epochs, and resume asks for any)."""
+    if e not in epochs:
+        epochs[e] = make(e)
+        for old in [x for x in epochs if x < e - 1]:
+            del epochs[old]
+    return epochs[e]
+
+
 def _seed64(*key: int) -> int:
     return int(np.random.SeedSequence([int(k) for k in key]).generate_state(1, np.uint64)[0])
 

@@ -36,7 +36,7 @@ import torch
 
 from dittrain.config import BUCKET_REMAINDERS as REMAINDERS  # pad (the default) | drop
 
-from .base import LoaderError, _Loader, _open, _rng
+from .base import LoaderError, _epoch_cached, _Loader, _open, _order_and_rows, _rng
 from .resident import ResidentLoader, _upload
 
 # Tags of this module's seeded streams (base.py's are 1..5)
@@ -105,25 +105,22 @@ class BucketedLoader(_Loader):
         """Epoch e: the bucket of each of its batches in order (E,), which of that bucket's
         batches each is (E,), and per bucket the block positions and variant rows of its
         batches, (batches_b * B,) each on the resident device."""
-        if e not in self._epochs:
-            B, orders, rows = self._stream_batch, [], []
-            for b, (part, n, k) in enumerate(zip(self.parts, self.counts, self.bucket_batches, strict=True)):
-                rng = _rng(self.seed, _BUCKET_EPOCH, b, e)
-                order = rng.permutation(n)
-                row = order * part.spec.V + rng.integers(0, 2, n) if part.spec.V == 2 else order
-                # drop: the first k*B; pad: cycled to k*B (np.resize repeats the array from its start)
-                orders.append(_upload(np.resize(order, k * B), self.resident_device))
-                rows.append(_upload(np.resize(row, k * B), self.resident_device))
-            which = np.repeat(np.arange(len(self.parts)), self.bucket_batches)
-            which = which[_rng(self.seed, _BATCH_ORDER, e).permutation(len(which))]
-            nth = np.empty_like(which)  # batch j is bucket which[j]'s nth[j]-th batch of the epoch
-            for b in range(len(self.parts)):
-                at = which == b
-                nth[at] = np.arange(np.count_nonzero(at))
-            self._epochs[e] = (which, nth, orders, rows)
-            for old in [x for x in self._epochs if x < e - 1]:
-                del self._epochs[old]
-        return self._epochs[e]
+        return _epoch_cached(self._epochs, e, self._make_epoch)
+
+    def _make_epoch(self, e: int) -> tuple:
+        B, orders, rows = self._stream_batch, [], []
+        for b, (part, n, k) in enumerate(zip(self.parts, self.counts, self.bucket_batches, strict=True)):
+            order, row = _order_and_rows(_rng(self.seed, _BUCKET_EPOCH, b, e), n, part.spec.V)
+            # drop: the first k*B; pad: cycled to k*B (np.resize repeats the array from its start)
+            orders.append(_upload(np.resize(order, k * B), self.resident_device))
+            rows.append(_upload(np.resize(row, k * B), self.resident_device))
+        which = np.repeat(np.arange(len(self.parts)), self.bucket_batches)
+        which = which[_rng(self.seed, _BATCH_ORDER, e).permutation(len(which))]
+        nth = np.empty_like(which)  # batch j is bucket which[j]'s nth[j]-th batch of the epoch
+        for b in range(len(self.parts)):
+            at = which == b
+            nth[at] = np.arange(np.count_nonzero(at))
+        return which, nth, orders, rows
 
     def bucket_of(self, k: int) -> int:
         """The bucket (index into self.buckets) batch k comes from."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import _EPOCH, _PART, _Block, _Loader, _open, _rng
+from .base import _EPOCH, _PART, _Block, _epoch_cached, _Loader, _open, _order_and_rows, _rng
 
 
 def _rank_part(n: int, seed: int, rank: int, world_size: int) -> np.ndarray:
@@ -82,15 +82,11 @@ class ResidentLoader(_Loader):
 
     def _epoch(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(order, rows) of epoch e: sample positions, and their rows i * V + variant."""
-        if e not in self._epochs:
-            rng = _rng(self.seed, _EPOCH, self._stream_rank, e)
-            order = rng.permutation(self.n)
-            rows = order * self.spec.V + rng.integers(0, 2, self.n) if self.spec.V == 2 else order
-            dev = self.resident_device
-            self._epochs[e] = (_upload(order, dev), _upload(rows, dev))
-            for old in [k for k in self._epochs if k < e - 1]:
-                del self._epochs[old]
-        return self._epochs[e]
+        def make(e):
+            order, rows = _order_and_rows(_rng(self.seed, _EPOCH, self._stream_rank, e), self.n, self.spec.V)
+            return _upload(order, self.resident_device), _upload(rows, self.resident_device)
+
+        return _epoch_cached(self._epochs, e, make)
 
     def _make(self, k: int) -> dict:
         e, o = self._position(k)
