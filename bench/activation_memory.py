@@ -14,15 +14,15 @@ What is counted as kept: every tensor autograd saves (torch.autograd.graph.saved
 distinct storages), the tensors selective checkpointing caches (the model passes
 respect_saved_tensors_hooks=True, so they reach the same hook), and the inputs of every
 checkpointed region (a non-reentrant checkpoint keeps its inputs and nothing else; they are
-found by wrapping dittrain.model.checkpoint). fp32 on the CPU; --device cuda runs under bf16
+found by wrapping dittrain.model.dit.checkpoint). fp32 on the CPU; --device cuda runs under bf16
 autocast and also reports torch.cuda.max_memory_allocated over a step (the peak includes the
 weights, their gradients and the recomputation of one block during backward).
 CPU step times say little about GPU recompute cost (element-wise ops are cheap in FLOPs but
 memory-bound on a GPU); the kept bytes are the same on any device for the same dtype.
 
-`dittrain plan`'s memory model (issue 27, dittrain.footprint) reads what this bench measures:
+`dittrain plan`'s memory model (issue 27, dittrain.plan.footprint) reads what this bench measures:
 
-    python bench/activation_memory.py --table --write dittrain/activation_table.json [--threads 1]
+    python bench/activation_memory.py --table --write dittrain/plan/activation_table.json [--threads 1]
         the kept bytes of the trainer's forward for every block kind (mlp x norm x pos x QK-norm),
         fp32 and bf16 (CPU autocast), fused and math attention, modes none/every/selective/attn/
         mlp, on small shapes at 2 and 4 samples and depth 1 and 2, fitted exactly as coefficients
@@ -30,10 +30,10 @@ memory-bound on a GPU); the kept bytes are the same on any device for the same d
         the embedders, the final layer with the loss, and REPA likewise (a few minutes on a CPU)
     python bench/activation_memory.py --check "MODEL:BATCH:MODE[:PRECISION];..." [--device cuda]
         predicted against measured: the peak of two steps of the trainer's step (CPU: the
-        allocator's record, dittrain.probe.cpu_peak_bytes; CUDA: torch.cuda.max_memory_allocated)
+        allocator's record, dittrain.plan.probe.cpu_peak_bytes; CUDA: torch.cuda.max_memory_allocated)
         and the kept bytes (on CUDA under its own autocast: the check of the CPU-measured bf16 rows)
     python bench/activation_memory.py --records
-        the H200 records of bench/gpu_train.py (dittrain.throughput) against the predicted peaks
+        the H200 records of bench/gpu_train.py (dittrain.plan.throughput) against the predicted peaks
         and speeds
 """
 
@@ -55,11 +55,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-import dittrain.model as model_mod  # noqa: E402
+import dittrain.model.dit as model_mod  # noqa: E402
 from ditdata.common import devices  # noqa: E402
 from dittrain.config import MLPS, NORMS, POSITIONS, TrainConfig  # noqa: E402
 from dittrain.diffusion import Diffusion, DiffusionConfig  # noqa: E402
-from dittrain.footprint import (  # noqa: E402
+from dittrain.model.attention import attention_backend, attention_kernel  # noqa: E402
+from dittrain.model.dit import DiT, build_model  # noqa: E402
+from dittrain.model.sizes import DiTConfig, get_config  # noqa: E402
+from dittrain.plan.footprint import (  # noqa: E402
     FP32,
     HALF,
     Setting,
@@ -71,12 +74,9 @@ from dittrain.footprint import (  # noqa: E402
     outside_sample,
     projector_parts,
 )
-from dittrain.footprint import MODES as TABLE_MODES  # noqa: E402
-from dittrain.model import DiT, build_model  # noqa: E402
-from dittrain.probe import measured_peak  # noqa: E402
-from dittrain.repa import Alignment, build_projector  # noqa: E402
-from dittrain.sdpa import attention_backend, attention_kernel  # noqa: E402
-from dittrain.specs import DiTConfig, get_config  # noqa: E402
+from dittrain.plan.footprint import MODES as TABLE_MODES  # noqa: E402
+from dittrain.plan.probe import measured_peak  # noqa: E402
+from dittrain.train.repa import Alignment, build_projector  # noqa: E402
 
 MODES = ("none", "every", "2", "selective", "selective-fc1", "attn", "mlp")
 
@@ -172,7 +172,7 @@ def measure(args, mode: str, device: torch.device) -> dict:
 
 # ----------------------------------------------------------------------------- --table, --check (issue 27)
 
-# Small shapes, varied so that every feature of dittrain.footprint is pinned down (each fit is
+# Small shapes, varied so that every feature of dittrain.plan.footprint is pinned down (each fit is
 # exact on them: its largest residual is printed): (hidden, heads, mlp_ratio, latent side, patch, channels)
 SHAPES = ((64, 2, 4, 8, 2, 4), (128, 2, 4, 8, 2, 4), (64, 4, 4, 8, 2, 4), (64, 2, 2, 8, 2, 4), (64, 2, 4, 16, 2, 4),
           (96, 3, 4, 12, 2, 4), (128, 4, 2, 16, 2, 4), (64, 2, 3, 8, 2, 4), (32, 2, 4, 8, 2, 4), (64, 2, 4, 8, 1, 4),
@@ -194,7 +194,7 @@ def shape_config(shape, kind: dict, depth: int = 1, learn_sigma: bool = True) ->
 def kept_step(model: DiT, n: int, dtype, objective: str = "ddpm", kernel: str | None = None,
               repa: tuple[int, int] | None = None, split_at_final: bool = False):
     """Bytes the trainer's forward keeps for the backward (KeptCounter): the diffusion loss of
-    dittrain.step.TrainStep on n samples with label dropout, under CPU autocast for bf16; repa
+    dittrain.train.step.TrainStep on n samples with label dropout, under CPU autocast for bf16; repa
     (width, dims): with REPA's projector and targets aligned after block 1. split_at_final:
     (all of it, what was kept when the final layer started). On the model's device (CUDA: its
     autocast, which --check compares with the CPU's rows)."""
@@ -325,7 +325,7 @@ def repa_row(dtype: str, residuals: list) -> tuple[float, ...]:
 
 
 def measure_table() -> dict:
-    """Every row of dittrain/activation_table.json, measured (a few minutes on a CPU)."""
+    """Every row of dittrain/plan/activation_table.json, measured (a few minutes on a CPU)."""
     residuals: list[float] = []
     t0 = time.perf_counter()
     # LightningDiT's RMSNorm under CPU autocast: "Mismatch dtype ... Cannot dispatch to fused implementation"
@@ -343,13 +343,13 @@ def measure_table() -> dict:
 
 
 def write_table(tables: dict, path: str | None) -> None:
-    """The measured table as dittrain/activation_table.json (dittrain.footprint describes it)."""
+    """The measured table as dittrain/plan/activation_table.json (dittrain.plan.footprint describes it)."""
     import platform
 
-    source = {"command": "python bench/activation_memory.py --table --write dittrain/activation_table.json",
+    source = {"command": "python bench/activation_memory.py --table --write dittrain/plan/activation_table.json",
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
               "device": "cpu (fp32, and bf16 under CPU autocast)"}
-    about = ("Activation memory of the DiT's training step, measured: bytes as coefficients of dittrain.footprint's "
+    about = ("Activation memory of the DiT's training step, measured: bytes as coefficients of dittrain.plan.footprint's "
              "features (BLOCK_SAMPLE, BLOCK_FIXED, OUTSIDE_SAMPLE, OUTSIDE_FIXED, REPA_FEATURES). Written by "
              f"`{source['command']}`; do not edit by hand.")
     text = _table_json({"about": about, "SOURCE": source, **tables})
@@ -372,7 +372,7 @@ def _table_json(data: dict) -> str:
 
 
 def check(specs: str, input_size: int, device: torch.device) -> None:
-    """Predicted (dittrain.footprint) against measured peak and kept bytes of the trainer's step,
+    """Predicted (dittrain.plan.footprint) against measured peak and kept bytes of the trainer's step,
     for each MODEL:BATCH:MODE[:PRECISION] (4-channel latents of input_size, 1000 classes, ddpm with
     learned sigma, AdamW): a markdown table."""
     print(f"latents 4x{input_size}x{input_size}, 1000 classes, ddpm + learned sigma, AdamW, on {device}")
@@ -397,9 +397,10 @@ def check(specs: str, input_size: int, device: torch.device) -> None:
 
 
 def records() -> None:
-    """dittrain.throughput.RECORDS (bench/gpu_train.py on an H200) against what dittrain.footprint
+    """dittrain.plan.throughput.RECORDS (bench/gpu_train.py on an H200) against what dittrain.plan.footprint
     and the speed model predict for them: a markdown table."""
-    from dittrain.throughput import GPUS, RECORDS, rate, record_config, step_flops
+    from ditdata.common.devices import GPUS
+    from dittrain.plan.throughput import RECORDS, rate, record_config, step_flops
 
     print("| model | grad ckpt | batch | measured peak (GiB) | predicted (GiB) | error | peak moment | measured img/s "
           "| predicted img/s | error |")
@@ -427,15 +428,15 @@ def main():
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--table", action="store_true",
-                    help="measure dittrain/activation_table.json (every block kind, fp32 and bf16, fused and math "
+                    help="measure dittrain/plan/activation_table.json (every block kind, fp32 and bf16, fused and math "
                          "attention) and write it to --write")
     ap.add_argument("--write", default=None, metavar="PATH", help="--table: the file to write "
                     "(default: print a summary only)")
     ap.add_argument("--records", action="store_true",
-                    help="the H200 records of bench/gpu_train.py (dittrain.throughput) against dittrain plan's "
+                    help="the H200 records of bench/gpu_train.py (dittrain.plan.throughput) against dittrain plan's "
                          "predicted peak memory and speed")
     ap.add_argument("--check", default=None, metavar="SPECS",
-                    help="predicted (dittrain.footprint) against measured peak and kept bytes of the trainer's "
+                    help="predicted (dittrain.plan.footprint) against measured peak and kept bytes of the trainer's "
                          "step: MODEL:BATCH:MODE[:PRECISION];... (CPU: the allocator's record; CUDA: "
                          "torch.cuda.max_memory_allocated)")
     add_device_args(ap)

@@ -4,7 +4,7 @@ synchronous (--no-async-save) against the background writer (--async-save).
     python bench/checkpoint_save.py [--model DiT-B/2] [--saves 3] [--device cpu] [--dir DIR]
 
 Builds the model, its EMA and AdamW state (one optimizer step, so the moments exist) as a
-real dittrain.checkpoint.RunState, then calls dittrain.train._save as the loop does, `--saves`
+real dittrain.train.checkpoint.RunState, then calls dittrain.train.loop._save as the loop does, `--saves`
 times per mode, with "steps" in between: a fixed matmul workload standing in for the training
 step (a real DiT step on a 2-core CPU would take seconds and hide nothing). Reports per mode:
 the main thread's time inside _save (the step-time spike), the write itself (torch.save +
@@ -28,12 +28,12 @@ from scratch import add_device_args, open_device, parser  # bench/scratch.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import dittrain.checkpoint as checkpoint  # noqa: E402
-import dittrain.train as train  # noqa: E402
-from dittrain.checkpoint import RunState  # noqa: E402
+import dittrain.train.checkpoint as checkpoint  # noqa: E402
+import dittrain.train.loop as train  # noqa: E402
 from dittrain.config import TrainConfig  # noqa: E402
-from dittrain.model import DiT  # noqa: E402
-from dittrain.specs import get_config  # noqa: E402
+from dittrain.model.dit import DiT  # noqa: E402
+from dittrain.model.sizes import get_config  # noqa: E402
+from dittrain.train.checkpoint import RunState  # noqa: E402
 
 
 class _Loader:

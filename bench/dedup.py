@@ -1,6 +1,6 @@
 """`ditdata dedup`'s search at scale: N random unit embeddings (float16 as `ditdata score
 --save-embeddings` stores them, searched in float32) with planted near-duplicate pairs
-(cosine 0.955..0.995 to their original), through ditdata.dedup.neighbour_pairs as the command
+(cosine 0.955..0.995 to their original), through ditdata.scoring.dedup.neighbour_pairs as the command
 runs it. Each configuration runs in a fresh child process so its peak resident memory
 (ru_maxrss: the embeddings, the index and the results) is its own.
 
@@ -45,7 +45,7 @@ def embeddings(n: int, dim: int, planted: int, seed: int = 0):
 
 
 def one(args) -> dict:
-    from ditdata.dedup import neighbour_pairs
+    from ditdata.scoring.dedup import neighbour_pairs
 
     t0 = time.perf_counter()
     emb, planted = embeddings(args.n, args.dim, args.planted)

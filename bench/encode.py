@@ -50,8 +50,8 @@ def make_photos(root: Path, n: int, seed: int = 0) -> Path:
 
 
 def naive(shards: Path, out: Path, ae, resolution: int, device: str) -> int:
-    from ditdata import imageshards
-    from ditdata.preprocess import center_crop
+    from ditdata.framing import center_crop
+    from ditdata.imageshards import folder as imageshards
 
     out.mkdir(parents=True, exist_ok=True)
     n = 0
@@ -76,9 +76,9 @@ def main():
     add_device_args(ap, threads=False)
     args = ap.parse_args()
 
+    from ditdata.autoencoders.kinds import load_autoencoder
     from ditdata.encode import EncodeConfig, encode
     from ditdata.fetch import fetch
-    from ditdata.vae import load_autoencoder
 
     tmp = Path(tempfile.mkdtemp(prefix="ditkit-encode-bench-"))
     try:

@@ -22,7 +22,7 @@ tests' "trained" runs; an untouched adaLN-Zero init outputs zeros):
               the same initial noise, labels and ancestral generator for every format (one
               timed run each: noisier than forward)
   PSNR        of the sampled latents against fp32's, peak = the fp32 latents' range; with
-              --vae, also of the decoded uint8 images (peak 255) (ditdata.vae: a preset in the
+              --vae, also of the decoded uint8 images (peak 255) (ditdata.autoencoders.kinds: a preset in the
               local hub cache, a diffusers folder or TAEF2; its latent shape must be --latent)
   FID         with --inception FILE and --vae: FID of each format's decoded images against
               fp32's (0 = the same images; a noisy figure for small --n; needs the eval extra)
@@ -48,14 +48,14 @@ from scratch import add_device_args, add_options, open_device, parser, sync  # b
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dittrain.checkpoint import export_weights  # noqa: E402
 from dittrain.diffusion import Diffusion, DiffusionConfig  # noqa: E402
-from dittrain.export import export, file_size  # noqa: E402
-from dittrain.model import DiT  # noqa: E402
-from dittrain.opened import load_model  # noqa: E402
-from dittrain.sample import pick_labels, to_uint8  # noqa: E402
-from dittrain.specs import get_config  # noqa: E402
-from dittrain.weights import load_weights  # noqa: E402
+from dittrain.inference.export import export, file_size  # noqa: E402
+from dittrain.inference.open_run import load_model  # noqa: E402
+from dittrain.inference.sample import pick_labels, to_uint8  # noqa: E402
+from dittrain.inference.weights import load_weights  # noqa: E402
+from dittrain.model.dit import DiT  # noqa: E402
+from dittrain.model.sizes import get_config  # noqa: E402
+from dittrain.rundir import export_weights  # noqa: E402
 
 FILES = {"fp32": None, "fp16": "dit-fp16.safetensors", "int8": "dit-int8.pt", "onnx": "dit.onnx"}
 
@@ -79,7 +79,7 @@ def make_run(root: Path, args) -> tuple[Path, dict]:
 
 def load(fmt: str, path: Path, device: torch.device):
     if fmt == "onnx":
-        from dittrain.onnx import OnnxDiT
+        from dittrain.inference.onnx import OnnxDiT
 
         return OnnxDiT(path, device=device)
     weights, config = load_weights(path)
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
         formats.insert(0, "fp32")  # the reference
     ae = None
     if args.vae:
-        from ditdata.vae import load_autoencoder
+        from ditdata.autoencoders.kinds import load_autoencoder
 
         ae = load_autoencoder(args.vae, device)
     inception = None

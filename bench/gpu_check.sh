@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one prepared script for a GPU device session (issues 7, 14, 17, 25, 26): DiT training step speed
-# (the trainer's own step: dittrain.step.TrainStep, eager against torch.compile, CUDA graphs,
+# (the trainer's own step: dittrain.train.step.TrainStep, eager against torch.compile, CUDA graphs,
 # checkpointing, host syncs, the SDPA kernel, the loaders' data wait) and sampling speed.
 #
 #   bash bench/device_wheels.sh     # HERE, once: zarr wheels into .whl/ (for the real loaders' rows)

@@ -1,5 +1,5 @@
-"""DiT training speed on one GPU: the trainer's own step (dittrain.step.TrainStep), settled
-one step late as dittrain.train's loop does, per configuration.
+"""DiT training speed on one GPU: the trainer's own step (dittrain.train.step.TrainStep), settled
+one step late as dittrain.train.loop's loop does, per configuration.
 
     python3 bench/gpu_train.py [--configs SPEC;SPEC;...] [--steps 10] [--warmup 3] [--json out.json]
     python3 bench/gpu_train.py --device cpu --configs "DiT-T/2:4:none:off;DiT-T/2:4:selective:blocks"  # smoke test
@@ -8,16 +8,16 @@ A configuration SPEC is MODEL:BATCH:CKPT:COMPILE[:MODE[:LOADER[:EXTRA]]]
   CKPT      --grad-checkpointing: none | every | k | attn | mlp | selective
   COMPILE   --compile: off | blocks (each DiTBlock, regional) | model (the whole forward)
   MODE      torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune-no-cudagraphs
-  LOADER    gpu (default: dittrain.probe's synthetic store held on the device, a batch = one
+  LOADER    gpu (default: dittrain.plan.probe's synthetic store held on the device, a batch = one
             index_select of a fresh permutation per pass, no disk, torch only) | resident-cuda | resident | streaming (dittrain.data's loaders over
             a real latent store written to --store-dir first: needs ditdata's store backends, zarr)
   EXTRA     options joined by "+" (with the gpu loader):
             repa: `dittrain run --repa` on synthetic targets held on the device like the
               latents, ViT-B/14's 768 dims on the model's token grid (16 x 16 for XL/2, as ViT-B/14
-              at 224 px), int8 + per-token scale, block 8, weight 0.5, projector 2048 (dittrain.repa,
-              as dittrain.train builds it: dittrain.probe.build); the row next to
+              at 224 px), int8 + per-token scale, block 8, weight 0.5, projector 2048 (dittrain.train.repa,
+              as dittrain.train.loop builds it: dittrain.plan.probe.build); the row next to
               the same configuration without it gives REPA's step-time overhead
-            route=RATE,START,END: `dittrain run --route RATE:START:END` (TREAD, dittrain.routing);
+            route=RATE,START,END: `dittrain run --route RATE:START:END` (TREAD, dittrain.model.routing);
               its MFU counts the FLOPs the routed step computes (flops_per_forward(tokens=))
             latent=CxHxW: the latents' shape (default 4x32x32; 32x16x16 is VA-VAE's at 256 px,
               what LightningDiT-XL/1 trains on)
@@ -31,9 +31,9 @@ learn_sigma, bf16 autocast on the GPU; AdamW fused, lr 1e-4, clipping at 1.0, EM
   ms/step, images/s   wall time of --steps timed steps / steps, after --warmup untimed ones
                       (compilation, CUDA-graph recording, allocator warm-up); no per-step sync,
                       as in the trainer: step k+1's forward/backward is queued before step k
-                      is settled (dittrain.step)
+                      is settled (dittrain.train.step)
   compile s           the warm-up's time beyond --warmup eager-speed steps (~ the compile time)
-  MFU                 2 x 3 x dittrain.specs.flops_per_forward(config) x batch per second over the
+  MFU                 2 x 3 x dittrain.model.sizes.flops_per_forward(config) x batch per second over the
                       dense bf16 peak (H100/H200: 989 TFLOP/s), and over a measured 8192^3 bf16
                       matmul; recomputation of checkpointing is not counted (model FLOPs)
   peak memory         torch.cuda.max_memory_allocated over the configuration
@@ -42,7 +42,7 @@ learn_sigma, bf16 autocast on the GPU; AdamW fused, lr 1e-4, clipping at 1.0, EM
                       wait on the PREVIOUS step is not one (the device is already busy with the
                       next step) and is not counted.
   data wait           time inside next(loader) / wall time, over the timed steps
-  SDPA                dittrain.sdpa.attention_backend: the attention kernel for this shape/dtype
+  SDPA                dittrain.model.attention.attention_backend: the attention kernel for this shape/dtype
 
 A configuration that runs out of memory or fails to compile is recorded with its error and
 the script goes on. Results print as a markdown table as they come and, with --json, are
@@ -68,15 +68,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ditdata.common.devices import amp_dtype as trainer_amp  # noqa: E402
+from ditdata.common.devices import gpu_named  # noqa: E402
 from dittrain.config import TrainConfig  # noqa: E402
-from dittrain.probe import build as build_step  # noqa: E402 (the step as dittrain.train builds it)
-from dittrain.probe import run_steps  # noqa: E402 (n steps as dittrain.train._loop runs them)
-from dittrain.routing import block_tokens, parse_route  # noqa: E402
-from dittrain.routing import check as check_route  # noqa: E402
-from dittrain.sdpa import attention_backend  # noqa: E402
-from dittrain.sizes import num_params  # noqa: E402
-from dittrain.specs import flops_per_forward, get_config  # noqa: E402
-from dittrain.throughput import gpu_named  # noqa: E402
+from dittrain.model.attention import attention_backend  # noqa: E402
+from dittrain.model.dit import num_params  # noqa: E402
+from dittrain.model.routing import block_tokens, parse_route  # noqa: E402
+from dittrain.model.routing import check as check_route  # noqa: E402
+from dittrain.model.sizes import flops_per_forward, get_config  # noqa: E402
+from dittrain.plan.probe import build as build_step  # noqa: E402 (the step as dittrain.train.loop builds it)
+from dittrain.plan.probe import run_steps  # noqa: E402 (n steps as dittrain.train.loop._loop runs them)
 
 LATENT = (4, 32, 32)  # 256 px through an f8 autoencoder with 4 channels
 REPA_DIMS = 768  # DINOv2 ViT-B/14's patch features (its 16 x 16 tokens at 224 px: the XL/2 grid)
@@ -139,7 +139,7 @@ def parse_spec(spec: str) -> dict:
 
 def build(spec: dict, device: torch.device, args):
     """(model config, TrainStep, LR schedule, loader, autocast dtype) of one configuration, built by
-    dittrain.probe as dittrain.train builds a run (one rank); the gpu loader is probe's synthetic
+    dittrain.plan.probe as dittrain.train.loop builds a run (one rank); the gpu loader is probe's synthetic
     store on the device, the others dittrain.data's over a real store."""
     ckpt = int(spec["grad_ckpt"]) if spec["grad_ckpt"].isdigit() else spec["grad_ckpt"]
     latent = spec["latent"]
@@ -282,7 +282,7 @@ def main():
         dev_name = torch.cuda.get_device_name(device)
     else:
         dev_name = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-    card = gpu_named(dev_name) if device.type == "cuda" else None  # dense bf16 peaks: dittrain.throughput.GPUS
+    card = gpu_named(dev_name) if device.type == "cuda" else None  # dense bf16 peaks: ditdata.common.devices.GPUS
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (card.peak_flops if card is not None else None)
     measured = matmul_peak(device) if device.type == "cuda" else None
     amp_dtype = trainer_amp(device, args.amp)

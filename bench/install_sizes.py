@@ -36,7 +36,7 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ditdata.common.sizes import format_size  # noqa: E402  (standard library only)
+from ditdata.common.bytesize import format_size  # noqa: E402  (standard library only)
 
 PROJECT = "ditkit"
 NOT_COUNTED = {"pip", "setuptools", PROJECT}

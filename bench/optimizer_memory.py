@@ -5,7 +5,7 @@
 
 Builds the model as `dittrain run` does (4-channel latents of an f8 autoencoder, learned
 sigma), gives every trainable parameter a zero gradient, takes ONE step of the optimizer the
-trainer builds (dittrain.train.build_optimizer, so the same lr, betas and weight decay), and
+trainer builds (dittrain.train.loop.build_optimizer, so the same lr, betas and weight decay), and
 sums the bytes of the tensors in its state (distinct storages: bitsandbytes shares its
 quantisation maps between parameters). Prints a Markdown table for bench/RESULTS.md. Needs
 about 4x the fp32 model in RAM for adamw (weights, gradients, two moments): ~11 GB for XL/2.
@@ -24,9 +24,9 @@ from scratch import parser  # bench/scratch.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dittrain.config import TrainConfig  # noqa: E402
-from dittrain.model import DiT  # noqa: E402
-from dittrain.optim import build_optimizer  # noqa: E402
-from dittrain.specs import get_config  # noqa: E402
+from dittrain.model.dit import DiT  # noqa: E402
+from dittrain.model.sizes import get_config  # noqa: E402
+from dittrain.train.optim import build_optimizer  # noqa: E402
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> tuple[int, Counter]:

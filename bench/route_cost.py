@@ -6,7 +6,7 @@
 For each model: one forward + backward of a training step (the loss over every output token)
 without routing and with each --routes value, alternated rep by rep so that a machine whose
 speed drifts weighs on both alike; the kept tokens are drawn afresh each step, as in training
-(dittrain.routing.draw). Reported: the bytes the forward keeps for the backward pass
+(dittrain.model.routing.draw). Reported: the bytes the forward keeps for the backward pass
 (activations only, counted as bench/activation_memory.py counts them: every tensor autograd
 saves, distinct storages, parameters left out), the median step time, and both against no
 routing. 0.5:1:11 routes half the tokens around 10 of the 12 blocks of S and B (blocks 2-11),
@@ -26,8 +26,8 @@ from scratch import add_options, parse_on_device, parser, sync  # bench/scratch.
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dittrain.model import build_model  # noqa: E402
-from dittrain.routing import RouteError, check, draw, parse_route  # noqa: E402
+from dittrain.model.dit import build_model  # noqa: E402
+from dittrain.model.routing import RouteError, check, draw, parse_route  # noqa: E402
 
 
 def step(model, inputs, route, gen, device) -> torch.Tensor:

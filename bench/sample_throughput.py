@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 from ditdata.common.devices import amp_dtype, autocast  # noqa: E402
 from dittrain.diffusion import Diffusion, DiffusionConfig  # noqa: E402
-from dittrain.model import DiT  # noqa: E402
-from dittrain.specs import get_config  # noqa: E402
+from dittrain.model.dit import DiT  # noqa: E402
+from dittrain.model.sizes import get_config  # noqa: E402
 
 LATENT = (4, 32, 32)  # 256 px through an f8 autoencoder with 4 channels
 NUM_CLASSES = 1000

@@ -7,7 +7,7 @@ Builds an image-shard folder of N real photographs (random crops, 160-640 px a s
 of the scikit-image and scikit-learn sample pictures, JPEG quality 90) with captions, and
 times for each batch size:
 
-  end to end   ditdata.score.score() over the folder: tar reading, JPEG decoding and the
+  end to end   ditdata.scoring.score.score() over the folder: tar reading, JPEG decoding and the
                model's preprocessing in worker threads, image + text towers, parquet
                writing (model loading excluded)
   model only   ClipModel.score_pixels() on already preprocessed pixels (both towers)
@@ -32,7 +32,7 @@ import numpy as np
 from PIL import Image
 from scratch import parser  # bench/scratch.py
 
-from ditdata import imageshards
+from ditdata.imageshards import folder as imageshards
 
 
 def source_images() -> list[tuple[str, np.ndarray]]:
@@ -86,7 +86,7 @@ def main() -> None:
     import torch
 
     from ditdata.clip import load_clip
-    from ditdata.score import prepared_samples, score
+    from ditdata.scoring.score import prepared_samples, score
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -2,9 +2,9 @@
 command parses and checks its options, hands them to one module and prints what that
 module reports (its `report`, `describe` or list of faults):
 
-    fetch -> ditdata.fetch    score -> ditdata.score    filter -> ditdata.selection
-    dedup -> ditdata.dedup
-    encode -> ditdata.encode  features -> ditdata.features  inspect, verify -> ditdata.summary
+    fetch -> ditdata.fetch    score -> ditdata.scoring.score    filter -> ditdata.scoring.filter
+    dedup -> ditdata.scoring.dedup
+    encode -> ditdata.encode  features -> ditdata.features  inspect, verify -> ditdata.inspection
 
 The defaults and choices of fetch, encode and features are those of ditdata/config.py
 (FetchConfig, EncodeConfig, FeaturesConfig), which imports nothing heavy; torch, img2dataset, open_clip, diffusers and
@@ -18,6 +18,7 @@ from functools import partial
 
 import click
 
+from ditdata.autoencoders.presets import PRESETS
 from ditdata.common import configfile
 from ditdata.common.cli import FiniteFloat, OneLineErrors, quiet_option
 from ditdata.common.extras import install_hint
@@ -41,7 +42,6 @@ from ditdata.config import (
     FeaturesConfig,
     FetchConfig,
 )
-from ditdata.presets import PRESETS
 from ditdata.store.defaults import BACKENDS
 
 
@@ -247,8 +247,8 @@ def score(shards, clip_name, pretrained, clip_config, device, batch_size, worker
       ditdata score ./laion_shards --clip ViT-L-14 --pretrained openai --save-embeddings \\
           --aesthetic ./sac+logos+ava1-l14-linearMSE.pth
     """
-    from ditdata.score import report
-    from ditdata.score import score as run_score
+    from ditdata.scoring.score import report
+    from ditdata.scoring.score import score as run_score
 
     summary = run_score(shards, clip=clip_name, pretrained=pretrained, clip_config=clip_config, device=device,
                         batch_size=batch_size, workers=workers, overwrite=overwrite,
@@ -312,7 +312,7 @@ def filter_(shards, min_clip_score, top_fraction, min_width, min_height, max_asp
     if all(v is None for v in (min_clip_score, top_fraction, min_aesthetic, top_aesthetic_fraction, select)):
         raise click.UsageError("give a rule: --min-clip-score X, --top-fraction F, --min-aesthetic A, "
                                "--top-aesthetic-fraction F or --select SELECTION")
-    from ditdata.selection import filter_shards, report
+    from ditdata.scoring.filter import filter_shards, report
 
     _, summary = filter_shards(shards, out, min_clip_score=min_clip_score, top_fraction=top_fraction,
                                min_width=min_width, min_height=min_height, max_aspect_ratio=max_aspect_ratio,
@@ -355,8 +355,8 @@ def dedup(shards, quiet, **options):
       ditdata filter ./laion_shards --min-clip-score 0.28 --out keep.parquet
       ditdata dedup ./laion_shards --select keep.parquet --out keep-dedup.parquet
     """
-    from ditdata.dedup import dedup as run_dedup
-    from ditdata.dedup import report
+    from ditdata.scoring.dedup import dedup as run_dedup
+    from ditdata.scoring.dedup import report
 
     summary = run_dedup(DedupConfig(shards=shards, progress=not quiet, **options))
     click.echo(f"{shards}: {report(summary)}")
@@ -401,7 +401,7 @@ def inspect(store, decode_n, out, vae, device, cache_dir, cache_limit):
       ditdata inspect ./store
       ditdata inspect ./store --decode 16 --out ./peek
     """
-    from ditdata.summary import describe
+    from ditdata.inspection import describe
 
     if decode_n and not out:
         raise click.UsageError("--decode needs --out DIR")
@@ -411,7 +411,7 @@ def inspect(store, decode_n, out, vae, device, cache_dir, cache_limit):
         refuse_inside_store(out, "--out")
     click.echo(describe(store, **_cache(cache_dir, cache_limit)))
     if decode_n:
-        from ditdata.summary import decode_samples
+        from ditdata.inspection import decode_samples
 
         paths = decode_samples(store, decode_n, out, vae=vae, device=device, **_cache(cache_dir, cache_limit))
         click.echo(f"decoded {len(paths)} samples into {out}")
@@ -430,7 +430,7 @@ def verify(store, cache_dir, cache_limit, quiet):
     Example:
       ditdata verify ./store
     """
-    from ditdata.summary import verify_all
+    from ditdata.inspection import verify_all
 
     faults, n, sets = verify_all(store, progress=not quiet, **_cache(cache_dir, cache_limit))
     for f in faults:

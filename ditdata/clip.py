@@ -78,7 +78,7 @@ def register_config(config) -> str:
     """Register a model-config JSON with open_clip; returns the model name (file stem)."""
     open_clip = _open_clip()
 
-    from ditdata.documents import load_json
+    from ditdata.jsondocs import load_json
 
     p = Path(config)
     if not p.is_file():

@@ -63,7 +63,7 @@ SCORE_BATCH_SIZE = 128
 # ------------------------------------------------------------------------------- dedup
 
 # Up to this many embeddings `ditdata dedup` compares every pair (exact); above it, an IVF
-# self-join (ditdata.dedup). The exact search's cost grows with the square of the count: on 2
+# self-join (ditdata.scoring.dedup). The exact search's cost grows with the square of the count: on 2
 # shared CPU cores 20 k took 5-20 s and 100 k 5-6 minutes, while the IVF join did 200 k
 # in 35 s (bench/dedup.py, bench/RESULTS.md).
 DEDUP_EXACT_MAX = 20_000
@@ -100,10 +100,10 @@ class EncodeConfig:
 
     shards: str
     out: str
-    vae: str = "sd-vae-ft-ema"  # a preset, ldm:CHECKPOINT, a directory or a cached hub id (ditdata.vae)
-    vae_config: str | None = None  # the LDM config (yaml) of --vae ldm:CHECKPOINT (ditdata.ldm)
+    vae: str = "sd-vae-ft-ema"  # a preset, ldm:CHECKPOINT, a directory or a cached hub id (ditdata.autoencoders.kinds)
+    vae_config: str | None = None  # the LDM config (yaml) of --vae ldm:CHECKPOINT (ditdata.autoencoders.ldm)
     resolution: int = 256
-    buckets: str | None = None  # "AREA[:STEP]": aspect-ratio buckets instead of the square crop (ditdata.buckets)
+    buckets: str | None = None  # "AREA[:STEP]": aspect-ratio buckets instead of the square crop (ditdata.framing)
     backend: str = DEFAULT_BACKEND  # one of ditdata.store.defaults.BACKENDS
     flip: bool = False
     posterior: str = "sample"  # one of POSTERIORS: one frozen draw, or mean and std (fresh draws in training)

@@ -1,16 +1,16 @@
 """The pixel surface dittrain may use (dittrain.eval reads reference image folders and
 `ditdata fetch` image shards through it): the decoder, the encoder's ADM centre crop and the
-shard readers. It sits above ditdata.images, ditdata.imageshards and ditdata.preprocess, so
+shard readers. It sits above ditdata.images, ditdata.imageshards.folder and ditdata.framing, so
 none of them imports it, and dittrain needs no other ditdata module for pixels."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from ditdata.framing import center_crop
 from ditdata.images import IMAGE_EXTENSIONS, BadImageError, decode_rgb
-from ditdata.imageshards import DATASET_INFO, FETCH_STATE, check_shard, iter_shard
-from ditdata.imageshards import read_folder as read_shard_folder
-from ditdata.preprocess import center_crop
+from ditdata.imageshards.folder import DATASET_INFO, FETCH_STATE, check_shard, iter_shard
+from ditdata.imageshards.folder import read_folder as read_shard_folder
 
 __all__ = ["IMAGE_EXTENSIONS", "BadImageError", "center_crop", "check_shard", "decode_rgb", "is_shard_folder",
            "iter_shard", "read_shard_folder"]

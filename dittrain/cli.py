@@ -11,7 +11,6 @@ import click
 from ditdata.common import configfile
 from ditdata.common.cli import FiniteFloat, OneLineErrors, SectionedCommand, aliased, quiet_option
 from dittrain import config
-from dittrain.sample_options import sample_engine, sampling_options
 
 
 @click.group(cls=OneLineErrors,
@@ -48,7 +47,7 @@ def main():
 def models_cmd(resolution, downsample, channels, num_classes, learn_sigma, specs):
     """The named DiT configs (and any --model SPEC) with parameters and forward GFLOPs
     (multiply-adds per sample)."""
-    from dittrain.sizes import models_table
+    from dittrain.model.dit import models_table
 
     for line in models_table(resolution, downsample, channels, num_classes, learn_sigma, specs):
         click.echo(line)
@@ -56,6 +55,46 @@ def models_cmd(resolution, downsample, channels, num_classes, learn_sigma, specs
 
 # the defaults, from their one place (dittrain.config, light: imported above anyway)
 _D, _SAMPLE, _EVAL = config.TrainConfig().flat(), config.SampleConfig(), config.EvalSampleConfig()
+
+
+# ------------------------------------------------------------------ what sample and serve share
+
+
+def sampling_options(batch_help: str):
+    """--device, --batch-size and --precision of the sampling commands (sample, serve)."""
+    def add(f):
+        for option in reversed((
+                click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
+                click.option("--batch-size", default=_SAMPLE.batch_size, show_default=True,
+                             type=click.IntRange(min=1), help=batch_help),
+                click.option("--precision", default=_SAMPLE.precision, show_default=True,
+                             type=click.Choice(config.PRECISIONS),
+                             help="Model autocast; auto: bf16 on GPUs that have it, else fp32."))):
+            f = option(f)
+        return f
+    return add
+
+
+def sample_engine(engine: str, onnx_file, ckpt, npz, *, latents, vae, model, size=None):
+    """What `dittrain sample --engine` draws with, its options checked (nothing loads yet):
+    dittrain.inference.open_run.TorchEngine or dittrain.inference.onnx.OnnxEngine. --size (a bucketed run's bucket)
+    is for the torch engine's PNGs: --npz and an ONNX graph sample at the run's default size."""
+    if (engine == "onnx") != (onnx_file is not None):
+        raise click.UsageError("--engine onnx and --onnx FILE go together")
+    if ckpt is None and engine == "torch":
+        raise click.UsageError("Missing option '--ckpt'")
+    if engine == "onnx" and npz is not None:
+        raise click.ClickException("--engine onnx writes --out samples; --npz samples with the torch engine")
+    if size is not None and (npz is not None or engine == "onnx"):
+        raise click.ClickException(f"--size {size}: {'--npz' if npz is not None else '--engine onnx'} samples at the "
+                                   "run's default size only; leave out --size (or sample PNGs with the torch engine)")
+    if engine == "onnx":
+        from dittrain.inference.onnx import OnnxEngine
+
+        return OnnxEngine(onnx_file, ckpt, latents=latents, vae=vae, model=model)
+    from dittrain.inference.open_run import TorchEngine
+
+    return TorchEngine(ckpt, latents=latents, vae=vae, model=model)
 
 
 def _say(line: str) -> None:
@@ -258,7 +297,7 @@ def run_cmd(print_config, allow_changes, quiet, **options):
       dittrain run --config exp1.toml --print-config     the resolved settings, as TOML
       torchrun --standalone --nproc_per_node 8 -m dittrain.cli run --latents ./store --out runs/ddp
     """
-    from dittrain.record import settle
+    from dittrain.train.resume import settle
 
     ctx = click.get_current_context()
     chosen = configfile.given(ctx)
@@ -267,7 +306,7 @@ def run_cmd(print_config, allow_changes, quiet, **options):
         chosen.add("compile")
     cfg, resumption = settle(options, chosen, allow_changes=allow_changes)
     if print_config:
-        from dittrain.record import config_toml
+        from dittrain.train.resume import config_toml
 
         click.echo(config_toml(cfg), nl=False)
         return 0
@@ -276,7 +315,7 @@ def run_cmd(print_config, allow_changes, quiet, **options):
     if not cfg.data.latents:
         raise click.UsageError("Missing option '--latents' (a latent store; a --resume of a recorded run "
                                "takes its own)")
-    from dittrain.train import STOPPED_STATUS, run
+    from dittrain.train.loop import STOPPED_STATUS, run
 
     result = run(cfg, resumption, progress=not quiet)
     if result.get("stopped"):
@@ -310,7 +349,7 @@ def plan_cmd(write_config, **options):
       dittrain plan --model DiT-XL/2 --latent-shape 4x32x32 --classes 1000 --gpu "RTX 4090"
       dittrain plan --model DiT-B/2 --latents ./store --device cuda --probe --epochs 80
     """
-    from dittrain.plan import make_plan, report, request_from, write_config_file
+    from dittrain.plan.planner import make_plan, report, request_from, write_config_file
 
     run = {p.name for p in main.commands["run"].params}
     req = request_from({k: v for k, v in options.items() if k in run}, configfile.given(click.get_current_context()),
@@ -436,11 +475,11 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
       text models cycle the --prompt values (arr_1: the prompt's index); unconditional: no arr_1.
     """
     from dittrain.config import SampleConfig
-    from dittrain.sample import sample_to_files
+    from dittrain.inference.sample import sample_to_files
 
     drawer = sample_engine(engine, onnx_file, ckpt, npz, latents=latents, vae=vae, model=model, size=size)
     if npz is not None:
-        from dittrain.npz import sample_to_npz
+        from dittrain.inference.eval_samples import sample_to_npz
 
         if n_per_class is not None or per_class_dir:
             raise click.ClickException("--npz writes --n samples into one file: not with --n-per-class or "
@@ -501,7 +540,7 @@ def export_cmd(ckpt, fmt, out, overwrite, latents, vae, model, tolerance, max_ba
                  run config in its metadata; prints the trtexec command for a TensorRT engine
       diffusers  DiTPipeline.from_pretrained(DIR, local_files_only=True); class-conditional
                  ddpm runs on an AutoencoderKL store only. Timesteps match exactly after
-                 dittrain.export.match_dit_timesteps(pipe) (diffusers does not save that
+                 dittrain.inference.export.match_dit_timesteps(pipe) (diffusers does not save that
                  setting); class 1000 is the null class of its guidance (fewer classes: padded)
       fp16       half the size; sampling casts the weights back to float32
       int8       torchao weight-only int8 linears (about 1/4 of fp32); needs torchao to load
@@ -514,7 +553,7 @@ def export_cmd(ckpt, fmt, out, overwrite, latents, vae, model, tolerance, max_ba
       dittrain export --ckpt runs/exp1 --format fp16 --out dit-fp16.safetensors
       dittrain sample --ckpt dit-fp16.safetensors --class 207 --out grid.png
     """
-    from dittrain.export import export
+    from dittrain.inference.export import export
 
     export(ckpt, fmt, out, overwrite=overwrite, latents=latents, vae=vae, model=model, tolerance=tolerance,
            max_batch=max_batch, opset=opset, log=_say)
@@ -553,7 +592,7 @@ def runs_cmd(run_dirs, plot):
       dittrain runs runs/*
       dittrain runs runs/exp1 runs/exp2 --plot loss.png
     """
-    from dittrain.runs import format_table, plot_losses, summarize_all
+    from dittrain.train.runs import format_table, plot_losses, summarize_all
 
     _check_folder("--plot", plot)
     _table_and_file(summarize_all(run_dirs), format_table, plot, plot_losses)
@@ -661,7 +700,7 @@ def serve_cmd(ckpt, host, port, **options):
       dittrain serve --ckpt runs/t2i --port 8080 --device cuda:1
       ssh -L 7860:127.0.0.1:7860 gpu-box                  to reach a remote server's page
     """
-    from dittrain.serve import serve
+    from dittrain.inference.serve import serve
 
     serve(ckpt, host=host, port=port, log=click.echo, **options)
 

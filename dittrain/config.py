@@ -9,13 +9,13 @@ export adds what is DERIVED from the latent store (never set by hand):
      "model": asdict(DiTConfig)        in_channels, input_size, num_classes, text dims
      "diffusion": asdict(DiffusionConfig),  loss weighting, flow t sampling and shift too
      "latents": {"norm": "none"} or {"norm": "channel", "mean": [C], "std": [C], ...}
-                (dittrain.latents: the store's stats the model's inputs were standardised with;
+                (dittrain.data.latent_norm: the store's stats the model's inputs were standardised with;
                 "train" records --latent-norm resolved too: none or channel, never auto)
      "store": {"path": absolute path, "identity": manifest digest, "num_samples": N,
                "features": {"name", "identity", ...} of the --repa feature set, only with it,
                "buckets": [{"name": "WxH", "size": [W, H], "latent_shape": [C, h, w],
                             "num_samples": N}, ...] of a bucketed store, only with one},
-     "init": what --init-from loaded (dittrain.weights.init_model's record), only with it}
+     "init": what --init-from loaded (dittrain.inference.weights.init_model's record), only with it}
 """
 
 from __future__ import annotations
@@ -31,16 +31,16 @@ OBJECTIVES = ("ddpm", "flow")  # ddpm: epsilon (DiT); flow: rectified flow, velo
 SAMPLERS = ("ddpm", "ddim", "euler", "heun")  # dittrain sample --sampler: ddpm/ddim for ddpm runs, euler/heun for flow
 LOSS_WEIGHTINGS = ("none", "min-snr")  # ddpm
 T_SAMPLINGS = ("logit-normal", "uniform")  # flow: how training draws t
-LATENT_NORMS = ("auto", "none", "channel")  # dittrain.latents (auto: resolved to none or channel at the start)
-OPTIMIZERS = ("adamw", "adamw8bit")  # dittrain.optim
-LR_SCHEDULES = ("constant", "cosine")  # dittrain.optim.lr_at
+LATENT_NORMS = ("auto", "none", "channel")  # dittrain.data.latent_norm (auto: resolved to none or channel at the start)
+OPTIMIZERS = ("adamw", "adamw8bit")  # dittrain.train.optim
+LR_SCHEDULES = ("constant", "cosine")  # dittrain.train.optim.lr_at
 AMP_MODES = ("auto", "bf16", "fp16", "fp32")  # --amp: ditdata.common.devices.PRECISIONS, in --help's order
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # sample / serve --precision: ditdata.common.devices.PRECISIONS
-# --grad-checkpointing (dittrain.grad_checkpointing): these, or k >= 1 (every k-th block)
+# --grad-checkpointing (dittrain.model.checkpointing): these, or k >= 1 (every k-th block)
 GRAD_CHECKPOINTING = ("none", "every", "attn", "mlp", "selective")
 CHECKPOINT_BRANCHES = ("attn", "mlp")  # recompute one branch of every block instead of whole blocks
 CHECKPOINT_SELECTIVE = "selective"  # every block, keeping its matmul and attention outputs
-COMPILE = ("off", "auto", "blocks", "model")  # --compile (dittrain.step.compile_target)
+COMPILE = ("off", "auto", "blocks", "model")  # --compile (dittrain.train.step.compile_target)
 COMPILE_TARGETS = ("off", "blocks", "model")  # what --compile resolves to
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 LOADERS = ("auto", "resident", "streaming")  # dittrain.data
@@ -48,15 +48,15 @@ LOADERS = ("auto", "resident", "streaming")  # dittrain.data
 # (the default: every sample seen every epoch) or drop it
 BUCKET_REMAINDERS = ("pad", "drop")
 RESIDENT_DEVICES = ("cpu", "cuda")  # where a resident store lives
-LOGGERS = ("jsonl", "tensorboard", "wandb")  # dittrain.loggers
-# The DiT's block choices (DiTConfig.mlp / norm / pos; dittrain.specs, dittrain.model), the first of
+LOGGERS = ("jsonl", "tensorboard", "wandb")  # dittrain.train.loggers
+# The DiT's block choices (DiTConfig.mlp / norm / pos; dittrain.model.sizes, dittrain.model.dit), the first of
 # each DiT's own: the LightningDiT presets and custom:...,mlp=swiglu,norm=rms,pos=rope choose the others
 MLPS = ("gelu", "swiglu")  # gelu: DiT's tanh-GELU MLP; swiglu: silu(x W1) * (x W3), then W2
 NORMS = ("layer", "rms")  # the adaLN-modulated norms: LayerNorm (no affine) or RMSNorm (learned weight)
 POSITIONS = ("sincos", "rope")  # sincos: a fixed table added to the tokens; rope: 2-D rotary q and k
 
 
-# |guidance scale| beyond this is refused (--cfg, --sample-cfg, --eval-cfg; dittrain.sample.plan_samples):
+# |guidance scale| beyond this is refused (--cfg, --sample-cfg, --eval-cfg; dittrain.inference.sample.plan_samples):
 # DiT guides with 1.5..4, and a finite but absurd scale (1e308) overflows the samples to NaN.
 MAX_CFG_SCALE = 100.0
 
@@ -118,7 +118,7 @@ class DataSection:
 
 @dataclass
 class ModelSection:
-    """The network (dittrain.model) and where its first weights come from."""
+    """The network (dittrain.model.dit) and where its first weights come from."""
 
     model: str = "DiT-B/2"  # a name from `dittrain models` (DiT-XL/2, LightningDiT-XL/1, ...) or custom:hidden=H,depth=D,heads=N,patch=P
     learn_sigma: bool | None = None  # None: True for ddpm (as DiT), False for flow
@@ -162,7 +162,7 @@ class OptimSection:
 
 @dataclass
 class CheckpointingSection:
-    """The run directory and its checkpoints (dittrain.checkpoint)."""
+    """The run directory and its checkpoints (dittrain.train.checkpoint)."""
 
     out: str = ""  # the run directory
     resume: bool = False
@@ -173,14 +173,14 @@ class CheckpointingSection:
 
 @dataclass
 class LoggingSection:
-    """Where the figures and sample grids go (dittrain.loggers; jsonl is always on)."""
+    """Where the figures and sample grids go (dittrain.train.loggers; jsonl is always on)."""
 
     log_every: int = 100
     sample_every: int = 5000  # EMA sample grid every N steps and at the end (0: never)
     sample_steps: int = SampleConfig.steps
     sample_cfg: float = SampleConfig.cfg_scale
     logger: str = "tensorboard,jsonl"  # comma-separated: jsonl, tensorboard, wandb
-    wandb_project: str = ""  # "": $WANDB_PROJECT, else "ditkit" (dittrain.loggers)
+    wandb_project: str = ""  # "": $WANDB_PROJECT, else "ditkit" (dittrain.train.loggers)
     wandb_name: str = ""  # "": $WANDB_NAME, else the run directory's name
 
 
@@ -213,7 +213,7 @@ class PerformanceSection:
 
 @dataclass
 class RepaSection:
-    """REPA, representation alignment (Yu et al., 2024; dittrain.repa): a small projector maps the
+    """REPA, representation alignment (Yu et al., 2024; dittrain.train.repa): a small projector maps the
     hidden tokens after block repa_depth onto a feature set of the store (`ditdata features`, e.g.
     DINOv2 patch tokens); the loss adds repa_weight x (1 - cosine). Off unless repa names a set."""
 
@@ -225,7 +225,7 @@ class RepaSection:
 
 @dataclass
 class RoutingSection:
-    """Token routing, TREAD (Krause et al., 2025; dittrain.routing): during training a random fraction
+    """Token routing, TREAD (Krause et al., 2025; dittrain.model.routing): during training a random fraction
     of the tokens skips the middle blocks and rejoins after them. Training only: sampling, evaluation
     and exports always use every token. Off unless route is given."""
 

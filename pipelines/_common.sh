@@ -471,7 +471,7 @@ _human() {  # microseconds -> 4.2s, 3m07s, 2h05m
     fi
 }
 
-STOPPED_STATUS=75  # dittrain.train.STOPPED_STATUS: a signal stopped the run after a checkpoint
+STOPPED_STATUS=75  # dittrain.train.loop.STOPPED_STATUS: a signal stopped the run after a checkpoint
 
 run() {
     local line="" word start rc

@@ -112,7 +112,7 @@ def resume_after_sigkill(store: Path, root: Path, common: list, *, steps: int, h
     `--resume --out OUT` alone (the settings come from the run's config.json).
     Both end with status 0, the resume starts at step `half`, and both runs log the same loss at
     every step 1..steps. Returns the straight run's stderr."""
-    from dittrain.checkpoint import latest_checkpoint
+    from dittrain.rundir import latest_checkpoint
 
     straight = spawn(run_args(store, root / "straight", *common))
     killed = spawn(run_args(store, root / "killed", *common))
@@ -122,7 +122,7 @@ def resume_after_sigkill(store: Path, root: Path, common: list, *, steps: int, h
     assert straight.returncode == 0, straight_err[-2000:]
     assert latest_checkpoint(root / "killed") == ckpt, "the kill landed after the run ended"
 
-    # the run's own record is enough: `--resume --out RUN` alone (dittrain.record)
+    # the run's own record is enough: `--resume --out RUN` alone (dittrain.train.resume)
     resumed = spawn(["run", "--resume", "--out", root / "killed"])
     _, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-2000:]
@@ -192,7 +192,7 @@ def assert_close_checkpoints(a: Path, b: Path, parts=("model",), *, rtol: float 
     close, tensor for tensor, within rtol and atol (the order of float reductions)."""
     import torch
 
-    from dittrain.checkpoint import latest_checkpoint, load_checkpoint
+    from dittrain.rundir import latest_checkpoint, load_checkpoint
 
     ca, cb = (load_checkpoint(latest_checkpoint(run)) for run in (a, b))
     for part in parts:

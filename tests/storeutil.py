@@ -52,7 +52,7 @@ def pixels_info(resolution: int, conditioning: dict | None = None, *, vae: dict 
     """Store info for the pixels autoencoder (or `vae`, an autoencoder's info), class
     conditioning over SAMPLE_CLASSES unless `conditioning` says otherwise."""
     if vae is None:
-        from ditdata.vae import load_autoencoder
+        from ditdata.autoencoders.kinds import load_autoencoder
 
         vae = load_autoencoder("pixels").info
     return {"vae": vae, "image": {"resolution": resolution, "crop": "center"},

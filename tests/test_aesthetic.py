@@ -1,4 +1,4 @@
-"""ditdata/aesthetic.py and `ditdata score --aesthetic / --save-embeddings`: the LAION
+"""ditdata/scoring/aesthetic.py and `ditdata score --aesthetic / --save-embeddings`: the LAION
 aesthetic predictor read from its keys equals a numpy computation, the width is checked,
 the embeddings and scores are stored beside the CLIP score and resumable."""
 
@@ -17,11 +17,11 @@ pytest.importorskip("open_clip")
 
 from test_score import caption_shards, read_all  # noqa: E402
 
-from ditdata import imageshards  # noqa: E402
-from ditdata.aesthetic import load_predictor  # noqa: E402
 from ditdata.common.files import sha256_file  # noqa: E402
 from ditdata.errors import DitdataError  # noqa: E402
-from ditdata.score import read_embeddings, read_score_meta, score_path  # noqa: E402
+from ditdata.imageshards import folder as imageshards  # noqa: E402
+from ditdata.imageshards.scores import read_embeddings, read_score_meta, score_path  # noqa: E402
+from ditdata.scoring.aesthetic import load_predictor  # noqa: E402
 
 MLP_WIDTHS = [768, 1024, 128, 64, 16, 1]  # the improved aesthetic predictor's
 

@@ -1,4 +1,4 @@
-"""Checkpoint saves off the training step (issue 17): dittrain.checkpoint.CheckpointWriter
+"""Checkpoint saves off the training step (issue 17): dittrain.train.checkpoint.CheckpointWriter
 and `dittrain run --async-save` (the default) / --no-async-save.
 
 What must hold: the file is what a synchronous save writes; the step after a submit may
@@ -28,21 +28,20 @@ import torch
 from cliutil import child_env, raises_one_line, run_args
 from cliutil import dittrain as cli
 
-import dittrain.checkpoint as checkpoint
+import dittrain.train.checkpoint as checkpoint
 from ditdata.common import files
-from dittrain.checkpoint import (
+from dittrain.data import build_loader
+from dittrain.inference.weights import load_weights
+from dittrain.model.dit import DiT
+from dittrain.model.sizes import get_config
+from dittrain.rundir import (
     CheckpointError,
-    CheckpointWriter,
-    RunState,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
-from dittrain.data import build_loader
-from dittrain.model import DiT
-from dittrain.specs import get_config
-from dittrain.weights import load_weights
+from dittrain.train.checkpoint import CheckpointWriter, RunState
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -280,7 +279,7 @@ def test_sigterm_waits_for_the_write_and_exits_75(store, tmp_path, monkeypatch):
         r = cli(*run_args(store, out, "--max-steps", 100000, "--save-every", 100000))
     finally:
         signal.signal(signal.SIGTERM, old)
-    assert r.exit_code == 75, r.output  # stopped, resumable (dittrain.train.STOPPED_STATUS)
+    assert r.exit_code == 75, r.output  # stopped, resumable (dittrain.train.loop.STOPPED_STATUS)
     assert "stopped by signal" in r.output
     last = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert load_checkpoint(latest_checkpoint(out))["step"] == last >= 3

@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dittrain.model import Attention
-from dittrain.sdpa import (
+from dittrain.model.attention import (
     SDPA_BACKENDS,
     attention_backend,
     attention_backends_available,
     attention_kernel,
 )
-from dittrain.specs import get_config
+from dittrain.model.dit import Attention
+from dittrain.model.sizes import get_config
 
 CPU_NAMES = {"cpu-flash", "math"}
 

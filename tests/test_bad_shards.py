@@ -19,9 +19,9 @@ from cliutil import one_error_line as error_line
 from PIL import Image
 from tiny import fetch_tree, real_images
 
-from ditdata import imageshards
-from ditdata.buckets import Framing
-from ditdata.encode import _shard_batches
+from ditdata.framing import Framing
+from ditdata.imageshards import folder as imageshards
+from ditdata.imageshards.batches import _shard_batches
 from ditdata.store import open_store
 
 
@@ -216,7 +216,7 @@ def test_score_and_filter_with_a_bad_shard(shards, tmp_path):
     r = cli("filter", d, "--top-fraction", 1.0, "--out", tmp_path / "keep.parquet")
     assert r.exit_code == 0, r.output
     assert "left out: shard 00001.tar" in r.output
-    from ditdata.selection import load_selection
+    from ditdata.imageshards.selections import load_selection
 
     sel = load_selection(tmp_path / "keep.parquet")
     assert len(sel) == 5 and sel.rule["skipped_shards"][0]["shard"] == "00001.tar"

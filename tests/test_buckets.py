@@ -17,7 +17,7 @@ from cliutil import BIN, ditdata, kill_when, one_error_line
 from PIL import Image
 from tiny import fetch_tree, sample_photos
 
-from ditdata.buckets import BucketSpecError, bucket_sizes, crop_pixels, nearest, parse_spec
+from ditdata.framing import BucketSpecError, bucket_sizes, crop_pixels, nearest, parse_spec
 from ditdata.store import open_store
 
 SPECS = [(256, 16), (256, 32), (512, 32), (1024, 64), (64, 8), (48, 8), (32, 4)]

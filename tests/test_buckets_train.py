@@ -26,10 +26,10 @@ from test_sample import read_png
 from test_train import assert_same_state
 
 from ditdata.store import finalize_buckets
-from dittrain.checkpoint import latest_checkpoint, load_checkpoint
 from dittrain.data import BucketedLoader, LoaderError, build_loader
-from dittrain.model import DiT, rope_table, sincos_pos_embed_2d
-from dittrain.specs import get_config
+from dittrain.model.dit import DiT, rope_table, sincos_pos_embed_2d
+from dittrain.model.sizes import get_config
+from dittrain.rundir import latest_checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,7 +46,7 @@ def bstore(tmp_path_factory) -> Path:
 
 
 def _sincos_as_before(dim: int, side: int) -> torch.Tensor:
-    """The square table as dittrain.model computed it before buckets (MAE's layout), written out."""
+    """The square table as dittrain.model.dit computed it before buckets (MAE's layout), written out."""
     omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4))
     pos = torch.arange(side, dtype=torch.float64)
     rows, cols = torch.meshgrid(pos, pos, indexing="ij")
@@ -283,7 +283,7 @@ def test_size_on_a_plain_run_is_refused(tmp_path):
 
 
 def test_serve_offers_the_bucket_sizes(bucket_run, tmp_path):
-    from dittrain.serve import Request, Server
+    from dittrain.inference.serve import Request, Server
 
     server = Server(bucket_run, device="cpu", batch_size=2, max_images=4, log=lambda line: None)
     assert server.sizes == ["16x8", "8x16", "8x8"] and server.default_size == "8x8" and server.image_size == (8, 8)
@@ -292,7 +292,7 @@ def test_serve_offers_the_bucket_sizes(bucket_run, tmp_path):
     bad = server.generate(Request(choice="1", n=1, steps=2, seed=3, size="7x7"))
     assert not bad.ok and "16x8, 8x16, 8x8" in bad.message
     pytest.importorskip("gradio")
-    from dittrain.serve import build_app
+    from dittrain.inference.serve import build_app
 
     by_id = {c.get("props", {}).get("elem_id"): c for c in build_app(server).config["components"]}
     assert [c[1] for c in by_id["size"]["props"]["choices"]] == ["16x8", "8x16", "8x8"]

@@ -159,7 +159,7 @@ CASES = [
     ("dittrain", "run --latents {store} --out {file}", "is a file"),
     ("dittrain", "run --latents {store} --out {run} --model DiT-T/4 --batch-size 4 --device cpu", "pass --resume"),
     ("dittrain", "run --latents {store} --out {run} --model DiT-S/4 --batch-size 4 --device cpu --resume",
-     "cannot change on a resume"),  # the run's record says DiT-T/4 (dittrain.record)
+     "cannot change on a resume"),  # the run's record says DiT-T/4 (dittrain.train.resume)
     ("dittrain", "run --latents {store} --out {run} --model DiT-T/4 --batch-size 8 --device cpu --resume "
                  "--max-steps 3", "changes what is learned: --batch-size 4 -> 8"),
     # dittrain sample
@@ -214,12 +214,12 @@ def test_a_torn_metrics_line_does_not_stop_a_resume(env, tmp_path):
      "Error: /data/store/shards/00003.zarr: No space left on device"),
 ])
 def test_unexpected_and_os_errors_are_one_line_unless_debugging(env, monkeypatch, error, line):
-    import ditdata.summary
+    import ditdata.inspection
 
     def fail(path):
         raise error
 
-    monkeypatch.setattr(ditdata.summary, "describe", fail)
+    monkeypatch.setattr(ditdata.inspection, "describe", fail)
     r = CliRunner().invoke(ditdata_cli, ["inspect", str(env["store"])])
     assert r.exit_code == 1 and r.output.strip() == line
     monkeypatch.setenv("DITKIT_DEBUG", "1")

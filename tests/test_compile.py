@@ -12,8 +12,8 @@ import torch
 from cliutil import assert_same_state, run_args
 from cliutil import dittrain as cli
 
-from dittrain.checkpoint import latest_checkpoint, load_checkpoint
-from dittrain.step import compile_target
+from dittrain.rundir import latest_checkpoint, load_checkpoint
+from dittrain.train.step import compile_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # Stated tolerance: inductor fuses the element-wise work (LayerNorm, modulate, GELU) into

@@ -23,7 +23,8 @@ def test_importing_config_is_cheap():
 
 
 def test_repeated_values_agree_with_their_homes():
-    from ditdata import images, imageshards
+    from ditdata import images
+    from ditdata.imageshards import folder as imageshards
     from ditdata.store import backends, writer
     from ditdata.store.defaults import BACKENDS, CHUNK_SAMPLES, DEFAULT_BACKEND
 
@@ -82,7 +83,7 @@ def test_fetch_takes_a_config_or_keywords(tmp_path):
 
 def test_folder_stats_name_read_failures_honestly(tmp_path):
     from ditdata.fetch import fetch
-    from ditdata.imageshards import read_shard_stats
+    from ditdata.imageshards.folder import read_shard_stats
 
     src = _tree(tmp_path / "src")
     (src / "cls" / "gone.png").symlink_to(tmp_path / "nowhere.png")  # listed, cannot be read

@@ -1,5 +1,5 @@
 """Custom model sizes (`--model custom:hidden=D,depth=N,heads=H,patch=p[,mlp_ratio=r]` and the
-block choices `,mlp=swiglu,norm=rms,pos=rope,qk_norm=1`): the spec parses in dittrain.specs,
+block choices `,mlp=swiglu,norm=rms,pos=rope,qk_norm=1`): the spec parses in dittrain.model.sizes,
 counts the parameters its closed form says, trains, is recorded in the run config, samples from
 the run and from a plain state dict. The LightningDiT presets count as their closed form, and a
 tiny LightningDiT-like run goes through every path that loads a run: sample (and --npz, what
@@ -18,11 +18,10 @@ from cliutil import dittrain, ok, one_error_line, raises_one_line, run_args
 from storeutil import make_store
 from test_sample import read_png
 
-from dittrain.checkpoint import latest_checkpoint
-from dittrain.model import DiT
-from dittrain.opened import model_config
-from dittrain.sizes import describe, num_params
-from dittrain.specs import (
+from dittrain.inference.open_run import model_config
+from dittrain.inference.weights import load_weights
+from dittrain.model.dit import DiT, describe, num_params
+from dittrain.model.sizes import (
     LIGHTNING,
     DiTConfig,
     ModelSpecError,
@@ -30,7 +29,7 @@ from dittrain.specs import (
     custom_name,
     get_config,
 )
-from dittrain.weights import load_weights
+from dittrain.rundir import latest_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -340,7 +339,7 @@ def test_a_lightning_run_trains_samples_and_serves(lightning_run, tmp_path):
                                    tmp_path / "x", *SAMPLE).output)
     assert "without pos_embed, a RoPE model" in line and "EMA export" in line
     pytest.importorskip("gradio")
-    from dittrain.serve import Request, Server
+    from dittrain.inference.serve import Request, Server
 
     served = Server(lightning_run, device="cpu", batch_size=3, max_images=3, log=lambda line: None)
     out = served.generate(Request(choice="1", n=2, steps=2, cfg_scale=2.0, seed=0))

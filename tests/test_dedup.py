@@ -29,11 +29,11 @@ from test_aesthetic import mlp_state_dict  # noqa: E402
 from test_clip import TINY_CFG  # noqa: E402
 from test_score import make_shards  # noqa: E402
 
-from ditdata import imageshards  # noqa: E402
 from ditdata.common.errors import UserError  # noqa: E402
-from ditdata.dedup import groups_of, keep_one, neighbour_pairs  # noqa: E402
-from ditdata.score import score_path  # noqa: E402
-from ditdata.selection import load_selection  # noqa: E402
+from ditdata.imageshards import folder as imageshards  # noqa: E402
+from ditdata.imageshards.scores import score_path  # noqa: E402
+from ditdata.imageshards.selections import load_selection  # noqa: E402
+from ditdata.scoring.dedup import groups_of, keep_one, neighbour_pairs  # noqa: E402
 
 DIM = 48  # 3 colours x 4 x 4
 

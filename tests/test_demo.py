@@ -11,8 +11,8 @@ from pathlib import Path
 from PIL import Image
 
 from ditdata.store import open_store
-from dittrain.checkpoint import latest_checkpoint
-from dittrain.weights import load_weights
+from dittrain.inference.weights import load_weights
+from dittrain.rundir import latest_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dittrain.diffusion import Diffusion, DiffusionConfig, guided
-from dittrain.model import build_model
+from dittrain.model.dit import build_model
 
 # A data distribution with a closed-form denoiser: x0 ~ N(MU, S^2) per element.
 MU, S = 1.0, 0.5

@@ -27,19 +27,19 @@ from cliutil import child_env, raises_one_line, run_args
 from PIL import Image
 from storeutil import INFO, make_store, schema, shard_data, write_store
 
-from ditdata import imageshards
 from ditdata.common import files
 from ditdata.errors import DitdataError
+from ditdata.imageshards import folder as imageshards
 from ditdata.store import MANIFEST, StoreError, StoreWriter
-from dittrain.checkpoint import (
+from dittrain.cli import main as dittrain_cli
+from dittrain.inference.weights import load_weights
+from dittrain.rundir import (
     CheckpointError,
     export_weights,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from dittrain.cli import main as dittrain_cli
-from dittrain.weights import load_weights
 
 
 def limited(nbytes: int):

@@ -17,11 +17,11 @@ from cliutil import ditdata, kill_when, on_one_and_two_ranks, torchrun_or_skip
 from PIL import Image
 from tiny import class_tree, fetch_tree, real_images, save_ldm, save_tiny_kl, tiny_ldm_kl
 
-from ditdata import imageshards
 from ditdata.cli import main as ditdata_cli
 from ditdata.clip import store_text_encoder
 from ditdata.encode import EncodeConfig, encode
-from ditdata.preprocess import center_crop, hflip
+from ditdata.framing import center_crop, hflip
+from ditdata.imageshards import folder as imageshards
 from ditdata.store import BFLOAT16, open_store
 
 BIN = Path(sys.executable).parent
@@ -92,7 +92,7 @@ def test_taef2_real_photos_psnr_and_inspect_decode(taef2_dir, tmp_path):
     store = open_store(tmp_path / "s", verify=True)
     assert store.manifest["vae"]["name"] == "taef2" and store.latent_shape == (32, 32, 32)
 
-    from ditdata.vae import autoencoder_from_manifest
+    from ditdata.autoencoders.kinds import autoencoder_from_manifest
 
     ae = autoencoder_from_manifest(store.manifest["vae"])
     data = store.read(0)
@@ -248,7 +248,7 @@ def test_score_filter_encode_select_with_text(tmp_path):
     from test_score import caption_shards
 
     from ditdata.clip import load_clip
-    from ditdata.selection import load_selection
+    from ditdata.imageshards.selections import load_selection
 
     config, weights = tiny_clip_files(tmp_path / "clip")
     shards_dir = caption_shards(tmp_path / "shards")

@@ -210,8 +210,8 @@ def test_read_only_reference_caches_in_the_cache_dir(tmp_path, sets, inception, 
 
 
 def test_npz_and_image_shard_references(tmp_path, sets, feats, inception, class_shards):
-    from ditdata import imageshards
-    from ditdata.preprocess import center_crop
+    from ditdata.framing import center_crop
+    from ditdata.imageshards import folder as imageshards
 
     a, _ = sets
     fa, _ = feats

@@ -1,4 +1,4 @@
-"""dittrain/export.py, dittrain/onnx.py and `dittrain export` / `dittrain sample --engine onnx`:
+"""dittrain/inference/export.py, dittrain/inference/onnx.py and `dittrain export` / `dittrain sample --engine onnx`:
 tiny runs (DiT-T/4 on 4x8x8 latents of a tiny diffusers AutoencoderKL, random weights) exported
 to every format, loaded back the way users load them, and compared with the fp32 PyTorch model.
 
@@ -25,12 +25,12 @@ from storeutil import tiny_store
 from test_sample import make_run, read_png
 from tiny import save_tiny_kl
 
-from dittrain.checkpoint import export_weights
 from dittrain.diffusion import DiffusionConfig
-from dittrain.model import DiT
-from dittrain.opened import load_for_sampling, load_model
-from dittrain.specs import get_config
-from dittrain.weights import load_weights
+from dittrain.inference.open_run import load_for_sampling, load_model
+from dittrain.inference.weights import load_weights
+from dittrain.model.dit import DiT
+from dittrain.model.sizes import get_config
+from dittrain.rundir import export_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SAMPLE = ["--class", "0,1,2", "--n", 3, "--steps", 4, "--cfg", 3.0, "--device", "cpu", "--seed", 5]
@@ -40,7 +40,7 @@ SAMPLE = ["--class", "0,1,2", "--n", 3, "--steps", 4, "--cfg", 3.0, "--device", 
 def kl_run(tmp_path_factory):
     """A class-conditional ddpm run (3 named classes, learned sigma) on a store encoded with a
     tiny diffusers AutoencoderKL (scaling 0.5, /2: 16 px images)."""
-    from ditdata.vae import load_autoencoder
+    from ditdata.autoencoders.kinds import load_autoencoder
 
     root = tmp_path_factory.mktemp("export")
     kl = save_tiny_kl(root / "tiny-kl", scaling_factor=0.5)
@@ -118,10 +118,10 @@ def test_onnx_text_model_and_the_onnx_network(tmp_path, monkeypatch):
     """A text model's inputs (pooled, tokens of any length, a mask with an empty caption)
     through the exporter's check, then OnnxDiT against the DiT on another batch. Written as
     a model past 2 GB is (the threshold lowered): FILE.onnx + FILE.onnx.data."""
-    import dittrain.onnx
-    from dittrain.onnx import OnnxDiT, export_onnx, random_inputs
+    import dittrain.inference.onnx
+    from dittrain.inference.onnx import OnnxDiT, export_onnx, random_inputs
 
-    monkeypatch.setattr(dittrain.onnx, "EXTERNAL_DATA_BYTES", 0)
+    monkeypatch.setattr(dittrain.inference.onnx, "EXTERNAL_DATA_BYTES", 0)
 
     torch.manual_seed(0)
     dit = DiT(get_config("DiT-T/4", input_size=8, in_channels=4, num_classes=0, text_pooled_dim=16,
@@ -157,8 +157,8 @@ def test_onnx_text_model_and_the_onnx_network(tmp_path, monkeypatch):
 def test_diffusers_pipeline_reloads_offline_matches_and_samples(kl_run, tmp_path):
     from diffusers import DiTPipeline
 
-    from dittrain.export import match_dit_timesteps
-    from dittrain.onnx import random_inputs
+    from dittrain.inference.export import match_dit_timesteps
+    from dittrain.inference.onnx import random_inputs
 
     run, store = kl_run
     d = tmp_path / "pipe"
@@ -229,7 +229,7 @@ def test_fp16_and_int8_load_and_sample_close_to_fp32(kl_run, torch_samples, tmp_
     assert net.pos_embed.dtype == torch.float32 and type(net.pos_embed) is torch.nn.Parameter
     # a fresh process, torchao not imported yet: torch.load(weights_only=True) with torchao's
     # classes allowed by name (no pickle beyond them)
-    code = ("import sys; from dittrain.weights import load_weights; assert 'torchao' not in sys.modules; "
+    code = ("import sys; from dittrain.inference.weights import load_weights; assert 'torchao' not in sys.modules; "
             f"w, c = load_weights({str(tmp_path / 'dit.pt')!r}); print(type(w['blocks.0.mlp.fc1.weight']).__name__)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.split()[-1] == "Int8Tensor", p.stderr[-2000:]

@@ -20,11 +20,11 @@ import pytest
 import torch
 from cliutil import ditdata, kill_when, ok, on_one_and_two_ranks, one_error_line, torchrun_or_skip
 
-from ditdata import imageshards
 from ditdata.encode import EncodeConfig, encode
 from ditdata.features import FeaturesConfig, compute_features, default_feature_set_name
 from ditdata.features.encoders import IMAGENET_MEAN, IMAGENET_STD, load_encoder, state_dict_digest
-from ditdata.preprocess import center_crop
+from ditdata.framing import center_crop
+from ditdata.imageshards import folder as imageshards
 from ditdata.store import dequantize, open_store
 from ditdata.store.features import open_features
 

@@ -32,7 +32,7 @@ from ditdata.cli import main as cli
 from ditdata.errors import DitdataError
 from ditdata.fetch import fetch
 from ditdata.images import resize_image
-from ditdata.imageshards import (
+from ditdata.imageshards.folder import (
     iter_samples,
     iter_shard,
     list_shards,

@@ -22,7 +22,7 @@ from test_imageshards import encode
 from ditdata.fetch import ledger
 from ditdata.fetch.retries import retry_failed
 from ditdata.fetch.state import RETRY_RECORD, RETRY_SCRATCH
-from ditdata.imageshards import iter_samples, list_shards, read_dataset_info
+from ditdata.imageshards.folder import iter_samples, list_shards, read_dataset_info
 from ditdata.store import open_store
 
 # ============================================================================ the table

@@ -10,10 +10,10 @@ import pytest
 import torch
 from tiny import assert_grads_close, backward_each
 
-import dittrain.model as model_mod
-from dittrain.grad_checkpointing import block_recompute, checkpoint_branch, checkpoint_every
-from dittrain.model import build_model
-from dittrain.specs import LIGHTNING, get_config
+import dittrain.model.dit as model_mod
+from dittrain.model.checkpointing import block_recompute, checkpoint_branch, checkpoint_every
+from dittrain.model.dit import build_model
+from dittrain.model.sizes import LIGHTNING, get_config
 
 TEXT = 24  # a text model: the attention branch holds the cross-attention too
 MODES = ["none", "attn", "mlp", "every", 2, "selective"]

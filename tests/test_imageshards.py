@@ -1,4 +1,4 @@
-"""The image-shard format (ditdata/imageshards.py) and safe decoding (ditdata/images.py)."""
+"""The image-shard format (ditdata/imageshards/folder.py) and safe decoding (ditdata/images.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from skimage import data as skdata
 
 from ditdata.errors import DitdataError
 from ditdata.images import BadImageError, decode_rgb, resize_image
-from ditdata.imageshards import (
+from ditdata.imageshards.folder import (
     ShardWriter,
     iter_shard,
     list_shards,

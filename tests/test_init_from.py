@@ -20,12 +20,12 @@ from storeutil import (
     write_store,
 )
 
-import dittrain.train as train_mod
+import dittrain.train.loop as train_mod
 from ditdata.common.files import sha256_file
-from dittrain.checkpoint import latest_checkpoint, load_checkpoint
-from dittrain.model import DiT
-from dittrain.specs import get_config
-from dittrain.weights import LABEL_TABLE, load_weights
+from dittrain.inference.weights import LABEL_TABLE, load_weights
+from dittrain.model.dit import DiT
+from dittrain.model.sizes import get_config
+from dittrain.rundir import latest_checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TUNE = ("--lr", "1e-3", "--ema", "1.0")  # decay 1: the EMA keeps the weights it started from
@@ -59,7 +59,7 @@ def source(store, tmp_path_factory) -> Path:
 @pytest.fixture
 def reference_losses(one_thread, store, source, tmp_path_factory) -> list[float]:
     """The losses of a run whose model and EMA are built holding A's EMA weights by the
-    trainer itself (DiT patched in dittrain.train): what --init-from must reproduce, computed
+    trainer itself (DiT patched in dittrain.train.loop): what --init-from must reproduce, computed
     by the same loop on the same batches, noise and timesteps, with no --init-from code (and
     on one thread, as the runs it is compared with)."""
     weights = ema_of(source)

@@ -97,9 +97,9 @@ def test_img2dataset_has_an_upper_bound_the_tested_release_meets():
 
 
 def test_huggingface_hub_is_declared_where_it_is_imported():
-    # ditdata/clip.py (score, text encoders: the data extra) and ditdata/vae.py (hub
+    # ditdata/clip.py (score, text encoders: the data extra) and ditdata/autoencoders/kinds.py (hub
     # autoencoders: `require(..., "vae")`) import it; the core's paths never do.
-    for path, extra in (("ditdata/clip.py", "data"), ("ditdata/vae.py", "vae")):
+    for path, extra in (("ditdata/clip.py", "data"), ("ditdata/autoencoders/kinds.py", "vae")):
         assert "huggingface_hub" in (REPO / path).read_text(), path
         assert "huggingface-hub" in _names(EXTRAS[extra]), extra
     assert "huggingface-hub" not in _names(CORE)

@@ -17,9 +17,9 @@ from cliutil import dittrain as cli
 from storeutil import LABELLED, class_conditioning, pixels_info, schema, write_store
 from tiny import save_ldm, tiny_ldm_kl
 
+from dittrain.data.latent_norm import LatentNorm, LatentNormError, latent_record
 from dittrain.diffusion import Diffusion
-from dittrain.latents import LatentNorm, LatentNormError, latent_record
-from dittrain.weights import load_weights
+from dittrain.inference.weights import load_weights
 
 # per-channel offsets and scales of a store that is NOT standardised (pixels autoencoder: [-1, 1])
 OFFSET = np.array([0.5, -0.4, 0.1], dtype=np.float32)
@@ -106,7 +106,7 @@ def test_sampling_undoes_the_normalisation_before_decoding(run_dir, store, monke
     """run_plan (under every sampling path) decodes mean_c + std_c * z; with the sampler
     returning z = 0, the pixels autoencoder shows each channel's store mean."""
     from ditdata.store import open_store
-    from dittrain.sample import sample_images
+    from dittrain.inference.sample import sample_images
 
     out, _ = run_dir
     weights, config = load_weights(out)  # the EMA export carries the run config, latents included
@@ -127,7 +127,7 @@ def test_resume_keeps_the_latent_norm(run_dir, store, tmp_path):
 
 
 def test_diffusers_export_refuses_it(run_dir):
-    from dittrain.export import diffusers_refusal
+    from dittrain.inference.export import diffusers_refusal
 
     _, config = load_weights(run_dir[0])
     assert "--latent-norm channel" in diffusers_refusal(config)
@@ -192,8 +192,8 @@ def test_sampling_decodes_through_the_ldm_checkpoint(ldm_run, monkeypatch, tmp_p
     decode of the store's channel means."""
     from PIL import Image
 
+    from ditdata.autoencoders.kinds import load_autoencoder
     from ditdata.store import open_store
-    from ditdata.vae import load_autoencoder
 
     run, store, ckpt, _ = ldm_run
     monkeypatch.setattr(Diffusion, "sample", lambda self, model, shape, **kw: torch.zeros(shape))

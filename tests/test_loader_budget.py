@@ -16,7 +16,6 @@ from storeutil import LABELLED, latent_data, make_store, schema, write_store
 
 import dittrain.data as data
 from ditdata.store import open_store
-from dittrain.checkpoint import latest_checkpoint, load_checkpoint
 from dittrain.data import (
     LoaderError,
     LoaderStateError,
@@ -24,6 +23,7 @@ from dittrain.data import (
     loader_budget,
     parse_memory,
 )
+from dittrain.rundir import latest_checkpoint, load_checkpoint
 
 MiB, GiB = 2**20, 2**30
 SHARD = 1000  # samples of 4x32x32 fp16 with flips: 16 MiB a shard

@@ -20,8 +20,8 @@ from storeutil import make_store
 from ditdata.cli import main as ditdata_cli
 from ditdata.common.lock import LOCK_FILE, DirectoryBusy, DirLock
 from ditdata.store import open_store
-from dittrain.checkpoint import latest_checkpoint
 from dittrain.cli import main as dittrain_cli
+from dittrain.rundir import latest_checkpoint
 
 BIN = Path(sys.executable).parent
 ENV = dict(os.environ, OMP_NUM_THREADS="1")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from cliutil import dittrain, one_error_line, run_args
 
-from dittrain.loggers import parse_loggers
+from dittrain.train.loggers import parse_loggers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 GRIDS = ["--sample-every", "2", "--sample-steps", "2"]  # grids at steps 2 and 4 of a 4-step run
@@ -207,7 +207,7 @@ def test_wandb_flags_win_over_its_environment(store, tmp_path, wandb_env, monkey
 
 
 def test_wandb_init_args(tmp_path, monkeypatch):
-    from dittrain.loggers import wandb_init_args
+    from dittrain.train.loggers import wandb_init_args
 
     for name in ("WANDB_PROJECT", "WANDB_NAME", "WANDB_DIR", "WANDB_RUN_ID", "WANDB_RESUME"):
         monkeypatch.delenv(name, raising=False)

@@ -110,7 +110,7 @@ def test_options_recorded_and_resume_keeps_them(store, tmp_path):
                          "--min-snr-gamma", 2)).exit_code == 0
     diff = json.loads((out / "config.json").read_text())["diffusion"]
     assert diff["loss_weighting"] == "min-snr" and diff["min_snr_gamma"] == 2.0
-    # a resume without the flags continues with the recorded ones (dittrain.record) ...
+    # a resume without the flags continues with the recorded ones (dittrain.train.resume) ...
     assert cli(*run_args(store, out, "--max-steps", 2, "--resume")).exit_code == 0
     assert json.loads((out / "config.json").read_text())["diffusion"]["loss_weighting"] == "min-snr"
     # ... and another value is refused with the difference

@@ -13,20 +13,20 @@ import torch
 from click.testing import CliRunner
 from tiny import assert_grads_close, backward_each
 
-import dittrain.model as model_mod
+import dittrain.model.dit as model_mod
 from dittrain.cli import main as cli
-from dittrain.model import (
+from dittrain.model.dit import (
     NORM_LAYERS,
     DiTBlock,
     SwiGLU,
     apply_rope,
     build_model,
     drop_text_conditioning,
+    num_params,
     rope_rows,
     rope_table,
 )
-from dittrain.sizes import num_params
-from dittrain.specs import CONFIGS, LIGHTNING, flops_per_forward, get_config
+from dittrain.model.sizes import CONFIGS, LIGHTNING, flops_per_forward, get_config
 
 # The DiT paper at 256 px: 4 latent channels, 32x32 latents, 1000 classes, learned sigma.
 PAPER_256 = dict(input_size=32, in_channels=4, num_classes=1000, learn_sigma=True)
@@ -527,7 +527,7 @@ def test_blocks_take_per_sample_rope_rows():
 
 @pytest.mark.parametrize("per_sample", [False, True])
 def test_a_lightning_block_compiles_in_one_graph(per_sample):
-    """dittrain.step.compile_model compiles each DiTBlock: with rope (a tuple kwarg, shared or per
+    """dittrain.train.step.compile_model compiles each DiTBlock: with rope (a tuple kwarg, shared or per
     sample) dynamo traces it whole (fullgraph: no graph break) and computes what eager does."""
     torch._dynamo.reset()
     block = DiTBlock(64, 4, 170, qk_norm=True, cross=False, mlp="swiglu", norm="rms").eval()

@@ -13,7 +13,7 @@ from PIL import Image
 from storeutil import schema, write_store
 from tiny import fetch_tree, real_images
 
-from ditdata import taef2
+from ditdata.autoencoders import taef2
 from ditdata.store import open_store
 
 

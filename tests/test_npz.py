@@ -1,4 +1,4 @@
-"""dittrain/npz.py and `dittrain sample --npz`: the ADM evaluator's sample file, drawn in
+"""dittrain/inference/eval_samples.py and `dittrain sample --npz`: the ADM evaluator's sample file, drawn in
 chunks that survive a SIGKILL, shared over torchrun ranks, the same bytes either way; on a
 fabricated run (the pixel_run fixture: test_sample.make_run) over a 16 px pixels store."""
 
@@ -18,10 +18,10 @@ from test_sample import cli, make_run
 
 from ditdata.store import encode_array, open_store
 from dittrain.config import EvalSampleConfig
-from dittrain.npz import JOB_NAME, chunk_seed, eval_settings, write_npz
-from dittrain.opened import SampleError
-from dittrain.sample import balanced_labels, class_mode, pick_labels, plan_samples
-from dittrain.weights import load_weights
+from dittrain.inference.eval_samples import JOB_NAME, chunk_seed, eval_settings, write_npz
+from dittrain.inference.open_run import SampleError
+from dittrain.inference.sample import balanced_labels, class_mode, pick_labels, plan_samples
+from dittrain.inference.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -202,7 +202,7 @@ def test_text_model_cycles_the_prompts(tmp_path, monkeypatch):
         calls.append(list(prompts))  # one embedding of its own per prompt
         return {"text_pooled": torch.stack([torch.full((16,), float(len(p))) for p in prompts])}
 
-    monkeypatch.setattr("dittrain.npz.embed_prompts", embed)
+    monkeypatch.setattr("dittrain.inference.eval_samples.embed_prompts", embed)
     for name, prompts in (("a", ["x", "yy", "zzz"]), ("b", ["zzz", "yy", "x"])):
         r = cli("--ckpt", run, "--npz", tmp_path / f"{name}.npz", *[a for p in prompts for a in ("--prompt", p)],
                 "--n", 5, "--chunk-size", 5, "--steps", 2, "--device", "cpu")

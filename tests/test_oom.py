@@ -76,7 +76,7 @@ def test_a_bare_oom_is_one_line_not_an_internal_error():
 
 def test_training_hint_names_model_batch_precision_and_unused_savings():
     from dittrain.config import TrainConfig
-    from dittrain.report import training_memory_hint
+    from dittrain.train.log import training_memory_hint
 
     def message(per_rank, world=1, **flat):
         cfg = TrainConfig.from_flat(model="DiT-XL/2", **flat)
@@ -143,7 +143,7 @@ def test_eval(tmp_path, monkeypatch):
 def test_train(tmp_path, monkeypatch):
     from storeutil import make_store
 
-    from dittrain.step import TrainStep
+    from dittrain.train.step import TrainStep
 
     monkeypatch.setattr(TrainStep, "backward", oom)
     store = make_store(tmp_path / "store", n=24, shards=2)

@@ -11,9 +11,9 @@ import torch
 from cliutil import dittrain as cli
 from cliutil import one_error_line, resume_after_sigkill, run_args
 
-from dittrain.checkpoint import latest_checkpoint, load_checkpoint
 from dittrain.config import TrainConfig
-from dittrain.optim import build_optimizer
+from dittrain.rundir import latest_checkpoint, load_checkpoint
+from dittrain.train.optim import build_optimizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 bnb = pytest.importorskip("bitsandbytes")
@@ -78,7 +78,7 @@ def test_resume_with_another_optimizer_is_refused(store, tmp_path):
     r = cli(*run_args(store, tmp_path / "r", "--max-steps", 4, "--resume", "--optimizer", "adamw8bit"))
     assert r.exit_code == 1
     line = one_error_line(r.output)
-    # the run's record refuses it (dittrain.record: the optimizer state is adamw's)
+    # the run's record refuses it (dittrain.train.resume: the optimizer state is adamw's)
     assert "--optimizer 'adamw' -> 'adamw8bit' cannot change on a resume" in line
     # without a record (config.json lost), the checkpoint's own config refuses it
     (tmp_path / "r" / "config.json").unlink()

@@ -1,4 +1,4 @@
-"""`dittrain plan` (issue 27): the memory model (dittrain.footprint) against the peaks measured on
+"""`dittrain plan` (issue 27): the memory model (dittrain.plan.footprint) against the peaks measured on
 the CPU allocator, the README's memory guide (measured on an H200) reproduced, --probe ranking
 by measured speed with a pick that runs, the printed command and config file accepted by
 `dittrain run`, and one-line errors."""
@@ -14,10 +14,10 @@ import torch
 from cliutil import assert_has, dittrain, ok, one_error_line
 
 from dittrain.config import TrainConfig
-from dittrain.footprint import Setting, footprint, kept_bytes
-from dittrain.probe import measured_peak
-from dittrain.routing import parse_route
-from dittrain.specs import get_config
+from dittrain.model.routing import parse_route
+from dittrain.model.sizes import get_config
+from dittrain.plan.footprint import Setting, footprint, kept_bytes
+from dittrain.plan.probe import measured_peak
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.15  # the issue's: predicted peak within 15% of the measured one
@@ -184,8 +184,14 @@ def test_impossible_requests_are_one_line(args, needles):
 
 def test_the_table_has_every_block_kind_and_mode():
     from dittrain.config import MLPS, NORMS, POSITIONS
-    from dittrain.footprint import BLOCK_FIXED, BLOCK_SAMPLE, MODES, activation_table, block_kind
-    from dittrain.specs import DiTConfig
+    from dittrain.model.sizes import DiTConfig
+    from dittrain.plan.footprint import (
+        BLOCK_FIXED,
+        BLOCK_SAMPLE,
+        MODES,
+        activation_table,
+        block_kind,
+    )
 
     table = activation_table()
     for mlp in MLPS:

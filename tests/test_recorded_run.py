@@ -15,9 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
-
 from cliutil import dittrain, ok
+from PIL import Image
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "recorded_run"
 EXPECTED = json.loads((FIXTURE / "expected.json").read_text())

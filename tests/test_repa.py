@@ -1,4 +1,4 @@
-"""dittrain.repa and `dittrain run --repa SET`: the loss against a hand computation, the hidden
+"""dittrain.train.repa and `dittrain run --repa SET`: the loss against a hand computation, the hidden
 tokens of the model, the projector training, exact resume, what is exported (nothing of the
 projector), the one-line refusals and the --config round trip."""
 
@@ -24,16 +24,22 @@ from cliutil import dittrain as cli
 from storeutil import CREATED_AT, add_features, make_store
 from test_step import no_host_reads
 
-from dittrain.checkpoint import latest_checkpoint, load_checkpoint
 from dittrain.config import TrainConfig
 from dittrain.data import targets as data_targets
 from dittrain.diffusion import Diffusion, DiffusionConfig
-from dittrain.model import DiT
-from dittrain.optim import build_optimizer
-from dittrain.repa import Alignment, Projector, alignment_loss, build_projector, resize_targets
-from dittrain.specs import get_config
-from dittrain.step import TrainStep
-from dittrain.weights import load_weights
+from dittrain.inference.weights import load_weights
+from dittrain.model.dit import DiT
+from dittrain.model.sizes import get_config
+from dittrain.rundir import latest_checkpoint, load_checkpoint
+from dittrain.train.optim import build_optimizer
+from dittrain.train.repa import (
+    Alignment,
+    Projector,
+    alignment_loss,
+    build_projector,
+    resize_targets,
+)
+from dittrain.train.step import TrainStep
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REPA = ["--repa", "feats", "--repa-depth", 2, "--repa-projector-dim", 32]
@@ -299,7 +305,7 @@ def test_nothing_of_the_projector_is_exported_and_sampling_is_unchanged(store, t
     assert r.exit_code == 0, r.output
     assert keys(tmp_path / "w.safetensors") == keys(tmp_path / "plain" / "ema.safetensors")
     pytest.importorskip("gradio")
-    from dittrain.serve import Request, Server
+    from dittrain.inference.serve import Request, Server
 
     served = Server(tmp_path / "repa", device="cpu", batch_size=2, max_images=4, log=lambda line: None)
     out = served.generate(Request(choice="0", n=2, steps=2, cfg_scale=2.0, seed=0))

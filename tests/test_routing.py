@@ -1,4 +1,4 @@
-"""dittrain.routing and `dittrain run --route RATE:START:END` (TREAD): the routed forward against
+"""dittrain.model.routing and `dittrain run --route RATE:START:END` (TREAD): the routed forward against
 one built by hand, RATE 0 against the plain model, which tokens the blocks see in training and in
 sampling, REPA on routed blocks, exact resume, the record, the one-line refusals."""
 
@@ -14,10 +14,8 @@ from cliutil import dittrain as cli
 from storeutil import add_features
 from tiny import nudged
 
-from dittrain.checkpoint import latest_checkpoint, load_checkpoint
-from dittrain.model import DiT, DiTBlock, rope_table
-from dittrain.repa import Alignment, alignment_loss, build_projector
-from dittrain.routing import (
+from dittrain.model.dit import DiT, DiTBlock, rope_table
+from dittrain.model.routing import (
     Route,
     RouteError,
     TokenRoute,
@@ -29,7 +27,9 @@ from dittrain.routing import (
     rejoin_tokens,
     routed,
 )
-from dittrain.specs import flops_per_forward, get_config
+from dittrain.model.sizes import flops_per_forward, get_config
+from dittrain.rundir import latest_checkpoint, load_checkpoint
+from dittrain.train.repa import Alignment, alignment_loss, build_projector
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # the tests' store is 3x8x8: patch 2 gives a 4x4 grid, 16 tokens; 4 blocks

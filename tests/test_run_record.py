@@ -1,5 +1,5 @@
 """`dittrain run --config FILE.toml`, `--print-config`, and resuming from the run's own record
-(dittrain.record): the file's values under the command line's, one-line errors naming the
+(dittrain.train.resume): the file's values under the command line's, one-line errors naming the
 key and the file, safe changes applied and recorded, learned ones refused unless allowed."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from cliutil import ditdata, losses, one_error_line, run_args
 from cliutil import dittrain as cli
 
-from dittrain.checkpoint import latest_checkpoint, load_checkpoint
+from dittrain.rundir import latest_checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

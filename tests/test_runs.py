@@ -1,4 +1,4 @@
-"""dittrain/runs.py and `dittrain runs`: the table of run directories and the loss plot, on two
+"""dittrain/train/runs.py and `dittrain runs`: the table of run directories and the loss plot, on two
 real tiny runs (plus evaluation records as report.Log.evaluation writes them, a torn line, a lost
 checkpoint) and directories that are not runs."""
 
@@ -13,7 +13,7 @@ from cliutil import dittrain, one_error_line, run_args
 from PIL import Image
 from storeutil import make_store
 
-from dittrain.runs import format_table, smooth, summarize, summarize_all
+from dittrain.train.runs import format_table, smooth, summarize, summarize_all
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""dittrain.checkpoint.RunState (every stateful part of a run in one object) and the loop's
+"""dittrain.train.checkpoint.RunState (every stateful part of a run in one object) and the loop's
 handling of skipped steps; the typed store conditioning as the trainer reads it."""
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from cliutil import spawn, stop_once_set_up
 from storeutil import make_store, tiny_store
 
 from ditdata.store import encode_array, open_store
-from dittrain.checkpoint import RunState, latest_checkpoint, load_checkpoint
 from dittrain.cli import main as dittrain_cli
 from dittrain.config import TrainConfig
 from dittrain.data import LoaderStateError, build_loader
-from dittrain.launch import model_config_for, text_token_count
-from dittrain.model import DiT
-from dittrain.specs import get_config
+from dittrain.model.dit import DiT
+from dittrain.model.sizes import get_config
+from dittrain.rundir import latest_checkpoint, load_checkpoint
+from dittrain.train.checkpoint import RunState
+from dittrain.train.setup import model_config_for, text_token_count
 
 BIN = Path(sys.executable).parent
 FILE_KEYS = {"step", "model", "ema", "optimizer", "lr_schedule", "scaler", "ranks", "config", "nonfinite_total"}
@@ -68,7 +69,7 @@ def test_state_dict_is_the_checkpoint_file_and_round_trips(store):
     a = fresh_state(store)
     train_a_little(a, 3)
     ckpt = a.state_dict()
-    assert ckpt.keys() == FILE_KEYS  # what dittrain.sample, the tests and older runs read
+    assert ckpt.keys() == FILE_KEYS  # what dittrain.inference.sample, the tests and older runs read
     assert len(ckpt["ranks"]) == 1 and ckpt["ranks"][0].keys() == {"loader", "rng", "noise_gen"}
     assert ckpt["step"] == 3 and ckpt["nonfinite_total"] == 2 and ckpt["config"] == {"run": "test"}
     buf = io.BytesIO()

@@ -1,4 +1,4 @@
-"""dittrain/sample.py and `dittrain sample`: tiny stores (pixels, TAEF2, text), a fabricated
+"""dittrain/inference/sample.py and `dittrain sample`: tiny stores (pixels, TAEF2, text), a fabricated
 "trained" run (random DiT-T weights exported with export_weights), PNGs end to end."""
 
 from __future__ import annotations
@@ -17,19 +17,19 @@ from storeutil import SAMPLE_CLASSES, tiny_store
 from tiny import nudged
 
 from ditdata.store import encode_array, open_store
-from dittrain.checkpoint import export_weights, save_checkpoint
 from dittrain.diffusion import DiffusionConfig
-from dittrain.model import DiT
-from dittrain.opened import SampleError, open_run_store
-from dittrain.sample import (
+from dittrain.inference.open_run import SampleError, open_run_store
+from dittrain.inference.sample import (
     make_grid,
     output_paths,
     parse_classes,
     sample_images,
     write_training_grid,
 )
-from dittrain.specs import get_config
-from dittrain.weights import load_weights
+from dittrain.inference.weights import load_weights
+from dittrain.model.dit import DiT
+from dittrain.model.sizes import get_config
+from dittrain.rundir import export_weights, save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -280,7 +280,7 @@ def test_make_grid_and_helpers(tmp_path):
 
 
 def test_taef2_store_end_to_end(taef2_dir, tmp_path):
-    from ditdata.vae import load_autoencoder
+    from ditdata.autoencoders.kinds import load_autoencoder
 
     info = load_autoencoder(str(taef2_dir)).info  # 32 channels, /8
     store = tiny_store(tmp_path / "store", shape=(32, 4, 4), vae=info, n=3)
@@ -358,8 +358,8 @@ def test_the_command_draws_with_the_engine_it_is_given(pixel_run, tmp_path):
     """sample_to_files takes its engine from the command (--engine): it opens the run through
     it, gets the network for the plan's device from it, and records what it says of itself."""
     from dittrain.config import SampleConfig
-    from dittrain.opened import TorchEngine
-    from dittrain.sample import sample_to_files
+    from dittrain.inference.open_run import TorchEngine
+    from dittrain.inference.sample import sample_to_files
 
     class Counting(TorchEngine):
         def network(self, device):

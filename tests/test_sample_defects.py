@@ -13,13 +13,13 @@ import torch
 from cliutil import dittrain, ok
 from test_sample import cli, one_line_error
 
-import dittrain.npz as npz_api
+import dittrain.inference.eval_samples as npz_api
 from ditdata.store import open_store
 from dittrain.config import SampleConfig
-from dittrain.npz import JOB_NAME, weights_digest
-from dittrain.opened import SampleError
-from dittrain.sample import plan_samples
-from dittrain.weights import load_weights
+from dittrain.inference.eval_samples import JOB_NAME, weights_digest
+from dittrain.inference.open_run import SampleError
+from dittrain.inference.sample import plan_samples
+from dittrain.inference.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NPZ = ["--n", 4, "--chunk-size", 2, "--steps", 2, "--batch-size", 2, "--seed", 3, "--device", "cpu"]
@@ -94,7 +94,7 @@ def test_int8_export_samples_to_npz_and_resumes(int8_export, tmp_path, monkeypat
 def nan_class_run(pixel_run, tmp_path_factory):
     """The pixel run with class 2's embedding set to NaN: samples of class 2 go NaN, the
     others stay finite (every op of the DiT is per sample)."""
-    from dittrain.checkpoint import export_weights
+    from dittrain.rundir import export_weights
 
     weights, config = load_weights(pixel_run[0])
     weights = dict(weights)
@@ -145,7 +145,7 @@ def test_nan_npz_chunk_is_not_written(nan_class_run, tmp_path):
 
 
 def test_serve_nan_samples_and_absurd_cfg_are_messages(nan_class_run):
-    from dittrain.serve import Request, Server
+    from dittrain.inference.serve import Request, Server
 
     server = Server(nan_class_run, device="cpu", log=lambda line: None)
     out = server.generate(Request(choice="2", n=2, steps=2, cfg_scale=3.0, seed=5))

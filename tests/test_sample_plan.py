@@ -1,4 +1,4 @@
-"""dittrain.sample.plan_samples: the one check-and-plan pass of `dittrain sample` and of
+"""dittrain.inference.sample.plan_samples: the one check-and-plan pass of `dittrain sample` and of
 sample_images, on tiny stores (storeutil) and fabricated runs (test_sample.make_run);
 only one test samples."""
 
@@ -16,10 +16,16 @@ from test_sample import make_run
 from ditdata.store import open_store
 from dittrain.cli import main as dittrain_cli
 from dittrain.config import SampleConfig
-from dittrain.opened import SampleError, class_names, load_model, model_config, store_mismatches
-from dittrain.opened import sampling_device as resolve_device
-from dittrain.sample import plan_samples, run_plan, sample_images
-from dittrain.weights import load_weights
+from dittrain.inference.open_run import (
+    SampleError,
+    class_names,
+    load_model,
+    model_config,
+    store_mismatches,
+)
+from dittrain.inference.open_run import sampling_device as resolve_device
+from dittrain.inference.sample import plan_samples, run_plan, sample_images
+from dittrain.inference.weights import load_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

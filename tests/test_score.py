@@ -18,10 +18,11 @@ torch = pytest.importorskip("torch")
 
 from test_clip import tiny_clip_files  # noqa: E402
 
-from ditdata import imageshards  # noqa: E402
-from ditdata import score as score_mod  # noqa: E402
 from ditdata.errors import DitdataError  # noqa: E402
-from ditdata.score import read_score_meta, score, score_path  # noqa: E402
+from ditdata.imageshards import folder as imageshards  # noqa: E402
+from ditdata.imageshards.scores import read_score_meta, score_path  # noqa: E402
+from ditdata.scoring import score as score_mod  # noqa: E402
+from ditdata.scoring.score import score  # noqa: E402
 
 
 def jpeg(arr, **kw) -> bytes:
@@ -187,7 +188,7 @@ def test_refusals(tiny, tmp_path, monkeypatch):
 
 
 def test_score_then_filter(tiny, tmp_path):
-    from ditdata.selection import load_selection
+    from ditdata.imageshards.selections import load_selection
 
     config, weights = tiny
     d = caption_shards(tmp_path / "s")

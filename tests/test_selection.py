@@ -10,15 +10,15 @@ import pytest
 from click.testing import CliRunner
 from cliutil import ok
 
-from ditdata import imageshards
 from ditdata.cli import main
 from ditdata.errors import DitdataError
-from ditdata.score import FORMAT, VERSION, score_path, write_scores
-from ditdata.selection import (
+from ditdata.imageshards import folder as imageshards
+from ditdata.imageshards.scores import FORMAT, VERSION, score_path, write_scores
+from ditdata.imageshards.selections import load_selection
+from ditdata.scoring.filter import (
     apply_rule,
     filter_shards,
     histogram,
-    load_selection,
     resolve_threshold,
     top_fraction_count,
 )

@@ -1,4 +1,4 @@
-"""dittrain/serve.py and `dittrain serve`: generate() gives exactly the images of the command it
+"""dittrain/inference/serve.py and `dittrain serve`: generate() gives exactly the images of the command it
 shows (run through the CLI), bad requests are messages, text runs get a prompt box, and a real
 headless Chromium drives the page of a `dittrain serve` process end to end."""
 
@@ -22,7 +22,7 @@ from storeutil import tiny_store
 from test_sample import make_run, read_png
 
 from ditdata.store import encode_array
-from dittrain.serve import Request, Server
+from dittrain.inference.serve import Request, Server
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -98,7 +98,7 @@ def test_a_bad_request_is_a_message(server, request_, needle):
 
 def test_class_page_offers_the_manifest_names(server):
     pytest.importorskip("gradio")
-    from dittrain.serve import build_app
+    from dittrain.inference.serve import build_app
 
     demo = build_app(server)
     by_id = {c.get("props", {}).get("elem_id"): c for c in demo.config["components"]}
@@ -137,7 +137,7 @@ def test_text_run_shows_a_prompt_box_and_reports_a_missing_encoder(tmp_path):
     assert a.ok and a.images.shape == (2, 16, 16, 3) and not np.array_equal(a.images, b.images)
     assert shlex.split(a.command)[shlex.split(a.command).index("--prompt") + 1] == "a red fox"
     pytest.importorskip("gradio")
-    from dittrain.serve import build_app
+    from dittrain.inference.serve import build_app
 
     by_id = {c.get("props", {}).get("elem_id"): c for c in build_app(served).config["components"]}
     assert by_id["prompt"]["type"] == "textbox" and "class" not in by_id

@@ -1,4 +1,4 @@
-"""dittrain.step: the optimizer step queued without host reads, a NaN/inf step skipped on the
+"""dittrain.train.step: the optimizer step queued without host reads, a NaN/inf step skipped on the
 device, and the loop's one-step-late settling giving what settling every step gives."""
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from cliutil import assert_same_state, run_args, stop_once_set_up
 from cliutil import dittrain as cli
 from storeutil import make_store
 
-from dittrain.checkpoint import latest_checkpoint, load_checkpoint
 from dittrain.config import TrainConfig
 from dittrain.diffusion import Diffusion, DiffusionConfig
-from dittrain.model import DiT
-from dittrain.optim import build_optimizer
-from dittrain.specs import get_config
-from dittrain.step import TrainStep
+from dittrain.model.dit import DiT
+from dittrain.model.sizes import get_config
+from dittrain.rundir import latest_checkpoint, load_checkpoint
+from dittrain.train.optim import build_optimizer
+from dittrain.train.step import TrainStep
 
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.usefixtures("one_thread")

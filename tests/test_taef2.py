@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from ditdata.autoencoders.taef2 import DECODER_FILE, ENCODER_FILE, TAEF2, load_state_dict_file
 from ditdata.common.files import sha256_file
-from ditdata.taef2 import DECODER_FILE, ENCODER_FILE, TAEF2, load_state_dict_file
 
 # From ../shared/models/taef2/ARCHITECTURE.md.
 SHA256 = {

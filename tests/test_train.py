@@ -21,8 +21,8 @@ from cliutil import (
 from cliutil import dittrain as cli
 from storeutil import make_store
 
-from dittrain.checkpoint import latest_checkpoint, load_checkpoint
-from dittrain.weights import load_weights
+from dittrain.inference.weights import load_weights
+from dittrain.rundir import latest_checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,7 +59,7 @@ def test_a_signal_saves_and_exits_75_then_resumes_exactly(store, tmp_path, sig):
     """SIGTERM and SIGUSR1 (Slurm's --signal=USR1@120): checkpoint, the resume command, status
     75 (not 0: a requeue script must tell a stop from the end); the printed command continues
     the run exactly (the same losses as a run that was never stopped)."""
-    from dittrain.train import STOPPED_STATUS
+    from dittrain.train.loop import STOPPED_STATUS
 
     common = ["--max-steps", 12, "--save-every", 100000, "--lr", "1e-3"]
     proc = spawn(run_args(store, tmp_path / "r", *common))

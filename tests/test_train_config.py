@@ -37,8 +37,10 @@ def test_sample_samplers_are_the_config_constant():
 
 def test_the_constants_are_what_their_modules_check():
     from ditdata.common import devices
-    from dittrain import grad_checkpointing, latents, loggers, step
     from dittrain.data import bucketed
+    from dittrain.data import latent_norm as latents
+    from dittrain.model import checkpointing as grad_checkpointing
+    from dittrain.train import loggers, step
 
     assert latents.LATENT_NORMS is config.LATENT_NORMS and loggers.LOGGERS is config.LOGGERS
     assert bucketed.REMAINDERS is config.BUCKET_REMAINDERS
@@ -75,7 +77,7 @@ def test_diffusion_accepts_the_listed_objectives_and_options():
 def test_optimizers_and_schedules():
     import torch
 
-    from dittrain.optim import OptimizerError, build_optimizer, lr_at
+    from dittrain.train.optim import OptimizerError, build_optimizer, lr_at
 
     params = [torch.nn.Parameter(torch.zeros(3))]
     assert isinstance(build_optimizer(config.TrainConfig.from_flat(optimizer="adamw"), params, torch.device("cpu")),

@@ -44,9 +44,9 @@ def _scalars(out: Path, tag: str) -> list[tuple[int, float]]:
 
 
 def test_fid_of_the_ema_is_logged_to_metrics_and_tensorboard(tmp_path, inception_file, ref):
-    from dittrain.opened import load_model, open_run_store
-    from dittrain.train_eval import TrainingEval
-    from dittrain.weights import load_weights
+    from dittrain.inference.open_run import load_model, open_run_store
+    from dittrain.inference.weights import load_weights
+    from dittrain.train.fid import TrainingEval
 
     store, out = make_store(tmp_path / "store"), tmp_path / "run"
     r = dittrain(*run_args(store, out, *EVAL, "--eval-ref", ref, "--eval-inception", inception_file))
@@ -67,7 +67,7 @@ def test_fid_of_the_ema_is_logged_to_metrics_and_tensorboard(tmp_path, inception
 
 
 def test_a_failed_evaluation_does_not_stop_the_run(tmp_path, inception_file, ref, monkeypatch):
-    from dittrain import train_eval as ev
+    from dittrain.train import fid as ev
 
     def broken(self, model, config, store, **ranks):
         raise RuntimeError("out of memory (simulated)")
@@ -99,9 +99,9 @@ def test_eval_settings_are_checked_before_the_first_step(tmp_path, inception_fil
 
 SHARDED = """
 import sys, numpy as np, torch.distributed as dist
-from dittrain import train_eval as ev
-from dittrain.weights import load_weights
-from dittrain.opened import load_model, open_run_store
+from dittrain.train import fid as ev
+from dittrain.inference.weights import load_weights
+from dittrain.inference.open_run import load_model, open_run_store
 run, ref, inception, dump = sys.argv[1:5]
 rank, world = 0, 1
 if len(sys.argv) > 5:

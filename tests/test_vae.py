@@ -17,8 +17,13 @@ import torch
 from cliutil import raises_one_line
 from tiny import ldm_state_dict, save_ldm, tiny_kl, tiny_ldm_kl
 
+from ditdata.autoencoders.kinds import (
+    PRESETS,
+    Autoencoder,
+    autoencoder_from_manifest,
+    load_autoencoder,
+)
 from ditdata.errors import DitdataError
-from ditdata.vae import PRESETS, Autoencoder, autoencoder_from_manifest, load_autoencoder
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -64,7 +69,7 @@ def _images(n=2, size=32):
 
 
 def test_importing_vae_is_cheap():
-    code = "import sys, ditdata.vae; assert 'torch' not in sys.modules and 'diffusers' not in sys.modules"
+    code = "import sys, ditdata.autoencoders.kinds; assert 'torch' not in sys.modules and 'diffusers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -235,15 +240,15 @@ def test_taef2_dir_and_preset(taef2_dir, monkeypatch, tmp_path):
 
 
 def test_presets_need_no_torch_and_every_kind_has_an_adapter():
-    code = ("import sys, ditdata.presets, ditdata.vae; assert 'torch' not in sys.modules; "
-            "assert {p.kind for p in ditdata.presets.PRESETS.values()} == set(ditdata.vae.KINDS)")
+    code = ("import sys, ditdata.autoencoders.presets, ditdata.autoencoders.kinds; assert 'torch' not in sys.modules; "
+            "assert {p.kind for p in ditdata.autoencoders.presets.PRESETS.values()} == set(ditdata.autoencoders.kinds.KINDS)")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_a_new_kind_is_one_adapter(monkeypatch):
     """KINDS is the extension point: an adapter (here: latents are twice the pixels) is all
     Autoencoder and autoencoder_from_manifest need; scaling and value range stay theirs."""
-    from ditdata import vae
+    from ditdata.autoencoders import kinds as vae
 
     class Doubling(vae.AutoencoderKind):
         name = "doubling"
@@ -392,7 +397,7 @@ def test_vavae_preset_is_va_vaes_architecture():
     """The shipped config builds VA-VAE's network: five levels /16, 32 channels, about 70 M
     parameters, and attention inside the 16 px level only: its LDM weight names are those of
     VA-VAE's checkpoint (encoder.down.4.attn.0-1, decoder.up.4.attn.0-2)."""
-    from ditdata.ldm import diffusers_config, read_config
+    from ditdata.autoencoders.ldm import diffusers_config, read_config
 
     p = PRESETS["vavae-f16d32"]
     assert (p.repo_id, p.filename, p.env) == ("hustvl/vavae-imagenet256-f16d32-dinov2", VAVAE_FILE, "DITKIT_VAVAE")
@@ -432,7 +437,7 @@ def test_vavae_preset_found_in_env_dir_hub_cache_and_again_from_a_manifest(vavae
     the hub cache at a recorded commit; a store's entry whose file moved finds it again so."""
     import dataclasses
 
-    from ditdata import ldm
+    from ditdata.autoencoders import ldm
 
     model, ckpt, config = vavae_like
     tiny = ldm.read_config(config)

@@ -1,4 +1,4 @@
-"""dittrain/weights.py: plain state dicts (facebookresearch/DiT's layout), the model their
+"""dittrain/inference/weights.py: plain state dicts (facebookresearch/DiT's layout), the model their
 shapes imply, and `dittrain sample --ckpt FILE.pt --vae ...` without a latent store."""
 
 from __future__ import annotations
@@ -18,11 +18,9 @@ from test_sample import make_run, read_png
 from tiny import save_tiny_kl
 
 from dittrain.diffusion import DiffusionConfig
-from dittrain.model import DiT
-from dittrain.opened import SampleError, load_for_sampling
-from dittrain.sample import plan_samples, run_plan
-from dittrain.specs import get_config
-from dittrain.weights import (
+from dittrain.inference.open_run import SampleError, load_for_sampling
+from dittrain.inference.sample import plan_samples, run_plan
+from dittrain.inference.weights import (
     StandInStore,
     WeightsError,
     infer_model,
@@ -32,6 +30,8 @@ from dittrain.weights import (
     read_weights,
     strip_prefixes,
 )
+from dittrain.model.dit import DiT
+from dittrain.model.sizes import get_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -189,7 +189,7 @@ def test_dittrain_sources_keep_their_config(tmp_path):
 def kl_run(tmp_path_factory):
     """A store encoded with a tiny diffusers autoencoder (4 channels, /2), a run on it and
     the run's EMA weights saved as a plain state dict."""
-    from ditdata.vae import load_autoencoder
+    from ditdata.autoencoders.kinds import load_autoencoder
 
     root = tmp_path_factory.mktemp("kl")
     kl = save_tiny_kl(root / "tiny-kl", scaling_factor=0.5)
@@ -236,7 +236,7 @@ def test_stand_in_store_serves_the_api(kl_run):
     assert store.resolution == 16 and store.manifest["vae"]["downsample"] == 2
     plan = plan_samples(config, store, device="cpu", classes=["1"], n=2)
     assert plan.labels == (1, 1) and plan.records[0]["class_name"] is None
-    from dittrain.opened import load_model
+    from dittrain.inference.open_run import load_model
 
     with pytest.raises(SampleError, match="class 3 is out of range"):
         plan_samples(config, store, device="cpu", classes=["3"])

@@ -8,7 +8,7 @@
     configfile.py  --config FILE.toml (options from a file, under the command line's), TOML out
     progress.py    progress bars on a terminal, plain lines in a log file
     memory.py   out of GPU memory as one line that says what ran and what lowers it
-    sizes.py    sizes written by people, and sizes shown to them
+    bytesize.py byte sizes written by people ("2GiB"), and shown to them
     dist.py     torchrun's environment and the process group's join/leave
     extras.py   "this needs the extra X" in one wording
     hub.py      the local Hugging Face cache; cache.py ditkit's own cache base

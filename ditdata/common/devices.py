@@ -7,11 +7,14 @@
 `auto` precision is bf16 on GPUs that have it, `without_bf16` (fp16 by default) on older
 GPUs, and fp32 on the CPU: CPU bf16 autocast is very slow on many processors (measured on
 this project's development machine), and fp32 is what tests compare against.
+
+    gpu_named("NVIDIA H100 80GB HBM3")         # GPUS["H100"]: its memory and dense bf16 peak
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
@@ -58,3 +61,33 @@ def amp_dtype(device: torch.device, precision: str = "auto", *, without_bf16: st
 def autocast(device: torch.device, dtype: torch.dtype | None):
     """torch.autocast for `dtype` on `device`, or a no-op for fp32 (None)."""
     return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- known GPUs
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_gib: float  # nominal memory (a "24 GB" card shows about 24,560 MiB to CUDA)
+    peak_flops: float  # dense bf16/fp16 tensor-core FLOP/s (the vendor's figure)
+    bf16: bool = True  # has bf16 (else --precision auto trains in fp16 with a grad scaler)
+
+
+# Known cards: the dense bf16 peaks the trainer's MFU reads (dittrain.train.log) and `dittrain plan`
+# sizes runs with, and the nominal memory of the usual model of each.
+GPUS = {g.name: g for g in (
+    Gpu("H200", 141, 989e12), Gpu("H100", 80, 989e12), Gpu("A100-80GB", 80, 312e12), Gpu("A100", 40, 312e12),
+    Gpu("L40S", 48, 362e12), Gpu("RTX 4090", 24, 165e12), Gpu("RTX 3090", 24, 71e12), Gpu("A6000", 48, 155e12),
+    Gpu("V100", 32, 125e12, bf16=False),
+)}
+
+
+def gpu_named(name: str | None) -> Gpu | None:
+    """The card a device name ("NVIDIA H100 80GB HBM3") or a --gpu value ("rtx4090") names: the
+    longest table name found in it, spaces and case aside."""
+    if not name:
+        return None
+    squeezed = name.replace(" ", "").replace("-", "").lower()
+    found = [g for key, g in GPUS.items() if all(part.replace(" ", "") in squeezed for part in key.lower().split("-"))]
+    return max(found, key=lambda g: len(g.name)) if found else None

@@ -1,5 +1,5 @@
 """The local Hugging Face hub cache: the one place ditdata looks for hub models (the
-autoencoders of ditdata/vae.py, the feature encoders of ditdata/features/encoders.py, the CLIP
+autoencoders of ditdata/autoencoders/kinds.py, the feature encoders of ditdata/features/encoders.py, the CLIP
 weights of ditdata/clip.py), the command that fills it on a machine with internet
 (download_command) and the one wording of "not in the cache" (not_cached_message); and which
 weight files a save_pretrained folder holds (saved_weights). Nothing here downloads."""

@@ -10,13 +10,13 @@ One writer per store: the command holds the store's lock (the one `ditdata encod
 Each feature shard is published atomically, so a killed run is resumed by running it again;
 under torchrun each rank takes every WORLD_SIZE-th store shard and rank 0 writes the feature
 set's manifest once all are done. `ditdata encode --features NAME` makes the same feature
-set in encode's own pass (inpass.py).
+set in encode's own pass (encode_pass.py).
 
-Modules: encoders (the table of encoders and how each is loaded, offline), targets (images
--> stored targets, and the calibration: PCA fit, cosine to fp32), pca, passes (the pass over
-a store's shards), inpass (the encode hook), options (the checks of the options and the
-end-of-run line, which encode uses too: it must not import this package's command, which
-imports encode's reader). Importing this package is cheap: torch and
+Modules: encoders.py (the table of encoders and how each is loaded, offline), targets.py
+(images -> stored targets, and the calibration: PCA fit, cosine to fp32), pca.py, passes.py
+(the pass over a store's shards), encode_pass.py (the encode hook). The images come from ditdata.imageshards.batches,
+the reader encode uses. Here: the command, the checks of a feature set's options and the
+end-of-run line (encode --features uses both). Importing this package is cheap: torch and
 transformers are imported inside the calls.
 """
 
@@ -26,14 +26,41 @@ import datetime as dt
 from dataclasses import asdict
 from pathlib import Path
 
-from ditdata.config import FEATURE_DTYPES, FeaturesConfig
+from ditdata.config import FEATURE_DTYPES, MAX_RESOLUTION, FeaturesConfig
 from ditdata.errors import DitdataError
 
 from .encoders import default_feature_set_name
-from .options import check_options, report
 
 # Ranks wait for each other at the manifest: a rank with more (or slower) shards may take hours.
 GROUP_TIMEOUT = dt.timedelta(hours=12)
+
+
+def check_options(*, dtype: str, dims: int | None, resolution: int | None, flag: str = "--features") -> None:
+    """The options a feature set is made with (one line naming the flag when one is wrong)."""
+    if dtype not in FEATURE_DTYPES:
+        raise DitdataError(f"{flag}-dtype {dtype!r}: use one of {', '.join(FEATURE_DTYPES)}")
+    if dims is not None and dims < 1:
+        raise DitdataError(f"{flag}-dims {dims}: expected at least 1 (the PCA's dims)")
+    if resolution is not None and not 0 < resolution <= MAX_RESOLUTION:
+        raise DitdataError(f"{flag}-resolution {resolution}: expected 1 to {MAX_RESOLUTION} pixels (e.g. 224)")
+
+
+def report(summary: dict) -> str | None:
+    """The end-of-run line; None on the ranks that wrote no manifest."""
+    m = summary.get("manifest")
+    if m is None:
+        return None
+    enc, storage = m["encoder"], m["storage"]
+    feat = m["fields"]["tensors"]["feat"]
+    pca = storage.get("pca")
+    pca_part = (f", PCA {enc['dim']} -> {storage['dims']} dims ({100 * pca['explained_variance']:.1f}% of the "
+                "variance)" if pca else "")
+    flips = ", with flips" if "feat_flip" in m["fields"]["tensors"] else ""
+    rate = summary["images"] / summary["seconds"] if summary["seconds"] > 0 else 0.0
+    return (f"feature set {m['name']} ({enc['name']}, {feat['shape'][0]} tokens x {feat['shape'][1]} "
+            f"{feat['dtype']}{pca_part}{flips}): {m['num_samples']} rows, {summary['bytes_per_sample']} bytes per "
+            f"sample, cosine to fp32 {storage['cosine_to_fp32']:.4f}; this run wrote {summary['written']} shards "
+            f"({summary['already']} already done) at {rate:.1f} img/s")
 
 
 def compute_features(cfg: FeaturesConfig) -> dict:
@@ -95,7 +122,6 @@ def memory_hint(encoder: str, batch_size: int, flip: bool, device):
 def _compute(cfg: FeaturesConfig, name: str) -> dict:
     from ditdata.common.devices import resolve_device
     from ditdata.common.dist import join, launch_env, leave
-    from ditdata.encode import ShardImages  # encode's reader: the same decode and crop
 
     from .encoders import load_encoder
     from .passes import (
@@ -120,11 +146,11 @@ def _compute(cfg: FeaturesConfig, name: str) -> dict:
         need = calibration_need(cfg.dims, enc.dim)
 
         def first_images():
-            return store_order_images(ShardImages, shard_jobs(store, _first_shards(store, need), shards_dir),
+            return store_order_images(shard_jobs(store, _first_shards(store, need), shards_dir),
                                       res, cfg.batch_size, need)
 
         storage = resolve_storage(base, features_dir(store.root, name), cfg.dims, first_images, env.world_size)
-        done = complete(store, name, storing_targets(base, storage), storage, reader=ShardImages,
+        done = complete(store, name, storing_targets(base, storage), storage,
                         shards_dir=shards_dir, batch_size=cfg.batch_size, workers=cfg.workers, progress=cfg.progress,
                         rank=env.rank, world=env.world_size, provenance={
                             "shards_dir": str(shards_dir.resolve()),

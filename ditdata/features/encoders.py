@@ -16,7 +16,7 @@ features`, `ditdata encode --features`), e.g. DINOv2 for REPA.
    model type in ``MODEL_TYPES``;
 4. a hub id ``org/name``, from the local Hugging Face cache only.
 
-Nothing is downloaded: as for the autoencoders (ditdata/vae.py), a hub model that is not in
+Nothing is downloaded: as for the autoencoders (ditdata/autoencoders/kinds.py), a hub model that is not in
 the cache fails at once with one line naming the `hf download` command that fetches it.
 
 Why Hugging Face transformers rather than timm: it loads from the same Hugging Face cache
@@ -222,7 +222,7 @@ def _from_dir(model_dir: Path, name: str, ident: str, store_resolution: int, ove
                            f"model of type {' or '.join(MODEL_TYPES)} saved with save_pretrained")
     files, safe = _weight_files(model_dir)
     sha = {f: sha256_file(model_dir / f) for f in files}
-    from ditdata.vae import quiet_third_party_imports
+    from ditdata.autoencoders.kinds import quiet_third_party_imports
 
     quiet_third_party_imports()
     transformers = require("transformers", f"feature encoder {name}", "features", DitdataError)

@@ -5,9 +5,8 @@ store shard's rows in their order, then the feature set's manifest.
         only the store's keys)--> batches --(Targets: encoder, flip, PCA, int8)--> rows by
         key --(the store shard's order)--> feature shard NNNNN
 
-The images are read by the reader encode reads them with (ditdata.encode.ShardImages,
-passed in as `reader`, so this module does not import encode, which imports it): the same
-decode and the same crop at the store's resolution, so the features see exactly the pixels
+The images are read by the reader encode reads them with (ditdata.imageshards.batches): the
+same decode and the same crop at the store's resolution, so the features see exactly the pixels
 the latents were made from. Batches never straddle shards, so a shard's bytes do not depend
 on how the work was split: a rerun after a kill writes only the missing feature shards
 (FeatureWriter.done), and torchrun ranks (each every WORLD_SIZE-th store shard, rank 0
@@ -27,6 +26,7 @@ import torch.distributed as dist
 
 from ditdata.common.progress import progress_bar
 from ditdata.errors import DitdataError
+from ditdata.imageshards.batches import ShardImages
 from ditdata.store import FeatureSchema, FeatureWriter
 from ditdata.store.features import FEATURES
 
@@ -97,14 +97,14 @@ def _check_rows(found, keys: list, name: str, tar) -> None:
                            "the image shards the store was encoded from")
 
 
-def _loader(reader, jobs: list[Job], resolution: int, batch_size: int, workers: int):
+def _loader(jobs: list[Job], resolution: int, batch_size: int, workers: int):
     workers = min(workers, len(jobs))
     return torch.utils.data.DataLoader(
-        reader([(j.name, j.tar, None) for j in jobs], resolution, batch_size, {j.name: set(j.keys) for j in jobs}),
+        ShardImages([(j.name, j.tar, None) for j in jobs], resolution, batch_size, {j.name: set(j.keys) for j in jobs}),
         batch_size=None, num_workers=workers, persistent_workers=False, prefetch_factor=4 if workers else None)
 
 
-def run_pass(reader, targets: Targets, writer: FeatureWriter, jobs: list[Job], *, resolution: int,
+def run_pass(targets: Targets, writer: FeatureWriter, jobs: list[Job], *, resolution: int,
              batch_size: int, workers: int, progress: bool, desc: str) -> dict:
     """Compute and write the feature shard of every job. Returns {"written", "images", "seconds"}."""
     t0 = time.perf_counter()
@@ -114,7 +114,7 @@ def run_pass(reader, targets: Targets, writer: FeatureWriter, jobs: list[Job], *
     pending: dict[str, ShardRows] = {}
     images = 0
     bar = progress_bar(total=sum(len(j.keys) for j in jobs), unit="img", desc=desc, enabled=progress)
-    for batch in _loader(reader, jobs, resolution, batch_size, workers):
+    for batch in _loader(jobs, resolution, batch_size, workers):
         name = batch["shard"]
         rows = pending.setdefault(name, ShardRows())
         if batch["meta"]:
@@ -141,14 +141,14 @@ def calibration_need(dims: int | None, width: int) -> int:
     return max(COSINE_SAMPLES, PCA_FIT_IMAGES if dims is not None and dims < width else 0)
 
 
-def store_order_images(reader, jobs: list[Job], resolution: int, batch_size: int, need: int):
+def store_order_images(jobs: list[Job], resolution: int, batch_size: int, need: int):
     """(images, keys) batches of the store's first `need` samples, in the store's order."""
     for job in jobs:
         if need <= 0:
             return
         keys, need = job.keys[:need], need - len(job.keys)
         got = {}
-        for batch in reader([(job.name, job.tar, None)], resolution, batch_size, {job.name: set(keys)}):
+        for batch in ShardImages([(job.name, job.tar, None)], resolution, batch_size, {job.name: set(keys)}):
             got.update((m["key"], img) for m, img in zip(batch["meta"], batch["images"], strict=True))
             if batch["last"] and batch["bad"]:
                 raise _bad(job, batch["bad"])
@@ -205,7 +205,7 @@ def storing_targets(targets: Targets, storage: dict) -> Targets:
 # --------------------------------------------------------------------------- finishing
 
 
-def complete(store, name: str, targets: Targets, storage: dict, *, reader, shards_dir: Path, batch_size: int,
+def complete(store, name: str, targets: Targets, storage: dict, *, shards_dir: Path, batch_size: int,
              workers: int, progress: bool, rank: int, world: int, provenance: dict) -> dict:
     """This rank's missing feature shards of `store` (every WORLD_SIZE-th store shard), then,
     once every rank is done, the feature set's manifest (rank 0). Returns what was done."""
@@ -213,7 +213,7 @@ def complete(store, name: str, targets: Targets, storage: dict, *, reader, shard
     writer = FeatureWriter(store, name, schema=schema, info={"encoder": targets.encoder.info, "storage": storage})
     mine = [s for i, s in enumerate(store.shards) if i % world == rank]
     todo = [s for s in mine if not writer.done(s.name)]
-    run = run_pass(reader, targets, writer, shard_jobs(store, todo, shards_dir),
+    run = run_pass(targets, writer, shard_jobs(store, todo, shards_dir),
                    resolution=int(store.manifest["image"]["resolution"]), batch_size=batch_size, workers=workers,
                    progress=progress, desc=f"features[{rank}]" if world > 1 else "features")
     if world > 1:

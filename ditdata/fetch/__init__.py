@@ -1,5 +1,5 @@
 """`ditdata fetch`: URL lists, class folders (ImageNet) and image+caption folders into
-image shards (the layout is described in ditdata/imageshards.py).
+image shards (the layout is described in ditdata/imageshards/folder.py).
 
 Two engines, one output, one module each:
 
@@ -30,7 +30,6 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from ditdata import imageshards as shards
 from ditdata.common.lock import DirLock
 from ditdata.config import DEFAULT_URL_IMAGE_SIZE, DISTRIBUTORS, ENCODE_FORMATS, KINDS, FetchConfig
 from ditdata.errors import DitdataError
@@ -44,6 +43,7 @@ from ditdata.fetch.urllists import (
     url_format,
 )
 from ditdata.images import IMAGE_EXTENSIONS, RESIZE_MODES
+from ditdata.imageshards import folder as shards
 
 __all__ = ["CAPTION_COLUMNS", "URL_COLUMNS", "URL_LIST_FORMATS", "FetchConfig", "PackOptions",
            "detect_kind", "fetch", "pack_file", "pack_shard", "report", "scan_folder"]

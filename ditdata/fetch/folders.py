@@ -23,12 +23,12 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ditdata import imageshards as shards
 from ditdata.common.progress import progress_bar
 from ditdata.config import FetchConfig
 from ditdata.errors import DitdataError
 from ditdata.fetch.state import PackOptions, check_state, jsonable, write_dataset_info
 from ditdata.images import IMAGE_EXTENSIONS
+from ditdata.imageshards import folder as shards
 
 UNREADABLE = "read error"  # the reason of an input file that could not be read
 

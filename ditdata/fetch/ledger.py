@@ -24,8 +24,8 @@ from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
-from ditdata import imageshards as shards
 from ditdata.errors import DitdataError
+from ditdata.imageshards import folder as shards
 
 STATUS_COLUMNS = ("key", "status", "error_message")
 SUCCESS = "success"

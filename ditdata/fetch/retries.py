@@ -43,14 +43,15 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ditdata import imageshards as shards
+import ditdata.fetch.ledger as ledger
+import ditdata.fetch.urls as urls
 from ditdata.common.files import read_json
 from ditdata.common.lock import DirLock
 from ditdata.config import FetchConfig
 from ditdata.errors import DitdataError
-from ditdata.fetch import ledger, urls
 from ditdata.fetch.state import RETRY_RECORD, RETRY_SCRATCH, PackOptions, write_dataset_info
 from ditdata.fetch.urllists import run_img2dataset
+from ditdata.imageshards import folder as shards
 
 ORIGINAL_KEY = "ditdata_key"  # the column that carries a retried row's key through img2dataset
 _SHARD_DATA = re.compile(r"^(\d{5,})\.(tar|parquet)$")  # what a pass publishes before the stats file

@@ -17,12 +17,12 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ditdata import imageshards as shards
 from ditdata.common.files import read_json
 from ditdata.common.lock import LOCK_FILE
 from ditdata.config import FetchConfig
 from ditdata.errors import DitdataError
 from ditdata.images import DEFAULT_MAX_PIXELS
+from ditdata.imageshards import folder as shards
 
 STATE = shards.FETCH_STATE
 URL_COPIES = ".urls"  # the screened copies of a URL list that img2dataset reads

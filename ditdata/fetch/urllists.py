@@ -28,12 +28,13 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from ditdata import imageshards as shards
+import ditdata.fetch.distributors as distributors
+import ditdata.fetch.ledger as ledger
+import ditdata.fetch.urls as urls
 from ditdata.common.extras import missing_extra
 from ditdata.common.files import read_json
 from ditdata.config import FetchConfig
 from ditdata.errors import DitdataError
-from ditdata.fetch import distributors, ledger, urls
 from ditdata.fetch.state import (
     RETRY_RECORD,
     URL_COPIES,
@@ -42,6 +43,7 @@ from ditdata.fetch.state import (
     jsonable,
     write_dataset_info,
 )
+from ditdata.imageshards import folder as shards
 
 URL_LIST_FORMATS = ("parquet", "csv", "tsv", "jsonl", "json", "txt")  # (+ .gz except parquet)
 URL_COLUMNS = ("url", "URL", "image_url", "img_url", "link")

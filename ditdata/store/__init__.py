@@ -4,10 +4,12 @@
 
 A store is a directory with `manifest.json` (written last, atomically) and one shard
 per input shard under `shards/`, in the `zarr` or `wds` backend. See manifest.py for
-the manifest's fields, writer.py for how shards are published, backends.py for the shard
+the manifest's fields, schema.py for what a sample holds, writer.py for how shards are
+published (defaults.py: its options' defaults), backends.py for the shard
 formats (a table of Backend classes with capability flags), reader.py for reading a local
 store, remote.py for a store at a URL, open.py for opening either, and features.py for the
-feature sets (representation targets, row for row) a store can hold beside its latents.
+feature sets (representation targets, row for row) a store can hold beside its latents;
+errors.py has StoreError.
 
 A bucketed store (`ditdata encode --buckets`, aspect-ratio buckets) is a directory of plain
 stores, one per bucket size, under a top manifest (buckets.py):

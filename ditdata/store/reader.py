@@ -167,7 +167,7 @@ class Store:
 
     # The models that give the numbers meaning (the autoencoder and text encoder the
     # manifest names) are rebuilt by their own modules, so the contract imports neither:
-    # ditdata.vae.store_autoencoder(store) and ditdata.clip.store_text_encoder(store).
+    # ditdata.autoencoders.kinds.store_autoencoder(store) and ditdata.clip.store_text_encoder(store).
 
     # -- reading ---------------------------------------------------------------------
     def shard(self, ref) -> Shard:

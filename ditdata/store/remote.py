@@ -48,7 +48,7 @@ import uuid
 from contextlib import suppress
 from pathlib import Path
 
-from ditdata.common import cache, files, sizes
+from ditdata.common import bytesize, cache, files
 from ditdata.common.errors import described
 from ditdata.common.extras import missing_extra
 from ditdata.common.lock import closed_in_forked_children
@@ -67,9 +67,9 @@ CREDENTIALS_HINT = ("set credentials for it: s3:// AWS_ACCESS_KEY_ID and AWS_SEC
 
 
 def parse_size(text, what: str = "--cache-limit") -> int:
-    """Bytes of a size flag (ditdata.common.sizes), a bad one as a StoreError."""
+    """Bytes of a size flag (ditdata.common.bytesize), a bad one as a StoreError."""
     try:
-        return sizes.parse_size(text, what)
+        return bytesize.parse_size(text, what)
     except ValueError as e:
         raise StoreError(str(e)) from None
 
@@ -259,8 +259,8 @@ class RemoteStore(Store):
         self._lazy = False
         largest = max(self.shards, key=lambda s: _shard_bytes(s.record), default=None)
         if largest is not None and _shard_bytes(largest.record) > self.cache.limit:
-            raise StoreError(f"--cache-limit {sizes.format_size(self.cache.limit)} is smaller than the largest shard of "
-                             f"{self.url} ({largest.name}, {sizes.format_size(_shard_bytes(largest.record))}); "
+            raise StoreError(f"--cache-limit {bytesize.format_size(self.cache.limit)} is smaller than the largest shard of "
+                             f"{self.url} ({largest.name}, {bytesize.format_size(_shard_bytes(largest.record))}); "
                              "give at least that (a few shards' worth is better)")
         self._mirror(m)
         if verify:

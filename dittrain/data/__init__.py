@@ -67,7 +67,8 @@ THE MODULES. base.py: the loader interface (what a batch is made of, the seeded 
 errors, _Loader). resident.py: ResidentLoader. streaming.py: StreamingLoader, its plan, windows,
 workers and shared-memory slots. budget.py: the memory available (RAM, a container's limit, a
 GPU), choose_loader, and the streaming loader's memory budget. bucketed.py: BucketedLoader.
-build_loader is here.
+latent_norm.py: --latent-norm, what the model sees of the latents and its inverse (the
+training step and the samplers both use it). build_loader is here.
 """
 
 from __future__ import annotations

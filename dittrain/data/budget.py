@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
+from ditdata.common.bytesize import format_size, parse_size
 from ditdata.common.dist import launch_env
-from ditdata.common.sizes import format_size, parse_size
 from ditdata.store import Store
 
 from .base import LoaderError, _open, _Spec
@@ -312,7 +312,7 @@ _COLUMN_BYTES = 64
 _LIVE_BATCHES = 3
 
 def parse_memory(value) -> int | None:
-    """--loader-memory in bytes (ditdata.common.sizes: "2GiB", "512MiB", "1.5G", "2GB" decimal,
+    """--loader-memory in bytes (ditdata.common.bytesize: "2GiB", "512MiB", "1.5G", "2GB" decimal,
     bytes); None for "auto". Raises ValueError for anything else."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return None

@@ -6,7 +6,7 @@ the one DiT and most ImageNet diffusion papers report:
     network     the TF Inception-v3 graph of 2015-12-05, here torch-fidelity's port of it
                 (FeatureExtractorInceptionV3), uint8 images in at any size and resized to
                 299 by its TF1-compatible bilinear resize, as ADM's graph does
-    features    pool3 (2048-d: FID, precision, recall), the first 7 channels of mixed_6/conv
+    features.py  pool3 (2048-d: FID, precision, recall), the first 7 channels of mixed_6/conv
                 (2023-d: sFID) and the 1008 logits (Inception Score); exactly which tensors,
                 in dittrain.eval.inception's docstring
     FID         |mu1 - mu2|^2 + tr(S1) + tr(S2) - 2 tr(sqrtm(S1 S2)), mean and np.cov in
@@ -32,17 +32,17 @@ statistics of a reference are cached beside it (see `reference_stats`).
 
 The modules, each readable alone (leaves first):
 
-    errors       EvalError
-    metrics      FID, sFID statistics, Inception Score (numpy, scipy)
-    manifold     precision and recall on k-NN manifolds (torch, in blocks)
-    inception    the network: finding and checking its weights file, features of a batch
-    sources      .npz batches, image folders and image shards, read in uint8 batches
-    features     images of any of those kinds -> features
-    reference    a reference's statistics and their cache
-    evaluation   evaluate(): samples against a reference, with provenance; the table
+    errors.py      EvalError
+    metrics.py     FID, sFID statistics, Inception Score (numpy, scipy)
+    manifold.py    precision and recall on k-NN manifolds (torch, in blocks)
+    inception.py   the network: finding and checking its weights file, features of a batch
+    sources.py     .npz batches, image folders and image shards, read in uint8 batches
+    features.py    images of any of those kinds -> features
+    reference.py   a reference's statistics and their cache
+    evaluation.py  evaluate(): samples against a reference, with provenance; the table
 
 The metrics know nothing of sampling: the trainer's evaluation (FID during a run) is
-dittrain.train_eval. torch, scipy and torch-fidelity are imported inside the functions
+dittrain.train.fid. torch, scipy and torch-fidelity are imported inside the functions
 that need them.
 """
 

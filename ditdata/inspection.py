@@ -1,0 +1,183 @@
+"""Human-readable reports on a latent store: `ditdata inspect` and `ditdata verify`, which
+cover the store's feature sets too (ditdata.store.features) and a bucketed store's buckets
+(ditdata.store.buckets: inspect shows their histogram); a plain store without feature sets
+reads as it always did."""
+
+from __future__ import annotations
+
+from ditdata.common.bytesize import format_size
+from ditdata.store import open_store
+
+
+def _conditioning(cond) -> list[str]:
+    """The store's typed conditioning (ditdata.store.Conditioning) as report lines."""
+    if cond.kind == "class":
+        names = cond.class_names or ()
+        shown = ", ".join(map(str, names[:5])) + (", ..." if len(names) > 5 else "")
+        return [f"conditioning: class, {cond.num_classes} classes ({shown})"]
+    if cond.kind == "text":
+        t = cond.text or {}
+        tokens = list(cond.tokens_shape) if cond.tokens_shape else "not stored"
+        return [f"conditioning: text, encoder {t.get('encoder')} ({t.get('pretrained')})",
+                f"  pooled dim {cond.pooled_dim}, tokens {tokens}"]
+    return [f"conditioning: {cond.kind}"]
+
+
+def describe(path, **remote) -> str:
+    s = open_store(path, **remote)
+    m = s.manifest
+    lat = m["latent"]
+    vae = m["vae"]
+    lines = [
+        f"store:        {s.url or s.root}" + (f" (cached in {s.root})" if s.url else ""),
+        f"format:       version {m['format_version']}, backend {m['backend']}",
+        f"samples:      {m['num_samples']} in " + (
+            f"{len(s.buckets)} buckets ({sum(len(b.store.shards) for b in s.buckets)} shards)" if s.buckets
+            else f"{len(s.shards)} shards"),
+        f"latent:       {tuple(lat['shape'])} {lat['dtype']}, stored as {lat['stored']}"
+        f"{', with flipped variant' if lat['flip'] else ''}"
+        + (" (the square or most populated bucket's; all below)" if s.buckets else ""),
+        f"autoencoder:  {vae.get('name')} ({vae.get('id')}), scaling {vae.get('scaling_factor')}, "
+        f"shift {vae.get('shift_factor')}, {vae.get('latent_channels')} channels, /{vae.get('downsample')}"
+        + ("; no published scaling: `dittrain run` standardises it per channel (--latent-norm auto)"
+           if vae.get("latent_norm") == "channel" else ""),
+        f"image:        {m['image'].get('resolution')} px, crop {m['image'].get('crop')}",
+        *_conditioning(s.conditioning),
+        f"filter:       {m['filter'] if m['filter'] else 'none'}",
+        "fields:       " + ", ".join(
+            f"{k} {v['dtype']}{v['shape']}" for k, v in m["fields"]["tensors"].items()
+        ),
+        "columns:      " + ", ".join(f"{k} ({v})" for k, v in m["fields"]["columns"].items()),
+    ]
+    st = m["stats"]
+    if st.get("mean"):
+        lines.append(f"channel stats ({st['field']}, {st['count']} values each):")
+        for c, (mu, sd) in enumerate(zip(st["mean"], st["std"], strict=True)):
+            lines.append(f"  c{c:<3d} mean {mu:+.4f}  std {sd:.4f}")
+    lines += _bucket_lines(s)
+    for b in m.get("skipped_shards", []):
+        lost = b.get("samples_lost")
+        lines.append(f"skipped:      image shard {b.get('shard') or b['name']} ({b.get('reason')}; "
+                     f"{'unknown number of' if lost is None else lost} samples lost)")
+    lines += _feature_lines(s)
+    lines.append(f"size on disk: {format_size(s.nbytes_on_disk())}")
+    prov = m.get("provenance", {})
+    lines.append(f"created:      {prov.get('created_at')} with ditkit {prov.get('tools', {}).get('ditkit')}")
+    return "\n".join(lines)
+
+
+BAR = 30  # characters of the histogram's longest bar
+
+
+def _bucket_lines(s) -> list[str]:
+    """A bucketed store's histogram: one line per bucket (name, latent shape, count, share,
+    bar); none for a plain store."""
+    if not s.buckets:
+        return []
+    total, top = max(len(s), 1), max(b.num_samples for b in s.buckets) or 1
+    lines = [f"buckets:      {len(s.buckets)}, AREA {s.area} STEP {s.step}: {s.cropped_beyond_step} images cropped "
+             f"by more than {s.step} px (beyond the 1:2 to 2:1 ratios)",
+             f"  {'bucket':<11} {'latent':<16} {'samples':>8} {'share':>6}"]
+    for b in s.buckets:
+        bar = "#" * round(BAR * b.num_samples / top)
+        lines.append(f"  {b.name:<11} {str(b.latent_shape):<16} {b.num_samples:>8} "
+                     f"{100 * b.num_samples / total:>5.1f}% {bar}")
+    return lines
+
+
+def _each_feature_set(s):
+    """(name, its FeatureSet, None) for each feature set the store records, in name order, or
+    (name, None, the StoreError) for one that cannot be opened: inspect and verify both
+    report that one and go on with the next."""
+    from ditdata.store import StoreError, feature_sets, open_features
+
+    for name in sorted(feature_sets(s)):
+        try:
+            fs = open_features(s, name)
+        except StoreError as e:
+            yield name, None, e
+            continue
+        yield name, fs, None
+
+
+def _feature_lines(s) -> list[str]:
+    """One line per feature set: name, encoder, tokens x dims and dtype, PCA, bytes per
+    sample, rows (or why it cannot be read)."""
+    lines = []
+    for name, fs, error in _each_feature_set(s):
+        if error is not None:
+            lines.append(f"features:     {name}: unusable ({error})")
+            continue
+        enc, st, pca = fs.encoder, fs.storage, fs.storage.get("pca")
+        dtype = fs.schema.tensors["feat"].dtype
+        reduced = (f", PCA {enc.get('dim')} -> {fs.dims} ({100 * pca['explained_variance']:.1f}% of the variance)"
+                   if pca else "")
+        cosine = st.get("cosine_to_fp32")
+        lines.append(f"features:     {name}: {enc.get('name')}, {fs.tokens} x {fs.dims} {dtype}{reduced}"
+                     f"{', with flips' if fs.flip else ''}, {fs.bytes_per_sample()} bytes/sample, {len(fs)} rows"
+                     + (f", cosine to fp32 {cosine:.4f}" if cosine is not None else ""))
+    return lines
+
+
+def verify_store(path, *, progress: bool = True, **remote) -> tuple[list[str], int]:
+    """Faults (one line each) and samples; a URL store downloads every shard into its cache.
+    Every feature set is verified too (checksums, shapes, non-finite values) and checked
+    against the store (ditdata.store.features.check_matches). progress: a bar over the
+    shards (ditdata.common.progress; False: -q/--quiet)."""
+    faults, n, _ = verify_all(path, progress=progress, **remote)
+    return faults, n
+
+
+def verify_all(path, *, progress: bool = True, **remote) -> tuple[list[str], int, list[str]]:
+    """verify_store's faults and samples, and the names of the feature sets verified."""
+    from ditdata.common.progress import progress_bar
+    from ditdata.store import feature_sets
+
+    s = open_store(path, **remote)
+    faults = s.verify(progress=lambda xs: progress_bar(xs, desc="verify", unit="shard", enabled=progress, leave=False))
+    for name, fs, error in _each_feature_set(s):
+        if error is not None:
+            faults.append(str(error))
+            continue
+        faults += fs.verify(progress=lambda xs, n=name: progress_bar(xs, desc=f"verify {n}", unit="shard",
+                                                                   enabled=progress, leave=False))
+    return faults, len(s), sorted(feature_sets(s))
+
+
+def _filename(key: str) -> str:
+    """A sample key as a flat, safe file name."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(key))
+    return safe.strip(".") or "sample"
+
+
+def decode_samples(path, n: int, out, *, vae: str | None = None, device: str = "cpu",
+                   batch_size: int = 16, **remote) -> list:
+    """Decode the first n latents of a store with its own autoencoder; write PNGs by key."""
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from ditdata.autoencoders.kinds import autoencoder_from_manifest
+    from ditdata.common.devices import resolve_device
+
+    s = open_store(path, **remote)
+    ae = autoencoder_from_manifest(s.manifest["vae"], device=resolve_device(device), source=vae)
+    field = s.schema.primary  # "latent", or "mean" for mean+std stores
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    shards = [(b.store, shard) for b in s.buckets for shard in b.store.shards] or [(s, shard) for shard in s.shards]
+    for store, shard in shards:
+        if len(written) >= n:
+            break
+        data = store.read(shard, fields=[field, "key"], stop=n - len(written))
+        for i in range(0, len(data["key"]), batch_size):
+            z = torch.from_numpy(data[field][i:i + batch_size].astype(np.float32))
+            images = ae.decode(z).mul(255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+            for key, img in zip(data["key"][i:i + batch_size], images, strict=True):
+                p = out / f"{_filename(key)}.png"
+                Image.fromarray(img).save(p)
+                written.append(p)
+    return written

@@ -1,0 +1,10 @@
+"""The network: the DiT and everything it is made of, with no I/O and no diffusion math.
+
+    dit.py            DiT (adaLN-Zero blocks, Peebles & Xie 2023) and its layers
+    sizes.py          DiTConfig, the one registry of named sizes, custom sizes, FLOPs and parameters
+    routing.py        TREAD token routing inside the forward (--route)
+    attention.py      which attention kernel SDPA runs (flash, memory-efficient, math)
+    checkpointing.py  the --grad-checkpointing modes (what the backward recomputes)
+
+The package itself imports nothing.
+"""

@@ -1,0 +1,713 @@
+"""DiT: a Diffusion Transformer with adaLN-Zero blocks (Peebles & Xie, 2023).
+
+Notation follows the paper: an input latent x of shape (N, C, H, W) is cut into
+p x p patches, giving T = (H / p) * (W / p) tokens of width D (hidden_size). The
+conditioning vector c (N, D) is the sum of the timestep embedding, the class
+embedding and, for text models, the projected pooled text embedding; every block
+regresses scale/shift/gate from c (adaLN-Zero). Text token embeddings, when present,
+enter each block through an extra cross-attention layer.
+
+This file is the network only, and what it counts (parameters, the rows of `dittrain
+models`): no I/O and no diffusion math (see diffusion.py). Its neighbours:
+dittrain.model.sizes (DiTConfig, the registry of sizes, custom sizes, FLOPs),
+dittrain.model.checkpointing (the knob and the selective policy), dittrain.model.attention
+(which attention kernel runs), dittrain.model.routing (TREAD). Import their names from them.
+
+With learn_sigma=True and class conditioning the state-dict names and shapes are
+those of the released facebookresearch/DiT checkpoints, so they load strictly.
+QK-norm and the text layers add keys only when enabled.
+
+Block choices (DiTConfig.mlp / norm / pos, tables below): DiT's tanh-GELU MLP, affine-free
+LayerNorm and fixed 2-D sin-cos table by default; LightningDiT's SwiGLU MLP (MLP_LAYERS),
+RMSNorm with its learned weight (NORM_LAYERS) and 2-D axial rotary position embedding
+(rope_table, apply_rope: no pos_embed at all) on request. The text cross-attention keeps
+its affine LayerNorm (norm_cross) and unrotated queries and keys whatever the choices:
+text tokens have no image position.
+
+Any token grid (aspect-ratio buckets, dittrain.data.bucketed): an input (N, C, H, W) gives the
+grid (H/p, W/p) of T = (H/p)(W/p) tokens in row-major order; the sin-cos table and the rotary
+tables are computed for that grid (the sin-cos one cached per grid and device), and unpatchify
+returns (N, C, H, W). The configured square grid (input_size/p per side) uses the frozen
+pos_embed parameter itself, so checkpoints, exports and a square run's numbers are unchanged.
+
+RoPE interface (what token routing relies on): DiT.forward computes rope = (cos, sin) once,
+each (T, head_dim) in row-major token order, and passes it to every block as `rope=`
+(None for sin-cos models); blocks and attention also take per-sample tables (N, T', head_dim)
+of a subset of tokens, rope_rows(rope, idx) with idx (N, T').
+
+Public API: DiT(config), build_model(name, **overrides), drop_text_conditioning(...),
+rope_table(...), rope_rows(rope, idx), apply_rope(x, rope).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, replace
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ditdata.common.errors import UserError
+from dittrain.model.checkpointing import (
+    CHECKPOINT_SELECTIVE,
+    SAC_HOOKS,
+    block_recompute,
+    checkpoint_every,
+    selective_checkpoint_context,
+)
+from dittrain.model.routing import TokenRoute, gather_tokens, rejoin_tokens
+from dittrain.model.sizes import CONFIGS, DiTConfig, architecture, flops_per_forward, get_config
+
+# -----------------------------------------------------------------------------
+# Embedders
+
+
+def modulate(x, shift, scale):
+    # x (N, T, D), shift/scale (N, D): the adaLN affine, per sample instead of learned per channel
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class PatchEmbed(nn.Module):
+    """(N, C, H, W) -> (N, T, D): a stride-p convolution is a linear map of each patch."""
+
+    def __init__(self, patch_size: int, in_channels: int, hidden_size: int):
+        super().__init__()
+        self.proj = nn.Conv2d(in_channels, hidden_size, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x):
+        return self.proj(x).flatten(2).transpose(1, 2)  # (N, D, H/p, W/p) -> (N, T, D)
+
+
+class TimestepEmbedder(nn.Module):
+    """Scalar timesteps (N,) -> (N, D): sinusoidal features, then a 2-layer MLP.
+    Timesteps may be fractional; diffusion.py feeds 0..999 for ddpm and 1000 * t for flow."""
+
+    def __init__(self, hidden_size: int, frequency_embedding_size: int = 256):
+        super().__init__()
+        self.frequency_embedding_size = frequency_embedding_size
+        self.mlp = nn.Sequential(
+            nn.Linear(frequency_embedding_size, hidden_size),
+            nn.SiLU(),
+            nn.Linear(hidden_size, hidden_size),
+        )
+
+    @staticmethod
+    def timestep_embedding(t, dim: int, max_period: float = 10000.0):
+        # [cos(t w_i), sin(t w_i)] with w_i geometric from 1 to 1/max_period (the GLIDE layout,
+        # which the released checkpoints were trained with)
+        half = dim // 2
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device) / half)
+        args = t.float()[:, None] * freqs[None]
+        emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        if dim % 2:
+            emb = F.pad(emb, (0, 1))
+        return emb
+
+    def forward(self, t):
+        t_freq = self.timestep_embedding(t, self.frequency_embedding_size)
+        return self.mlp(t_freq.to(self.mlp[0].weight.dtype))
+
+
+class LabelEmbedder(nn.Module):
+    """Class labels (N,) -> (N, D). Row `num_classes` is the null class of classifier-free
+    guidance; during training each label is replaced by it with probability dropout_prob.
+    The null row is always present (the released checkpoints have 1001 rows), so a model
+    trained without dropout can still be fine-tuned with it."""
+
+    def __init__(self, num_classes: int, hidden_size: int, dropout_prob: float):
+        super().__init__()
+        self.num_classes = num_classes
+        self.dropout_prob = dropout_prob
+        # _weight skips Embedding's own normal_ init, which on the meta device drags in
+        # torch._dynamo (seconds); DiT.initialize_weights fills the table anyway
+        self.embedding_table = nn.Embedding(
+            num_classes + 1, hidden_size, _weight=torch.empty(num_classes + 1, hidden_size)
+        )
+
+    def forward(self, labels, train: bool, force_drop_ids=None):
+        # force_drop_ids (N,) bool/int, 1 = use the null class: deterministic dropout for tests
+        if force_drop_ids is not None:
+            drop = force_drop_ids.to(device=labels.device).bool()
+        elif train and self.dropout_prob > 0:
+            drop = torch.rand(labels.shape[0], device=labels.device) < self.dropout_prob
+        else:
+            drop = None
+        if drop is not None:
+            labels = torch.where(drop, torch.full_like(labels, self.num_classes), labels)
+        return self.embedding_table(labels)
+
+
+class TextEmbedder(nn.Module):
+    """A caption embedding -> the model width D through a 2-layer MLP: the pooled embedding
+    (N, Dp) -> (N, D), added to c like the class embedding (SiLU, as the timestep MLP), or the
+    token embeddings (N, L, Dt) -> (N, L, D), computed once and shared by all blocks
+    (tanh-GELU, as the blocks' MLPs)."""
+
+    def __init__(self, in_dim: int, hidden_size: int, act: nn.Module):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(in_dim, hidden_size), act, nn.Linear(hidden_size, hidden_size))
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+def drop_text_conditioning(text, empty, drop):
+    """Caption dropout for classifier-free guidance, done by the TRAINER (not the model):
+    rows where drop (N,) is True get the store's empty-caption embedding. There is no
+    learned null text embedding because the empty caption's embedding is the natural
+    unconditional input and the sampler must use exactly the same one (the manifest's).
+
+    text, empty: dicts with any of text_pooled (N, Dp) / (Dp,), text_tokens (N, L, Dt) /
+    (L, Dt), text_mask (N, L) / (L,). Returns a new dict for the keys of `text`."""
+    out = {}
+    for key, value in text.items():
+        if value is None:
+            out[key] = None
+            continue
+        e = empty[key].to(device=value.device, dtype=value.dtype).expand_as(value)
+        m = drop.to(value.device).view(-1, *([1] * (value.dim() - 1)))
+        out[key] = torch.where(m, e, value)
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Transformer blocks
+
+
+class _Heads(nn.Module):
+    """What both attentions share: the head split, the optional QK-norm (RMSNorm over each
+    head's dim, q_norm / k_norm) and the output projection (proj)."""
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        if qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6)
+        self.qk_norm = qk_norm
+        self.proj = nn.Linear(dim, dim)
+
+    def _norm(self, q, k, v):
+        if self.qk_norm:  # in fp32: under autocast a bf16 input misses the fused rms_norm
+            q, k = self.q_norm(q.float()).to(v.dtype), self.k_norm(k.float()).to(v.dtype)
+        return q, k
+
+
+class Attention(_Heads):
+    """Multi-head self-attention; names (qkv, proj) match timm's, which DiT used. With `rope`
+    (cos, sin), q and k are rotated by their tokens' positions after the QK-norm."""
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = False):
+        super().__init__(dim, num_heads, qk_norm)
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x, rope=None):
+        # x (N, T, D); rope: None, or (cos, sin) each (T, head_dim) or per sample (N, T, head_dim)
+        N, T, D = x.shape
+        # (N, T, 3D) -> (3, N, heads, T, head_dim): the timm layout the checkpoints expect
+        qkv = self.qkv(x).reshape(N, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self._norm(q, k, v)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        x = F.scaled_dot_product_attention(q, k, v)  # (N, heads, T, head_dim)
+        return self.proj(x.transpose(1, 2).reshape(N, T, D))
+
+
+class CrossAttention(_Heads):
+    """Image tokens (queries) attend to text tokens (keys/values), with a padding mask."""
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = False):
+        super().__init__(dim, num_heads, qk_norm)
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x, context, mask=None):
+        # x (N, T, D), context (N, L, D), mask (N, L) bool, True = a real token
+        N, T, D = x.shape
+        L = context.shape[1]
+        q = self.q(x).reshape(N, T, self.num_heads, self.head_dim).transpose(1, 2)
+        kv = self.kv(context).reshape(N, L, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        k, v = kv.unbind(0)
+        q, k = self._norm(q, k, v)
+        attn_mask, empty = None, None
+        if mask is not None:
+            mask = mask.bool()
+            # a row with no real token would softmax over nothing (NaN): let it see token 0,
+            # then zero its output, so "no text" means "no cross-attention contribution"
+            empty = ~mask.any(dim=1)
+            mask = torch.cat(
+                [mask[:, :1] | empty[:, None], mask[:, 1:]], dim=1
+            )  # no in-place: compile-friendly
+            attn_mask = mask[:, None, None, :]  # (N, 1, 1, L), broadcast over heads and queries
+        x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        x = self.proj(x.transpose(1, 2).reshape(N, T, D))
+        if empty is not None:
+            x = x.masked_fill(empty[:, None, None], 0.0)
+        return x
+
+
+class Mlp(nn.Module):
+    """DiT's MLP: fc2(gelu_tanh(fc1(x))), D -> H -> D."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU(approximate="tanh")
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU (Shazeer, 2020): W2 (silu(x W1) * (x W3)). W1 and W3 are one matmul, fc1
+    (D -> 2H', W1's rows first), so the block runs three matmuls in two calls; fc2 is W2
+    (H' -> D). H' is DiTConfig.mlp_hidden: the GELU MLP's parameters (dittrain.model.sizes)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 2 * hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        a, b = self.fc1(x).chunk(2, dim=-1)  # (N, T, H') each: x W1, x W3
+        return self.fc2(F.silu(a) * b)
+
+
+# DiTConfig.mlp -> the block's MLP, built as cls(D, hidden)
+MLP_LAYERS = {"gelu": Mlp, "swiglu": SwiGLU}
+# DiTConfig.norm -> the adaLN-modulated norm (norm1, norm2, norm_final), built as f(D). DiT's
+# LayerNorm has no affine (the modulation scales and shifts); LightningDiT's RMSNorm keeps its
+# learned weight (its parameter counts include it)
+NORM_LAYERS = {"layer": partial(nn.LayerNorm, elementwise_affine=False, eps=1e-6),
+               "rms": partial(nn.RMSNorm, eps=1e-6)}
+
+
+class DiTBlock(nn.Module):
+    """adaLN-Zero block: c regresses (shift, scale, gate) for attention and MLP; gates start
+    at zero so every block is the identity at initialisation.
+    With text tokens, a cross-attention layer sits between them (pre-LayerNorm, residual,
+    not modulated: it already sees the text; its output projection starts at zero).
+    mlp, norm: the block choices (MLP_LAYERS, NORM_LAYERS); mlp_hidden: the MLP's hidden width."""
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, mlp_hidden: int, qk_norm: bool, cross: bool,
+        mlp: str = "gelu", norm: str = "layer",
+    ):
+        super().__init__()
+        self.norm1 = NORM_LAYERS[norm](hidden_size)
+        self.attn = Attention(hidden_size, num_heads, qk_norm=qk_norm)
+        if cross:
+            self.norm_cross = nn.LayerNorm(hidden_size, eps=1e-6)
+            self.cross_attn = CrossAttention(hidden_size, num_heads, qk_norm=qk_norm)
+        self.norm2 = NORM_LAYERS[norm](hidden_size)
+        self.mlp = MLP_LAYERS[mlp](hidden_size, mlp_hidden)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+        # recompute="selective" also recomputes matmul outputs this wide (None: keep them all);
+        # bench/activation_memory.py sets it to the MLP width to measure that variant
+        self.selective_recompute_width: int | None = None
+
+    def forward(self, x, c, context=None, context_mask=None, recompute=None, rope=None):
+        # x (N, T, D), c (N, D); recompute: "attn" | "mlp" | None, the branch whose activations
+        # are recomputed in the backward pass instead of kept, or "selective", the whole block
+        # with its matmul/attention outputs kept (DiT.forward passes block_recompute(knob)).
+        # rope: None, or (cos, sin) of x's tokens, (T, head_dim) or per sample (N, T, head_dim).
+        # The checkpoint sits INSIDE forward so that a compiled block (block.compile()) traces
+        # it with its policy: an SAC region around a compiled block would run it eagerly.
+        if recompute == CHECKPOINT_SELECTIVE:
+            # a partial, not a lambda: dynamo accepts only a function or a partial as context_fn;
+            # respect_saved_tensors_hooks: save_on_cpu and the like see what the policy keeps
+            context_fn = partial(selective_checkpoint_context, self.selective_recompute_width)
+            return checkpoint(self.forward, x, c, context, context_mask, use_reentrant=False,
+                              context_fn=context_fn, rope=rope, **SAC_HOOKS)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(
+            c
+        ).chunk(6, dim=1)
+        attn_args = (x, shift_msa, scale_msa, gate_msa, context, context_mask, rope)
+        if recompute == "attn":
+            x = checkpoint(self._attention, *attn_args, use_reentrant=False)
+        else:
+            x = self._attention(*attn_args)
+        if recompute == "mlp":
+            return checkpoint(self._mlp, x, shift_mlp, scale_mlp, gate_mlp, use_reentrant=False)
+        return self._mlp(x, shift_mlp, scale_mlp, gate_mlp)
+
+    def _attention(self, x, shift, scale, gate, context, context_mask, rope):
+        # the attention branch with its residuals: self-attention, then (text) cross-attention
+        x = x + gate.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift, scale), rope)
+        if context is not None:
+            x = x + self.cross_attn(self.norm_cross(x), context, context_mask)
+        return x
+
+    def _mlp(self, x, shift, scale, gate):
+        return x + gate.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift, scale))
+
+
+class FinalLayer(nn.Module):
+    """adaLN, then a linear map of each token back to a p x p x out_channels patch."""
+
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int, norm: str = "layer"):
+        super().__init__()
+        self.norm_final = NORM_LAYERS[norm](hidden_size)
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
+
+    def forward(self, x, c):
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        return self.linear(modulate(self.norm_final(x), shift, scale))
+
+
+# -----------------------------------------------------------------------------
+# The model
+
+
+class DiT(nn.Module):
+    def __init__(self, config: DiTConfig):
+        super().__init__()
+        self.config = cfg = config
+        D = cfg.hidden_size
+        self.in_channels = cfg.in_channels
+        self.out_channels = cfg.out_channels
+        self.patch_size = cfg.patch_size
+
+        self.x_embedder = PatchEmbed(cfg.patch_size, cfg.in_channels, D)
+        self.t_embedder = TimestepEmbedder(D, cfg.frequency_embedding_size)
+        if cfg.num_classes:
+            self.y_embedder = LabelEmbedder(cfg.num_classes, D, cfg.class_dropout_prob)
+        if cfg.text_pooled_dim:
+            self.text_pooled_embedder = TextEmbedder(cfg.text_pooled_dim, D, nn.SiLU())
+        if cfg.text_token_dim:
+            self.text_token_embedder = TextEmbedder(cfg.text_token_dim, D, nn.GELU(approximate="tanh"))
+        if cfg.pos == "sincos":
+            # fixed 2-D sin-cos position embedding; a frozen Parameter (not a buffer) because the
+            # released checkpoints store it under "pos_embed". RoPE models have none: their
+            # positions enter the attention (rope_table), computed in each forward
+            self.pos_embed = nn.Parameter(torch.zeros(1, cfg.num_tokens, D), requires_grad=False)
+        # (grid h, grid w, device, dtype) -> (1, T, D): the sin-cos tables of the other grids
+        # (buckets), made once each; not state (a pure function of the grid), never saved
+        self._pos_tables: dict[tuple, torch.Tensor] = {}
+        self.blocks = nn.ModuleList(
+            DiTBlock(D, cfg.num_heads, cfg.mlp_hidden, cfg.qk_norm, cross=bool(cfg.text_token_dim),
+                     mlp=cfg.mlp, norm=cfg.norm)
+            for _ in range(cfg.depth)
+        )
+        self.final_layer = FinalLayer(D, cfg.patch_size, cfg.out_channels, norm=cfg.norm)
+        self.initialize_weights()
+
+    @torch.no_grad()
+    def initialize_weights(self):
+        """DiT's init. Call again after `to_empty()` when the model was built on meta."""
+        if self.x_embedder.proj.weight.is_meta:  # nothing to fill: a meta model is for counting only
+            return
+
+        def _basic_init(module):
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and module.weight is not None:
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+        self.apply(_basic_init)
+        if self.config.pos == "sincos":
+            grid = self.config.input_size // self.patch_size
+            self.pos_embed.copy_(sincos_pos_embed_2d(self.config.hidden_size, grid).unsqueeze(0))
+        # the patch embedding is a linear map of the flattened patch
+        w = self.x_embedder.proj.weight
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.x_embedder.proj.bias)
+        if self.config.num_classes:
+            nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        # adaLN-Zero: every block starts as the identity and the output is exactly zero
+        for block in self.blocks:
+            nn.init.zeros_(block.adaLN_modulation[-1].weight)
+            nn.init.zeros_(block.adaLN_modulation[-1].bias)
+            if hasattr(block, "cross_attn"):  # cross-attention joins the residual at zero too
+                nn.init.zeros_(block.cross_attn.proj.weight)
+                nn.init.zeros_(block.cross_attn.proj.bias)
+        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].weight)
+        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
+        nn.init.zeros_(self.final_layer.linear.weight)
+        nn.init.zeros_(self.final_layer.linear.bias)
+
+    def set_grad_checkpointing(self, granularity: str | int) -> None:
+        """Change the checkpointing knob of a built model ("none", "every", k, "attn", "mlp" or
+        "selective")."""
+        checkpoint_every(granularity)
+        self.config = replace(self.config, grad_checkpointing=granularity)
+
+    def num_params(self, trainable_only: bool = True) -> int:
+        # trainable_only leaves out the frozen pos_embed, as the paper's counts do
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    def unconditional_kwargs(self, cond: dict, empty_text: dict | None = None) -> dict:
+        """The kwargs of the unconditional pass of classifier-free guidance, matching `cond`:
+        labels -> the null class, text -> the store's empty-caption embedding (empty_text,
+        keys text_pooled / text_tokens / text_mask, unbatched or batched)."""
+        uncond = dict(cond)
+        if cond.get("y") is not None:
+            uncond["y"] = torch.full_like(cond["y"], self.config.num_classes)
+        text = {
+            k: cond[k]
+            for k in ("text_pooled", "text_tokens", "text_mask")
+            if cond.get(k) is not None
+        }
+        if text:
+            if empty_text is None:
+                raise ValueError("a text model needs the empty-caption embedding for guidance")
+            n = next(iter(text.values())).shape[0]
+            drop = torch.ones(n, dtype=torch.bool)
+            uncond.update(drop_text_conditioning(text, empty_text, drop))
+        return uncond
+
+    @property
+    def square_grid(self) -> tuple[int, int]:
+        """(h, w) tokens of the configured input_size: the grid pos_embed holds."""
+        side = self.config.input_size // self.patch_size
+        return side, side
+
+    def token_grid(self, x: torch.Tensor) -> tuple[int, int]:
+        """(h, w) = (H/p, W/p) of latents x (N, C, H, W); a side that p does not divide is refused."""
+        H, W = x.shape[-2:]
+        p = self.patch_size
+        if H % p or W % p:
+            raise ValueError(f"latents {H}x{W} do not divide into {p}x{p} patches")
+        return H // p, W // p
+
+    def pos_table(self, grid: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+        """The sin-cos embedding (1, T, D) of a grid (h, w): pos_embed itself for the square
+        grid (so a checkpoint's table is the one used), else computed once per grid and device."""
+        if tuple(grid) == self.square_grid:
+            return self.pos_embed
+        key = (*grid, like.device, self.pos_embed.dtype)
+        if key not in self._pos_tables:
+            table = sincos_pos_embed_2d(self.config.hidden_size, grid).unsqueeze(0)
+            self._pos_tables[key] = table.to(device=like.device, dtype=self.pos_embed.dtype)
+        return self._pos_tables[key]
+
+    def unpatchify(self, x, grid: tuple[int, int] | None = None):
+        # (N, T, p*p*C) -> (N, C, h*p, w*p); grid (h, w), default the square grid of T tokens
+        N, T, _ = x.shape
+        p, C = self.patch_size, self.out_channels
+        if grid is None:
+            h = w = int(T**0.5)
+        else:
+            h, w = grid
+        x = x.reshape(N, h, w, p, p, C)
+        x = torch.einsum("nhwpqc->nchpwq", x)
+        return x.reshape(N, C, h * p, w * p)
+
+    def forward(
+        self, x, t, y=None, text_pooled=None, text_tokens=None, text_mask=None, force_drop_ids=None,
+        return_hidden: int = 0, route: TokenRoute | None = None,
+    ):
+        """
+        x: (N, C, H, W) latents; t: (N,) timesteps (int or float, 0..1000 scale)
+        y: (N,) class labels, num_classes = the null class (unconditional)
+        text_pooled: (N, Dp); text_tokens: (N, L, Dt); text_mask: (N, L) bool, True = real token
+        force_drop_ids: (N,) 1 = replace the label by the null class (deterministic dropout)
+        returns (N, out_channels, H, W): eps (or velocity), then the variance channels if learn_sigma
+        return_hidden = k >= 1: returns (that output, the tokens after the k-th block (N, T, D)),
+            what REPA aligns (dittrain.train.repa); the output is the same either way
+        route: training only (dittrain.model.routing, TREAD): blocks route.start <= i < route.end run on
+            the tokens route.idx (N, K); the others skip them and rejoin before block route.end.
+            The hidden tokens of a routed block are the kept ones, (N, K, D)
+        """
+        cfg = self.config
+        grid = self.token_grid(x)  # (h, w) = (H/p, W/p)
+        x = self.x_embedder(x)  # (N, T, D), T = h * w
+        rope = None
+        if cfg.pos == "sincos":
+            x = x + self.pos_table(grid, x)
+        else:  # the rotary table of the grid, once for every block
+            rope = rope_table(cfg.head_dim, grid, device=x.device)
+        c, context = self._conditioning(t, y, text_pooled, text_tokens, force_drop_ids)
+
+        training = self.training and torch.is_grad_enabled()
+        k = checkpoint_every(cfg.grad_checkpointing) if training else 0
+        recompute = block_recompute(cfg.grad_checkpointing) if training else None
+        if return_hidden and not 1 <= return_hidden <= len(self.blocks):
+            raise ValueError(f"return_hidden={return_hidden}: the model has {len(self.blocks)} blocks")
+        hidden = None
+        for i, block in enumerate(self.blocks):
+            if route is not None and i == route.start:  # the routed tokens leave: (N, K, D)
+                x_all, rope_all = x, rope
+                x, rope = gather_tokens(x, route.idx), None if rope is None else rope_rows(rope, route.idx)
+            if route is not None and i == route.end:  # and rejoin: (N, T, D) again
+                x, rope = rejoin_tokens(x_all, x, route.idx), rope_all
+            if k and i % k == 0:
+                # recompute this block's activations in backward: memory for ~1/3 more compute
+                x = checkpoint(block, x, c, context, text_mask, use_reentrant=False, rope=rope)
+            else:
+                x = block(x, c, context, text_mask, recompute=recompute, rope=rope)  # (N, T, D)
+            if i + 1 == return_hidden:
+                hidden = x  # (N, T, D) after block k; (N, K, D) when it is routed
+        if route is not None and route.end == len(self.blocks):
+            x = rejoin_tokens(x_all, x, route.idx)
+        x = self.final_layer(x, c)  # (N, T, p^2 * out_channels)
+        x = self.unpatchify(x, grid)  # (N, out_channels, H, W)
+        return (x, hidden) if return_hidden else x
+
+    def _conditioning(self, t, y, text_pooled, text_tokens, force_drop_ids):
+        """c (N, D), the sum of the timestep, class and pooled-text embeddings, and the text
+        tokens each block cross-attends to, (N, L, D) (None without text tokens)."""
+        cfg = self.config
+        c = self.t_embedder(t)  # (N, D)
+        if cfg.num_classes:
+            if y is None:
+                raise ValueError(
+                    "this model is class-conditional: pass y (use num_classes for the null class)"
+                )
+            c = c + self.y_embedder(y, self.training, force_drop_ids)
+        if cfg.text_pooled_dim:
+            if text_pooled is None:
+                raise ValueError("this model takes a pooled text embedding: pass text_pooled")
+            c = c + self.text_pooled_embedder(text_pooled.to(c.dtype))
+        context = None
+        if cfg.text_token_dim:
+            if text_tokens is None:
+                raise ValueError(
+                    "this model cross-attends to text tokens: pass text_tokens (and text_mask)"
+                )
+            context = self.text_token_embedder(text_tokens.to(c.dtype))  # (N, L, D)
+        return c, context
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in asdict(self.config).items())
+
+
+# -----------------------------------------------------------------------------
+# Position embedding
+
+
+def _grid_hw(grid: int | tuple[int, int]) -> tuple[int, int]:
+    """A grid given as a side (square) or (h, w)."""
+    return (grid, grid) if isinstance(grid, int) else (int(grid[0]), int(grid[1]))
+
+
+def _grid_positions(grid: int | tuple[int, int], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols), each (h, w) float64: token (i, j) of an h x w grid, row-major (index i * w + j)."""
+    h, w = _grid_hw(grid)
+    return torch.meshgrid(torch.arange(h, dtype=torch.float64, device=device),
+                          torch.arange(w, dtype=torch.float64, device=device), indexing="ij")
+
+
+def sincos_pos_embed_2d(dim: int, grid: int | tuple[int, int]) -> torch.Tensor:
+    """(h * w, dim) for a grid of h rows and w columns (an int: square): the first half of the
+    channels encodes the column, the second the row, each as [sin, cos] of the position times
+    frequencies 1 / 10000^(i / (dim/4)). This is the MAE/DiT layout (tokens in row-major
+    order), computed in float64; a non-square grid is the same formula at its positions."""
+    assert dim % 4 == 0
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4))  # (D/4,)
+    rows, cols = _grid_positions(grid)  # (h, w) each; token index = row * w + col
+
+    def emb_1d(p):
+        out = p.reshape(-1)[:, None] * omega[None]  # (M, D/4)
+        return torch.cat([torch.sin(out), torch.cos(out)], dim=1)  # (M, D/2)
+
+    # MAE's meshgrid(w, h) puts the COLUMN coordinate in its "emb_h" half; keep that order
+    return torch.cat([emb_1d(cols), emb_1d(rows)], dim=1).float()
+
+
+def rope_table(head_dim: int, grid: int | tuple[int, int], theta: float = 10000.0,
+               device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """2-D axial rotary position embedding (RoFormer's rotation, EVA-02's 2-D layout): (cos, sin),
+    each (h * w, head_dim) float32 for a grid of h rows and w columns (an int: square), tokens
+    in row-major order. The first half of a head's dims turns with the token's row, the second
+    half with its column; within each half the pairs (2i, 2i + 1) turn by the angle
+    pos * theta^(-2i / (head_dim / 2)), i < head_dim / 4, so both entries of a pair share a
+    column of the tables. Computed in float64, on `device`
+    itself: a table made on the host and copied would make every forward wait for the GPU."""
+    assert head_dim % 4 == 0, "2-D RoPE needs a head dim that is a multiple of 4"
+    half = head_dim // 2
+    freqs = theta ** (-torch.arange(0, half, 2, dtype=torch.float64, device=device) / half)  # (head_dim/4,)
+    freqs = freqs.repeat_interleave(2)  # (half,): one angle per pair
+    rows, cols = _grid_positions(grid, device)  # (h, w) each; token index = row * w + col
+    angles = torch.cat([rows.reshape(-1, 1) * freqs, cols.reshape(-1, 1) * freqs], dim=1)  # (T, head_dim)
+    return angles.cos().float(), angles.sin().float()
+
+
+def rope_rows(rope: tuple[torch.Tensor, torch.Tensor], idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of the rotary tables (cos, sin) (T, head_dim) for tokens idx (N, T') (indices
+    into the row-major grid): per-sample tables (N, T', head_dim), what a block takes for the
+    kept tokens of a routed subset x[n, idx[n]]."""
+    cos, sin = rope
+    return cos[idx], sin[idx]
+
+
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x (N, heads, T, head_dim) rotated by rope = (cos, sin), (T, head_dim) for every sample or
+    (N, T, head_dim) per sample: x * cos + rot(x) * sin with rot(x0, x1) = (-x1, x0) on each pair.
+    In float32 (a bf16 rotation of a large angle is coarse), back in x's dtype."""
+    cos, sin = rope
+    if cos.dim() == 3:  # per sample: broadcast over heads
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    xf = x.float()
+    pairs = xf.unflatten(-1, (-1, 2))  # (..., head_dim/2, 2)
+    rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def build_model(name: str, **overrides) -> DiT:
+    """build_model("DiT-XL/2", input_size=32, num_classes=1000) -> DiT.
+    Build under `with torch.device("meta"):` to count parameters of big models for free."""
+    return DiT(get_config(name, **overrides))
+
+
+# ----------------------------------------------------------------------------- what a size costs: `dittrain models`
+
+
+class ModelsError(UserError, ValueError):
+    """`dittrain models` asked for a size that does not fit the latent (one line)."""
+
+
+def num_params(config: DiTConfig, trainable_only: bool = True) -> int:
+    """Parameter count without allocating: builds on the meta device."""
+    with torch.device("meta"):
+        return DiT(config).num_params(trainable_only)
+
+
+def describe(name: str, **overrides) -> dict:
+    """One row of `dittrain models`: name, size fields, parameters and GMACs per forward."""
+    cfg = get_config(name, **overrides)
+    return dict(name=name, depth=cfg.depth, hidden=cfg.hidden_size, heads=cfg.num_heads, patch=cfg.patch_size,
+                tokens=cfg.num_tokens, params=num_params(cfg), gflops=flops_per_forward(cfg) / 1e9)
+
+
+def models_table(resolution: int, downsample: int, channels: int, num_classes: int, learn_sigma: bool,
+                 specs: tuple[str, ...] = ()) -> list[str]:
+    """The lines of `dittrain models`: the registry's sizes whose patch splits the latent, then
+    each of `specs` (names or custom sizes), all checked before any line is made."""
+    if resolution % downsample:
+        raise ModelsError(f"--resolution {resolution} is not a multiple of --downsample {downsample}")
+    size = resolution // downsample
+    for spec in specs:
+        try:
+            patch = architecture(spec)["patch_size"]
+        except (KeyError, ValueError) as e:
+            raise ModelsError(f"--model: {e.args[0]}") from None
+        if size % patch:
+            raise ModelsError(f"--model {spec}: patch {patch} does not split the {size}x{size} latent")
+    rows = [name for name, arch in CONFIGS.items() if size % arch["patch_size"] == 0]  # whole patches only
+    rows += [spec for spec in specs if spec not in rows]
+    width = max(10, *map(len, rows))
+    lines = [f"at {resolution} px: latent {channels}x{size}x{size}, {num_classes} classes, "
+             f"learn_sigma={learn_sigma}; GFLOPs = multiply-adds per sample per forward",
+             f"{'model':<{width}} {'depth':>5} {'hidden':>6} {'heads':>5} {'tokens':>6} {'params':>9} {'GFLOPs':>9}"]
+    for name in rows:
+        row = describe(name, input_size=size, in_channels=channels, num_classes=num_classes, learn_sigma=learn_sigma)
+        lines.append(f"{name:<{width}} {row['depth']:>5} {row['hidden']:>6} {row['heads']:>5} {row['tokens']:>6} "
+                     f"{row['params'] / 1e6:>8.1f}M {row['gflops']:>9.2f}")
+    return lines
+
+
+__all__ = ["MLP_LAYERS", "NORM_LAYERS", "DiT", "ModelsError", "SwiGLU", "apply_rope", "build_model", "describe",
+           "drop_text_conditioning", "models_table", "modulate", "num_params", "rope_rows", "rope_table"]

@@ -1,0 +1,404 @@
+"""What one training step holds in device memory, predicted without allocating anything: a
+model of the trainer's own tensors (`dittrain plan`, issue 27).
+
+    fp = footprint(Setting(config, micro_batch=64, accumulation=4, mode="every", precision="bf16"))
+    fp.peak, fp.parts()       bytes: weights, ema, optimizer, gradients, activations, workspace, data
+
+The terms, each from what the trainer builds (dittrain.train.loop._build, dittrain.train.step.TrainStep):
+
+  weights      fp32 master weights: every parameter of the DiT (the frozen pos_embed too) and,
+               with --repa, the projector (ModelParts: the real model counted on the meta device)
+  ema          the EMA copy of the DiT (the projector has none)
+  optimizer    the state of the real optimizer class (optimizer_state_bytes: one step of
+               dittrain.train.optim.build_optimizer's optimizer on probe tensors of every size)
+  gradients    fp32 gradients of the trainable parameters, those alive at the peak
+  activations  what the forward keeps for the backward: activation_table.json's bytes per
+               sample per block and checkpointing mode (measured by bench/activation_memory.py
+               --table as coefficients of T*D, T*H, T*heads, ...) at this model's sizes, plus
+               autocast's bf16/fp16 copies of the weights the saved matmuls read
+  workspace    the transient of the block whose backward (or forward) runs at the peak: its
+               recomputation (checkpointed modes: what "none" keeps and the mode does not). The
+               backward's own temporaries (one op's gradient buffers) are left out: the peaks
+               measured on the CPU allocator lie up to 3.5% above the prediction (bench/RESULTS.md)
+  data         the micro-batch on the device (latents, REPA targets) and a store held there
+
+The peak is the largest of four moments of a step (Footprint.moment names it): the end of the
+forward (the autocast cache still holds every weight copy), the backward of the last block
+(every activation kept, the first gradients), the backward of the first block (most gradients
+allocated), and the optimizer step (every gradient, no activation). From the second micro-batch
+of an accumulation on, every gradient is alive throughout. bf16 and fp16 use the bf16 rows (the
+same widths); the bench measured them under CPU autocast: the assumption is that CUDA's autocast
+treats the DiT's ops as the CPU's does (matmuls, convolutions and attention in 16 bits; norms,
+the residual stream and the loss in fp32), which `bench/activation_memory.py --check --device
+cuda` verifies on a GPU.
+
+The table (dittrain/plan/activation_table.json, data: measured, not worked out) holds coefficients of
+the features below, fitted exactly by the bench on small shapes, so a new model size needs no
+new measurement:
+  BLOCK["mlp,norm,pos,qk/dtype/kernel"][mode]  one block: per sample BLOCK_SAMPLE, then per step
+      BLOCK_FIXED; kernel: fused (flash, memory-efficient, cuDNN or the CPU's flash attention:
+      the output and a logsumexp are kept) or math (the attention matrix too: the T*T*heads column)
+  OUTSIDE["mlp,norm,pos,qk/dtype/loss"]  "head" (the embedders) and "tail" (the final layer and
+      the loss), each per sample OUTSIDE_SAMPLE, per step OUTSIDE_FIXED
+  REPA[dtype]  --repa's projector and targets: REPA_FEATURES
+dtype: fp32, or bf16 (CPU autocast; fp16 reads the same rows).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields, replace
+from functools import lru_cache
+from pathlib import Path
+from types import SimpleNamespace
+
+from ditdata.common.errors import UserError
+from dittrain.model.routing import Route, block_tokens
+from dittrain.model.sizes import DiTConfig
+
+TABLE = Path(__file__).with_name("activation_table.json")
+
+
+@lru_cache(maxsize=1)
+def activation_table() -> SimpleNamespace:
+    """The measured table (SOURCE, BLOCK, OUTSIDE, REPA), read once, when a footprint needs it."""
+    return SimpleNamespace(**json.loads(TABLE.read_text()))
+
+
+# The features the table's coefficients multiply (activation_table.json; the bench fits them).
+# One block on T tokens, per sample: T*D, T*H (the MLP's hidden width), T*heads, T, D, T*T*heads
+# (the attention matrix, which only the math kernel keeps).
+BLOCK_SAMPLE = ("TD", "TH", "Th", "T", "D", "TTh")
+# One block, per step: the parameters of its attention and adaLN linear layers (together: both are
+# 10 (D^2 + D), in a fixed ratio) and of its MLP's: the autocast copies the saved matmuls keep.
+BLOCK_FIXED = ("attn+ada", "mlp")
+# Outside the blocks (embedders, final layer, the loss), per sample: T*D, latent elements, D, 1;
+# per step: linear/convolution parameters outside the blocks, the RoPE table (T*head_dim), 1.
+OUTSIDE_SAMPLE = ("TD", "E", "D", "1")
+OUTSIDE_FIXED = ("linear", "rope", "1")
+# --repa's projector and targets, per sample: T*width, T*target dims, T*D, T; per step: its linear parameters.
+REPA_FEATURES = ("TP", "TY", "TD", "T", "linear")
+MODES = ("none", "every", "selective", "attn", "mlp")  # what the table has; k is every + none
+FP32, HALF = "fp32", "bf16"  # the table's two dtypes; fp16 uses the bf16 rows (same widths)
+PARTS = ("weights", "ema", "optimizer", "gradients", "activations", "workspace", "data")
+
+
+class FootprintError(UserError, ValueError):
+    """A setting the memory model has no measured row for (one line)."""
+
+
+# ----------------------------------------------------------------------------- features
+
+
+def block_kind(config: DiTConfig) -> str:
+    """The block's choices, as the table's key: "gelu,layer,sincos,noqk" is DiT's own block."""
+    return f"{config.mlp},{config.norm},{config.pos},{'qk' if config.qk_norm else 'noqk'}"
+
+
+def loss_kind(objective: str, learn_sigma: bool) -> str:
+    """The loss's key: ddpm-sigma (DiT: eps MSE + the VLB term), ddpm, flow."""
+    return "flow" if objective == "flow" else ("ddpm-sigma" if learn_sigma else "ddpm")
+
+
+def block_sample(config: DiTConfig, tokens: int) -> tuple[int, ...]:
+    T, D, h = tokens, config.hidden_size, config.num_heads
+    return (T * D, T * config.mlp_hidden, T * h, T, D, T * T * h)
+
+
+def outside_sample(config: DiTConfig) -> tuple[int, ...]:
+    T, D = config.num_tokens, config.hidden_size
+    return (T * D, config.in_channels * config.input_size ** 2, D, 1)
+
+
+def dot(coefficients, features) -> float:
+    return sum(c * f for c, f in zip(coefficients, features, strict=True))
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """Parameter counts of the real DiT (built on the meta device: nothing is allocated)."""
+
+    total: int  # every parameter (the frozen pos_embed too): the weights and the EMA
+    trainable: tuple[int, ...]  # numel of each trainable parameter: gradients, optimizer state
+    block: int  # trainable parameters of one block
+    block_linear: tuple[int, int]  # linear parameters of a block's attention + adaLN, and of its MLP
+    outside_linear: int  # linear and convolution parameters outside the blocks
+
+
+@lru_cache(maxsize=64)
+def model_parts(config: DiTConfig) -> ModelParts:
+    import torch
+
+    from dittrain.model.dit import DiT
+
+    with torch.device("meta"):
+        model = DiT(replace(config, grad_checkpointing="none"))
+    block = model.blocks[0]
+    groups = {"attn": 0, "mlp": 0, "adaLN_modulation": 0}
+    for name, p in block.named_parameters():
+        top = name.split(".")[0]
+        if top in groups and _in_linear(block, name):
+            groups[top] += p.numel()
+    blocks = {id(p) for p in model.blocks.parameters()}
+    outside = sum(p.numel() for name, p in model.named_parameters() if id(p) not in blocks and _in_linear(model, name))
+    return ModelParts(total=sum(p.numel() for p in model.parameters()),
+                      trainable=tuple(p.numel() for p in model.parameters() if p.requires_grad),
+                      block=sum(p.numel() for p in block.parameters() if p.requires_grad),
+                      block_linear=(groups["attn"] + groups["adaLN_modulation"], groups["mlp"]),
+                      outside_linear=outside)
+
+
+def _in_linear(module, name: str) -> bool:
+    """Whether parameter `name` belongs to a Linear or Conv2d (what autocast copies to 16 bits)."""
+    import torch.nn as nn
+
+    owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+    return isinstance(owner, nn.Linear | nn.Conv2d)
+
+
+@lru_cache(maxsize=16)
+def projector_parts(hidden: int, width: int, dims: int) -> tuple[int, ...]:
+    """numel of each parameter of --repa's projector (dittrain.train.repa.Projector)."""
+    import torch
+
+    from dittrain.train.repa import Projector
+
+    with torch.device("meta"):
+        return tuple(p.numel() for p in Projector(hidden, width, dims).parameters())
+
+
+# ----------------------------------------------------------------------------- optimizer state
+
+# Probe tensor sizes: every power of two from 64 to 262,144 elements (bitsandbytes keeps 32-bit
+# state below 4,096 elements: the ladder crosses it); a parameter between two rungs is interpolated.
+_LADDER = tuple(2 ** k for k in range(6, 19))
+
+
+@lru_cache(maxsize=4)
+def _state_ladder(optimizer: str) -> tuple[tuple[int, int], ...]:
+    """(numel, state bytes) of the real optimizer (dittrain.train.optim.build_optimizer, on the CPU)
+    for one parameter of each ladder size, after one step; storages shared between parameters
+    (bitsandbytes' quantisation maps) are left out."""
+    import torch
+
+    from dittrain.config import TrainConfig
+    from dittrain.train.optim import build_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in _LADDER]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = build_optimizer(TrainConfig.from_flat(optimizer=optimizer), params, torch.device("cpu"))
+    opt.step()
+    owners: dict[int, set[int]] = {}
+    for i, p in enumerate(params):
+        for v in opt.state[p].values():
+            if isinstance(v, torch.Tensor):
+                owners.setdefault(v.untyped_storage().data_ptr(), set()).add(i)
+    rows = []
+    for i, p in enumerate(params):
+        seen = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for v in opt.state[p].values()
+                if isinstance(v, torch.Tensor) and len(owners[v.untyped_storage().data_ptr()]) == 1}
+        rows.append((_LADDER[i], sum(seen.values())))
+    return tuple(rows)
+
+
+def optimizer_state_bytes(optimizer: str, numels) -> int:
+    """Bytes of the optimizer's state for parameters of these sizes."""
+    ladder = _state_ladder(optimizer)
+    return sum(_interpolate(ladder, n) for n in numels)
+
+
+def _interpolate(ladder, n: int) -> float:
+    (n0, b0), (n1, b1) = ladder[0], ladder[1]
+    for (lo, blo), (hi, bhi) in zip(ladder, ladder[1:], strict=False):
+        if n <= hi:
+            (n0, b0), (n1, b1) = (lo, blo), (hi, bhi)
+            break
+    else:
+        (n0, b0), (n1, b1) = ladder[-2], ladder[-1]
+    if n < n0:  # below the smallest rung: its bytes per element
+        return b0 * n / n0
+    return b0 + (b1 - b0) * (n - n0) / (n1 - n0)
+
+
+# ----------------------------------------------------------------------------- the setting
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What decides a step's memory: the model, the micro-batch and the settings that change it."""
+
+    config: DiTConfig  # the model as the store implies it (its grad_checkpointing is not read: mode is)
+    micro_batch: int = 1  # samples per forward on this device
+    accumulation: int = 1  # micro-batches per optimizer step
+    mode: str | int = "none"  # --grad-checkpointing: none | every | k | attn | mlp | selective
+    precision: str = FP32  # the autocast dtype: fp32 | bf16 | fp16 (resolved, never auto)
+    optimizer: str = "adamw"
+    kernel: str = "fused"  # the self-attention kernel: fused (flash, efficient, cudnn, CPU flash) | math
+    loss: str = "ddpm-sigma"  # loss_kind()
+    route: Route | None = None  # --route
+    repa: tuple[int, int, int] | None = None  # --repa: (block, projector width, target dims)
+    resident_bytes: int = 0  # a store held on this device (--resident-device cuda)
+
+    @property
+    def dtype(self) -> str:
+        return FP32 if self.precision == FP32 else HALF
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes at the predicted peak of a step, by part (PARTS), and the moment it happens."""
+
+    weights: int
+    ema: int
+    optimizer: int
+    gradients: int
+    activations: int
+    workspace: int
+    data: int
+    moment: str
+    moments: dict = field(default_factory=dict, compare=False)  # every moment's total bytes
+
+    @property
+    def peak(self) -> int:
+        return sum(getattr(self, name) for name in PARTS)
+
+    def parts(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in PARTS}
+
+
+def _row(rows: dict, key: str, what: str):
+    try:
+        return rows[key]
+    except KeyError:
+        raise FootprintError(f"no measured activation memory for {what} ({key}); measure it with "
+                             "`python bench/activation_memory.py --table`") from None
+
+
+def block_modes(mode: str | int, depth: int) -> list[str]:
+    """The table mode of each block for --grad-checkpointing `mode` (k: every k-th block
+    checkpointed, counting from the first, as dittrain.model.dit.DiT.forward does)."""
+    k = int(mode) if str(mode).isdigit() else None
+    if k is not None:
+        if k < 1:
+            raise FootprintError(f"--grad-checkpointing {mode}: k must be >= 1")
+        return ["every" if i % k == 0 else "none" for i in range(depth)]
+    if mode not in MODES:
+        raise FootprintError(f"--grad-checkpointing {mode}: choose none, every, k, attn, mlp or selective")
+    return [str(mode)] * depth
+
+
+class _Blocks:
+    """Kept bytes and recomputation of each block of a setting."""
+
+    def __init__(self, s: Setting):
+        cfg = s.config
+        self.s, self.cfg, self.parts = s, cfg, model_parts(cfg)
+        self.rows = _row(activation_table().BLOCK, f"{block_kind(cfg)}/{s.dtype}/{s.kernel}", f"{block_kind(cfg)} blocks")
+        self.modes = block_modes(s.mode, cfg.depth)
+        self.tokens = block_tokens(s.route, cfg.depth, cfg.num_tokens)
+
+    def kept(self, i: int, mode: str | None = None) -> float:
+        """What block i keeps for the backward in `mode` (default: its own)."""
+        coef, n = self.rows[mode or self.modes[i]], len(BLOCK_SAMPLE)
+        return (self.s.micro_batch * dot(coef[:n], block_sample(self.cfg, self.tokens[i]))
+                + dot(coef[n:], self.parts.block_linear))
+
+    def recompute(self, i: int) -> float:
+        """What block i's checkpointed part makes again (in its forward too, transiently)."""
+        return max(0.0, self.kept(i, "none") - self.kept(i))
+
+    def saved_casts(self) -> float:
+        """The 16-bit weight copies the kept activations hold (saved by non-checkpointed matmuls)."""
+        n = len(BLOCK_SAMPLE)
+        return sum(dot(self.rows[m][n:], self.parts.block_linear) for m in self.modes)
+
+
+def _outside_row(s: Setting):
+    return _row(activation_table().OUTSIDE, f"{block_kind(s.config)}/{s.dtype}/{s.loss}", f"the {s.loss} loss")
+
+
+def _outside_kept(s: Setting, part: str) -> float:
+    """What the embedders ("head") or the final layer and the loss ("tail") keep."""
+    cfg, coef, n = s.config, _outside_row(s)[part], len(OUTSIDE_SAMPLE)
+    rope = cfg.num_tokens * cfg.head_dim if cfg.pos == "rope" else 0
+    return s.micro_batch * dot(coef[:n], outside_sample(cfg)) + dot(coef[n:], (model_parts(cfg).outside_linear, rope, 1))
+
+
+def _repa_kept(s: Setting, tokens: list[int]) -> float:
+    if s.repa is None:
+        return 0.0
+    block, width, dims = s.repa
+    T = tokens[block - 1]  # the tokens that reach the aligned block (its kept ones when routed)
+    coef, D = _row(activation_table().REPA, s.dtype, "--repa"), s.config.hidden_size
+    return (s.micro_batch * dot(coef[:4], (T * width, T * dims, T * D, T))
+            + coef[4] * sum(projector_parts(D, width, dims)))
+
+
+def _data(s: Setting) -> int:
+    """The micro-batch on the device: float32 latents and labels; REPA's int8 targets and scales."""
+    cfg = s.config
+    per_sample = 4 * cfg.in_channels * cfg.input_size ** 2 + 8
+    if s.repa is not None:
+        per_sample += cfg.num_tokens * (s.repa[2] + 4)
+    return s.micro_batch * per_sample
+
+
+def kept_bytes(s: Setting) -> float:
+    """Everything the forward keeps for the backward (the activations at the backward's start)."""
+    blocks = _Blocks(s)
+    return (sum(blocks.kept(i) for i in range(s.config.depth)) + _outside_kept(s, "head") + _outside_kept(s, "tail")
+            + _repa_kept(s, blocks.tokens))
+
+
+def _cast_cache(s: Setting, blocks: _Blocks) -> float:
+    """The 16-bit weight copies autocast holds until the forward ends beyond those the kept
+    activations count: the ones of checkpointed blocks."""
+    if s.dtype == FP32:
+        return 0.0
+    every = 2.0 * (s.config.depth * sum(blocks.parts.block_linear) + blocks.parts.outside_linear)
+    n = len(OUTSIDE_SAMPLE)
+    saved = blocks.saved_casts() + sum(_outside_row(s)[p][n] for p in ("head", "tail")) * blocks.parts.outside_linear
+    return max(0.0, every - saved)
+
+
+def _final_layer(cfg: DiTConfig) -> int:
+    D, pp = cfg.hidden_size, cfg.patch_size ** 2
+    return 2 * D * D + 2 * D + (D + 1) * pp * cfg.out_channels
+
+
+def footprint(s: Setting) -> Footprint:
+    """The predicted peak of one training step of setting `s` (module docstring)."""
+    cfg, parts, blocks = s.config, model_parts(s.config), _Blocks(s)
+    projector = projector_parts(cfg.hidden_size, s.repa[1], s.repa[2]) if s.repa is not None else ()
+    trainable = (*parts.trainable, *projector)
+    grads = 4 * sum(trainable)
+    kept = [blocks.kept(i) for i in range(cfg.depth)]
+    # the embedders' activations (and REPA's, whose backward comes with the aligned block's) stay
+    # to the end of the backward; the final layer's and the loss's go before the blocks' backward
+    head, tail = _outside_kept(s, "head") + _repa_kept(s, blocks.tokens), _outside_kept(s, "tail")
+    last, data = cfg.depth - 1, _data(s)
+    # gradients alive: from the second micro-batch of an accumulation on, all of them; else the
+    # backward allocates them block by block, from the final layer down to the first block
+    accumulating = s.accumulation > 1
+    moments = {  # name: (gradients, activations, workspace, data)
+        "forward end": (grads if accumulating else 0, head + sum(kept) + tail + _cast_cache(s, blocks),
+                        max(blocks.recompute(i) for i in range(cfg.depth)), data),
+        "backward, last block": (grads if accumulating else 4 * (parts.block + _final_layer(cfg)),
+                                 head + sum(kept), blocks.recompute(last), data),
+        "backward, first block": (grads if accumulating else grads - 4 * parts.block, head + kept[0],
+                                  blocks.recompute(0), data),
+        "optimizer step": (grads, 0, 0, 0),
+    }
+    moment, (g, a, w, d) = max(moments.items(), key=lambda kv: sum(kv[1]))
+    weights, optimizer = 4 * (parts.total + sum(projector)), int(optimizer_state_bytes(s.optimizer, trainable))
+    state = weights + 4 * parts.total + optimizer + s.resident_bytes
+    return Footprint(weights=weights, ema=4 * parts.total, optimizer=optimizer, gradients=int(g), activations=int(a),
+                     workspace=int(w), data=int(d) + s.resident_bytes, moment=moment,
+                     moments={name: int(state + sum(parts_)) for name, parts_ in moments.items()})
+
+
+__all__ = ["BLOCK_FIXED", "BLOCK_SAMPLE", "FP32", "HALF", "MODES", "OUTSIDE_FIXED", "OUTSIDE_SAMPLE", "PARTS",
+           "REPA_FEATURES", "Footprint", "FootprintError", "ModelParts", "Setting", "block_kind",
+           "block_modes", "block_sample", "dot", "footprint", "kept_bytes", "loss_kind", "model_parts",
+           "optimizer_state_bytes", "outside_sample", "projector_parts"]

@@ -1,0 +1,116 @@
+"""FID during training: `dittrain run --eval-every N` measures the EMA model against a reference.
+
+The sampling side of the trainer's evaluation lives here, next to the trainer; the metrics
+library (dittrain.eval) knows nothing of sampling. torch and the sampler are imported inside
+the calls that need them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from dittrain.eval import (
+    FEATURES,
+    EvalError,
+    Inception,
+    RefStats,
+    compute_metrics,
+    find_inception,
+    image_features,
+    load_inception,
+    open_source,
+    reference_stats,
+)
+
+
+class TrainingEval:
+    """`dittrain run --eval-every N`: FID-n (and sFID, IS) of the EMA model against a reference.
+
+    Made at the start of a run on every rank, so a missing Inception file or reference fails
+    before the first step; the network (and, on rank 0, the reference statistics, cached
+    beside the reference: see reference_stats) load at the first evaluation. Each evaluation
+    samples the same n images' classes (balanced, from the seed) and noise: chunk i (the
+    `batch_size` samples from i * batch_size) is drawn with seed + i, by rank i % world, so
+    the figure does not depend on the number of ranks, and every rank shares the work (the
+    others would otherwise wait for rank 0 at their next collective). Images become features
+    chunk by chunk and are never all kept; the features meet on rank 0. Precision/recall are
+    left to `dittrain eval`. The trainer catches every failure of a call: an evaluation never
+    stops a run."""
+
+    def __init__(self, ref, *, n: int, resolution: int | None = None, inception=None, steps: int | None = None,
+                 cfg_scale: float | None = None, seed: int = 0, batch_size: int = 64, cache_dir=None,
+                 log: Callable[[str], None] | None = None):
+        if n < 2:
+            raise EvalError(f"--eval-n must be at least 2 (a covariance needs two samples), got {n}")
+        self.weights = find_inception(inception)  # fail now, not after hours of training
+        self.ref_source = open_source(ref, resolution=resolution)
+        self.resolution = resolution
+        self.n, self.steps, self.cfg_scale, self.seed, self.batch_size = n, steps, cfg_scale, seed, batch_size
+        self.cache_dir, self.log = cache_dir, log or (lambda line: None)
+        self.inception: Inception | None = None
+        self.ref: RefStats | None = None
+
+    def _reference(self) -> RefStats:
+        if self.ref is None:
+            self.ref = reference_stats(self.ref_source, self.inception, resolution=self.resolution,
+                                       batch_size=self.batch_size, cache_dir=self.cache_dir, with_pr=False,
+                                       log=self.log)
+        return self.ref
+
+    def __call__(self, model, config: dict, store, *, rank: int = 0, world: int = 1) -> dict | None:
+        """{"fid", "sfid", "inception_score", "eval_n", ...} of `model` (the EMA DiT, on its
+        device; put back in its mode afterwards) sampled with the run's store, on rank 0 (None
+        on the others). With world > 1 every rank must call it."""
+        from dittrain.inference import sample
+        from dittrain.inference.eval_samples import eval_settings
+
+        t0 = time.time()
+        device = next(model.parameters()).device
+        if self.inception is None:
+            self.inception = load_inception(self.weights, device)
+        settings = eval_settings(config["diffusion"]["objective"], steps=self.steps, cfg_scale=self.cfg_scale)
+        kind = sample.conditioning_kind(model.config)
+        labels = sample.balanced_labels(self.n, model.config.num_classes, self.seed) if kind == "class" else None
+        text = sample.store_text(store, self.n) if kind == "text" else None
+        autoencoder = sample.kept_autoencoder(store, device)
+        mine = {}
+        for i, start in enumerate(range(0, self.n, self.batch_size)):
+            if i % world != rank:
+                continue
+            stop = min(start + self.batch_size, self.n)
+            images = sample.sample_images(
+                model, config, store, labels=None if labels is None else labels[start:stop],
+                text=None if text is None else _cycled(text, start, stop), n=stop - start,
+                cfg_scale=settings.cfg_scale, steps=settings.steps, seed=self.seed + i, batch_size=self.batch_size,
+                autoencoder=autoencoder)
+            mine[i] = image_features(images, self.inception, batch_size=self.batch_size)
+        chunks = _on_rank0(mine, rank, world)
+        if rank != 0:
+            return None
+        feats = {k: np.concatenate([chunks[i][k] for i in sorted(chunks)]) for k in FEATURES}
+        metrics = compute_metrics(feats, self._reference(), with_pr=False)
+        return {"fid": metrics["fid"], "sfid": metrics["sfid"], "inception_score": metrics["inception_score"],
+                "eval_n": self.n, "eval_steps": settings.steps, "eval_cfg": settings.cfg_scale,
+                "eval_seconds": round(time.time() - t0, 3)}
+
+
+def _cycled(text: dict, start: int, stop: int) -> dict:
+    """Rows start..stop of text embeddings, cycled (the store's first captions, over n samples)."""
+    import torch
+
+    rows = torch.arange(start, stop) % len(next(iter(text.values())))
+    return {k: v[rows] for k, v in text.items()}
+
+
+def _on_rank0(mine: dict, rank: int, world: int) -> dict:
+    """Every rank's {chunk: features} merged on rank 0 ({} elsewhere)."""
+    if world == 1:
+        return mine
+    import torch.distributed as dist
+
+    parts = [None] * world if rank == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    return {i: f for part in parts for i, f in part.items()} if rank == 0 else {}

@@ -1,0 +1,228 @@
+"""What a run reports, on rank 0: metrics records and sample grids to the loggers
+(dittrain.train.loggers: metrics.jsonl always, TensorBoard, W&B), the progress bar and its notes,
+FID evaluations during training; and what running out of GPU memory says.
+
+    with Log(run, state, resumed=..., progress=...) as log:   the loggers and the bar, closed on errors too
+        log.step(loss, grad_norm[, repa, shapes]) after every kept optimizer step (repa: --repa's
+                                                 [REPA loss, mean cosine], logged as repa_loss, repa_cos;
+                                                 shapes: the micro-batches' (B, C, H, W), logged as
+                                                 batch_shape on a bucketed store's run)
+        log.skipped()                            after a step skipped for a non-finite loss
+    sample_grid(run, ema, step, log)             an EMA grid in RUN/samples/ (never stops a run)
+    evaluate(run, state, step, log)              FID of the EMA model (never stops a run)
+    with training_memory_hint(run): ...          out of GPU memory -> one line: model, batch, precision,
+                                                 the flags that lower it (ditdata.common.memory) and
+                                                 the `dittrain plan` command that lists what fits
+
+The bar is ditdata.common.progress's: tqdm on a terminal; in a file (Slurm, nohup, CI) one
+plain line per --log-every steps, `train: 200/400000 step (0%), 3.10 step/s, elapsed 01:04,
+ETA 35:49:28; loss 0.1520 lr 1.00e-04 794 img/s wait 2%`.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ditdata.common.devices import gpu_named
+from ditdata.common.errors import described
+from ditdata.common.memory import halved, out_of_memory_hint
+from ditdata.common.progress import Lines, progress_bar
+from dittrain.model.dit import DiT
+from dittrain.model.routing import block_tokens, parse_route
+from dittrain.model.sizes import flops_per_forward
+from dittrain.train.checkpoint import RunState
+from dittrain.train.loggers import open_loggers
+from dittrain.train.setup import Run, text_token_count
+
+
+class Log:
+    """What a run reports. Every log_every steps (and at the last) a metrics record: to the
+    loggers (--logger: metrics.jsonl always, TensorBoard, W&B; dittrain.train.loggers) and the
+    progress bar's postfix, on rank 0; so are evaluations and the EMA sample grids. The bar
+    advances once per optimizer step; a skipped (non-finite) step shows in its postfix.
+    progress=False (-q/--quiet): no bar and no progress lines (the loggers write as ever)."""
+
+    def __init__(self, run: Run, state: RunState, *, resumed: bool = False, progress: bool = True):
+        cfg, device = run.cfg, run.device
+        self.run, self.state = run, state
+        # 2 FLOPs/MAC x (forward + 2 backward) per sample of the global batch; --route: what the routed step computes
+        m = run.model_cfg
+        tokens = block_tokens(parse_route(cfg.routing.route), m.depth, m.num_tokens)
+        self.flops_step = 6 * flops_per_forward(m, text_token_count(run.store), tokens) * cfg.optim.batch_size
+        # MFU against the card's dense bf16/fp16 peak (ditdata.common.devices.GPUS); unknown cards: no MFU
+        gpu = gpu_named(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        self.peak = gpu.peak_flops if gpu is not None else None
+        self.loggers = open_loggers(cfg.logging.logger, run.out, config=run.resolved, resumed=resumed,
+                                    wandb_project=cfg.logging.wandb_project, wandb_name=cfg.logging.wandb_name,
+                                    note=note) if run.master else []
+        self.bar = progress_bar(total=cfg.optim.max_steps, initial=state.step, desc="train", unit="step",
+                                enabled=run.master and progress, every=cfg.logging.log_every, mininterval=1.0)
+        self.postfix, self.shown = "", 0.0
+        self.t_last, self.wait_last, self.steps_since = time.perf_counter(), state.loader.wait_seconds, 0
+        self.bucketed = bool(run.store.buckets)  # aspect-ratio buckets: each record says its batch's shape
+
+    def __enter__(self) -> Log:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.__exit__(*exc)  # closed; a plain-line bar writes no last line over an error
+        for logger in self.loggers:
+            logger.close()
+
+    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor, repa: torch.Tensor | None = None,
+             shapes: tuple[tuple[int, ...], ...] = ()) -> None:
+        """After an optimizer step (state.step is its number). The device scalars are read on
+        log steps only. shapes: the step's micro-batch shapes (a bucketed run logs them)."""
+        cfg, step = self.run.cfg, self.state.step
+        self.steps_since += 1
+        if step % cfg.logging.log_every == 0 or step == cfg.optim.max_steps:
+            rec, now = self._record(loss, grad_norm, repa)
+            if self.bucketed and shapes:  # "8x4x32x48" (B x C x H x W), micro-batches joined by "+"
+                rec["batch_shape"] = "+".join("x".join(map(str, s)) for s in shapes)
+            if self.run.master:
+                self._scalars("train", rec)
+                aligned = f" repa_loss {rec['repa_loss']:.4f}" if repa is not None else ""
+                shape = f" batch {rec['batch_shape']}" if "batch_shape" in rec else ""
+                self.postfix = (f"loss {rec['loss']:.4f}{aligned} lr {rec['lr']:.2e} {rec['images_per_s']:.0f} img/s "
+                                f"wait {100 * rec['data_wait_frac']:.0f}%{shape}")
+                self.bar.set_postfix_str(self._postfix())
+            self.t_last, self.wait_last, self.steps_since = now, self.state.loader.wait_seconds, 0
+        self.bar.update(1)
+
+    def evaluation(self, rec: dict) -> None:
+        """An evaluation's record {"step", "fid", "sfid", "inception_score", "eval_n", ...}:
+        to the loggers as eval/* (in metrics.jsonl a record without "loss"), and a line."""
+        self._scalars("eval", rec)
+        self.status("")
+        self.bar.write(f"dittrain: step {rec['step']}: FID-{rec['eval_n']} {rec['fid']:.3f}, sFID {rec['sfid']:.3f}, "
+                       f"IS {rec['inception_score']:.2f} ({rec['eval_seconds']:.0f} s)", file=sys.stderr)
+
+    def grid(self, step: int, path: Path) -> None:
+        """An EMA sample grid written at `path` (a PNG): to the loggers that show images."""
+        from PIL import Image
+
+        with Image.open(path) as im:
+            image = np.asarray(im.convert("RGB"))
+        for logger in self.loggers:
+            logger.image(step, "samples/ema", image)
+
+    def _scalars(self, group: str, rec: dict) -> None:
+        """A record {"step", name: value, ...} to every logger, as GROUP/name tags."""
+        values = {f"{group}/{k}": v for k, v in rec.items() if k != "step"}
+        for logger in self.loggers:
+            logger.scalars(rec["step"], values)
+
+    def status(self, text: str) -> None:
+        """Show what the run is doing besides training (e.g. evaluating) after the figures."""
+        self.bar.set_postfix_str(f"{self._postfix()} {text}".strip())
+
+    def skipped(self) -> None:
+        """After a step skipped for a non-finite loss: the postfix counts it (redrawn at most
+        once a second; the bar does not advance)."""
+        self.bar.set_postfix_str(self._postfix(), refresh=False)
+        n = self.state.nonfinite_total
+        if isinstance(self.bar, Lines):  # a log file: a line of its own, as a bar would show it
+            if not self.bar.disable and (n == 1 or n % self.run.cfg.logging.log_every == 0):
+                self.bar.write(f"train: step {self.state.step}: non-finite skipped {n} (the step did not advance)")
+        elif time.monotonic() - self.shown >= 1.0:
+            self.bar.refresh()
+            self.shown = time.monotonic()
+
+    def _postfix(self) -> str:
+        """The last record's figures, and the count of skipped steps when there are any."""
+        n = self.state.nonfinite_total
+        return f"{self.postfix} non-finite skipped {n}".strip() if n else self.postfix
+
+    def _record(self, loss: torch.Tensor, grad_norm: torch.Tensor, repa: torch.Tensor | None) -> tuple[dict, float]:
+        """(the metrics record since the last one, its time)."""
+        device, state = self.run.device, self.state
+        now = time.perf_counter()
+        dt = now - self.t_last
+        wait = state.loader.wait_seconds - self.wait_last
+        # --repa's figures beside the diffusion loss: train/repa_loss, train/repa_cos
+        aligned = dict(zip(("repa_loss", "repa_cos"), repa.tolist(), strict=True)) if repa is not None else {}
+        rec = {"step": state.step, "loss": loss.item(), **aligned, "lr": state.lr_schedule.get_last_lr()[0],
+               "grad_norm": float(grad_norm),
+               "images_per_s": self.steps_since * self.run.cfg.optim.batch_size / dt if dt > 0 else 0.0,
+               "data_wait_frac": wait / dt if dt > 0 else 0.0, "nonfinite_skipped": state.nonfinite_total}
+        if device.type == "cuda":
+            rec["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if self.peak:
+            rec["mfu"] = self.flops_step * self.steps_since / dt / (self.peak * self.run.world)
+        return rec, now
+
+
+def note(line: str) -> None:
+    """A line on stderr that leaves the progress bar whole."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+
+
+def evaluate(run: Run, state: RunState, step: int, log: Log) -> None:
+    """FID of the EMA model, every rank drawing its share, logged by rank 0. A failure is a
+    note: an evaluation never stops the run."""
+    log.status(f"evaluating FID-{run.cfg.eval.eval_n}")
+    try:
+        rec = run.evaluator(state.ema, run.resolved, run.store, rank=run.rank, world=run.world)
+    except Exception as e:
+        print(f"\ndittrain: evaluation at step {step} failed on rank {run.rank} ({described(e)}); "
+              "training goes on", file=sys.stderr)
+        log.status("")
+        return
+    if run.master:
+        log.evaluation({"step": step, **rec})
+
+
+def sample_grid(run: Run, ema: DiT, step: int, log: Log) -> None:
+    """An EMA sample grid (a PNG in RUN/samples/, and to the loggers), when the store's
+    autoencoder can be loaded here (else a note)."""
+    path = run.out / "samples" / f"step_{step:08d}.png"
+    try:
+        from dittrain.inference.sample import write_training_grid
+    except ImportError:
+        return
+    cfg = run.cfg
+    try:
+        write_training_grid(ema, run.resolved, run.store, path, steps=cfg.logging.sample_steps, cfg_scale=cfg.logging.sample_cfg,
+                            seed=cfg.optim.seed, device=run.device)
+    except Exception as e:  # samples are a convenience: never kill a run over them
+        print(f"dittrain: no sample grid at {path.name} ({type(e).__name__}: {e})", file=sys.stderr)
+        return
+    log.grid(step, path)
+
+
+def training_memory_hint(run: Run):
+    """A block in which running out of GPU memory is one line that names the model, the
+    batch (global, micro-batch per rank, accumulation, ranks) and the precision, and the
+    flags that lower the memory still unused by this run (ditdata.common.memory)."""
+    cfg = run.cfg
+    acc, micro, gc = cfg.optim.accumulation_steps, run.per_rank, cfg.performance.grad_checkpointing
+    ranks = f" x {run.world} ranks" if run.world > 1 else ""
+    batch = f"global batch {cfg.optim.batch_size} (micro-batch {micro} x {acc} accumulation{ranks})"
+    hints = [{"none": "--grad-checkpointing selective", "every": None}.get(gc, "--grad-checkpointing every")]
+    if micro % 2 == 0:  # the same global batch in smaller pieces
+        hints.append(f"--accumulation-steps {2 * acc} (micro-batch {micro // 2})")
+    if cfg.optim.optimizer == "adamw":
+        hints.append("--optimizer adamw8bit")
+    if micro % 2:
+        hints.append(halved("--batch-size", cfg.optim.batch_size))
+    return out_of_memory_hint(what=f"training {cfg.model.model}", batch=batch, precision=run.amp_dtype,
+                              hints=hints, device=run.device, see=plan_hint(cfg, run.device))
+
+
+def plan_hint(cfg, device) -> str:
+    """Where an out-of-memory run is sent: `dittrain plan` with the run's model, store and batch
+    lists the settings that fit this GPU and picks the fastest."""
+    store = shlex.quote(cfg.data.latents) if cfg.data.latents else "STORE"
+    return (f"`dittrain plan --model {shlex.quote(cfg.model.model)} --latents {store} --batch-size "
+            f"{cfg.optim.batch_size} --device {device}` lists the settings that fit this GPU")
+
+
+__all__ = ["Log", "evaluate", "note", "sample_grid", "training_memory_hint"]

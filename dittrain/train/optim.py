@@ -1,0 +1,67 @@
+"""The optimizer and its learning-rate schedule, as `dittrain run` builds them.
+
+    --optimizer adamw | adamw8bit    build_optimizer: torch's fused AdamW, or bitsandbytes' 8-bit one
+    --lr-schedule constant | cosine  lr_at: linear warmup from 0, then constant or cosine to --min-lr
+
+DiT's recipe is the default: AdamW, lr 1e-4, betas (0.9, 0.999), no weight decay, no warmup.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from ditdata.common.errors import UserError
+from ditdata.common.extras import require
+from dittrain.config import OPTIMIZERS, TrainConfig
+
+
+class OptimizerError(UserError, ValueError):
+    """An --optimizer that does not exist here or lacks its extra (one line)."""
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup from 0, then constant or cosine down to min_lr at max_steps."""
+    if cfg.optim.warmup_steps and step < cfg.optim.warmup_steps:
+        return cfg.optim.lr * (step + 1) / cfg.optim.warmup_steps
+    if cfg.optim.lr_schedule == "cosine":
+        span = max(1, cfg.optim.max_steps - cfg.optim.warmup_steps)
+        progress = min(1.0, (step - cfg.optim.warmup_steps) / span)
+        return cfg.optim.min_lr + 0.5 * (cfg.optim.lr - cfg.optim.min_lr) * (1 + math.cos(math.pi * progress))
+    return cfg.optim.lr
+
+
+def build_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """lr_at as a LambdaLR (a factor of --lr; a checkpoint holds its state)."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, cfg) / cfg.optim.lr if cfg.optim.lr else 0.0)
+
+
+def build_optimizer(cfg: TrainConfig, params: list, device: torch.device) -> torch.optim.Optimizer:
+    """--optimizer: torch's AdamW (fp32 moments) or bitsandbytes' AdamW8bit (block-wise 8-bit
+    moments; tensors under 4096 elements keep fp32 ones), with the same hyperparameters."""
+    adam = dict(lr=cfg.optim.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=cfg.optim.weight_decay)
+    if cfg.optim.optimizer == "adamw":
+        # fused: one kernel for all parameters, and it can skip a step on the device (found_inf;
+        # dittrain.train.step), so a NaN/inf step costs no host sync; on the CPU too
+        return torch.optim.AdamW(params, **adam, fused=True)
+    if cfg.optim.optimizer not in OPTIMIZERS:
+        raise OptimizerError(f"--optimizer {cfg.optim.optimizer}: choose {' or '.join(OPTIMIZERS)}")
+    # On CPUs with AVX512-BF16 bitsandbytes' import looks for its optional 4-bit CPU kernel
+    # through the "kernels" package (transformers brings it): missing, it says so; present and
+    # offline, kernels warns that it skips the hub's publisher check. The 8-bit optimizer uses
+    # neither, so both stay quiet.
+    quiet = [logging.getLogger(name) for name in ("bitsandbytes.backends.cpu.ops", "kernels")]
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.ERROR)
+    try:
+        bnb = require("bitsandbytes", "--optimizer adamw8bit", "optim", OptimizerError)
+    finally:
+        for log, level in zip(quiet, levels, strict=True):
+            log.setLevel(level)
+    return bnb.optim.AdamW8bit(params, **adam)
+
+
+__all__ = ["OptimizerError", "build_optimizer", "build_schedule", "lr_at"]

@@ -1,0 +1,166 @@
+"""REPA, representation alignment (Yu et al., 2024): `dittrain run --repa SET`.
+
+The hidden tokens h (N, T, D) after block k (--repa-depth, 1-based) of the DiT go through a
+projector, the paper's 3-layer MLP  D -> P -> P -> Dy  with SiLU (P: --repa-projector-dim),
+and are pulled towards the targets y (N, T, Dy): patch features of a frozen encoder (DINOv2)
+of the same image, read from a feature set of the store (`ditdata features`; the loader's
+batch["feat"], the same rows and the same flip as batch["x"], as stored: targets(batch) is float32):
+
+    L_repa = mean over samples n and tokens t of  1 - cos(proj(h)[n, t], y[n, t])
+    loss   = diffusion loss + lambda L_repa          (lambda: --repa-weight; ddpm and flow alike)
+
+A feature set whose token grid (h, w) is not the DiT's (input_size / patch per side) is
+resized to the DiT's grid, bilinearly per channel, on the device (the startup line says so).
+
+The projector trains with the model (the same optimizer and settings, its gradients clipped
+with the model's, DDP when the model is, in every checkpoint) but it is not the model: it is
+not in the EMA, in ema.safetensors or any export, and sampling never sees it.
+
+    projector = build_projector(hidden, width, dims, seed)    fixed init, whatever the device
+    align = Alignment(projector, train_projector, depth=, weight=, grid=, target_grid=)
+    model_fn = align.capture(train_model)    the model for the diffusion loss; keeps the hidden tokens
+    loss, cos = align.loss(model_fn.hidden, dittrain.data.targets(batch))
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ditdata.common.errors import UserError
+from dittrain.config import TrainConfig
+from dittrain.model.routing import TokenRoute, kept_targets
+from dittrain.model.sizes import DiTConfig
+
+
+class RepaError(UserError, ValueError):
+    """REPA settings that do not fit the model or the feature set (one line)."""
+
+
+class Projector(nn.Sequential):
+    """(N, T, D) hidden tokens -> (N, T, Dy): Linear SiLU Linear SiLU Linear (the paper's MLP)."""
+
+    def __init__(self, hidden: int, width: int, dims: int):
+        super().__init__(nn.Linear(hidden, width), nn.SiLU(), nn.Linear(width, width), nn.SiLU(),
+                         nn.Linear(width, dims))
+
+
+def build_projector(hidden: int, width: int, dims: int, seed: int) -> Projector:
+    """A projector on the CPU, initialised as the DiT's linear layers are (Xavier uniform, zero
+    bias) from its own generator: the same weights on any device, and the global RNG (the
+    model's init) untouched, so a REPA run's DiT starts where a plain run's does."""
+    with torch.device("meta"):
+        proj = Projector(hidden, width, dims)
+    proj.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in proj:
+            if isinstance(layer, nn.Linear):
+                nn.init.xavier_uniform_(layer.weight, generator=gen)
+                nn.init.zeros_(layer.bias)
+    return proj
+
+
+def alignment_loss(projected: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean of 1 - cos, mean cos) over samples and tokens of projected and target (N, T, Dy),
+    in fp32 (under autocast the projection is bf16/fp16); the cosine is detached (a figure)."""
+    cos = (F.normalize(projected.float(), dim=-1) * F.normalize(target.float(), dim=-1)).sum(dim=-1)  # (N, T)
+    return (1.0 - cos).mean(), cos.detach().mean()
+
+
+def resize_targets(feat: torch.Tensor, grid: tuple[int, int], to: tuple[int, int]) -> torch.Tensor:
+    """(N, h*w, Dy) tokens on grid (h, w), row-major -> (N, H*W, Dy) on grid `to` (H, W):
+    bilinear per channel (antialiased when shrinking, so every source token counts)."""
+    if tuple(grid) == tuple(to):
+        return feat
+    N, T, Dy = feat.shape
+    x = feat.transpose(1, 2).reshape(N, Dy, *grid)  # (N, Dy, h, w)
+    x = F.interpolate(x, size=tuple(to), mode="bilinear", align_corners=False,
+                      antialias=to[0] < grid[0] or to[1] < grid[1])
+    return x.flatten(2).transpose(1, 2)  # (N, H*W, Dy)
+
+
+class _Capture:
+    """The model as the diffusion loss calls it, model(x, t, **kw) -> output, asking it for the
+    hidden tokens after block `depth` too and keeping them in .hidden."""
+
+    def __init__(self, model, depth: int):
+        self.model, self.depth, self.hidden = model, depth, None
+
+    def __call__(self, x, t, **kwargs):
+        out, self.hidden = self.model(x, t, return_hidden=self.depth, **kwargs)
+        return out
+
+
+class Alignment:
+    """REPA within a training step: projector (the module that trains and is checkpointed),
+    train_projector (what the forward calls: it, or it in DDP), the block, the weight, and the
+    model's token grid with the feature set's."""
+
+    def __init__(self, projector: nn.Module, train_projector: nn.Module, *, depth: int, weight: float,
+                 grid: tuple[int, int], target_grid: tuple[int, int]):
+        self.projector, self.train_projector = projector, train_projector
+        self.depth, self.weight, self.grid, self.target_grid = depth, weight, tuple(grid), tuple(target_grid)
+
+    def capture(self, train_model) -> _Capture:
+        return _Capture(train_model, self.depth)
+
+    def loss(self, hidden: torch.Tensor, feat: torch.Tensor,
+             route: TokenRoute | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(REPA loss, mean cosine) of the hidden tokens (N, T, D) against the batch's targets
+        (N, T', Dy), resized to the model's grid when T' is another grid. Under --route, when the
+        block is a routed one, the hidden tokens are the kept ones (N, K, D) and so are the targets."""
+        target = kept_targets(route, self.depth, resize_targets(feat, self.target_grid, self.grid))
+        return alignment_loss(self.train_projector(hidden), target)
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+def model_grid(model_cfg: DiTConfig) -> tuple[int, int]:
+    side = model_cfg.input_size // model_cfg.patch_size
+    return side, side
+
+
+def check(cfg: TrainConfig, model_cfg: DiTConfig, record: dict) -> None:
+    """--repa-* values that cannot work with this model or feature set (record: feature_record's):
+    RepaError before anything is written."""
+    r, (h, w) = cfg.repa, record["grid"]
+    if h * w != record["tokens"]:
+        raise RepaError(f"--repa {r.repa}: its encoder's grid {h}x{w} does not hold its {record['tokens']} tokens; "
+                        "rerun `ditdata features` for this set")
+    if not 1 <= r.repa_depth <= model_cfg.depth:
+        raise RepaError(f"--repa-depth {r.repa_depth}: the model {cfg.model.model} has {model_cfg.depth} blocks; "
+                        f"choose 1..{model_cfg.depth}")
+    if not (math.isfinite(r.repa_weight) and r.repa_weight >= 0):
+        raise RepaError(f"--repa-weight {r.repa_weight}: give a finite weight >= 0")
+    if r.repa_projector_dim < 1:
+        raise RepaError(f"--repa-projector-dim {r.repa_projector_dim}: give a width >= 1")
+
+
+def feature_record(store) -> dict:
+    """The run config's store["features"]: what a resume checks (the identity) and what the
+    run was aligned to. store: a FeaturedStore (ditdata.store)."""
+    fs = store.feature_set
+    return {"name": store.features_name, "identity": fs.identity, "encoder": fs.encoder.get("name"),
+            "tokens": fs.tokens, "dims": fs.dims, "dtype": fs.schema.tensors["feat"].dtype, "grid": list(fs.grid)}
+
+
+def describe(cfg: TrainConfig, model_cfg: DiTConfig, record: dict, projector: nn.Module) -> str:
+    """The startup line of a REPA run."""
+    r, n = cfg.repa, sum(p.numel() for p in projector.parameters())
+    line = (f"repa: {r.repa} (encoder {record['encoder']}, {record['tokens']} tokens x {record['dims']} dims "
+            f"{record['dtype']}), block {r.repa_depth} of {model_cfg.depth}, weight {r.repa_weight:g}, projector "
+            f"{model_cfg.hidden_size}->{r.repa_projector_dim}->{r.repa_projector_dim}->{record['dims']} "
+            f"({n / 1e6:.2f} M params)")
+    grid, to = tuple(record["grid"]), model_grid(model_cfg)
+    if grid != to:
+        line += f"; targets resized from the encoder's {grid[0]}x{grid[1]} grid to the model's {to[0]}x{to[1]} (bilinear)"
+    return line
+
+
+__all__ = ["Alignment", "Projector", "RepaError", "alignment_loss", "build_projector", "check", "describe",
+           "feature_record", "model_grid", "resize_targets"]

@@ -1,0 +1,200 @@
+"""What a run is before it trains: the process group, the device and precision, the store
+and the configs it implies (`setup`), with nothing written anywhere.
+
+    run = setup(cfg)        a Run: settings, rank / world, device, autocast dtype, store,
+                            DiT config, diffusion, the resolved config, the per-rank batch
+
+The resolved config (dittrain.config's docstring) is what config.json and every checkpoint
+hold. dittrain.train.loop builds the run's state from a Run and trains it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ditdata.common import dist
+from ditdata.common.devices import amp_dtype, resolve_device
+from ditdata.common.errors import UserError
+from ditdata.store import Store, open_store
+from dittrain.config import TrainConfig
+from dittrain.data.latent_norm import choose, latent_record
+from dittrain.diffusion import Diffusion, DiffusionConfig
+from dittrain.model.routing import check as check_route
+from dittrain.model.routing import parse_route
+from dittrain.model.sizes import DiTConfig, get_config
+from dittrain.train.checkpoint import CheckpointWriter
+from dittrain.train.loggers import parse_loggers
+from dittrain.train.repa import check as check_repa
+from dittrain.train.repa import feature_record
+from dittrain.train.resume import Resumption
+from dittrain.train.step import compile_model, compile_target
+
+
+class TrainError(UserError):
+    """A run cannot start or continue; the message says why and what to do."""
+
+
+def training_device(name: str) -> torch.device:
+    """--device as ditdata.common.devices reads it (auto: cuda:LOCAL_RANK when there is a
+    GPU, else cpu; DeviceError for an unknown name or CUDA without a GPU), cpu or cuda only."""
+    device = resolve_device(name)
+    if device.type not in ("cpu", "cuda"):
+        raise TrainError(f"--device {name}: dittrain trains on cpu or cuda")
+    return device
+
+
+def model_config_for(cfg: TrainConfig, store: Store) -> DiTConfig:
+    """The DiT config a store implies: in_channels, input size, classes and text dims come
+    from the store (its latent shape and conditioning); the architecture from the named size.
+    A bucketed store's input size is its top manifest's bucket (the square one, else the most
+    populated; a non-square one gives the square of its shorter side): the grid of the model's
+    pos_embed; every bucket's grid is computed (dittrain.model.dit), so each must divide by the patch."""
+    c, h, w = store.latent_shape
+    if h != w and not store.buckets:
+        raise TrainError(f"latents are {h}x{w}; DiT here needs square latents (or a bucketed store: "
+                         "ditdata encode --buckets)")
+    h = min(h, w)  # a bucketed store's non-square top bucket: the square of its shorter side
+    cond = store.conditioning  # num_classes is 0 and the text dims None unless the store has them
+    learn_sigma = cfg.model.learn_sigma if cfg.model.learn_sigma is not None else cfg.diffusion.objective == "ddpm"
+    # --grad-checkpointing 2 is recorded as the int 2 (the model config is compared on resume)
+    granularity = cfg.performance.grad_checkpointing
+    granularity = int(granularity) if str(granularity).isdigit() else granularity
+    # --qk-norm adds QK-norm; without it a model keeps its own (the LightningDiT presets have it)
+    qk_norm = {"qk_norm": True} if cfg.model.qk_norm else {}
+    try:
+        return get_config(
+            cfg.model.model, input_size=h, in_channels=c, num_classes=cond.num_classes,
+            class_dropout_prob=cfg.diffusion.class_dropout, learn_sigma=learn_sigma, **qk_norm,
+            text_pooled_dim=cond.pooled_dim,
+            text_token_dim=cond.tokens_shape[-1] if cond.tokens_shape else None,
+            grad_checkpointing=granularity,
+        )
+    except KeyError as e:
+        raise TrainError(f"unknown model {cfg.model.model!r}; see `dittrain models`, or name a size "
+                         "custom:hidden=H,depth=D,heads=N,patch=P") from e
+    except AssertionError as e:
+        raise TrainError(f"{cfg.model.model} does not fit latents {c}x{h}x{w}: {e}") from e
+
+
+def check_buckets(cfg: TrainConfig, store: Store, model_cfg: DiTConfig) -> list[dict] | None:
+    """A bucketed store's buckets as the run config records them (None for a plain store);
+    TrainError (one line) for a bucket whose latent grid the patch does not divide, and for
+    --repa (its targets' grid is one square grid)."""
+    if not store.buckets:
+        return None
+    p = model_cfg.patch_size
+    bad = [b.name for b in store.buckets if b.latent_shape[1] % p or b.latent_shape[2] % p]
+    if bad:
+        raise TrainError(f"{cfg.model.model} has patch {p}, which does not divide the latents of bucket(s) "
+                         f"{', '.join(bad)}; choose a model with patch {p // 2 or 1}, or re-encode with a --buckets STEP "
+                         f"that is a multiple of the autoencoder's factor x {p}")
+    if cfg.repa.repa:
+        raise TrainError(f"--repa {cfg.repa.repa}: not supported on a bucketed store ({cfg.data.latents}); "
+                         "train without --repa")
+    return [{"name": b.name, "size": list(b.size), "latent_shape": list(b.latent_shape),
+             "num_samples": b.num_samples} for b in store.buckets]
+
+
+
+def text_token_count(store: Store) -> int:
+    """Caption tokens per sample the model cross-attends to (0 for a store without them)."""
+    shape = store.conditioning.tokens_shape
+    return shape[0] if shape else 0
+
+
+@dataclass
+class Run:
+    """What a run is, besides its state: the settings, where it runs, its data and its loss."""
+
+    cfg: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    amp_dtype: torch.dtype | None  # autocast dtype; None: fp32
+    store: Store
+    model_cfg: DiTConfig
+    diffusion: Diffusion
+    resolved: dict  # the config saved in config.json and every checkpoint (dittrain.config)
+    per_rank: int  # the micro-batch of one rank
+    created_group: bool = False  # this process joined the process group (and so leaves it)
+    evaluator: object | None = None  # --eval-every: the FID evaluator (every rank shares the work)
+    saver: CheckpointWriter | None = None  # --async-save, rank 0: the background writer (made by the first save)
+    resumption: Resumption | None = None  # a resume of a recorded run: what it changes (dittrain.train.resume)
+    latent_norm: str = ""  # the startup line's words for the latent normalisation (dittrain.data.latent_norm.choose)
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.checkpointing.out)
+
+
+def setup(cfg: TrainConfig) -> Run:
+    """Join the process group, choose the device and precision, open the store and resolve
+    the config it implies. Nothing is written anywhere."""
+    env = dist.launch_env()
+    rank, world = env.rank, env.world_size
+    device = training_device(cfg.performance.device)
+    created_group = dist.join(device)  # several ranks (torchrun) and no group yet: nccl on CUDA, else gloo
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if cfg.performance.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    # --repa: the store with its feature set (a missing or stale set is a one-line StoreError)
+    store = open_store(cfg.data.latents, cache_dir=cfg.data.cache_dir or None, cache_limit=cfg.data.cache_limit,
+                       features=cfg.repa.repa or None)
+    model_cfg = model_config_for(cfg, store)
+    buckets = check_buckets(cfg, store, model_cfg)
+    # --latent-norm auto becomes what it picks for this store, in the record too: a resume and
+    # sampling see none or channel (dittrain.data.latent_norm)
+    cfg.data.latent_norm, latent_words = choose(store, cfg.data.latent_norm)
+    features = feature_record(store) if cfg.repa.repa else None
+    if features is not None:
+        check_repa(cfg, model_cfg, features)
+    check_route(parse_route(cfg.routing.route), model_cfg.depth, cfg.model.model)  # RouteError: one line
+    diff_cfg, latents = diffusion_config(cfg, model_cfg, store)
+    resolved = {
+        "train": asdict(cfg),
+        "model": asdict(model_cfg),
+        "diffusion": asdict(diff_cfg),
+        "latents": latents,
+        "store": {"path": store.location, "identity": store.identity,
+                  "num_samples": len(store)},
+    }
+    if features is not None:  # beside the store's identity: a resume refuses another feature set
+        resolved["store"]["features"] = features
+    if buckets is not None:  # the sizes `dittrain sample --size` and serve offer
+        resolved["store"]["buckets"] = buckets
+    per_rank, rem = divmod(cfg.optim.batch_size, world * cfg.optim.accumulation_steps)
+    if rem or per_rank == 0:
+        raise TrainError(f"--batch-size {cfg.optim.batch_size} must be a multiple of ranks ({world}) x "
+                         f"--accumulation-steps ({cfg.optim.accumulation_steps})")
+    parse_loggers(cfg.logging.logger)  # an unknown --logger, or wandb without its extra, stops the run before it starts
+    compile_target(cfg.performance.compile, device)
+    compile_model(None, "off", cfg.performance.compile_mode)  # validates the mode before anything is written
+    # auto: bf16 on GPUs that have it, else fp16 (with a grad scaler); fp32 on the CPU
+    return Run(cfg, rank, world, device, amp_dtype(device, cfg.performance.amp), store, model_cfg,
+               Diffusion(diff_cfg), resolved, per_rank, created_group, latent_norm=latent_words)
+
+
+def diffusion_config(cfg: TrainConfig, model_cfg: DiTConfig, store: Store) -> tuple[DiffusionConfig, dict]:
+    """The objective with its loss and timestep options, and the run config's "latents"
+    section (dittrain.data.latent_norm: the store's per-channel stats with --latent-norm channel)."""
+    try:  # DiffusionConfig refuses options of the other objective (min-snr on flow, a t-shift on ddpm)
+        diff_cfg = DiffusionConfig(
+            objective=cfg.diffusion.objective, learn_sigma=model_cfg.learn_sigma, loss_weighting=cfg.diffusion.loss_weighting,
+            min_snr_gamma=cfg.diffusion.min_snr_gamma, logit_normal_mean=cfg.diffusion.t_mean, logit_normal_std=cfg.diffusion.t_std,
+            t_sampling=cfg.diffusion.t_sampling, t_shift=cfg.diffusion.t_shift)
+    except ValueError as e:  # a plain ValueError: as a one-line user error
+        raise TrainError(str(e)) from e
+    return diff_cfg, latent_record(store, cfg.data.latent_norm)  # LatentNormError: a user error already
+
+
+__all__ = ["Run", "TrainError", "check_buckets", "diffusion_config", "model_config_for", "setup",
+           "text_token_count", "training_device"]
