@@ -90,6 +90,35 @@ class EvalSampleConfig:
     chunk_size: int = 256
 
 
+# ------------------------------------------------------------------------------ resume classes
+# Every TrainConfig field says, where it is defined, what a resume does when it differs from the
+# run's record (dittrain.train.resume; tests/test_train_config.py fails on a field without one):
+
+SAFE = "safe"  # does not change what is learned (how long, how often to save or log, the device): applied
+LEARNED = "learned"  # the optimisation itself: refused unless --allow-changes, then recorded in the history
+FIXED = "fixed"  # what the weights or the optimizer state are made of: never (a new run: --init-from RUN)
+START = "start"  # how this command starts, not a setting of the run (--out, --resume, --init-from): not compared
+RESUME_CLASSES = (SAFE, LEARNED, FIXED, START)
+
+
+def setting(default, resume: str, *, learned_if=None, needs: str = "", resolves_auto: bool = False, flag: str = ""):
+    """A TrainConfig field: its default, and what a resume does with a change of it (RESUME_CLASSES).
+    learned_if(recorded TrainConfig) -> True: a SAFE change that is LEARNED for this run (--max-steps
+    under a cosine schedule, which ends at max_steps); needs: the field without which this one means
+    nothing (--repa-depth without --repa is refused); resolves_auto: the start resolves "auto" and
+    records the result, so "auto" on a resume means the recorded value; flag: the flag when it is not
+    --field-name."""
+    if resume not in RESUME_CLASSES:
+        raise ValueError(f"resume class {resume!r}: one of {', '.join(RESUME_CLASSES)}")
+    return field(default=default, metadata={"resume": resume, "learned_if": learned_if, "needs": needs,
+                                            "resolves_auto": resolves_auto, "flag": flag})
+
+
+def _cosine(recorded: TrainConfig) -> bool:
+    """max_steps is learned under a cosine schedule: it ends at max_steps, so another length bends every later lr."""
+    return recorded.optim.lr_schedule == "cosine"
+
+
 # ------------------------------------------------------------------------------ TrainConfig
 # `dittrain run`'s knobs in sections; the flags map 1:1 onto the field names (unique over all
 # sections), `dittrain run --help` lists them under the same headings, and config.json keeps
@@ -100,115 +129,115 @@ class EvalSampleConfig:
 class DataSection:
     """The latent store and how it is read (dittrain.data)."""
 
-    latents: str = ""  # the latent store (ditdata encode --out), or its URL (s3://, gs://, http(s)://)
-    cache_dir: str = ""  # a URL store's local cache ("": $XDG_CACHE_HOME/ditkit/stores, ditdata.store.remote)
-    cache_limit: str = ""  # its size limit ("": 50 GiB, remote.DEFAULT_CACHE_LIMIT); LRU shards are removed
+    latents: str = setting("", SAFE)  # the latent store (ditdata encode --out), or its URL (s3://, gs://, http(s)://)
+    cache_dir: str = setting("", SAFE)  # a URL store's local cache ("": $XDG_CACHE_HOME/ditkit/stores, ditdata.store.remote)
+    cache_limit: str = setting("", SAFE)  # its size limit ("": 50 GiB, remote.DEFAULT_CACHE_LIMIT); LRU shards are removed
     # auto (channel where the store's autoencoder publishes no scaling factor, e.g. VA-VAE; else none) |
     # none | channel (standardise with the store's per-channel mean/std); recorded resolved
-    latent_norm: str = "auto"
-    loader: str = "auto"  # auto | resident | streaming (a bucketed store: auto | resident)
-    bucket_remainder: str = "pad"  # a bucketed store: each bucket's last partial batch, pad (with repeats) | drop
-    resident_device: str = "cpu"  # cpu | cuda: where a resident store lives
-    workers: int = 4  # streaming loader processes
-    shuffle_window: int = 0  # streaming: shards shuffled together in memory (0: the most, up to 4, that fit loader_memory)
+    latent_norm: str = setting("auto", FIXED, resolves_auto=True)
+    loader: str = setting("auto", SAFE)  # auto | resident | streaming (a bucketed store: auto | resident)
+    bucket_remainder: str = setting("pad", LEARNED)  # a bucketed store: each bucket's last partial batch, pad (with repeats) | drop
+    resident_device: str = setting("cpu", SAFE)  # cpu | cuda: where a resident store lives
+    workers: int = setting(4, SAFE)  # streaming loader processes
+    shuffle_window: int = setting(0, LEARNED)  # streaming: shards shuffled together in memory (0: the most, up to 4, that fit loader_memory)
     # streaming: budget for the loader's own memory (windows, slots, batches): auto (25% of the
     # available RAM over this machine's ranks, at most 4 GiB) or a size such as 2GiB, 512MiB
-    loader_memory: str = "auto"
+    loader_memory: str = setting("auto", SAFE)
 
 
 @dataclass
 class ModelSection:
     """The network (dittrain.model.dit) and where its first weights come from."""
 
-    model: str = "DiT-B/2"  # a name from `dittrain models` (DiT-XL/2, LightningDiT-XL/1, ...) or custom:hidden=H,depth=D,heads=N,patch=P
-    learn_sigma: bool | None = None  # None: True for ddpm (as DiT), False for flow
-    qk_norm: bool = False  # True adds QK-norm to any model; False keeps the model's own (LightningDiT's: on)
-    init_from: str = ""  # fine-tune from these weights: a plain state dict, an EMA export, a run, a checkpoint
+    model: str = setting("DiT-B/2", FIXED)  # a name from `dittrain models` (DiT-XL/2, LightningDiT-XL/1, ...) or custom:hidden=H,depth=D,heads=N,patch=P
+    learn_sigma: bool | None = setting(None, FIXED)  # None: True for ddpm (as DiT), False for flow
+    qk_norm: bool = setting(False, FIXED)  # True adds QK-norm to any model; False keeps the model's own (LightningDiT's: on)
+    init_from: str = setting("", START)  # fine-tune from these weights: a plain state dict, an EMA export, a run, a checkpoint
 
 
 @dataclass
 class DiffusionSection:
     """The objective and its loss (dittrain.diffusion.DiffusionConfig), and CFG dropout."""
 
-    objective: str = "ddpm"  # ddpm (epsilon, DiT) | flow (rectified flow, velocity)
-    loss_weighting: str = "none"  # ddpm: none | min-snr
-    min_snr_gamma: float = 5.0
-    t_sampling: str = "logit-normal"  # flow: logit-normal | uniform
-    t_mean: float = 0.0  # flow logit-normal: t = sigmoid(N(t_mean, t_std))
-    t_std: float = 1.0
-    t_shift: float = 1.0  # flow: t -> S t / (1 + (S - 1) t) in training and the sampling grid; 1: none
-    class_dropout: float = 0.1  # labels -> null class, for classifier-free guidance
-    caption_dropout: float = 0.1  # captions -> the empty caption's embedding
+    objective: str = setting("ddpm", FIXED)  # ddpm (epsilon, DiT) | flow (rectified flow, velocity)
+    loss_weighting: str = setting("none", LEARNED)  # ddpm: none | min-snr
+    min_snr_gamma: float = setting(5.0, LEARNED)
+    t_sampling: str = setting("logit-normal", LEARNED)  # flow: logit-normal | uniform
+    t_mean: float = setting(0.0, LEARNED)  # flow logit-normal: t = sigmoid(N(t_mean, t_std))
+    t_std: float = setting(1.0, LEARNED)
+    t_shift: float = setting(1.0, LEARNED)  # flow: t -> S t / (1 + (S - 1) t) in training and the sampling grid; 1: none
+    class_dropout: float = setting(0.1, LEARNED)  # labels -> null class, for classifier-free guidance
+    caption_dropout: float = setting(0.1, LEARNED)  # captions -> the empty caption's embedding
 
 
 @dataclass
 class OptimSection:
     """The optimisation (DiT: AdamW, lr 1e-4, no weight decay, global batch 256, EMA 0.9999)."""
 
-    batch_size: int = 256  # GLOBAL batch per optimizer step, over ranks and accumulation
-    accumulation_steps: int = 1
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    optimizer: str = "adamw"  # adamw (torch, fp32 state) | adamw8bit (bitsandbytes, 8-bit state)
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"  # constant | cosine (to min_lr at max_steps)
-    min_lr: float = 0.0
-    grad_clip: float = 1.0  # max grad norm; 0 disables clipping (the norm is still logged)
-    max_steps: int = 400_000
-    ema: float = 0.9999
-    max_nonfinite: int = 20  # consecutive NaN/inf losses before giving up
-    seed: int = 0  # the data order, the noise and the initial weights
+    batch_size: int = setting(256, LEARNED)  # GLOBAL batch per optimizer step, over ranks and accumulation
+    accumulation_steps: int = setting(1, LEARNED)
+    lr: float = setting(1e-4, LEARNED)
+    weight_decay: float = setting(0.0, LEARNED)
+    optimizer: str = setting("adamw", FIXED)  # adamw (torch, fp32 state) | adamw8bit (bitsandbytes, 8-bit state)
+    warmup_steps: int = setting(0, LEARNED)
+    lr_schedule: str = setting("constant", LEARNED)  # constant | cosine (to min_lr at max_steps)
+    min_lr: float = setting(0.0, LEARNED)
+    grad_clip: float = setting(1.0, LEARNED)  # max grad norm; 0 disables clipping (the norm is still logged)
+    max_steps: int = setting(400_000, SAFE, learned_if=_cosine)
+    ema: float = setting(0.9999, LEARNED)
+    max_nonfinite: int = setting(20, SAFE)  # consecutive NaN/inf losses before giving up
+    seed: int = setting(0, LEARNED)  # the data order, the noise and the initial weights
 
 
 @dataclass
 class CheckpointingSection:
     """The run directory and its checkpoints (dittrain.train.checkpoint)."""
 
-    out: str = ""  # the run directory
-    resume: bool = False
-    save_every: int = 5000
-    keep: int = 3  # checkpoints kept
-    async_save: bool = True  # write checkpoints from a background thread after a host copy
+    out: str = setting("", START)  # the run directory
+    resume: bool = setting(False, START)
+    save_every: int = setting(5000, SAFE)
+    keep: int = setting(3, SAFE)  # checkpoints kept
+    async_save: bool = setting(True, SAFE)  # write checkpoints from a background thread after a host copy
 
 
 @dataclass
 class LoggingSection:
     """Where the figures and sample grids go (dittrain.train.loggers; jsonl is always on)."""
 
-    log_every: int = 100
-    sample_every: int = 5000  # EMA sample grid every N steps and at the end (0: never)
-    sample_steps: int = SampleConfig.steps
-    sample_cfg: float = SampleConfig.cfg_scale
-    logger: str = "tensorboard,jsonl"  # comma-separated: jsonl, tensorboard, wandb
-    wandb_project: str = ""  # "": $WANDB_PROJECT, else "ditkit" (dittrain.train.loggers)
-    wandb_name: str = ""  # "": $WANDB_NAME, else the run directory's name
+    log_every: int = setting(100, SAFE)
+    sample_every: int = setting(5000, SAFE)  # EMA sample grid every N steps and at the end (0: never)
+    sample_steps: int = setting(SampleConfig.steps, SAFE)
+    sample_cfg: float = setting(SampleConfig.cfg_scale, SAFE)
+    logger: str = setting("tensorboard,jsonl", SAFE)  # comma-separated: jsonl, tensorboard, wandb
+    wandb_project: str = setting("", SAFE)  # "": $WANDB_PROJECT, else "ditkit" (dittrain.train.loggers)
+    wandb_name: str = setting("", SAFE)  # "": $WANDB_NAME, else the run directory's name
 
 
 @dataclass
 class EvalSection:
     """FID during training (off by default): FID-eval_n of the EMA model every eval_every steps."""
 
-    eval_every: int = 0  # 0: never
-    eval_n: int = 5000
-    eval_ref: str = ""  # the reference: an ADM batch .npz, an .npz or folder of images, image shards
-    eval_inception: str = ""  # the FID Inception weights file ("": $DITKIT_INCEPTION or the torch hub cache)
-    eval_steps: int = 0  # 0: the FID protocol's (EvalSampleConfig: 250 ddpm steps, 50 Euler for flow)
-    eval_cfg: float = EvalSampleConfig.cfg_scale
-    eval_batch_size: int = 64  # samples per forward while evaluating (CFG doubles it)
+    eval_every: int = setting(0, SAFE)  # 0: never
+    eval_n: int = setting(5000, SAFE)
+    eval_ref: str = setting("", SAFE)  # the reference: an ADM batch .npz, an .npz or folder of images, image shards
+    eval_inception: str = setting("", SAFE)  # the FID Inception weights file ("": $DITKIT_INCEPTION or the torch hub cache)
+    eval_steps: int = setting(0, SAFE)  # 0: the FID protocol's (EvalSampleConfig: 250 ddpm steps, 50 Euler for flow)
+    eval_cfg: float = setting(EvalSampleConfig.cfg_scale, SAFE)
+    eval_batch_size: int = setting(64, SAFE)  # samples per forward while evaluating (CFG doubles it)
 
 
 @dataclass
 class PerformanceSection:
     """Speed and memory on the device."""
 
-    device: str = "auto"  # auto | cpu | cuda
-    amp: str = "auto"  # auto (bf16 on GPUs that have it, else fp16; fp32 on CPU) | bf16 | fp16 | fp32
-    grad_checkpointing: str = "none"  # none | every | k (every k-th block) | attn | mlp | selective
+    device: str = setting("auto", SAFE)  # auto | cpu | cuda
+    amp: str = setting("auto", LEARNED, flag="--precision")  # auto (bf16 on GPUs that have it, else fp16; fp32 on CPU) | bf16 | fp16 | fp32
+    grad_checkpointing: str = setting("none", SAFE)  # none | every | k (every k-th block) | attn | mlp | selective
     # torch.compile: off | auto (blocks on CUDA, off on the CPU) | blocks (each DiTBlock: regional,
     # one short compile) | model (the whole forward). OFF by default until measured on a GPU.
-    compile: str = "off"
-    compile_mode: str = "default"  # default | reduce-overhead (CUDA graphs: launch-bound small models) | max-autotune
-    tf32: bool = True
+    compile: str = setting("off", SAFE)
+    compile_mode: str = setting("default", SAFE)  # default | reduce-overhead (CUDA graphs: launch-bound small models) | max-autotune
+    tf32: bool = setting(True, LEARNED)
 
 
 @dataclass
@@ -217,10 +246,10 @@ class RepaSection:
     hidden tokens after block repa_depth onto a feature set of the store (`ditdata features`, e.g.
     DINOv2 patch tokens); the loss adds repa_weight x (1 - cosine). Off unless repa names a set."""
 
-    repa: str = ""  # the feature set ("": off)
-    repa_depth: int = 8  # align the tokens after this block (1-based; the paper's 8 for SiT-XL/2)
-    repa_weight: float = 0.5  # lambda: loss = diffusion loss + lambda x REPA loss
-    repa_projector_dim: int = 2048  # the projector MLP's width: hidden -> P -> P -> feature dims
+    repa: str = setting("", FIXED)  # the feature set ("": off)
+    repa_depth: int = setting(8, LEARNED, needs="repa")  # align the tokens after this block (1-based; the paper's 8 for SiT-XL/2)
+    repa_weight: float = setting(0.5, LEARNED, needs="repa")  # lambda: loss = diffusion loss + lambda x REPA loss
+    repa_projector_dim: int = setting(2048, FIXED, needs="repa")  # the projector MLP's width: hidden -> P -> P -> feature dims
 
 
 @dataclass
@@ -229,7 +258,7 @@ class RoutingSection:
     of the tokens skips the middle blocks and rejoins after them. Training only: sampling, evaluation
     and exports always use every token. Off unless route is given."""
 
-    route: str = ""  # RATE:START:END, e.g. 0.5:2:26 (DiT-XL/2's 28 blocks); "": off
+    route: str = setting("", LEARNED)  # RATE:START:END, e.g. 0.5:2:26 (DiT-XL/2's 28 blocks); "": off
 
 
 # `dittrain plan` takes these options of `dittrain run` (the same ones): the run it plans

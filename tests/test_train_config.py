@@ -135,3 +135,64 @@ def test_flat_and_sectioned_records_read_alike():
     assert config.recorded({}, "model", "DiT") == "DiT" and config.recorded(None, "model") is None
     with pytest.raises(TypeError, match="no field bogus"):
         config.TrainConfig.from_flat(bogus=1)
+
+
+# ----------------------------------------------------------------------------- resume classes
+
+# What each setting was before the classes moved into the field definitions (dittrain.train.resume
+# kept these as name lists): a resume treats every field as it did. A new field is added here too,
+# on purpose, with the class its definition declares.
+LEARNED_SETTINGS = {
+    "lr", "lr_schedule", "min_lr", "warmup_steps", "weight_decay", "ema", "grad_clip", "batch_size",
+    "accumulation_steps", "seed", "shuffle_window", "bucket_remainder", "loss_weighting", "min_snr_gamma",
+    "t_sampling", "t_mean", "t_std", "t_shift", "class_dropout", "caption_dropout", "amp", "tf32", "repa_depth",
+    "repa_weight", "route"}
+FIXED_SETTINGS = {"model", "learn_sigma", "qk_norm", "objective", "optimizer", "latent_norm", "repa",
+                  "repa_projector_dim"}
+START_SETTINGS = {"resume", "out", "init_from"}
+
+
+def _all_fields():
+    return [f for cls in config.SECTIONS.values() for f in dataclasses.fields(cls)]
+
+
+def test_every_setting_declares_its_resume_class():
+    missing = [f.name for f in _all_fields() if f.metadata.get("resume") not in config.RESUME_CLASSES]
+    assert missing == [], "declare each with dittrain.config.setting(default, SAFE | LEARNED | FIXED | START)"
+    by_class = {c: {f.name for f in _all_fields() if f.metadata["resume"] == c} for c in config.RESUME_CLASSES}
+    assert by_class[config.LEARNED] == LEARNED_SETTINGS
+    assert by_class[config.FIXED] == FIXED_SETTINGS
+    assert by_class[config.START] == START_SETTINGS
+    assert by_class[config.SAFE] == {f.name for f in _all_fields()} - LEARNED_SETTINGS - FIXED_SETTINGS - START_SETTINGS
+
+
+def test_the_resume_rules_read_the_declarations():
+    from dittrain.train import resume
+
+    plain, cosine = config.TrainConfig(), config.TrainConfig.from_flat(lr_schedule="cosine")
+    assert resume.kind("lr", plain) == "learned" and resume.kind("repa", plain) == "fixed"
+    assert resume.kind("save_every", plain) == "safe" and resume.kind("out", plain) == "start"
+    assert resume.kind("max_steps", plain) == "safe" and resume.kind("max_steps", cosine) == "learned"
+    assert resume.RESOLVED_AUTO == {"latent_norm"} and resume.flag("amp") == "--precision"
+    assert resume.flag("repa_depth") == "--repa-depth"
+    needing = {f.name: f.metadata["needs"] for f in _all_fields() if f.metadata["needs"]}
+    assert needing == {"repa_depth": "repa", "repa_weight": "repa", "repa_projector_dim": "repa"}
+
+
+def test_a_setting_without_a_known_class_is_refused():
+    with pytest.raises(ValueError, match="resume class 'sometimes'"):
+        config.setting(1, "sometimes")
+
+    @dataclasses.dataclass
+    class Section:
+        plain: int = 1  # declared the old way: no class
+
+    from dittrain.train import resume
+
+    field = dataclasses.fields(Section)[0]
+    resume._FIELDS["plain"] = field
+    try:
+        with pytest.raises(TypeError, match="TrainConfig.plain declares no resume class"):
+            resume.kind("plain", config.TrainConfig())
+    finally:
+        del resume._FIELDS["plain"]

@@ -12,10 +12,14 @@ it was started. A setting that differs from the record is one of three kinds:
   and weight, token routing): refused with the list of differences unless --allow-changes says so;
 - fixed: what the weights or the optimizer state are made of (the model, the objective, the
   optimizer, latent normalisation, REPA's feature set and projector width, which make the
-  projector's tensors): never, a new run is the way (--init-from RUN).
+  projector's tensors): never, a new run is the way (--init-from RUN);
+- start: how this command starts (--out, --resume, --init-from), not a setting of the run.
 
-A setting whose "auto" the start resolved (--latent-norm: the record holds none or channel)
-given as auto again is no change: it means the recorded value.
+Each field declares its class where it is defined (dittrain.config.setting; a field without one
+fails tests/test_train_config.py), with its exceptions: a rule that makes a safe change learned
+for this run (--max-steps under a cosine schedule), the field it needs (--repa-depth means
+nothing without --repa: refused alone), and whether the start resolves its "auto"
+(--latent-norm: the record holds none or channel, so auto given again is no change).
 
 Every applied change is appended to config.json's "history" with the step it took effect
 at, so the record says what the run's weights were really trained with.
@@ -29,25 +33,20 @@ from pathlib import Path
 
 from ditdata.common.errors import UserError, one_line
 from ditdata.common.files import read_json
+from dittrain import config
 from dittrain.config import SECTION_OF, SECTIONS, TrainConfig
 
-# What an optimizer step computes: a resume with other values trains another run.
-LEARNED = frozenset({
-    "lr", "lr_schedule", "min_lr", "warmup_steps", "weight_decay", "ema", "grad_clip", "batch_size",
-    "accumulation_steps", "seed", "shuffle_window", "bucket_remainder", "loss_weighting", "min_snr_gamma", "t_sampling",
-    "t_mean", "t_std", "t_shift", "class_dropout", "caption_dropout", "amp", "tf32", "repa_depth", "repa_weight",
-    "route",
-})
-# What the checkpoint's tensors are: its weights or optimizer state would not fit another value.
-FIXED = frozenset({"model", "learn_sigma", "qk_norm", "objective", "optimizer", "latent_norm", "repa",
-                   "repa_projector_dim"})
-# --repa's options: of no use without it (dittrain.train.repa)
-REPA_OPTIONS = ("repa_depth", "repa_weight", "repa_projector_dim")
-# Not settings of the run: how this command was asked to start.
-IGNORED = frozenset({"resume", "out", "init_from"})
-# Settings whose "auto" a start resolves and records resolved (dittrain.train.setup): on a resume,
-# auto means the recorded value (the same store resolves it the same way).
-RESOLVED_AUTO = frozenset({"latent_norm"})
+
+def _meta(name: str) -> dict:
+    return _FIELDS[name].metadata
+
+
+_FIELDS = {f.name: f for cls in SECTIONS.values() for f in fields(cls)}
+# the fields of each class, as the definitions in dittrain.config declare them
+LEARNED = frozenset(n for n in _FIELDS if _meta(n).get("resume") == config.LEARNED)
+FIXED = frozenset(n for n in _FIELDS if _meta(n).get("resume") == config.FIXED)
+IGNORED = frozenset(n for n in _FIELDS if _meta(n).get("resume") == config.START)
+RESOLVED_AUTO = frozenset(n for n in _FIELDS if _meta(n).get("resolves_auto"))
 
 RECORD = "config.json"
 
@@ -79,8 +78,10 @@ class Resumption:
 
 
 def flag(name: str) -> str:
-    """A field's flag as the user types it (--amp is --precision since the flags were named alike)."""
-    return "--" + ("precision" if name == "amp" else name.replace("_", "-"))
+    """A field's flag as the user types it: --field-name, unless its definition names another
+    (--amp is --precision since the flags were named alike)."""
+    named = _meta(name).get("flag") if name in _FIELDS else ""
+    return named or "--" + name.replace("_", "-")
 
 
 def config_toml(cfg: TrainConfig) -> str:
@@ -94,13 +95,14 @@ def config_toml(cfg: TrainConfig) -> str:
 
 
 def kind(name: str, recorded: TrainConfig) -> str:
-    """safe | learned | fixed (module docstring). max-steps is learned under a cosine
-    schedule: the schedule ends at max_steps, so another length bends every later lr."""
-    if name in FIXED:
-        return "fixed"
-    if name in LEARNED or (name == "max_steps" and recorded.optim.lr_schedule == "cosine"):
-        return "learned"
-    return "safe"
+    """safe | learned | fixed | start (module docstring): the class the field's definition
+    declares, learned where its learned_if rule holds for the recorded run."""
+    meta = _meta(name)
+    resume = meta.get("resume")
+    if resume is None:
+        raise TypeError(f"TrainConfig.{name} declares no resume class (dittrain.config.setting)")
+    rule = meta.get("learned_if")
+    return config.LEARNED if resume == config.SAFE and rule is not None and rule(recorded) else resume
 
 
 def load(out: str | Path) -> dict | None:
@@ -123,7 +125,7 @@ def settle(options: dict, chosen: set[str], *, allow_changes: bool = False) -> t
     chosen: the fields the user set."""
     record = load(options["out"]) if options.get("resume") and options.get("out") else None
     if record is None:
-        return _repa_given(TrainConfig.from_flat(**options), chosen), None
+        return _needs_given(TrainConfig.from_flat(**options), chosen), None
     base = TrainConfig.from_record(record.get("train") or {})
     values = base.flat()
     for name in chosen & set(SECTION_OF):
@@ -145,19 +147,28 @@ def settle(options: dict, chosen: set[str], *, allow_changes: bool = False) -> t
         raise RecordError(f"{options['out']}: this resume changes what is learned: {_listed(changes, by_kind['learned'])}"
                           "; leave them out to continue as recorded, or pass --allow-changes to apply them "
                           "(recorded in config.json's history)")
-    cfg = _repa_given(TrainConfig.from_flat(**values), chosen)
+    cfg = _needs_given(TrainConfig.from_flat(**values), chosen)
     return cfg, Resumption(changes, frozenset(by_kind["learned"]), list(record.get("history") or []))
 
 
-def _repa_given(cfg: TrainConfig, chosen: set[str]) -> TrainConfig:
-    """cfg, unless a --repa-* option is set to other than its default without --repa (it would
-    silently do nothing; --print-config's file holds the defaults, which are fine)."""
-    default = TrainConfig().flat()
-    stray = [flag(n) for n in REPA_OPTIONS if n in chosen and cfg.flat()[n] != default[n]]
-    if stray and not cfg.repa.repa:
-        raise RecordError(f"{', '.join(stray)} without --repa: name the feature set to align to (--repa SET, "
-                          "from `ditdata features`), or leave them out")
+def _needs_given(cfg: TrainConfig, chosen: set[str]) -> TrainConfig:
+    """cfg, unless an option set to other than its default needs another that is not set (e.g.
+    --repa-depth without --repa: it would silently do nothing; --print-config's file holds the
+    defaults, which are fine)."""
+    default, values = TrainConfig().flat(), cfg.flat()
+    stray: dict[str, list[str]] = {}
+    for n in sorted(chosen & set(_FIELDS)):
+        needs = _meta(n).get("needs")
+        if needs and values[n] != default[n] and not values[needs]:
+            stray.setdefault(needs, []).append(flag(n))
+    for needs, flags in stray.items():
+        hint = NEEDS_HINT.get(needs, f"set {flag(needs)}")
+        raise RecordError(f"{', '.join(flags)} without {flag(needs)}: {hint}, or leave them out")
     return cfg
+
+
+# what the one line says to do when an option comes without the field it needs
+NEEDS_HINT = {"repa": "name the feature set to align to (--repa SET, from `ditdata features`)"}
 
 
 def _listed(changes: dict, names: list[str]) -> str:
