@@ -20,9 +20,10 @@ import pytest
 import torch
 from cliutil import ditdata, kill_when, ok, on_one_and_two_ranks, one_error_line, torchrun_or_skip
 
+from ditdata.common.files import state_dict_sha256
 from ditdata.encode import EncodeConfig, encode
 from ditdata.features import FeaturesConfig, compute_features, default_feature_set_name
-from ditdata.features.encoders import IMAGENET_MEAN, IMAGENET_STD, load_encoder, state_dict_digest
+from ditdata.features.encoders import IMAGENET_MEAN, IMAGENET_STD, load_encoder
 from ditdata.framing import center_crop
 from ditdata.imageshards import folder as imageshards
 from ditdata.store import dequantize, open_store
@@ -262,7 +263,7 @@ def test_python_encoder_and_its_digest(flip_store, py_encoder, tmp_path):
     spec = importlib.util.spec_from_file_location("pe", py_encoder)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert enc["weights_sha256"] == {"state_dict": state_dict_digest(mod.make())}
+    assert enc["weights_sha256"] == {"state_dict": state_dict_sha256(mod.make().state_dict())}
     assert fs.verify() == []
 
 

@@ -14,9 +14,10 @@ from cliutil import dittrain, ok
 from test_sample import cli, one_line_error
 
 import dittrain.inference.eval_samples as npz_api
+from ditdata.common.files import state_dict_sha256 as weights_digest
 from ditdata.store import open_store
 from dittrain.config import SampleConfig
-from dittrain.inference.eval_samples import JOB_NAME, weights_digest
+from dittrain.inference.eval_samples import JOB_NAME
 from dittrain.inference.open_run import SampleError
 from dittrain.inference.sample import plan_samples
 from dittrain.inference.weights import load_weights

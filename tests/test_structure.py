@@ -23,8 +23,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("ditdata", "dittrain")
 RUNAWAY_MODULE_LINES = 1000

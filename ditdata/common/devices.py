@@ -63,6 +63,23 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
+def gpu_memory(device=None) -> tuple[int, int] | None:
+    """(free, total) bytes of a CUDA device (default: the current one), as the driver counts them
+    (torch.cuda.mem_get_info); None for other devices, without CUDA, or when the driver cannot say.
+    The one place free GPU memory is read: out-of-memory lines, the loaders' budget, `dittrain plan`."""
+    try:
+        if not torch.cuda.is_available():
+            return None
+        dev = torch.device("cuda") if device is None else torch.device(device)
+        if dev.type != "cuda":
+            return None
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return torch.cuda.mem_get_info(dev)
+    except Exception:  # the driver is in no state to answer
+        return None
+
+
 # ----------------------------------------------------------------------------- known GPUs
 
 

@@ -211,6 +211,38 @@ def read_json_or_none(path: Path):
     return None
 
 
+def state_dict_sha256(state: dict) -> str:
+    """sha256 over a state dict's names, dtypes, shapes and bytes, in name order (the same for an
+    EMA export and the checkpoint it came from, on any device). A tensor subclass that wraps
+    others (torchao's int8 weight-only tensors of an int8 export) is digested through its inner
+    tensors (int8 data, scales), its class and its flatten context: such tensors have no bytes of
+    their own. torch is imported only here, by callers that hold tensors already."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        _digest_tensor(h, name, state[name])
+    return h.hexdigest()
+
+
+def _digest_tensor(h, name: str, t) -> None:
+    import re
+
+    import torch
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    t = t.detach()
+    if is_traceable_wrapper_subclass(t):
+        inner, ctx = t.__tensor_flatten__()
+        kind = f"{type(t).__module__}.{type(t).__qualname__}"
+        context = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(ctx))  # no object addresses: the same in every process
+        h.update(f"{name}\0{kind}\0{t.dtype}\0{tuple(t.shape)}\0{context}\0".encode())
+        for attr in inner:
+            _digest_tensor(h, f"{name}.{attr}", getattr(t, attr))
+        return
+    t = t.cpu().contiguous()
+    h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().data)  # bits: bf16 has no numpy dtype
+
+
 def json_digest(obj) -> str:
     """sha256 (hex) of a JSON value in canonical form (sorted keys, no spaces; anything JSON
     cannot hold as its str()): equal content, equal digest, on every machine."""

@@ -55,20 +55,18 @@ def precision_name(dtype) -> str:
 def memory_in_use(device=None) -> str | None:
     """'cuda:0, 79.1 of 80.0 GiB in use' for a CUDA device (default: the current one); None
     for other devices, without torch or CUDA, or when the driver cannot say."""
-    torch = sys.modules.get("torch")
-    if torch is None:
+    if "torch" not in sys.modules:  # nothing ran on a GPU: do not import torch for a message
         return None
-    try:
-        if not torch.cuda.is_available():
-            return None
-        dev = torch.device("cuda") if device is None else torch.device(device)
-        if dev.type != "cuda":
-            return None
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        free, total = torch.cuda.mem_get_info(dev)
-    except Exception:  # the driver is in no state to answer: the line goes without it
+    from ditdata.common.devices import gpu_memory
+
+    torch = sys.modules["torch"]
+    memory = gpu_memory(device)
+    if memory is None:
         return None
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    free, total = memory
     return f"{dev}, {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in use"
 
 

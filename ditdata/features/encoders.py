@@ -39,7 +39,6 @@ Importing this module is cheap: torch and transformers are imported inside the l
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import math
@@ -52,7 +51,7 @@ from typing import Any
 
 from ditdata.common.errors import described
 from ditdata.common.extras import require
-from ditdata.common.files import read_json, sha256_file
+from ditdata.common.files import read_json, sha256_file, state_dict_sha256
 from ditdata.common.hub import download_command, hub_cache_dir, not_cached_message, saved_weights
 from ditdata.config import FEATURE_RESOLUTION_RULE
 from ditdata.errors import DitdataError
@@ -281,22 +280,6 @@ def _import(module: str, spec: str):
         raise DitdataError(f"--encoder {spec}: cannot import {module} ({described(e)})") from e
 
 
-def state_dict_digest(net) -> str:
-    """sha256 over a module's state_dict (names, dtypes, shapes and bytes, in name order)."""
-    h = hashlib.sha256()
-    for key, v in sorted(net.state_dict().items()):
-        t = v.detach().cpu().contiguous()
-        h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(_bits_of(t)).numpy().tobytes())  # bits: bf16 has no numpy dtype
-    return h.hexdigest()
-
-
-def _bits_of(t):
-    import torch
-
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize]
-
-
 def _grid_of(net, tokens: int, spec: str) -> tuple[int, int]:
     grid = getattr(net, "grid", None)
     if grid is None:
@@ -335,7 +318,7 @@ def _from_python(spec: str, store_resolution: int, override: int | None, device)
         raise DitdataError(f"--encoder {spec}: returned {got} for (1, 3, {px}, {px}); expected (N, tokens, dim)")
     grid = _grid_of(net, int(probe.shape[1]), spec)
     patch = px // grid[0] if px % grid[0] == 0 and px // grid[0] == px // grid[1] else None
-    info = _info(spec, spec, "python", {"state_dict": state_dict_digest(net)}, px, patch, grid,
+    info = _info(spec, spec, "python", {"state_dict": state_dict_sha256(net.state_dict())}, px, patch, grid,
                  int(probe.shape[2]), "torch")
     return FeatureEncoder(net, info, None)
 
@@ -378,4 +361,4 @@ def load_encoder(name: str, store_resolution: int, resolution: int | None = None
 
 
 __all__ = ["FeatureEncoder", "IMAGENET_MEAN", "IMAGENET_STD", "MODEL_TYPES", "PRESETS", "SOURCES",
-           "default_feature_set_name", "input_resolution", "load_encoder", "state_dict_digest"]
+           "default_feature_set_name", "input_resolution", "load_encoder"]

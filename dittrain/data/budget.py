@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ditdata.common import devices
 from ditdata.common.bytesize import format_size, parse_size
 from ditdata.common.dist import launch_env
 from ditdata.store import Store
@@ -166,11 +167,10 @@ def available_memory() -> tuple[int | None, str]:
 
 def gpu_memory(device) -> tuple[int | None, str]:
     """(free bytes on a CUDA device, where that figure came from); None without CUDA."""
-    if not torch.cuda.is_available():
+    memory = devices.gpu_memory(device)
+    if memory is None:
         return None, "CUDA is not available"
-    device = torch.device(device)
-    free, _ = torch.cuda.mem_get_info(device)
-    return free, f"free memory of {device} (torch.cuda.mem_get_info)"
+    return memory[0], f"free memory of {torch.device(device)} (torch.cuda.mem_get_info)"
 
 
 def _part_size(n: int, rank: int, world_size: int) -> int:

@@ -32,7 +32,7 @@ progress (all ranks' chunks on disk) and assembles the file once every rank is d
 Public API:
     eval_settings (the FID protocol's defaults), check_npz_path, plan_npz -> NpzJob (the job:
     plan of all N, labels, chunking), job_record (job.json), check_job (resume or refuse),
-    chunk_seed, chunk_plan, draw_chunk, weights_digest, write_npz (chunks -> .npz, streamed),
+    chunk_seed, chunk_plan, draw_chunk, write_npz (chunks -> .npz, streamed),
     sample_to_npz (the command).
 """
 
@@ -52,7 +52,7 @@ import torch
 
 from ditdata.common import files as files_api
 from ditdata.common.dist import LaunchEnv, launch_env, process_group
-from ditdata.common.files import json_digest, read_json
+from ditdata.common.files import json_digest, read_json, state_dict_sha256
 from dittrain.config import EvalSampleConfig, SampleConfig
 from dittrain.inference.open_run import (
     SampleError,
@@ -106,34 +106,6 @@ def chunk_seed(seed: int, index: int) -> int:
     """The generator seed of chunk `index` of a job seeded `seed`: 63 bits of a digest of both."""
     digest = hashlib.sha256(f"dittrain-npz/{seed}/{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
-
-
-def weights_digest(weights: dict) -> str:
-    """sha256 over a state dict's names, dtypes, shapes and bytes (the same for an EMA export
-    and the checkpoint it came from). A tensor subclass that wraps others (torchao's int8
-    weight-only tensors of an int8 export) is digested through its inner tensors (int8 data,
-    scales), its class and its flatten context: such tensors have no bytes of their own."""
-    h = hashlib.sha256()
-    for name in sorted(weights):
-        _digest_tensor(h, name, weights[name])
-    return h.hexdigest()
-
-
-def _digest_tensor(h, name: str, t: torch.Tensor) -> None:
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    t = t.detach()
-    if is_traceable_wrapper_subclass(t):
-        inner, ctx = t.__tensor_flatten__()
-        kind = f"{type(t).__module__}.{type(t).__qualname__}"
-        context = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(ctx))  # no object addresses: the same in every process
-        h.update(f"{name}\0{kind}\0{t.dtype}\0{tuple(t.shape)}\0{context}\0".encode())
-        for attr in inner:
-            _digest_tensor(h, f"{name}.{attr}", getattr(t, attr))
-        return
-    t = t.cpu().contiguous()
-    h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
 # -----------------------------------------------------------------------------
@@ -237,7 +209,7 @@ def job_record(job: NpzJob, *, weights: dict, config: dict, store, classes=(), c
     p, s = job.plan, job.plan.settings
     return {
         "version": JOB_VERSION,
-        "weights_sha256": weights_digest(weights),
+        "weights_sha256": state_dict_sha256(weights),
         "config_sha256": json_digest({"model": asdict(p.model), "diffusion": asdict(p.diffusion)}),
         "store_identity": store.identity or "vae:" + json_digest((store.manifest or {}).get("vae")),
         "n": job.total,
@@ -558,5 +530,5 @@ def _assemble(job: NpzJob, preview, say) -> None:
 
 __all__ = [
     "NpzJob", "check_job", "check_npz_path", "chunk_plan", "chunk_seed", "draw_chunk", "eval_settings",
-    "job_record", "plan_npz", "sample_to_npz", "weights_digest", "write_npz",
+    "job_record", "plan_npz", "sample_to_npz", "write_npz",
 ]

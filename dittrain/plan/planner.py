@@ -216,7 +216,9 @@ def _capacity(req: PlanRequest, device: str, gpu: Gpu | None, probe_device) -> t
     if probe_device is not None and device == "cuda":
         import torch
 
-        free, _ = torch.cuda.mem_get_info(probe_device)
+        from ditdata.common.devices import gpu_memory
+
+        free, _ = gpu_memory(probe_device)
         return free, f"the free memory of {probe_device} ({torch.cuda.get_device_name(probe_device)})"
     if gpu is not None:
         return (int(gpu.memory_gib * 2**30) - CUDA_CONTEXT,
