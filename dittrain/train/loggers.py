@@ -2,8 +2,11 @@
 
     --logger tensorboard,wandb,jsonl -> open_loggers(...) -> [JsonlLogger, TensorBoardLogger, WandbLogger]
 
-Every logger has the same three calls, made by rank 0 only (dittrain.train.log.Log):
+LOGGER_TABLE names each logger (the --logger spellings, dittrain.config.LOGGERS). Every logger
+is opened by its class's `start` (None, after a note, where it cannot start here) and has the
+same three calls, made by rank 0 only (dittrain.train.log.Log):
 
+    Logger.start(out, config=, resumed=, project=, name=, note=)   the run directory `out`
     scalars(step, {"train/loss": 0.12, ...})   tags are GROUP/NAME (train/*, eval/*)
     image(step, tag, uint8 array (H, W, 3))     the EMA sample grids
     close()
@@ -65,21 +68,9 @@ def open_loggers(spec: str, out: Path, *, config: dict, resumed: bool, wandb_pro
                  note: Callable[[str], None]) -> list:
     """The loggers --logger asks for, writing into the run directory `out`. A logger that
     cannot start here (TensorBoard not installed, W&B init failed) is a note, not an error."""
-    loggers = []
-    for name in parse_loggers(spec):
-        if name == "jsonl":
-            loggers.append(JsonlLogger(out / "metrics.jsonl"))
-        elif name == "tensorboard":
-            try:
-                loggers.append(TensorBoardLogger(out / "tensorboard"))
-            except ImportError:
-                note(f"note: TensorBoard is not installed ({install_hint('train')}); no TensorBoard logs")
-        elif name == "wandb":
-            logger = WandbLogger.start(out, config=config, resumed=resumed, project=wandb_project,
-                                       name=wandb_name, note=note)
-            if logger is not None:
-                loggers.append(logger)
-    return loggers
+    opened = (LOGGER_TABLE[name].start(out, config=config, resumed=resumed, project=wandb_project, name=wandb_name,
+                                       note=note) for name in parse_loggers(spec))
+    return [logger for logger in opened if logger is not None]
 
 
 class JsonlLogger:
@@ -87,6 +78,10 @@ class JsonlLogger:
 
     def __init__(self, path: Path):
         self.path = path
+
+    @classmethod
+    def start(cls, out: Path, **_) -> JsonlLogger:
+        return cls(out / "metrics.jsonl")
 
     def scalars(self, step: int, values: dict) -> None:
         rec = {"step": step, **{tag.split("/", 1)[-1]: v for tag, v in values.items()}}
@@ -107,6 +102,14 @@ class TensorBoardLogger:
         from torch.utils.tensorboard import SummaryWriter  # ImportError without the [train] extra
 
         self.writer = SummaryWriter(str(logdir))
+
+    @classmethod
+    def start(cls, out: Path, *, note: Callable[[str], None], **_) -> TensorBoardLogger | None:
+        try:
+            return cls(out / "tensorboard")
+        except ImportError:
+            note(f"note: TensorBoard is not installed ({install_hint('train')}); no TensorBoard logs")
+            return None
 
     def scalars(self, step: int, values: dict) -> None:
         for tag, v in values.items():
@@ -213,3 +216,9 @@ def wandb_init_args(out: Path, *, project: str | None, name: str | None, resumed
 
 def _reason(e: BaseException) -> str:
     return described(e) if str(e).strip() else type(e).__name__
+
+
+# --logger's names -> the logger classes (a new logger: a class with start/scalars/image/close, one
+# entry here and its name in dittrain.config.LOGGERS, which --help lists without importing this)
+LOGGER_TABLE = {"jsonl": JsonlLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger}
+assert tuple(LOGGER_TABLE) == LOGGERS
