@@ -104,7 +104,7 @@ def _say(line: str) -> None:
 
 class RunCommand(SectionedCommand):
     """`dittrain run --help`: the options under TrainConfig's section headings (data, model,
-    diffusion, optim, ...), in the order config.json and the README use."""
+    diffusion, optim, ...), in the order config.json and docs/workflow.md use."""
 
     # flags without a field of their own; "config": how this invocation reads its settings
     EXTRA = {"no_compile": "performance", "config": "config", "print_config": "config", "allow_changes": "config",

@@ -21,7 +21,7 @@
 #   NPROC=8 pipelines/imagenet256.sh --imagenet /data/imagenet/train
 #   # your own training settings: a copy of pipelines/configs/imagenet256/train.toml, edited
 #   pipelines/imagenet256.sh --imagenet /data/imagenet/train --train-config my-train.toml
-#   # FID-50K of the finished run (250 ddpm steps, CFG 1.5; see README "Measuring a run")
+#   # FID-50K of the finished run (250 ddpm steps, CFG 1.5; see docs/measuring.md)
 #   pipelines/imagenet256.sh --stages fid --fid-ref VIRTUAL_imagenet256_labeled.npz
 #
 # The settings (the paper's) are in pipelines/configs/imagenet256/STAGE.toml, one file per
