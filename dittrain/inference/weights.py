@@ -14,7 +14,7 @@ What the shapes say (facebookresearch/DiT's key names, which our DiT keeps):
     pos_embed                           (1, T, D)     input size sqrt(T) * p
     blocks.N.*                                        depth: the number of blocks N
     blocks.0.mlp.fc1.weight             (r D, D)      MLP ratio r; (2H', D) with fc2 (D, H'): SwiGLU,
-                                                      r D = ceil(3H' / 2) (dittrain.model.sizes.MLP_WIDTH)
+                                                      r D = ceil(3H' / 2) (its width rule, dittrain.model.parts)
     blocks.0.norm1.weight                             present: RMSNorm (DiT's LayerNorm has no weight)
     t_embedder.mlp.0.weight             (D, F)        F sinusoidal timestep features
     y_embedder.embedding_table.weight   (K + 1, D)    K classes and the null class (absent: 0)
@@ -55,11 +55,11 @@ from ditdata.store import Conditioning, Schema, TensorSpec
 from dittrain.config import TrainConfig, recorded
 from dittrain.diffusion import DiffusionConfig
 from dittrain.model.dit import DiT
+from dittrain.model.parts import MLPS
 from dittrain.model.sizes import (
     BLOCK_FIELDS,
     CONFIGS,
     CUSTOM_SPEC,
-    MLP_WIDTH,
     DiTConfig,
     ModelSpecError,
     architecture,
@@ -226,7 +226,7 @@ def _architecture(state: dict, where) -> dict:
     # GELU widths M that give H', the one with the shorter ratio (4 rather than 4.00087)
     mlp, width = "gelu", fc1
     if fc1 == 2 * fc2:
-        widths = [m for m in range(-(-3 * fc2 // 2), -(-3 * fc2 // 2) + 2) if MLP_WIDTH["swiglu"](m) == fc2]
+        widths = [m for m in range(-(-3 * fc2 // 2), -(-3 * fc2 // 2) + 2) if MLPS["swiglu"].width(m) == fc2]
         mlp, width = "swiglu", min(widths, key=lambda m: len(f"{m / D:g}"))
     return dict(
         input_size=grid * p, in_channels=C, patch_size=p, hidden_size=D,
@@ -264,7 +264,7 @@ def _name_and_heads(arch: dict, model: str | None, where) -> tuple[str, int]:
                                f"{CUSTOM_SPEC}") from None
         except ModelSpecError as e:
             raise WeightsError(f"--model: {e}") from None
-        hidden = MLP_WIDTH[arch["mlp"]]  # the MLP width of a ratio (SwiGLU: two ratios may give one width)
+        hidden = MLPS[arch["mlp"]].width  # the MLP width of a ratio (SwiGLU: two ratios may give one width)
         width = hidden(int(arch["hidden_size"] * spec.get("mlp_ratio", arch["mlp_ratio"])))  # a custom spec's ratio
         if (any(spec[k] != arch[k] for k in ("hidden_size", "depth", "patch_size"))
                 or width != hidden(int(arch["hidden_size"] * arch["mlp_ratio"])) or _blocks(spec) != _blocks(arch)):

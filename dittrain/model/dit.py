@@ -17,23 +17,25 @@ With learn_sigma=True and class conditioning the state-dict names and shapes are
 those of the released facebookresearch/DiT checkpoints, so they load strictly.
 QK-norm and the text layers add keys only when enabled.
 
-Block choices (DiTConfig.mlp / norm / pos, tables below): DiT's tanh-GELU MLP, affine-free
-LayerNorm and fixed 2-D sin-cos table by default; LightningDiT's SwiGLU MLP (MLP_LAYERS),
-RMSNorm with its learned weight (NORM_LAYERS) and 2-D axial rotary position embedding
-(rope_table, apply_rope: no pos_embed at all) on request. The text cross-attention keeps
-its affine LayerNorm (norm_cross) and unrotated queries and keys whatever the choices:
-text tokens have no image position.
+Block choices (DiTConfig.mlp / norm / pos): each is a name in the registries of
+dittrain.model.parts (MLPS, NORMS, POSITIONS), whose entry builds the part; their torch code is
+dittrain.model.layers. DiT's tanh-GELU MLP, affine-free LayerNorm and fixed 2-D sin-cos table
+(added to the tokens, kept in pos_embed) by default; LightningDiT's SwiGLU MLP, RMSNorm with its
+learned weight and 2-D axial rotary position embedding (q and k rotated in every self-attention,
+apply_rope: no pos_embed at all) on request. The text cross-attention keeps its affine LayerNorm
+(norm_cross) and unrotated queries and keys whatever the choices: text tokens have no image
+position.
 
 Any token grid (aspect-ratio buckets, dittrain.data.bucketed): an input (N, C, H, W) gives the
-grid (H/p, W/p) of T = (H/p)(W/p) tokens in row-major order; the sin-cos table and the rotary
-tables are computed for that grid (the sin-cos one cached per grid and device), and unpatchify
+grid (H/p, W/p) of T = (H/p)(W/p) tokens in row-major order; the position part's table and rotary
+tables are computed for that grid (the added table cached per grid and device), and unpatchify
 returns (N, C, H, W). The configured square grid (input_size/p per side) uses the frozen
 pos_embed parameter itself, so checkpoints, exports and a square run's numbers are unchanged.
 
 RoPE interface (what token routing relies on): DiT.forward computes rope = (cos, sin) once,
 each (T, head_dim) in row-major token order, and passes it to every block as `rope=`
-(None for sin-cos models); blocks and attention also take per-sample tables (N, T', head_dim)
-of a subset of tokens, rope_rows(rope, idx) with idx (N, T').
+(None for a position part without rotation: sin-cos); blocks and attention also take
+per-sample tables (N, T', head_dim) of a subset of tokens, rope_rows(rope, idx) with idx (N, T').
 
 Public API: DiT(config), build_model(name, **overrides), drop_text_conditioning(...), and
 dittrain.model.layers' (importable from here as before): rope_table(...), rope_rows(rope, idx),
@@ -63,12 +65,11 @@ from dittrain.model.layers import (
     Mlp,
     SwiGLU,
     apply_rope,
-    layer_norm,
-    rms_norm,
     rope_rows,
     rope_table,
     sincos_pos_embed_2d,
 )
+from dittrain.model.parts import MLPS, NORMS, POSITIONS
 from dittrain.model.routing import TokenRoute, gather_tokens, rejoin_tokens
 from dittrain.model.sizes import CONFIGS, DiTConfig, architecture, flops_per_forward, get_config
 
@@ -262,32 +263,26 @@ class CrossAttention(_Heads):
         return x
 
 
-# DiTConfig.mlp -> the block's MLP, built as cls(D, hidden)
-MLP_LAYERS = {"gelu": Mlp, "swiglu": SwiGLU}
-# DiTConfig.norm -> the adaLN-modulated norm (norm1, norm2, norm_final), built as f(D): DiT's
-# LayerNorm without affine, LightningDiT's RMSNorm with its learned weight (dittrain.model.layers)
-NORM_LAYERS = {"layer": layer_norm, "rms": rms_norm}
-
-
 class DiTBlock(nn.Module):
     """adaLN-Zero block: c regresses (shift, scale, gate) for attention and MLP; gates start
     at zero so every block is the identity at initialisation.
     With text tokens, a cross-attention layer sits between them (pre-LayerNorm, residual,
     not modulated: it already sees the text; its output projection starts at zero).
-    mlp, norm: the block choices (MLP_LAYERS, NORM_LAYERS); mlp_hidden: the MLP's hidden width."""
+    mlp, norm: the block choices (names in dittrain.model.parts MLPS, NORMS); mlp_hidden: the MLP's
+    hidden width."""
 
     def __init__(
         self, hidden_size: int, num_heads: int, mlp_hidden: int, qk_norm: bool, cross: bool,
         mlp: str = "gelu", norm: str = "layer",
     ):
         super().__init__()
-        self.norm1 = NORM_LAYERS[norm](hidden_size)
+        self.norm1 = NORMS[norm].module(hidden_size)
         self.attn = Attention(hidden_size, num_heads, qk_norm=qk_norm)
         if cross:
             self.norm_cross = nn.LayerNorm(hidden_size, eps=1e-6)
             self.cross_attn = CrossAttention(hidden_size, num_heads, qk_norm=qk_norm)
-        self.norm2 = NORM_LAYERS[norm](hidden_size)
-        self.mlp = MLP_LAYERS[mlp](hidden_size, mlp_hidden)
+        self.norm2 = NORMS[norm].module(hidden_size)
+        self.mlp = MLPS[mlp].module(hidden_size, mlp_hidden)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
         # recompute="selective" also recomputes matmul outputs this wide (None: keep them all);
         # bench/activation_memory.py sets it to the MLP width to measure that variant
@@ -334,7 +329,7 @@ class FinalLayer(nn.Module):
 
     def __init__(self, hidden_size: int, patch_size: int, out_channels: int, norm: str = "layer"):
         super().__init__()
-        self.norm_final = NORM_LAYERS[norm](hidden_size)
+        self.norm_final = NORMS[norm].module(hidden_size)
         self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
 
@@ -364,13 +359,15 @@ class DiT(nn.Module):
             self.text_pooled_embedder = TextEmbedder(cfg.text_pooled_dim, D, nn.SiLU())
         if cfg.text_token_dim:
             self.text_token_embedder = TextEmbedder(cfg.text_token_dim, D, nn.GELU(approximate="tanh"))
-        if cfg.pos == "sincos":
-            # fixed 2-D sin-cos position embedding; a frozen Parameter (not a buffer) because the
-            # released checkpoints store it under "pos_embed". RoPE models have none: their
-            # positions enter the attention (rope_table), computed in each forward
+        # the position part: a table added to the tokens (DiT's sin-cos), rotated q and k (RoPE), or both
+        self.position = POSITIONS[cfg.pos]
+        if self.position.table is not None:
+            # the square grid's table, a frozen Parameter (not a buffer) because the released
+            # checkpoints store it under "pos_embed". RoPE models have none: their positions enter
+            # the attention (rope_table), computed in each forward
             self.pos_embed = nn.Parameter(torch.zeros(1, cfg.num_tokens, D), requires_grad=False)
-        # (grid h, grid w, device, dtype) -> (1, T, D): the sin-cos tables of the other grids
-        # (buckets), made once each; not state (a pure function of the grid), never saved
+        # (grid h, grid w, device, dtype) -> (1, T, D): the tables of the other grids (buckets),
+        # made once each; not state (a pure function of the grid), never saved
         self._pos_tables: dict[tuple, torch.Tensor] = {}
         self.blocks = nn.ModuleList(
             DiTBlock(D, cfg.num_heads, cfg.mlp_hidden, cfg.qk_norm, cross=bool(cfg.text_token_dim),
@@ -396,9 +393,8 @@ class DiT(nn.Module):
                     nn.init.zeros_(module.bias)
 
         self.apply(_basic_init)
-        if self.config.pos == "sincos":
-            grid = self.config.input_size // self.patch_size
-            self.pos_embed.copy_(sincos_pos_embed_2d(self.config.hidden_size, grid).unsqueeze(0))
+        if self.position.table is not None:
+            self.pos_embed.copy_(self.position.table(self.config.hidden_size, self.square_grid).unsqueeze(0))
         # the patch embedding is a linear map of the flattened patch
         w = self.x_embedder.proj.weight
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
@@ -464,13 +460,13 @@ class DiT(nn.Module):
         return H // p, W // p
 
     def pos_table(self, grid: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
-        """The sin-cos embedding (1, T, D) of a grid (h, w): pos_embed itself for the square
+        """The position table (1, T, D) of a grid (h, w) (sin-cos): pos_embed itself for the square
         grid (so a checkpoint's table is the one used), else computed once per grid and device."""
         if tuple(grid) == self.square_grid:
             return self.pos_embed
         key = (*grid, like.device, self.pos_embed.dtype)
         if key not in self._pos_tables:
-            table = sincos_pos_embed_2d(self.config.hidden_size, grid).unsqueeze(0)
+            table = self.position.table(self.config.hidden_size, grid).unsqueeze(0)
             self._pos_tables[key] = table.to(device=like.device, dtype=self.pos_embed.dtype)
         return self._pos_tables[key]
 
@@ -505,11 +501,11 @@ class DiT(nn.Module):
         cfg = self.config
         grid = self.token_grid(x)  # (h, w) = (H/p, W/p)
         x = self.x_embedder(x)  # (N, T, D), T = h * w
-        rope = None
-        if cfg.pos == "sincos":
+        if self.position.table is not None:
             x = x + self.pos_table(grid, x)
-        else:  # the rotary table of the grid, once for every block
-            rope = rope_table(cfg.head_dim, grid, device=x.device)
+        rope = None  # the rotary tables of the grid, once for every block
+        if self.position.rotary is not None:
+            rope = self.position.rotary(cfg.head_dim, grid, device=x.device)
         c, context = self._conditioning(t, y, text_pooled, text_tokens, force_drop_ids)
 
         training = self.training and torch.is_grad_enabled()
@@ -620,6 +616,5 @@ def models_table(resolution: int, downsample: int, channels: int, num_classes: i
 
 # Mlp, SwiGLU and the position functions live in dittrain.model.layers (the parts' torch code) and
 # are importable from here as before
-__all__ = ["MLP_LAYERS", "NORM_LAYERS", "DiT", "Mlp", "ModelsError", "SwiGLU", "apply_rope", "build_model", "describe",
-           "drop_text_conditioning", "models_table", "modulate", "num_params", "rope_rows", "rope_table",
-           "sincos_pos_embed_2d"]
+__all__ = ["DiT", "Mlp", "ModelsError", "SwiGLU", "apply_rope", "build_model", "describe", "drop_text_conditioning",
+           "models_table", "modulate", "num_params", "rope_rows", "rope_table", "sincos_pos_embed_2d"]

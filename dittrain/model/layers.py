@@ -1,5 +1,6 @@
-"""The torch code of the DiT's block parts, the modules and tables of its MLP, norm and position
-choices (dittrain.model.dit puts them into the blocks). Nothing here knows a part's name.
+"""The torch code of the DiT's block parts, the modules and tables that dittrain.model.parts names
+(its registries say which name builds which, with what width and cost; dittrain.model.dit puts
+them into the blocks). Nothing here knows a part's name.
 
     Mlp, SwiGLU                 the MLPs (D, H) -> a module (N, T, D) -> (N, T, D)
     layer_norm, rms_norm        the adaLN-modulated norms, D -> a module
@@ -38,7 +39,7 @@ class SwiGLU(nn.Module):
     """SwiGLU (Shazeer, 2020): W2 (silu(x W1) * (x W3)). W1 and W3 are one matmul, fc1
     (D -> 2H', W1's rows first), so the block runs three matmuls in two calls; fc2 is W2
     (H' -> D). H' is DiTConfig.mlp_hidden, 2M // 3 of the GELU width M: the GELU MLP's parameters
-    (dittrain.model.sizes)."""
+    (its width rule, dittrain.model.parts)."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
