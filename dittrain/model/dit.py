@@ -386,7 +386,8 @@ class DiT(nn.Module):
         def _basic_init(module):
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
-                nn.init.zeros_(module.bias)
+                if module.bias is not None:  # a block part's linear may have none
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and module.weight is not None:
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:
