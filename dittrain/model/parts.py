@@ -63,7 +63,7 @@ def _layers(name: str) -> Callable:
     return call
 
 
-def _anything(hidden: int, heads: int) -> str | None:
+def _any_width(hidden: int, heads: int) -> str | None:
     return None
 
 
@@ -73,7 +73,7 @@ class MlpPart:
 
     name: str
     module: Callable[[int, int], Any]  # (D, H) -> the block's mlp
-    width: Callable[[int], int]  # GELU width M -> H; non-decreasing
+    width: Callable[[int], int]  # GELU width M -> H; non-decreasing, without bound
     matmuls: int  # of D x H, per token
 
     def gelu_widths(self, hidden: int) -> list[int]:
@@ -81,6 +81,8 @@ class MlpPart:
         first; [] when the rule gives no M that width."""
         lo, hi = 1, max(1, hidden)
         while self.width(hi) < hidden:
+            if hi > 2 ** 40:  # a rule that never gets there
+                return []
             hi *= 2
         while lo < hi:  # the smallest M with width(M) >= hidden
             mid = (lo + hi) // 2
@@ -106,7 +108,7 @@ class PositionPart:
     name: str
     table: Callable | None = None  # (D, (h, w)) -> (h w, D), added to the tokens
     rotary: Callable | None = None  # (head_dim, (h, w), device=) -> (cos, sin), each (h w, head_dim)
-    check: Callable[[int, int], str | None] = _anything  # (D, heads) -> why not, or None
+    check: Callable[[int, int], str | None] = _any_width  # (D, heads) -> why not, or None
 
     def step_table(self, tokens: int, head_dim: int) -> int:
         """Elements of the rotary table (cos and sin, (T, head_dim) each) a training step holds:
