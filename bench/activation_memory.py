@@ -23,7 +23,8 @@ memory-bound on a GPU); the kept bytes are the same on any device for the same d
 `dittrain plan`'s memory model (issue 27, dittrain.plan.footprint) reads what this bench measures:
 
     python bench/activation_memory.py --table --write dittrain/plan/activation_table.json [--threads 1]
-        the kept bytes of the trainer's forward for every block kind (mlp x norm x pos x QK-norm),
+        the kept bytes of the trainer's forward for every block kind (mlp x norm x pos x QK-norm: each
+        combination of the parts registered in dittrain.model.parts),
         fp32 and bf16 (CPU autocast), fused and math attention, modes none/every/selective/attn/
         mlp, on small shapes at 2 and 4 samples and depth 1 and 2, fitted exactly as coefficients
         of T*D, T*H, T*heads, T, D, T*T*heads per sample (and of the linear parameters per step);
@@ -57,10 +58,11 @@ import numpy as np  # noqa: E402
 
 import dittrain.model.dit as model_mod  # noqa: E402
 from ditdata.common import devices  # noqa: E402
-from dittrain.config import MLPS, NORMS, POSITIONS, TrainConfig  # noqa: E402
+from dittrain.config import TrainConfig  # noqa: E402
 from dittrain.diffusion import Diffusion, DiffusionConfig  # noqa: E402
 from dittrain.model.attention import attention_backend, attention_kernel  # noqa: E402
 from dittrain.model.dit import DiT, build_model  # noqa: E402
+from dittrain.model.parts import MLPS, NORMS, POSITIONS  # noqa: E402
 from dittrain.model.sizes import DiTConfig, get_config  # noqa: E402
 from dittrain.plan.footprint import (  # noqa: E402
     FP32,
@@ -71,6 +73,7 @@ from dittrain.plan.footprint import (  # noqa: E402
     footprint,
     kept_bytes,
     model_parts,
+    outside_fixed,
     outside_sample,
     projector_parts,
 )
@@ -177,6 +180,7 @@ def measure(args, mode: str, device: torch.device) -> dict:
 SHAPES = ((64, 2, 4, 8, 2, 4), (128, 2, 4, 8, 2, 4), (64, 4, 4, 8, 2, 4), (64, 2, 2, 8, 2, 4), (64, 2, 4, 16, 2, 4),
           (96, 3, 4, 12, 2, 4), (128, 4, 2, 16, 2, 4), (64, 2, 3, 8, 2, 4), (32, 2, 4, 8, 2, 4), (64, 2, 4, 8, 1, 4),
           (64, 2, 4, 8, 2, 8), (64, 2, 4, 8, 4, 4))
+# every combination of the registered block parts (dittrain.model.parts), with and without QK-norm
 KINDS = tuple(dict(mlp=m, norm=n, pos=p, qk_norm=q) for m in MLPS for n in NORMS for p in POSITIONS for q in (False, True))
 LOSSES = {"ddpm-sigma": ("ddpm", True), "ddpm": ("ddpm", False), "flow": ("flow", False)}
 DTYPES = {FP32: None, HALF: torch.bfloat16}
@@ -258,8 +262,7 @@ def kept_by_depth(models: dict, mode: str, dtype: str, kernel: str = "fused", ob
 def outside_fit(cfg: DiTConfig, k: dict) -> dict:
     """{part: rows (features, bytes)} of what lies outside the blocks, from kept_by_depth's bytes:
     head (the embedders, before the blocks) and tail (the final layer and the loss)."""
-    rope = cfg.num_tokens * cfg.head_dim if cfg.pos == "rope" else 0
-    fixed_features = (model_parts(cfg).outside_linear, rope, 1)
+    fixed_features = outside_fixed(cfg)
     rows = {}
     for part, of in (("head", lambda n: 2 * k[n, 1][1] - k[n, 2][1]), ("tail", lambda n: k[n, 1][0] - k[n, 1][1])):
         sample, fixed = split({n: of(n) for n in (2, 4)})

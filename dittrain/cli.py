@@ -11,6 +11,7 @@ import click
 from ditdata.common import configfile
 from ditdata.common.cli import FiniteFloat, OneLineErrors, SectionedCommand, aliased, quiet_option
 from dittrain import config
+from dittrain.model.parts import spec_choices  # the block parts' names, without torch
 
 
 @click.group(cls=OneLineErrors,
@@ -43,7 +44,7 @@ def main():
               help="Output the learned variance too (ddpm as in DiT).")
 @click.option("--model", "specs", multiple=True, metavar="SPEC",
               help="Also show this model (repeatable): a name, or a custom size "
-                   "custom:hidden=512,depth=8,heads=8,patch=2 (optional: ,mlp_ratio=R,mlp=swiglu,norm=rms,pos=rope,qk_norm=1).")
+                   f"custom:hidden=512,depth=8,heads=8,patch=2 (optional: ,mlp_ratio=R{spec_choices()},qk_norm=0|1).")
 def models_cmd(resolution, downsample, channels, num_classes, learn_sigma, specs):
     """The named DiT configs (and any --model SPEC) with parameters and forward GFLOPs
     (multiply-adds per sample)."""
@@ -155,7 +156,7 @@ def _opt(*names, field, **kw):
                    "Required (in the --config file or here), except with --print-config.")
 @_opt("--model", field="model", help="A name from `dittrain models`, e.g. DiT-XL/2 or LightningDiT-XL/1, or a "
       "custom size custom:hidden=512,depth=8,heads=8,patch=2 (optional: ,mlp_ratio=R and the block choices "
-      ",mlp=gelu|swiglu,norm=layer|rms,pos=sincos|rope,qk_norm=0|1).")
+      f"{spec_choices()},qk_norm=0|1).")
 @_opt("--objective", field="objective", type=click.Choice(config.OBJECTIVES),
       help="ddpm: epsilon prediction as in DiT; flow: rectified flow (velocity).")
 @_opt("--batch-size", field="batch_size", type=click.IntRange(min=1),

@@ -49,11 +49,9 @@ LOADERS = ("auto", "resident", "streaming")  # dittrain.data
 BUCKET_REMAINDERS = ("pad", "drop")
 RESIDENT_DEVICES = ("cpu", "cuda")  # where a resident store lives
 LOGGERS = ("jsonl", "tensorboard", "wandb")  # dittrain.train.loggers
-# The DiT's block choices (DiTConfig.mlp / norm / pos; dittrain.model.sizes, dittrain.model.dit), the first of
-# each DiT's own: the LightningDiT presets and custom:...,mlp=swiglu,norm=rms,pos=rope choose the others
-MLPS = ("gelu", "swiglu")  # gelu: DiT's tanh-GELU MLP; swiglu: silu(x W1) * (x W3), then W2
-NORMS = ("layer", "rms")  # the adaLN-modulated norms: LayerNorm (no affine) or RMSNorm (learned weight)
-POSITIONS = ("sincos", "rope")  # sincos: a fixed table added to the tokens; rope: 2-D rotary q and k
+# The DiT's block choices (DiTConfig.mlp / norm / pos) are not here: they are the names of the block-part
+# registries, dittrain.model.parts MLPS, NORMS and POSITIONS (without torch too), where each part's entry
+# holds all that is known of it
 
 
 # |guidance scale| beyond this is refused (--cfg, --sample-cfg, --eval-cfg; dittrain.inference.sample.plan_samples):

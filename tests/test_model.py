@@ -16,7 +16,6 @@ from tiny import assert_grads_close, backward_each
 import dittrain.model.dit as model_mod
 from dittrain.cli import main as cli
 from dittrain.model.dit import (
-    NORM_LAYERS,
     DiTBlock,
     SwiGLU,
     apply_rope,
@@ -26,6 +25,7 @@ from dittrain.model.dit import (
     rope_rows,
     rope_table,
 )
+from dittrain.model.parts import NORMS
 from dittrain.model.sizes import CONFIGS, LIGHTNING, flops_per_forward, get_config
 
 # The DiT paper at 256 px: 4 latent channels, 32x32 latents, 1000 classes, learned sigma.
@@ -401,12 +401,12 @@ def test_swiglu_and_rmsnorm_match_their_definitions():
     torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-5)
     assert (mlp.fc1.out_features, mlp.fc2.in_features) == (20, 10)
 
-    norm = NORM_LAYERS["rms"](24)
+    norm = NORMS["rms"].module(24)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(24, generator=g))
     want = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
     torch.testing.assert_close(norm(x), want, rtol=1e-5, atol=1e-6)
-    assert not [p for p in NORM_LAYERS["layer"](24).parameters()]  # DiT's LayerNorm: no affine
+    assert not [p for p in NORMS["layer"].module(24).parameters()]  # DiT's LayerNorm: no affine
 
 
 def reference_forward(sd: dict, cfg, x, t, y) -> torch.Tensor:

@@ -185,7 +185,7 @@ def test_impossible_requests_are_one_line(args, needles):
 
 
 def test_the_table_has_every_block_kind_and_mode():
-    from dittrain.config import MLPS, NORMS, POSITIONS
+    from dittrain.model.parts import MLPS, NORMS, POSITIONS
     from dittrain.model.sizes import DiTConfig
     from dittrain.plan.footprint import (
         BLOCK_FIXED,

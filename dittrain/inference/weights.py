@@ -13,9 +13,12 @@ What the shapes say (facebookresearch/DiT's key names, which our DiT keeps):
     x_embedder.proj.weight              (D, C, p, p)  hidden size D, latent channels C, patch p
     pos_embed                           (1, T, D)     input size sqrt(T) * p
     blocks.N.*                                        depth: the number of blocks N
+    blocks.0.mlp.*                                    the MLP part: the first of dittrain.model.parts.MLPS
+                                                      whose module at fc2's width H has these shapes
     blocks.0.mlp.fc1.weight             (r D, D)      MLP ratio r; (2H', D) with fc2 (D, H'): SwiGLU,
-                                                      r D = ceil(3H' / 2) (dittrain.model.sizes.MLP_WIDTH)
-    blocks.0.norm1.weight                             present: RMSNorm (DiT's LayerNorm has no weight)
+                                                      r D = ceil(3H' / 2) (its width rule, inverted)
+    blocks.0.norm1.*                                  the norm part: the first of NORMS with these shapes
+                                                      (weight: RMSNorm; DiT's LayerNorm has none)
     t_embedder.mlp.0.weight             (D, F)        F sinusoidal timestep features
     y_embedder.embedding_table.weight   (K + 1, D)    K classes and the null class (absent: 0)
     final_layer.linear.weight           (p p C', D)   C' = 2C: learned sigma; C' = C: not
@@ -55,11 +58,11 @@ from ditdata.store import Conditioning, Schema, TensorSpec
 from dittrain.config import TrainConfig, recorded
 from dittrain.diffusion import DiffusionConfig
 from dittrain.model.dit import DiT
+from dittrain.model.parts import MLPS, NORMS
 from dittrain.model.sizes import (
     BLOCK_FIELDS,
     CONFIGS,
     CUSTOM_SPEC,
-    MLP_WIDTH,
     DiTConfig,
     ModelSpecError,
     architecture,
@@ -221,22 +224,38 @@ def _architecture(state: dict, where) -> dict:
     table = _shape(state, LABEL_TABLE)
     pooled = _shape(state, "text_pooled_embedder.mlp.0.weight")
     tokens = _shape(state, "text_token_embedder.mlp.0.weight")
-    fc1, fc2 = _shape(state, "blocks.0.mlp.fc1.weight")[0], _shape(state, "blocks.0.mlp.fc2.weight")[1]
-    # GELU: fc1 D -> M, fc2 M -> D; SwiGLU: fc1 D -> 2H', fc2 H' -> D, H' = floor(2M / 3): of the two
-    # GELU widths M that give H', the one with the shorter ratio (4 rather than 4.00087)
-    mlp, width = "gelu", fc1
-    if fc1 == 2 * fc2:
-        widths = [m for m in range(-(-3 * fc2 // 2), -(-3 * fc2 // 2) + 2) if MLP_WIDTH["swiglu"](m) == fc2]
-        mlp, width = "swiglu", min(widths, key=lambda m: len(f"{m / D:g}"))
+    # the MLP's hidden width H is fc2's input (GELU: fc1 D -> M, fc2 M -> D; SwiGLU: fc1 D -> 2H',
+    # fc2 H' -> D); the part, the first whose module has these shapes at that width; the GELU width
+    # M, of those its width rule turns into H (SwiGLU's H' = floor(2M / 3): two), the one with the
+    # shorter ratio (4 rather than 4.00087). No part: DiT's at fc1's width, which mismatch() words
+    hidden = _shape(state, "blocks.0.mlp.fc2.weight")[1]
+    mlp = _part(state, "blocks.0.mlp.", MLPS, D, hidden)
+    widths = MLPS[mlp].gelu_widths(hidden) if mlp else []
+    if widths:
+        width = min(widths, key=lambda m: len(f"{m / D:g}"))
+    else:
+        mlp, width = DiTConfig.mlp, _shape(state, "blocks.0.mlp.fc1.weight")[0]
     return dict(
         input_size=grid * p, in_channels=C, patch_size=p, hidden_size=D,
         depth=len({int(m.group(1)) for k in state if (m := _BLOCK.match(k))}),
-        mlp_ratio=width / D, mlp=mlp, norm="rms" if "blocks.0.norm1.weight" in state else "layer",
+        mlp_ratio=width / D, mlp=mlp, norm=_part(state, "blocks.0.norm1.", NORMS, D) or DiTConfig.norm,
         num_classes=table[0] - 1 if table else 0,  # the last row is the null class
         learn_sigma=out == 2 * p * p * C, qk_norm="blocks.0.attn.q_norm.weight" in state,
         text_pooled_dim=pooled[1] if pooled else None, text_token_dim=tokens[1] if tokens else None,
         frequency_embedding_size=_shape(state, "t_embedder.mlp.0.weight")[1],
     )
+
+
+def _part(state: dict, prefix: str, parts, *args) -> str | None:
+    """The first of `parts` whose module, built (on meta) with `args`, has exactly the keys and shapes
+    of `state` under `prefix`; None: none has."""
+    have = {k[len(prefix):]: tuple(v.shape) for k, v in state.items() if k.startswith(prefix)}
+    for name, part in parts.items():
+        with torch.device("meta"):
+            module = part.module(*args)
+        if {k: tuple(v.shape) for k, v in module.state_dict().items()} == have:
+            return name
+    return None
 
 
 _KINDS = BLOCK_FIELDS[:3]  # mlp, norm, pos: the block choices a --model must share with the shapes (QK-norm:
@@ -264,7 +283,7 @@ def _name_and_heads(arch: dict, model: str | None, where) -> tuple[str, int]:
                                f"{CUSTOM_SPEC}") from None
         except ModelSpecError as e:
             raise WeightsError(f"--model: {e}") from None
-        hidden = MLP_WIDTH[arch["mlp"]]  # the MLP width of a ratio (SwiGLU: two ratios may give one width)
+        hidden = MLPS[arch["mlp"]].width  # the MLP width of a ratio (SwiGLU: two ratios may give one width)
         width = hidden(int(arch["hidden_size"] * spec.get("mlp_ratio", arch["mlp_ratio"])))  # a custom spec's ratio
         if (any(spec[k] != arch[k] for k in ("hidden_size", "depth", "patch_size"))
                 or width != hidden(int(arch["hidden_size"] * arch["mlp_ratio"])) or _blocks(spec) != _blocks(arch)):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from dittrain.model.parts import POSITIONS
 from dittrain.model.sizes import DiTConfig
 
 # torch's SDPBackend -> the name attention_backend reports; on the CPU torch's FLASH_ATTENTION
@@ -30,12 +31,12 @@ SDPA_BACKENDS = {**{name: backend for backend, name in _SDPA_NAMES.items()}, "cp
 
 def _self_attention_qkv(config: DiTConfig, batch_size: int, dtype: torch.dtype, device, requires_grad: bool):
     # q, k, v as Attention.forward makes them: views of one (N, T, 3D) tensor, (N, heads, T, head_dim)
-    # with the strides of that permute (QK-norm and RoPE make q and k contiguous copies). torch.empty:
+    # with the strides of that permute (QK-norm and a rotary position part, RoPE, make q and k contiguous copies). torch.empty:
     # the choice looks at shapes, strides, dtype and device, never at values
     N, T, D, H = batch_size, config.num_tokens, config.hidden_size, config.num_heads
     qkv = torch.empty(N, T, 3 * D, dtype=dtype, device=device, requires_grad=requires_grad)
     q, k, v = qkv.reshape(N, T, 3, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
-    if config.qk_norm or config.pos == "rope":
+    if config.qk_norm or POSITIONS[config.pos].rotary is not None:
         q, k = q.contiguous(), k.contiguous()
     return q, k, v
 

@@ -17,26 +17,29 @@ With learn_sigma=True and class conditioning the state-dict names and shapes are
 those of the released facebookresearch/DiT checkpoints, so they load strictly.
 QK-norm and the text layers add keys only when enabled.
 
-Block choices (DiTConfig.mlp / norm / pos, tables below): DiT's tanh-GELU MLP, affine-free
-LayerNorm and fixed 2-D sin-cos table by default; LightningDiT's SwiGLU MLP (MLP_LAYERS),
-RMSNorm with its learned weight (NORM_LAYERS) and 2-D axial rotary position embedding
-(rope_table, apply_rope: no pos_embed at all) on request. The text cross-attention keeps
-its affine LayerNorm (norm_cross) and unrotated queries and keys whatever the choices:
-text tokens have no image position.
+Block choices (DiTConfig.mlp / norm / pos): each is a name in the registries of
+dittrain.model.parts (MLPS, NORMS, POSITIONS), whose entry builds the part; their torch code is
+dittrain.model.layers. DiT's tanh-GELU MLP, affine-free LayerNorm and fixed 2-D sin-cos table
+(added to the tokens, kept in pos_embed) by default; LightningDiT's SwiGLU MLP, RMSNorm with its
+learned weight and 2-D axial rotary position embedding (q and k rotated in every self-attention,
+apply_rope: no pos_embed at all) on request. The text cross-attention keeps its affine LayerNorm
+(norm_cross) and unrotated queries and keys whatever the choices: text tokens have no image
+position.
 
 Any token grid (aspect-ratio buckets, dittrain.data.bucketed): an input (N, C, H, W) gives the
-grid (H/p, W/p) of T = (H/p)(W/p) tokens in row-major order; the sin-cos table and the rotary
-tables are computed for that grid (the sin-cos one cached per grid and device), and unpatchify
+grid (H/p, W/p) of T = (H/p)(W/p) tokens in row-major order; the position part's table and rotary
+tables are computed for that grid (the added table cached per grid and device), and unpatchify
 returns (N, C, H, W). The configured square grid (input_size/p per side) uses the frozen
 pos_embed parameter itself, so checkpoints, exports and a square run's numbers are unchanged.
 
 RoPE interface (what token routing relies on): DiT.forward computes rope = (cos, sin) once,
 each (T, head_dim) in row-major token order, and passes it to every block as `rope=`
-(None for sin-cos models); blocks and attention also take per-sample tables (N, T', head_dim)
-of a subset of tokens, rope_rows(rope, idx) with idx (N, T').
+(None for a position part without rotation: sin-cos); blocks and attention also take
+per-sample tables (N, T', head_dim) of a subset of tokens, rope_rows(rope, idx) with idx (N, T').
 
-Public API: DiT(config), build_model(name, **overrides), drop_text_conditioning(...),
-rope_table(...), rope_rows(rope, idx), apply_rope(x, rope).
+Public API: DiT(config), build_model(name, **overrides), drop_text_conditioning(...), and
+dittrain.model.layers' (importable from here as before): rope_table(...), rope_rows(rope, idx),
+apply_rope(x, rope), sincos_pos_embed_2d(dim, grid), Mlp, SwiGLU.
 """
 
 from __future__ import annotations
@@ -58,6 +61,15 @@ from dittrain.model.checkpointing import (
     checkpoint_every,
     selective_checkpoint_context,
 )
+from dittrain.model.layers import (
+    Mlp,
+    SwiGLU,
+    apply_rope,
+    rope_rows,
+    rope_table,
+    sincos_pos_embed_2d,
+)
+from dittrain.model.parts import MLPS, NORMS, POSITIONS
 from dittrain.model.routing import TokenRoute, gather_tokens, rejoin_tokens
 from dittrain.model.sizes import CONFIGS, DiTConfig, architecture, flops_per_forward, get_config
 
@@ -251,62 +263,26 @@ class CrossAttention(_Heads):
         return x
 
 
-class Mlp(nn.Module):
-    """DiT's MLP: fc2(gelu_tanh(fc1(x))), D -> H -> D."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.act = nn.GELU(approximate="tanh")
-        self.fc2 = nn.Linear(hidden, dim)
-
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class SwiGLU(nn.Module):
-    """SwiGLU (Shazeer, 2020): W2 (silu(x W1) * (x W3)). W1 and W3 are one matmul, fc1
-    (D -> 2H', W1's rows first), so the block runs three matmuls in two calls; fc2 is W2
-    (H' -> D). H' is DiTConfig.mlp_hidden: the GELU MLP's parameters (dittrain.model.sizes)."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, 2 * hidden)
-        self.fc2 = nn.Linear(hidden, dim)
-
-    def forward(self, x):
-        a, b = self.fc1(x).chunk(2, dim=-1)  # (N, T, H') each: x W1, x W3
-        return self.fc2(F.silu(a) * b)
-
-
-# DiTConfig.mlp -> the block's MLP, built as cls(D, hidden)
-MLP_LAYERS = {"gelu": Mlp, "swiglu": SwiGLU}
-# DiTConfig.norm -> the adaLN-modulated norm (norm1, norm2, norm_final), built as f(D). DiT's
-# LayerNorm has no affine (the modulation scales and shifts); LightningDiT's RMSNorm keeps its
-# learned weight (its parameter counts include it)
-NORM_LAYERS = {"layer": partial(nn.LayerNorm, elementwise_affine=False, eps=1e-6),
-               "rms": partial(nn.RMSNorm, eps=1e-6)}
-
-
 class DiTBlock(nn.Module):
     """adaLN-Zero block: c regresses (shift, scale, gate) for attention and MLP; gates start
     at zero so every block is the identity at initialisation.
     With text tokens, a cross-attention layer sits between them (pre-LayerNorm, residual,
     not modulated: it already sees the text; its output projection starts at zero).
-    mlp, norm: the block choices (MLP_LAYERS, NORM_LAYERS); mlp_hidden: the MLP's hidden width."""
+    mlp, norm: the block choices (names in dittrain.model.parts MLPS, NORMS); mlp_hidden: the MLP's
+    hidden width."""
 
     def __init__(
         self, hidden_size: int, num_heads: int, mlp_hidden: int, qk_norm: bool, cross: bool,
         mlp: str = "gelu", norm: str = "layer",
     ):
         super().__init__()
-        self.norm1 = NORM_LAYERS[norm](hidden_size)
+        self.norm1 = NORMS[norm].module(hidden_size)
         self.attn = Attention(hidden_size, num_heads, qk_norm=qk_norm)
         if cross:
             self.norm_cross = nn.LayerNorm(hidden_size, eps=1e-6)
             self.cross_attn = CrossAttention(hidden_size, num_heads, qk_norm=qk_norm)
-        self.norm2 = NORM_LAYERS[norm](hidden_size)
-        self.mlp = MLP_LAYERS[mlp](hidden_size, mlp_hidden)
+        self.norm2 = NORMS[norm].module(hidden_size)
+        self.mlp = MLPS[mlp].module(hidden_size, mlp_hidden)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
         # recompute="selective" also recomputes matmul outputs this wide (None: keep them all);
         # bench/activation_memory.py sets it to the MLP width to measure that variant
@@ -353,7 +329,7 @@ class FinalLayer(nn.Module):
 
     def __init__(self, hidden_size: int, patch_size: int, out_channels: int, norm: str = "layer"):
         super().__init__()
-        self.norm_final = NORM_LAYERS[norm](hidden_size)
+        self.norm_final = NORMS[norm].module(hidden_size)
         self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
 
@@ -383,13 +359,15 @@ class DiT(nn.Module):
             self.text_pooled_embedder = TextEmbedder(cfg.text_pooled_dim, D, nn.SiLU())
         if cfg.text_token_dim:
             self.text_token_embedder = TextEmbedder(cfg.text_token_dim, D, nn.GELU(approximate="tanh"))
-        if cfg.pos == "sincos":
-            # fixed 2-D sin-cos position embedding; a frozen Parameter (not a buffer) because the
-            # released checkpoints store it under "pos_embed". RoPE models have none: their
-            # positions enter the attention (rope_table), computed in each forward
+        # the position part: a table added to the tokens (DiT's sin-cos), rotated q and k (RoPE), or both
+        self.position = POSITIONS[cfg.pos]
+        if self.position.table is not None:
+            # the square grid's table, a frozen Parameter (not a buffer) because the released
+            # checkpoints store it under "pos_embed". RoPE models have none: their positions enter
+            # the attention (rope_table), computed in each forward
             self.pos_embed = nn.Parameter(torch.zeros(1, cfg.num_tokens, D), requires_grad=False)
-        # (grid h, grid w, device, dtype) -> (1, T, D): the sin-cos tables of the other grids
-        # (buckets), made once each; not state (a pure function of the grid), never saved
+        # (grid h, grid w, device, dtype) -> (1, T, D): the tables of the other grids (buckets),
+        # made once each; not state (a pure function of the grid), never saved
         self._pos_tables: dict[tuple, torch.Tensor] = {}
         self.blocks = nn.ModuleList(
             DiTBlock(D, cfg.num_heads, cfg.mlp_hidden, cfg.qk_norm, cross=bool(cfg.text_token_dim),
@@ -408,16 +386,16 @@ class DiT(nn.Module):
         def _basic_init(module):
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
-                nn.init.zeros_(module.bias)
+                if module.bias is not None:  # a block part's linear may have none
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and module.weight is not None:
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
 
         self.apply(_basic_init)
-        if self.config.pos == "sincos":
-            grid = self.config.input_size // self.patch_size
-            self.pos_embed.copy_(sincos_pos_embed_2d(self.config.hidden_size, grid).unsqueeze(0))
+        if self.position.table is not None:
+            self.pos_embed.copy_(self.position.table(self.config.hidden_size, self.square_grid).unsqueeze(0))
         # the patch embedding is a linear map of the flattened patch
         w = self.x_embedder.proj.weight
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
@@ -483,13 +461,13 @@ class DiT(nn.Module):
         return H // p, W // p
 
     def pos_table(self, grid: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
-        """The sin-cos embedding (1, T, D) of a grid (h, w): pos_embed itself for the square
+        """The position table (1, T, D) of a grid (h, w) (sin-cos): pos_embed itself for the square
         grid (so a checkpoint's table is the one used), else computed once per grid and device."""
         if tuple(grid) == self.square_grid:
             return self.pos_embed
         key = (*grid, like.device, self.pos_embed.dtype)
         if key not in self._pos_tables:
-            table = sincos_pos_embed_2d(self.config.hidden_size, grid).unsqueeze(0)
+            table = self.position.table(self.config.hidden_size, grid).unsqueeze(0)
             self._pos_tables[key] = table.to(device=like.device, dtype=self.pos_embed.dtype)
         return self._pos_tables[key]
 
@@ -524,11 +502,11 @@ class DiT(nn.Module):
         cfg = self.config
         grid = self.token_grid(x)  # (h, w) = (H/p, W/p)
         x = self.x_embedder(x)  # (N, T, D), T = h * w
-        rope = None
-        if cfg.pos == "sincos":
+        if self.position.table is not None:
             x = x + self.pos_table(grid, x)
-        else:  # the rotary table of the grid, once for every block
-            rope = rope_table(cfg.head_dim, grid, device=x.device)
+        rope = None  # the rotary tables of the grid, once for every block
+        if self.position.rotary is not None:
+            rope = self.position.rotary(cfg.head_dim, grid, device=x.device)
         c, context = self._conditioning(t, y, text_pooled, text_tokens, force_drop_ids)
 
         training = self.training and torch.is_grad_enabled()
@@ -584,78 +562,6 @@ class DiT(nn.Module):
         return ", ".join(f"{k}={v}" for k, v in asdict(self.config).items())
 
 
-# -----------------------------------------------------------------------------
-# Position embedding
-
-
-def _grid_hw(grid: int | tuple[int, int]) -> tuple[int, int]:
-    """A grid given as a side (square) or (h, w)."""
-    return (grid, grid) if isinstance(grid, int) else (int(grid[0]), int(grid[1]))
-
-
-def _grid_positions(grid: int | tuple[int, int], device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, cols), each (h, w) float64: token (i, j) of an h x w grid, row-major (index i * w + j)."""
-    h, w = _grid_hw(grid)
-    return torch.meshgrid(torch.arange(h, dtype=torch.float64, device=device),
-                          torch.arange(w, dtype=torch.float64, device=device), indexing="ij")
-
-
-def sincos_pos_embed_2d(dim: int, grid: int | tuple[int, int]) -> torch.Tensor:
-    """(h * w, dim) for a grid of h rows and w columns (an int: square): the first half of the
-    channels encodes the column, the second the row, each as [sin, cos] of the position times
-    frequencies 1 / 10000^(i / (dim/4)). This is the MAE/DiT layout (tokens in row-major
-    order), computed in float64; a non-square grid is the same formula at its positions."""
-    assert dim % 4 == 0
-    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4))  # (D/4,)
-    rows, cols = _grid_positions(grid)  # (h, w) each; token index = row * w + col
-
-    def emb_1d(p):
-        out = p.reshape(-1)[:, None] * omega[None]  # (M, D/4)
-        return torch.cat([torch.sin(out), torch.cos(out)], dim=1)  # (M, D/2)
-
-    # MAE's meshgrid(w, h) puts the COLUMN coordinate in its "emb_h" half; keep that order
-    return torch.cat([emb_1d(cols), emb_1d(rows)], dim=1).float()
-
-
-def rope_table(head_dim: int, grid: int | tuple[int, int], theta: float = 10000.0,
-               device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """2-D axial rotary position embedding (RoFormer's rotation, EVA-02's 2-D layout): (cos, sin),
-    each (h * w, head_dim) float32 for a grid of h rows and w columns (an int: square), tokens
-    in row-major order. The first half of a head's dims turns with the token's row, the second
-    half with its column; within each half the pairs (2i, 2i + 1) turn by the angle
-    pos * theta^(-2i / (head_dim / 2)), i < head_dim / 4, so both entries of a pair share a
-    column of the tables. Computed in float64, on `device`
-    itself: a table made on the host and copied would make every forward wait for the GPU."""
-    assert head_dim % 4 == 0, "2-D RoPE needs a head dim that is a multiple of 4"
-    half = head_dim // 2
-    freqs = theta ** (-torch.arange(0, half, 2, dtype=torch.float64, device=device) / half)  # (head_dim/4,)
-    freqs = freqs.repeat_interleave(2)  # (half,): one angle per pair
-    rows, cols = _grid_positions(grid, device)  # (h, w) each; token index = row * w + col
-    angles = torch.cat([rows.reshape(-1, 1) * freqs, cols.reshape(-1, 1) * freqs], dim=1)  # (T, head_dim)
-    return angles.cos().float(), angles.sin().float()
-
-
-def rope_rows(rope: tuple[torch.Tensor, torch.Tensor], idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows of the rotary tables (cos, sin) (T, head_dim) for tokens idx (N, T') (indices
-    into the row-major grid): per-sample tables (N, T', head_dim), what a block takes for the
-    kept tokens of a routed subset x[n, idx[n]]."""
-    cos, sin = rope
-    return cos[idx], sin[idx]
-
-
-def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x (N, heads, T, head_dim) rotated by rope = (cos, sin), (T, head_dim) for every sample or
-    (N, T, head_dim) per sample: x * cos + rot(x) * sin with rot(x0, x1) = (-x1, x0) on each pair.
-    In float32 (a bf16 rotation of a large angle is coarse), back in x's dtype."""
-    cos, sin = rope
-    if cos.dim() == 3:  # per sample: broadcast over heads
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    xf = x.float()
-    pairs = xf.unflatten(-1, (-1, 2))  # (..., head_dim/2, 2)
-    rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
-    return (xf * cos + rotated * sin).to(x.dtype)
-
-
 def build_model(name: str, **overrides) -> DiT:
     """build_model("DiT-XL/2", input_size=32, num_classes=1000) -> DiT.
     Build under `with torch.device("meta"):` to count parameters of big models for free."""
@@ -709,5 +615,7 @@ def models_table(resolution: int, downsample: int, channels: int, num_classes: i
     return lines
 
 
-__all__ = ["MLP_LAYERS", "NORM_LAYERS", "DiT", "ModelsError", "SwiGLU", "apply_rope", "build_model", "describe",
-           "drop_text_conditioning", "models_table", "modulate", "num_params", "rope_rows", "rope_table"]
+# Mlp, SwiGLU and the position functions live in dittrain.model.layers (the parts' torch code) and
+# are importable from here as before
+__all__ = ["DiT", "Mlp", "ModelsError", "SwiGLU", "apply_rope", "build_model", "describe", "drop_text_conditioning",
+           "models_table", "modulate", "num_params", "rope_rows", "rope_table", "sincos_pos_embed_2d"]

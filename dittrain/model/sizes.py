@@ -7,9 +7,13 @@ what one costs (parameters, multiply-adds per forward, the rows of `dittrain mod
     get_config(name, **overrides)    a registry name or "custom:hidden=..,depth=..,heads=..,patch=.."
     flops_per_forward(config)        multiply-adds of one sample's forward (the paper's Gflops)
 
-Block choices (DiTConfig.mlp / norm / pos, the choice tuples of dittrain.config): DiT's blocks
-by default (gelu, layer, sincos); LightningDiT (Yao et al., 2025) swaps in a SwiGLU MLP,
-RMSNorm and 2-D rotary position embedding (dittrain.model.dit has the layers).
+Block choices (DiTConfig.mlp / norm / pos): names in the block-part registries of
+dittrain.model.parts (MLPS, NORMS, POSITIONS), which DiTConfig checks a value against and whose
+entries give what this file counts: an MLP's width rule (mlp_hidden: SwiGLU's H' = 2M // 3 of
+the GELU width M) and matmuls per token (flops_per_forward), a position's width checks. DiT's
+blocks by default (gelu, layer, sincos); LightningDiT (Yao et al., 2025) swaps in a SwiGLU MLP,
+RMSNorm and 2-D rotary position embedding. A custom spec names them (",mlp=swiglu,norm=rms,
+pos=rope"), every registered part included.
 
 Arithmetic on names and numbers only (the grad-checkpointing knob is read by
 dittrain.model.checkpointing): the network itself, and what it counts in parameters (the
@@ -22,17 +26,8 @@ import math
 from dataclasses import dataclass
 
 from ditdata.common.errors import UserError
-from dittrain.config import MLPS, NORMS, POSITIONS
 from dittrain.model.checkpointing import checkpoint_every
-
-# The MLP's hidden width from the GELU width M = int(mlp_ratio * D), per MLP kind, and the
-# matmuls of width D x hidden it runs per token. SwiGLU has three (W1 and W3 fused as one
-# D -> 2H' matmul, W2), so H' = floor(2M / 3) keeps its weights at the GELU MLP's 2DM (exactly
-# when 3 divides M: D = 768 -> 2048, 1152 -> 3072) and its biases 2H' + D instead of M + D.
-# That is LightningDiT's rounding (int(2/3 * M)), so its parameter counts are theirs.
-MLP_WIDTH = {"gelu": lambda m: m, "swiglu": lambda m: 2 * m // 3}
-MLP_MATMULS = {"gelu": 2, "swiglu": 3}
-assert tuple(MLP_WIDTH) == tuple(MLP_MATMULS) == MLPS
+from dittrain.model.parts import BLOCK_PARTS, MLPS, POSITIONS
 
 
 @dataclass(frozen=True)
@@ -48,7 +43,8 @@ class DiTConfig:
     class_dropout_prob: float = 0.1  # label -> null class, for classifier-free guidance
     learn_sigma: bool = True  # output 2C channels: eps and the variance interpolation v
     qk_norm: bool = False  # RMSNorm on q and k per head (stabilises bf16 / large lr)
-    mlp: str = "gelu"  # gelu | swiglu (MLP_WIDTH: the same parameters as the GELU MLP)
+    # the block parts, names in dittrain.model.parts' registries (MLPS, NORMS, POSITIONS)
+    mlp: str = "gelu"  # gelu | swiglu (its width rule: the same parameters as the GELU MLP)
     norm: str = "layer"  # layer | rms: the adaLN-modulated norms of the blocks and the final layer
     pos: str = "sincos"  # sincos (a fixed pos_embed added to the tokens) | rope (q and k rotated, no pos_embed)
     text_pooled_dim: int | None = None  # pooled text embedding, added to c
@@ -61,10 +57,10 @@ class DiTConfig:
     def __post_init__(self):
         assert self.input_size % self.patch_size == 0, "input_size must be a multiple of patch_size"
         assert self.hidden_size % self.num_heads == 0, "hidden_size must be a multiple of num_heads"
-        for field, choices in (("mlp", MLPS), ("norm", NORMS), ("pos", POSITIONS)):
-            assert getattr(self, field) in choices, f"{field} must be one of {', '.join(choices)}"
-        # 2-D RoPE: half of each head's dims turn with the row, half with the column, in pairs
-        assert self.pos != "rope" or self.head_dim % 4 == 0, "pos=rope needs a head dim that is a multiple of 4"
+        for parts in BLOCK_PARTS:
+            assert getattr(self, parts.field) in parts, f"{parts.field} must be one of {', '.join(parts)}"
+        problem = POSITIONS[self.pos].check(self.hidden_size, self.num_heads)  # e.g. RoPE's head dim
+        assert problem is None, problem
         checkpoint_every(self.grad_checkpointing)  # validates the knob
 
     @property
@@ -81,8 +77,8 @@ class DiTConfig:
 
     @property
     def mlp_hidden(self) -> int:
-        """The MLP's hidden width (H' of SwiGLU; MLP_WIDTH)."""
-        return MLP_WIDTH[self.mlp](int(self.hidden_size * self.mlp_ratio))
+        """The MLP's hidden width (H' of SwiGLU): its part's width rule of the GELU width M."""
+        return MLPS[self.mlp].width(int(self.hidden_size * self.mlp_ratio))
 
 
 # The sizes of the DiT paper (Table 1) plus a tiny one for CPU tests and demos.
@@ -118,11 +114,14 @@ CUSTOM_PREFIX = "custom:"
 _CUSTOM_FIELDS = {"hidden": "hidden_size", "depth": "depth", "heads": "num_heads", "patch": "patch_size",
                   "mlp_ratio": "mlp_ratio", "mlp": "mlp", "norm": "norm", "pos": "pos", "qk_norm": "qk_norm"}
 _CUSTOM_REQUIRED = ("hidden", "depth", "heads", "patch")
-# the optional keys that name a choice: key -> {spelling: value}
-_CUSTOM_CHOICES = {"mlp": {c: c for c in MLPS}, "norm": {c: c for c in NORMS}, "pos": {c: c for c in POSITIONS},
-                   "qk_norm": {"0": False, "1": True}}
-BLOCK_FIELDS = ("mlp", "norm", "pos", "qk_norm")  # DiTConfig's block choices, in custom-spec order
+BLOCK_FIELDS = (*(parts.field for parts in BLOCK_PARTS), "qk_norm")  # DiTConfig's block choices, in custom-spec order
 CUSTOM_SPEC = "custom:hidden=H,depth=D,heads=N,patch=P"  # the grammar, for messages
+
+
+def _custom_choices() -> dict[str, dict]:
+    """The optional keys that name a choice, key -> {spelling: value}: the block parts registered
+    now (a part registered at run time is spelled like the built-in ones), and QK-norm."""
+    return {**{parts.field: {name: name for name in parts} for parts in BLOCK_PARTS}, "qk_norm": {"0": False, "1": True}}
 
 
 class ModelSpecError(UserError, ValueError):
@@ -133,7 +132,8 @@ def parse_custom(spec: str) -> dict:
     """"custom:hidden=D,depth=N,heads=H,patch=p[,mlp_ratio=r][,mlp=..][,norm=..][,pos=..][,qk_norm=0|1]"
     -> the architecture fields of DiTConfig (as CONFIGS holds them, plus the optional ones given);
     ModelSpecError otherwise."""
-    choices = ", ".join(f"{key} ({'|'.join(values)})" for key, values in _CUSTOM_CHOICES.items())
+    named = _custom_choices()
+    choices = ", ".join(f"{key} ({'|'.join(values)})" for key, values in named.items())
     valid = (f"valid keys: {', '.join(_CUSTOM_REQUIRED)} (positive integers, required), mlp_ratio "
              f"(optional, default {DiTConfig.mlp_ratio:g}), {choices} (optional, DiT's first), "
              "e.g. custom:hidden=512,depth=8,heads=8,patch=2")
@@ -158,10 +158,10 @@ def parse_custom(spec: str) -> dict:
         fail(f"missing {', '.join(missing)}")
     arch = {}
     for key, value in given.items():
-        if key in _CUSTOM_CHOICES:
-            if value not in _CUSTOM_CHOICES[key]:
-                fail(f"{key}={value} is none of {'|'.join(_CUSTOM_CHOICES[key])}")
-            arch[_CUSTOM_FIELDS[key]] = _CUSTOM_CHOICES[key][value]
+        if key in named:
+            if value not in named[key]:
+                fail(f"{key}={value} is none of {'|'.join(named[key])}")
+            arch[_CUSTOM_FIELDS[key]] = named[key][value]
             continue
         try:
             number = float(value) if key == "mlp_ratio" else int(value)
@@ -173,13 +173,10 @@ def parse_custom(spec: str) -> dict:
     D, H = arch["hidden_size"], arch["num_heads"]
     if D % H:
         fail(f"hidden {D} is not divisible by heads {H}")
-    if arch.get("pos", DiTConfig.pos) == "rope":
-        if (D // H) % 4:
-            fail(f"pos=rope needs a head dim (hidden / heads = {D // H}) that is a multiple of 4 (row and column "
-                 "halves, rotated in pairs)")
-    elif D % 4:
-        fail(f"hidden {D} is not a multiple of 4 (the 2-D sin-cos position embedding needs it)")
-    if MLP_WIDTH[arch.get("mlp", DiTConfig.mlp)](int(D * arch.get("mlp_ratio", DiTConfig.mlp_ratio))) < 1:
+    problem = POSITIONS[arch.get("pos", DiTConfig.pos)].check(D, H)  # RoPE's head dim, sin-cos's width
+    if problem:
+        fail(problem)
+    if MLPS[arch.get("mlp", DiTConfig.mlp)].width(int(D * arch.get("mlp_ratio", DiTConfig.mlp_ratio))) < 1:
         fail(f"mlp_ratio {arch['mlp_ratio']} leaves the MLP no hidden units")
     return arch
 
@@ -189,7 +186,8 @@ def custom_name(hidden_size: int, depth: int, num_heads: int | str, patch_size: 
     """The custom spec of these fields (mlp_ratio and the block choices, BLOCK_FIELDS, only when not
     the default; num_heads "?" for a spec to complete)."""
     ratio = f",mlp_ratio={mlp_ratio:g}" if mlp_ratio != DiTConfig.mlp_ratio else ""
-    spelled = {key: next(s for s, v in _CUSTOM_CHOICES[key].items() if v == value)
+    named = _custom_choices()
+    spelled = {key: next(s for s, v in named[key].items() if v == value)
                for key, value in blocks.items() if value != getattr(DiTConfig, key)}
     choices = "".join(f",{key}={spelled[key]}" for key in BLOCK_FIELDS if key in spelled)
     return (f"{CUSTOM_PREFIX}hidden={hidden_size},depth={depth},heads={num_heads},patch={patch_size}{ratio}"
@@ -238,8 +236,9 @@ def flops_per_forward(config: DiTConfig, text_tokens: int = 0, tokens: list[int]
 def block_flops(config: DiTConfig, tokens: int, text_tokens: int = 0) -> int:
     """Multiply-adds of one block on `tokens` tokens of one sample (flops_per_forward's terms)."""
     D, T, H, L = config.hidden_size, tokens, config.mlp_hidden, text_tokens
-    # qkv, proj, the MLP: fc1 + fc2 (GELU: D -> H -> D), or fc1 (D -> 2H') + fc2 (H' -> D) of SwiGLU
-    per_block = T * (3 * D * D + D * D + MLP_MATMULS[config.mlp] * D * H)
+    # qkv, proj, the MLP: its part's matmuls of D x H (GELU: fc1 + fc2, D -> H -> D; SwiGLU: fc1
+    # D -> 2H' as two, fc2 H' -> D)
+    per_block = T * (3 * D * D + D * D + MLPS[config.mlp].matmuls * D * H)
     per_block += 2 * T * T * D  # QK^T and AV, all heads together
     per_block += 6 * D * D  # adaLN modulation, once per sample
     if L:
@@ -249,6 +248,6 @@ def block_flops(config: DiTConfig, tokens: int, text_tokens: int = 0) -> int:
 
 
 
-__all__ = ["BLOCK_FIELDS", "CONFIGS", "CUSTOM_PREFIX", "CUSTOM_SPEC", "LIGHTNING", "MLP_WIDTH", "DiTConfig",
+__all__ = ["BLOCK_FIELDS", "CONFIGS", "CUSTOM_PREFIX", "CUSTOM_SPEC", "LIGHTNING", "DiTConfig",
            "ModelSpecError", "architecture", "block_flops", "custom_name", "flops_per_forward", "get_config",
            "parse_custom"]

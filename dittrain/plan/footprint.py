@@ -34,7 +34,10 @@ cuda` verifies on a GPU.
 
 The table (dittrain/plan/activation_table.json, data: measured, not worked out) holds coefficients of
 the features below, fitted exactly by the bench on small shapes, so a new model size needs no
-new measurement:
+new measurement. Its keys begin with the block kind, "mlp,norm,pos,qk": the names of the block's
+parts (dittrain.model.parts; block_kind), the bench measuring every combination registered; a
+part the table has no rows for is refused in one line (FootprintError), a new size of a known one
+is not:
   BLOCK["mlp,norm,pos,qk/dtype/kernel"][mode]  one block: per sample BLOCK_SAMPLE, then per step
       BLOCK_FIXED; kernel: fused (flash, memory-efficient, cuDNN or the CPU's flash attention:
       the output and a logsumexp are kept) or math (the attention matrix too: the T*T*heads column)
@@ -53,6 +56,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ditdata.common.errors import UserError
+from dittrain.model.parts import BLOCK_PARTS, POSITIONS
 from dittrain.model.routing import Route, block_tokens
 from dittrain.model.sizes import DiTConfig
 
@@ -66,14 +70,15 @@ def activation_table() -> SimpleNamespace:
 
 
 # The features the table's coefficients multiply (activation_table.json; the bench fits them).
-# One block on T tokens, per sample: T*D, T*H (the MLP's hidden width), T*heads, T, D, T*T*heads
+# One block on T tokens, per sample: T*D, T*H (the MLP's hidden width, its part's width rule), T*heads, T, D, T*T*heads
 # (the attention matrix, which only the math kernel keeps).
 BLOCK_SAMPLE = ("TD", "TH", "Th", "T", "D", "TTh")
 # One block, per step: the parameters of its attention and adaLN linear layers (together: both are
 # 10 (D^2 + D), in a fixed ratio) and of its MLP's: the autocast copies the saved matmuls keep.
 BLOCK_FIXED = ("attn+ada", "mlp")
 # Outside the blocks (embedders, final layer, the loss), per sample: T*D, latent elements, D, 1;
-# per step: linear/convolution parameters outside the blocks, the RoPE table (T*head_dim), 1.
+# per step: linear/convolution parameters outside the blocks, the rotary table of a rotary position
+# part (T*head_dim: RoPE's; 0 for sin-cos), 1.
 OUTSIDE_SAMPLE = ("TD", "E", "D", "1")
 OUTSIDE_FIXED = ("linear", "rope", "1")
 # --repa's projector and targets, per sample: T*width, T*target dims, T*D, T; per step: its linear parameters.
@@ -91,8 +96,9 @@ class FootprintError(UserError, ValueError):
 
 
 def block_kind(config: DiTConfig) -> str:
-    """The block's choices, as the table's key: "gelu,layer,sincos,noqk" is DiT's own block."""
-    return f"{config.mlp},{config.norm},{config.pos},{'qk' if config.qk_norm else 'noqk'}"
+    """The block's parts by name (and QK-norm), as the table's key: "gelu,layer,sincos,noqk" is DiT's
+    own block."""
+    return ",".join((*(getattr(config, parts.field) for parts in BLOCK_PARTS), "qk" if config.qk_norm else "noqk"))
 
 
 def loss_kind(objective: str, learn_sigma: bool) -> str:
@@ -108,6 +114,11 @@ def block_sample(config: DiTConfig, tokens: int) -> tuple[int, ...]:
 def outside_sample(config: DiTConfig) -> tuple[int, ...]:
     T, D = config.num_tokens, config.hidden_size
     return (T * D, config.in_channels * config.input_size ** 2, D, 1)
+
+
+def outside_fixed(config: DiTConfig) -> tuple[int, ...]:
+    rope = POSITIONS[config.pos].step_table(config.num_tokens, config.head_dim)
+    return (model_parts(config).outside_linear, rope, 1)
 
 
 def dot(coefficients, features) -> float:
@@ -321,8 +332,7 @@ def _outside_row(s: Setting):
 def _outside_kept(s: Setting, part: str) -> float:
     """What the embedders ("head") or the final layer and the loss ("tail") keep."""
     cfg, coef, n = s.config, _outside_row(s)[part], len(OUTSIDE_SAMPLE)
-    rope = cfg.num_tokens * cfg.head_dim if cfg.pos == "rope" else 0
-    return s.micro_batch * dot(coef[:n], outside_sample(cfg)) + dot(coef[n:], (model_parts(cfg).outside_linear, rope, 1))
+    return s.micro_batch * dot(coef[:n], outside_sample(cfg)) + dot(coef[n:], outside_fixed(cfg))
 
 
 def _repa_kept(s: Setting, tokens: list[int]) -> float:
@@ -401,4 +411,4 @@ def footprint(s: Setting) -> Footprint:
 __all__ = ["BLOCK_FIXED", "BLOCK_SAMPLE", "FP32", "HALF", "MODES", "OUTSIDE_FIXED", "OUTSIDE_SAMPLE", "PARTS",
            "REPA_FEATURES", "Footprint", "FootprintError", "ModelParts", "Setting", "block_kind",
            "block_modes", "block_sample", "dot", "footprint", "kept_bytes", "loss_kind", "model_parts",
-           "optimizer_state_bytes", "outside_sample", "projector_parts"]
+           "optimizer_state_bytes", "outside_fixed", "outside_sample", "projector_parts"]

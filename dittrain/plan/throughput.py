@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from ditdata.common.devices import GPUS, Gpu
+from dittrain.model.parts import MLPS
 from dittrain.model.sizes import DiTConfig, block_flops, flops_per_forward, get_config
 
 
@@ -62,7 +63,7 @@ def record_config(model: str, mode: str = "none") -> DiTConfig:
 def recompute_flops(config: DiTConfig, mode: str | int, tokens: list[int] | None = None) -> float:
     """Multiply-adds one sample's backward computes again under --grad-checkpointing `mode`:
     the forward of checkpointed blocks (every, k), of one branch (attn: qkv, proj and the
-    attention products; mlp: the MLP), none for selective (element-wise only) and none.
+    attention products; mlp: the MLP, its part's matmuls), none for selective (element-wise only) and none.
     tokens: each block's tokens (routing), default all of them."""
     depth, T = config.depth, config.num_tokens
     tokens = tokens or [T] * depth
@@ -73,9 +74,7 @@ def recompute_flops(config: DiTConfig, mode: str | int, tokens: list[int] | None
     if mode == "attn":
         return sum(t * 4 * D * D + 2 * t * t * D for t in tokens)
     if mode == "mlp":
-        from dittrain.model.sizes import MLP_MATMULS
-
-        return sum(t * MLP_MATMULS[config.mlp] * D * config.mlp_hidden for t in tokens)
+        return sum(t * MLPS[config.mlp].matmuls * D * config.mlp_hidden for t in tokens)
     return 0.0
 
 
