@@ -90,6 +90,31 @@ class EvalSampleConfig:
     chunk_size: int = 256
 
 
+# ------------------------------------------------------------------------------ library settings
+# What dittrain.data.build_loader takes instead of a long keyword list, with the defaults it had
+# as keywords; frozen: a call's settings, not a run's record.
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """How dittrain.data.build_loader reads a store; the run facts (batch size, seed, ranks,
+    device) are its own arguments. `dittrain run` fills it from its data section
+    (DataSection: loader -> kind, loader_memory -> memory, bucket_remainder -> remainder), whose
+    defaults these repeat, except memory: the library's loaders have no budget unless asked
+    (tests/test_data.py checks the two agree)."""
+
+    kind: str = LOADERS[0]  # auto | resident | streaming (dittrain.data.budget.choose_loader)
+    resident_device: str = RESIDENT_DEVICES[0]  # cpu | cuda: where a resident store lives
+    workers: int = 4  # streaming loader processes (0: read in this process)
+    shuffle_window: int | None = None  # streaming: shards shuffled together; None: sized by the budget (4 without)
+    prefetch: int | None = None  # streaming: batch slots per worker; None: sized by the budget (4 without)
+    memory: str | int | None = None  # streaming budget: auto, a size ("2GiB") or bytes; None: no budget
+    memory_fraction: float = 0.5  # auto: resident when this rank's part needs at most this share of the memory
+    split: str = "part"  # how ranks share the data: part | batch (dittrain.data's docstring)
+    remainder: str = BUCKET_REMAINDERS[0]  # a bucketed store's last partial batch per bucket: pad | drop
+    with_index: bool = False  # batches also carry each sample's row ("index") and flip choice ("flip")
+
+
 # ------------------------------------------------------------------------------ TrainConfig
 # `dittrain run`'s knobs in sections; the flags map 1:1 onto the field names (unique over all
 # sections), `dittrain run --help` lists them under the same headings, and config.json keeps

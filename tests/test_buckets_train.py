@@ -26,7 +26,7 @@ from test_sample import read_png
 from test_train import assert_same_state
 
 from ditdata.store import finalize_buckets
-from dittrain.data import BucketedLoader, LoaderError, build_loader
+from dittrain.data import BucketedLoader, LoaderConfig, LoaderError, build_loader
 from dittrain.model.dit import DiT, rope_table, sincos_pos_embed_2d
 from dittrain.model.sizes import get_config
 from dittrain.rundir import latest_checkpoint, load_checkpoint
@@ -225,9 +225,9 @@ def test_resume_from_any_batch_and_ranks_split_each_batch(bstore):
 
 
 def test_streaming_a_bucketed_store_is_refused(bstore):
-    msg = raises_one_line(LoaderError, lambda: build_loader(bstore, batch_size=4, kind="streaming"))
+    msg = raises_one_line(LoaderError, lambda: build_loader(bstore, LoaderConfig(kind="streaming"), batch_size=4))
     assert "bucketed store" in msg and "--loader auto or resident" in msg
-    assert build_loader(bstore, batch_size=4, kind="resident").kind == "bucketed"
+    assert build_loader(bstore, LoaderConfig(kind="resident"), batch_size=4).kind == "bucketed"
 
 
 # ----------------------------------------------------------------------------- dittrain run / sample / serve
