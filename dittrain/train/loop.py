@@ -84,10 +84,8 @@ def _evaluator(cfg: TrainConfig, store: Store):
     except ImportError as e:
         raise missing_extra("--eval-every", "eval", e, TrainError) from e
     try:
-        return TrainingEval(cfg.eval.eval_ref, n=cfg.eval.eval_n, resolution=(store.manifest.get("image") or {}).get("resolution"),
-                            inception=cfg.eval.eval_inception or None, steps=cfg.eval.eval_steps or None,
-                            cfg_scale=cfg.eval.eval_cfg, seed=cfg.optim.seed, batch_size=cfg.eval.eval_batch_size,
-                            log=lambda line: print(f"dittrain: {line}", file=sys.stderr))
+        return TrainingEval(cfg.eval, resolution=(store.manifest.get("image") or {}).get("resolution"),
+                            seed=cfg.optim.seed, log=lambda line: print(f"dittrain: {line}", file=sys.stderr))
     except EvalError as e:
         raise TrainError(f"--eval-every: {e}") from e
 
