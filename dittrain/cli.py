@@ -474,7 +474,7 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
       Sample i depends only on the settings and --seed (not on ranks or interruptions);
       text models cycle the --prompt values (arr_1: the prompt's index); unconditional: no arr_1.
     """
-    from dittrain.config import SampleConfig
+    from dittrain.config import NpzConfig, SampleConfig
     from dittrain.inference.sample import sample_to_files
 
     drawer = sample_engine(engine, onnx_file, ckpt, npz, latents=latents, vae=vae, model=model, size=size)
@@ -484,9 +484,10 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
         if n_per_class is not None or per_class_dir:
             raise click.ClickException("--npz writes --n samples into one file: not with --n-per-class or "
                                        "--per-class-dir (--classes balanced gives every class alike)")
-        sample_to_npz(drawer, npz, n=n, classes=classes, prompts=prompts, steps=steps, cfg_scale=cfg_scale,
-                      cfg_channels=cfg_channels, sampler=sampler, seed=seed, batch_size=batch_size, precision=precision,
-                      chunk_size=chunk_size or _EVAL.chunk_size, device=device,
+        given = {"n": n, "cfg_scale": cfg_scale, "chunk_size": chunk_size}  # None: the FID protocol's
+        settings = NpzConfig(steps=steps, cfg_channels=cfg_channels, sampler=sampler, seed=seed, batch_size=batch_size,
+                             precision=precision, **{k: v for k, v in given.items() if v is not None})
+        sample_to_npz(drawer, npz, settings, classes=classes, prompts=prompts, device=device,
                       text_pretrained=text_pretrained, overwrite=overwrite, preview=out, log=_say,
                       progress=not quiet)
         return

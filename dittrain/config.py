@@ -91,8 +91,26 @@ class EvalSampleConfig:
 
 
 # ------------------------------------------------------------------------------ library settings
-# What dittrain.data.build_loader takes instead of a long keyword list, with the defaults it had
-# as keywords; frozen: a call's settings, not a run's record.
+# What the library functions behind `dittrain sample --npz` and the trainer's loader take
+# instead of a long keyword list, with the defaults they had as keywords; frozen: a call's
+# settings, not a run's record.
+
+
+@dataclass(frozen=True)
+class NpzConfig:
+    """`dittrain sample --npz`'s settings (dittrain.inference.eval_samples.sample_to_npz): what
+    job.json records besides the conditions and the device. Steps and guidance default to the
+    FID protocol (EvalSampleConfig), the rest to SampleConfig's."""
+
+    steps: int | None = None  # None: EvalSampleConfig.ddpm_steps / flow_steps, by the run's objective
+    cfg_scale: float = EvalSampleConfig.cfg_scale
+    n: int = EvalSampleConfig.n
+    chunk_size: int = EvalSampleConfig.chunk_size
+    cfg_channels: int = SampleConfig.cfg_channels
+    sampler: str | None = SampleConfig.sampler
+    seed: int = SampleConfig.seed
+    batch_size: int = SampleConfig.batch_size
+    precision: str = SampleConfig.precision
 
 
 @dataclass(frozen=True)
