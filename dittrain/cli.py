@@ -55,6 +55,7 @@ def models_cmd(resolution, downsample, channels, num_classes, learn_sigma, specs
 
 # the defaults, from their one place (dittrain.config, light: imported above anyway)
 _D, _SAMPLE, _EVAL = config.TrainConfig().flat(), config.SampleConfig(), config.EvalSampleConfig()
+_SERVE = config.ServeConfig()
 
 
 # ------------------------------------------------------------------ what sample and serve share
@@ -670,15 +671,15 @@ def eval_cmd(samples, ref, inception, json_out, batch_size, device, resolution, 
 @click.option("--ckpt", required=True, type=click.Path(exists=True, path_type=str),
               help="What `dittrain sample --ckpt` takes: a run directory, an EMA export, a checkpoint or a "
                    "plain state dict (with --vae or --latents). Loaded once, at start.")
-@click.option("--host", default="127.0.0.1", show_default=True,
+@click.option("--host", default=_SERVE.host, show_default=True,
               help="The address to listen on; 0.0.0.0 opens the page to the network (no login: trusted networks).")
-@click.option("--port", default=7860, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--port", default=_SERVE.port, show_default=True, type=click.IntRange(1, 65535))
 @sampling_options("Samples per forward pass (CFG doubles it); part of what decides ddpm's images.")
-@click.option("--max-images", default=64, show_default=True, type=click.IntRange(min=1),
+@click.option("--max-images", default=_SERVE.max_images, show_default=True, type=click.IntRange(min=1),
               help="The most images one request may ask for.")
-@click.option("--max-steps", default=1000, show_default=True, type=click.IntRange(min=1),
+@click.option("--max-steps", default=_SERVE.max_steps, show_default=True, type=click.IntRange(min=1),
               help="The most sampling steps one request may ask for (ddpm: at most its timesteps).")
-@click.option("--queue-size", default=32, show_default=True, type=click.IntRange(min=1),
+@click.option("--queue-size", default=_SERVE.queue_size, show_default=True, type=click.IntRange(min=1),
               help="Requests waiting their turn (one runs at a time) before new ones are turned away.")
 @click.option("--latents", type=click.Path(file_okay=False, path_type=str), default=None,
               help="The latent store, if not at the path the run recorded.")
@@ -703,7 +704,7 @@ def serve_cmd(ckpt, host, port, **options):
     """
     from dittrain.inference.serve import serve
 
-    serve(ckpt, host=host, port=port, log=click.echo, **options)
+    serve(ckpt, config.ServeConfig(host=host, port=port, **options), log=click.echo)
 
 
 if __name__ == "__main__":

@@ -91,9 +91,9 @@ class EvalSampleConfig:
 
 
 # ------------------------------------------------------------------------------ library settings
-# What the library functions behind `dittrain sample --npz` and the trainer's loader take
-# instead of a long keyword list, with the defaults they had as keywords; frozen: a call's
-# settings, not a run's record.
+# What the library functions behind `dittrain sample --npz`, `dittrain serve` and the trainer's
+# loader take instead of a long keyword list, with the defaults they had as keywords (the
+# command line reads them too); frozen: a call's settings, not a run's record.
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,25 @@ class NpzConfig:
     seed: int = SampleConfig.seed
     batch_size: int = SampleConfig.batch_size
     precision: str = SampleConfig.precision
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """`dittrain serve`'s settings (dittrain.inference.serve): where the page listens, how it
+    samples, what one request may ask, and where the run's parts are if not where it says."""
+
+    host: str = "127.0.0.1"  # 0.0.0.0 opens the page to the network (no login)
+    port: int = 7860
+    device: str = "auto"
+    precision: str = SampleConfig.precision
+    batch_size: int = SampleConfig.batch_size  # samples per forward pass; part of what decides ddpm's images
+    max_images: int = 64  # per request
+    max_steps: int = 1000  # per request (ddpm: at most its timesteps)
+    queue_size: int = 32  # requests waiting their turn before new ones are turned away
+    latents: str | None = None  # the run's latent store, if not where it recorded
+    vae: str | None = None  # the autoencoder to decode with (as `dittrain sample --vae`)
+    model: str | None = None  # a plain state dict's model
+    text_pretrained: str | None = None  # the text encoder's weights, if not where the store's manifest says
 
 
 @dataclass(frozen=True)

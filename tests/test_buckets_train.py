@@ -283,9 +283,10 @@ def test_size_on_a_plain_run_is_refused(tmp_path):
 
 
 def test_serve_offers_the_bucket_sizes(bucket_run, tmp_path):
+    from dittrain.config import ServeConfig
     from dittrain.inference.serve import Request, Server
 
-    server = Server(bucket_run, device="cpu", batch_size=2, max_images=4, log=lambda line: None)
+    server = Server(bucket_run, ServeConfig(device="cpu", batch_size=2, max_images=4), log=lambda line: None)
     assert server.sizes == ["16x8", "8x16", "8x8"] and server.default_size == "8x8" and server.image_size == (8, 8)
     out = server.generate(Request(choice="1", n=2, steps=2, seed=3, size="8x16"))
     assert out.ok and out.images.shape == (2, 16, 8, 3) and "--size 8x16" in out.command, out.message
