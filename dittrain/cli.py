@@ -55,7 +55,7 @@ def models_cmd(resolution, downsample, channels, num_classes, learn_sigma, specs
 
 # the defaults, from their one place (dittrain.config, light: imported above anyway)
 _D, _SAMPLE, _EVAL = config.TrainConfig().flat(), config.SampleConfig(), config.EvalSampleConfig()
-_SERVE = config.ServeConfig()
+_SERVE, _ONNX = config.ServeConfig(), config.OnnxConfig()
 
 
 # ------------------------------------------------------------------ what sample and serve share
@@ -523,11 +523,11 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
               help="diffusers: the AutoencoderKL, if not where the store's manifest says (or, for a plain state "
                    "dict, instead of a store).")
 @click.option("--model", default=None, metavar="NAME", help="A plain state dict's model (as sample's).")
-@click.option("--tolerance", default=1e-4, show_default=True, type=FiniteFloat(min=0),
+@click.option("--tolerance", default=_ONNX.tolerance, show_default=True, type=FiniteFloat(min=0),
               help="onnx: the largest |onnxruntime - PyTorch| allowed, times max(1, max |output|).")
-@click.option("--max-batch", default=1024, show_default=True, type=click.IntRange(min=2),
+@click.option("--max-batch", default=_ONNX.max_batch, show_default=True, type=click.IntRange(min=2),
               help="onnx: the largest batch of the dynamic axis (guidance doubles the sampling batch).")
-@click.option("--opset", default=None, type=click.IntRange(min=17), help="onnx: the opset (default: the exporter's).")
+@click.option("--opset", default=_ONNX.opset, type=click.IntRange(min=17), help="onnx: the opset (default: the exporter's).")
 def export_cmd(ckpt, fmt, out, overwrite, latents, vae, model, tolerance, max_batch, opset):
     """Export a run's EMA weights for other tools: ONNX (TensorRT, onnxruntime), a diffusers
     DiTPipeline, or fp16 / int8 files that `dittrain sample` and `dittrain serve` load.
@@ -557,8 +557,8 @@ def export_cmd(ckpt, fmt, out, overwrite, latents, vae, model, tolerance, max_ba
     """
     from dittrain.inference.export import export
 
-    export(ckpt, fmt, out, overwrite=overwrite, latents=latents, vae=vae, model=model, tolerance=tolerance,
-           max_batch=max_batch, opset=opset, log=_say)
+    export(ckpt, fmt, out, overwrite=overwrite, latents=latents, vae=vae, model=model,
+           onnx=config.OnnxConfig(tolerance=tolerance, max_batch=max_batch, opset=opset), log=_say)
 
 
 def _check_folder(flag: str, path: str | None) -> None:

@@ -91,9 +91,10 @@ class EvalSampleConfig:
 
 
 # ------------------------------------------------------------------------------ library settings
-# What the library functions behind `dittrain sample --npz`, `dittrain serve` and the trainer's
-# loader take instead of a long keyword list, with the defaults they had as keywords (the
-# command line reads them too); frozen: a call's settings, not a run's record.
+# What the library functions behind `dittrain sample --npz`, `dittrain serve`, `dittrain export
+# --format onnx` and the trainer's loader take instead of a long keyword list, with the defaults
+# they had as keywords (the command line reads them too); frozen: a call's settings, not a run's
+# record.
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,15 @@ class ServeConfig:
     vae: str | None = None  # the autoencoder to decode with (as `dittrain sample --vae`)
     model: str | None = None  # a plain state dict's model
     text_pretrained: str | None = None  # the text encoder's weights, if not where the store's manifest says
+
+
+@dataclass(frozen=True)
+class OnnxConfig:
+    """How `dittrain export --format onnx` traces and checks (dittrain.inference.onnx.export_onnx)."""
+
+    tolerance: float = 1e-4  # the largest |onnxruntime - PyTorch|, times max(1, max |PyTorch output|)
+    max_batch: int = 1024  # the dynamic batch axis' upper bound (guidance doubles the sampling batch)
+    opset: int | None = None  # None: the exporter's
 
 
 @dataclass(frozen=True)
