@@ -103,14 +103,14 @@ def real_loader(spec: dict, device: torch.device, args):
         raise SystemExit("gpu_train: repa, route= and latent= rows use the gpu loader (synthetic latents on the device)")
     from scratch import synthetic_store  # bench/scratch.py (imports the store module: zarr)
 
-    from dittrain.data import build_loader
+    from dittrain.data import LoaderConfig, build_loader
 
     store = synthetic_store(Path(args.store_dir) / f"store-{args.store_size}", args.store_size, 10_000)
     loader_kind, resident_device = {"resident-cuda": ("resident", "cuda"), "resident": ("resident", "cpu"),
                                     "streaming": ("streaming", "cpu")}[spec["loader"]]
-    return build_loader(str(store), batch_size=spec["batch"], kind=loader_kind, seed=0, device=device,
-                        resident_device=resident_device if device.type == "cuda" else "cpu",
-                        workers=args.workers)
+    settings = LoaderConfig(kind=loader_kind, resident_device=resident_device if device.type == "cuda" else "cpu",
+                            workers=args.workers)
+    return build_loader(str(store), settings, batch_size=spec["batch"], seed=0, device=device)
 
 
 def parse_spec(spec: str) -> dict:

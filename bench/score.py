@@ -86,6 +86,7 @@ def main() -> None:
     import torch
 
     from ditdata.clip import load_clip
+    from ditdata.config import ScoreConfig
     from ditdata.scoring.score import prepared_samples, score
 
     if args.threads:
@@ -126,8 +127,8 @@ def main() -> None:
         if batch:
             clip.pixels(batch)
         decode_rate = args.n / (time.perf_counter() - t)
-        summary = score(folder, clip=args.clip, pretrained=None, device=args.device, batch_size=bs,
-                        workers=workers, overwrite=True, progress=False)
+        summary = score(ScoreConfig(folder, pretrained=None, clip=args.clip, device=args.device, batch_size=bs,
+                                    workers=workers, overwrite=True, progress=False))
         print(f"| {bs} | {summary['samples_per_s']:.1f} | {model_rate:.1f} | {decode_rate:.1f} |", flush=True)
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)

@@ -6,8 +6,9 @@ module reports (its `report`, `describe` or list of faults):
     dedup -> ditdata.scoring.dedup
     encode -> ditdata.encode  features -> ditdata.features  inspect, verify -> ditdata.inspection
 
-The defaults and choices of fetch, encode and features are those of ditdata/config.py
-(FetchConfig, EncodeConfig, FeaturesConfig), which imports nothing heavy; torch, img2dataset, open_clip, diffusers and
+The defaults and choices of fetch, score, filter, dedup, encode and features are those of
+ditdata/config.py (FetchConfig, ScoreConfig, FilterConfig, DedupConfig, EncodeConfig, FeaturesConfig),
+which imports nothing heavy; torch, img2dataset, open_clip, diffusers and
 zarr are imported inside the calls, so `ditdata --help` stays instant."""
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ from ditdata.config import (
     PCA_TOKENS_PER_IMAGE,
     POSTERIORS,
     RESIZE_MODES,
-    SCORE_BATCH_SIZE,
     DedupConfig,
     EncodeConfig,
     FeaturesConfig,
     FetchConfig,
+    FilterConfig,
+    ScoreConfig,
 )
 from ditdata.store.defaults import BACKENDS
 
@@ -57,6 +59,7 @@ _fetch_opt = partial(_opt, FetchConfig)
 _encode_opt = partial(_opt, EncodeConfig)
 _features_opt = partial(_opt, FeaturesConfig)
 _dedup_opt = partial(_opt, DedupConfig)
+_score_opt = partial(_opt, ScoreConfig)
 _quiet = quiet_option
 
 
@@ -211,8 +214,8 @@ def fetch(source, out, retry_failed, quiet, **options):
 @click.option("--clip-config", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
               help="An open_clip model-config JSON (embed_dim, vision_cfg, text_cfg) for a custom "
                    "architecture; the model is then named after the file's stem.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ... (bf16 autocast on CUDA).")
-@click.option("--batch-size", default=SCORE_BATCH_SIZE, show_default=True, type=click.IntRange(min=1))
+@_score_opt("--device", field="device", help="auto, cpu, cuda, cuda:1, ... (bf16 autocast on CUDA).")
+@_score_opt("--batch-size", field="batch_size", type=click.IntRange(min=1))
 @click.option("--threads", "workers", default=None, type=click.IntRange(min=0),
               help="Image decoding threads (0: decode in the main thread). Default: CPU cores, at most 8. "
                    "(Threads, as fetch's --threads; --workers counts processes everywhere.)")
@@ -250,10 +253,10 @@ def score(shards, clip_name, pretrained, clip_config, device, batch_size, worker
     from ditdata.scoring.score import report
     from ditdata.scoring.score import score as run_score
 
-    summary = run_score(shards, clip=clip_name, pretrained=pretrained, clip_config=clip_config, device=device,
-                        batch_size=batch_size, workers=workers, overwrite=overwrite,
-                        skip_bad_shards=skip_bad_shards, progress=not quiet, save_embeddings=save_embeddings,
-                        aesthetic=aesthetic)
+    summary = run_score(ScoreConfig(shards=shards, pretrained=pretrained, clip=clip_name, clip_config=clip_config,
+                                    device=device, batch_size=batch_size, workers=workers, overwrite=overwrite,
+                                    skip_bad_shards=skip_bad_shards, save_embeddings=save_embeddings,
+                                    aesthetic=aesthetic, progress=not quiet))
     click.echo(f"{shards}: {report(summary)}")
 
 
@@ -314,10 +317,11 @@ def filter_(shards, min_clip_score, top_fraction, min_width, min_height, max_asp
                                "--top-aesthetic-fraction F or --select SELECTION")
     from ditdata.scoring.filter import filter_shards, report
 
-    _, summary = filter_shards(shards, out, min_clip_score=min_clip_score, top_fraction=top_fraction,
-                               min_width=min_width, min_height=min_height, max_aspect_ratio=max_aspect_ratio,
-                               min_caption_length=min_caption_length, min_aesthetic=min_aesthetic,
-                               top_aesthetic_fraction=top_aesthetic_fraction, select=select)
+    _, summary = filter_shards(FilterConfig(shards=shards, out=out, min_clip_score=min_clip_score,
+                                            top_fraction=top_fraction, min_width=min_width, min_height=min_height,
+                                            max_aspect_ratio=max_aspect_ratio, min_caption_length=min_caption_length,
+                                            min_aesthetic=min_aesthetic, top_aesthetic_fraction=top_aesthetic_fraction,
+                                            select=select))
     click.echo(f"{shards}: {report(summary)}")
 
 

@@ -1,8 +1,8 @@
-"""The settings of `ditdata fetch`, `ditdata encode` and `ditdata features` (and the defaults
-of `ditdata score`): every option with its default and its choices, in one place. The command
-line builds its options from these dataclasses (ditdata/cli.py), and the Python API takes them
-(`fetch(source, out, FetchConfig(...))`, `encode(EncodeConfig(...))`,
-`compute_features(FeaturesConfig(...))`).
+"""The settings of `ditdata fetch`, `score`, `filter`, `dedup`, `encode` and `features`: every
+option with its default and its choices, in one place. The command line builds its options
+from these dataclasses (ditdata/cli.py), and the Python API takes them
+(`fetch(source, out, FetchConfig(...))`, `score(ScoreConfig(...))`, `filter_shards(FilterConfig(...))`,
+`dedup(DedupConfig(...))`, `encode(EncodeConfig(...))`, `compute_features(FeaturesConfig(...))`).
 
 Importing this module is cheap (the standard library only): `ditdata --help` shows these
 defaults without loading numpy or torch.
@@ -59,6 +59,46 @@ class FetchConfig:
 
 CLIP_MODEL = "ViT-B-32"  # the open_clip model of `ditdata score` when none is named
 SCORE_BATCH_SIZE = 128
+
+
+@dataclass
+class ScoreConfig:
+    """`ditdata score`: the CLIP score of every image-caption pair of an image-shard folder
+    (ditdata.scoring.score), and on request each image's embedding and aesthetic score."""
+
+    shards: str  # the image-shard folder (`ditdata fetch --out`)
+    pretrained: str | None  # open_clip pretrained tag (the local Hugging Face cache only) or a weights file
+    clip: str | None = None  # the open_clip model; None: CLIP_MODEL, or clip_config's stem
+    clip_config: str | None = None  # an open_clip model-config JSON for a custom architecture
+    device: str = "auto"  # auto: cuda when available
+    batch_size: int = SCORE_BATCH_SIZE
+    workers: int | None = None  # image decoding threads (0: the main thread); None: CPU cores, at most 8
+    overwrite: bool = False  # score every shard again, replacing scores of other weights
+    skip_bad_shards: bool = False  # leave out (and record) image shards that are damaged
+    save_embeddings: bool = False  # keep each image's CLIP embedding too (for `ditdata dedup`)
+    aesthetic: str | None = None  # the LAION aesthetic predictor's state-dict file; None: no aesthetic scores
+    progress: bool = True
+
+
+# ------------------------------------------------------------------------------- filter
+
+
+@dataclass
+class FilterConfig:
+    """`ditdata filter`: the rule that selects samples of a scored image-shard folder
+    (ditdata.scoring.filter's docstring: every rule given must hold; None: not applied)."""
+
+    shards: str  # the scored image-shard folder
+    out: str  # the selection file to write (parquet, or JSON if it ends in .json)
+    min_clip_score: float | None = None  # clip_score >= X
+    top_fraction: float | None = None  # the top F of the scored samples (ties at the cut-off kept)
+    min_width: int | None = None  # of the source image
+    min_height: int | None = None
+    max_aspect_ratio: float | None = None  # longer / shorter side <= R
+    min_caption_length: int | None = None  # characters, after stripping whitespace
+    min_aesthetic: float | None = None  # aesthetic >= A (`ditdata score --aesthetic`)
+    top_aesthetic_fraction: float | None = None  # the top F by aesthetic score
+    select: str | None = None  # only the samples of an earlier selection (e.g. `ditdata dedup`'s)
 
 # ------------------------------------------------------------------------------- dedup
 

@@ -56,6 +56,7 @@ def models_cmd(resolution, downsample, channels, num_classes, learn_sigma, specs
 
 # the defaults, from their one place (dittrain.config, light: imported above anyway)
 _D, _SAMPLE, _EVAL = config.TrainConfig().flat(), config.SampleConfig(), config.EvalSampleConfig()
+_SERVE, _ONNX = config.ServeConfig(), config.OnnxConfig()
 
 
 # ------------------------------------------------------------------ what sample and serve share
@@ -475,7 +476,7 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
       Sample i depends only on the settings and --seed (not on ranks or interruptions);
       text models cycle the --prompt values (arr_1: the prompt's index); unconditional: no arr_1.
     """
-    from dittrain.config import SampleConfig
+    from dittrain.config import NpzConfig, SampleConfig
     from dittrain.inference.sample import sample_to_files
 
     drawer = sample_engine(engine, onnx_file, ckpt, npz, latents=latents, vae=vae, model=model, size=size)
@@ -485,9 +486,10 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
         if n_per_class is not None or per_class_dir:
             raise click.ClickException("--npz writes --n samples into one file: not with --n-per-class or "
                                        "--per-class-dir (--classes balanced gives every class alike)")
-        sample_to_npz(drawer, npz, n=n, classes=classes, prompts=prompts, steps=steps, cfg_scale=cfg_scale,
-                      cfg_channels=cfg_channels, sampler=sampler, seed=seed, batch_size=batch_size, precision=precision,
-                      chunk_size=chunk_size or _EVAL.chunk_size, device=device,
+        given = {"n": n, "cfg_scale": cfg_scale, "chunk_size": chunk_size}  # None: the FID protocol's
+        settings = NpzConfig(steps=steps, cfg_channels=cfg_channels, sampler=sampler, seed=seed, batch_size=batch_size,
+                             precision=precision, **{k: v for k, v in given.items() if v is not None})
+        sample_to_npz(drawer, npz, settings, classes=classes, prompts=prompts, device=device,
                       text_pretrained=text_pretrained, overwrite=overwrite, preview=out, log=_say,
                       progress=not quiet)
         return
@@ -522,11 +524,11 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
               help="diffusers: the AutoencoderKL, if not where the store's manifest says (or, for a plain state "
                    "dict, instead of a store).")
 @click.option("--model", default=None, metavar="NAME", help="A plain state dict's model (as sample's).")
-@click.option("--tolerance", default=1e-4, show_default=True, type=FiniteFloat(min=0),
+@click.option("--tolerance", default=_ONNX.tolerance, show_default=True, type=FiniteFloat(min=0),
               help="onnx: the largest |onnxruntime - PyTorch| allowed, times max(1, max |output|).")
-@click.option("--max-batch", default=1024, show_default=True, type=click.IntRange(min=2),
+@click.option("--max-batch", default=_ONNX.max_batch, show_default=True, type=click.IntRange(min=2),
               help="onnx: the largest batch of the dynamic axis (guidance doubles the sampling batch).")
-@click.option("--opset", default=None, type=click.IntRange(min=17), help="onnx: the opset (default: the exporter's).")
+@click.option("--opset", default=_ONNX.opset, type=click.IntRange(min=17), help="onnx: the opset (default: the exporter's).")
 def export_cmd(ckpt, fmt, out, overwrite, latents, vae, model, tolerance, max_batch, opset):
     """Export a run's EMA weights for other tools: ONNX (TensorRT, onnxruntime), a diffusers
     DiTPipeline, or fp16 / int8 files that `dittrain sample` and `dittrain serve` load.
@@ -556,8 +558,8 @@ def export_cmd(ckpt, fmt, out, overwrite, latents, vae, model, tolerance, max_ba
     """
     from dittrain.inference.export import export
 
-    export(ckpt, fmt, out, overwrite=overwrite, latents=latents, vae=vae, model=model, tolerance=tolerance,
-           max_batch=max_batch, opset=opset, log=_say)
+    export(ckpt, fmt, out, overwrite=overwrite, latents=latents, vae=vae, model=model,
+           onnx=config.OnnxConfig(tolerance=tolerance, max_batch=max_batch, opset=opset), log=_say)
 
 
 def _check_folder(flag: str, path: str | None) -> None:
@@ -670,15 +672,15 @@ def eval_cmd(samples, ref, inception, json_out, batch_size, device, resolution, 
 @click.option("--ckpt", required=True, type=click.Path(exists=True, path_type=str),
               help="What `dittrain sample --ckpt` takes: a run directory, an EMA export, a checkpoint or a "
                    "plain state dict (with --vae or --latents). Loaded once, at start.")
-@click.option("--host", default="127.0.0.1", show_default=True,
+@click.option("--host", default=_SERVE.host, show_default=True,
               help="The address to listen on; 0.0.0.0 opens the page to the network (no login: trusted networks).")
-@click.option("--port", default=7860, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--port", default=_SERVE.port, show_default=True, type=click.IntRange(1, 65535))
 @sampling_options("Samples per forward pass (CFG doubles it); part of what decides ddpm's images.")
-@click.option("--max-images", default=64, show_default=True, type=click.IntRange(min=1),
+@click.option("--max-images", default=_SERVE.max_images, show_default=True, type=click.IntRange(min=1),
               help="The most images one request may ask for.")
-@click.option("--max-steps", default=1000, show_default=True, type=click.IntRange(min=1),
+@click.option("--max-steps", default=_SERVE.max_steps, show_default=True, type=click.IntRange(min=1),
               help="The most sampling steps one request may ask for (ddpm: at most its timesteps).")
-@click.option("--queue-size", default=32, show_default=True, type=click.IntRange(min=1),
+@click.option("--queue-size", default=_SERVE.queue_size, show_default=True, type=click.IntRange(min=1),
               help="Requests waiting their turn (one runs at a time) before new ones are turned away.")
 @click.option("--latents", type=click.Path(file_okay=False, path_type=str), default=None,
               help="The latent store, if not at the path the run recorded.")
@@ -703,7 +705,7 @@ def serve_cmd(ckpt, host, port, **options):
     """
     from dittrain.inference.serve import serve
 
-    serve(ckpt, host=host, port=port, log=click.echo, **options)
+    serve(ckpt, config.ServeConfig(host=host, port=port, **options), log=click.echo)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,78 @@ class EvalSampleConfig:
     chunk_size: int = 256
 
 
+# ------------------------------------------------------------------------------ library settings
+# What the library functions behind `dittrain sample --npz`, `dittrain serve`, `dittrain export
+# --format onnx` and the trainer's loader take instead of a long keyword list, with the defaults
+# they had as keywords (the command line reads them too); frozen: a call's settings, not a run's
+# record.
+
+
+@dataclass(frozen=True)
+class NpzConfig:
+    """`dittrain sample --npz`'s settings (dittrain.inference.eval_samples.sample_to_npz): what
+    job.json records besides the conditions and the device. Steps and guidance default to the
+    FID protocol (EvalSampleConfig), the rest to SampleConfig's."""
+
+    steps: int | None = None  # None: EvalSampleConfig.ddpm_steps / flow_steps, by the run's objective
+    cfg_scale: float = EvalSampleConfig.cfg_scale
+    n: int = EvalSampleConfig.n
+    chunk_size: int = EvalSampleConfig.chunk_size
+    cfg_channels: int = SampleConfig.cfg_channels
+    sampler: str | None = SampleConfig.sampler
+    seed: int = SampleConfig.seed
+    batch_size: int = SampleConfig.batch_size
+    precision: str = SampleConfig.precision
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """`dittrain serve`'s settings (dittrain.inference.serve): where the page listens, how it
+    samples, what one request may ask, and where the run's parts are if not where it says."""
+
+    host: str = "127.0.0.1"  # 0.0.0.0 opens the page to the network (no login)
+    port: int = 7860
+    device: str = "auto"
+    precision: str = SampleConfig.precision
+    batch_size: int = SampleConfig.batch_size  # samples per forward pass; part of what decides ddpm's images
+    max_images: int = 64  # per request
+    max_steps: int = 1000  # per request (ddpm: at most its timesteps)
+    queue_size: int = 32  # requests waiting their turn before new ones are turned away
+    latents: str | None = None  # the run's latent store, if not where it recorded
+    vae: str | None = None  # the autoencoder to decode with (as `dittrain sample --vae`)
+    model: str | None = None  # a plain state dict's model
+    text_pretrained: str | None = None  # the text encoder's weights, if not where the store's manifest says
+
+
+@dataclass(frozen=True)
+class OnnxConfig:
+    """How `dittrain export --format onnx` traces and checks (dittrain.inference.onnx.export_onnx)."""
+
+    tolerance: float = 1e-4  # the largest |onnxruntime - PyTorch|, times max(1, max |PyTorch output|)
+    max_batch: int = 1024  # the dynamic batch axis' upper bound (guidance doubles the sampling batch)
+    opset: int | None = None  # None: the exporter's
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """How dittrain.data.build_loader reads a store; the run facts (batch size, seed, ranks,
+    device) are its own arguments. `dittrain run` fills it from its data section
+    (DataSection: loader -> kind, loader_memory -> memory, bucket_remainder -> remainder), whose
+    defaults these repeat, except memory: the library's loaders have no budget unless asked
+    (tests/test_data.py checks the two agree)."""
+
+    kind: str = LOADERS[0]  # auto | resident | streaming (dittrain.data.budget.choose_loader)
+    resident_device: str = RESIDENT_DEVICES[0]  # cpu | cuda: where a resident store lives
+    workers: int = 4  # streaming loader processes (0: read in this process)
+    shuffle_window: int | None = None  # streaming: shards shuffled together; None: sized by the budget (4 without)
+    prefetch: int | None = None  # streaming: batch slots per worker; None: sized by the budget (4 without)
+    memory: str | int | None = None  # streaming budget: auto, a size ("2GiB") or bytes; None: no budget
+    memory_fraction: float = 0.5  # auto: resident when this rank's part needs at most this share of the memory
+    split: str = "part"  # how ranks share the data: part | batch (dittrain.data's docstring)
+    remainder: str = BUCKET_REMAINDERS[0]  # a bucketed store's last partial batch per bucket: pad | drop
+    with_index: bool = False  # batches also carry each sample's row ("index") and flip choice ("flip")
+
+
 # ------------------------------------------------------------------------------ resume classes
 # Every TrainConfig field says, where it is defined, what a resume does when it differs from the
 # run's record (dittrain.train.resume; tests/test_train_config.py fails on a field without one):

@@ -30,7 +30,7 @@ from cliutil import dittrain as cli
 
 import dittrain.train.checkpoint as checkpoint
 from ditdata.common import files
-from dittrain.data import build_loader
+from dittrain.data import LoaderConfig, build_loader
 from dittrain.inference.weights import load_weights
 from dittrain.model.dit import DiT
 from dittrain.model.sizes import get_config
@@ -55,7 +55,7 @@ def trained_state(store: Path, steps: int = 2) -> RunState:
     state = RunState(model=model, ema=ema, optimizer=opt,
                      lr_schedule=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
                      scaler=torch.amp.GradScaler("cpu", enabled=False),
-                     loader=build_loader(store, batch_size=4, kind="resident", seed=0),
+                     loader=build_loader(store, LoaderConfig(kind="resident"), batch_size=4, seed=0),
                      noise_gen=torch.Generator().manual_seed(0), config={"run": "test"},
                      device=torch.device("cpu"))
     for _ in range(steps):

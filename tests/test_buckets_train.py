@@ -26,7 +26,7 @@ from test_sample import read_png
 from test_train import assert_same_state
 
 from ditdata.store import finalize_buckets
-from dittrain.data import BucketedLoader, LoaderError, build_loader
+from dittrain.data import BucketedLoader, LoaderConfig, LoaderError, build_loader
 from dittrain.model.dit import DiT, rope_table, sincos_pos_embed_2d
 from dittrain.model.sizes import get_config
 from dittrain.rundir import latest_checkpoint, load_checkpoint
@@ -225,9 +225,9 @@ def test_resume_from_any_batch_and_ranks_split_each_batch(bstore):
 
 
 def test_streaming_a_bucketed_store_is_refused(bstore):
-    msg = raises_one_line(LoaderError, lambda: build_loader(bstore, batch_size=4, kind="streaming"))
+    msg = raises_one_line(LoaderError, lambda: build_loader(bstore, LoaderConfig(kind="streaming"), batch_size=4))
     assert "bucketed store" in msg and "--loader auto or resident" in msg
-    assert build_loader(bstore, batch_size=4, kind="resident").kind == "bucketed"
+    assert build_loader(bstore, LoaderConfig(kind="resident"), batch_size=4).kind == "bucketed"
 
 
 # ----------------------------------------------------------------------------- dittrain run / sample / serve
@@ -283,9 +283,10 @@ def test_size_on_a_plain_run_is_refused(tmp_path):
 
 
 def test_serve_offers_the_bucket_sizes(bucket_run, tmp_path):
+    from dittrain.config import ServeConfig
     from dittrain.inference.serve import Request, Server
 
-    server = Server(bucket_run, device="cpu", batch_size=2, max_images=4, log=lambda line: None)
+    server = Server(bucket_run, ServeConfig(device="cpu", batch_size=2, max_images=4), log=lambda line: None)
     assert server.sizes == ["16x8", "8x16", "8x8"] and server.default_size == "8x8" and server.image_size == (8, 8)
     out = server.generate(Request(choice="1", n=2, steps=2, seed=3, size="8x16"))
     assert out.ok and out.images.shape == (2, 16, 8, 3) and "--size 8x16" in out.command, out.message

@@ -339,9 +339,10 @@ def test_a_lightning_run_trains_samples_and_serves(lightning_run, tmp_path):
                                    tmp_path / "x", *SAMPLE).output)
     assert "without pos_embed, a RoPE model" in line and "EMA export" in line
     pytest.importorskip("gradio")
+    from dittrain.config import ServeConfig
     from dittrain.inference.serve import Request, Server
 
-    served = Server(lightning_run, device="cpu", batch_size=3, max_images=3, log=lambda line: None)
+    served = Server(lightning_run, ServeConfig(device="cpu", batch_size=3, max_images=3), log=lambda line: None)
     out = served.generate(Request(choice="1", n=2, steps=2, cfg_scale=2.0, seed=0))
     assert out.ok, out.message
     assert out.images.shape == (2, 8, 8, 3)

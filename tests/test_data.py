@@ -25,7 +25,7 @@ from storeutil import (
 
 import dittrain.data as data
 from ditdata.store import open_store
-from dittrain.data import ResidentLoader, StreamingLoader, build_loader, choose_loader
+from dittrain.data import LoaderConfig, ResidentLoader, StreamingLoader, build_loader, choose_loader
 
 SIZES, B = LOADER_SIZES, LOADER_BATCH  # 54 samples, an empty shard on purpose; batches of 8
 N = sum(SIZES)
@@ -268,7 +268,7 @@ def test_build_loader_auto(stores, monkeypatch):
     assert "resident in RAM" in loader.reason and "limit 50%" in loader.reason
     need = N * data.base._Spec(store).resident_bytes
     monkeypatch.setattr(data.budget, "available_memory", lambda: (int(need * 1.5), "test"))
-    loader = build_loader(store, batch_size=B, workers=0)
+    loader = build_loader(store, LoaderConfig(workers=0), batch_size=B)
     assert loader.kind == "streaming" and isinstance(loader, StreamingLoader)
     assert "over the 50% limit" in loader.reason
     # the ranks of one machine share its memory
@@ -278,9 +278,21 @@ def test_build_loader_auto(stores, monkeypatch):
     assert kind == "streaming" and "x 2 ranks" in reason
     kind, _, reason = choose_loader(store, world_size=2, local_world_size=1, split="batch")
     assert kind == "streaming" and "whole store" in reason  # every rank holds all of it
-    assert build_loader(store, batch_size=B, kind="resident").reason.startswith("resident: requested")
+    assert build_loader(store, LoaderConfig(kind="resident"), batch_size=B).reason.startswith("resident: requested")
     with pytest.raises(ValueError, match="unknown loader kind"):
-        build_loader(store, batch_size=B, kind="mmap")
+        build_loader(store, LoaderConfig(kind="mmap"), batch_size=B)
+
+
+def test_loader_settings_default_as_the_runs_data_section():
+    """LoaderConfig repeats DataSection's defaults (dittrain run fills one from the other), but
+    for the memory budget: the library's loaders have none unless asked."""
+    from dittrain.config import DataSection
+
+    d, s = DataSection(), LoaderConfig()
+    assert (s.kind, s.resident_device, s.workers, s.remainder) == (d.loader, d.resident_device, d.workers,
+                                                                    d.bucket_remainder)
+    assert s.shuffle_window is None and d.shuffle_window == 0  # both: sized by the budget
+    assert s.memory is None and d.loader_memory == "auto"
 
 
 def test_available_memory_is_real():
@@ -349,7 +361,7 @@ def test_cuda_exact_resume_with_fresh_draws(stores, kind, workers, on_cuda):
 
 @cuda
 def test_auto_resident_on_gpu(stores):
-    loader = build_loader(stores["fp16"], batch_size=B, resident_device="cuda", device="cuda")
+    loader = build_loader(stores["fp16"], LoaderConfig(resident_device="cuda"), batch_size=B, device="cuda")
     assert loader.kind == "resident" and loader.resident_device.type == "cuda"
     assert "free GPU memory" in loader.reason
     assert next(loader)["x"].is_cuda

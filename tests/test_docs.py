@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -391,12 +392,15 @@ def _resolve(dotted: str):
 
 
 def test_api_tables_name_real_parameters():
-    """Each `| parameter of `f` |` table of docs/api.md lists parameters that f really has."""
+    """Each `| parameter of `f` |` table of docs/api.md lists parameters that f really has, and
+    each `| field of `C` |` table fields that the dataclass C really has."""
     text = (REPO / "docs" / "api.md").read_text()
-    tables = re.findall(r"^\| parameter of `([\w.]+)` \|.*\n\|[-|]+\|\n((?:\|.*\n)+)", text, re.M)
-    assert len(tables) >= 5
-    for dotted, rows in tables:
-        params = inspect.signature(_resolve(dotted)).parameters
+    tables = re.findall(r"^\| (parameter|field) of `([\w.]+)` \|.*\n\|[-|]+\|\n((?:\|.*\n)+)", text, re.M)
+    assert len(tables) >= 5 and any(kind == "field" for kind, _, _ in tables)
+    for kind, dotted, rows in tables:
+        obj = _resolve(dotted)
+        params = ({f.name for f in dataclasses.fields(obj)} if kind == "field"
+                  else inspect.signature(obj).parameters)
         names = re.findall(r"^\| `(\w+)` \|", rows, re.M)
         assert names, dotted
         missing = [n for n in names if n not in params]

@@ -17,6 +17,7 @@ from cliutil import dittrain as cli
 from storeutil import LABELLED, class_conditioning, pixels_info, schema, write_store
 from tiny import save_ldm, tiny_ldm_kl
 
+from dittrain.config import SampleConfig
 from dittrain.data.latent_norm import LatentNorm, LatentNormError, latent_record
 from dittrain.diffusion import Diffusion
 from dittrain.inference.weights import load_weights
@@ -112,11 +113,11 @@ def test_sampling_undoes_the_normalisation_before_decoding(run_dir, store, monke
     weights, config = load_weights(out)  # the EMA export carries the run config, latents included
     assert config["latents"]["norm"] == "channel"
     monkeypatch.setattr(Diffusion, "sample", lambda self, model, shape, **kw: torch.zeros(shape))
-    images = sample_images(weights, config, open_store(store), n=2, steps=2, device="cpu")
+    images = sample_images(weights, config, open_store(store), SampleConfig(n=2, steps=2), device="cpu")
     want = np.round((np.asarray(config["latents"]["mean"]) + 1) / 2 * 255)
     assert np.abs(images.reshape(-1, 3).astype(float) - want).max() <= 1
     plain = dict(config, latents={"norm": "none"})
-    grey = sample_images(weights, plain, open_store(store), n=2, steps=2, device="cpu")
+    grey = sample_images(weights, plain, open_store(store), SampleConfig(n=2, steps=2), device="cpu")
     assert np.abs(grey.astype(float) - 127.5).max() <= 1  # without the inverse: z = 0 decodes to mid grey
 
 

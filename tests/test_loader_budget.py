@@ -17,6 +17,7 @@ from storeutil import LABELLED, latent_data, make_store, schema, write_store
 import dittrain.data as data
 from ditdata.store import open_store
 from dittrain.data import (
+    LoaderConfig,
     LoaderError,
     LoaderStateError,
     StreamingLoader,
@@ -149,7 +150,8 @@ def test_an_impossible_budget_is_refused_in_one_line(store):
     msg = str(e.value)
     assert "shuffle window 4 with 2 workers" in msg and "300.0 MiB" in msg and "needs ~" in msg
     with pytest.raises(LoaderError):  # build_loader refuses it the same way
-        data.build_loader(store, batch_size=64, kind="streaming", workers=2, shuffle_window=4, memory="300MiB")
+        data.build_loader(store, LoaderConfig(kind="streaming", workers=2, shuffle_window=4, memory="300MiB"),
+                          batch_size=64)
 
 
 def _batches(loader, n):

@@ -8,7 +8,14 @@ from storeutil import schema, write_store
 
 import dittrain.data as data
 from ditdata.store import open_store
-from dittrain.data import LoaderError, ResidentLoader, StreamingLoader, build_loader, choose_loader
+from dittrain.data import (
+    LoaderConfig,
+    LoaderError,
+    ResidentLoader,
+    StreamingLoader,
+    build_loader,
+    choose_loader,
+)
 
 SIZES = [10, 14]
 B = 4
@@ -36,7 +43,7 @@ def test_explicit_resident_refuses_a_store_larger_than_ram(store, monkeypatch):
     assert "test figure" in msg and "RAM" in msg  # where the figure came from
     assert "--loader streaming" in msg
     with pytest.raises(LoaderError):  # build_loader refuses before allocating anything
-        build_loader(store, batch_size=B, kind="resident")
+        build_loader(store, LoaderConfig(kind="resident"), batch_size=B)
 
 
 def test_headroom_is_kept(store, monkeypatch):
@@ -50,7 +57,7 @@ def test_auto_falls_back_to_streaming(store, monkeypatch):
     fake_ram(monkeypatch, need(store) // 2)
     kind, _, reason = choose_loader(store, kind="auto")
     assert kind == "streaming" and "over the 50% limit" in reason
-    with build_loader(store, batch_size=B, workers=0) as loader:
+    with build_loader(store, LoaderConfig(workers=0), batch_size=B) as loader:
         assert isinstance(loader, StreamingLoader)
         assert next(loader)["x"].shape[0] == B
 
@@ -60,7 +67,7 @@ def test_store_that_fits_is_accepted(store, monkeypatch):
     kind, rdev, reason = choose_loader(store, kind="resident")
     assert (kind, rdev) == ("resident", "cpu")
     assert reason.startswith("resident: requested") and "50% of the available" in reason
-    with build_loader(store, batch_size=B, kind="resident") as loader:
+    with build_loader(store, LoaderConfig(kind="resident"), batch_size=B) as loader:
         assert isinstance(loader, ResidentLoader) and next(loader)["x"].shape[0] == B
 
 

@@ -305,9 +305,10 @@ def test_nothing_of_the_projector_is_exported_and_sampling_is_unchanged(store, t
     assert r.exit_code == 0, r.output
     assert keys(tmp_path / "w.safetensors") == keys(tmp_path / "plain" / "ema.safetensors")
     pytest.importorskip("gradio")
+    from dittrain.config import ServeConfig
     from dittrain.inference.serve import Request, Server
 
-    served = Server(tmp_path / "repa", device="cpu", batch_size=2, max_images=4, log=lambda line: None)
+    served = Server(tmp_path / "repa", ServeConfig(device="cpu", batch_size=2, max_images=4), log=lambda line: None)
     out = served.generate(Request(choice="0", n=2, steps=2, cfg_scale=2.0, seed=0))
     assert out.ok, out.message
     assert out.images.shape[0] == 2

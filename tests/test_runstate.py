@@ -20,7 +20,7 @@ from storeutil import make_store, tiny_store
 from ditdata.store import encode_array, open_store
 from dittrain.cli import main as dittrain_cli
 from dittrain.config import TrainConfig
-from dittrain.data import LoaderStateError, build_loader
+from dittrain.data import LoaderConfig, LoaderStateError, build_loader
 from dittrain.model.dit import DiT
 from dittrain.model.sizes import get_config
 from dittrain.rundir import latest_checkpoint, load_checkpoint
@@ -37,7 +37,7 @@ def fresh_state(store: Path, *, init: int = 0, batch_size: int = 4, seed: int = 
     model, ema = DiT(cfg), DiT(cfg).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
-    loader = build_loader(store, batch_size=batch_size, kind="resident", seed=seed)
+    loader = build_loader(store, LoaderConfig(kind="resident"), batch_size=batch_size, seed=seed)
     return RunState(model=model, ema=ema, optimizer=opt, lr_schedule=sched,
                     scaler=torch.amp.GradScaler("cpu", enabled=False), loader=loader,
                     noise_gen=torch.Generator().manual_seed(seed), config={"run": "test"},

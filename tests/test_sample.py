@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +17,7 @@ from storeutil import SAMPLE_CLASSES, tiny_store
 from tiny import nudged
 
 from ditdata.store import encode_array, open_store
+from dittrain.config import SampleConfig
 from dittrain.diffusion import DiffusionConfig
 from dittrain.inference.open_run import SampleError, open_run_store
 from dittrain.inference.sample import (
@@ -132,9 +133,10 @@ def test_batch_size_does_not_change_deterministic_samplers(pixel_run):
     weights, config = load_weights(run)
     store, note = open_run_store(config)
     assert note is None
-    kw = dict(labels=[0, 1, 2, 0, 1], steps=3, sampler="ddim", seed=7, device="cpu")
-    a = sample_images(weights, config, store, batch_size=5, **kw)
-    b = sample_images(weights, config, store, batch_size=2, **kw)
+    kw = dict(labels=[0, 1, 2, 0, 1], device="cpu")
+    ddim = SampleConfig(steps=3, sampler="ddim", seed=7)
+    a = sample_images(weights, config, store, replace(ddim, batch_size=5), **kw)
+    b = sample_images(weights, config, store, replace(ddim, batch_size=2), **kw)
     assert a.dtype == np.uint8 and a.shape == (5, 16, 16, 3)
     assert np.abs(a.astype(int) - b.astype(int)).max() <= 1  # same noise, per-batch float rounding
     # the trainer's path: the EMA module itself, left in the mode it was in
@@ -142,10 +144,10 @@ def test_batch_size_does_not_change_deterministic_samplers(pixel_run):
         "input_size", "in_channels", "num_classes", "learn_sigma")}))
     model.load_state_dict(weights)
     model.train()
-    c = sample_images(model, config, store, batch_size=5, **kw)
+    c = sample_images(model, config, store, replace(ddim, batch_size=5), **kw)
     assert model.training and np.array_equal(a, c)
     # the class matters: same seed and noise, other labels
-    d = sample_images(weights, config, store, **{**kw, "labels": [1, 2, 0, 1, 2]})
+    d = sample_images(weights, config, store, ddim, **{**kw, "labels": [1, 2, 0, 1, 2]})
     assert not np.array_equal(a, d)
 
 
@@ -156,8 +158,8 @@ def test_training_grid_from_the_ema_module(pixel_run, tmp_path):
     ema = DiT(get_config(config["train"]["model"]["model"], **{k: config["model"][k] for k in (
         "input_size", "in_channels", "num_classes", "learn_sigma")}))
     ema.load_state_dict(weights)
-    a = write_training_grid(ema, config, store, tmp_path / "step_1.png", n=5, steps=2, device="cpu")
-    b = write_training_grid(ema, config, store, tmp_path / "step_2.png", n=5, steps=2, device="cpu")
+    a = write_training_grid(ema, config, store, tmp_path / "step_1.png", SampleConfig(n=5, steps=2), device="cpu")
+    b = write_training_grid(ema, config, store, tmp_path / "step_2.png", SampleConfig(n=5, steps=2), device="cpu")
     assert read_png(a).shape == (2 * 18 + 2, 3 * 18 + 2, 3)  # 5 samples, 3 per row
     assert np.array_equal(read_png(a), read_png(b))  # same conditions and noise at every step
 
@@ -334,7 +336,7 @@ def test_text_model_with_prompts(tmp_path, monkeypatch):
     # the prompt matters (pooled embedding and cross-attention): same seed, other prompt
     w, config = load_weights(run)
     st = open_store(store)
-    a, b = (sample_images(w, config, st, prompts=[p], steps=2, seed=0, device="cpu")
+    a, b = (sample_images(w, config, st, SampleConfig(steps=2, seed=0), prompts=[p], device="cpu")
             for p in ("a red fox", "a cat"))
     assert not np.array_equal(a, b)
     one_line_error(cli("--ckpt", run, "--out", tmp_path / "x.png", "--steps", 2), "--prompt")
@@ -342,7 +344,7 @@ def test_text_model_with_prompts(tmp_path, monkeypatch):
     model = DiT(get_config("DiT-T/4", **{k: config["model"][k] for k in (
         "input_size", "in_channels", "num_classes", "learn_sigma", "text_pooled_dim", "text_token_dim")}))
     model.load_state_dict(w)
-    g = write_training_grid(model, config, st, tmp_path / "train.png", n=4, steps=2, device="cpu")
+    g = write_training_grid(model, config, st, tmp_path / "train.png", SampleConfig(n=4, steps=2), device="cpu")
     assert read_png(g).shape == (2 * 18 + 2, 2 * 18 + 2, 3)
     one_line_error(cli("--ckpt", run, "--out", tmp_path / "x.png", "--class", 1), "--class", "text")
     # the text encoder's weights are gone: one line naming --text-pretrained

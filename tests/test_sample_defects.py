@@ -146,9 +146,10 @@ def test_nan_npz_chunk_is_not_written(nan_class_run, tmp_path):
 
 
 def test_serve_nan_samples_and_absurd_cfg_are_messages(nan_class_run):
+    from dittrain.config import ServeConfig
     from dittrain.inference.serve import Request, Server
 
-    server = Server(nan_class_run, device="cpu", log=lambda line: None)
+    server = Server(nan_class_run, ServeConfig(device="cpu"), log=lambda line: None)
     out = server.generate(Request(choice="2", n=2, steps=2, cfg_scale=3.0, seed=5))
     assert not out.ok and out.command == "" and out.seed == 5
     assert "NaN/inf" in out.message and "class 2" in out.message and "no images are shown" in out.message

@@ -72,7 +72,7 @@ def test_row_layout_and_class_names(class_run):
 def test_sample_images_plans_exactly_the_given_labels(class_run):
     # labels are taken as they are (not cycled to the default count), also as an array
     config, store, weights = class_run
-    images = sample_images(weights, config, store, labels=np.array([1, 2, 1]), steps=2, device="cpu")
+    images = sample_images(weights, config, store, SampleConfig(steps=2), labels=np.array([1, 2, 1]), device="cpu")
     assert images.shape == (3, 16, 16, 3)
     plan = plan_samples(config, store, SampleConfig(steps=2), device="cpu", classes=[1, 2, 1], n=3)
     assert plan.labels == (1, 2, 1)

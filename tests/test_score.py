@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 
 from test_clip import tiny_clip_files  # noqa: E402
 
+from ditdata.config import ScoreConfig  # noqa: E402
 from ditdata.errors import DitdataError  # noqa: E402
 from ditdata.imageshards import folder as imageshards  # noqa: E402
 from ditdata.imageshards.scores import read_score_meta, score_path  # noqa: E402
@@ -121,8 +122,8 @@ def test_scores_equal_open_clip_and_are_deterministic(tiny, tmp_path):
         assert row["clip_score"] == pytest.approx(float((fi * ft).sum()), abs=1e-6)
 
     # deterministic: a second run on a copy gives the same numbers
-    summary = score(b, clip_config=str(config), pretrained=str(weights), device="cpu", batch_size=4,
-                    workers=2, progress=False)
+    summary = score(ScoreConfig(b, clip_config=str(config), pretrained=str(weights), device="cpu", batch_size=4,
+                                workers=2, progress=False))
     assert summary["scored"] == 9 and summary["counts"]["no caption"] == 2
     assert [x["clip_score"] for x in read_all(b)] == [x["clip_score"] for x in rows]
     meta = read_score_meta(score_path(b / "00000.tar"))
@@ -133,14 +134,14 @@ def test_resume_skips_finished_and_redoes_broken(tiny, tmp_path, monkeypatch):
     config, weights = tiny
     d = caption_shards(tmp_path / "s")
     kw = dict(clip_config=str(config), pretrained=str(weights), device="cpu", batch_size=8, workers=0, progress=False)
-    first = score(d, **kw)
+    first = score(ScoreConfig(d, **kw))
     assert first["scored_shards"] == 2
     before = read_all(d)
 
     calls = []
     real = score_mod.score_shard
     monkeypatch.setattr(score_mod, "score_shard", lambda clip, tar, **k: calls.append(Path(tar).name) or real(clip, tar, **k))
-    again = score(d, **kw)
+    again = score(ScoreConfig(d, **kw))
     assert calls == [] and again["skipped_shards"] == 2 and again["samples"] == 12
 
     # a killed run: a temporary left behind, and a score file cut short (not trusted)
@@ -150,7 +151,7 @@ def test_resume_skips_finished_and_redoes_broken(tiny, tmp_path, monkeypatch):
     stale_tmp = d / ".00000.clip.parquet.tmp-1-deadbeef"
     stale_tmp.write_bytes(b"partial")
     assert read_score_meta(p) is None
-    third = score(d, **kw)
+    third = score(ScoreConfig(d, **kw))
     assert calls == ["00001.tar"] and third["skipped_shards"] == 1
     assert not stale_tmp.exists()
     assert read_all(d) == before
@@ -161,12 +162,12 @@ def test_other_weights_refused_unless_overwrite(tiny, tmp_path):
     _, weights2 = tiny_clip_files(tmp_path / "w2", seed=1)
     d = caption_shards(tmp_path / "s")
     kw = dict(clip_config=str(config), device="cpu", batch_size=8, workers=0, progress=False)
-    score(d, pretrained=str(weights), **kw)
+    score(ScoreConfig(d, pretrained=str(weights), **kw))
     with pytest.raises(DitdataError, match="already scored with tiny-clip .*--overwrite"):
-        score(d, pretrained=str(weights2), **kw)
+        score(ScoreConfig(d, pretrained=str(weights2), **kw))
     r = run_cli("score", d, "--clip-config", config, "--pretrained", weights2, "-q")
     assert r.exit_code == 1 and "--overwrite" in r.output and r.output.count("\n") == 1
-    s = score(d, pretrained=str(weights2), overwrite=True, **kw)
+    s = score(ScoreConfig(d, pretrained=str(weights2), overwrite=True, **kw))
     assert s["scored_shards"] == 2
     assert {x["pretrained"] for x in read_all(d)} == {str(weights2.resolve())}
 
@@ -177,7 +178,7 @@ def test_refusals(tiny, tmp_path, monkeypatch):
     os.remove(d / "dataset.json")
     (d / ".fetch_state").write_text("{}")  # an unfinished `ditdata fetch` (not another tool's tars)
     with pytest.raises(DitdataError, match="dataset.json is missing"):
-        score(d, clip_config=str(config), pretrained=str(weights), progress=False)
+        score(ScoreConfig(d, clip_config=str(config), pretrained=str(weights), progress=False))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     d2 = caption_shards(tmp_path / "s2")
@@ -192,7 +193,7 @@ def test_score_then_filter(tiny, tmp_path):
 
     config, weights = tiny
     d = caption_shards(tmp_path / "s")
-    score(d, clip_config=str(config), pretrained=str(weights), device="cpu", workers=2, progress=False)
+    score(ScoreConfig(d, clip_config=str(config), pretrained=str(weights), device="cpu", workers=2, progress=False))
     rows = read_all(d)
     scores = sorted((x["clip_score"] for x in rows if x["clip_score"] is not None), reverse=True)
     t = scores[4]  # --top-fraction 0.5 of 9 scored samples: k = 5

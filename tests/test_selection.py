@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from cliutil import ok
 
 from ditdata.cli import main
+from ditdata.config import FilterConfig
 from ditdata.errors import DitdataError
 from ditdata.imageshards import folder as imageshards
 from ditdata.imageshards.scores import FORMAT, VERSION, score_path, write_scores
@@ -71,7 +72,7 @@ def scored(tmp_path):
 
 
 def kept(folder, out, **rule):
-    sel, _ = filter_shards(folder, out, **rule)
+    sel, _ = filter_shards(FilterConfig(folder, out, **rule))
     return sorted(sel.keys)
 
 
@@ -81,7 +82,7 @@ def test_threshold_rule(scored, tmp_path):
     assert kept(scored, out, min_clip_score=0.2799) == ["k00", "k03", "k04", "k10", "k13"]
     assert kept(scored, out, min_clip_score=-1.0) == ["k00", "k01", "k03", "k04", "k10", "k12", "k13"]  # never nulls
     with pytest.raises(DitdataError, match="no sample passes"):
-        filter_shards(scored, out, min_clip_score=0.9)
+        filter_shards(FilterConfig(scored, out, min_clip_score=0.9))
 
 
 def test_top_fraction_rule_and_ties(scored, tmp_path):
@@ -90,7 +91,7 @@ def test_top_fraction_rule_and_ties(scored, tmp_path):
     assert kept(scored, out, top_fraction=1 / 7) == ["k10"]                 # k = 1
     assert kept(scored, out, top_fraction=0.25) == ["k00", "k10"]           # k = ceil(1.75) = 2
     # k = ceil(0.4 * 7) = 3 -> threshold 0.28, shared by k03 and k04: both kept (4 > 3)
-    sel, summary = filter_shards(scored, out, top_fraction=0.4)
+    sel, summary = filter_shards(FilterConfig(scored, out, top_fraction=0.4))
     assert sorted(sel.keys) == ["k00", "k03", "k04", "k10"]
     assert sel.rule["threshold"] == 0.28 and sel.rule["kept"] == 4
     assert sel.rule["scored"] == 7 and sel.rule["total"] == 9
@@ -129,8 +130,8 @@ def test_size_aspect_and_caption_constraints(scored, tmp_path):
     assert kept(scored, out, **base, max_aspect_ratio=2) == ["k00", "k01", "k04", "k10", "k12", "k13"]
     assert kept(scored, out, **base, max_aspect_ratio=3) == everyone
     assert kept(scored, out, **base, min_caption_length=12) == ["k00", "k01", "k03", "k12", "k13"]
-    sel, summary = filter_shards(scored, out, min_clip_score=0.28, min_width=256, max_aspect_ratio=2,
-                                 min_caption_length=4)
+    sel, summary = filter_shards(FilterConfig(scored, out, min_clip_score=0.28, min_width=256, max_aspect_ratio=2,
+                                              min_caption_length=4))
     assert sorted(sel.keys) == ["k00"]
     assert summary["drops"] == {
         "score below threshold": 3, "no score: no caption": 1, "no score: undecodable image": 1,
@@ -155,7 +156,7 @@ def test_apply_rule_unknowns_fail():
 @pytest.mark.parametrize("name", ["sel.parquet", "sel.json", "deeper/sel.bin"])
 def test_selection_file_roundtrip(scored, tmp_path, name):
     out = tmp_path / name
-    sel, _ = filter_shards(scored, out, top_fraction=0.4)
+    sel, _ = filter_shards(FilterConfig(scored, out, top_fraction=0.4))
     back = load_selection(out)
     assert back.keys == {"k00", "k03", "k04", "k10"}
     assert "k03" in back and "k01" not in back and len(back) == 4
@@ -186,17 +187,17 @@ def test_filter_refuses_unscored_mixed_and_stale(tmp_path):
     d = make_scored(tmp_path / "a")
     score_path(d / "00001.tar").unlink()
     with pytest.raises(DitdataError, match="1 of 2 shards have no complete CLIP scores .*ditdata score"):
-        filter_shards(d, tmp_path / "s.parquet", min_clip_score=0.2)
+        filter_shards(FilterConfig(d, tmp_path / "s.parquet", min_clip_score=0.2))
     d = make_scored(tmp_path / "b")
     one = make_scored(tmp_path / "c", model="ViT-L-14", pretrained="datacomp_xl_s13b_b90k")
     (d / "00001.clip.parquet").write_bytes((one / "00001.clip.parquet").read_bytes())
     with pytest.raises(DitdataError, match="different CLIP models"):
-        filter_shards(d, tmp_path / "s.parquet", min_clip_score=0.2)
+        filter_shards(FilterConfig(d, tmp_path / "s.parquet", min_clip_score=0.2))
     d = make_scored(tmp_path / "d")
     with open(d / "00000.tar", "ab") as f:  # the shard changed after scoring
         f.write(b"\0" * 512)
     with pytest.raises(DitdataError, match="rerun `ditdata score`"):
-        filter_shards(d, tmp_path / "s.parquet", min_clip_score=0.2)
+        filter_shards(FilterConfig(d, tmp_path / "s.parquet", min_clip_score=0.2))
 
 
 def test_cli_filter(scored, tmp_path):

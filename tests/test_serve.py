@@ -22,6 +22,7 @@ from storeutil import tiny_store
 from test_sample import make_run, read_png
 
 from ditdata.store import encode_array
+from dittrain.config import ServeConfig
 from dittrain.inference.serve import Request, Server
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,7 +38,7 @@ def class_run(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(class_run) -> Server:
     # batch size 2 < images: ddpm's ancestral noise is drawn batch after batch, so it must match
-    return Server(class_run, device="cpu", batch_size=2, max_images=8, log=lambda line: None)
+    return Server(class_run, ServeConfig(device="cpu", batch_size=2, max_images=8), log=lambda line: None)
 
 
 def run_shown_command(command: str, out: Path) -> list[np.ndarray]:
@@ -125,13 +126,13 @@ def test_text_run_shows_a_prompt_box_and_reports_a_missing_encoder(tmp_path):
     store = tiny_store(tmp_path / "store", conditioning={"type": "text", "text": text}, text={"pooled": 16})
     run = make_run(tmp_path / "run", store, text_pooled_dim=16)
     notes = []
-    missing = Server(run, device="cpu", log=notes.append)
+    missing = Server(run, ServeConfig(device="cpu"), log=notes.append)
     assert any("text encoder" in n for n in notes)  # said at startup; the server still starts
     out = missing.generate(Request(choice="a red fox", steps=2))
     assert not out.ok and "cannot load the store's text encoder" in out.message
     assert "write a prompt" in missing.generate(Request(choice=" ", steps=2)).message
 
-    served = Server(run, device="cpu", text_encoder=FakeEncoder(), log=lambda line: None)
+    served = Server(run, ServeConfig(device="cpu"), text_encoder=FakeEncoder(), log=lambda line: None)
     a = served.generate(Request(choice="a red fox", n=2, steps=2, seed=1))
     b = served.generate(Request(choice="a cat", n=2, steps=2, seed=1))
     assert a.ok and a.images.shape == (2, 16, 16, 3) and not np.array_equal(a.images, b.images)
@@ -145,7 +146,7 @@ def test_text_run_shows_a_prompt_box_and_reports_a_missing_encoder(tmp_path):
 
 def test_unconditional_flow_run_and_changed_weights(tmp_path):
     run = make_run(tmp_path / "run", tiny_store(tmp_path / "store", conditioning={"type": "none"}), objective="flow")
-    served = Server(run, device="cpu", max_steps=20, log=lambda line: None)
+    served = Server(run, ServeConfig(device="cpu", max_steps=20), log=lambda line: None)
     assert served.samplers == ("euler", "heun") and served.max_steps == 20
     out = served.generate(Request(n=2, steps=3, sampler="heun", seed=4))
     assert out.ok and "--cfg" not in out.command and "--class" not in out.command and out.labels is None

@@ -44,6 +44,7 @@ def _scalars(out: Path, tag: str) -> list[tuple[int, float]]:
 
 
 def test_fid_of_the_ema_is_logged_to_metrics_and_tensorboard(tmp_path, inception_file, ref):
+    from dittrain.config import EvalSection
     from dittrain.inference.open_run import load_model, open_run_store
     from dittrain.inference.weights import load_weights
     from dittrain.train.fid import TrainingEval
@@ -62,7 +63,8 @@ def test_fid_of_the_ema_is_logged_to_metrics_and_tensorboard(tmp_path, inception
     # The figure is the final EMA's: evaluating the exported EMA weights again gives it.
     weights, config = load_weights(out)
     store_, _ = open_run_store(config)
-    again = TrainingEval(ref, n=6, resolution=8, inception=inception_file, steps=2, cfg_scale=1.5, seed=3)
+    settings = EvalSection(eval_ref=ref, eval_n=6, eval_inception=inception_file, eval_steps=2, eval_cfg=1.5)
+    again = TrainingEval(settings, resolution=8, seed=3)
     assert again(load_model(weights, config), config, store_)["fid"] == pytest.approx(evals[-1]["fid"], rel=1e-5)
 
 
@@ -99,6 +101,7 @@ def test_eval_settings_are_checked_before_the_first_step(tmp_path, inception_fil
 
 SHARDED = """
 import sys, numpy as np, torch.distributed as dist
+from dittrain.config import EvalSection
 from dittrain.train import fid as ev
 from dittrain.inference.weights import load_weights
 from dittrain.inference.open_run import load_model, open_run_store
@@ -113,7 +116,8 @@ def keep(feats, ref_stats, **kw):  # the features that reach the metrics, instea
 ev.compute_metrics = keep
 weights, config = load_weights(run)
 store, _ = open_run_store(config)
-evaluator = ev.TrainingEval(ref, n=7, resolution=8, inception=inception, steps=2, seed=3, batch_size=2)
+settings = EvalSection(eval_ref=ref, eval_n=7, eval_inception=inception, eval_steps=2, eval_batch_size=2)
+evaluator = ev.TrainingEval(settings, resolution=8, seed=3)
 out = evaluator(load_model(weights, config), config, store, rank=rank, world=world)
 assert (out is None) == (rank != 0), out
 """

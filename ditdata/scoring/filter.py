@@ -55,6 +55,7 @@ from collections import Counter
 from fractions import Fraction
 from pathlib import Path
 
+from ditdata.config import FilterConfig
 from ditdata.errors import DitdataError
 from ditdata.imageshards.scores import read_scores
 from ditdata.imageshards.selections import Selection, load_selection, write_selection
@@ -180,57 +181,47 @@ def rule_columns(table) -> dict:
 # ----------------------------------------------------------------------------- filter
 
 
-def filter_shards(
-    shards_dir,
-    out,
-    *,
-    min_clip_score: float | None = None,
-    top_fraction: float | None = None,
-    min_width: int | None = None,
-    min_height: int | None = None,
-    max_aspect_ratio: float | None = None,
-    min_caption_length: int | None = None,
-    min_aesthetic: float | None = None,
-    top_aesthetic_fraction: float | None = None,
-    select=None,
-) -> tuple[Selection, dict]:
-    """Apply the rule (module docstring) to every scored shard of SHARDS_DIR and write the
-    selection file `out`. Returns (the selection, a summary for `report`)."""
+def filter_shards(cfg: FilterConfig) -> tuple[Selection, dict]:
+    """Apply the rule of `cfg` (module docstring) to every scored shard of cfg.shards and write
+    the selection file cfg.out. Returns (the selection, a summary for `report`)."""
     import numpy as np
 
-    aesthetic_rule = min_aesthetic is not None or top_aesthetic_fraction is not None
-    _check_rule(min_clip_score is not None or top_fraction is not None or aesthetic_rule or select is not None,
-                max_aspect_ratio)
+    shards_dir, out = cfg.shards, cfg.out
+    aesthetic_rule = cfg.min_aesthetic is not None or cfg.top_aesthetic_fraction is not None
+    _check_rule(cfg.min_clip_score is not None or cfg.top_fraction is not None or aesthetic_rule
+                or cfg.select is not None, cfg.max_aspect_ratio)
     table, ident = read_scores(shards_dir, needs=("aesthetic",) if aesthetic_rule else ())
     keys = unique_keys(table, shards_dir)
     cols = rule_columns(table)
-    candidates, picked = candidates_of(select, keys)
+    candidates, picked = candidates_of(cfg.select, keys)
     among = np.ones(len(keys), bool) if candidates is None else candidates
-    threshold = resolve_threshold(cols["clip_score"][among], min_clip_score=min_clip_score, top_fraction=top_fraction)
+    threshold = resolve_threshold(cols["clip_score"][among], min_clip_score=cfg.min_clip_score,
+                                  top_fraction=cfg.top_fraction)
     a_threshold = None if not aesthetic_rule else resolve_threshold(
-        cols["aesthetic"][among], min_clip_score=min_aesthetic, top_fraction=top_aesthetic_fraction,
+        cols["aesthetic"][among], min_clip_score=cfg.min_aesthetic, top_fraction=cfg.top_aesthetic_fraction,
         flags=AESTHETIC_FLAGS, what="aesthetic score")
-    keep, drops = apply_rule(cols, threshold=threshold, min_width=min_width, min_height=min_height,
-                             max_aspect_ratio=max_aspect_ratio, min_caption_length=min_caption_length,
+    keep, drops = apply_rule(cols, threshold=threshold, min_width=cfg.min_width, min_height=cfg.min_height,
+                             max_aspect_ratio=cfg.max_aspect_ratio, min_caption_length=cfg.min_caption_length,
                              aesthetic_threshold=a_threshold, candidates=candidates)
     scores = cols["clip_score"]
     scored = int((~np.isnan(scores[among])).sum())
     rule = {
         **clip_rule(ident),
-        "min_clip_score": None if min_clip_score is None else float(min_clip_score),
-        "top_fraction": None if top_fraction is None else float(top_fraction),
+        "min_clip_score": None if cfg.min_clip_score is None else float(cfg.min_clip_score),
+        "top_fraction": None if cfg.top_fraction is None else float(cfg.top_fraction),
         "threshold": threshold,
-        "min_width": min_width,
-        "min_height": min_height,
-        "max_aspect_ratio": None if max_aspect_ratio is None else float(max_aspect_ratio),
-        "min_caption_length": min_caption_length,
+        "min_width": cfg.min_width,
+        "min_height": cfg.min_height,
+        "max_aspect_ratio": None if cfg.max_aspect_ratio is None else float(cfg.max_aspect_ratio),
+        "min_caption_length": cfg.min_caption_length,
         "size": SIZE_POLICY,
         "ties": TIE_POLICY,
         "kept": int(keep.sum()),
         "scored": scored,
         **folder_rule(shards_dir, table),
-        **_extra_rule(ident, picked, aesthetic_rule and {"aesthetic": ident["aesthetic"], "min_aesthetic": min_aesthetic,
-                                                         "top_aesthetic_fraction": top_aesthetic_fraction,
+        **_extra_rule(ident, picked, aesthetic_rule and {"aesthetic": ident["aesthetic"],
+                                                         "min_aesthetic": cfg.min_aesthetic,
+                                                         "top_aesthetic_fraction": cfg.top_aesthetic_fraction,
                                                          "aesthetic_threshold": a_threshold}),
     }
     if rule["kept"] == 0:

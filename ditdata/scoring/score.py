@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ditdata.common.memory import halved, out_of_memory_hint
 from ditdata.common.progress import progress_bar
-from ditdata.config import CLIP_MODEL, SCORE_BATCH_SIZE
+from ditdata.config import CLIP_MODEL, SCORE_BATCH_SIZE, ScoreConfig
 from ditdata.errors import DitdataError
 from ditdata.imageshards import folder as shards
 from ditdata.imageshards.scores import (
@@ -202,33 +202,26 @@ def _same_weights(meta: dict, ident: dict) -> bool:
     )
 
 
-def score(shards_dir, *, clip: str | None = None, pretrained: str | None, clip_config: str | None = None,
-          device: str | None = None, batch_size: int = SCORE_BATCH_SIZE, workers: int | None = None,
-          overwrite: bool = False, skip_bad_shards: bool = False, progress: bool = True,
-          save_embeddings: bool = False, aesthetic: str | None = None) -> dict:
-    """Score every finished shard of SHARDS_DIR (module docstring) with open_clip model
-    `clip` (default ViT-B-32; the config's stem with `clip_config`), keeping the image
-    embeddings (`save_embeddings`) and scoring them with the aesthetic predictor in the
-    file `aesthetic` when asked. Returns a summary:
+def score(cfg: ScoreConfig) -> dict:
+    """Score every finished shard of cfg.shards (module docstring) with the open_clip model
+    cfg.clip (default ViT-B-32; the config's stem with cfg.clip_config), keeping the image
+    embeddings (cfg.save_embeddings) and scoring them with the aesthetic predictor in the
+    file cfg.aesthetic when asked. Returns a summary:
     {model, pretrained, weights_sha256, shards, scored_shards, skipped_shards, samples,
     scored, counts (status -> n over all shards), seconds, samples_per_s}."""
     from ditdata.common.lock import DirLock
 
-    d = Path(shards_dir)
-    if batch_size < 1:
+    d = Path(cfg.shards)
+    if cfg.batch_size < 1:
         raise DitdataError("--batch-size must be at least 1")
     folder = shards.read_folder(d)  # refuses an unfinished fetch
     if not folder.shards:
         raise DitdataError(f"{d}: no image shards to score")
     with DirLock(d, "ditdata score"):
-        return _score(folder, clip=clip, pretrained=pretrained, clip_config=clip_config, device=device,
-                      batch_size=batch_size, workers=workers, overwrite=overwrite,
-                      skip_bad_shards=skip_bad_shards, progress=progress, save_embeddings=save_embeddings,
-                      aesthetic=aesthetic)
+        return _score(folder, cfg)
 
 
-def _score(folder, *, clip, pretrained, clip_config, device, batch_size, workers, overwrite,
-           skip_bad_shards, progress, save_embeddings, aesthetic) -> dict:
+def _score(folder, cfg: ScoreConfig) -> dict:
     from ditdata.clip import load_clip, resolve_pretrained
 
     d, tars = folder.path, folder.shards
@@ -236,30 +229,31 @@ def _score(folder, *, clip, pretrained, clip_config, device, batch_size, workers
         if _TMP_RE.match(p.name):
             p.unlink(missing_ok=True)
 
-    if not clip and not clip_config:
+    clip = cfg.clip
+    if not clip and not cfg.clip_config:
         clip = DEFAULT_MODEL
-    ident = resolve_pretrained(clip, pretrained, config=clip_config)
-    predictor = _load_predictor(aesthetic)  # a bad file stops the run before any work
-    done = _already_scored(folder, ident, overwrite, save_embeddings, predictor)
-    todo, skipped = _leave_out_bad(folder, [t for t in tars if t.name not in done], skip_bad_shards)
+    ident = resolve_pretrained(clip, cfg.pretrained, config=cfg.clip_config)
+    predictor = _load_predictor(cfg.aesthetic)  # a bad file stops the run before any work
+    done = _already_scored(folder, ident, cfg.overwrite, cfg.save_embeddings, predictor)
+    todo, skipped = _leave_out_bad(folder, [t for t in tars if t.name not in done], cfg.skip_bad_shards)
     metas = dict(done)
     t0 = time.perf_counter()
     n_new = 0
     if todo:
         expected = sum(folder.expected[t.name] or 0 for t in todo)
-        if workers is None:
-            workers = min(8, os.cpu_count() or 1)
+        workers = min(8, os.cpu_count() or 1) if cfg.workers is None else cfg.workers
         if done:
             print(f"resuming: {len(done)} of {len(tars)} shards already scored", file=sys.stderr)
-        with _memory_hint(ident["model"], batch_size, device):
-            model = load_clip(ident["model"], pretrained, device=device, config=clip_config)
+        with _memory_hint(ident["model"], cfg.batch_size, cfg.device):
+            model = load_clip(ident["model"], cfg.pretrained, device=cfg.device, config=cfg.clip_config)
             if predictor is not None:
                 predictor.check_width(model.info)
             t0 = time.perf_counter()  # the rate is of scoring, not of loading the model
-            with progress_bar(total=expected or None, unit=" samples", enabled=progress, desc="clip score") as bar:
+            with progress_bar(total=expected or None, unit=" samples", enabled=cfg.progress,
+                              desc="clip score") as bar:
                 for tar in todo:
-                    m = score_shard(model, tar, batch_size=batch_size, workers=workers, progress=bar,
-                                    save_embeddings=save_embeddings, aesthetic=predictor)
+                    m = score_shard(model, tar, batch_size=cfg.batch_size, workers=workers, progress=bar,
+                                    save_embeddings=cfg.save_embeddings, aesthetic=predictor)
                     skipped_path(tar).unlink(missing_ok=True)  # a refetched shard is whole again
                     metas[tar.name] = m
                     n_new += m["num_samples"]

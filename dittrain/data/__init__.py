@@ -1,7 +1,8 @@
 """Loaders over a latent store: infinite, seeded, exactly resumable batches for the trainer.
 
-    from dittrain.data import build_loader
-    loader = build_loader(store, batch_size=64, seed=0, rank=rank, world_size=world, device="cuda")
+    from dittrain.data import LoaderConfig, build_loader     # LoaderConfig: dittrain.config's
+    loader = build_loader(store, LoaderConfig(workers=8), batch_size=64, seed=0, rank=rank, world_size=world,
+                          device="cuda")
     log(loader.kind, loader.reason)        # which loader was chosen, and why
     batch = next(loader)                   # {"x": (B, C, h, w) float32, "y": (B,) int64, ...}
     feat = targets(batch)                  # with a feature set: the REPA targets, float32 (B, T, D)
@@ -73,6 +74,8 @@ training step and the samplers both use it). build_loader is here.
 
 from __future__ import annotations
 
+from dittrain.config import LoaderConfig
+
 from .base import LoaderError, LoaderStateError, _open, targets
 from .bucketed import REMAINDERS, BucketedLoader
 from .budget import (
@@ -97,7 +100,7 @@ from .resident import ResidentLoader
 from .streaming import StreamingLoader
 
 __all__ = [
-    "BucketedLoader", "LoaderError", "LoaderStateError", "REMAINDERS", "ResidentLoader", "StreamingLoader", "available_memory",
+    "BucketedLoader", "LoaderConfig", "LoaderError", "LoaderStateError", "REMAINDERS", "ResidentLoader", "StreamingLoader", "available_memory",
     "build_loader", "choose_bucketed", "choose_loader", "gpu_memory", "loader_budget", "parse_memory", "targets",
     # the streaming loader's memory plan and the budget's settings (budget.py)
     "StreamingMemory", "plan_streaming_memory", "RESIDENT_MAX_FRACTION", "LOADER_MEMORY_FRACTION",
@@ -105,35 +108,36 @@ __all__ = [
     "WORKER_OVERHEAD", "READ_PIECE_BYTES",
 ]
 
+_DEFAULTS = LoaderConfig()
 
-def build_loader(store, *, batch_size: int, kind: str = "auto", seed: int = 0, rank: int = 0,
-                 world_size: int = 1, device="cpu", resident_device="cpu", workers: int = 4,
-                 shuffle_window: int | None = None, prefetch: int | None = None, with_index: bool = False,
-                 memory_fraction: float = 0.5, local_world_size: int | None = None,
-                 split: str = "part", memory=None, remainder: str = REMAINDERS[0]):
+
+def build_loader(store, settings: LoaderConfig = _DEFAULTS, *, batch_size: int, seed: int = 0, rank: int = 0,
+                 world_size: int = 1, device="cpu", local_world_size: int | None = None):
     """A ResidentLoader, StreamingLoader or BucketedLoader over `store` (a Store or its path).
 
-    batch_size is per rank (the micro-batch one forward pass sees). kind: auto | resident |
-    streaming; the choice and its reason are in loader.kind and loader.reason. split: how
-    ranks share the data, "part" or "batch" (see the module's docstring). memory: the
-    streaming loader's budget (see StreamingLoader); shuffle_window/prefetch None: sized by it.
-    A bucketed store (ditdata encode --buckets) gets a BucketedLoader whatever kind says but
-    streaming (refused: LoaderError); remainder: its buckets' last partial batches, pad | drop.
+    settings: how the store is read (dittrain.config.LoaderConfig: kind auto | resident |
+    streaming, where a resident store lives, the streaming workers, window, prefetch and
+    memory budget, how ranks split the data, a bucketed store's remainder). The rest are
+    facts of the run: batch_size is per rank (the micro-batch one forward pass sees), seed
+    decides the order, rank / world_size / local_world_size place this process (None: torchrun's
+    LOCAL_WORLD_SIZE), device is where batches go. The choice and its reason are in
+    loader.kind and loader.reason. A bucketed store (ditdata encode --buckets) gets a
+    BucketedLoader whatever settings.kind says but streaming (refused: LoaderError).
     """
+    s = settings
     store = _open(store)
     if store.buckets:  # aspect-ratio buckets: held in memory, a batch from one bucket (bucketed.py)
-        reason = choose_bucketed(store, kind=kind, world_size=world_size, resident_device=resident_device,
+        reason = choose_bucketed(store, kind=s.kind, world_size=world_size, resident_device=s.resident_device,
                                  local_world_size=local_world_size)
         return BucketedLoader(store, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size,
-                              device=device, resident_device=resident_device, with_index=with_index, reason=reason,
-                              remainder=remainder)
-    kind, rdev, reason = choose_loader(store, kind=kind, rank=rank, world_size=world_size,
-                                       resident_device=resident_device, memory_fraction=memory_fraction,
-                                       local_world_size=local_world_size, split=split)
+                              device=device, resident_device=s.resident_device, with_index=s.with_index,
+                              reason=reason, remainder=s.remainder)
+    kind, rdev, reason = choose_loader(store, kind=s.kind, rank=rank, world_size=world_size,
+                                       resident_device=s.resident_device, memory_fraction=s.memory_fraction,
+                                       local_world_size=local_world_size, split=s.split)
     common = dict(batch_size=batch_size, seed=seed, rank=rank, world_size=world_size, device=device,
-                  with_index=with_index, reason=reason, split=split)
+                  with_index=s.with_index, reason=reason, split=s.split)
     if kind == "resident":
         return ResidentLoader(store, resident_device=rdev, **common)
-    return StreamingLoader(store, workers=workers, shuffle_window=shuffle_window, prefetch=prefetch,
-                           memory=memory, local_world_size=local_world_size, **common)
-
+    return StreamingLoader(store, workers=s.workers, shuffle_window=s.shuffle_window, prefetch=s.prefetch,
+                           memory=s.memory, local_world_size=local_world_size, **common)

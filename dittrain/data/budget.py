@@ -21,6 +21,7 @@ from ditdata.common import devices
 from ditdata.common.bytesize import format_size, parse_size
 from ditdata.common.dist import launch_env
 from ditdata.store import Store
+from dittrain.config import LoaderConfig
 
 from .base import LoaderError, _open, _Spec
 
@@ -183,7 +184,7 @@ def _gib(b: float) -> str:
 
 
 def choose_loader(store, *, kind: str = "auto", rank: int = 0, world_size: int = 1,
-                  resident_device="cpu", memory_fraction: float = 0.5,
+                  resident_device="cpu", memory_fraction: float = LoaderConfig.memory_fraction,
                   local_world_size: int | None = None, split: str = "part") -> tuple[str, str, str]:
     """(kind, resident_device, reason): "resident" when this rank's part of the store fits
     in under `memory_fraction` of the available memory (GPU memory for resident_device

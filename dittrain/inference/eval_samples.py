@@ -53,7 +53,7 @@ import torch
 from ditdata.common import files as files_api
 from ditdata.common.dist import LaunchEnv, launch_env, process_group
 from ditdata.common.files import json_digest, read_json, state_dict_sha256
-from dittrain.config import EvalSampleConfig, SampleConfig
+from dittrain.config import EvalSampleConfig, NpzConfig, SampleConfig
 from dittrain.inference.open_run import (
     SampleError,
     check_new_output,
@@ -77,7 +77,7 @@ from dittrain.inference.sample import (
     save_png,
 )
 
-_E, _S = EvalSampleConfig(), SampleConfig()
+_E, _N = EvalSampleConfig(), NpzConfig()  # the FID protocol's defaults, and --npz's
 JOB_NAME = "job.json"
 JOB_VERSION = 2  # 2: the config and stand-in store digests are ditdata.common.files.json_digest
 PARTS_SUFFIX = ".parts"
@@ -177,20 +177,24 @@ def _image_shape(store, plan: SamplePlan) -> tuple[int, int, int]:
     return (size, size, 3)
 
 
-def plan_npz(config: dict, store, path, settings: SampleConfig, *, n: int, classes=(), prompts=(),
-             chunk_size: int = _E.chunk_size, device="auto") -> NpzJob:
-    """Check an --npz call and decide all N samples (plan_samples: labels from the seed,
-    prompts cycled); SampleError on the first problem."""
-    if chunk_size < 1:
-        raise SampleError(f"--chunk-size must be at least 1, got {chunk_size}")
-    plan = plan_samples(config, store, settings, device=device, classes=classes, prompts=list(prompts), n=n)
+def plan_npz(config: dict, store, path, settings: NpzConfig = _N, *, classes=(), prompts=(),
+             device="auto") -> NpzJob:
+    """Check an --npz call and decide all settings.n samples (plan_samples: labels from the seed,
+    prompts cycled) with the sampling settings of the run's objective (eval_settings: the FID
+    protocol's steps unless settings.steps); SampleError on the first problem."""
+    if settings.chunk_size < 1:
+        raise SampleError(f"--chunk-size must be at least 1, got {settings.chunk_size}")
+    sampling = eval_settings(diffusion_config(config).objective, steps=settings.steps, cfg_scale=settings.cfg_scale,
+                             cfg_channels=settings.cfg_channels, sampler=settings.sampler, seed=settings.seed,
+                             batch_size=settings.batch_size, precision=settings.precision)
+    plan = plan_samples(config, store, sampling, device=device, classes=classes, prompts=list(prompts), n=settings.n)
     if plan.kind == "class":
         labels = np.asarray(plan.labels, dtype=np.int64)
     elif plan.kind == "text":
         labels = np.asarray([r["prompt_index"] for r in plan.records], dtype=np.int64)
     else:
         labels = None
-    return NpzJob(path=Path(path), plan=plan, labels=labels, chunk_size=chunk_size,
+    return NpzJob(path=Path(path), plan=plan, labels=labels, chunk_size=settings.chunk_size,
                   image_shape=_image_shape(store, plan), prompts=tuple(prompts) if plan.kind == "text" else None)
 
 
@@ -377,18 +381,10 @@ def _progress(job: NpzJob, enabled: bool):
 def sample_to_npz(
     engine,
     npz,
+    settings: NpzConfig = _N,
     *,
-    n: int | None = None,
     classes=(),
     prompts=(),
-    steps: int | None = None,
-    cfg_scale: float | None = None,
-    cfg_channels: int = _S.cfg_channels,
-    sampler: str | None = _S.sampler,
-    seed: int = _S.seed,
-    batch_size: int = _S.batch_size,
-    precision: str = _S.precision,
-    chunk_size: int = _E.chunk_size,
     device="auto",
     text_pretrained: str | None = None,
     overwrite: bool = False,
@@ -396,14 +392,15 @@ def sample_to_npz(
     log=print,
     progress: bool = True,
 ) -> dict:
-    """`dittrain sample --npz`: draw n samples (default 50,000) into the ADM evaluator's .npz,
-    in resumable chunks, on every torchrun rank; see the module docstring.
+    """`dittrain sample --npz`: draw settings.n samples (default 50,000) into the ADM evaluator's
+    .npz, in resumable chunks, on every torchrun rank; see the module docstring.
 
     engine: a dittrain.inference.open_run.TorchEngine (--ckpt, --latents, --vae, --model): the job
-    records a digest of its weights. steps / cfg_scale: None is the FID protocol
-    (eval_settings). classes: as --class, or "random" (the default) / "balanced". prompts
-    (text models): cycled over the n samples. preview: --out, where a grid of the first 64
-    samples goes (optional).
+    records a digest of its weights. settings: NpzConfig (n, steps, cfg scale, chunk size,
+    sampler, seed, batch size, precision, guided channels; steps None: the FID protocol's for
+    the run's objective, eval_settings). classes: as --class, or "random" (the default) /
+    "balanced". prompts (text models): cycled over the n samples. preview: --out, where a grid
+    of the first 64 samples goes (optional).
     Returns {"npz", "total", "drawn" (chunks this process drew), "resumed" (chunks found)}."""
     path = check_npz_path(npz, overwrite=overwrite)
     if preview is not None:
@@ -413,11 +410,7 @@ def sample_to_npz(
     say = log if env.rank == 0 else (lambda line: None)
     with process_group(dev):
         config, store, note = engine.open(dev)
-        settings = eval_settings(diffusion_config(config).objective, steps=steps, cfg_scale=cfg_scale,
-                                 cfg_channels=cfg_channels, sampler=sampler, seed=seed, batch_size=batch_size,
-                                 precision=precision)
-        job = plan_npz(config, store, path, settings, n=_E.n if n is None else n, classes=classes, prompts=prompts,
-                       chunk_size=chunk_size, device=dev)
+        job = plan_npz(config, store, path, settings, classes=classes, prompts=prompts, device=dev)
         record = job_record(job, weights=engine.weights, config=config, store=store, classes=classes,
                             ckpt=engine.ckpt)
         resuming = check_job(job, record)  # every rank, before any waits: all fail alike

@@ -70,8 +70,8 @@ import torch
 from ditdata.common.bytesize import format_size
 from ditdata.common.extras import install_hint
 from ditdata.common.files import atomic_file, atomic_path
-from dittrain.config import recorded
-from dittrain.inference.onnx import MAX_BATCH, TOLERANCE, export_onnx, random_inputs
+from dittrain.config import OnnxConfig, recorded
+from dittrain.inference.onnx import export_onnx, random_inputs
 from dittrain.inference.open_run import (
     ExportError,
     check_new_output,
@@ -95,6 +95,7 @@ NEEDS = {"onnx": ("onnx", "onnxscript", "onnxruntime"), "int8": ("torchao",), "d
 EXPORT_KEY = "dittrain_export"  # safetensors metadata, the int8 payload, ONNX metadata_props
 DIFFUSERS_NULL = 1000  # DiTPipeline's hard-coded null class
 DIFFUSERS_RECORD = "dittrain_export.json"
+_ONNX = OnnxConfig()  # --format onnx's defaults
 
 
 def file_size(path) -> int:
@@ -158,10 +159,10 @@ def _text_length(config: dict, latents) -> int | None:
 
 
 def export(ckpt, fmt: str, out, *, overwrite: bool = False, latents=None, vae: str | None = None,
-           model: str | None = None, tolerance: float | None = None, max_batch: int | None = None,
-           opset: int | None = None, log=print) -> dict:
+           model: str | None = None, onnx: OnnxConfig = _ONNX, log=print) -> dict:
     """`dittrain export`: read `ckpt`, write it as `fmt` at `out`, check it, say where and how
-    big. Returns {"format", "files": [Path], "sizes": {path: bytes}}."""
+    big. latents / vae / model: as `dittrain sample`'s; onnx: --format onnx's tolerance, largest
+    batch and opset (OnnxConfig). Returns {"format", "files": [Path], "sizes": {path: bytes}}."""
     out = check_request(fmt, out, overwrite)
     source = full_weights(ckpt, ExportError, "export from the run it came from (or its fp32 or fp16 weights)")
     if out.resolve() == source.file.resolve():
@@ -189,8 +190,7 @@ def export(ckpt, fmt: str, out, *, overwrite: bool = False, latents=None, vae: s
         files = [export_int8(dit, config, out, record, log=log)]
     elif fmt == "onnx":
         tokens = _text_length(config, latents) if dit.config.text_token_dim else None
-        files = export_onnx(dit, config, out, record, tolerance=TOLERANCE if tolerance is None else tolerance,
-                            max_batch=max_batch or MAX_BATCH, opset=opset, tokens=tokens, log=log)
+        files = export_onnx(dit, config, out, record, onnx, tokens=tokens, log=log)
     else:
         files = [export_diffusers(dit, config, store, out, record, vae=vae, log=log)]
     sizes = {str(f): file_size(f) for f in files}

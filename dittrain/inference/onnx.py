@@ -44,6 +44,7 @@ import torch
 from ditdata.common.errors import one_line
 from ditdata.common.extras import missing_extra
 from ditdata.common.files import fsync_dir, publish, tmp_name
+from dittrain.config import OnnxConfig
 from dittrain.inference.open_run import (
     ExportError,
     SampleError,
@@ -57,8 +58,9 @@ from dittrain.model.sizes import DiTConfig
 
 CONFIG_KEY, EXPORT_KEY = "dittrain_config", "dittrain_export"  # metadata_props
 OUTPUT = "out"
-TOLERANCE = 1e-4  # x max(1, max |PyTorch output|)
-MAX_BATCH = 1024
+_O = OnnxConfig()  # --tolerance, --max-batch and --opset of `dittrain export --format onnx`
+TOLERANCE = _O.tolerance  # x max(1, max |PyTorch output|)
+MAX_BATCH = _O.max_batch
 EXAMPLE_TOKENS = 7  # the text length traced with (any L works: the axis is dynamic)
 EXTERNAL_DATA_BYTES = 1_800_000_000  # above this the initializers go to FILE.onnx.data (protobuf: 2 GB)
 _NUMPY = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(bool)": np.bool_}
@@ -172,12 +174,13 @@ def trtexec_command(path, cfg: DiTConfig, *, tokens: int | None = None, opt: int
             f"--fp16 --saveEngine={path.with_suffix('.plan')}")
 
 
-def export_onnx(model: DiT, config: dict, out, record: dict, *, tolerance: float = TOLERANCE,
-                max_batch: int = MAX_BATCH, opset: int | None = None, tokens: int | None = None,
-                log=print) -> list[Path]:
+def export_onnx(model: DiT, config: dict, out, record: dict, settings: OnnxConfig = _O, *,
+                tokens: int | None = None, log=print) -> list[Path]:
     """Write `model` (a float32 DiT in eval mode) as out (.onnx), check it with onnxruntime,
     then publish it; returns the files written (FILE.onnx, and FILE.onnx.data past 2 GB).
-    tokens: the text length of the run's store, for the trtexec shapes."""
+    settings: the check's tolerance, the dynamic batch's upper bound and the opset
+    (OnnxConfig). tokens: the text length of the run's store, for the trtexec shapes."""
+    tolerance, max_batch, opset = settings.tolerance, settings.max_batch, settings.opset
     out = Path(out)
     cfg = model.config
     names = input_names(cfg)

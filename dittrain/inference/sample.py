@@ -1,7 +1,7 @@
 """`dittrain sample`: a run's EMA weights + its latent store -> PNG samples and a grid.
 
     weights, config, store, note = load_for_sampling(RUN)    dittrain.inference.open_run: weights, config, store
-    images = sample_images(weights, config, store, labels=[207] * 16, cfg_scale=4.0)
+    images = sample_images(weights, config, store, SampleConfig(cfg_scale=4.0), labels=[207] * 16)
     save_png(make_grid(images, nrow=4), "grid.png")
 
 Everything the model needs besides its weights comes from the store: the autoencoder
@@ -504,18 +504,12 @@ def sample_images(
     weights,
     config: dict,
     store,
+    settings: SampleConfig = _S,
     *,
     labels=None,
     prompts: list[str] | None = None,
     text: dict | None = None,
-    n: int | None = None,
-    cfg_scale: float = _S.cfg_scale,
-    steps: int = _S.steps,
-    sampler: str | None = _S.sampler,
-    seed: int = _S.seed,
     device="auto",
-    batch_size: int = _S.batch_size,
-    precision: str = _S.precision,
     autoencoder=None,
     text_encoder=None,
     vae: str | None = None,
@@ -525,23 +519,22 @@ def sample_images(
 
     weights: a state dict (e.g. from load_weights) or the DiT itself (the trainer's EMA
         model: used on its own device, put in eval mode for the call and restored).
-    labels: (N,) class indices for class models; None: n labels drawn with `seed`.
+    settings: cfg scale (1 = none; ignored for unconditional models), steps, sampler, seed,
+        batch size, precision and guided channels (SampleConfig); settings.n samples when
+        there are no labels / prompts / text.
+    labels: (N,) class indices for class models; None: settings.n labels drawn with the seed.
     prompts: N prompts for text models, embedded with the store's text encoder (or
         `text_encoder`); or `text`: their embeddings, {"text_pooled" (N, Dp), ...}.
-    n: the number of samples when there are no labels/prompts (default SampleConfig.n).
-    cfg_scale: classifier-free guidance (1 = none; ignored for unconditional models).
     autoencoder: a loaded store autoencoder to reuse (the trainer's, between grids).
     Returns (N, H, W, 3) uint8 images."""
     module = weights if isinstance(weights, torch.nn.Module) else None
     if labels is not None:
         labels = torch.as_tensor(labels, dtype=torch.long).reshape(-1).tolist()
     given = labels if labels is not None else prompts  # exactly these: one sample each
-    settings = SampleConfig(cfg_scale=cfg_scale, steps=steps, sampler=sampler, seed=seed, batch_size=batch_size,
-                            precision=precision)
     plan = plan_samples(config, store, settings, model=module.config if isinstance(module, DiT) else None,
                         device=device if module is None else next(module.parameters()).device,
                         classes=labels or (), prompts=prompts or (), text=text,
-                        n=n if given is None else len(given))
+                        n=settings.n if given is None else len(given))
     model = module if module is not None else load_model(weights, config, plan.device)
     return run_plan(model, plan, store, autoencoder=autoencoder, text_encoder=text_encoder, vae=vae,
                     text_pretrained=text_pretrained)
@@ -657,21 +650,21 @@ def store_text(store, n: int) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(np.asarray(v, dtype=bool if k == TEXT_MASK else np.float32)) for k, v in data.items()}
 
 
-def write_training_grid(model, config: dict, store, path, *, n: int = _S.n, steps: int = _S.steps,
-                        cfg_scale: float = _S.cfg_scale, seed: int = _S.seed, device=None,
-                        sampler: str | None = _S.sampler, batch_size: int = _S.batch_size) -> Path:
-    """The trainer's EMA sample grid: n samples, always the same conditions and noise (the
-    seed's), so grids of successive steps are comparable. Class models: n classes drawn with
-    the seed; text models: the embeddings of the store's first n captions (no text encoder
-    needed); unconditional: n samples. The store's autoencoder is loaded once per store and
-    device and kept. Writes an (about) square PNG grid at `path` and returns it."""
+def write_training_grid(model, config: dict, store, path, settings: SampleConfig = _S, *, device=None) -> Path:
+    """The trainer's EMA sample grid: settings.n samples, always the same conditions and noise
+    (the seed's), so grids of successive steps are comparable. Class models: n classes drawn
+    with the seed; text models: the embeddings of the store's first n captions (no text
+    encoder needed); unconditional: n samples. settings: SampleConfig (the trainer's: its
+    --sample-steps, --sample-cfg and --seed). The store's autoencoder is loaded once per store
+    and device (`device`, default the model's) and kept. Writes an (about) square PNG grid at
+    `path` and returns it."""
     cfg = model.config if isinstance(model, DiT) else model_config(config)
     dev = next(model.parameters()).device if device is None else sampling_device(device)
     kind = conditioning_kind(cfg)
-    labels = pick_labels(n, cfg.num_classes, seed) if kind == "class" else None
+    n = settings.n
+    labels = pick_labels(n, cfg.num_classes, settings.seed) if kind == "class" else None
     text = store_text(store, n) if kind == "text" else None
-    images = sample_images(model, config, store, labels=labels, text=text, n=n, cfg_scale=cfg_scale,
-                           steps=steps, sampler=sampler, seed=seed, batch_size=batch_size,
+    images = sample_images(model, config, store, settings, labels=labels, text=text,
                            autoencoder=kept_autoencoder(store, dev))
     return save_png(make_grid(images, nrow=_square(len(images))), path)
 

@@ -1,13 +1,13 @@
 """`dittrain serve`: a local web page that samples a run, over the one sampling path.
 
-    server = Server(RUN, device="auto")              opened.TorchEngine: the run and its DiT, once
+    server = Server(RUN, ServeConfig(device="auto"))  opened.TorchEngine: the run and its DiT, once
     out = server.generate(Request(choice="207", n=4, steps=50, seed=None))
                                                      (size="352x176": a bucketed run's bucket, as --size;
                                                      the page offers them in a dropdown, server.sizes)
     out.images, out.command, out.message, out.seed   PNG-ready uint8 images, the `dittrain sample`
                                                      line that gives them, a note, the seed used
     demo = build_app(server)                         gradio Blocks over generate
-    serve(RUN, host="127.0.0.1", port=7860)          the command: build, queue, launch, wait
+    serve(RUN, ServeConfig(port=7860))               the command: build, queue, launch, wait
 
 The same images as the shown command. What decides the images (sample.py's docstring):
 the weights, the seed (the noise of all samples first, then the ddpm sampler's ancestral
@@ -58,7 +58,7 @@ import numpy as np
 
 from ditdata.common.errors import UserError, one_line
 from ditdata.common.extras import missing_extra
-from dittrain.config import SampleConfig
+from dittrain.config import SampleConfig, ServeConfig
 from dittrain.diffusion import SAMPLERS
 from dittrain.inference.open_run import (
     SampleError,
@@ -79,7 +79,7 @@ from dittrain.inference.sample import (
     run_sizes,
 )
 
-_S = SampleConfig()
+_S, _SERVE = SampleConfig(), ServeConfig()
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes any int up to 2**64 - 1; the CLI any int
 RANDOM = "random"  # the class choice that draws each sample's class with the seed
 APP_CSS = "#gallery img { image-rendering: pixelated; }"  # tiny samples stay sharp when enlarged
@@ -163,33 +163,34 @@ def _fingerprint(ckpt) -> tuple | None:
 
 class Server:
     """A run loaded once for sampling, and generate() for each request (see the module docstring).
-    text_encoder: an object with embed_text(prompts, tokens=) to use instead of the store's
-    (tests); the store's is loaded on the first prompt and kept."""
+    settings: the device, precision, batch size, the limits of a request and where the run's
+    parts are (ServeConfig; host, port and queue size are serve()'s). text_encoder: an object
+    with embed_text(prompts, tokens=) to use instead of the store's (tests); the store's is
+    loaded on the first prompt and kept."""
 
-    def __init__(self, ckpt, *, device="auto", precision: str = _S.precision, batch_size: int = _S.batch_size,
-                 max_images: int = 64, max_steps: int = 1000, latents=None, vae: str | None = None,
-                 model: str | None = None, text_pretrained: str | None = None, text_encoder=None, log=print):
-        if max_images < 1 or max_steps < 1 or batch_size < 1:
+    def __init__(self, ckpt, settings: ServeConfig = _SERVE, *, text_encoder=None, log=print):
+        s = settings
+        if s.max_images < 1 or s.max_steps < 1 or s.batch_size < 1:
             raise SampleError("--max-images, --max-steps and --batch-size must be at least 1")
-        self.ckpt, self.latents, self.vae, self.model_name = ckpt, latents, vae, model
-        self.text_pretrained, self.log = text_pretrained, log
+        self.ckpt, self.latents, self.vae, self.model_name = ckpt, s.latents, s.vae, s.model
+        self.text_pretrained, self.log = s.text_pretrained, log
         self._loaded = _fingerprint(ckpt)  # before loading: a change while it loads is seen too
-        engine = TorchEngine(ckpt, latents=latents, vae=vae, model=model)
-        self.config, self.store, note = engine.open(device)
+        engine = TorchEngine(ckpt, latents=s.latents, vae=s.vae, model=s.model)
+        self.config, self.store, note = engine.open(s.device)
         if note:
             log(note)
         self.model_cfg, self.diffusion = model_config(self.config), diffusion_config(self.config)
         self.kind = conditioning_kind(self.model_cfg)
-        probe = plan_samples(self.config, self.store, SampleConfig(steps=2, precision=precision,
-                                                                   batch_size=batch_size),
-                             device=device, prompts=("probe",) if self.kind == "text" else (), n=1)
-        self.device, self.batch_size = probe.device, batch_size
-        self.precision = _PRECISION_NAMES.get(None if probe.amp is None else str(probe.amp), precision)
+        probe = plan_samples(self.config, self.store, SampleConfig(steps=2, precision=s.precision,
+                                                                   batch_size=s.batch_size),
+                             device=s.device, prompts=("probe",) if self.kind == "text" else (), n=1)
+        self.device, self.batch_size = probe.device, s.batch_size
+        self.precision = _PRECISION_NAMES.get(None if probe.amp is None else str(probe.amp), s.precision)
         self.name = probe.name
-        self.max_images = max_images
-        ddpm_limit = self.diffusion.num_timesteps if self.diffusion.objective == "ddpm" else max_steps + 1
-        self.max_steps = min(max_steps, ddpm_limit)
-        self._steps_limit = " (ddpm: the run's timesteps)" if ddpm_limit <= max_steps else " (the server's --max-steps)"
+        self.max_images = s.max_images
+        ddpm_limit = self.diffusion.num_timesteps if self.diffusion.objective == "ddpm" else s.max_steps + 1
+        self.max_steps = min(s.max_steps, ddpm_limit)
+        self._steps_limit = " (ddpm: the run's timesteps)" if ddpm_limit <= s.max_steps else " (the server's --max-steps)"
         self.samplers = tuple(SAMPLERS[self.diffusion.objective])
         self.names = class_names(self.store) if self.kind == "class" else None
         # a bucketed run: the page's size dropdown ("WxH" px), its default first chosen
@@ -197,7 +198,7 @@ class Server:
         self.default_size = default_size(self.config, self.model_cfg)
         self.model = engine.network(self.device)
         del engine  # and its reference to the state dict
-        self.autoencoder = load_autoencoder(self.store, self.device, vae)  # what run_plan would load
+        self.autoencoder = load_autoencoder(self.store, self.device, s.vae)  # what run_plan would load
         self._text_encoder = text_encoder
         self._lock = threading.Lock()
         if self.kind == "text" and text_encoder is None:
@@ -427,13 +428,14 @@ def _check_port(host: str, port: int) -> None:
         raise SampleError(f"cannot listen on {host}:{port}: {why} (pass --port N, or --host)") from None
 
 
-def serve(ckpt, *, host: str = "127.0.0.1", port: int = 7860, queue_size: int = 32, log=print, **server_kw) -> None:
+def serve(ckpt, settings: ServeConfig = _SERVE, *, log=print) -> None:
     """The command: check the port, load the run, launch the page, serve until Ctrl-C / SIGTERM."""
+    host, port = settings.host, settings.port
     _check_port(host, port)
     _gradio()  # missing gradio: one line before the model loads
-    server = Server(ckpt, log=log, **server_kw)
+    server = Server(ckpt, settings, log=log)
     demo = build_app(server)
-    demo.queue(max_size=queue_size, default_concurrency_limit=1)
+    demo.queue(max_size=settings.queue_size, default_concurrency_limit=1)
     try:
         demo.launch(server_name=host, server_port=port, share=False, inbrowser=False, prevent_thread_lock=True,
                     quiet=True, show_error=False, ssr_mode=False, mcp_server=False, pwa=False,

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
+from dittrain.config import EvalSection
 from dittrain.eval import (
     FEATURES,
     EvalError,
@@ -40,15 +42,19 @@ class TrainingEval:
     left to `dittrain eval`. The trainer catches every failure of a call: an evaluation never
     stops a run."""
 
-    def __init__(self, ref, *, n: int, resolution: int | None = None, inception=None, steps: int | None = None,
-                 cfg_scale: float | None = None, seed: int = 0, batch_size: int = 64, cache_dir=None,
+    def __init__(self, settings: EvalSection, *, resolution: int | None = None, seed: int = 0, cache_dir=None,
                  log: Callable[[str], None] | None = None):
+        """settings: the run's eval section (--eval-ref, --eval-n, --eval-inception, --eval-steps,
+        --eval-cfg, --eval-batch-size; 0 steps: the FID protocol's). resolution: the store's image
+        size, the reference's crop; seed: the run's."""
+        n = settings.eval_n
         if n < 2:
             raise EvalError(f"--eval-n must be at least 2 (a covariance needs two samples), got {n}")
-        self.weights = find_inception(inception)  # fail now, not after hours of training
-        self.ref_source = open_source(ref, resolution=resolution)
+        self.weights = find_inception(settings.eval_inception or None)  # fail now, not after hours of training
+        self.ref_source = open_source(settings.eval_ref, resolution=resolution)
         self.resolution = resolution
-        self.n, self.steps, self.cfg_scale, self.seed, self.batch_size = n, steps, cfg_scale, seed, batch_size
+        self.n, self.steps, self.cfg_scale = n, settings.eval_steps or None, settings.eval_cfg
+        self.seed, self.batch_size = seed, settings.eval_batch_size
         self.cache_dir, self.log = cache_dir, log or (lambda line: None)
         self.inception: Inception | None = None
         self.ref: RefStats | None = None
@@ -81,11 +87,10 @@ class TrainingEval:
             if i % world != rank:
                 continue
             stop = min(start + self.batch_size, self.n)
+            chunk = replace(settings, n=stop - start, seed=self.seed + i, batch_size=self.batch_size)
             images = sample.sample_images(
-                model, config, store, labels=None if labels is None else labels[start:stop],
-                text=None if text is None else _cycled(text, start, stop), n=stop - start,
-                cfg_scale=settings.cfg_scale, steps=settings.steps, seed=self.seed + i, batch_size=self.batch_size,
-                autoencoder=autoencoder)
+                model, config, store, chunk, labels=None if labels is None else labels[start:stop],
+                text=None if text is None else _cycled(text, start, stop), autoencoder=autoencoder)
             mine[i] = image_features(images, self.inception, batch_size=self.batch_size)
         chunks = _on_rank0(mine, rank, world)
         if rank != 0:

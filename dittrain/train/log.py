@@ -188,10 +188,12 @@ def sample_grid(run: Run, ema: DiT, step: int, log: Log) -> None:
         from dittrain.inference.sample import write_training_grid
     except ImportError:
         return
+    from dittrain.config import SampleConfig
+
     cfg = run.cfg
+    settings = SampleConfig(steps=cfg.logging.sample_steps, cfg_scale=cfg.logging.sample_cfg, seed=cfg.optim.seed)
     try:
-        write_training_grid(ema, run.resolved, run.store, path, steps=cfg.logging.sample_steps, cfg_scale=cfg.logging.sample_cfg,
-                            seed=cfg.optim.seed, device=run.device)
+        write_training_grid(ema, run.resolved, run.store, path, settings, device=run.device)
     except Exception as e:  # samples are a convenience: never kill a run over them
         print(f"dittrain: no sample grid at {path.name} ({type(e).__name__}: {e})", file=sys.stderr)
         return

@@ -44,7 +44,7 @@ from ditdata.common import dist, files
 from ditdata.common.extras import missing_extra
 from ditdata.common.lock import DirLock
 from ditdata.store import Store, refuse_inside_store
-from dittrain.config import TrainConfig
+from dittrain.config import LoaderConfig, TrainConfig
 from dittrain.data import LoaderStateError, build_loader
 from dittrain.data.latent_norm import LatentNorm
 from dittrain.diffusion import DiffusionConfig
@@ -84,10 +84,8 @@ def _evaluator(cfg: TrainConfig, store: Store):
     except ImportError as e:
         raise missing_extra("--eval-every", "eval", e, TrainError) from e
     try:
-        return TrainingEval(cfg.eval.eval_ref, n=cfg.eval.eval_n, resolution=(store.manifest.get("image") or {}).get("resolution"),
-                            inception=cfg.eval.eval_inception or None, steps=cfg.eval.eval_steps or None,
-                            cfg_scale=cfg.eval.eval_cfg, seed=cfg.optim.seed, batch_size=cfg.eval.eval_batch_size,
-                            log=lambda line: print(f"dittrain: {line}", file=sys.stderr))
+        return TrainingEval(cfg.eval, resolution=(store.manifest.get("image") or {}).get("resolution"),
+                            seed=cfg.optim.seed, log=lambda line: print(f"dittrain: {line}", file=sys.stderr))
     except EvalError as e:
         raise TrainError(f"--eval-every: {e}") from e
 
@@ -122,12 +120,11 @@ def _build(run: Run, ckpt: dict | None) -> RunState:
     window = cfg.data.shuffle_window or (ckpt["ranks"][run.rank]["loader"].get("shuffle_window")
                                     if ckpt is not None else None)
     try:
-        loader = build_loader(
-            run.store, batch_size=run.per_rank, kind=kind, seed=cfg.optim.seed, rank=run.rank,
-            world_size=run.world, device=device, resident_device=cfg.data.resident_device,
-            workers=cfg.data.workers, shuffle_window=window, memory=cfg.data.loader_memory,
-            remainder=cfg.data.bucket_remainder,
-        )
+        d = cfg.data
+        settings = LoaderConfig(kind=kind, resident_device=d.resident_device, workers=d.workers, shuffle_window=window,
+                                memory=d.loader_memory, remainder=d.bucket_remainder)
+        loader = build_loader(run.store, settings, batch_size=run.per_rank, seed=cfg.optim.seed, rank=run.rank,
+                              world_size=run.world, device=device)
     except ValueError as e:  # LoaderError (does not fit) or settings the loader refuses
         raise TrainError(str(e)) from e
     if ckpt is not None and kind != cfg.data.loader:  # not what the user asked now: the checkpoint's
