@@ -26,8 +26,8 @@ The README's overview block is also run as written, by tests/test_readme.py.
 from __future__ import annotations
 
 import contextlib
-import enum
 import dataclasses
+import enum
 import importlib
 import importlib.util
 import inspect
