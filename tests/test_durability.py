@@ -30,7 +30,7 @@ from storeutil import INFO, make_store, schema, shard_data, write_store
 from ditdata.common import files
 from ditdata.errors import DitdataError
 from ditdata.imageshards import folder as imageshards
-from ditdata.store import MANIFEST, StoreError, StoreWriter
+from ditdata.store import BACKEND_CLASSES, MANIFEST, StoreError, StoreWriter
 from dittrain.cli import main as dittrain_cli
 from dittrain.inference.weights import load_weights
 from dittrain.rundir import (
@@ -40,6 +40,9 @@ from dittrain.rundir import (
     load_checkpoint,
     save_checkpoint,
 )
+
+# every shard format of the store's table: a new backend is tested too
+BACKENDS = list(BACKEND_CLASSES)
 
 
 def limited(nbytes: int):
@@ -146,7 +149,7 @@ STORE_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("backend", ["zarr", "wds"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_store_shard_past_the_file_size_limit(tmp_path, backend):
     root = tmp_path / "store"
     script = STORE_CHILD.replace("info=INFO)", f"info=INFO, backend={backend!r})")

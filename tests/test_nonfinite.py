@@ -14,7 +14,10 @@ from storeutil import schema, write_store
 from tiny import fetch_tree, real_images
 
 from ditdata.autoencoders import taef2
-from ditdata.store import open_store
+from ditdata.store import BACKEND_CLASSES, open_store
+
+# every shard format of the store's table: a new backend is tested too
+BACKENDS = list(BACKEND_CLASSES)
 
 
 def overflowing_taef2(folder: Path, probe: np.ndarray) -> Path:
@@ -61,7 +64,7 @@ def test_fp16_overflow_is_skipped_and_counted(tmp_path):
     assert cli("verify", tmp_path / "store").exit_code == 0
 
 
-@pytest.mark.parametrize("backend", ["zarr", "wds"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_verify_reports_non_finite_values(tmp_path, backend, monkeypatch):
     import storeutil
 

@@ -14,10 +14,22 @@ from cliutil import child_env, kill_when, loaded_after
 from cliutil import ditdata as _cli
 from storeutil import INFO, schema, shard_data, write_store
 
-from ditdata.store import BFLOAT16, FORMAT_VERSION, Store, StoreError, StoreWriter, open_store
+from ditdata.store import (
+    BACKEND_CLASSES,
+    BFLOAT16,
+    FORMAT_VERSION,
+    Store,
+    StoreError,
+    StoreWriter,
+    open_store,
+)
 from ditdata.store.manifest import decode_array, encode_array, identity
 
 SIZES = [7, 0, 12]  # an empty shard (every image failed) is still a shard
+
+
+# every shard format of the store's table: a new backend is tested too
+BACKENDS = list(BACKEND_CLASSES)
 
 
 def _equal(a, b):
@@ -36,7 +48,7 @@ def _expected_columns(cols: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("backend", ["zarr", "wds"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_round_trip(tmp_path, backend, dtype):
     sch = schema(dtype)
@@ -159,7 +171,7 @@ def _looks_finished(root: Path) -> list[str]:
     return sorted(p.name for p in (root / "shards").iterdir() if p.suffix in (".zarr", ".tar"))
 
 
-@pytest.mark.parametrize("backend", ["zarr", "wds"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("where", ["before_record", "after_record"])
 def test_sigkill_mid_shard_then_rerun(tmp_path, backend, where):
     root = tmp_path / "s"
@@ -234,7 +246,7 @@ def test_writer_rejects_bad_shards(tmp_path):
 
 # -- corruption: each gives a clear error naming the file -----------------------------------
 
-@pytest.fixture(params=["zarr", "wds"])
+@pytest.fixture(params=BACKENDS)
 def store_dir(tmp_path, request) -> Path:
     write_store(tmp_path / "s", schema("float16"), [5, 6], request.param)
     return tmp_path / "s"
@@ -388,7 +400,7 @@ def test_zarr_reads_other_layouts_through_zarr(tmp_path):
     assert np.array_equal(store.read(0, fields=["latent"], start=1, stop=6)["latent"], want[1:6])
 
 
-@pytest.mark.parametrize("backend", ["zarr", "wds"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_backend_flags_are_what_the_readers_rely_on(tmp_path, backend):
     """The backend table (backends.py) names defaults.BACKENDS, each entry is a Backend, and
     its random_access flag is what the readers plan by: sample() on a zarr store reads the one
