@@ -75,11 +75,10 @@ from dittrain.plan.footprint import (  # noqa: E402
     model_parts,
     outside_fixed,
     outside_sample,
-    projector_parts,
 )
 from dittrain.plan.footprint import MODES as TABLE_MODES  # noqa: E402
 from dittrain.plan.probe import measured_peak  # noqa: E402
-from dittrain.train.repa import Alignment, build_projector  # noqa: E402
+from dittrain.train.repa import Alignment, build_projector, projector_parts  # noqa: E402
 
 MODES = ("none", "every", "2", "selective", "selective-fc1", "attn", "mlp")
 

@@ -163,7 +163,7 @@ def _repa_step(objective: str, weight: float) -> tuple[TrainStep, Alignment]:
     diffusion = Diffusion(DiffusionConfig(objective=objective, learn_sigma=objective == "ddpm"))
     step = TrainStep(model=model, train_model=model, ema=ema, optimizer=opt, diffusion=diffusion, cfg=cfg,
                      scaler=torch.amp.GradScaler("cpu", enabled=False), gen=torch.Generator().manual_seed(1),
-                     device=torch.device("cpu"), amp_dtype=None, repa=align)
+                     device=torch.device("cpu"), amp_dtype=None, terms=[align])
     return step, align
 
 
@@ -190,12 +190,14 @@ def test_the_step_adds_weight_times_the_repa_loss_to_the_diffusion_loss(objectiv
     _, hidden = model(x_t, step.diffusion.model_timesteps(t), **kwargs, return_hidden=2)
     repa_loss, cos = alignment_loss(align.projector(hidden), resize_targets(data_targets(batch), (4, 4), (2, 2)))
     assert torch.allclose(loss, want_loss) and torch.allclose(total, want_loss + 0.5 * repa_loss)
-    assert torch.allclose(figures, torch.stack([repa_loss, cos]))
+    assert list(figures) == ["repa_loss", "repa_cos"]
+    assert torch.allclose(torch.stack(list(figures.values())), torch.stack([repa_loss, cos]))
 
     before = [p.detach().clone() for p in align.projector.parameters()]
     with no_host_reads():
         attempt = step.update(step.backward(_feat_batches()))
-    assert attempt.settle() == (True, False) and attempt.repa.shape == (2,)
+    assert attempt.settle() == (True, False) and list(attempt.metrics) == ["repa_loss", "repa_cos"]
+    assert all(v.shape == () for v in attempt.metrics.values())
     assert all(not torch.equal(a, b) for a, b in zip(before, align.projector.parameters(), strict=True))
     assert len(step.params) == len([p for p in model.parameters() if p.requires_grad]) + 6
 

@@ -6,9 +6,10 @@ model of the trainer's own tensors (`dittrain plan`, issue 27).
 
 The terms, each from what the trainer builds (dittrain.train.loop._build, dittrain.train.step.TrainStep):
 
-  weights      fp32 master weights: every parameter of the DiT (the frozen pos_embed too) and,
-               with --repa, the projector (ModelParts: the real model counted on the meta device)
-  ema          the EMA copy of the DiT (the projector has none)
+  weights      fp32 master weights: every parameter of the DiT (the frozen pos_embed too) and of
+               the loss terms' modules, --repa's projector (ModelParts: the real model counted on
+               the meta device; a term's Cost, dittrain.train.losses)
+  ema          the EMA copy of the DiT (a term's module has none)
   optimizer    the state of the real optimizer class (optimizer_state_bytes: one step of
                dittrain.train.optim.build_optimizer's optimizer on probe tensors of every size)
   gradients    fp32 gradients of the trainable parameters, those alive at the peak
@@ -20,7 +21,7 @@ The terms, each from what the trainer builds (dittrain.train.loop._build, dittra
                recomputation (checkpointed modes: what "none" keeps and the mode does not). The
                backward's own temporaries (one op's gradient buffers) are left out: the peaks
                measured on the CPU allocator lie up to 3.5% above the prediction (bench/RESULTS.md)
-  data         the micro-batch on the device (latents, REPA targets) and a store held there
+  data         the micro-batch on the device (latents, a term's tensors: REPA targets) and a store held there
 
 The peak is the largest of four moments of a step (Footprint.moment names it): the end of the
 forward (the autocast cache still holds every weight copy), the backward of the last block
@@ -43,8 +44,13 @@ is not:
       the output and a logsumexp are kept) or math (the attention matrix too: the T*T*heads column)
   OUTSIDE["mlp,norm,pos,qk/dtype/loss"]  "head" (the embedders) and "tail" (the final layer and
       the loss), each per sample OUTSIDE_SAMPLE, per step OUTSIDE_FIXED
-  REPA[dtype]  --repa's projector and targets: REPA_FEATURES
+  REPA[dtype]  --repa's projector and targets: REPA_FEATURES (a loss term's row: its Cost names it)
 dtype: fp32, or bf16 (CPU autocast; fp16 reads the same rows).
+
+A loss term is in the footprint through its entry (dittrain.train.losses.LOSS_TERMS): Setting's
+field of the entry's name holds its planned settings (repa: block, projector width, target
+dims), and the entry's cost() of them says its parameters, its table row and features, its
+batch tensors (term_costs).
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from ditdata.common.errors import UserError
 from dittrain.model.parts import BLOCK_PARTS, POSITIONS
 from dittrain.model.routing import Route, block_tokens
 from dittrain.model.sizes import DiTConfig
+from dittrain.train.losses import LOSS_TERMS, Cost
 
 TABLE = Path(__file__).with_name("activation_table.json")
 
@@ -81,7 +88,8 @@ BLOCK_FIXED = ("attn+ada", "mlp")
 # part (T*head_dim: RoPE's; 0 for sin-cos), 1.
 OUTSIDE_SAMPLE = ("TD", "E", "D", "1")
 OUTSIDE_FIXED = ("linear", "rope", "1")
-# --repa's projector and targets, per sample: T*width, T*target dims, T*D, T; per step: its linear parameters.
+# --repa's projector and targets, per sample: T*width, T*target dims, T*D, T; per step: its linear
+# parameters (dittrain.train.losses.Repa.cost gives them).
 REPA_FEATURES = ("TP", "TY", "TD", "T", "linear")
 MODES = ("none", "every", "selective", "attn", "mlp")  # what the table has; k is every + none
 FP32, HALF = "fp32", "bf16"  # the table's two dtypes; fp16 uses the bf16 rows (same widths)
@@ -167,17 +175,6 @@ def _in_linear(module, name: str) -> bool:
     return isinstance(owner, nn.Linear | nn.Conv2d)
 
 
-@lru_cache(maxsize=16)
-def projector_parts(hidden: int, width: int, dims: int) -> tuple[int, ...]:
-    """numel of each parameter of --repa's projector (dittrain.train.repa.Projector)."""
-    import torch
-
-    from dittrain.train.repa import Projector
-
-    with torch.device("meta"):
-        return tuple(p.numel() for p in Projector(hidden, width, dims).parameters())
-
-
 # ----------------------------------------------------------------------------- optimizer state
 
 # Probe tensor sizes: every power of two from 64 to 262,144 elements (bitsandbytes keeps 32-bit
@@ -248,6 +245,8 @@ class Setting:
     kernel: str = "fused"  # the self-attention kernel: fused (flash, efficient, cudnn, CPU flash) | math
     loss: str = "ddpm-sigma"  # loss_kind()
     route: Route | None = None  # --route
+    # the loss terms' planned settings, one field per entry of dittrain.train.losses.LOSS_TERMS that
+    # plans, named after it (its planned(); None: off): term_costs reads them through the entry
     repa: tuple[int, int, int] | None = None  # --repa: (block, projector width, target dims)
     resident_bytes: int = 0  # a store held on this device (--resident-device cuda)
 
@@ -335,22 +334,29 @@ def _outside_kept(s: Setting, part: str) -> float:
     return s.micro_batch * dot(coef[:n], outside_sample(cfg)) + dot(coef[n:], outside_fixed(cfg))
 
 
-def _repa_kept(s: Setting, tokens: list[int]) -> float:
-    if s.repa is None:
-        return 0.0
-    block, width, dims = s.repa
-    T = tokens[block - 1]  # the tokens that reach the aligned block (its kept ones when routed)
-    coef, D = _row(activation_table().REPA, s.dtype, "--repa"), s.config.hidden_size
-    return (s.micro_batch * dot(coef[:4], (T * width, T * dims, T * D, T))
-            + coef[4] * sum(projector_parts(D, width, dims)))
+def term_costs(s: Setting) -> list[Cost]:
+    """What the loss terms planned in `s` add to its step: each entry's cost of Setting's field of
+    its name (dittrain.train.losses), on the tokens that reach each block (the kept ones when routed)."""
+    tokens = block_tokens(s.route, s.config.depth, s.config.num_tokens)
+    return [term.cost(s.config, tokens, planned) for name, term in LOSS_TERMS.items()
+            if (planned := getattr(s, name, None)) is not None]
 
 
-def _data(s: Setting) -> int:
-    """The micro-batch on the device: float32 latents and labels; REPA's int8 targets and scales."""
+def _terms_kept(s: Setting, costs: list[Cost]) -> float:
+    """What the loss terms keep for the backward: per sample their table row's coefficients of
+    their features, per step its last coefficient of their parameter count."""
+    kept = []
+    for c in (c for c in costs if c.table):
+        coef, n = _row(getattr(activation_table(), c.table), s.dtype, c.what), len(c.per_sample)
+        kept.append(s.micro_batch * dot(coef[:n], c.per_sample) + dot(coef[n:], (sum(c.params),)))
+    return sum(kept)
+
+
+def _data(s: Setting, costs: list[Cost]) -> int:
+    """The micro-batch on the device: float32 latents and labels; the terms' tensors (REPA's int8
+    targets and scales)."""
     cfg = s.config
-    per_sample = 4 * cfg.in_channels * cfg.input_size ** 2 + 8
-    if s.repa is not None:
-        per_sample += cfg.num_tokens * (s.repa[2] + 4)
+    per_sample = 4 * cfg.in_channels * cfg.input_size ** 2 + 8 + sum(c.data_per_sample for c in costs)
     return s.micro_batch * per_sample
 
 
@@ -358,7 +364,7 @@ def kept_bytes(s: Setting) -> float:
     """Everything the forward keeps for the backward (the activations at the backward's start)."""
     blocks = _Blocks(s)
     return (sum(blocks.kept(i) for i in range(s.config.depth)) + _outside_kept(s, "head") + _outside_kept(s, "tail")
-            + _repa_kept(s, blocks.tokens))
+            + _terms_kept(s, term_costs(s)))
 
 
 def _cast_cache(s: Setting, blocks: _Blocks) -> float:
@@ -379,15 +385,15 @@ def _final_layer(cfg: DiTConfig) -> int:
 
 def footprint(s: Setting) -> Footprint:
     """The predicted peak of one training step of setting `s` (module docstring)."""
-    cfg, parts, blocks = s.config, model_parts(s.config), _Blocks(s)
-    projector = projector_parts(cfg.hidden_size, s.repa[1], s.repa[2]) if s.repa is not None else ()
-    trainable = (*parts.trainable, *projector)
+    cfg, parts, blocks, costs = s.config, model_parts(s.config), _Blocks(s), term_costs(s)
+    extra = tuple(n for c in costs for n in c.params)  # the terms' modules: trained beside the model
+    trainable = (*parts.trainable, *extra)
     grads = 4 * sum(trainable)
     kept = [blocks.kept(i) for i in range(cfg.depth)]
-    # the embedders' activations (and REPA's, whose backward comes with the aligned block's) stay
-    # to the end of the backward; the final layer's and the loss's go before the blocks' backward
-    head, tail = _outside_kept(s, "head") + _repa_kept(s, blocks.tokens), _outside_kept(s, "tail")
-    last, data = cfg.depth - 1, _data(s)
+    # the embedders' activations (and the terms', REPA's backward coming with the aligned block's)
+    # stay to the end of the backward; the final layer's and the loss's go before the blocks' backward
+    head, tail = _outside_kept(s, "head") + _terms_kept(s, costs), _outside_kept(s, "tail")
+    last, data = cfg.depth - 1, _data(s, costs)
     # gradients alive: from the second micro-batch of an accumulation on, all of them; else the
     # backward allocates them block by block, from the final layer down to the first block
     accumulating = s.accumulation > 1
@@ -401,7 +407,7 @@ def footprint(s: Setting) -> Footprint:
         "optimizer step": (grads, 0, 0, 0),
     }
     moment, (g, a, w, d) = max(moments.items(), key=lambda kv: sum(kv[1]))
-    weights, optimizer = 4 * (parts.total + sum(projector)), int(optimizer_state_bytes(s.optimizer, trainable))
+    weights, optimizer = 4 * (parts.total + sum(extra)), int(optimizer_state_bytes(s.optimizer, trainable))
     state = weights + 4 * parts.total + optimizer + s.resident_bytes
     return Footprint(weights=weights, ema=4 * parts.total, optimizer=optimizer, gradients=int(g), activations=int(a),
                      workspace=int(w), data=int(d) + s.resident_bytes, moment=moment,
@@ -411,4 +417,4 @@ def footprint(s: Setting) -> Footprint:
 __all__ = ["BLOCK_FIXED", "BLOCK_SAMPLE", "FP32", "HALF", "MODES", "OUTSIDE_FIXED", "OUTSIDE_SAMPLE", "PARTS",
            "REPA_FEATURES", "Footprint", "FootprintError", "ModelParts", "Setting", "block_kind",
            "block_modes", "block_sample", "dot", "footprint", "kept_bytes", "loss_kind", "model_parts",
-           "optimizer_state_bytes", "outside_fixed", "outside_sample", "projector_parts"]
+           "optimizer_state_bytes", "outside_fixed", "outside_sample", "term_costs"]

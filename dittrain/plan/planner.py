@@ -40,16 +40,18 @@ from dittrain.plan.footprint import (
     block_modes,
     footprint,
     loss_kind,
+    term_costs,
 )
 from dittrain.plan.probe import ProbeResult
 from dittrain.plan.throughput import RECORD_SOURCE, RECORDS, Rate, rate, step_flops
+from dittrain.train.losses import Cost, feature_set
+from dittrain.train.losses import on as loss_terms
 
 MARGIN = 0.10  # of the predicted peak, kept free: fragmentation of the caching allocator, the model's error
 CUDA_CONTEXT = 2**30  # what the CUDA context and libraries take outside torch's allocator (conservative)
 # --grad-checkpointing values searched, from the least recomputation to the most (k: every k-th block)
 SEARCHED_MODES = ("none", "selective", "mlp", "attn", "4", "3", "2", "every")
 SEARCHED = ("accumulation_steps", "grad_checkpointing", "optimizer", "compile")  # what plan may choose
-REPA_DIMS = 768  # --repa without a store: DINOv2 ViT-B/14's 768-dim tokens assumed (on the model's grid)
 # adamw8bit keeps the same settings but rounds the optimizer's moments: the pick takes it only where it
 # is this much faster (a larger micro-batch) than an adamw setting that fits, or where adamw does not fit
 EIGHT_BIT_PENALTY = 1.10
@@ -122,6 +124,7 @@ class Plan:
     num_samples: int | None  # the dataset's size, when known
     store: object | None = None  # the opened store (--latents)
     notes: list[str] = field(default_factory=list)
+    costs: list[Cost] = field(default_factory=list)  # what the loss terms add (dittrain.train.losses)
 
     @property
     def config(self) -> TrainConfig:
@@ -150,7 +153,7 @@ def _model_config(req: PlanRequest) -> tuple[DiTConfig, object | None, int | Non
         from ditdata.store import open_store
 
         store = open_store(cfg.data.latents, cache_dir=cfg.data.cache_dir or None, cache_limit=cfg.data.cache_limit,
-                           features=cfg.repa.repa or None)
+                           features=feature_set(cfg))
         shape_of, samples = store, len(store)
     elif req.latent_shape is None:
         raise PlanError("give --latents STORE, or --latent-shape CxHxW (and --classes N) for a store not made yet")
@@ -177,15 +180,14 @@ class _Shape:
     buckets: tuple = ()  # a planned store has no aspect-ratio buckets
 
 
-def _repa(req: PlanRequest, model: DiTConfig, store) -> tuple[int, int, int] | None:
-    """--repa as footprint's (block, projector width, target dims)."""
-    r = req.cfg.repa
-    if not r.repa:
-        return None
-    if not 1 <= r.repa_depth <= model.depth:
-        raise PlanError(f"--repa-depth {r.repa_depth}: {req.cfg.model.model} has {model.depth} blocks")
-    dims = store.feature_set.dims if store is not None else REPA_DIMS
-    return r.repa_depth, r.repa_projector_dim, dims
+def _planned(req: PlanRequest, model: DiTConfig, store) -> dict:
+    """The loss terms' settings, as footprint's Setting holds them: by entry name (dittrain.train.losses;
+    repa: block, projector width, target dims), for the terms that are planned."""
+    try:
+        planned = {term.name: term.planned(req.cfg, model, store) for term in loss_terms(req.cfg)}
+    except UserError as e:  # a setting that cannot work with this model (--repa-depth beyond it)
+        raise PlanError(str(e)) from None
+    return {name: value for name, value in planned.items() if value is not None}
 
 
 # ----------------------------------------------------------------------------- the target
@@ -299,10 +301,10 @@ def resident_bytes(req: PlanRequest, store, target: Target) -> int:
     return len(store) * (per_sample + 8)
 
 
-def _candidates(req: PlanRequest, model: DiTConfig, target: Target, repa, resident: int) -> list[Candidate]:
+def _candidates(req: PlanRequest, model: DiTConfig, target: Target, planned: dict, resident: int) -> list[Candidate]:
     cfg, choices = req.cfg, _choices(req, model, target)
     common = dict(precision=target.precision, kernel=target.kernel, loss=loss_kind(cfg.diffusion.objective,
-                  model.learn_sigma), route=parse_route(cfg.routing.route), repa=repa, resident_bytes=resident)
+                  model.learn_sigma), route=parse_route(cfg.routing.route), resident_bytes=resident, **planned)
     out = []
     for mode in choices["mode"]:
         for optimizer in choices["optimizer"]:
@@ -315,14 +317,11 @@ def _candidates(req: PlanRequest, model: DiTConfig, target: Target, repa, reside
     return out
 
 
-def _speed(c: Candidate, req: PlanRequest, model: DiTConfig, target: Target, repa) -> None:
+def _speed(c: Candidate, req: PlanRequest, model: DiTConfig, target: Target, costs: list[Cost]) -> None:
     """c.seconds and c.rate from the card's record (dittrain.plan.throughput), when it has one."""
     route = parse_route(req.cfg.routing.route)
     tokens = block_tokens(route, model.depth, model.num_tokens)
-    extra = 0.0
-    if repa is not None:  # the projector's matmuls, on the tokens that reach its block
-        block, width, dims = repa
-        extra = tokens[block - 1] * (model.hidden_size * width + width * width + width * dims)
+    extra = sum((cost.macs_per_sample for cost in costs), 0.0)  # the terms' matmuls (REPA's projector)
     flops = step_flops(model, c.mode, tokens, extra) * req.cfg.optim.batch_size
     c.rate = rate(target.gpu, model, c.micro, target.precision)
     if c.rate is not None:
@@ -392,11 +391,12 @@ def _make_plan(req: PlanRequest, log) -> Plan:
     route = parse_route(req.cfg.routing.route)
     if route is not None and route.end > model.depth:
         raise PlanError(f"--route {route}: END {route.end} is beyond {req.cfg.model.model}'s {model.depth} blocks")
-    repa = _repa(req, model, store)
+    planned = _planned(req, model, store)
+    costs = term_costs(Setting(model, route=route, **planned))
     target = _target(req, model, probe_device)
-    candidates = _candidates(req, model, target, repa, resident_bytes(req, store, target))
+    candidates = _candidates(req, model, target, planned, resident_bytes(req, store, target))
     for c in candidates:
-        _speed(c, req, model, target, repa)
+        _speed(c, req, model, target, costs)
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         smallest = min(candidates, key=lambda c: c.fp.peak)
@@ -406,7 +406,7 @@ def _make_plan(req: PlanRequest, log) -> Plan:
             f"{smallest.micro} with --grad-checkpointing {smallest.mode} and --optimizer {smallest.optimizer}, "
             f"needs {format_size(smallest.fp.peak)} (+{MARGIN:.0%} headroom), so at least {format_size(need)} "
             f"of {'GPU memory' if target.device == 'cuda' else 'memory'}; or a smaller model or --batch-size")
-    plan = Plan(req, model, target, candidates, min(fitting, key=_order), samples, store)
+    plan = Plan(req, model, target, candidates, min(fitting, key=_order), samples, store, costs=costs)
     steps_and_epochs(plan)  # --epochs without the dataset's size: refused before any probe
     if req.probe:
         _probe(plan, probe_device, log)
@@ -450,11 +450,8 @@ def _probe_setting(plan: Plan, c: Candidate, device) -> tuple:
     """(TrainConfig, DiTConfig, device, targets) of candidate c as dittrain.plan.probe builds it."""
     cfg = with_settings(plan.request.cfg, {**c.settings(), "amp": plan.target.precision, "device": str(device)})
     model = replace(plan.model, grad_checkpointing=int(c.mode) if c.mode.isdigit() else c.mode)
-    return cfg, model, device, (model.num_tokens, _repa_dims(plan)) if cfg.repa.repa else None
-
-
-def _repa_dims(plan: Plan) -> int:
-    return plan.store.feature_set.dims if plan.store is not None else REPA_DIMS
+    # the synthetic feature set a loss term reads (--repa's targets), as the store's (or planned) dims
+    return cfg, model, device, next((cost.targets for cost in plan.costs if cost.targets is not None), None)
 
 
 # ----------------------------------------------------------------------------- time
@@ -540,7 +537,7 @@ def header_lines(plan: Plan) -> list[str]:
     return [f"{cfg.model.model}: {params / 1e6:.1f} M parameters, {m.depth} blocks of {m.num_tokens} tokens, "
             f"{m.in_channels}x{m.input_size}x{m.input_size} latents, {cond}; global batch {cfg.optim.batch_size}, "
             f"{t.precision}" + (f", --route {cfg.routing.route}" if cfg.routing.route else "")
-            + (f", --repa {cfg.repa.repa}" if cfg.repa.repa else ""),
+            + "".join(f", {flag}" for term in loss_terms(cfg) if (flag := term.flag(cfg))),
             f"memory: {format_size(t.capacity)} for the step ({t.source}); a setting fits when its peak + "
             f"{MARGIN:.0%} does", speed]
 

@@ -6,9 +6,10 @@ optimizer dittrain.train.optim builds, EMA), on synthetic latents held on the de
     step, sched, loader = build(cfg, model_cfg, device)  the pieces, for a bench (bench/gpu_train.py)
     pending = run_steps(step, sched, loader, n)          n steps as dittrain.train.loop._loop runs them
 
-Built as dittrain.train.loop._build builds a run: the model and its EMA, the --repa projector (its
-targets synthetic: int8 codes and a per-token scale, as a feature set stores them), the
-optimizer, the grad scaler for fp16, --compile. The first step (compilation included) is
+Built as dittrain.train.loop._build builds a run: the model and its EMA, the loss terms and their
+modules through their entries (dittrain.train.losses: --repa's projector, its targets synthetic:
+int8 codes and a per-token scale, as a feature set stores them), the optimizer, the grad scaler
+for fp16, --compile. The first step (compilation included) is
 timed apart from the steady steps.
 """
 
@@ -28,8 +29,8 @@ from dittrain.config import TrainConfig
 from dittrain.diffusion import Diffusion, DiffusionConfig
 from dittrain.model.dit import DiT
 from dittrain.model.sizes import DiTConfig
+from dittrain.train import losses
 from dittrain.train.optim import build_optimizer, build_schedule
-from dittrain.train.repa import Alignment, build_projector
 from dittrain.train.step import TrainStep, compile_model, compile_target
 
 
@@ -83,25 +84,25 @@ class SyntheticLatents:
 
 def build(cfg: TrainConfig, model_cfg: DiTConfig, device: torch.device, *, targets: tuple[int, int] | None = None,
           samples: int | None = None):
-    """(TrainStep, LR schedule, loader) of one rank as dittrain.train.loop builds them. targets: --repa's
-    (tokens, dims) of the synthetic feature set (on the model's grid); samples: the synthetic
-    store's size (default two micro-batches). The weights are initialised on the device itself
-    (their values do not change speed or memory; an XL model made on the host takes seconds)."""
+    """(TrainStep, LR schedule, loader) of one rank as dittrain.train.loop builds them. targets: the
+    (tokens, dims) of the synthetic feature set (on the model's grid) a loss term reads (--repa's);
+    samples: the synthetic store's size (default two micro-batches). The weights are initialised
+    on the device itself (their values do not change speed or memory; an XL model made on the
+    host takes seconds)."""
     torch.manual_seed(cfg.optim.seed)
     with device:
         model = DiT(model_cfg)
         ema = DiT(model_cfg).requires_grad_(False)
     ema.load_state_dict(model.state_dict())
     ema.eval()
-    align, params = None, [p for p in model.parameters() if p.requires_grad]
-    if cfg.repa.repa and targets is not None:
-        projector = build_projector(model_cfg.hidden_size, cfg.repa.repa_projector_dim, targets[1], cfg.optim.seed)
-        projector = projector.to(device)
-        side = model_cfg.input_size // model_cfg.patch_size
-        align = Alignment(projector, projector, depth=cfg.repa.repa_depth, weight=cfg.repa.repa_weight,
-                          grid=(side, side), target_grid=(side, side))
-        params += list(projector.parameters())
-    opt = build_optimizer(cfg, params, device)
+    # the run config's store section as dittrain.train.setup would record the synthetic feature set
+    side = model_cfg.input_size // model_cfg.patch_size
+    resolved = {"store": {"features": {"dims": targets[1], "grid": [side, side]}} if targets is not None else {}}
+    if (name := losses.feature_set(cfg)) is not None and targets is None:
+        raise ValueError(f"probe: a loss term reads feature set {name!r}: give targets=(tokens, dims)")
+    built = losses.modules(cfg, model_cfg, resolved, device)
+    terms = losses.build(cfg, model_cfg, resolved, built)
+    opt = build_optimizer(cfg, [p for p in model.parameters() if p.requires_grad] + losses.trained(built), device)
     precision = amp_dtype(device, cfg.performance.amp)
     train_model = compile_model(model, compile_target(cfg.performance.compile, device), cfg.performance.compile_mode)
     diffusion = Diffusion(DiffusionConfig(objective=cfg.diffusion.objective, learn_sigma=model_cfg.learn_sigma))
@@ -109,7 +110,7 @@ def build(cfg: TrainConfig, model_cfg: DiTConfig, device: torch.device, *, targe
     step = TrainStep(model=model, train_model=train_model, ema=ema, optimizer=opt,
                      scaler=torch.amp.GradScaler(device.type, enabled=precision == torch.float16),
                      diffusion=diffusion, cfg=cfg, gen=torch.Generator(device=device).manual_seed(cfg.optim.seed),
-                     device=device, amp_dtype=precision, repa=align)
+                     device=device, amp_dtype=precision, terms=terms)
     return step, build_schedule(opt, cfg), SyntheticLatents(model_cfg, micro, device, samples, targets)
 
 

@@ -41,15 +41,17 @@ class RunState:
          ["projector",] "ranks": [{"loader", "rng", "noise_gen"} of rank r, ...], "config"}
 
     ("config": the resolved run config, checked before a resume, never loaded; "projector":
-    --repa's, dittrain.train.repa, only in REPA runs: trained and restored, never exported).
+    one of term_modules, the modules of the loss terms on (dittrain.train.losses), each under its
+    entry's state_key, here --repa's: trained and restored, never exported).
     """
 
     COUNTERS = ("step", "nonfinite_total")  # plain ints; one a checkpoint lacks starts at 0
 
     def __init__(self, *, model, ema, optimizer, lr_schedule, scaler, loader, noise_gen: torch.Generator,
-                 config: dict, device: torch.device, rank: int = 0, world: int = 1, projector=None):
+                 config: dict, device: torch.device, rank: int = 0, world: int = 1,
+                 term_modules: dict | None = None):
         self.model, self.ema, self.optimizer, self.lr_schedule = model, ema, optimizer, lr_schedule
-        self.projector = projector  # --repa: trains beside the model, not in the EMA
+        self.term_modules = term_modules or {}  # {state_key: module}: train beside the model, not in the EMA
         self.scaler, self.loader, self.noise_gen = scaler, loader, noise_gen
         self.config, self.device, self.rank, self.world = config, device, rank, world
         self.step = 0  # optimizer steps taken
@@ -58,7 +60,7 @@ class RunState:
     def _shared(self) -> dict:
         parts = {"model": self.model, "ema": self.ema, "optimizer": self.optimizer,
                  "lr_schedule": self.lr_schedule, "scaler": self.scaler}
-        return parts if self.projector is None else {**parts, "projector": self.projector}
+        return {**parts, **self.term_modules}
 
     def _per_rank(self) -> dict:
         return {"loader": self.loader, "rng": _GlobalRNG(self.device),

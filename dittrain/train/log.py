@@ -3,8 +3,10 @@
 FID evaluations during training; and what running out of GPU memory says.
 
     with Log(run, state, resumed=..., progress=...) as log:   the loggers and the bar, closed on errors too
-        log.step(loss, grad_norm[, repa, shapes]) after every kept optimizer step (repa: --repa's
-                                                 [REPA loss, mean cosine], logged as repa_loss, repa_cos;
+        log.step(loss, grad_norm[, metrics, shapes])
+                                                 after every kept optimizer step (metrics: the loss
+                                                 terms' {name: () tensor}, dittrain.train.losses, logged
+                                                 under their names: --repa's repa_loss, repa_cos;
                                                  shapes: the micro-batches' (B, C, H, W), logged as
                                                  batch_shape on a bucketed store's run)
         log.skipped()                            after a step skipped for a non-finite loss
@@ -38,6 +40,7 @@ from dittrain.model.routing import block_tokens, parse_route
 from dittrain.model.sizes import flops_per_forward
 from dittrain.train.checkpoint import RunState
 from dittrain.train.loggers import open_loggers
+from dittrain.train.losses import shown
 from dittrain.train.setup import Run, text_token_count
 
 
@@ -66,6 +69,7 @@ class Log:
         self.postfix, self.shown = "", 0.0
         self.t_last, self.wait_last, self.steps_since = time.perf_counter(), state.loader.wait_seconds, 0
         self.bucketed = bool(run.store.buckets)  # aspect-ratio buckets: each record says its batch's shape
+        self.shown_metrics = shown(cfg)  # the loss terms' metrics the postfix shows beside the loss (repa_loss)
 
     def __enter__(self) -> Log:
         return self
@@ -75,21 +79,22 @@ class Log:
         for logger in self.loggers:
             logger.close()
 
-    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor, repa: torch.Tensor | None = None,
+    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor, metrics: dict[str, torch.Tensor] | None = None,
              shapes: tuple[tuple[int, ...], ...] = ()) -> None:
         """After an optimizer step (state.step is its number). The device scalars are read on
-        log steps only. shapes: the step's micro-batch shapes (a bucketed run logs them)."""
+        log steps only. metrics: the loss terms' (Attempt.metrics); shapes: the step's
+        micro-batch shapes (a bucketed run logs them)."""
         cfg, step = self.run.cfg, self.state.step
         self.steps_since += 1
         if step % cfg.logging.log_every == 0 or step == cfg.optim.max_steps:
-            rec, now = self._record(loss, grad_norm, repa)
+            rec, now = self._record(loss, grad_norm, metrics or {})
             if self.bucketed and shapes:  # "8x4x32x48" (B x C x H x W), micro-batches joined by "+"
                 rec["batch_shape"] = "+".join("x".join(map(str, s)) for s in shapes)
             if self.run.master:
                 self._scalars("train", rec)
-                aligned = f" repa_loss {rec['repa_loss']:.4f}" if repa is not None else ""
+                terms = "".join(f" {name} {rec[name]:.4f}" for name in self.shown_metrics if name in rec)
                 shape = f" batch {rec['batch_shape']}" if "batch_shape" in rec else ""
-                self.postfix = (f"loss {rec['loss']:.4f}{aligned} lr {rec['lr']:.2e} {rec['images_per_s']:.0f} img/s "
+                self.postfix = (f"loss {rec['loss']:.4f}{terms} lr {rec['lr']:.2e} {rec['images_per_s']:.0f} img/s "
                                 f"wait {100 * rec['data_wait_frac']:.0f}%{shape}")
                 self.bar.set_postfix_str(self._postfix())
             self.t_last, self.wait_last, self.steps_since = now, self.state.loader.wait_seconds, 0
@@ -139,15 +144,15 @@ class Log:
         n = self.state.nonfinite_total
         return f"{self.postfix} non-finite skipped {n}".strip() if n else self.postfix
 
-    def _record(self, loss: torch.Tensor, grad_norm: torch.Tensor, repa: torch.Tensor | None) -> tuple[dict, float]:
+    def _record(self, loss: torch.Tensor, grad_norm: torch.Tensor, metrics: dict) -> tuple[dict, float]:
         """(the metrics record since the last one, its time)."""
         device, state = self.run.device, self.state
         now = time.perf_counter()
         dt = now - self.t_last
         wait = state.loader.wait_seconds - self.wait_last
-        # --repa's figures beside the diffusion loss: train/repa_loss, train/repa_cos
-        aligned = dict(zip(("repa_loss", "repa_cos"), repa.tolist(), strict=True)) if repa is not None else {}
-        rec = {"step": state.step, "loss": loss.item(), **aligned, "lr": state.lr_schedule.get_last_lr()[0],
+        # the loss terms' figures beside the diffusion loss (train/repa_loss, ...), read in one host copy
+        terms = dict(zip(metrics, torch.stack(list(metrics.values())).tolist(), strict=True)) if metrics else {}
+        rec = {"step": state.step, "loss": loss.item(), **terms, "lr": state.lr_schedule.get_last_lr()[0],
                "grad_norm": float(grad_norm),
                "images_per_s": self.steps_since * self.run.cfg.optim.batch_size / dt if dt > 0 else 0.0,
                "data_wait_frac": wait / dt if dt > 0 else 0.0, "nonfinite_skipped": state.nonfinite_total}

@@ -21,8 +21,9 @@ what a checkpoint holds; the optimizer and schedule from dittrain.train.optim) a
 (`_checkpoint_to_resume`, `_resume`), the loop itself (`_loop`), and what a run reports
 (dittrain.train.log.Log: metrics records and sample grids to dittrain.train.loggers, the progress bar).
 
---repa (dittrain.train.repa): the store opens with its feature set (batch["feat"]); a projector is
-built beside the model, joins its optimizer and its checkpoints, and is never in the EMA.
+Loss terms (dittrain.train.losses, e.g. --repa's alignment): the store opens with the feature set
+a term reads (batch["feat"]); a term's module (REPA's projector) is built beside the model, joins
+its optimizer (after the model's parameters), its DDP and its checkpoints, and is never in the EMA.
 --route (dittrain.model.routing): the step draws which tokens skip the middle blocks; nothing else
 of the run changes (the model, its checkpoints and exports are a plain run's).
 """
@@ -59,10 +60,10 @@ from dittrain.rundir import (
     load_checkpoint,
     save_checkpoint,
 )
+from dittrain.train import losses
 from dittrain.train.checkpoint import CheckpointWriter, RunState
 from dittrain.train.log import Log, evaluate, note, sample_grid, training_memory_hint
 from dittrain.train.optim import build_optimizer, build_schedule
-from dittrain.train.repa import Alignment, build_projector, describe, model_grid
 from dittrain.train.resume import Resumption
 from dittrain.train.setup import Run, TrainError, setup
 from dittrain.train.step import Attempt, TrainStep, compile_model, compile_target, empty_text_on
@@ -104,9 +105,10 @@ def _build(run: Run, ckpt: dict | None) -> RunState:
     ema = DiT(run.model_cfg).to(device).requires_grad_(False)
     ema.load_state_dict(model.state_dict())
     ema.eval()
-    projector = _projector(run)
-    # the projector's parameters after the model's: one optimizer, one lr, one clipping norm
-    params = [p for p in model.parameters() if p.requires_grad] + ([] if projector is None else list(projector.parameters()))
+    # the loss terms' modules (--repa's projector: its own seeded init, so the model starts as a
+    # plain run's does); their parameters after the model's: one optimizer, one lr, one clipping norm
+    term_modules = losses.modules(cfg, run.model_cfg, run.resolved, device)
+    params = [p for p in model.parameters() if p.requires_grad] + losses.trained(term_modules)
     opt = build_optimizer(cfg, params, device)
     sched = build_schedule(opt, cfg)
     scaler = torch.amp.GradScaler(device.type, enabled=run.amp_dtype == torch.float16)
@@ -131,17 +133,7 @@ def _build(run: Run, ckpt: dict | None) -> RunState:
         loader.reason = f"{kind}: the checkpoint's, so its data order continues; " + loader.reason.split("; ", 1)[-1]
     return RunState(model=model, ema=ema, optimizer=opt, lr_schedule=sched, scaler=scaler, loader=loader,
                     noise_gen=noise_gen, config=run.resolved, device=device, rank=run.rank, world=run.world,
-                    projector=projector)
-
-
-def _projector(run: Run) -> torch.nn.Module | None:
-    """--repa: the projector from the model's hidden width to the feature set's dims (its own
-    seeded init: the model starts as a plain run's does)."""
-    r = run.cfg.repa
-    if not r.repa:
-        return None
-    dims = run.resolved["store"]["features"]["dims"]
-    return build_projector(run.model_cfg.hidden_size, r.repa_projector_dim, dims, run.cfg.optim.seed).to(run.device)
+                    term_modules=term_modules)
 
 
 def _init_from(run: Run, model: DiT) -> None:
@@ -181,24 +173,10 @@ def _checkpoint_to_resume(run: Run) -> tuple[dict | None, Path | None]:
         raise CheckpointError(f"{latest}: model config differs from this run's "
                               f"({cfg.model.model} on {cfg.data.latents}); keep the original flags")
     _same_objective(latest, saved, run)
-    _same_features(latest, saved, recorded, run)
+    for term in losses.LOSS_TERMS.values():  # every entry, on or not: the run may have been made with it
+        term.check_resume(latest, saved, recorded, cfg, run.resolved)
     _keep_init(run, saved, recorded.model.init_from)
     return ckpt, latest
-
-
-def _same_features(latest: Path, saved: dict, recorded: TrainConfig, run: Run) -> None:
-    """A resume aligns to the feature set, and with the projector, it was started with (the
-    record refuses other flags: this holds without a record, and for a set recomputed since)."""
-    r, old = run.cfg.repa, saved["store"].get("features") or {}
-    if (recorded.repa.repa, recorded.repa.repa_projector_dim) != (r.repa, r.repa_projector_dim):
-        was = f"--repa {recorded.repa.repa} --repa-projector-dim {recorded.repa.repa_projector_dim}"
-        raise CheckpointError(f"{latest}: made {'with ' + was if recorded.repa.repa else 'without --repa'}; "
-                              "resume with the same REPA flags, or start a new --out")
-    new = run.resolved["store"].get("features") or {}
-    if old.get("identity") != new.get("identity"):
-        raise CheckpointError(f"{latest}: aligned to feature set {r.repa!r} {str(old.get('identity'))[:19]}..., and "
-                              f"the store's {r.repa!r} is now another one ({str(new.get('identity'))[:19]}...); "
-                              "resume with the set it was trained with, or start a new --out")
 
 
 def _same_objective(latest: Path, saved: dict, run: Run) -> None:
@@ -333,7 +311,7 @@ def _train(cfg: TrainConfig, resumption: Resumption | None, progress: bool = Tru
         # a run refused on its settings leaves nothing behind.
         _prepare_out(run, resumed_at=state.step if ckpt is not None else None)
         train_model = _wrap(run, state.model)
-        align = _alignment(run, state)
+        terms = losses.build(cfg, run.model_cfg, run.resolved, state.term_modules, lambda m: _ddp(run, m))
         if run.master:
             print(f"dittrain: {cfg.model.model} ({state.model.num_params() / 1e6:.1f} M params) on {run.device}, "
                   f"{len(run.store)} latents {tuple(run.store.latent_shape)} from {cfg.data.latents}; loader "
@@ -342,15 +320,14 @@ def _train(cfg: TrainConfig, resumption: Resumption | None, progress: bool = Tru
                   f"{run.latent_norm}; {_origin(cfg, ckpt, state)}", file=sys.stderr)
             if (buckets := getattr(state.loader, "describe_buckets", None)) is not None:
                 print(f"dittrain: aspect-ratio buckets: {buckets()}", file=sys.stderr)
-            if align is not None:
-                print(f"dittrain: {describe(cfg, run.model_cfg, run.resolved['store']['features'], state.projector)}",
-                      file=sys.stderr)
+            for line in losses.describe(cfg, run.model_cfg, run.resolved, state.term_modules):  # --repa's
+                print(f"dittrain: {line}", file=sys.stderr)
             if (route := parse_route(cfg.routing.route)) is not None:
                 print(f"dittrain: {describe_route(route, run.model_cfg.depth, run.model_cfg.num_tokens)}", file=sys.stderr)
         # (the bar closes on errors too; out of GPU memory is one line naming the model, batch, precision)
         with (_Stop() as stop, Log(run, state, resumed=ckpt is not None, progress=progress) as log,
               training_memory_hint(run)):
-            stopped = _loop(run, state, train_model, log, stop, align)
+            stopped = _loop(run, state, train_model, log, stop, terms)
             step = state.step
             if run.master and step == cfg.optim.max_steps and cfg.logging.sample_every > 0 and step % cfg.logging.sample_every:
                 sample_grid(run, state.ema, step, log)  # the last grid
@@ -401,28 +378,19 @@ def _wrap(run: Run, model: DiT) -> torch.nn.Module:
     """The module the loop calls: the model, compiled (--compile: dittrain.train.step.compile_model),
     in DDP over several ranks."""
     model = compile_model(model, compile_target(run.cfg.performance.compile, run.device), run.cfg.performance.compile_mode)
-    if run.world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        model = DDP(model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
-    return model
+    return _ddp(run, model)
 
 
-def _alignment(run: Run, state: RunState) -> Alignment | None:
-    """--repa: what the step needs (dittrain.train.repa.Alignment), its projector in DDP over several ranks."""
-    if state.projector is None:
-        return None
-    projector = state.projector
-    if run.world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
+def _ddp(run: Run, module: torch.nn.Module) -> torch.nn.Module:
+    """The module in DDP over several ranks (the model, a loss term's module); itself on one."""
+    if run.world == 1:
+        return module
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
-        projector = DDP(projector, device_ids=[run.device.index] if run.device.type == "cuda" else None)
-    r = run.cfg.repa
-    return Alignment(state.projector, projector, depth=r.repa_depth, weight=r.repa_weight, grid=model_grid(run.model_cfg),
-                     target_grid=tuple(run.resolved["store"]["features"]["grid"]))
+    return DDP(module, device_ids=[run.device.index] if run.device.type == "cuda" else None)
 
 
-def _loop(run: Run, state: RunState, train_model, log: Log, stop: _Stop, align: Alignment | None = None) -> bool:
+def _loop(run: Run, state: RunState, train_model, log: Log, stop: _Stop, terms: list = ()) -> bool:
     """Optimizer steps until max_steps or a stop request (STOP_SIGNALS); True when stopped early.
 
     Step k+1's forward and backward are queued before step k is settled (dittrain.train.step), so
@@ -432,7 +400,7 @@ def _loop(run: Run, state: RunState, train_model, log: Log, stop: _Stop, align: 
     step = TrainStep(model=state.model, train_model=train_model, ema=state.ema, optimizer=state.optimizer,
                      scaler=state.scaler, diffusion=run.diffusion, cfg=cfg, gen=state.noise_gen, device=run.device,
                      amp_dtype=run.amp_dtype, norm=LatentNorm.from_config(run.resolved),
-                     empty_text=empty_text_on(run.store, run.device), rank=run.rank, world=world, repa=align)
+                     empty_text=empty_text_on(run.store, run.device), rank=run.rank, world=world, terms=terms)
     books = _Books(run, state, step, log)
     pending = None
     compiling, t0 = compile_target(cfg.performance.compile, run.device) != "off", time.perf_counter()
@@ -497,7 +465,7 @@ class _Books:
             self.step.ema_update()
             state.lr_schedule.step()
             state.step += 1
-            self.log.step(attempt.loss, attempt.grad_norm, attempt.repa, attempt.shapes)
+            self.log.step(attempt.loss, attempt.grad_norm, attempt.metrics, attempt.shapes)
             return kept, stop
         self.consecutive_bad += 1
         state.nonfinite_total += 1

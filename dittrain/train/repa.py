@@ -20,11 +20,14 @@ not in the EMA, in ema.safetensors or any export, and sampling never sees it.
     align = Alignment(projector, train_projector, depth=, weight=, grid=, target_grid=)
     model_fn = align.capture(train_model)    the model for the diffusion loss; keeps the hidden tokens
     loss, cos = align.loss(model_fn.hidden, dittrain.data.targets(batch))
+    weighted, metrics = align(fwd)           as the step's loss term (dittrain.train.losses: REPA's entry,
+                                             Repa, builds it): lambda L_repa, {repa_loss, repa_cos}
 """
 
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 import torch.nn as nn
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 
 from ditdata.common.errors import UserError
 from dittrain.config import TrainConfig
+from dittrain.data import targets
 from dittrain.model.routing import TokenRoute, kept_targets
 from dittrain.model.sizes import DiTConfig
 
@@ -62,6 +66,13 @@ def build_projector(hidden: int, width: int, dims: int, seed: int) -> Projector:
                 nn.init.xavier_uniform_(layer.weight, generator=gen)
                 nn.init.zeros_(layer.bias)
     return proj
+
+
+@lru_cache(maxsize=16)
+def projector_parts(hidden: int, width: int, dims: int) -> tuple[int, ...]:
+    """numel of each parameter of a Projector (built on the meta device: nothing is allocated)."""
+    with torch.device("meta"):
+        return tuple(p.numel() for p in Projector(hidden, width, dims).parameters())
 
 
 def alignment_loss(projected: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,12 +109,31 @@ class _Capture:
 class Alignment:
     """REPA within a training step: projector (the module that trains and is checkpointed),
     train_projector (what the forward calls: it, or it in DDP), the block, the weight, and the
-    model's token grid with the feature set's."""
+    model's token grid with the feature set's. As the step's loss term (dittrain.train.losses):
+    it reads the hidden tokens after block `depth`; its module is the projector."""
 
     def __init__(self, projector: nn.Module, train_projector: nn.Module, *, depth: int, weight: float,
                  grid: tuple[int, int], target_grid: tuple[int, int]):
         self.projector, self.train_projector = projector, train_projector
         self.depth, self.weight, self.grid, self.target_grid = depth, weight, tuple(grid), tuple(target_grid)
+
+    @property
+    def hidden(self) -> int:
+        return self.depth
+
+    @property
+    def module(self) -> nn.Module:
+        return self.projector
+
+    @property
+    def train_module(self) -> nn.Module:
+        return self.train_projector
+
+    def __call__(self, fwd) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(lambda L_repa, the figures logged as repa_loss and repa_cos) of one micro-batch's
+        forward (dittrain.train.losses.Forward: its hidden tokens, its batch's targets, its route)."""
+        loss, cos = self.loss(fwd.hidden, targets(fwd.batch), fwd.route)
+        return self.weight * loss, {"repa_loss": loss.detach(), "repa_cos": cos}
 
     def capture(self, train_model) -> _Capture:
         return _Capture(train_model, self.depth)
@@ -163,4 +193,4 @@ def describe(cfg: TrainConfig, model_cfg: DiTConfig, record: dict, projector: nn
 
 
 __all__ = ["Alignment", "Projector", "RepaError", "alignment_loss", "build_projector", "check", "describe",
-           "feature_record", "model_grid", "resize_targets"]
+           "feature_record", "model_grid", "projector_parts", "resize_targets"]

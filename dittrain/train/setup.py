@@ -27,8 +27,8 @@ from dittrain.model.routing import parse_route
 from dittrain.model.sizes import DiTConfig, get_config
 from dittrain.train.checkpoint import CheckpointWriter
 from dittrain.train.loggers import parse_loggers
-from dittrain.train.repa import check as check_repa
-from dittrain.train.repa import feature_record
+from dittrain.train.losses import feature_set
+from dittrain.train.losses import on as loss_terms
 from dittrain.train.resume import Resumption
 from dittrain.train.step import compile_model, compile_target
 
@@ -81,8 +81,7 @@ def model_config_for(cfg: TrainConfig, store: Store) -> DiTConfig:
 
 def check_buckets(cfg: TrainConfig, store: Store, model_cfg: DiTConfig) -> list[dict] | None:
     """A bucketed store's buckets as the run config records them (None for a plain store);
-    TrainError (one line) for a bucket whose latent grid the patch does not divide, and for
-    --repa (its targets' grid is one square grid)."""
+    TrainError (one line) for a bucket whose latent grid the patch does not divide."""
     if not store.buckets:
         return None
     p = model_cfg.patch_size
@@ -91,9 +90,6 @@ def check_buckets(cfg: TrainConfig, store: Store, model_cfg: DiTConfig) -> list[
         raise TrainError(f"{cfg.model.model} has patch {p}, which does not divide the latents of bucket(s) "
                          f"{', '.join(bad)}; choose a model with patch {p // 2 or 1}, or re-encode with a --buckets STEP "
                          f"that is a multiple of the autoencoder's factor x {p}")
-    if cfg.repa.repa:
-        raise TrainError(f"--repa {cfg.repa.repa}: not supported on a bucketed store ({cfg.data.latents}); "
-                         "train without --repa")
     return [{"name": b.name, "size": list(b.size), "latent_shape": list(b.latent_shape),
              "num_samples": b.num_samples} for b in store.buckets]
 
@@ -146,17 +142,19 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.performance.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    # --repa: the store with its feature set (a missing or stale set is a one-line StoreError)
+    # the store with the feature set a loss term reads (--repa; a missing or stale set is a one-line StoreError)
     store = open_store(cfg.data.latents, cache_dir=cfg.data.cache_dir or None, cache_limit=cfg.data.cache_limit,
-                       features=cfg.repa.repa or None)
+                       features=feature_set(cfg))
     model_cfg = model_config_for(cfg, store)
     buckets = check_buckets(cfg, store, model_cfg)
     # --latent-norm auto becomes what it picks for this store, in the record too: a resume and
     # sampling see none or channel (dittrain.data.latent_norm)
     cfg.data.latent_norm, latent_words = choose(store, cfg.data.latent_norm)
-    features = feature_record(store) if cfg.repa.repa else None
-    if features is not None:
-        check_repa(cfg, model_cfg, features)
+    # the loss terms' checks (one-line errors) and what the record keeps for each, beside the
+    # store's identity (--repa: its feature set's, so a resume refuses another set)
+    terms = {}
+    for term in loss_terms(cfg):
+        terms |= term.record(cfg, store, model_cfg)
     check_route(parse_route(cfg.routing.route), model_cfg.depth, cfg.model.model)  # RouteError: one line
     diff_cfg, latents = diffusion_config(cfg, model_cfg, store)
     resolved = {
@@ -167,8 +165,7 @@ def setup(cfg: TrainConfig) -> Run:
         "store": {"path": store.location, "identity": store.identity,
                   "num_samples": len(store)},
     }
-    if features is not None:  # beside the store's identity: a resume refuses another feature set
-        resolved["store"]["features"] = features
+    resolved["store"] |= terms
     if buckets is not None:  # the sizes `dittrain sample --size` and serve offer
         resolved["store"]["buckets"] = buckets
     per_rank, rem = divmod(cfg.optim.batch_size, world * cfg.optim.accumulation_steps)

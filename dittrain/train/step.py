@@ -22,21 +22,26 @@ parameters (step k+1's forward and backward do not change them), so the result i
 as updating it right after the optimizer step. An optimizer without device-side skipping
 (bitsandbytes' 8-bit AdamW) falls back to a host read of the verdict before its step.
 
-Scalars (loss, grad norm) stay on the device; dittrain.train.log.Log reads them every --log-every steps only.
-With several ranks the loss and every rank's stop request travel in one all-reduce per step
-(a collective on the device stream, not a host read), so every rank settles the same verdict.
+Scalars (loss, grad norm, the loss terms' metrics) stay on the device; dittrain.train.log.Log
+reads them every --log-every steps only. With several ranks the loss, the metrics and every
+rank's stop request travel in one all-reduce per step (a collective on the device stream, not a
+host read), so every rank settles the same verdict.
 
-With --repa (dittrain.train.repa.Alignment) the forward also returns the hidden tokens of one block,
-the projector maps them onto the batch's targets (dittrain.data.targets(batch)) and the backward takes the
-diffusion loss + weight x the REPA loss; the projector's parameters step and are clipped with
-the model's (not in the EMA). Pending.loss stays the diffusion loss (comparable with plain
-runs); the REPA loss and cosine ride beside it (Pending.repa), in the same all-reduce.
+Loss terms (dittrain.train.losses: one entry of LOSS_TERMS each, e.g. --repa's alignment): each
+is called on every micro-batch with the forward (losses.Forward: the model's output and, when a
+term reads them, the hidden tokens of its block, which the forward then also returns), and the
+backward takes the diffusion loss + the terms' weighted losses. A term's module (REPA's
+projector) steps and is clipped with the model (its parameters after the model's; not in the
+EMA). Pending.loss stays the diffusion loss (comparable with plain runs); the terms' metrics ride
+beside it (Pending.metrics, {name: () tensor}), in the same all-reduce, and a non-finite one
+skips the step as a non-finite loss does.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -46,12 +51,11 @@ from ditdata.common.devices import autocast
 from ditdata.common.errors import UserError
 from ditdata.store import TEXT_FIELDS
 from dittrain.config import COMPILE_MODES, COMPILE_TARGETS, TrainConfig
-from dittrain.data import targets
 from dittrain.data.latent_norm import LatentNorm
 from dittrain.diffusion import Diffusion
 from dittrain.model.dit import drop_text_conditioning
 from dittrain.model.routing import draw, keep_rows, parse_route
-from dittrain.train.repa import Alignment
+from dittrain.train.losses import Forward, hidden_block
 
 
 @dataclass
@@ -60,7 +64,7 @@ class Pending:
 
     loss: torch.Tensor  # () fp32, on the device
     stop: bool  # this rank was asked to stop (SIGTERM/SIGINT) before the step
-    repa: torch.Tensor | None = None  # (2,) fp32 on the device, --repa: [REPA loss, mean cosine]
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # the loss terms': {name: () fp32}, on the device
     # (B, C, H, W) of each micro-batch's latents, this rank's: a bucketed store's differ (the logs show them)
     shapes: tuple[tuple[int, ...], ...] = ()
 
@@ -69,10 +73,10 @@ class Attempt:
     """An optimizer step queued on the device; `settle()` gives its verdict on the host."""
 
     def __init__(self, loss: torch.Tensor, grad_norm: torch.Tensor, ok: torch.Tensor, stop: torch.Tensor,
-                 repa: torch.Tensor | None = None, shapes: tuple[tuple[int, ...], ...] = ()):
+                 metrics: dict[str, torch.Tensor] | None = None, shapes: tuple[tuple[int, ...], ...] = ()):
         self.loss, self.grad_norm = loss, grad_norm  # () device tensors: mean over ranks; total norm
         self.shapes = shapes  # Pending.shapes: the micro-batches' latent shapes
-        self.repa = repa  # (2,) device tensor (REPA loss, mean cosine; mean over ranks) or None
+        self.metrics = metrics or {}  # the loss terms': {name: () device tensor}, mean over ranks
         dev = ok.device
         # [ok, stop] copied behind the step's own work: waiting on the event waits for this
         # step only, never for work queued after it
@@ -101,20 +105,23 @@ class TrainStep:
     calls (the model, compiled, in DDP); ema: the EMA copy. cfg: batch size, accumulation,
     clipping, EMA decay, dropout rates (TrainConfig). Every rank draws the noise, timesteps
     and dropout of the GLOBAL micro-batch from `gen` and keeps its slice, so N ranks compute
-    what one process would. repa: --repa's Alignment (its projector trains with the model).
-    --route (cfg.routing, dittrain.model.routing): each micro-batch's kept tokens, drawn from `gen` too.
+    what one process would. terms: the loss terms as the step calls them (dittrain.train.losses.build;
+    their modules train with the model). --route (cfg.routing, dittrain.model.routing): each
+    micro-batch's kept tokens, drawn from `gen` too.
     """
 
     def __init__(self, *, model, train_model, ema, optimizer, scaler, diffusion: Diffusion, cfg: TrainConfig,
                  gen: torch.Generator, device: torch.device, amp_dtype: torch.dtype | None,
                  norm: LatentNorm | None = None, empty_text: dict | None = None, rank: int = 0, world: int = 1,
-                 repa: Alignment | None = None):
+                 terms: Sequence = ()):
         self.train_model, self.optimizer, self.scaler, self.diffusion = train_model, optimizer, scaler, diffusion
         self.cfg, self.gen, self.device, self.amp_dtype = cfg, gen, device, amp_dtype
-        self.norm, self.empty_text, self.world, self.repa = norm, empty_text or {}, world, repa
+        self.norm, self.empty_text, self.world, self.terms = norm, empty_text or {}, world, tuple(terms)
+        self.hidden = hidden_block(self.terms)  # the block whose tokens the forward returns for them, or None
         self.route, self.patch = parse_route(cfg.routing.route), model.config.patch_size  # --route, or None
-        # clipped together: one total norm over the model's and the projector's gradients
-        self.params = [p for p in model.parameters() if p.requires_grad] + trained_projector(repa)
+        # clipped together: one total norm over the model's and the terms' modules' gradients
+        self.params = [p for p in model.parameters() if p.requires_grad] + [
+            p for term in self.terms if term.module is not None for p in term.module.parameters() if p.requires_grad]
         self.ema_params, self.model_params = list(ema.parameters()), list(model.parameters())
         self.per_rank = cfg.optim.batch_size // (world * cfg.optim.accumulation_steps)
         self.mine = slice(rank * self.per_rank, (rank + 1) * self.per_rank)
@@ -127,7 +134,7 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         global_micro = self.per_rank * world
         loss_sum = torch.zeros((), device=device)
-        repa_sum = torch.zeros(2, device=device) if self.repa is not None else None
+        metric_sums: dict[str, torch.Tensor] = {}
         shapes = []
         for micro in range(cfg.optim.accumulation_steps):
             batch = next(loader)
@@ -144,51 +151,56 @@ class TrainStep:
             sync = micro == cfg.optim.accumulation_steps - 1 or world == 1
             with contextlib.nullcontext() if sync else self._no_sync():
                 with autocast(device, self.amp_dtype):
-                    total, loss, repa = self._losses(batch, x0, kwargs, t, noise)
+                    total, loss, metrics = self._losses(batch, x0, kwargs, t, noise)
                 self.scaler.scale(total / cfg.optim.accumulation_steps).backward()
             loss_sum += loss.detach()
-            if repa is not None:
-                repa_sum += repa
+            for name, value in metrics.items():  # fp32 (a term under autocast may give bf16), for the all-reduce
+                value = value.detach().float()
+                metric_sums[name] = metric_sums[name] + value if name in metric_sums else value
         acc = cfg.optim.accumulation_steps
-        return Pending(loss_sum / acc, stop, repa_sum / acc if repa_sum is not None else None, tuple(shapes))
+        return Pending(loss_sum / acc, stop, {name: v / acc for name, v in metric_sums.items()}, tuple(shapes))
 
     def _losses(self, batch: dict, x0, kwargs: dict, t, noise):
-        """(what the backward takes, the diffusion loss, [REPA loss, mean cosine] or None)."""
-        if self.repa is None:
+        """(what the backward takes, the diffusion loss, the loss terms' metrics {name: ()})."""
+        if not self.terms:
             loss = self.diffusion.training_loss(self.train_model, x0, kwargs, t=t, noise=noise).mean()
-            return loss, loss, None
-        model = self.repa.capture(self.train_model)  # the diffusion loss sees the output only
-        loss = self.diffusion.training_loss(model, x0, kwargs, t=t, noise=noise).mean()
-        repa_loss, cos = self.repa.loss(model.hidden, targets(batch), kwargs.get("route"))
-        return loss + self.repa.weight * repa_loss, loss, torch.stack([repa_loss.detach(), cos])
+            return loss, loss, {}
+        fwd = Forward(self.train_model, self.hidden, batch, x0, t, noise, kwargs)  # the loss sees the output only
+        loss = self.diffusion.training_loss(fwd, x0, kwargs, t=t, noise=noise).mean()
+        total, metrics = loss, {}
+        for term in self.terms:
+            weighted, figures = term(fwd)
+            total, metrics = total + weighted, metrics | figures
+        return total, loss, metrics
 
     def _no_sync(self):
-        """DDP's no_sync of the model and, with --repa, of the projector (accumulation steps)."""
+        """DDP's no_sync of the model and of the terms' modules (accumulation steps)."""
         stack = contextlib.ExitStack()
         stack.enter_context(self.train_model.no_sync())
-        if self.repa is not None:
-            stack.enter_context(self.repa.train_projector.no_sync())
+        for term in self.terms:
+            if term.train_module is not None:
+                stack.enter_context(term.train_module.no_sync())
         return stack
 
     def update(self, pending: Pending) -> Attempt:
         """Clip and step, unless the loss or the gradient norm is non-finite (decided on the
         device); the returned Attempt settles the verdict."""
-        loss, stop, repa = pending.loss, torch.full((), float(pending.stop), device=self.device), pending.repa
-        if self.world > 1:  # the mean loss (and REPA's figures) and "any rank stops" in one collective
-            both = torch.cat([torch.stack([loss, stop]), repa if repa is not None else loss.new_zeros(0)])
+        loss, stop, metrics = pending.loss, torch.full((), float(pending.stop), device=self.device), pending.metrics
+        if self.world > 1:  # the mean loss (and the terms' metrics) and "any rank stops" in one collective
+            both = torch.stack([loss, stop, *metrics.values()])
             dist.all_reduce(both, op=dist.ReduceOp.SUM)
             loss, stop = both[0] / self.world, both[1] > 0
-            repa = both[2:] / self.world if repa is not None else None
+            metrics = dict(zip(metrics, (both[2:] / self.world).unbind(), strict=True))
         if self.scaler.is_enabled():
             self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
         ok = torch.isfinite(loss) & torch.isfinite(grad_norm)  # the same on every rank (DDP's gradients are)
-        if repa is not None:
-            ok = ok & torch.isfinite(repa[0])
+        if metrics:  # a term's metrics are its loss and figures of it: non-finite with it
+            ok = ok & torch.isfinite(torch.stack(list(metrics.values()))).all()
         self._gated_step(ok)
         if self.scaler.is_enabled():  # fp16: the scale backs off after inf/NaN gradients
             self.scaler.update()
-        return Attempt(loss, grad_norm, ok, stop, repa, pending.shapes)
+        return Attempt(loss, grad_norm, ok, stop, metrics, pending.shapes)
 
     def _gated_step(self, ok: torch.Tensor) -> None:
         opt = self.optimizer
@@ -241,11 +253,6 @@ def compile_model(model, how: str, mode: str = "default"):
             block.compile(**kw)
         return model
     return torch.compile(model, **kw)
-
-
-def trained_projector(repa: Alignment | None) -> list:
-    """The parameters --repa adds to the optimizer and the clipping, after the model's."""
-    return [p for p in repa.projector.parameters() if p.requires_grad] if repa is not None else []
 
 
 def conditioning(batch: dict, empty_text: dict, cfg: TrainConfig, u: torch.Tensor) -> dict:
