@@ -14,16 +14,11 @@ Names are imported on first use: importing the package costs nothing.
 
 from __future__ import annotations
 
-import importlib
+from ditdata.common.lazy import lazy_exports
 
 _EXPORTS = {name: "kinds" for name in ("Autoencoder", "KINDS", "PRESETS", "autoencoder_from_manifest",
                                        "load_autoencoder", "store_autoencoder", "quiet_third_party_imports")}
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -12,6 +12,7 @@
     dist.py     torchrun's environment and the process group's join/leave
     extras.py   "this needs the extra X" in one wording
     hub.py      the local Hugging Face cache; cache.py ditkit's own cache base
+    lazy.py     a package's names imported on first use (its _EXPORTS table)
 
 Light at import time: the standard library and click, except devices.py, which imports torch
 (the command-line groups import it only inside the commands, so --help stays instant).

@@ -28,7 +28,7 @@ imported on first use, so importing the package does not pay for numpy.
 
 from __future__ import annotations
 
-import importlib
+from ditdata.common.lazy import lazy_exports
 
 _EXPORTS = {
     "StoreError": "errors",
@@ -51,9 +51,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())
