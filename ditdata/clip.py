@@ -165,7 +165,12 @@ def _find_tag_weights(name: str, tag: str, cfg: dict) -> Path:
         repo, filename = os.path.split(hub)  # as open_clip: "org/repo/" = the default file
         filename = filename or HF_WEIGHTS_NAME
         cache = hub_cache_dir()
-        for fn in _safe_alternatives(filename) + [filename]:
+        safe = []  # open_clip prefers a .safetensors sibling of the named file (pretrained.py)
+        if filename == HF_WEIGHTS_NAME:
+            safe = [HF_SAFE_WEIGHTS_NAME]
+        elif filename.endswith((".bin", ".pth")):
+            safe = [filename[:-4] + ".safetensors"]
+        for fn in safe + [filename]:
             try:
                 hit = try_to_load_from_cache(repo, fn, cache_dir=str(cache))
             except Exception:
@@ -190,15 +195,6 @@ def _find_tag_weights(name: str, tag: str, cfg: dict) -> Path:
         f"CLIP weights for {name} / {tag} are not available offline: not found in "
         f"{' or '.join(looked) or 'any local cache'}. To supply them, {'; '.join(how)}"
     )
-
-
-def _safe_alternatives(filename: str) -> list[str]:
-    """open_clip prefers a .safetensors sibling of the named file (pretrained.py)."""
-    if filename == HF_WEIGHTS_NAME:
-        return [HF_SAFE_WEIGHTS_NAME]
-    if filename.endswith((".bin", ".pth")):
-        return [filename[:-4] + ".safetensors"]
-    return []
 
 
 _SHA_CACHE: dict[tuple, str] = {}
@@ -316,9 +312,20 @@ class ClipModel:
         self._amp = amp_dtype(self.device)  # bf16 / fp16 on GPUs, None (fp32) on the CPU
         token_dim, self._pad_id = _text_dims(model)
         self._pil_part, self._mean, self._std = _split_preprocess(preprocess)
+        visual = model.visual  # D, the pooled embeddings' width: the image tower's output size
+        if getattr(visual, "output_dim", None):
+            embed_dim = visual.output_dim
+        elif getattr(visual, "proj", None) is not None:
+            embed_dim = visual.proj.shape[-1]
+        else:
+            raise DitdataError("cannot determine the CLIP embedding size")
+        # L, tokens per caption: the tokenizer's, else the model's
+        context_length = getattr(tokenizer, "context_length", None) or getattr(model, "context_length", None)
+        if context_length is None:
+            raise DitdataError("cannot determine the CLIP text context length")
         self.info = dict(info)
-        self.info["embed_dim"] = int(_embed_dim(model))
-        self.info["context_length"] = int(_context_length(model, tokenizer))
+        self.info["embed_dim"] = int(embed_dim)
+        self.info["context_length"] = int(context_length)
         self.info["token_dim"] = int(token_dim)
 
     def _autocast(self):
@@ -497,20 +504,3 @@ def _text_dims(model) -> tuple[int, int]:
     if width is None:
         raise DitdataError("unsupported open_clip text tower (unknown width)")
     return width, getattr(text, "pad_id", 0)
-
-
-def _embed_dim(model) -> int:
-    visual = model.visual
-    if getattr(visual, "output_dim", None):
-        return visual.output_dim
-    proj = getattr(visual, "proj", None)
-    if proj is not None:
-        return proj.shape[-1]
-    raise DitdataError("cannot determine the CLIP embedding size")
-
-
-def _context_length(model, tokenizer) -> int:
-    n = getattr(tokenizer, "context_length", None) or getattr(model, "context_length", None)
-    if n is None:
-        raise DitdataError("cannot determine the CLIP text context length")
-    return n

@@ -369,15 +369,6 @@ def _kl_config(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _kl_weight_files(model_dir: Path) -> tuple[list[str], bool]:
-    """The weight files diffusers will load from ``model_dir`` (it prefers safetensors),
-    as paths relative to it, and whether they are safetensors."""
-    found = saved_weights(model_dir, ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin"))
-    if found is not None:
-        return found
-    raise DitdataError(f"no diffusion_pytorch_model.safetensors or .bin weights in {model_dir}")
-
-
 def quiet_third_party_imports() -> None:
     """Call before importing diffusers or torchao: with torchao installed (the export extra)
     the imports print lines that are noise for ditkit. torch warns once per enum that torchao registers
@@ -391,7 +382,12 @@ def quiet_third_party_imports() -> None:
 
 
 def _load_kl(model_dir: Path, dtype: torch.dtype, label: str) -> tuple[Any, dict[str, str]]:
-    files, safe = _kl_weight_files(model_dir)
+    # the weight files diffusers will load (it prefers safetensors), relative to model_dir,
+    # and whether they are safetensors
+    weights = saved_weights(model_dir, ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin"))
+    if weights is None:
+        raise DitdataError(f"no diffusion_pytorch_model.safetensors or .bin weights in {model_dir}")
+    files, safe = weights
     sha = {f: sha256_file(model_dir / f) for f in files}
     quiet_third_party_imports()
     diffusers = require("diffusers", f"autoencoder {label}", "vae", DitdataError)
@@ -575,17 +571,6 @@ def _ldm_from_manifest(entry: dict[str, Any], device: Any, dtype: torch.dtype) -
                        f"(--vae {LDM_SPEC}FILE)")
 
 
-def _resolve_dir(path: Path, device: Any, dtype: torch.dtype) -> Autoencoder:
-    for kind in KINDS.values():
-        ae = kind.from_dir(path, device, dtype)
-        if ae is not None:
-            return ae
-    cfg = _kl_config(path)
-    found = f"a {cfg.get('_class_name')} config" if cfg else "no config.json"
-    expected = " or ".join(k.dir_hint for k in KINDS.values() if k.dir_hint)
-    raise DitdataError(f"{path}: not a recognised autoencoder directory ({found}); expected {expected}")
-
-
 def load_autoencoder(name_or_path: str, device: Any = "cpu", dtype: torch.dtype | None = None, *,
                      vae_config: str | Path | dict | None = None) -> Autoencoder:
     """Load a preset, ``ldm:CHECKPOINT`` with its ``vae_config``, a local directory or a cached
@@ -608,8 +593,15 @@ def load_autoencoder(name_or_path: str, device: Any = "cpu", dtype: torch.dtype 
     if preset is not None:
         return KINDS[preset.kind].from_preset(preset, device, dtype)
     path = Path(s).expanduser()
-    if path.is_dir():
-        return _resolve_dir(path, device, dtype)
+    if path.is_dir():  # each kind in turn recognises its directories (KINDS)
+        for kind in KINDS.values():
+            ae = kind.from_dir(path, device, dtype)
+            if ae is not None:
+                return ae
+        cfg = _kl_config(path)
+        found = f"a {cfg.get('_class_name')} config" if cfg else "no config.json"
+        expected = " or ".join(k.dir_hint for k in KINDS.values() if k.dir_hint)
+        raise DitdataError(f"{path}: not a recognised autoencoder directory ({found}); expected {expected}")
     if path.exists():
         raise DitdataError(f"{s}: an autoencoder is a directory, one of the presets {', '.join(PRESETS)}, "
                            f"or one LDM-format checkpoint given as --vae {LDM_SPEC}{s} --vae-config CONFIG.yaml")
@@ -670,17 +662,8 @@ def autoencoder_from_manifest(vae_entry: dict[str, Any], device: Any = "cpu",
         raise DitdataError(f"store manifest names an unknown autoencoder kind {e.get('kind')!r}")
     else:
         ae = kind.from_manifest(e, device, dtype)
-    _check_against_manifest(ae, e, strict)
-    ae.info["scaling_factor"] = float(e["scaling_factor"])
-    ae.info["shift_factor"] = float(e.get("shift_factor") or 0.0)
-    if e.get("name"):
-        ae.info["name"] = e["name"]
-    return ae
-
-
-def _check_against_manifest(ae: Autoencoder, e: dict[str, Any], strict: bool) -> None:
-    """The loaded autoencoder is the one the entry records: kind and shapes must agree (an
-    error), weights should (a warning; an error when `strict`)."""
+    # The loaded autoencoder is the one the entry records: kind and shapes must agree (an
+    # error), weights should (a warning; an error when `strict`).
     if ae.kind != e.get("kind"):
         raise DitdataError(f"store was encoded with a {e.get('kind')} autoencoder, got a {ae.kind}")
     for key in ("latent_channels", "downsample", "input_range"):
@@ -693,4 +676,9 @@ def _check_against_manifest(ae: Autoencoder, e: dict[str, Any], strict: bool) ->
                f"differ from those the store was encoded with (sha256 {got} != {want})")
         if strict:
             raise DitdataError(msg)
-        warnings.warn(msg, stacklevel=3)
+        warnings.warn(msg, stacklevel=2)
+    ae.info["scaling_factor"] = float(e["scaling_factor"])
+    ae.info["shift_factor"] = float(e.get("shift_factor") or 0.0)
+    if e.get("name"):
+        ae.info["name"] = e["name"]
+    return ae

@@ -25,10 +25,6 @@ from ditdata.common.progress import end_open_bars
 DEBUG_ENV = "DITKIT_DEBUG"
 
 
-def _debug() -> bool:
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
-
-
 def os_error_message(e: OSError) -> str:
     """An OSError as a readable line: what failed and on which path."""
     what = e.strerror or str(e) or type(e).__name__
@@ -46,7 +42,7 @@ class OneLineErrors(click.Group):
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
         except Exception as e:
-            if _debug():
+            if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
                 end_open_bars()  # the traceback starts a line of its own
                 raise
             if isinstance(e, UserError):

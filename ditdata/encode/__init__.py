@@ -77,18 +77,14 @@ def _to_numpy(x, dtype: str) -> np.ndarray:
     return x.to(torch.float16).cpu().numpy()
 
 
-def _shard_seed(seed: int, name: str) -> int:
-    digits = "".join(c for c in name if c.isdigit()) or "0"
-    return (seed * 1_000_003 + int(digits)) % (2**63)
-
-
 class _ShardOut:
     """One store shard being filled: its arrays and columns as batches arrive, the
     generator of its posterior draws (seeded by the shard, so the split of the work does
     not change the bytes) and the keys of the samples left out as not finite."""
 
     def __init__(self, seed: int, name: str, bucket: tuple[int, int] | None = None):
-        shard_seed = _shard_seed(seed, name)
+        digits = "".join(c for c in name if c.isdigit()) or "0"
+        shard_seed = (seed * 1_000_003 + int(digits)) % (2**63)
         if bucket is not None:  # a bucket's draws: seeded by (shard, bucket), not by batch order
             shard_seed = (shard_seed * 1_000_003 + bucket[0] * 65_537 + bucket[1]) % (2**63)
         self.gen = torch.Generator().manual_seed(shard_seed)
@@ -194,17 +190,6 @@ class Encoder:
         return {k: v if v.dtype == torch.bool else v.float() for k, v in emb.items()}
 
 
-def _text_fields(enc: Encoder, dtype: str) -> tuple[dict, dict]:
-    """Tensor specs of the text fields and the empty-caption embedding for the manifest."""
-    empty = enc.captions([""])
-    specs, arrays = {}, {}
-    for k, v in empty.items():
-        is_mask = v.dtype == torch.bool
-        specs[k] = TensorSpec(tuple(v.shape[1:]), "bool" if is_mask else dtype)
-        arrays[k] = v[0].cpu().numpy() if is_mask else _to_numpy(v[0], dtype)
-    return specs, {k: encode_array(a) for k, a in arrays.items()}
-
-
 def _load_scores(path: Path) -> dict[str, float | None] | None:
     score_file = score_path(path)
     if not score_file.is_file():
@@ -229,7 +214,16 @@ def encode(cfg: EncodeConfig) -> dict:
         raise DitdataError(f"--resolution {cfg.resolution}: expected 1 to {MAX_RESOLUTION} pixels (e.g. 256 or 512)")
     if cfg.batch_size < 1 or cfg.chunk_samples < 1 or cfg.workers < 0:
         raise DitdataError("--batch-size and --chunk-samples must be at least 1, --workers at least 0")
-    _check_features(cfg)
+    # The --features options, checked before any work (the feature set's options alone are a
+    # mistake: they would be silently ignored).
+    given = [f"--{f.replace('_', '-')}" for f in ("features_out_name", "features_dims", "features_resolution")
+             if getattr(cfg, f) is not None]
+    if not cfg.features and given:
+        raise DitdataError(f"{', '.join(given)} need --features ENCODER (the feature set to compute)")
+    if cfg.features:
+        from ditdata.features import check_options
+
+        check_options(dtype=cfg.features_dtype, dims=cfg.features_dims, resolution=cfg.features_resolution)
     if cfg.buckets and cfg.features:
         raise DitdataError("--buckets with --features is not supported yet (feature sets of bucketed stores "
                            "would need each bucket's crop); drop one of them")
@@ -279,7 +273,14 @@ def _check_out(out: Path, shards: Path, bucketed: bool) -> None:
 
 
 def _encode(cfg: EncodeConfig) -> dict:
-    folder = _read_inputs(cfg)
+    folder = imageshards.read_folder(cfg.shards)
+    if not folder.shards:
+        raise DitdataError(f"{cfg.shards}: no finished image shards (NNNNN.tar with NNNNN_stats.json)")
+    if cfg.text_encoder and folder.info["kind"] == "classes":
+        raise DitdataError("--text-encoder needs captions; this shard folder is a class dataset")
+    if folder.foreign:
+        print(f"note: {cfg.shards} has no {imageshards.DATASET_INFO} (not written by `ditdata fetch`); "
+              f"reading its {len(folder.shards)} tar(s) as they are (captions, no labels)", file=sys.stderr)
     selection = None
     if cfg.select:
         from ditdata.imageshards.selections import load_selection
@@ -307,7 +308,11 @@ def _encode(cfg: EncodeConfig) -> dict:
             writer = BucketWriter(cfg.out, spec, layout.bucket_schema, info, **options)
         plan = _plan_shards(cfg, folder, writer, env.rank, env.world_size)
         keep = None if selection is None else selection.keys
-        feats = _features_hook(cfg, device, folder, keep, plan)
+        feats = None  # the feature set computed in this pass (--features)
+        if cfg.features:
+            from ditdata.features.encode_pass import InPass
+
+            feats = InPass(cfg, device, folder, keep, {b["name"] for b in plan.bad}, plan.world)
         run = _encode_shards(cfg, enc, layout, plan, keep, writer, feats)
     summary = _finish(cfg, folder, writer, plan, run)
     if feats is not None:
@@ -317,28 +322,6 @@ def _encode(cfg: EncodeConfig) -> dict:
     # shutdown when its peer closes first (and torchrun's other agent then waits 300 s)
     leave(own_group)
     return summary
-
-
-def _check_features(cfg: EncodeConfig) -> None:
-    """The --features options, checked before any work (the feature set's options alone are
-    a mistake: they would be silently ignored)."""
-    given = [f"--{f.replace('_', '-')}" for f in ("features_out_name", "features_dims", "features_resolution")
-             if getattr(cfg, f) is not None]
-    if not cfg.features and given:
-        raise DitdataError(f"{', '.join(given)} need --features ENCODER (the feature set to compute)")
-    if cfg.features:
-        from ditdata.features import check_options
-
-        check_options(dtype=cfg.features_dtype, dims=cfg.features_dims, resolution=cfg.features_resolution)
-
-
-def _features_hook(cfg: EncodeConfig, device, folder, keep, plan):
-    """The feature set computed in this pass (--features), or None."""
-    if not cfg.features:
-        return None
-    from ditdata.features.encode_pass import InPass
-
-    return InPass(cfg, device, folder, keep, {b["name"] for b in plan.bad}, plan.world)
 
 
 def _memory_hint(cfg: EncodeConfig, device: torch.device):
@@ -351,18 +334,6 @@ def _memory_hint(cfg: EncodeConfig, device: torch.device):
 
 
 # ------------------------------------------------------------------- the steps of a run
-
-
-def _read_inputs(cfg: EncodeConfig) -> imageshards.ShardFolder:
-    folder = imageshards.read_folder(cfg.shards)
-    if not folder.shards:
-        raise DitdataError(f"{cfg.shards}: no finished image shards (NNNNN.tar with NNNNN_stats.json)")
-    if cfg.text_encoder and folder.info["kind"] == "classes":
-        raise DitdataError("--text-encoder needs captions; this shard folder is a class dataset")
-    if folder.foreign:
-        print(f"note: {cfg.shards} has no {imageshards.DATASET_INFO} (not written by `ditdata fetch`); "
-              f"reading its {len(folder.shards)} tar(s) as they are (captions, no labels)", file=sys.stderr)
-    return folder
 
 
 @dataclass
@@ -397,7 +368,13 @@ def _store_layout(cfg: EncodeConfig, enc: Encoder, folder: imageshards.ShardFold
     if info["kind"] == "classes":
         conditioning = {"type": "class", "num_classes": info.get("num_classes"), "class_names": info.get("class_names")}
     elif enc.text is not None:
-        text_specs, empty = _text_fields(enc, cfg.dtype)
+        # the text fields' tensor specs, and the empty-caption embedding for the manifest
+        text_specs, arrays = {}, {}
+        for k, v in enc.captions([""]).items():
+            is_mask = v.dtype == torch.bool
+            text_specs[k] = TensorSpec(tuple(v.shape[1:]), "bool" if is_mask else cfg.dtype)
+            arrays[k] = v[0].cpu().numpy() if is_mask else _to_numpy(v[0], cfg.dtype)
+        empty = {k: encode_array(a) for k, a in arrays.items()}
         tensors |= text_specs
         conditioning = {"type": "text", "text": {
             **enc.text.info,

@@ -95,19 +95,6 @@ def _open(root):
     return open_store(root)
 
 
-def _shards_dir(cfg: FeaturesConfig, store) -> Path:
-    recorded = (store.manifest.get("provenance") or {}).get("shards_dir")
-    d = cfg.shards or recorded
-    if not d:
-        raise DitdataError(f"{cfg.store}: its manifest records no image-shard folder; pass --shards DIR, "
-                           "the image shards the store was encoded from")
-    if not Path(d).is_dir():
-        where = "--shards" if cfg.shards else "the image-shard folder the manifest records,"
-        raise DitdataError(f"{where} {d}: no such directory; pass --shards DIR, the image shards the store "
-                           "was encoded from")
-    return Path(d)
-
-
 def memory_hint(encoder: str, batch_size: int, flip: bool, device):
     """Out of GPU memory while computing features: one line naming the encoder, the batch,
     the precision, and a smaller --batch-size (ditdata.common.memory)."""
@@ -136,7 +123,16 @@ def _compute(cfg: FeaturesConfig, name: str) -> dict:
     from .targets import Targets, storage_notes
 
     store, env = _open(cfg.store), launch_env()
-    shards_dir = _shards_dir(cfg, store)
+    # the image shards the store was encoded from: --shards, else the folder its manifest records
+    d = cfg.shards or (store.manifest.get("provenance") or {}).get("shards_dir")
+    if not d:
+        raise DitdataError(f"{cfg.store}: its manifest records no image-shard folder; pass --shards DIR, "
+                           "the image shards the store was encoded from")
+    if not Path(d).is_dir():
+        where = "--shards" if cfg.shards else "the image-shard folder the manifest records,"
+        raise DitdataError(f"{where} {d}: no such directory; pass --shards DIR, the image shards the store "
+                           "was encoded from")
+    shards_dir = Path(d)
     res = int(store.manifest["image"]["resolution"])
     device = resolve_device(cfg.device)
     own_group = join(device, timeout=GROUP_TIMEOUT)  # a group we join, we also leave

@@ -70,7 +70,11 @@ class InPass:
         """Write the feature shard of the latent shard `record` just written, with its `keys`."""
         name = record["name"]
         rows = self.pending.pop(name, None) or ShardRows()
-        fw = FeatureWriter(_shard_view(writer, record), self.name, schema=self.schema, info=self.info)
+        # The store being written, holding just this shard: what its FeatureWriter needs (the
+        # store's root and backend, the shard's checksum and keys). encode writes the store's
+        # manifest last, so there is no store to open yet.
+        view = Store.being_written(writer.root, writer.config, [record])
+        fw = FeatureWriter(view, self.name, schema=self.schema, info=self.info)
         fw.write_shard(name, rows.result(keys, self.schema, name, tar), {"key": list(keys)}, source=str(tar))
         self.written_shards += 1
 
@@ -86,13 +90,6 @@ class InPass:
         return {**done, "written": done["written"] + self.written_shards, "images": done["images"] + self.images,
                 "seconds": done["seconds"] + self.seconds, "already": done["already"] - self.written_shards,
                 "notes": storage_notes(self.storage)}
-
-
-def _shard_view(writer, record: dict) -> Store:
-    """The store being written, holding just the shard `record` describes: what that shard's
-    FeatureWriter needs (the store's root and backend, the shard's checksum and keys). encode
-    writes the store's manifest last, so there is no store to open yet."""
-    return Store.being_written(writer.root, writer.config, [record])
 
 
 def _refuse_other_settings(set_dir: Path, name: str, schema: FeatureSchema, info: dict) -> None:

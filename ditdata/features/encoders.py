@@ -190,42 +190,30 @@ def _patch_tokens(model, prefix: int):
     return PatchTokens()
 
 
-def _weight_files(model_dir: Path) -> tuple[list[str], bool]:
-    """The weight files transformers loads from `model_dir` (safetensors first), relative to it."""
-    found = saved_weights(model_dir, ("model.safetensors", "pytorch_model.bin"))
-    if found is not None:
-        return found
-    raise DitdataError(f"{model_dir}: no model.safetensors or pytorch_model.bin weights (a directory saved "
-                       "with transformers' save_pretrained holds config.json and model.safetensors)")
-
-
-def _model_type(model_dir: Path) -> str | None:
-    try:
-        return read_json(model_dir / "config.json").get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def _quiet_transformers(transformers) -> None:
-    """Its per-load progress bars and advice are noise in a command's output."""
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
-
 def _from_dir(model_dir: Path, name: str, ident: str, store_resolution: int, override: int | None,
               revision: str | None = None) -> FeatureEncoder:
-    kind = _model_type(model_dir)
+    try:
+        kind = read_json(model_dir / "config.json").get("model_type")
+    except (OSError, ValueError, AttributeError):
+        kind = None
     if kind not in MODEL_TYPES:
         found = f"model_type {kind!r}" if kind else "no readable config.json"
         raise DitdataError(f"feature encoder {name}: {model_dir} holds {found}; expected a transformers "
                            f"model of type {' or '.join(MODEL_TYPES)} saved with save_pretrained")
-    files, safe = _weight_files(model_dir)
+    # the weight files transformers loads (safetensors first), relative to model_dir
+    weights = saved_weights(model_dir, ("model.safetensors", "pytorch_model.bin"))
+    if weights is None:
+        raise DitdataError(f"{model_dir}: no model.safetensors or pytorch_model.bin weights (a directory saved "
+                           "with transformers' save_pretrained holds config.json and model.safetensors)")
+    files, safe = weights
     sha = {f: sha256_file(model_dir / f) for f in files}
     from ditdata.autoencoders.kinds import quiet_third_party_imports
 
     quiet_third_party_imports()
     transformers = require("transformers", f"feature encoder {name}", "features", DitdataError)
-    _quiet_transformers(transformers)
+    # its per-load progress bars and advice are noise in a command's output
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     try:
         model = getattr(transformers, MODEL_TYPES[kind]).from_pretrained(
             str(model_dir), local_files_only=True, use_safetensors=safe)
@@ -280,20 +268,6 @@ def _import(module: str, spec: str):
         raise DitdataError(f"--encoder {spec}: cannot import {module} ({described(e)})") from e
 
 
-def _grid_of(net, tokens: int, spec: str) -> tuple[int, int]:
-    grid = getattr(net, "grid", None)
-    if grid is None:
-        side = math.isqrt(tokens)
-        if side * side != tokens:
-            raise DitdataError(f"--encoder {spec}: {tokens} tokens are not a square grid; give the module a "
-                               "`grid` attribute (h, w)")
-        return side, side
-    h, w = (int(g) for g in grid)
-    if h * w != tokens:
-        raise DitdataError(f"--encoder {spec}: its grid {h}x{w} does not match the {tokens} tokens it returns")
-    return h, w
-
-
 def _from_python(spec: str, store_resolution: int, override: int | None, device) -> FeatureEncoder:
     import torch
 
@@ -316,7 +290,19 @@ def _from_python(spec: str, store_resolution: int, override: int | None, device)
     if not isinstance(probe, torch.Tensor) or probe.ndim != 3:
         got = tuple(probe.shape) if isinstance(probe, torch.Tensor) else type(probe).__name__
         raise DitdataError(f"--encoder {spec}: returned {got} for (1, 3, {px}, {px}); expected (N, tokens, dim)")
-    grid = _grid_of(net, int(probe.shape[1]), spec)
+    tokens = int(probe.shape[1])
+    grid = getattr(net, "grid", None)
+    if grid is None:  # no `grid` attribute: the tokens make a square grid
+        side = math.isqrt(tokens)
+        if side * side != tokens:
+            raise DitdataError(f"--encoder {spec}: {tokens} tokens are not a square grid; give the module a "
+                               "`grid` attribute (h, w)")
+        grid = side, side
+    else:
+        h, w = (int(g) for g in grid)
+        if h * w != tokens:
+            raise DitdataError(f"--encoder {spec}: its grid {h}x{w} does not match the {tokens} tokens it returns")
+        grid = h, w
     patch = px // grid[0] if px % grid[0] == 0 and px // grid[0] == px // grid[1] else None
     info = _info(spec, spec, "python", {"state_dict": state_dict_sha256(net.state_dict())}, px, patch, grid,
                  int(probe.shape[2]), "torch")

@@ -97,13 +97,6 @@ def _check_rows(found, keys: list, name: str, tar) -> None:
                            "the image shards the store was encoded from")
 
 
-def _loader(jobs: list[Job], resolution: int, batch_size: int, workers: int):
-    workers = min(workers, len(jobs))
-    return torch.utils.data.DataLoader(
-        ShardImages([(j.name, j.tar, None) for j in jobs], resolution, batch_size, {j.name: set(j.keys) for j in jobs}),
-        batch_size=None, num_workers=workers, persistent_workers=False, prefetch_factor=4 if workers else None)
-
-
 def run_pass(targets: Targets, writer: FeatureWriter, jobs: list[Job], *, resolution: int,
              batch_size: int, workers: int, progress: bool, desc: str) -> dict:
     """Compute and write the feature shard of every job. Returns {"written", "images", "seconds"}."""
@@ -114,7 +107,11 @@ def run_pass(targets: Targets, writer: FeatureWriter, jobs: list[Job], *, resolu
     pending: dict[str, ShardRows] = {}
     images = 0
     bar = progress_bar(total=sum(len(j.keys) for j in jobs), unit="img", desc=desc, enabled=progress)
-    for batch in _loader(jobs, resolution, batch_size, workers):
+    workers = min(workers, len(jobs))
+    loader = torch.utils.data.DataLoader(
+        ShardImages([(j.name, j.tar, None) for j in jobs], resolution, batch_size, {j.name: set(j.keys) for j in jobs}),
+        batch_size=None, num_workers=workers, persistent_workers=False, prefetch_factor=4 if workers else None)
+    for batch in loader:
         name = batch["shard"]
         rows = pending.setdefault(name, ShardRows())
         if batch["meta"]:

@@ -81,21 +81,18 @@ class Targets:
                 out[field], out[f"{field}_scale"] = quantize(v)
             else:
                 out[field] = v.astype(np.float16)
-        _check_finite(out, keys, self.encoder.name)
+        # a target that is not finite would train REPA on NaN: stop, naming the sample
+        for field, v in out.items():
+            bad = ~np.isfinite(v.astype(np.float32).reshape(len(v), -1)).all(axis=1)
+            if bad.any():
+                key = list(keys)[int(np.argmax(bad))]
+                raise DitdataError(f"feature encoder {self.encoder.name} gave non-finite {field} for "
+                                   f"{int(bad.sum())} sample(s), e.g. {key!r}; run it in fp32 (--device cpu) or "
+                                   "store --features-dtype int8")
         return out
 
     def __call__(self, images_u8, keys) -> dict[str, np.ndarray]:
         return self.store(self.raw(images_u8), keys)
-
-
-def _check_finite(out: dict[str, np.ndarray], keys, encoder: str) -> None:
-    """A target that is not finite would train REPA on NaN: stop, naming the sample."""
-    for field, v in out.items():
-        bad = ~np.isfinite(v.astype(np.float32).reshape(len(v), -1)).all(axis=1)
-        if bad.any():
-            key = list(keys)[int(np.argmax(bad))]
-            raise DitdataError(f"feature encoder {encoder} gave non-finite {field} for {int(bad.sum())} sample(s), "
-                               f"e.g. {key!r}; run it in fp32 (--device cpu) or store --features-dtype int8")
 
 
 def stored_to_fp32(stored: dict[str, np.ndarray], field: str, pca: dict | None) -> np.ndarray:

@@ -73,7 +73,19 @@ def fetch(source, out, config: FetchConfig | None = None, **options) -> dict:
     # The folder's lock (shared with `ditdata score`: one writer per folder) also removes a
     # folder it created when a refused fetch left nothing else in it.
     with DirLock(out, "ditdata fetch"):
-        return _fetch_locked(src, out, cfg)
+        if cfg.overwrite:
+            clear_previous(out)
+        shards.remove_stale_tmp(out)
+        if cfg.kind == "urls":
+            if cfg.shuffle_seed is not None:
+                raise DitdataError("--shuffle-seed applies to folders only (a URL list keeps its order)")
+            return fetch_urls(src, out, pack_options(cfg, cfg.image_size or DEFAULT_URL_IMAGE_SIZE), cfg)
+        if cfg.distributor != "multiprocessing":
+            raise DitdataError(f"--distributor {cfg.distributor} applies to URL lists; folders are packed with "
+                               "local processes")
+        if not src.is_dir():
+            raise DitdataError(f"--kind {cfg.kind} needs a directory, got the file {src}")
+        return fetch_folder(src, out, pack_options(cfg, cfg.image_size), cfg)
 
 
 def _check_choices(cfg: FetchConfig) -> None:
@@ -91,21 +103,6 @@ def _check_choices(cfg: FetchConfig) -> None:
                                  ("--ray-address", cfg.ray_address, "ray")):
         if value is not None and cfg.distributor != needs:
             raise DitdataError(f"{option} {value}: applies to --distributor {needs} only (got --distributor {cfg.distributor})")
-
-
-def _fetch_locked(src: Path, out: Path, cfg: FetchConfig) -> dict:
-    if cfg.overwrite:
-        clear_previous(out)
-    shards.remove_stale_tmp(out)
-    if cfg.kind == "urls":
-        if cfg.shuffle_seed is not None:
-            raise DitdataError("--shuffle-seed applies to folders only (a URL list keeps its order)")
-        return fetch_urls(src, out, pack_options(cfg, cfg.image_size or DEFAULT_URL_IMAGE_SIZE), cfg)
-    if cfg.distributor != "multiprocessing":
-        raise DitdataError(f"--distributor {cfg.distributor} applies to URL lists; folders are packed with local processes")
-    if not src.is_dir():
-        raise DitdataError(f"--kind {cfg.kind} needs a directory, got the file {src}")
-    return fetch_folder(src, out, pack_options(cfg, cfg.image_size), cfg)
 
 
 def detect_kind(src: Path) -> str:

@@ -89,59 +89,62 @@ def retry_failed(out, source=None, **options) -> tuple[str, dict]:
         raise DitdataError(f"--retry-failed: {out} is not a finished URL fetch (no such directory); "
                            "pass the --out of a finished `ditdata fetch` of a URL list")
     with DirLock(out, "ditdata fetch --retry-failed"):
-        return _retry_locked(out, source, options)
+        state, record = _finished_url_fetch(out)
+        if source is not None and Path(source).resolve() != Path(state["source"]):
+            raise DitdataError(f"--retry-failed: {out} was fetched from {state['source']}, not {source}; "
+                               "drop SOURCE (the recorded one is used) or choose the right --out")
+        overrides = {k: v for k, v in options.items() if k in OVERRIDABLE}
+        _check_recorded({k: v for k, v in options.items() if k not in OVERRIDABLE}, record["options"])
+        # the PackOptions .fetch_state records (JSON has no infinity: null is the default)
+        packed = {f.name: state["options"][f.name] for f in fields(PackOptions)}
+        if packed["max_aspect_ratio"] is None:
+            packed["max_aspect_ratio"] = math.inf
+        opts = PackOptions(**packed)
+        recorded = record["options"]
+        cfg = FetchConfig(**{**{k: recorded[k] for k in ("processes", "threads", "timeout", "retries", "distributor")},
+                             **overrides, "samples_per_shard": opts.samples_per_shard,
+                             "keep_cols": (*recorded["keep_cols"], ORIGINAL_KEY)})
+        _drop_unpublished(out)
+        columns = ["url", *(["caption"] if recorded["caption_col"] is not None else []), *recorded["keep_cols"]]
+        stats = shards.read_shard_stats(out)
+        rows = ledger.latest(out, stats, columns)
+        todo = rows[rows["failure"] == ledger.TRANSIENT]
+        if todo.empty:
+            info = (read_json(out / shards.DATASET_INFO) if (out / shards.DATASET_INFO).is_file()
+                    else _write_info(out, state, record, rows, len(stats)))  # a pass killed while publishing
+            perm = _permanent(rows)
+            n = sum(perm.values())
+            reasons = f": {urls.describe(Counter(perm))}" if n else ""
+            return (f"nothing to retry: no row's latest status is a transient failure "
+                    f"(permanent failures {n}{reasons})"), info
 
-
-def _retry_locked(out: Path, source, given: dict) -> tuple[str, dict]:
-    state, record = _finished_url_fetch(out)
-    if source is not None and Path(source).resolve() != Path(state["source"]):
-        raise DitdataError(f"--retry-failed: {out} was fetched from {state['source']}, not {source}; "
-                           "drop SOURCE (the recorded one is used) or choose the right --out")
-    overrides = {k: v for k, v in given.items() if k in OVERRIDABLE}
-    _check_recorded({k: v for k, v in given.items() if k not in OVERRIDABLE}, record["options"])
-    opts = _pack_options(state["options"])
-    options = record["options"]
-    cfg = FetchConfig(**{**{k: options[k] for k in ("processes", "threads", "timeout", "retries", "distributor")},
-                         **overrides, "samples_per_shard": opts.samples_per_shard,
-                         "keep_cols": (*options["keep_cols"], ORIGINAL_KEY)})
-    _drop_unpublished(out)
-    columns = ["url", *(["caption"] if options["caption_col"] is not None else []), *options["keep_cols"]]
-    stats = shards.read_shard_stats(out)
-    rows = ledger.latest(out, stats, columns)
-    todo = rows[rows["failure"] == ledger.TRANSIENT]
-    if todo.empty:
-        info = (read_json(out / shards.DATASET_INFO) if (out / shards.DATASET_INFO).is_file()
-                else _write_info(out, state, record, rows, len(stats)))  # a pass killed while publishing
-        return (f"nothing to retry: no row's latest status is a transient failure "
-                f"({_permanent_line(rows)})"), info
-
-    t0 = time.time()
-    scratch = out / RETRY_SCRATCH
-    downloaded = _download(todo, scratch, columns, opts, cfg)
-    # from here SHARDS changes: dataset.json goes first, RECORD stays (module docstring)
-    shards.write_json_atomic(out / RETRY_RECORD, record)
-    (out / shards.DATASET_INFO).unlink(missing_ok=True)
-    first = max(stats) + 1
-    for j in downloaded:
-        _publish(scratch / "out", j, out, first + j)
-    stats = shards.read_shard_stats(out)
-    rows = ledger.latest(out, stats, columns)
-    retried = rows[rows["key"].isin(set(todo["key"]))]
-    done = Pass(
-        number=len(record["passes"]) + 1,
-        retried=len(todo),
-        recovered=int((retried["status"] == ledger.SUCCESS).sum()),
-        transient=int((rows["failure"] == ledger.TRANSIENT).sum()),
-        permanent=_permanent(rows),
-        shards=[first + j for j in downloaded],
-    )
-    record["passes"].append({**{f.name: getattr(done, f.name) for f in fields(Pass)},
-                             "duration_s": round(time.time() - t0, 3),
-                             "at": datetime.now(UTC).isoformat(timespec="seconds")})
-    shards.write_json_atomic(out / RETRY_RECORD, record)
-    info = _write_info(out, state, record, rows, len(stats))
-    shutil.rmtree(scratch, ignore_errors=True)
-    return done.line(), info
+        t0 = time.time()
+        scratch = out / RETRY_SCRATCH
+        downloaded = _download(todo, scratch, columns, opts, cfg)
+        # from here SHARDS changes: dataset.json goes first, RECORD stays (module docstring)
+        shards.write_json_atomic(out / RETRY_RECORD, record)
+        (out / shards.DATASET_INFO).unlink(missing_ok=True)
+        first = max(stats) + 1
+        for j in downloaded:
+            _publish(scratch / "out", j, out, first + j)
+        stats = shards.read_shard_stats(out)
+        rows = ledger.latest(out, stats, columns)
+        retried = rows[rows["key"].isin(set(todo["key"]))]
+        done = Pass(
+            number=len(record["passes"]) + 1,
+            retried=len(todo),
+            recovered=int((retried["status"] == ledger.SUCCESS).sum()),
+            transient=int((rows["failure"] == ledger.TRANSIENT).sum()),
+            permanent=_permanent(rows),
+            shards=[first + j for j in downloaded],
+        )
+        record["passes"].append({**{f.name: getattr(done, f.name) for f in fields(Pass)},
+                                 "duration_s": round(time.time() - t0, 3),
+                                 "at": datetime.now(UTC).isoformat(timespec="seconds")})
+        shards.write_json_atomic(out / RETRY_RECORD, record)
+        info = _write_info(out, state, record, rows, len(stats))
+        shutil.rmtree(scratch, ignore_errors=True)
+        return done.line(), info
 
 
 def _finished_url_fetch(out: Path) -> tuple[dict, dict]:
@@ -191,14 +194,6 @@ def _check_recorded(given: dict, recorded: dict) -> None:
             raise DitdataError(
                 f"--retry-failed refetches with the first fetch's settings: {flag} {value!r} is not the recorded "
                 f"{want!r}; drop it (only --{', --'.join(o.replace('_', '-') for o in OVERRIDABLE)} may change)")
-
-
-def _pack_options(recorded: dict) -> PackOptions:
-    """The PackOptions .fetch_state records (JSON has no infinity: null is the default)."""
-    values = {f.name: recorded[f.name] for f in fields(PackOptions)}
-    if values["max_aspect_ratio"] is None:
-        values["max_aspect_ratio"] = math.inf
-    return PackOptions(**values)
 
 
 def _drop_unpublished(out: Path) -> None:
@@ -273,12 +268,6 @@ def _samples(tf: tarfile.TarFile):
 def _permanent(rows) -> dict:
     perm = rows.loc[rows["failure"] == ledger.PERMANENT, "error_message"].fillna("unknown error")
     return dict(Counter(perm))
-
-
-def _permanent_line(rows) -> str:
-    perm = _permanent(rows)
-    n = sum(perm.values())
-    return f"permanent failures {n}" + (f": {urls.describe(Counter(perm))}" if n else "")
 
 
 def _write_info(out: Path, state: dict, record: dict, rows, num_shards: int) -> dict:

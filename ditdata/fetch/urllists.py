@@ -67,7 +67,10 @@ def fetch_urls(src: Path, out: Path, opts: PackOptions, cfg: FetchConfig) -> dic
     num_shards = sum(math.ceil(n / opts.samples_per_shard) for n in counts)
     if num_shards == 0:
         raise DitdataError(f"{src}: the URL list is empty")
-    refused = _refused_rows(files, fmt, url_col)
+    refused: Counter = Counter()  # {reason label: rows} whose URL is not fetched
+    for f in files:
+        for chunk in _read_list(f, fmt, [url_col]).column(0).chunks:
+            refused.update(urls.count_refusals(chunk.to_pylist()))
     if refused.total() == sum(counts):
         raise DitdataError(
             f"{src}: none of its {sum(counts)} rows is an http(s) URL ({urls.describe(refused)}); "
@@ -130,15 +133,6 @@ def _drop_torn_shards(out: Path) -> None:
               file=sys.stderr)
         for suffix in (".tar", ".parquet", "_stats.json"):
             (out / f"{index}{suffix}").unlink(missing_ok=True)
-
-
-def _refused_rows(files: list[Path], fmt: str, url_col: str) -> Counter:
-    """{reason label: rows} over the rows of FILES whose URL is not fetched."""
-    refused: Counter = Counter()
-    for f in files:
-        for chunk in _read_list(f, fmt, [url_col]).column(0).chunks:
-            refused.update(urls.count_refusals(chunk.to_pylist()))
-    return refused
 
 
 def _screened_copies(out: Path, files: list[Path], fmt: str, columns: list, url_col: str) -> Path:

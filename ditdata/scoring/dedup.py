@@ -59,15 +59,6 @@ def ivf_cells(n: int) -> int:
     return max(1, min(n, 2 ** round(math.log2(max(2 * math.sqrt(n), 1)))))
 
 
-def _faiss(threads: int | None):
-    from ditdata.common.extras import require
-
-    faiss = require("faiss", "ditdata dedup (vector search with faiss)", "dedup", DitdataError)
-    if threads:
-        faiss.omp_set_num_threads(int(threads))
-    return faiss
-
-
 def _f32(block):
     """A block of stored embeddings as float32 rows of unit length (zero rows stay zero)."""
     import numpy as np
@@ -135,9 +126,12 @@ def neighbour_pairs(emb, threshold: float, *, exact: bool | None = None, threads
     they were searched (search_plan, with build_seconds and search_seconds)."""
     import numpy as np
 
+    from ditdata.common.extras import require
     from ditdata.common.progress import progress_bar
 
-    faiss = _faiss(threads)
+    faiss = require("faiss", "ditdata dedup (vector search with faiss)", "dedup", DitdataError)
+    if threads:
+        faiss.omp_set_num_threads(int(threads))
     n = len(emb)
     plan = search_plan(n, exact)
     t32 = np.float32(threshold)
@@ -268,9 +262,15 @@ def dedup(cfg: DedupConfig) -> dict:
     grid = None if cfg.grid == "" else (cfg.grid or str(Path(cfg.out).with_suffix(".groups.png")))
     shown = 0
     if grid and cfg.grid_groups > 0 and record["groups"]:
-        groups = _largest_groups(labels, keep_sub, scores[idx], sub_keys, cfg.grid_groups)
         shard_col = table.column("shard").to_pylist()
-        shown = sample_grid(grid, d, _grid_rows(groups, sub, keep_sub, [shard_col[i] for i in idx], sub_keys))
+        sub_shards = [shard_col[i] for i in idx]
+        rows = []  # (shard, key, kept, cosine to the kept image) of each group's first GRID_COLUMNS images
+        for g in _largest_groups(labels, keep_sub, scores[idx], sub_keys, cfg.grid_groups):
+            g = g[:GRID_COLUMNS]
+            cos_to_kept = _f32(sub[g]) @ _f32(sub[g[:1]])[0]
+            rows.append([(sub_shards[i], sub_keys[i], bool(keep_sub[i]), float(c))
+                         for i, c in zip(g, cos_to_kept, strict=True)])
+        shown = sample_grid(grid, d, rows)
     return {"rule": rule, "out": str(cfg.out), "grid": grid if shown else None, "grid_rows": shown}
 
 
@@ -291,17 +291,6 @@ def _record(cfg: DedupConfig, plan: dict, pairs: int, labels, keep, ident: dict)
         "embeddings": ident["embeddings"],
         "kept_per_group": "highest clip_score, ties by smallest key",
     }
-
-
-def _grid_rows(groups: list[list[int]], emb, keep, shards: list[str], keys: list[str]) -> list[list[tuple]]:
-    """The grid's rows: (shard, key, kept, cosine to the kept image) of each group's first
-    GRID_COLUMNS images."""
-    rows = []
-    for g in groups:
-        g = g[:GRID_COLUMNS]
-        cos_to_kept = _f32(emb[g]) @ _f32(emb[g[:1]])[0]
-        rows.append([(shards[i], keys[i], bool(keep[i]), float(c)) for i, c in zip(g, cos_to_kept, strict=True)])
-    return rows
 
 
 def _largest_groups(labels, keep, scores, keys: list[str], count: int) -> list[list[int]]:

@@ -188,8 +188,12 @@ def filter_shards(cfg: FilterConfig) -> tuple[Selection, dict]:
 
     shards_dir, out = cfg.shards, cfg.out
     aesthetic_rule = cfg.min_aesthetic is not None or cfg.top_aesthetic_fraction is not None
-    _check_rule(cfg.min_clip_score is not None or cfg.top_fraction is not None or aesthetic_rule
-                or cfg.select is not None, cfg.max_aspect_ratio)
+    if not (cfg.min_clip_score is not None or cfg.top_fraction is not None or aesthetic_rule
+            or cfg.select is not None):
+        raise DitdataError("give a rule: --min-clip-score X, --top-fraction F, --min-aesthetic A, "
+                           "--top-aesthetic-fraction F or --select SELECTION")
+    if cfg.max_aspect_ratio is not None and not cfg.max_aspect_ratio >= 1:
+        raise DitdataError(f"--max-aspect-ratio must be >= 1, got {cfg.max_aspect_ratio}")
     table, ident = read_scores(shards_dir, needs=("aesthetic",) if aesthetic_rule else ())
     keys = unique_keys(table, shards_dir)
     cols = rule_columns(table)
@@ -230,14 +234,6 @@ def filter_shards(cfg: FilterConfig) -> tuple[Selection, dict]:
     sel = publish(out, table, keys, scores, keep, rule)
     return sel, {"rule": rule, "drops": dict(drops.most_common()), "scores": scores[among], "keep": keep[among],
                  "out": str(out), "aesthetic": cols["aesthetic"][among] if aesthetic_rule else None}  # candidates only
-
-
-def _check_rule(any_rule: bool, max_aspect_ratio: float | None) -> None:
-    if not any_rule:
-        raise DitdataError("give a rule: --min-clip-score X, --top-fraction F, --min-aesthetic A, "
-                           "--top-aesthetic-fraction F or --select SELECTION")
-    if max_aspect_ratio is not None and not max_aspect_ratio >= 1:
-        raise DitdataError(f"--max-aspect-ratio must be >= 1, got {max_aspect_ratio}")
 
 
 def _extra_rule(ident: dict, picked: dict | None, aesthetic: dict | bool) -> dict:

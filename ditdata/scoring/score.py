@@ -135,7 +135,14 @@ def score_shard(clip, shard_tar, *, batch_size: int = SCORE_BATCH_SIZE, workers:
 
     samples = shards.iter_shard(tar)
     for i, (s, px, status, w, h) in enumerate(prepared_samples(samples, clip.prepare_image, workers, 2 * batch_size)):
-        caption = _append_row(rows, s, status, w, h)
+        # the sample's row, its scores null until its batch is scored
+        caption = (s.caption or "").strip()
+        for name, v in (("key", s.key), ("clip_score", None), (AESTHETIC, None), ("status", status), ("width", w),
+                        ("height", h), ("original_width", _int_or_none(s.meta.get("original_width"))),
+                        ("original_height", _int_or_none(s.meta.get("original_height"))),
+                        ("caption_length", len(caption) if caption else None)):
+            if name in rows:  # AESTHETIC only with a predictor
+                rows[name].append(v)
         counts[status] += 1
         if status == OK:
             batch_idx.append(i)
@@ -149,7 +156,18 @@ def score_shard(clip, shard_tar, *, batch_size: int = SCORE_BATCH_SIZE, workers:
     n = len(rows["key"])
     rows["model"] = [info["model"]] * n
     rows["pretrained"] = [info["pretrained"]] * n
-    meta = _score_meta(tar, info, n, counts)
+    meta = {  # the score file's metadata (module docstring): what it scores and with which weights
+        "format": FORMAT,
+        "version": VERSION,
+        "shard": tar.name,
+        "shard_bytes": tar.stat().st_size,
+        "num_samples": n,
+        "model": info["model"],
+        "pretrained": info["pretrained"],
+        "weights_sha256": info["weights_sha256"],
+        "counts": dict(sorted(counts.items())),
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
     if save_embeddings:
         rows[EMBEDDING] = embedding_column(embedded, n, info["embed_dim"])
         meta["embeddings"] = {"dim": info["embed_dim"], "dtype": EMBEDDING_DTYPE, "normalized": True}
@@ -159,47 +177,11 @@ def score_shard(clip, shard_tar, *, batch_size: int = SCORE_BATCH_SIZE, workers:
     return meta
 
 
-def _append_row(rows: dict, s, status: str, w, h) -> str:
-    """A sample's row, its scores null until its batch is scored; returns its stripped caption."""
-    caption = (s.caption or "").strip()
-    for name, v in (("key", s.key), ("clip_score", None), (AESTHETIC, None), ("status", status), ("width", w),
-                    ("height", h), ("original_width", _int_or_none(s.meta.get("original_width"))),
-                    ("original_height", _int_or_none(s.meta.get("original_height"))),
-                    ("caption_length", len(caption) if caption else None)):
-        if name in rows:  # AESTHETIC only with a predictor
-            rows[name].append(v)
-    return caption
-
-
-def _score_meta(tar: Path, info: dict, num_samples: int, counts: Counter) -> dict:
-    """A score file's metadata (module docstring): what it scores and with which weights."""
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "shard": tar.name,
-        "shard_bytes": tar.stat().st_size,
-        "num_samples": num_samples,
-        "model": info["model"],
-        "pretrained": info["pretrained"],
-        "weights_sha256": info["weights_sha256"],
-        "counts": dict(sorted(counts.items())),
-        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-    }
-
-
 def _int_or_none(v):
     try:
         return None if v is None else int(v)
     except (TypeError, ValueError):
         return None
-
-
-def _same_weights(meta: dict, ident: dict) -> bool:
-    return (
-        meta.get("model") == ident["model"]
-        and meta.get("pretrained") == ident["pretrained"]
-        and meta.get("weights_sha256") == ident["weights_sha256"]
-    )
 
 
 def score(cfg: ScoreConfig) -> dict:
@@ -218,76 +200,69 @@ def score(cfg: ScoreConfig) -> dict:
     if not folder.shards:
         raise DitdataError(f"{d}: no image shards to score")
     with DirLock(d, "ditdata score"):
-        return _score(folder, cfg)
+        from ditdata.clip import load_clip, resolve_pretrained
 
+        d, tars = folder.path, folder.shards
+        for p in d.iterdir():  # temporaries of a killed score run
+            if _TMP_RE.match(p.name):
+                p.unlink(missing_ok=True)
 
-def _score(folder, cfg: ScoreConfig) -> dict:
-    from ditdata.clip import load_clip, resolve_pretrained
+        clip = cfg.clip
+        if not clip and not cfg.clip_config:
+            clip = DEFAULT_MODEL
+        ident = resolve_pretrained(clip, cfg.pretrained, config=cfg.clip_config)
+        # the aesthetic predictor of --aesthetic FILE (ditdata.scoring.aesthetic): a bad file
+        # stops the run before any work
+        predictor = None
+        if cfg.aesthetic is not None:
+            from ditdata.scoring.aesthetic import load_predictor
 
-    d, tars = folder.path, folder.shards
-    for p in d.iterdir():  # temporaries of a killed score run
-        if _TMP_RE.match(p.name):
-            p.unlink(missing_ok=True)
-
-    clip = cfg.clip
-    if not clip and not cfg.clip_config:
-        clip = DEFAULT_MODEL
-    ident = resolve_pretrained(clip, cfg.pretrained, config=cfg.clip_config)
-    predictor = _load_predictor(cfg.aesthetic)  # a bad file stops the run before any work
-    done = _already_scored(folder, ident, cfg.overwrite, cfg.save_embeddings, predictor)
-    todo, skipped = _leave_out_bad(folder, [t for t in tars if t.name not in done], cfg.skip_bad_shards)
-    metas = dict(done)
-    t0 = time.perf_counter()
-    n_new = 0
-    if todo:
-        expected = sum(folder.expected[t.name] or 0 for t in todo)
-        workers = min(8, os.cpu_count() or 1) if cfg.workers is None else cfg.workers
-        if done:
-            print(f"resuming: {len(done)} of {len(tars)} shards already scored", file=sys.stderr)
-        with _memory_hint(ident["model"], cfg.batch_size, cfg.device):
-            model = load_clip(ident["model"], cfg.pretrained, device=cfg.device, config=cfg.clip_config)
-            if predictor is not None:
-                predictor.check_width(model.info)
-            t0 = time.perf_counter()  # the rate is of scoring, not of loading the model
-            with progress_bar(total=expected or None, unit=" samples", enabled=cfg.progress,
-                              desc="clip score") as bar:
-                for tar in todo:
-                    m = score_shard(model, tar, batch_size=cfg.batch_size, workers=workers, progress=bar,
-                                    save_embeddings=cfg.save_embeddings, aesthetic=predictor)
-                    skipped_path(tar).unlink(missing_ok=True)  # a refetched shard is whole again
-                    metas[tar.name] = m
-                    n_new += m["num_samples"]
-    seconds = time.perf_counter() - t0
-    counts: Counter = Counter()
-    for m in metas.values():
-        counts.update(m.get("counts", {}))
-    return {
-        "shards_dir": str(d),
-        "model": ident["model"],
-        "pretrained": ident["pretrained"],
-        "weights_sha256": ident["weights_sha256"],
-        "embeddings": sum("embeddings" in m for m in metas.values()),
-        "aesthetic": None if predictor is None else predictor.record(),
-        "shards": len(tars),
-        "bad_shards": skipped,
-        "scored_shards": len(todo),
-        "skipped_shards": len(done),
-        "samples": sum(counts.values()),
-        "scored": counts.get(OK, 0),
-        "counts": dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
-        "new_samples": n_new,
-        "seconds": seconds,
-        "samples_per_s": n_new / seconds if n_new and seconds > 0 else None,
-    }
-
-
-def _load_predictor(path):
-    """The aesthetic predictor of --aesthetic FILE (ditdata.scoring.aesthetic); None without one."""
-    if path is None:
-        return None
-    from ditdata.scoring.aesthetic import load_predictor
-
-    return load_predictor(path)
+            predictor = load_predictor(cfg.aesthetic)
+        done = _already_scored(folder, ident, cfg.overwrite, cfg.save_embeddings, predictor)
+        todo, skipped = _leave_out_bad(folder, [t for t in tars if t.name not in done], cfg.skip_bad_shards)
+        metas = dict(done)
+        t0 = time.perf_counter()
+        n_new = 0
+        if todo:
+            expected = sum(folder.expected[t.name] or 0 for t in todo)
+            workers = min(8, os.cpu_count() or 1) if cfg.workers is None else cfg.workers
+            if done:
+                print(f"resuming: {len(done)} of {len(tars)} shards already scored", file=sys.stderr)
+            with _memory_hint(ident["model"], cfg.batch_size, cfg.device):
+                model = load_clip(ident["model"], cfg.pretrained, device=cfg.device, config=cfg.clip_config)
+                if predictor is not None:
+                    predictor.check_width(model.info)
+                t0 = time.perf_counter()  # the rate is of scoring, not of loading the model
+                with progress_bar(total=expected or None, unit=" samples", enabled=cfg.progress,
+                                  desc="clip score") as bar:
+                    for tar in todo:
+                        m = score_shard(model, tar, batch_size=cfg.batch_size, workers=workers, progress=bar,
+                                        save_embeddings=cfg.save_embeddings, aesthetic=predictor)
+                        skipped_path(tar).unlink(missing_ok=True)  # a refetched shard is whole again
+                        metas[tar.name] = m
+                        n_new += m["num_samples"]
+        seconds = time.perf_counter() - t0
+        counts: Counter = Counter()
+        for m in metas.values():
+            counts.update(m.get("counts", {}))
+        return {
+            "shards_dir": str(d),
+            "model": ident["model"],
+            "pretrained": ident["pretrained"],
+            "weights_sha256": ident["weights_sha256"],
+            "embeddings": sum("embeddings" in m for m in metas.values()),
+            "aesthetic": None if predictor is None else predictor.record(),
+            "shards": len(tars),
+            "bad_shards": skipped,
+            "scored_shards": len(todo),
+            "skipped_shards": len(done),
+            "samples": sum(counts.values()),
+            "scored": counts.get(OK, 0),
+            "counts": dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
+            "new_samples": n_new,
+            "seconds": seconds,
+            "samples_per_s": n_new / seconds if n_new and seconds > 0 else None,
+        }
 
 
 def _memory_hint(model: str, batch_size: int, device):
@@ -315,7 +290,9 @@ def _already_scored(folder, ident: dict, overwrite: bool, save_embeddings: bool 
         if meta is None:
             continue
         rec = meta.get("aesthetic")
-        if not _same_weights(meta, ident):
+        same_weights = (meta.get("model") == ident["model"] and meta.get("pretrained") == ident["pretrained"]
+                        and meta.get("weights_sha256") == ident["weights_sha256"])
+        if not same_weights:
             other[tar.name] = meta
         elif predictor is not None and rec and rec.get("sha256") != predictor.sha256:
             other_aesthetic[tar.name] = rec

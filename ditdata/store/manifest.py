@@ -165,10 +165,52 @@ def validate(m: dict, path: Path, kind: str = "store") -> None:
         return
     if isinstance(m, dict) and m.get("kind", "store") != "store":
         raise StoreError(f"{path}: a {m.get('kind')!r} manifest, not a latent store's")
-    schema = _check_header(m, path)
-    _check_description(m, schema, path)
+    # the header: a version-1 manifest with every key, a known backend and valid fields
+    if not isinstance(m, dict):
+        raise StoreError(f"{path}: expected a JSON object")
+    if "format_version" not in m:
+        raise StoreError(f"{path}: no format_version; not a ditdata manifest")
+    if m["format_version"] != FORMAT_VERSION:
+        raise StoreError(
+            f"{path}: format_version {m['format_version']!r} is not supported by this ditdata "
+            f"(it reads version {FORMAT_VERSION}); upgrade ditdata or re-encode the store"
+        )
+    missing = [k for k in REQUIRED_KEYS if k not in m]
+    if missing:
+        raise StoreError(f"{path}: missing keys {missing}")
+    if m["backend"] not in BACKENDS:
+        raise StoreError(f"{path}: unknown backend {m['backend']!r}; expected one of {BACKENDS}")
+    try:
+        schema = Schema.from_json(m["fields"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise StoreError(f"{path}: invalid fields: {e}") from e
+    # the description: latent, vae, image, stats, provenance, filter and conditioning have their types
+    lat = m["latent"]
+    _need(path, isinstance(lat, dict) and lat.get("shape") == list(schema.tensors[schema.primary].shape)
+          and lat.get("dtype") == schema.tensors[schema.primary].dtype,
+          "latent must be {shape, dtype, ...} matching its fields")
+    for key in ("vae", "image", "stats", "provenance"):
+        _need(path, isinstance(m[key], dict), f"{key} must be a JSON object")
+    _need(path, all(m["vae"].get(k) is None or _number(m["vae"][k]) for k in ("scaling_factor", "shift_factor")),
+          "vae.scaling_factor and vae.shift_factor must be numbers")
+    _need(path, m["filter"] is None or isinstance(m["filter"], dict), "filter must be null or an object")
+    cond = m["conditioning"]
+    _need(path, isinstance(cond, dict) and cond.get("type") in ("class", "text", "none"),
+          "conditioning must be an object with type class, text or none")
+    if cond["type"] == "class":
+        n, names = cond.get("num_classes"), cond.get("class_names")
+        _need(path, _count(n) and n >= 1, "conditioning.num_classes must be a positive integer")
+        _need(path, names is None or (isinstance(names, list) and len(names) == n),
+              "conditioning.class_names must list num_classes names")
+    if cond["type"] == "text":
+        text = cond.get("text")
+        _need(path, isinstance(text, dict) and (text.get("pooled_dim") is None or _count(text["pooled_dim"])),
+              "conditioning.text must be an object (pooled_dim an integer)")
     check_shards(m, path)
-    _check_feature_entries(m, path)
+    sets = m.get("features", {})  # the feature sets added to the store (features.py)
+    _need(path, isinstance(sets, dict) and all(
+        isinstance(e, dict) and _inside(e.get("path")) and isinstance(e.get("identity"), str) for e in sets.values()),
+        "features must map names to {path, identity, ...} inside the store")
 
 
 def _validate_features(m: dict, path) -> None:
@@ -191,63 +233,9 @@ def _validate_features(m: dict, path) -> None:
     check_shards(m, path)
 
 
-def _check_feature_entries(m: dict, path) -> None:
-    sets = m.get("features", {})
-    _need(path, isinstance(sets, dict) and all(
-        isinstance(e, dict) and _inside(e.get("path")) and isinstance(e.get("identity"), str) for e in sets.values()),
-        "features must map names to {path, identity, ...} inside the store")
-
-
 def _need(path, ok: bool, what: str) -> None:
     if not ok:
         raise StoreError(f"{path}: {what}; the manifest is damaged (re-encode the store or restore it)")
-
-
-def _check_header(m, path) -> Schema:
-    """A version-1 manifest with every key, a known backend and valid fields: their Schema."""
-    if not isinstance(m, dict):
-        raise StoreError(f"{path}: expected a JSON object")
-    if "format_version" not in m:
-        raise StoreError(f"{path}: no format_version; not a ditdata manifest")
-    if m["format_version"] != FORMAT_VERSION:
-        raise StoreError(
-            f"{path}: format_version {m['format_version']!r} is not supported by this ditdata "
-            f"(it reads version {FORMAT_VERSION}); upgrade ditdata or re-encode the store"
-        )
-    missing = [k for k in REQUIRED_KEYS if k not in m]
-    if missing:
-        raise StoreError(f"{path}: missing keys {missing}")
-    if m["backend"] not in BACKENDS:
-        raise StoreError(f"{path}: unknown backend {m['backend']!r}; expected one of {BACKENDS}")
-    try:
-        return Schema.from_json(m["fields"])
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise StoreError(f"{path}: invalid fields: {e}") from e
-
-
-def _check_description(m: dict, schema: Schema, path) -> None:
-    """latent, vae, image, stats, provenance, filter and conditioning have their types."""
-    lat = m["latent"]
-    _need(path, isinstance(lat, dict) and lat.get("shape") == list(schema.tensors[schema.primary].shape)
-          and lat.get("dtype") == schema.tensors[schema.primary].dtype,
-          "latent must be {shape, dtype, ...} matching its fields")
-    for key in ("vae", "image", "stats", "provenance"):
-        _need(path, isinstance(m[key], dict), f"{key} must be a JSON object")
-    _need(path, all(m["vae"].get(k) is None or _number(m["vae"][k]) for k in ("scaling_factor", "shift_factor")),
-          "vae.scaling_factor and vae.shift_factor must be numbers")
-    _need(path, m["filter"] is None or isinstance(m["filter"], dict), "filter must be null or an object")
-    cond = m["conditioning"]
-    _need(path, isinstance(cond, dict) and cond.get("type") in ("class", "text", "none"),
-          "conditioning must be an object with type class, text or none")
-    if cond["type"] == "class":
-        n, names = cond.get("num_classes"), cond.get("class_names")
-        _need(path, _count(n) and n >= 1, "conditioning.num_classes must be a positive integer")
-        _need(path, names is None or (isinstance(names, list) and len(names) == n),
-              "conditioning.class_names must list num_classes names")
-    if cond["type"] == "text":
-        text = cond.get("text")
-        _need(path, isinstance(text, dict) and (text.get("pooled_dim") is None or _count(text["pooled_dim"])),
-              "conditioning.text must be an object (pooled_dim an integer)")
 
 
 def check_shards(m: dict, path) -> None:
