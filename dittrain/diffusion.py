@@ -148,11 +148,6 @@ def _randn(shape, generator: torch.Generator | None, device, dtype=torch.float32
     return torch.randn(shape, generator=generator, device=gen_device, dtype=dtype).to(device)
 
 
-def _rand(shape, generator, device):
-    gen_device = generator.device if generator is not None else device
-    return torch.rand(shape, generator=generator, device=gen_device).to(device)
-
-
 # Each float64 schedule table is copied to a device once, not at every lookup: a host-to-GPU
 # copy of a pageable tensor blocks the host, several times per training step otherwise.
 # Keyed by id(table) with the table kept alive beside its copy, so an id is never reused.
@@ -293,13 +288,13 @@ class Diffusion:
         """ddpm: uniform integers 0..T-1; flow: logit-normal (or uniform) t in (0, 1),
         then shifted by t_shift."""
         c = self.config
+        gen_device = generator.device if generator is not None else device  # drawn there, then moved (_randn)
         if c.objective == "flow":
             if c.t_sampling == "uniform":
-                t = _rand((n,), generator, device)
+                t = torch.rand((n,), generator=generator, device=gen_device).to(device)
             else:
                 t = torch.sigmoid(c.logit_normal_mean + c.logit_normal_std * _randn((n,), generator, device))
             return shift_t(t, c.t_shift)
-        gen_device = generator.device if generator is not None else device
         return torch.randint(
             0, self.config.num_timesteps, (n,), generator=generator, device=gen_device
         ).to(device)

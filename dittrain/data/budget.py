@@ -62,38 +62,6 @@ _CGROUP_V1 = ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
               ("total_inactive_file", "inactive_file"))
 
 
-def _cgroup_paths(proc_cgroup: str) -> tuple[str, str]:
-    """(the cgroup v2 path, the v1 memory controller's path) of this process, "/" for one not
-    named: /proc/self/cgroup holds `0::/path` (v2) and `N:memory:/path` (v1) lines. An
-    unreadable file leaves both "/", the mount's own files (a namespaced container's view)."""
-    v2 = v1 = "/"
-    try:
-        text = Path(proc_cgroup).read_text()
-    except (OSError, UnicodeDecodeError):
-        return v2, v1
-    for line in text.splitlines():
-        hierarchy, _, rest = line.partition(":")
-        controllers, sep, path = rest.partition(":")
-        if not sep or not path.startswith("/"):
-            continue
-        if hierarchy == "0" and not controllers:
-            v2 = path
-        elif "memory" in controllers.split(","):
-            v1 = path
-    return v2, v1
-
-
-def _cgroup_levels(path: str) -> list[str]:
-    """A cgroup path and its parents up to the root, leaf first: /a/b -> /a/b, /a, /. A limit
-    anywhere above a cgroup binds it too (Slurm sets the job's on /slurm/uid_N/job_M, and the
-    step runs below it). A path that climbs out of the mount ("/../x": the process sits outside
-    the cgroup namespace's root) cannot be followed: only the root is read."""
-    parts = [p for p in path.split("/") if p]
-    if ".." in parts:
-        return ["/"]
-    return ["/" + "/".join(parts[:i]) for i in range(len(parts), -1, -1)]
-
-
 def _read_int(path: Path) -> int | None:
     """An integer file's value; None for "max", garbage or a file that cannot be read."""
     try:
@@ -121,8 +89,14 @@ def _reclaimable(stat: Path, keys: tuple[str, ...]) -> int:
 def _cgroup_room(root: Path, path: str, version: tuple) -> tuple[int, str] | None:
     """(bytes left under the tightest limit among `path` and its parents, which limit that was)."""
     folder, limit_file, usage_file, stat_keys = version
+    # `path` and its parents up to the root, leaf first: /a/b -> /a/b, /a, /. A limit anywhere
+    # above a cgroup binds it too (Slurm sets the job's on /slurm/uid_N/job_M, and the step runs
+    # below it). A path that climbs out of the mount ("/../x": the process sits outside the
+    # cgroup namespace's root) cannot be followed: only the root is read.
+    parts = [p for p in path.split("/") if p]
+    levels = ["/"] if ".." in parts else ["/" + "/".join(parts[:i]) for i in range(len(parts), -1, -1)]
     best = None
-    for level in _cgroup_levels(path):
+    for level in levels:
         where = root / folder / level.lstrip("/")
         limit = _read_int(where / limit_file)
         if limit is None or limit <= 0 or limit >= _NO_LIMIT:
@@ -145,7 +119,23 @@ def _cgroup_available(proc_cgroup: str | None = None, root: str | Path | None = 
     namespace too (Slurm: /sys/fs/cgroup/slurm/uid_1/job_5/memory.max), and a namespaced
     container's at the root. Both v2 and v1's memory controller are read (a hybrid machine
     mounts v2 without the memory controller); the tightest room wins."""
-    v2, v1 = _cgroup_paths(proc_cgroup or PROC_CGROUP)
+    # The cgroup v2 path and the v1 memory controller's path of this process, "/" for one not
+    # named: /proc/self/cgroup holds `0::/path` (v2) and `N:memory:/path` (v1) lines. An
+    # unreadable file leaves both "/", the mount's own files (a namespaced container's view).
+    v2 = v1 = "/"
+    try:
+        text = Path(proc_cgroup or PROC_CGROUP).read_text()
+    except (OSError, UnicodeDecodeError):
+        text = ""
+    for line in text.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, sep, path = rest.partition(":")
+        if not sep or not path.startswith("/"):
+            continue
+        if hierarchy == "0" and not controllers:
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
     root = Path(root or CGROUP_ROOT)
     found = [r for r in (_cgroup_room(root, v2, _CGROUP_V2), _cgroup_room(root, v1, _CGROUP_V1)) if r]
     return min(found, default=None)
@@ -174,10 +164,6 @@ def gpu_memory(device) -> tuple[int | None, str]:
     return memory[0], f"free memory of {torch.device(device)} (torch.cuda.mem_get_info)"
 
 
-def _part_size(n: int, rank: int, world_size: int) -> int:
-    return n // world_size + (1 if rank < n % world_size else 0)
-
-
 def _gib(b: float) -> str:
     """Memory as the loaders' messages give it: MiB below 1 GiB, else GiB."""
     return format_size(b, smallest="MiB")
@@ -192,7 +178,8 @@ def choose_loader(store, *, kind: str = "auto", rank: int = 0, world_size: int =
     """
     store = _open(store)
     spec = _Spec(store)
-    n = _part_size(len(store), rank, world_size) if split == "part" else len(store)
+    # this rank's part: the first len % world_size ranks hold one sample more
+    n = (len(store) // world_size + (1 if rank < len(store) % world_size else 0)) if split == "part" else len(store)
     need = n * spec.resident_bytes
     held = f"{_gib(need)} as stored" + (f", of it REPA targets {_gib(n * spec.target_bytes)}" if spec.target_bytes else "")
     what = (f"this rank's part ({n:,} samples, {held})" if split == "part"

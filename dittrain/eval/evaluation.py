@@ -41,7 +41,12 @@ def evaluate(samples, ref, *, inception=None, batch_size: int = 64, device="auto
     log = log or (lambda line: None)
     sample_src = open_source(samples, allow_shards=False) if isinstance(samples, (str, Path)) else None
     if resolution is None:
-        size = sample_src.size if sample_src is not None else _array_size(samples)
+        if sample_src is not None:
+            size = sample_src.size
+        else:  # an array's (N, H, W, 3) or a tensor's (N, 3, H, W); None for anything else
+            shape = getattr(samples, "shape", None)
+            size = (None if shape is None or len(shape) != 4
+                    else (shape[1], shape[2]) if shape[-1] == 3 else (shape[2], shape[3]))
         resolution = min(size) if size else None
     if isinstance(ref, (str, Path)):
         ref = open_source(ref, resolution=resolution)  # inputs are checked before the network loads
@@ -56,6 +61,14 @@ def evaluate(samples, ref, *, inception=None, batch_size: int = 64, device="auto
         else:
             feats = image_features(samples, inc, batch_size=batch_size, progress=progress, desc="samples")
         metrics = compute_metrics(feats, ref_stats, with_pr=with_pr, device=inc.device)
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {}
+    for name in ("ditkit", "torch", "torch-fidelity", "scipy", "numpy"):
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = None
     metrics["provenance"] = {
         "protocol": "ADM evaluator (guided-diffusion evaluations/evaluator.py), torch-fidelity Inception-v3",
         "samples": str(samples) if sample_src is not None else "in memory",
@@ -66,7 +79,7 @@ def evaluate(samples, ref, *, inception=None, batch_size: int = 64, device="auto
         "inception": str(inc.path), "inception_sha256": inc.sha256, "feature_set": FEATURE_SET,
         "k": PR_K, "is_split": IS_SPLIT, "device": str(inc.device), "batch_size": batch_size,
         "seconds": round(time.time() - t0, 3), "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "versions": _versions(),
+        "versions": versions,
     }
     return metrics
 
@@ -81,25 +94,6 @@ def _memory_hint(batch_size: int, with_pr: bool, device):
     hints = [halved("--batch-size", batch_size), "--no-precision-recall" if with_pr else None]
     return out_of_memory_hint(what="evaluating with the FID Inception-v3", batch=f"--batch-size {batch_size}",
                               precision="fp32", hints=hints, device=resolve_device(device), error=EvalError)
-
-
-def _array_size(images) -> tuple[int, int] | None:
-    shape = getattr(images, "shape", None)
-    if shape is None or len(shape) != 4:
-        return None
-    return (shape[1], shape[2]) if shape[-1] == 3 else (shape[2], shape[3])
-
-
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for name in ("ditkit", "torch", "torch-fidelity", "scipy", "numpy"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = None
-    return out
 
 
 def format_table(metrics: dict) -> str:

@@ -157,7 +157,9 @@ def reference_stats(ref, inception: Inception, *, resolution: int | None = None,
     log = log or (lambda line: None)
     src = ref if isinstance(ref, Source) else open_source(ref, resolution=resolution)
     resolution = src.resolution  # the crop applied (None for an .npz: ADM batches are fed as they are)
-    given = _precomputed(src)
+    # the statistics an ADM reference batch carries (those present; checked: float64)
+    shapes = {"mu": (POOL_DIM,), "sigma": (POOL_DIM,) * 2, "mu_s": (SPATIAL_DIM,), "sigma_s": (SPATIAL_DIM,) * 2}
+    given = {name: npz_array(src, name, shapes[name]) for name in _PRECOMPUTED if name in src.npz}
     if len(given) == len(_PRECOMPUTED) and not with_pr:
         return RefStats(**given, n=src.count, source=str(src.path), precomputed=True)
     digest = src.digest()
@@ -187,9 +189,3 @@ def reference_stats(ref, inception: Inception, *, resolution: int | None = None,
     written = _write_cache(stats, _cache_paths(src.path, keys[-1], cache_dir), log)
     stats.cache = str(written) if written else None
     return stats
-
-
-def _precomputed(src: Source) -> dict[str, np.ndarray]:
-    """The statistics an ADM reference batch carries (those present; checked: float64)."""
-    shapes = {"mu": (POOL_DIM,), "sigma": (POOL_DIM,) * 2, "mu_s": (SPATIAL_DIM,), "sigma_s": (SPATIAL_DIM,) * 2}
-    return {name: npz_array(src, name, shapes[name]) for name in _PRECOMPUTED if name in src.npz}

@@ -32,6 +32,9 @@ class _Bad(Exception):
     """An unusable image: skipped and counted."""
 
 
+_SHA_MEMO: dict[tuple, str] = {}  # (path, size, mtime) -> an .npz's sha256 (Source.digest)
+
+
 @dataclass
 class Source:
     """Images to measure, read in batches: an ADM .npz, a folder of images or image shards."""
@@ -50,8 +53,14 @@ class Source:
     def digest(self) -> str:
         """The reference's identity for the cache: a file's sha256; for a folder, the
         sha256 of the sorted list of its files' relative names, sizes and mtimes."""
-        if self.kind == "npz":
-            return "sha256:" + _file_sha256(self.path)
+        if self.kind == "npz":  # remembered per (path, size, mtime) for repeated evals in one process
+            from ditdata.common.files import sha256_file
+
+            st = self.path.stat()
+            key = (str(self.path.resolve()), st.st_size, st.st_mtime_ns)
+            if key not in _SHA_MEMO:
+                _SHA_MEMO[key] = sha256_file(self.path)
+            return "sha256:" + _SHA_MEMO[key]
         names = (_image_files(self.path) if self.kind == "images"
                  else sorted(p for p in self.path.iterdir() if p.is_file() and not p.name.startswith(".")))
         h = hashlib.sha256()
@@ -59,20 +68,6 @@ class Source:
             st = p.stat()
             h.update(f"{p.relative_to(self.path).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
         return "listing-sha256:" + h.hexdigest()
-
-
-_SHA_MEMO: dict[tuple, str] = {}
-
-
-def _file_sha256(path: Path) -> str:
-    """sha256 of a file, remembered per (path, size, mtime) for repeated evals in one process."""
-    from ditdata.common.files import sha256_file
-
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _SHA_MEMO:
-        _SHA_MEMO[key] = sha256_file(path)
-    return _SHA_MEMO[key]
 
 
 def _image_files(root: Path) -> list[Path]:
@@ -102,21 +97,19 @@ def open_source(path, *, resolution: int | None = None, allow_shards: bool = Tru
     files = _image_files(p)
     if not files:
         raise EvalError(f"{p}: no images in this folder (nor an .npz, nor image shards)")
-    return Source(p, "images", len(files), _header_size(files), resolution=resolution,
-                  jobs=lambda: (partial(_load_file, f, resolution) for f in files))
-
-
-def _header_size(files: list[Path]) -> tuple[int, int] | None:
     from PIL import Image
 
+    size = None  # (height, width) of the first of 16 images whose header opens
     for f in files[:16]:
         try:
             with Image.open(f) as img:
                 w, h = img.size
-            return h, w
+            size = (h, w)
+            break
         except Exception:
             continue
-    return None
+    return Source(p, "images", len(files), size, resolution=resolution,
+                  jobs=lambda: (partial(_load_file, f, resolution) for f in files))
 
 
 def _load_file(f: Path, resolution: int | None):
@@ -180,8 +173,21 @@ class _NpyMember:
 
     def __init__(self, path: Path, zf: zipfile.ZipFile, member: str):
         self.path, self.zf, self.member = path, zf, member
+        fmt = np.lib.format
         with zf.open(member) as f:
-            self.shape, self.dtype, self.offset = _npy_header(f, path, member)
+            try:
+                version = fmt.read_magic(f)
+                reader = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}.get(version)
+                if reader is None:
+                    raise ValueError(f"npy version {version}")
+                shape, fortran, dtype = reader(f)
+                offset = f.tell()
+            except (ValueError, OSError, zipfile.BadZipFile) as e:
+                raise EvalError(f"{path}: {member} is not a readable array ({one_line(e, 300)})") from None
+        if dtype != np.uint8 or len(shape) != 4 or shape[-1] != 3 or fortran:
+            raise EvalError(f"{path}: arr_0 must be uint8 images N x H x W x 3 (ADM's format), got {dtype} {shape}"
+                            + (" in Fortran order" if fortran else ""))
+        self.shape, self.dtype, self.offset = shape, dtype, offset
 
     def batches(self, batch_size: int) -> Iterator[np.ndarray]:
         n, per = self.shape[0], int(np.prod(self.shape[1:])) * self.dtype.itemsize
@@ -193,23 +199,6 @@ class _NpyMember:
                 if len(data) != k * per:
                     raise EvalError(f"{self.path}: {self.member} is truncated ({i + len(data) // per} of {n} images)")
                 yield np.frombuffer(data, self.dtype).reshape(k, *self.shape[1:])
-
-
-def _npy_header(f, path: Path, member: str):
-    fmt = np.lib.format
-    try:
-        version = fmt.read_magic(f)
-        reader = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}.get(version)
-        if reader is None:
-            raise ValueError(f"npy version {version}")
-        shape, fortran, dtype = reader(f)
-        offset = f.tell()
-    except (ValueError, OSError, zipfile.BadZipFile) as e:
-        raise EvalError(f"{path}: {member} is not a readable array ({one_line(e, 300)})") from None
-    if dtype != np.uint8 or len(shape) != 4 or shape[-1] != 3 or fortran:
-        raise EvalError(f"{path}: arr_0 must be uint8 images N x H x W x 3 (ADM's format), got {dtype} {shape}"
-                        + (" in Fortran order" if fortran else ""))
-    return shape, dtype, offset
 
 
 def _open_npz(p: Path) -> Source:

@@ -166,17 +166,6 @@ def check_npz_path(path, *, overwrite: bool = False) -> Path:
     return path
 
 
-def _image_shape(store, plan: SamplePlan) -> tuple[int, int, int]:
-    """(H, W, 3) of decoded samples: the latent size times the autoencoder's downsample."""
-    vae = store.manifest.get("vae") or {}
-    down = vae.get("downsample")
-    if down:
-        size = plan.model.input_size * int(down)
-    else:
-        size = int((store.manifest.get("image") or {}).get("resolution") or plan.model.input_size)
-    return (size, size, 3)
-
-
 def plan_npz(config: dict, store, path, settings: NpzConfig = _N, *, classes=(), prompts=(),
              device="auto") -> NpzJob:
     """Check an --npz call and decide all settings.n samples (plan_samples: labels from the seed,
@@ -194,23 +183,25 @@ def plan_npz(config: dict, store, path, settings: NpzConfig = _N, *, classes=(),
         labels = np.asarray([r["prompt_index"] for r in plan.records], dtype=np.int64)
     else:
         labels = None
+    # (H, W, 3) of decoded samples: the latent size times the autoencoder's downsample
+    down = (store.manifest.get("vae") or {}).get("downsample")
+    if down:
+        size = plan.model.input_size * int(down)
+    else:
+        size = int((store.manifest.get("image") or {}).get("resolution") or plan.model.input_size)
     return NpzJob(path=Path(path), plan=plan, labels=labels, chunk_size=settings.chunk_size,
-                  image_shape=_image_shape(store, plan), prompts=tuple(prompts) if plan.kind == "text" else None)
-
-
-def _classes_spec(job: NpzJob, classes, store):
-    """What decides the labels, as job.json records it: the mode, or the chosen indices."""
-    if job.plan.kind != "class":
-        return None
-    mode = class_mode(classes)
-    chosen = [] if mode else parse_classes(classes, job.plan.model.num_classes, class_names(store))
-    return mode or (chosen if chosen else "random")
+                  image_shape=(size, size, 3), prompts=tuple(prompts) if plan.kind == "text" else None)
 
 
 def job_record(job: NpzJob, *, weights: dict, config: dict, store, classes=(), ckpt=None) -> dict:
     """job.json: everything that decides the images (compared on resume, in OPTIONS order),
     then what is only for people (ckpt path, store path)."""
     p, s = job.plan, job.plan.settings
+    spec = None  # what decides the labels: the mode, or the chosen indices
+    if p.kind == "class":
+        mode = class_mode(classes)
+        chosen = [] if mode else parse_classes(classes, p.model.num_classes, class_names(store))
+        spec = mode or (chosen if chosen else "random")
     return {
         "version": JOB_VERSION,
         "weights_sha256": state_dict_sha256(weights),
@@ -222,7 +213,7 @@ def job_record(job: NpzJob, *, weights: dict, config: dict, store, classes=(), c
         "steps": s.steps,
         "cfg_scale": s.cfg_scale if p.kind != "none" else None,
         "cfg_channels": s.cfg_channels if p.kind != "none" else None,
-        "classes": _classes_spec(job, classes, store),
+        "classes": spec,
         "prompts": list(job.prompts) if job.prompts else None,
         "chunk_size": job.chunk_size,
         "batch_size": s.batch_size,
@@ -346,16 +337,6 @@ def write_npz(path, chunks: list[Path], shape: tuple[int, ...], labels: np.ndarr
 # Ranks
 
 
-def _rank_device(device, env: LaunchEnv) -> torch.device:
-    """--device for this rank: a bare `cuda` under torchrun is cuda:LOCAL_RANK."""
-    dev = sampling_device(device)
-    if env.distributed and dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", env.local_rank)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    return dev
-
-
 def _barrier(env: LaunchEnv, device: torch.device) -> None:
     if env.distributed:
         import torch.distributed as dist
@@ -364,14 +345,6 @@ def _barrier(env: LaunchEnv, device: torch.device) -> None:
             dist.barrier(device_ids=[device.index])
         else:
             dist.barrier()
-
-
-def _progress(job: NpzJob, enabled: bool):
-    """A bar on a terminal, else a plain line every 30 s (ditdata.common.progress)."""
-    from ditdata.common.progress import progress_bar
-
-    return progress_bar(total=job.total, initial=job.images_in(job.done()), enabled=enabled, unit="img",
-                        desc="sampling", file=sys.stderr, mininterval=1.0, smoothing=0.1)
 
 
 # -----------------------------------------------------------------------------
@@ -406,7 +379,11 @@ def sample_to_npz(
     if preview is not None:
         check_output(preview)
     env = launch_env()
-    dev = _rank_device(device, env)
+    dev = sampling_device(device)  # a bare `cuda` under torchrun is cuda:LOCAL_RANK
+    if env.distributed and dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", env.local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     say = log if env.rank == 0 else (lambda line: None)
     with process_group(dev):
         config, store, note = engine.open(dev)
@@ -418,35 +395,28 @@ def sample_to_npz(
             say(note)
         say(job.plan.describe() + f"; {job.num_chunks} chunk{'s' if job.num_chunks > 1 else ''} of "
             f"{job.chunk_size}" + (f" over {env.world_size} ranks" if env.distributed else ""))
-        result = _run_job(job, record, resuming, engine, store, env, dev, preview=preview,
-                          text_pretrained=text_pretrained, progress=progress, say=say)
-    return {"npz": path, "total": job.total, **result}
+        # every rank: rank 0 takes the parts folder's lock and prepares it, all draw their chunks,
+        # rank 0 assembles the file and removes the folder
+        from ditdata.common.lock import DirLock
 
-
-def _run_job(job: NpzJob, record: dict, resuming: bool, engine, store, env: LaunchEnv, dev: torch.device, *,
-             preview, text_pretrained, progress, say) -> dict:
-    """Every rank: rank 0 takes the parts folder's lock and prepares it, all draw their chunks,
-    rank 0 assembles the file and removes the folder."""
-    from ditdata.common.lock import DirLock
-
-    lock = DirLock(job.parts, "dittrain sample --npz") if env.rank == 0 else None
-    if lock is not None:
-        lock.acquire()
-    try:
-        if env.rank == 0:
-            _prepare(job, record, resuming, say)
-        _barrier(env, dev)
-        result = _draw(job, env, engine, store, text_pretrained, progress)
-        _barrier(env, dev)
-        if env.rank == 0:
-            _assemble(job, preview, say)
-    finally:
+        lock = DirLock(job.parts, "dittrain sample --npz") if env.rank == 0 else None
         if lock is not None:
-            lock.release()
-    if env.rank == 0:
-        files_api.remove(job.parts)
-    _barrier(env, dev)
-    return result
+            lock.acquire()
+        try:
+            if env.rank == 0:
+                _prepare(job, record, resuming, say)
+            _barrier(env, dev)
+            result = _draw(job, env, engine, store, text_pretrained, progress)
+            _barrier(env, dev)
+            if env.rank == 0:
+                _assemble(job, preview, say)
+        finally:
+            if lock is not None:
+                lock.release()
+        if env.rank == 0:
+            files_api.remove(job.parts)
+        _barrier(env, dev)
+    return {"npz": path, "total": job.total, **result}
 
 
 def _prepare(job: NpzJob, record: dict, resuming: bool, say) -> None:
@@ -469,29 +439,29 @@ def _draw(job: NpzJob, env: LaunchEnv, engine, store, text_pretrained, progress)
     done = job.done()
     mine = [i for i in range(env.rank, job.num_chunks, env.world_size) if i not in done]
     result = {"drawn": len(mine), "resumed": len(done)}
-    bar = _progress(job, progress and env.rank == 0)
+    # a bar on a terminal, else a plain line every 30 s (ditdata.common.progress)
+    from ditdata.common.progress import progress_bar
+
+    bar = progress_bar(total=job.total, initial=job.images_in(job.done()), enabled=progress and env.rank == 0,
+                       unit="img", desc="sampling", file=sys.stderr, mininterval=1.0, smoothing=0.1)
     try:
         if not mine:
             return result
         with sampling_memory_hint(job.plan):
-            _draw_mine(job, mine, engine, store, text_pretrained, bar)
+            # the chunks `mine`, drawn and written one by one (the bar counts every rank's)
+            plan, config = job.plan, engine.config
+            model = engine.network(plan.device)
+            autoencoder = load_autoencoder(store, plan.device, engine.vae)
+            text = None
+            if plan.kind == "text":  # the prompts embedded once, gathered per chunk
+                text = embed_prompts(store, list(job.prompts), tokens=bool(plan.model.text_token_dim),
+                                     device=plan.device, pretrained=text_pretrained)
+            for index in mine:
+                draw_chunk(job, index, model, config, store, autoencoder, text)
+                bar.update(job.images_in(job.done()) - bar.n)  # every rank's chunks on disk
     finally:
         bar.close()
     return result
-
-
-def _draw_mine(job: NpzJob, mine: list[int], engine, store, text_pretrained, bar) -> None:
-    """The chunks `mine`, drawn and written one by one (the bar counts every rank's)."""
-    plan, config = job.plan, engine.config
-    model = engine.network(plan.device)
-    autoencoder = load_autoencoder(store, plan.device, engine.vae)
-    text = None
-    if plan.kind == "text":  # the prompts embedded once, gathered per chunk
-        text = embed_prompts(store, list(job.prompts), tokens=bool(plan.model.text_token_dim),
-                             device=plan.device, pretrained=text_pretrained)
-    for index in mine:
-        draw_chunk(job, index, model, config, store, autoencoder, text)
-        bar.update(job.images_in(job.done()) - bar.n)  # every rank's chunks on disk
 
 
 def _assemble(job: NpzJob, preview, say) -> None:

@@ -145,15 +145,6 @@ def _record(fmt: str, source) -> dict:
             "ditkit": version, "torch": str(torch.__version__)}
 
 
-def _text_length(config: dict, latents) -> int | None:
-    """The store's text length, for the trtexec shapes (None when it cannot be read)."""
-    try:
-        spec = open_run_store(config, latents)[0].schema.tensors.get("text_tokens")
-        return int(spec.shape[0]) if spec is not None else None
-    except Exception:
-        return None
-
-
 # -----------------------------------------------------------------------------
 # The command
 
@@ -189,7 +180,13 @@ def export(ckpt, fmt: str, out, *, overwrite: bool = False, latents=None, vae: s
     elif fmt == "int8":
         files = [export_int8(dit, config, out, record, log=log)]
     elif fmt == "onnx":
-        tokens = _text_length(config, latents) if dit.config.text_token_dim else None
+        tokens = None  # the store's text length, for the trtexec shapes (None when it cannot be read)
+        if dit.config.text_token_dim:
+            try:
+                spec = open_run_store(config, latents)[0].schema.tensors.get("text_tokens")
+                tokens = int(spec.shape[0]) if spec is not None else None
+            except Exception:
+                tokens = None
         files = export_onnx(dit, config, out, record, onnx, tokens=tokens, log=log)
     else:
         files = [export_diffusers(dit, config, store, out, record, vae=vae, log=log)]

@@ -103,25 +103,21 @@ def random_inputs(cfg: DiTConfig, n: int, generator: torch.Generator, tokens: in
 # Export and check
 
 
-def _dynamic_shapes(names: list[str], max_batch: int) -> dict:
+def _trace(model: DiT, names: list[str], max_batch: int, opset: int | None):
+    """The ONNXProgram of model's forward with a dynamic batch (and text length)."""
+    ex = random_inputs(model.config, 2, torch.Generator().manual_seed(0))
+    kw = {} if opset is None else {"opset_version": opset}
     batch = torch.export.Dim("batch", min=1, max=max_batch)
     shapes = {k: {0: batch} for k in names}
     if "text_tokens" in names:
         tokens = torch.export.Dim("tokens", min=1, max=4096)
         shapes["text_tokens"][1] = shapes["text_mask"][1] = tokens
-    return shapes
-
-
-def _trace(model: DiT, names: list[str], max_batch: int, opset: int | None):
-    """The ONNXProgram of model's forward with a dynamic batch (and text length)."""
-    ex = random_inputs(model.config, 2, torch.Generator().manual_seed(0))
-    kw = {} if opset is None else {"opset_version": opset}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's notes on axis names and deprecations
         try:
             return torch.onnx.export(model, (ex["x"], ex["t"]), kwargs={k: ex[k] for k in names[2:]}, dynamo=True,
                                      input_names=names, output_names=[OUTPUT],
-                                     dynamic_shapes=_dynamic_shapes(names, max_batch), verbose=False, **kw)
+                                     dynamic_shapes=shapes, verbose=False, **kw)
         except Exception as e:
             raise ExportError(f"torch.onnx.export failed ({type(e).__name__}: {one_line(e, 300)})") from e
 
@@ -277,11 +273,6 @@ class OnnxDiT(torch.nn.Module):
         return f"{self.path}, {self.provider}"
 
 
-def _same_model(a: DiTConfig, b: DiTConfig) -> bool:
-    ignore = {"grad_checkpointing", "class_dropout_prob"}  # training-only knobs
-    return all(getattr(a, k) == getattr(b, k) for k in a.__dataclass_fields__ if k not in ignore)
-
-
 def load_for_onnx_sampling(path, ckpt=None, *, latents=None, vae: str | None = None, model: str | None = None,
                            device="auto") -> tuple[OnnxDiT, dict, object, str | None]:
     """(network, run config, store, note) for `dittrain sample --engine onnx --onnx FILE`: the
@@ -292,7 +283,10 @@ def load_for_onnx_sampling(path, ckpt=None, *, latents=None, vae: str | None = N
     if ckpt is not None:
         _, config, store, note = load_for_sampling(ckpt, latents=latents, vae=vae, model=model)
         net = OnnxDiT(path, config, dev)
-        if not _same_model(net.config, model_config(config)):
+        run_model = model_config(config)
+        ignore = {"grad_checkpointing", "class_dropout_prob"}  # training-only knobs
+        if not all(getattr(net.config, k) == getattr(run_model, k) for k in net.config.__dataclass_fields__
+                   if k not in ignore):
             raise SampleError(f"--onnx {path} is not a model of --ckpt {ckpt}: their model configs differ")
         return net, config, store, note
     net = OnnxDiT(path, None, dev)

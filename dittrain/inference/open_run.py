@@ -241,7 +241,10 @@ def load_for_sampling(ckpt, *, latents=None, vae: str | None = None,
     `vae` (then the store is a dittrain.inference.weights.StandInStore) or `latents`."""
     source = read_weights(ckpt)
     if not source.plain:
-        _check_model_name(source.config, model, ckpt)
+        run_model = recorded(source.config, "model")
+        if model is not None and model != run_model:
+            raise SampleError(f"--model {model}: {ckpt} is a dittrain run of {run_model}; --model names the model "
+                              "of a plain state dict")
         store, note = open_run_store(source.config, latents)
         return source.state, source.config, store, note
     config = infer_run_config(source.state, model, where=source.file)
@@ -250,13 +253,6 @@ def load_for_sampling(ckpt, *, latents=None, vae: str | None = None,
     store, _ = open_run_store(config, latents)  # checked: shape and conditioning fit the model
     return source.state, config, store, (f"note: {describe(config, source.file)}; {store.root}'s autoencoder "
                                          "and class names are used (its latents and conditioning fit)")
-
-
-def _check_model_name(config: dict, model: str | None, ckpt) -> None:
-    run_model = recorded(config, "model")
-    if model is not None and model != run_model:
-        raise SampleError(f"--model {model}: {ckpt} is a dittrain run of {run_model}; --model names the model "
-                          "of a plain state dict")
 
 
 def load_model(weights: dict, config: dict, device="cpu") -> DiT:

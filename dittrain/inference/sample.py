@@ -185,11 +185,6 @@ def balanced_labels(n: int, num_classes: int, seed: int = 0) -> list[int]:
     return labels[torch.randperm(n, generator=g)].tolist()
 
 
-def _store_dtype(store, field: str) -> torch.dtype | None:
-    spec = store.schema.tensors.get(field)
-    return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(spec.dtype) if spec else None
-
-
 def embed_prompts(store, prompts: list[str], *, tokens: bool, device="cpu", text_encoder=None,
                   pretrained: str | None = None) -> dict[str, torch.Tensor]:
     """Prompts -> {"text_pooled" (N, Dp)[, "text_tokens" (N, L, Dt), "text_mask" (N, L)]} with
@@ -201,7 +196,8 @@ def embed_prompts(store, prompts: list[str], *, tokens: bool, device="cpu", text
     for k, v in emb.items():
         v = torch.as_tensor(v)
         if v.dtype != torch.bool:
-            dt = _store_dtype(store, k)
+            spec = store.schema.tensors.get(k)  # the field as the store holds it
+            dt = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(spec.dtype) if spec else None
             v = v.float() if dt is None else v.to(dt).float()
         out[k] = v.cpu()
     return out
@@ -234,10 +230,6 @@ def check_sampler(config: DiffusionConfig, sampler: str | None, steps: int) -> s
     return sampler
 
 
-def _rows(d: dict, sl: slice) -> dict:
-    return {k: (v[sl] if v is not None else None) for k, v in d.items()}
-
-
 class NonFiniteSamples(SampleError):
     """Sampling gave NaN or inf (`stage`: "latents" or "images") for `samples` (indices in
     `plan`): nothing of the call is kept. describe() words it for a caller (--npz: a chunk)."""
@@ -253,15 +245,12 @@ class NonFiniteSamples(SampleError):
         if p.labels is not None:
             which += f", class {p.labels[first]}"
         elif p.prompts is not None:
-            which += f", prompt {_short_text(p.prompts[first])}"
+            text = p.prompts[first]
+            which += f", prompt {text if len(text) <= 40 else text[:37] + '...'!r}"
         guidance = f", cfg {s.cfg_scale:g}" if p.kind != "none" else ""
         return (f"sampling gave NaN/inf {'latents' if self.stage == 'latents' else 'decoded images'} for {which} "
                 f"(seed {seed or s.seed}{guidance}, {s.steps} {s.sampler} steps); {after}: lower --cfg, sample "
                 "with --precision fp32, or check that the weights are finite")
-
-
-def _short_text(text: str) -> str:
-    return repr(text if len(text) <= 40 else text[:37] + "...")
 
 
 def check_finite(x: torch.Tensor, stage: str, plan: SamplePlan, start: int = 0) -> None:
@@ -365,19 +354,6 @@ def _spread(choices: int, n: int, n_per_class: int | None) -> list[int]:
     return [i % choices for i in range(n)]
 
 
-def _class_labels(chosen: list[int], num_classes: int, n: int, n_per_class: int | None, seed: int,
-                  mode: str | None = None) -> list[int]:
-    """The class of each sample: the chosen ones laid out by _spread (all classes for rows
-    when none are chosen), else n drawn with the seed (mode "balanced": balanced_labels)."""
-    if mode == "balanced":
-        return balanced_labels(n, num_classes, seed)
-    if n_per_class is not None:
-        chosen = chosen or list(range(num_classes))
-    elif not chosen:
-        return pick_labels(n, num_classes, seed)
-    return [chosen[i] for i in _spread(len(chosen), n, n_per_class)]
-
-
 def _text_inputs(text: dict, cfg: DiTConfig) -> dict[str, torch.Tensor]:
     """The text fields the model takes, from embeddings {field: (N, ...)}."""
     takes = {TEXT_POOLED: cfg.text_pooled_dim, TEXT_TOKENS: cfg.text_token_dim, TEXT_MASK: cfg.text_token_dim}
@@ -415,7 +391,16 @@ def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiT
         names = class_names(store)
         mode = class_mode(classes)
         chosen = [] if mode else parse_classes(classes, cfg.num_classes, names)
-        picks = labels = _class_labels(chosen, cfg.num_classes, count, n_per_class, settings.seed, mode)
+        # the class of each sample: the chosen ones laid out by _spread (all classes for rows when
+        # none are chosen), else n drawn with the seed (mode "balanced": balanced_labels)
+        if mode == "balanced":
+            labels = balanced_labels(count, cfg.num_classes, settings.seed)
+        elif n_per_class is None and not chosen:
+            labels = pick_labels(count, cfg.num_classes, settings.seed)
+        else:
+            chosen = chosen or list(range(cfg.num_classes))
+            labels = [chosen[i] for i in _spread(len(chosen), count, n_per_class)]
+        picks = labels
         records = [{"class": c, "class_name": names[c] if names and c < len(names) else None} for c in labels]
     elif kind == "text" and text is not None:
         text = _text_inputs(text, cfg)
@@ -447,27 +432,25 @@ def _square(n: int) -> int:
     return math.ceil(math.sqrt(n))
 
 
-def _conditions(plan: SamplePlan, store, *, text_encoder=None, text_pretrained=None) -> tuple[dict, dict | None]:
-    """The model's inputs for all samples and, for text models, the empty caption (guidance)."""
-    if plan.kind == "class":
-        return {"y": torch.tensor(plan.labels, dtype=torch.long)}, None
-    if plan.kind == "none":
-        return {}, None
-    text = plan.text
-    if text is None:
-        emb = embed_prompts(store, list(plan.prompts), tokens=bool(plan.model.text_token_dim), device=plan.device,
-                            text_encoder=text_encoder, pretrained=text_pretrained)
-        text = _text_inputs(emb, plan.model)
-    return text, empty_caption(store)
-
-
 def run_plan(model, plan: SamplePlan, store, *, autoencoder=None, text_encoder=None, vae: str | None = None,
              text_pretrained: str | None = None) -> np.ndarray:
     """Draw a plan with `model` (a DiT on plan.device; in eval mode for the call, then put back
     in its mode) and decode with the store's autoencoder (or `autoencoder`, or the one at
     `vae`): (N, H, W, 3) uint8. Prompts are embedded with `text_encoder` or the store's.
     NonFiniteSamples (a SampleError) when a batch's latents or images hold NaN or inf."""
-    cond, empty = _conditions(plan, store, text_encoder=text_encoder, text_pretrained=text_pretrained)
+    # the model's inputs for all samples and, for text models, the empty caption (guidance)
+    empty = None
+    if plan.kind == "class":
+        cond = {"y": torch.tensor(plan.labels, dtype=torch.long)}
+    elif plan.kind == "none":
+        cond = {}
+    else:
+        cond = plan.text
+        if cond is None:
+            emb = embed_prompts(store, list(plan.prompts), tokens=bool(plan.model.text_token_dim), device=plan.device,
+                                text_encoder=text_encoder, pretrained=text_pretrained)
+            cond = _text_inputs(emb, plan.model)
+        empty = empty_caption(store)
     s, dev = plan.settings, plan.device
     generator = torch.Generator().manual_seed(s.seed)
     noise = torch.randn((plan.total, plan.model.in_channels, *plan.grid), generator=generator)  # all first
@@ -481,7 +464,7 @@ def run_plan(model, plan: SamplePlan, store, *, autoencoder=None, text_encoder=N
     try:
         for start in range(0, plan.total, s.batch_size):
             sl = slice(start, min(start + s.batch_size, plan.total))
-            kwargs = {k: v.to(dev) for k, v in _rows(cond, sl).items()}
+            kwargs = {k: v[sl].to(dev) for k, v in cond.items()}
             uncond = model.unconditional_kwargs(kwargs, empty) if plan.guide else None
             with autocast(dev, plan.amp):
                 z = diffusion.sample(
@@ -712,16 +695,7 @@ def sample_to_files(
             "store": str(store.root.resolve()), **engine.record(), **plan.record()}
     result = write_samples(images, out, nrow=plan.nrow, groups=plan.groups, records=plan.records, meta=meta,
                            grid_scale=grid_scale)
-    _report(result, images, plan, log)
-    return {**result, "images": images, "labels": _list(plan.labels), "prompts": _list(plan.prompts)}
-
-
-def _list(values) -> list | None:
-    return None if values is None else list(values)
-
-
-def _report(result: dict, images: np.ndarray, plan: SamplePlan, log) -> None:
-    """Say where the grid and the singles went."""
+    # where the grid and the singles went
     h, w = result["grid_shape"][:2]
     cols = max(1, min(plan.nrow, plan.total))
     singles, first, last = result["singles_dir"], result["files"][0], result["files"][-1]
@@ -729,6 +703,11 @@ def _report(result: dict, images: np.ndarray, plan: SamplePlan, log) -> None:
         f"{w}x{h} px)")
     log(f"singles: {len(result['files'])} PNGs of {images.shape[2]}x{images.shape[1]} px under {singles}/ "
         f"({first.relative_to(singles)} .. {last.relative_to(singles)}; index {INDEX_NAME})")
+    return {**result, "images": images, "labels": _list(plan.labels), "prompts": _list(plan.prompts)}
+
+
+def _list(values) -> list | None:
+    return None if values is None else list(values)
 
 
 __all__ = [

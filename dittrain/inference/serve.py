@@ -142,13 +142,6 @@ def _path_arg(value):
     return str(Path(value).resolve()) if value is not None and Path(value).exists() else value
 
 
-def _free_cuda(device) -> None:
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.empty_cache()
-
-
 def _fingerprint(ckpt) -> tuple | None:
     """(file, mtime, size) of the weights file `ckpt` reads now (None: cannot tell)."""
     from dittrain.inference.weights import weights_file
@@ -319,7 +312,10 @@ class Server:
             return Generated([], "", str(e), seed if isinstance(seed, int) else None)
         except Exception as e:  # a bug or out of memory: this request fails, the server stays up
             if "out of memory" in str(e).lower():
-                _free_cuda(self.device)
+                if self.device.type == "cuda":
+                    import torch
+
+                    torch.cuda.empty_cache()
                 msg = "out of memory: ask for fewer images, or restart serve with a smaller --batch-size"
             else:
                 msg = f"internal error ({type(e).__name__}: {one_line(e, 300)}); see the server's log"
@@ -418,20 +414,15 @@ def build_app(server: Server):
     return demo
 
 
-def _check_port(host: str, port: int) -> None:
-    """A port that cannot be bound fails in one line before the model loads."""
-    try:
+def serve(ckpt, settings: ServeConfig = _SERVE, *, log=print) -> None:
+    """The command: check the port, load the run, launch the page, serve until Ctrl-C / SIGTERM."""
+    host, port = settings.host, settings.port
+    try:  # a port that cannot be bound fails in one line before the model loads
         with socket.create_server((host, port)):
             pass
     except OSError as e:
         why = "in use" if e.errno in (98, 48, 10048) else one_line(e)
         raise SampleError(f"cannot listen on {host}:{port}: {why} (pass --port N, or --host)") from None
-
-
-def serve(ckpt, settings: ServeConfig = _SERVE, *, log=print) -> None:
-    """The command: check the port, load the run, launch the page, serve until Ctrl-C / SIGTERM."""
-    host, port = settings.host, settings.port
-    _check_port(host, port)
     _gradio()  # missing gradio: one line before the model loads
     server = Server(ckpt, settings, log=log)
     demo = build_app(server)

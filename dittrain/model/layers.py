@@ -70,14 +70,9 @@ def rms_norm(dim: int) -> nn.Module:
 # Position embedding
 
 
-def _grid_hw(grid: int | tuple[int, int]) -> tuple[int, int]:
-    """A grid given as a side (square) or (h, w)."""
-    return (grid, grid) if isinstance(grid, int) else (int(grid[0]), int(grid[1]))
-
-
 def _grid_positions(grid: int | tuple[int, int], device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, cols), each (h, w) float64: token (i, j) of an h x w grid, row-major (index i * w + j)."""
-    h, w = _grid_hw(grid)
+    h, w = (grid, grid) if isinstance(grid, int) else (int(grid[0]), int(grid[1]))  # a side (square) or (h, w)
     return torch.meshgrid(torch.arange(h, dtype=torch.float64, device=device),
                           torch.arange(w, dtype=torch.float64, device=device), indexing="ij")
 

@@ -352,14 +352,6 @@ def _terms_kept(s: Setting, costs: list[Cost]) -> float:
     return sum(kept)
 
 
-def _data(s: Setting, costs: list[Cost]) -> int:
-    """The micro-batch on the device: float32 latents and labels; the terms' tensors (REPA's int8
-    targets and scales)."""
-    cfg = s.config
-    per_sample = 4 * cfg.in_channels * cfg.input_size ** 2 + 8 + sum(c.data_per_sample for c in costs)
-    return s.micro_batch * per_sample
-
-
 def kept_bytes(s: Setting) -> float:
     """Everything the forward keeps for the backward (the activations at the backward's start)."""
     blocks = _Blocks(s)
@@ -378,11 +370,6 @@ def _cast_cache(s: Setting, blocks: _Blocks) -> float:
     return max(0.0, every - saved)
 
 
-def _final_layer(cfg: DiTConfig) -> int:
-    D, pp = cfg.hidden_size, cfg.patch_size ** 2
-    return 2 * D * D + 2 * D + (D + 1) * pp * cfg.out_channels
-
-
 def footprint(s: Setting) -> Footprint:
     """The predicted peak of one training step of setting `s` (module docstring)."""
     cfg, parts, blocks, costs = s.config, model_parts(s.config), _Blocks(s), term_costs(s)
@@ -393,14 +380,20 @@ def footprint(s: Setting) -> Footprint:
     # the embedders' activations (and the terms', REPA's backward coming with the aligned block's)
     # stay to the end of the backward; the final layer's and the loss's go before the blocks' backward
     head, tail = _outside_kept(s, "head") + _terms_kept(s, costs), _outside_kept(s, "tail")
-    last, data = cfg.depth - 1, _data(s, costs)
+    # the micro-batch on the device: float32 latents and labels; the terms' tensors (REPA's int8
+    # targets and scales)
+    per_sample = 4 * cfg.in_channels * cfg.input_size ** 2 + 8 + sum(c.data_per_sample for c in costs)
+    last, data = cfg.depth - 1, s.micro_batch * per_sample
+    # the final layer's parameters: its adaLN modulation (D -> 2D) and its linear (D -> p^2 x C_out)
+    D, pp = cfg.hidden_size, cfg.patch_size ** 2
+    final_layer = 2 * D * D + 2 * D + (D + 1) * pp * cfg.out_channels
     # gradients alive: from the second micro-batch of an accumulation on, all of them; else the
     # backward allocates them block by block, from the final layer down to the first block
     accumulating = s.accumulation > 1
     moments = {  # name: (gradients, activations, workspace, data)
         "forward end": (grads if accumulating else 0, head + sum(kept) + tail + _cast_cache(s, blocks),
                         max(blocks.recompute(i) for i in range(cfg.depth)), data),
-        "backward, last block": (grads if accumulating else 4 * (parts.block + _final_layer(cfg)),
+        "backward, last block": (grads if accumulating else 4 * (parts.block + final_layer),
                                  head + sum(kept), blocks.recompute(last), data),
         "backward, first block": (grads if accumulating else grads - 4 * parts.block, head + kept[0],
                                   blocks.recompute(0), data),

@@ -180,21 +180,12 @@ class _Shape:
     buckets: tuple = ()  # a planned store has no aspect-ratio buckets
 
 
-def _planned(req: PlanRequest, model: DiTConfig, store) -> dict:
-    """The loss terms' settings, as footprint's Setting holds them: by entry name (dittrain.train.losses;
-    repa: block, projector width, target dims), for the terms that are planned."""
-    try:
-        planned = {term.name: term.planned(req.cfg, model, store) for term in loss_terms(req.cfg)}
-    except UserError as e:  # a setting that cannot work with this model (--repa-depth beyond it)
-        raise PlanError(str(e)) from None
-    return {name: value for name, value in planned.items() if value is not None}
-
-
 # ----------------------------------------------------------------------------- the target
 
 
 def _target(req: PlanRequest, model: DiTConfig, probe_device) -> Target:
-    """The device, the memory a step may use and the card, from --gpu-memory, --device and --gpu."""
+    """The device, the memory a step may use and the card, from --gpu-memory, --device and --gpu;
+    the precision and the attention kernel the step would run with there."""
     gpu = gpu_named(req.gpu)
     if req.gpu and gpu is None:
         raise PlanError(f"--gpu {req.gpu}: not a card this table knows ({', '.join(GPUS)}); give --gpu-memory "
@@ -204,60 +195,54 @@ def _target(req: PlanRequest, model: DiTConfig, probe_device) -> Target:
         import torch
 
         gpu = gpu or gpu_named(torch.cuda.get_device_name(probe_device))
-    capacity, source = _capacity(req, device, gpu, probe_device)
-    precision = _precision(req.cfg.performance.amp, device, gpu, probe_device)
-    return Target(device, capacity, source, gpu, precision, _kernel(model, precision, probe_device))
-
-
-def _capacity(req: PlanRequest, device: str, gpu: Gpu | None, probe_device) -> tuple[int, str]:
-    """(bytes a step may use, where that comes from): --gpu-memory less a CUDA context, the free
-    memory of --device cuda, --gpu's memory less a context, or the CPU's available memory."""
+    # the bytes a step may use, and where that comes from: --gpu-memory less a CUDA context, the
+    # free memory of --device cuda, --gpu's memory less a context, or the CPU's available memory
     if req.memory is not None:
         context = " less 1 GiB for the CUDA context" if device == "cuda" else ""
-        return req.memory - (CUDA_CONTEXT if device == "cuda" else 0), f"--gpu-memory {format_size(req.memory)}{context}"
-    if probe_device is not None and device == "cuda":
+        capacity, source = (req.memory - (CUDA_CONTEXT if device == "cuda" else 0),
+                            f"--gpu-memory {format_size(req.memory)}{context}")
+    elif probe_device is not None and device == "cuda":
         import torch
 
         from ditdata.common.devices import gpu_memory
 
         free, _ = gpu_memory(probe_device)
-        return free, f"the free memory of {probe_device} ({torch.cuda.get_device_name(probe_device)})"
-    if gpu is not None:
-        return (int(gpu.memory_gib * 2**30) - CUDA_CONTEXT,
-                f"the {gpu.name}'s {gpu.memory_gib:g} GB less 1 GiB for the CUDA context")
-    from dittrain.data.budget import available_memory
+        capacity, source = free, f"the free memory of {probe_device} ({torch.cuda.get_device_name(probe_device)})"
+    elif gpu is not None:
+        capacity, source = (int(gpu.memory_gib * 2**30) - CUDA_CONTEXT,
+                            f"the {gpu.name}'s {gpu.memory_gib:g} GB less 1 GiB for the CUDA context")
+    else:
+        from dittrain.data.budget import available_memory
 
-    capacity, where = available_memory()
-    if capacity is None:
-        raise PlanError("the available memory is unknown here: give --gpu-memory SIZE")
-    return capacity, f"the CPU's available memory ({where})"
-
-
-def _kernel(model: DiTConfig, precision: str, probe_device) -> str:
-    """The self-attention kernel's table row: what torch picks on the device, else what CUDA's
-    fused kernels take (head dims that are multiples of 8, up to 256)."""
-    if probe_device is None:
-        return "math" if model.head_dim % 8 or model.head_dim > 256 else "fused"
-    import torch
-
-    from dittrain.model.attention import attention_backend
-
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    return "math" if attention_backend(model, 2, dtype, probe_device) == "math" else "fused"
-
-
-def _precision(amp: str, device: str, gpu: Gpu | None, probe_device) -> str:
-    """--precision resolved as the trainer resolves it (auto: bf16 on GPUs that have it, else fp16;
-    fp32 on the CPU)."""
+        capacity, where = available_memory()
+        if capacity is None:
+            raise PlanError("the available memory is unknown here: give --gpu-memory SIZE")
+        source = f"the CPU's available memory ({where})"
+    # --precision resolved as the trainer resolves it (auto: bf16 on GPUs that have it, else fp16;
+    # fp32 on the CPU)
+    amp = req.cfg.performance.amp
     if amp != "auto":
-        return amp
-    if device != "cuda":
-        return "fp32"
-    if probe_device is not None:
+        precision = amp
+    elif device != "cuda":
+        precision = "fp32"
+    elif probe_device is not None:
         import torch
 
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "fp16" if gpu is not None and not gpu.bf16 else "bf16"
+        precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    else:
+        precision = "fp16" if gpu is not None and not gpu.bf16 else "bf16"
+    # the self-attention kernel's table row: what torch picks on the device, else what CUDA's
+    # fused kernels take (head dims that are multiples of 8, up to 256)
+    if probe_device is None:
+        kernel = "math" if model.head_dim % 8 or model.head_dim > 256 else "fused"
+    else:
+        import torch
+
+        from dittrain.model.attention import attention_backend
+
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        kernel = "math" if attention_backend(model, 2, dtype, probe_device) == "math" else "fused"
+    return Target(device, capacity, source, gpu, precision, kernel)
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -301,34 +286,6 @@ def resident_bytes(req: PlanRequest, store, target: Target) -> int:
     return len(store) * (per_sample + 8)
 
 
-def _candidates(req: PlanRequest, model: DiTConfig, target: Target, planned: dict, resident: int) -> list[Candidate]:
-    cfg, choices = req.cfg, _choices(req, model, target)
-    common = dict(precision=target.precision, kernel=target.kernel, loss=loss_kind(cfg.diffusion.objective,
-                  model.learn_sigma), route=parse_route(cfg.routing.route), resident_bytes=resident, **planned)
-    out = []
-    for mode in choices["mode"]:
-        for optimizer in choices["optimizer"]:
-            for micro in choices["micro"]:
-                fp = footprint(Setting(model, micro_batch=micro, accumulation=cfg.optim.batch_size // micro, mode=mode,
-                                       optimizer=optimizer, **common))
-                fits = fp.peak * (1 + MARGIN) <= target.capacity
-                for comp in choices["compile"]:
-                    out.append(Candidate(micro, req.cfg.optim.batch_size // micro, mode, optimizer, comp, fp, fits))
-    return out
-
-
-def _speed(c: Candidate, req: PlanRequest, model: DiTConfig, target: Target, costs: list[Cost]) -> None:
-    """c.seconds and c.rate from the card's record (dittrain.plan.throughput), when it has one."""
-    route = parse_route(req.cfg.routing.route)
-    tokens = block_tokens(route, model.depth, model.num_tokens)
-    extra = sum((cost.macs_per_sample for cost in costs), 0.0)  # the terms' matmuls (REPA's projector)
-    flops = step_flops(model, c.mode, tokens, extra) * req.cfg.optim.batch_size
-    c.rate = rate(target.gpu, model, c.micro, target.precision)
-    if c.rate is not None:
-        c.seconds = flops / c.rate.flops_per_s
-    c.relative = flops / rate(GPUS[RECORDS[0].gpu], model, c.micro, target.precision).flops_per_s
-
-
 def _order(c: Candidate) -> tuple:
     """Fastest first: measured, else predicted seconds (on the recorded card where this one has no
     record), adamw8bit's counted EIGHT_BIT_PENALTY slower; ties: fewer accumulation steps, less
@@ -367,7 +324,59 @@ def make_plan(req: PlanRequest, *, log=None) -> Plan:
     """Every candidate with its memory and speed, and the fastest that fits (PlanError: none does).
     log: where --probe's lines go."""
     try:
-        return _make_plan(req, log)
+        probe_device = probe_device_of(req)
+        model, store, samples = _model_config(req)
+        route = parse_route(req.cfg.routing.route)
+        if route is not None and route.end > model.depth:
+            raise PlanError(f"--route {route}: END {route.end} is beyond {req.cfg.model.model}'s {model.depth} blocks")
+        # the loss terms' settings, as footprint's Setting holds them: by entry name (dittrain.train.losses;
+        # repa: block, projector width, target dims), for the terms that are planned
+        try:
+            planned = {term.name: term.planned(req.cfg, model, store) for term in loss_terms(req.cfg)}
+        except UserError as e:  # a setting that cannot work with this model (--repa-depth beyond it)
+            raise PlanError(str(e)) from None
+        planned = {name: value for name, value in planned.items() if value is not None}
+        costs = term_costs(Setting(model, route=route, **planned))
+        target = _target(req, model, probe_device)
+        # the candidates: every searched checkpointing mode, optimizer, micro-batch and compile, with
+        # the memory footprint predicts for it
+        resident = resident_bytes(req, store, target)
+        cfg, choices = req.cfg, _choices(req, model, target)
+        common = dict(precision=target.precision, kernel=target.kernel, loss=loss_kind(cfg.diffusion.objective,
+                      model.learn_sigma), route=route, resident_bytes=resident, **planned)
+        candidates = []
+        for mode in choices["mode"]:
+            for optimizer in choices["optimizer"]:
+                for micro in choices["micro"]:
+                    fp = footprint(Setting(model, micro_batch=micro, accumulation=cfg.optim.batch_size // micro,
+                                           mode=mode, optimizer=optimizer, **common))
+                    fits = fp.peak * (1 + MARGIN) <= target.capacity
+                    for comp in choices["compile"]:
+                        candidates.append(Candidate(micro, cfg.optim.batch_size // micro, mode, optimizer, comp,
+                                                    fp, fits))
+        # each one's c.seconds and c.rate from the card's record (dittrain.plan.throughput), when it has one
+        tokens = block_tokens(route, model.depth, model.num_tokens)
+        extra = sum((cost.macs_per_sample for cost in costs), 0.0)  # the terms' matmuls (REPA's projector)
+        for c in candidates:
+            flops = step_flops(model, c.mode, tokens, extra) * cfg.optim.batch_size
+            c.rate = rate(target.gpu, model, c.micro, target.precision)
+            if c.rate is not None:
+                c.seconds = flops / c.rate.flops_per_s
+            c.relative = flops / rate(GPUS[RECORDS[0].gpu], model, c.micro, target.precision).flops_per_s
+        fitting = [c for c in candidates if c.fits]
+        if not fitting:
+            smallest = min(candidates, key=lambda c: c.fp.peak)
+            need = smallest.fp.peak * (1 + MARGIN) + (CUDA_CONTEXT if target.device == "cuda" else 0)
+            raise PlanError(
+                f"nothing fits in {format_size(target.capacity)} ({target.source}): the smallest setting, micro-batch "
+                f"{smallest.micro} with --grad-checkpointing {smallest.mode} and --optimizer {smallest.optimizer}, "
+                f"needs {format_size(smallest.fp.peak)} (+{MARGIN:.0%} headroom), so at least {format_size(need)} "
+                f"of {'GPU memory' if target.device == 'cuda' else 'memory'}; or a smaller model or --batch-size")
+        plan = Plan(req, model, target, candidates, min(fitting, key=_order), samples, store, costs=costs)
+        steps_and_epochs(plan)  # --epochs without the dataset's size: refused before any probe
+        if req.probe:
+            _probe(plan, probe_device, log)
+        return plan
     except FootprintError as e:
         raise PlanError(str(e)) from None
 
@@ -383,34 +392,6 @@ def probe_device_of(req: PlanRequest):
         return training_device(req.cfg.performance.device)
     except (TrainError, ValueError) as e:
         raise PlanError(str(e)) from None
-
-
-def _make_plan(req: PlanRequest, log) -> Plan:
-    probe_device = probe_device_of(req)
-    model, store, samples = _model_config(req)
-    route = parse_route(req.cfg.routing.route)
-    if route is not None and route.end > model.depth:
-        raise PlanError(f"--route {route}: END {route.end} is beyond {req.cfg.model.model}'s {model.depth} blocks")
-    planned = _planned(req, model, store)
-    costs = term_costs(Setting(model, route=route, **planned))
-    target = _target(req, model, probe_device)
-    candidates = _candidates(req, model, target, planned, resident_bytes(req, store, target))
-    for c in candidates:
-        _speed(c, req, model, target, costs)
-    fitting = [c for c in candidates if c.fits]
-    if not fitting:
-        smallest = min(candidates, key=lambda c: c.fp.peak)
-        need = smallest.fp.peak * (1 + MARGIN) + (CUDA_CONTEXT if target.device == "cuda" else 0)
-        raise PlanError(
-            f"nothing fits in {format_size(target.capacity)} ({target.source}): the smallest setting, micro-batch "
-            f"{smallest.micro} with --grad-checkpointing {smallest.mode} and --optimizer {smallest.optimizer}, "
-            f"needs {format_size(smallest.fp.peak)} (+{MARGIN:.0%} headroom), so at least {format_size(need)} "
-            f"of {'GPU memory' if target.device == 'cuda' else 'memory'}; or a smaller model or --batch-size")
-    plan = Plan(req, model, target, candidates, min(fitting, key=_order), samples, store, costs=costs)
-    steps_and_epochs(plan)  # --epochs without the dataset's size: refused before any probe
-    if req.probe:
-        _probe(plan, probe_device, log)
-    return plan
 
 
 def _probe(plan: Plan, device, log) -> None:

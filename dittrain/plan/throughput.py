@@ -93,13 +93,6 @@ class Rate:
     rough: bool  # scaled from another card, or an fp32 guess
 
 
-def _record_rates(model: str) -> list[tuple[int, float]]:
-    """(micro-batch, FLOP/s) of a model's records without checkpointing."""
-    cfg = record_config(model)
-    return sorted((r.batch, r.images_per_s * step_flops(cfg, "none")) for r in RECORDS if r.model == model
-                  and r.mode == "none")
-
-
 def _interpolate(points: list[tuple[int, float]], x: float) -> float:
     """log-log through (micro-batch, rate); below the first point the slope of the first two;
     above the last, the last rate (the card is saturated)."""
@@ -127,7 +120,9 @@ def rate(gpu: Gpu | None, config: DiTConfig, micro_batch: int, precision: str = 
     ref = record_config(model)
     # the same tokens per micro-batch as on the record's model
     equivalent = micro_batch * config.num_tokens / ref.num_tokens
-    points = _record_rates(model)
+    # (micro-batch, FLOP/s) of the model's records without checkpointing
+    points = sorted((r.batch, r.images_per_s * step_flops(ref, "none")) for r in RECORDS if r.model == model
+                    and r.mode == "none")
     flops = _interpolate(points, equivalent)
     recorded = {r.gpu for r in RECORDS}
     source = f"{model}'s record" + ("" if model_matches(config, model) else " (the nearest recorded width)")

@@ -69,7 +69,11 @@ class RunState:
     def state_dict(self) -> dict:
         """The checkpoint. With several ranks every rank must call it (it gathers each
         rank's part); only rank 0's result is complete."""
-        ranks = _gather({k: part.state_dict() for k, part in self._per_rank().items()}, self.world)
+        mine = {k: part.state_dict() for k, part in self._per_rank().items()}
+        ranks = [mine]  # every rank's, in rank order
+        if self.world > 1:
+            ranks = [None] * self.world
+            dist.all_gather_object(ranks, mine)
         return {**{k: getattr(self, k) for k in self.COUNTERS},
                 **{k: part.state_dict() for k, part in self._shared().items()},
                 "ranks": ranks, "config": self.config}
@@ -137,15 +141,6 @@ class _GeneratorState:
 
     def load_state_dict(self, state: torch.Tensor) -> None:
         self.gen.set_state(state)
-
-
-def _gather(obj, world: int) -> list:
-    """obj of every rank, in rank order (every rank must call this when world > 1)."""
-    if world == 1:
-        return [obj]
-    out = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
 
 
 # --------------------------------------------------------------------------- background writes

@@ -70,6 +70,8 @@ class TrainingEval:
         """{"fid", "sfid", "inception_score", "eval_n", ...} of `model` (the EMA DiT, on its
         device; put back in its mode afterwards) sampled with the run's store, on rank 0 (None
         on the others). With world > 1 every rank must call it."""
+        import torch
+
         from dittrain.inference import sample
         from dittrain.inference.eval_samples import eval_settings
 
@@ -88,11 +90,21 @@ class TrainingEval:
                 continue
             stop = min(start + self.batch_size, self.n)
             chunk = replace(settings, n=stop - start, seed=self.seed + i, batch_size=self.batch_size)
+            chunk_text = None
+            if text is not None:  # rows start..stop of the text embeddings, cycled (the store's first captions, over n)
+                rows = torch.arange(start, stop) % len(next(iter(text.values())))
+                chunk_text = {k: v[rows] for k, v in text.items()}
             images = sample.sample_images(
                 model, config, store, chunk, labels=None if labels is None else labels[start:stop],
-                text=None if text is None else _cycled(text, start, stop), autoencoder=autoencoder)
+                text=chunk_text, autoencoder=autoencoder)
             mine[i] = image_features(images, self.inception, batch_size=self.batch_size)
-        chunks = _on_rank0(mine, rank, world)
+        chunks = mine  # every rank's {chunk: features} merged on rank 0 ({} elsewhere)
+        if world > 1:
+            import torch.distributed as dist
+
+            parts = [None] * world if rank == 0 else None
+            dist.gather_object(mine, parts, dst=0)
+            chunks = {i: f for part in parts for i, f in part.items()} if rank == 0 else {}
         if rank != 0:
             return None
         feats = {k: np.concatenate([chunks[i][k] for i in sorted(chunks)]) for k in FEATURES}
@@ -100,22 +112,3 @@ class TrainingEval:
         return {"fid": metrics["fid"], "sfid": metrics["sfid"], "inception_score": metrics["inception_score"],
                 "eval_n": self.n, "eval_steps": settings.steps, "eval_cfg": settings.cfg_scale,
                 "eval_seconds": round(time.time() - t0, 3)}
-
-
-def _cycled(text: dict, start: int, stop: int) -> dict:
-    """Rows start..stop of text embeddings, cycled (the store's first captions, over n samples)."""
-    import torch
-
-    rows = torch.arange(start, stop) % len(next(iter(text.values())))
-    return {k: v[rows] for k, v in text.items()}
-
-
-def _on_rank0(mine: dict, rank: int, world: int) -> dict:
-    """Every rank's {chunk: features} merged on rank 0 ({} elsewhere)."""
-    if world == 1:
-        return mine
-    import torch.distributed as dist
-
-    parts = [None] * world if rank == 0 else None
-    dist.gather_object(mine, parts, dst=0)
-    return {i: f for part in parts for i, f in part.items()} if rank == 0 else {}

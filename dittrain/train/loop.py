@@ -101,7 +101,14 @@ def _build(run: Run, ckpt: dict | None) -> RunState:
     torch.manual_seed(cfg.optim.seed)
     model = DiT(run.model_cfg).to(device)
     if cfg.model.init_from and ckpt is None:
-        _init_from(run, model)
+        # --init-from: a fresh run whose model (and so its EMA) starts from outside weights
+        # (dittrain.inference.weights.init_model); recorded as the run config's "init"
+        from dittrain.inference.weights import init_model
+
+        record, notes = init_model(model, cfg.model.init_from)
+        run.resolved["init"] = record
+        for line in notes if run.master else ():
+            print(line, file=sys.stderr)
     ema = DiT(run.model_cfg).to(device).requires_grad_(False)
     ema.load_state_dict(model.state_dict())
     ema.eval()
@@ -136,20 +143,10 @@ def _build(run: Run, ckpt: dict | None) -> RunState:
                     term_modules=term_modules)
 
 
-def _init_from(run: Run, model: DiT) -> None:
-    """--init-from: a fresh run whose model (and so its EMA) starts from outside weights
-    (dittrain.inference.weights.init_model); recorded as the run config's "init"."""
-    from dittrain.inference.weights import init_model
-
-    record, notes = init_model(model, run.cfg.model.init_from)
-    run.resolved["init"] = record
-    for line in notes if run.master else ():
-        print(line, file=sys.stderr)
-
-
 def _checkpoint_to_resume(run: Run) -> tuple[dict | None, Path | None]:
     """(checkpoint, its path) to continue from, or (None, None) for a fresh run; refuses a
-    run directory with checkpoints but no --resume, and a checkpoint of another store or model."""
+    run directory with checkpoints but no --resume, and a checkpoint of another store, optimizer,
+    model or objective; a resume keeps the record of what the run started from (--init-from)."""
     cfg, out = run.cfg, run.out
     latest = latest_checkpoint(out)
     if latest is not None and not cfg.checkpointing.resume:
@@ -172,16 +169,8 @@ def _checkpoint_to_resume(run: Run) -> tuple[dict | None, Path | None]:
     if saved["model"] != run.resolved["model"]:
         raise CheckpointError(f"{latest}: model config differs from this run's "
                               f"({cfg.model.model} on {cfg.data.latents}); keep the original flags")
-    _same_objective(latest, saved, run)
-    for term in losses.LOSS_TERMS.values():  # every entry, on or not: the run may have been made with it
-        term.check_resume(latest, saved, recorded, cfg, run.resolved)
-    _keep_init(run, saved, recorded.model.init_from)
-    return ckpt, latest
-
-
-def _same_objective(latest: Path, saved: dict, run: Run) -> None:
-    """A resume keeps the loss, timestep and latent-normalisation options it was started with
-    (a config saved before they existed has their defaults)."""
+    # the loss, timestep and latent-normalisation options it was started with (a config saved
+    # before they existed has their defaults)
     old = asdict(DiffusionConfig(**{k: v for k, v in (saved.get("diffusion") or {}).items()
                                     if k in DiffusionConfig.__dataclass_fields__}))
     new = run.resolved["diffusion"]
@@ -196,17 +185,18 @@ def _same_objective(latest: Path, saved: dict, run: Run) -> None:
     if old_norm != run.resolved["latents"]:
         raise CheckpointError(f"{latest}: trained with --latent-norm {old_norm.get('norm')}, not "
                               f"{run.resolved['latents']['norm']}; keep the original flag")
-
-
-def _keep_init(run: Run, saved: dict, first: str) -> None:
-    """A resume continues the run's own weights: --init-from is ignored (with a note) and the
-    record of what the run started from (`first`) is kept."""
-    if run.cfg.model.init_from and run.master:
-        print(f"note: resuming {run.out}: --init-from {run.cfg.model.init_from} is ignored (the run continues its "
+    for term in losses.LOSS_TERMS.values():  # every entry, on or not: the run may have been made with it
+        term.check_resume(latest, saved, recorded, cfg, run.resolved)
+    # A resume continues the run's own weights: --init-from is ignored (with a note) and the
+    # record of what the run started from (`first`) is kept.
+    first = recorded.model.init_from
+    if cfg.model.init_from and run.master:
+        print(f"note: resuming {run.out}: --init-from {cfg.model.init_from} is ignored (the run continues its "
               f"own weights{'; it started from ' + first if first else ''})", file=sys.stderr)
     run.resolved["train"]["model"]["init_from"] = first
     if "init" in saved:
         run.resolved["init"] = saved["init"]
+    return ckpt, latest
 
 
 # TrainConfig's names of the diffusion options whose DiffusionConfig names differ
@@ -224,14 +214,10 @@ def _resume(run: Run, state: RunState, ckpt: dict, path: Path) -> None:
     except LoaderStateError as e:
         raise TrainError(f"{path}: cannot resume its data order: {e}; keep the original "
                          "--batch-size, --seed and loader flags") from e
-    _apply_hyperparameters(run.cfg, state)
-
-
-def _apply_hyperparameters(cfg: TrainConfig, state: RunState) -> None:
-    """The optimizer's lr and weight decay from this run's config, not the checkpoint's: a
-    loaded optimizer and LambdaLR bring back the values they were saved with, which after an
-    allowed change (--allow-changes --lr 3e-4) would silently keep the old ones."""
-    sched = state.lr_schedule
+    # The optimizer's lr and weight decay from this run's config, not the checkpoint's: a
+    # loaded optimizer and LambdaLR bring back the values they were saved with, which after an
+    # allowed change (--allow-changes --lr 3e-4) would silently keep the old ones.
+    cfg, sched = run.cfg, state.lr_schedule
     sched.base_lrs = [cfg.optim.lr for _ in state.optimizer.param_groups]
     for group, f in zip(state.optimizer.param_groups, sched.lr_lambdas, strict=True):
         group["initial_lr"] = cfg.optim.lr
@@ -283,19 +269,16 @@ def run(cfg: TrainConfig, resumption: Resumption | None = None, *, progress: boo
     resumption: what a resume changes against the run's record (dittrain.train.resume.settle).
     The result's "stopped" is the signal's name when a signal ended the run early.
     progress=False (-q/--quiet): no progress bar or progress lines."""
-    _check_out(Path(cfg.checkpointing.out))
+    # A run directory is never a latent store (readers never write one) nor an image-shard
+    # folder: mixing a run's files into either would damage it.
+    out = Path(cfg.checkpointing.out)
+    refuse_inside_store(out, "--out", TrainError)
+    if (out / "dataset.json").exists() or (out / ".fetch_state").exists():
+        raise TrainError(f"--out {out} is an image-shard folder (from `ditdata fetch`); choose a run directory")
     if dist.launch_env().rank != 0:
         return _train(cfg, resumption, progress)
     with DirLock(cfg.checkpointing.out, "dittrain run"):
         return _train(cfg, resumption, progress)
-
-
-def _check_out(out: Path) -> None:
-    """A run directory is never a latent store (readers never write one) nor an image-shard
-    folder: mixing a run's files into either would damage it."""
-    refuse_inside_store(out, "--out", TrainError)
-    if (out / "dataset.json").exists() or (out / ".fetch_state").exists():
-        raise TrainError(f"--out {out} is an image-shard folder (from `ditdata fetch`); choose a run directory")
 
 
 def _train(cfg: TrainConfig, resumption: Resumption | None, progress: bool = True) -> dict:
@@ -310,14 +293,21 @@ def _train(cfg: TrainConfig, resumption: Resumption | None, progress: bool = Tru
         # Only now, with everything built and loaded, does the run write into its directory:
         # a run refused on its settings leaves nothing behind.
         _prepare_out(run, resumed_at=state.step if ckpt is not None else None)
-        train_model = _wrap(run, state.model)
+        # the module the loop calls: the model, compiled (--compile: dittrain.train.step.compile_model),
+        # in DDP over several ranks
+        compiled = compile_model(state.model, compile_target(cfg.performance.compile, run.device),
+                                 cfg.performance.compile_mode)
+        train_model = _ddp(run, compiled)
         terms = losses.build(cfg, run.model_cfg, run.resolved, state.term_modules, lambda m: _ddp(run, m))
         if run.master:
+            # how the run starts: resumed, from outside weights (--init-from) or from scratch
+            origin = (f"resuming at step {state.step}" if ckpt is not None
+                      else f"initialised from {cfg.model.init_from}" if cfg.model.init_from else "from scratch")
             print(f"dittrain: {cfg.model.model} ({state.model.num_params() / 1e6:.1f} M params) on {run.device}, "
                   f"{len(run.store)} latents {tuple(run.store.latent_shape)} from {cfg.data.latents}; loader "
                   f"{state.loader.kind} ({state.loader.reason}); global batch {cfg.optim.batch_size} = {run.world} "
                   f"rank(s) x {cfg.optim.accumulation_steps} accumulation x {run.per_rank}; latent norm "
-                  f"{run.latent_norm}; {_origin(cfg, ckpt, state)}", file=sys.stderr)
+                  f"{run.latent_norm}; {origin}", file=sys.stderr)
             if (buckets := getattr(state.loader, "describe_buckets", None)) is not None:
                 print(f"dittrain: aspect-ratio buckets: {buckets()}", file=sys.stderr)
             for line in losses.describe(cfg, run.model_cfg, run.resolved, state.term_modules):  # --repa's
@@ -352,13 +342,6 @@ def _train(cfg: TrainConfig, resumption: Resumption | None, progress: bool = Tru
             "stopped": (stop.name or "a peer's signal") if stopped else None}
 
 
-def _origin(cfg: TrainConfig, ckpt: dict | None, state: RunState) -> str:
-    """How the run starts: resumed, from outside weights (--init-from) or from scratch."""
-    if ckpt is not None:
-        return f"resuming at step {state.step}"
-    return f"initialised from {cfg.model.init_from}" if cfg.model.init_from else "from scratch"
-
-
 def _prepare_out(run: Run, resumed_at: int | None) -> None:
     """The run directory, its config.json, and a resumed run's metrics cut back to its step."""
     if not run.master:
@@ -370,15 +353,18 @@ def _prepare_out(run: Run, resumed_at: int | None) -> None:
         prior = run.resumption.history_at(resumed_at or 0) if run.resumption is not None else []
         run.resolved["history"] = prior
     _write_text(out / "config.json", json.dumps(run.resolved, indent=1))
-    if resumed_at is not None:
-        _truncate_metrics(out / "metrics.jsonl", resumed_at)
-
-
-def _wrap(run: Run, model: DiT) -> torch.nn.Module:
-    """The module the loop calls: the model, compiled (--compile: dittrain.train.step.compile_model),
-    in DDP over several ranks."""
-    model = compile_model(model, compile_target(run.cfg.performance.compile, run.device), run.cfg.performance.compile_mode)
-    return _ddp(run, model)
+    metrics = out / "metrics.jsonl"
+    if resumed_at is not None and metrics.exists():
+        # Drop log lines past the checkpoint we resume from: they will be logged again. A line
+        # that does not parse (torn by a crash mid-write) is dropped too.
+        keep = []
+        for ln in metrics.read_text(errors="replace").splitlines():
+            try:
+                if json.loads(ln)["step"] <= resumed_at:
+                    keep.append(ln)
+            except (ValueError, KeyError, TypeError):
+                continue
+        _write_text(metrics, "".join(ln + "\n" for ln in keep))
 
 
 def _ddp(run: Run, module: torch.nn.Module) -> torch.nn.Module:
@@ -410,7 +396,13 @@ def _loop(run: Run, state: RunState, train_model, log: Log, stop: _Stop, terms: 
         pending = step.update(queued)
         # one process reads its own stop flag; ranks learn of any rank's request from a settle
         stopping = stopping or (world == 1 and stop.requested)
-        if not (stopping or compiling or _due(cfg, state.step + 1, run.evaluator is not None)):
+        # the next step (if kept) is one the host acts on: a log record, a checkpoint, a sample
+        # grid, an evaluation, the last step
+        nxt = state.step + 1
+        if not (stopping or compiling
+                or nxt % cfg.logging.log_every == 0 or nxt % cfg.checkpointing.save_every == 0
+                or nxt == cfg.optim.max_steps or bool(cfg.logging.sample_every and nxt % cfg.logging.sample_every == 0)
+                or (run.evaluator is not None and nxt % cfg.eval.eval_every == 0)):
             continue
         stepped, stop_now = books.settle(pending)
         pending, stopping = None, stopping or stop_now
@@ -437,14 +429,6 @@ def _loop(run: Run, state: RunState, train_model, log: Log, stop: _Stop, terms: 
                       file=sys.stderr)
             return n < cfg.optim.max_steps
     return False
-
-
-def _due(cfg: TrainConfig, n: int, evaluating: bool) -> bool:
-    """Whether step n (if kept) is one the host acts on: a log record, a checkpoint, a sample
-    grid, an evaluation, the last step."""
-    return (n % cfg.logging.log_every == 0 or n % cfg.checkpointing.save_every == 0 or n == cfg.optim.max_steps
-            or bool(cfg.logging.sample_every and n % cfg.logging.sample_every == 0)
-            or (evaluating and n % cfg.eval.eval_every == 0))
 
 
 class _Books:
@@ -497,21 +481,6 @@ class _Stop:
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop log lines past the checkpoint we resume from: they will be logged again. A line
-    that does not parse (torn by a crash mid-write) is dropped too."""
-    if not path.exists():
-        return
-    keep = []
-    for ln in path.read_text(errors="replace").splitlines():
-        try:
-            if json.loads(ln)["step"] <= step:
-                keep.append(ln)
-        except (ValueError, KeyError, TypeError):
-            continue
-    _write_text(path, "".join(ln + "\n" for ln in keep))
 
 
 def _write_text(path: Path, text: str) -> None:
