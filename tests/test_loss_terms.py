@@ -14,6 +14,7 @@ import torch
 from cliutil import assert_has, run_args
 from cliutil import dittrain as cli
 from test_step import batches, no_host_reads
+from tiny import step_inputs
 
 from dittrain.config import TrainConfig
 from dittrain.diffusion import Diffusion, DiffusionConfig
@@ -110,8 +111,7 @@ def test_the_step_adds_the_weighted_term_and_carries_its_metric():
                      gen=torch.Generator().manual_seed(1), device=torch.device("cpu"), amp_dtype=None,
                      terms=[Squared(0.25)])
     batch = next(batches())
-    x0, t = batch["x"], step.diffusion.sample_timesteps(4, generator=torch.Generator().manual_seed(2))
-    noise, kwargs = torch.randn_like(x0), {"y": batch["y"], "force_drop_ids": torch.zeros(4, dtype=torch.bool)}
+    x0, t, noise, kwargs = step_inputs(step, batch)
     total, loss, metrics = step._losses(batch, x0, kwargs, t, noise)
     out = model(step.diffusion.q_sample(x0, t, noise), step.diffusion.model_timesteps(t), **kwargs)
     assert torch.allclose(loss, step.diffusion.training_loss(model, x0, kwargs, t=t, noise=noise).mean())

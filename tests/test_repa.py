@@ -23,6 +23,7 @@ from cliutil import (
 from cliutil import dittrain as cli
 from storeutil import CREATED_AT, add_features, make_store
 from test_step import no_host_reads
+from tiny import step_inputs
 
 from dittrain.config import TrainConfig
 from dittrain.data import targets as data_targets
@@ -181,8 +182,7 @@ def test_the_step_adds_weight_times_the_repa_loss_to_the_diffusion_loss(objectiv
     (one clipping norm), and the step reads nothing on the host."""
     step, align = _repa_step(objective, weight=0.5)
     batch = next(_feat_batches())
-    x0, t = batch["x"], step.diffusion.sample_timesteps(4, generator=torch.Generator().manual_seed(2))
-    noise, kwargs = torch.randn_like(x0), {"y": batch["y"], "force_drop_ids": torch.zeros(4, dtype=torch.bool)}
+    x0, t, noise, kwargs = step_inputs(step, batch)
     total, loss, figures = step._losses(batch, x0, kwargs, t, noise)
     model = step.train_model
     want_loss = step.diffusion.training_loss(model, x0, kwargs, t=t, noise=noise).mean()

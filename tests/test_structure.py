@@ -179,31 +179,33 @@ def layer_of(rm: str) -> int:
     raise KeyError(rm)
 
 
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    """A fixture source tree under root: the two packages' __init__ files and `files` {path: text}."""
+    for rel, text in {"ditdata/__init__.py": "", "dittrain/__init__.py": "", **files}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
 def test_the_graph_sees_function_level_and_lazy_imports(tmp_path):
     # a fixture tree: a circle closed only by an import inside a function, and a lazy export
-    (tmp_path / "ditdata" / "store").mkdir(parents=True)
-    (tmp_path / "dittrain").mkdir()
-    (tmp_path / "ditdata" / "__init__.py").write_text("")
-    (tmp_path / "ditdata" / "store" / "__init__.py").write_text('_EXPORTS = {"Store": "reader"}\n')
-    (tmp_path / "ditdata" / "store" / "reader.py").write_text("def f():\n    from ditdata import vae\n")
-    (tmp_path / "ditdata" / "vae.py").write_text("from ditdata.store import Store\n")
-    (tmp_path / "dittrain" / "__init__.py").write_text("")
-    g = import_graph(tmp_path)
+    g = import_graph(_tree(tmp_path, {
+        "ditdata/store/__init__.py": '_EXPORTS = {"Store": "reader"}\n',
+        "ditdata/store/reader.py": "def f():\n    from ditdata import vae\n",
+        "ditdata/vae.py": "from ditdata.store import Store\n",
+    }))
     assert g["ditdata.vae"] == {"ditdata.store.reader", "ditdata.store"} and g["ditdata.store.reader"] == {"ditdata.vae"}
     assert cycles(g) == [["ditdata.store.reader", "ditdata.vae"]]
 
 
 def test_an_import_of_a_submodule_counts_as_one_of_its_package(tmp_path):
     # a circle only through a package's __init__: a imports b, b imports a.sub (running a first)
-    (tmp_path / "ditdata" / "a").mkdir(parents=True)
-    (tmp_path / "dittrain").mkdir()
-    (tmp_path / "ditdata" / "__init__.py").write_text("")
-    (tmp_path / "ditdata" / "a" / "__init__.py").write_text("from ditdata import b\n")
-    (tmp_path / "ditdata" / "a" / "sub.py").write_text("from ditdata.a import sibling\n")  # its own package: fine
-    (tmp_path / "ditdata" / "a" / "sibling.py").write_text("")
-    (tmp_path / "ditdata" / "b.py").write_text("def f():\n    from ditdata.a.sub import g\n")
-    (tmp_path / "dittrain" / "__init__.py").write_text("")
-    g = import_graph(tmp_path)
+    g = import_graph(_tree(tmp_path, {
+        "ditdata/a/__init__.py": "from ditdata import b\n",
+        "ditdata/a/sub.py": "from ditdata.a import sibling\n",  # its own package: already running, fine
+        "ditdata/a/sibling.py": "",
+        "ditdata/b.py": "def f():\n    from ditdata.a.sub import g\n",
+    }))
     assert g["ditdata.b"] == {"ditdata.a.sub", "ditdata.a"}
     assert g["ditdata.a.sub"] == {"ditdata.a.sibling"}
     assert cycles(g) == [["ditdata.a", "ditdata.b"]]

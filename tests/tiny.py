@@ -244,3 +244,14 @@ def nudged(model, scale: float):
             if p.requires_grad:
                 p.add_(scale * torch.randn_like(p))
     return model
+
+
+def step_inputs(step, batch: dict) -> tuple:
+    """(x0, t, noise, kwargs) for TrainStep._losses on a class batch: seeded timesteps, noise from
+    the global generator, no label dropped (what the step tests of REPA and loss terms compare)."""
+    import torch
+
+    x0 = batch["x"]
+    t = step.diffusion.sample_timesteps(len(x0), generator=torch.Generator().manual_seed(2))
+    kwargs = {"y": batch["y"], "force_drop_ids": torch.zeros(len(x0), dtype=torch.bool)}
+    return x0, t, torch.randn_like(x0), kwargs
