@@ -145,8 +145,8 @@ class LoaderConfig:
     """How dittrain.data.build_loader reads a store; the run facts (batch size, seed, ranks,
     device) are its own arguments. `dittrain run` fills it from its data section
     (DataSection: loader -> kind, loader_memory -> memory, bucket_remainder -> remainder), whose
-    defaults these repeat, except memory: the library's loaders have no budget unless asked
-    (tests/test_data.py checks the two agree)."""
+    defaults are these, except memory: the library's loaders have no budget unless asked, a run's
+    is "auto" (tests/test_data.py checks the two agree)."""
 
     kind: str = LOADERS[0]  # auto | resident | streaming (dittrain.data.budget.choose_loader)
     resident_device: str = RESIDENT_DEVICES[0]  # cpu | cuda: where a resident store lives
@@ -205,10 +205,10 @@ class DataSection:
     # auto (channel where the store's autoencoder publishes no scaling factor, e.g. VA-VAE; else none) |
     # none | channel (standardise with the store's per-channel mean/std); recorded resolved
     latent_norm: str = setting("auto", FIXED, resolves_auto=True)
-    loader: str = setting("auto", SAFE)  # auto | resident | streaming (a bucketed store: auto | resident)
-    bucket_remainder: str = setting("pad", LEARNED)  # a bucketed store: each bucket's last partial batch, pad (with repeats) | drop
-    resident_device: str = setting("cpu", SAFE)  # cpu | cuda: where a resident store lives
-    workers: int = setting(4, SAFE)  # streaming loader processes
+    loader: str = setting(LoaderConfig.kind, SAFE)  # auto | resident | streaming (a bucketed store: auto | resident)
+    bucket_remainder: str = setting(LoaderConfig.remainder, LEARNED)  # a bucketed store: each bucket's last partial batch, pad (with repeats) | drop
+    resident_device: str = setting(LoaderConfig.resident_device, SAFE)  # cpu | cuda: where a resident store lives
+    workers: int = setting(LoaderConfig.workers, SAFE)  # streaming loader processes
     shuffle_window: int = setting(0, LEARNED)  # streaming: shards shuffled together in memory (0: the most, up to 4, that fit loader_memory)
     # streaming: budget for the loader's own memory (windows, slots, batches): auto (25% of the
     # available RAM over this machine's ranks, at most 4 GiB) or a size such as 2GiB, 512MiB

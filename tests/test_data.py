@@ -284,7 +284,7 @@ def test_build_loader_auto(stores, monkeypatch):
 
 
 def test_loader_settings_default_as_the_runs_data_section():
-    """LoaderConfig repeats DataSection's defaults (dittrain run fills one from the other), but
+    """DataSection takes its loader defaults from LoaderConfig (dittrain run fills one from the other), but
     for the memory budget: the library's loaders have none unless asked."""
     from dittrain.config import DataSection
 
