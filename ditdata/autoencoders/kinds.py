@@ -136,7 +136,11 @@ class Autoencoder:
         self._device = torch.device("cpu")
         self._dtype = torch.float32
         if module is not None:
+            from ditdata.common.usercode import check_weights
+
             module.eval().requires_grad_(False)
+            # weights that hold NaN would make every latent non-finite: refused here, once, for every kind
+            check_weights(module.state_dict(), f"autoencoder {self.info['name']}")
             p = next(module.parameters())
             self._device, self._dtype = p.device, p.dtype
 

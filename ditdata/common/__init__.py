@@ -1,6 +1,7 @@
 """What ditdata and dittrain share, and nothing of either: the toolkit under both.
 
     errors.py   UserError, the one base of failures a user can act on; one_line()
+    usercode.py code and weights the user brings: their failures the user's, their outputs checked
     files.py    atomic writes, digests, JSON files
     lock.py     one writer per output directory
     devices.py  device and precision choice

@@ -39,14 +39,14 @@ class InPass:
 
     def __init__(self, cfg, device, folder, keep, skip: set, world: int):
         self.name = check_name(cfg.features_out_name or default_feature_set_name(cfg.features))
-        enc = load_encoder(cfg.features, cfg.resolution, cfg.features_resolution, device)
+        enc = load_encoder(cfg.features, cfg.resolution, cfg.features_resolution, device, option="--features")
         base = Targets(enc, flip=cfg.flip, dtype=FEATURE_DTYPES[cfg.features_dtype], device=device)
 
         def first_images():  # the store's first samples: the image shards' kept images, in order
             jobs = [(p.name[: -len(".tar")], p, None) for p in folder.shards if p.name[: -len(".tar")] not in skip]
             for batch in ShardImages(jobs, cfg.resolution, cfg.batch_size, keep):
                 if batch["meta"]:
-                    yield batch["images"], [m["key"] for m in batch["meta"]]
+                    yield batch["images"], [m["key"] for m in batch["meta"]], batch["shard"]
 
         set_dir = features_dir(cfg.out, self.name)
         self.storage = resolve_storage(base, set_dir, cfg.features_dims, first_images, world)
@@ -59,7 +59,7 @@ class InPass:
 
     def batch(self, shard: str, images, keys: list) -> None:
         t0 = time.perf_counter()
-        self.pending.setdefault(shard, ShardRows()).add(keys, self.targets(images, keys))
+        self.pending.setdefault(shard, ShardRows()).add(keys, self.targets(images, keys, shard))
         self.images += len(keys)
         self.seconds += time.perf_counter() - t0
 

@@ -1,14 +1,17 @@
 """Feature encoders: the frozen models whose patch tokens a feature set stores (`ditdata
 features`, `ditdata encode --features`), e.g. DINOv2 for REPA.
 
-``load_encoder(name, store_resolution, resolution=None, device=...)`` resolves NAME through
+``load_encoder(name, store_resolution, resolution=None, device=..., option="--encoder")`` resolves NAME through
 ``SOURCES``, in this order:
 
 1. ``python:MODULE:FUNCTION``: FUNCTION() (MODULE a dotted module name on sys.path, or a
    path to a .py file) returns a torch module mapping float images (N, 3, H, W) in [0, 1]
    to patch tokens (N, tokens, dim). It may carry ``resolution`` (its input px) and
-   ``grid`` ((h, w)); without them the input is the store's resolution and the grid square.
-   Its weights_sha256 is a digest of its state_dict;
+   ``grid`` ((h, w), or n for a square n x n grid); without them the input is the store's
+   resolution and the grid square. Its weights_sha256 is a digest of its state_dict. Its
+   failures and its outputs are checked as the user's (ditdata.common.usercode): an exception
+   inside it is one line naming it, a non-finite output stops the command before anything of
+   the shard is stored;
 2. a preset of ``PRESETS``: ``dinov2-vits14`` ... ``dinov2-vitg14`` (facebook/dinov2-*) and
    ``dinov2-vits14-reg`` ... (facebook/dinov2-with-registers-*), found in the LOCAL Hugging
    Face cache;
@@ -42,6 +45,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import operator
 import re
 import sys
 from dataclasses import dataclass
@@ -53,6 +57,7 @@ from ditdata.common.errors import described
 from ditdata.common.extras import require
 from ditdata.common.files import read_json, sha256_file, state_dict_sha256
 from ditdata.common.hub import download_command, hub_cache_dir, not_cached_message, saved_weights
+from ditdata.common.usercode import UserCodeError, check_weights, user_call
 from ditdata.config import FEATURE_RESOLUTION_RULE
 from ditdata.errors import DitdataError
 
@@ -125,10 +130,12 @@ class FeatureEncoder:
     ``__call__(x)`` takes images (N, 3, H, W) float in [0, 1] on its device, at any size,
     and returns their patch tokens (N, tokens, dim) float32 (module docstring)."""
 
-    def __init__(self, net, info: dict[str, Any], normalize: tuple | None):
+    def __init__(self, net, info: dict[str, Any], normalize: tuple | None, option: str = "--encoder"):
         self.net = net.eval().requires_grad_(False)
         self.info = dict(info)
         self.normalize = normalize
+        self.source = f"{option} {info['name']}"  # how its errors name it: the option the user gave
+        check_weights(self.net.state_dict(), self.source)  # NaN weights: every target would be NaN
 
     name = property(lambda self: self.info["name"])
     resolution = property(lambda self: int(self.info["resolution"]))
@@ -152,11 +159,15 @@ class FeatureEncoder:
         return x
 
     def __call__(self, x):
-        out = self.net(self.preprocess(x))
+        """Its patch tokens; its failure, or output of another type or shape, is the user's
+        (ditdata.common.usercode). Finiteness is checked where the keys are known (Targets)."""
+        import torch
+
+        out = user_call(self.source, self.net, self.preprocess(x))
         want = (x.shape[0], self.tokens, self.dim)
-        if tuple(out.shape) != want:
-            raise DitdataError(f"feature encoder {self.name} returned {tuple(out.shape)}, expected {want} "
-                               "(images, tokens, dim)")
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or not out.is_floating_point():
+            got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
+            raise UserCodeError(f"{self.source}: returned {got}, expected floating-point {want} (images, tokens, dim)")
         return out.float()
 
 
@@ -191,7 +202,7 @@ def _patch_tokens(model, prefix: int):
 
 
 def _from_dir(model_dir: Path, name: str, ident: str, store_resolution: int, override: int | None,
-              revision: str | None = None) -> FeatureEncoder:
+              revision: str | None = None, option: str = "--encoder") -> FeatureEncoder:
     try:
         kind = read_json(model_dir / "config.json").get("model_type")
     except (OSError, ValueError, AttributeError):
@@ -226,7 +237,7 @@ def _from_dir(model_dir: Path, name: str, ident: str, store_resolution: int, ove
     prefix = 1 + int(getattr(cfg, "num_register_tokens", 0) or 0)
     info = _info(name, ident, kind, sha, px, patch, (px // patch, px // patch), cfg.hidden_size,
                  "transformers", revision=revision, dropped_tokens=prefix, normalize="imagenet")
-    return FeatureEncoder(_patch_tokens(model, prefix), info, (IMAGENET_MEAN, IMAGENET_STD))
+    return FeatureEncoder(_patch_tokens(model, prefix), info, (IMAGENET_MEAN, IMAGENET_STD), option)
 
 
 def _missing_hub_message(name: str, repo_id: str, cache: Path, detail: str = "") -> str:
@@ -235,7 +246,8 @@ def _missing_hub_message(name: str, repo_id: str, cache: Path, detail: str = "")
                               "a local directory saved with save_pretrained (--encoder DIR)")
 
 
-def _from_hub(repo_id: str, name: str, store_resolution: int, override: int | None) -> FeatureEncoder:
+def _from_hub(repo_id: str, name: str, store_resolution: int, override: int | None,
+              option: str = "--encoder") -> FeatureEncoder:
     cache = hub_cache_dir()
     hub = require("huggingface_hub", f"feature encoder {name} ({repo_id})", "features", DitdataError)
     try:
@@ -244,18 +256,18 @@ def _from_hub(repo_id: str, name: str, store_resolution: int, override: int | No
         raise DitdataError(_missing_hub_message(name, repo_id, cache, type(e).__name__)) from e
     if not (snap / "config.json").is_file():
         raise DitdataError(_missing_hub_message(name, repo_id, cache, f"snapshot {snap.name} has no config.json"))
-    return _from_dir(snap, name, repo_id, store_resolution, override, revision=snap.name)
+    return _from_dir(snap, name, repo_id, store_resolution, override, revision=snap.name, option=option)
 
 
 # --------------------------------------------------------------------------- python:
 
 
-def _import(module: str, spec: str):
+def _import(module: str, label: str):
     try:
         if module.endswith(".py"):
             path = Path(module).expanduser().resolve()
             if not path.is_file():
-                raise DitdataError(f"--encoder {spec}: no such file {path}")
+                raise DitdataError(f"{label}: no such file {path}")
             loader_spec = importlib.util.spec_from_file_location(f"ditkit_encoder_{path.stem}", path)
             mod = importlib.util.module_from_spec(loader_spec)
             sys.modules[loader_spec.name] = mod
@@ -265,64 +277,83 @@ def _import(module: str, spec: str):
     except DitdataError:
         raise
     except Exception as e:
-        raise DitdataError(f"--encoder {spec}: cannot import {module} ({described(e)})") from e
+        raise DitdataError(f"{label}: cannot import {module} ({described(e)})") from e
 
 
-def _from_python(spec: str, store_resolution: int, override: int | None, device) -> FeatureEncoder:
-    import torch
-
-    module, sep, fn_name = spec[len(PYTHON_PREFIX):].rpartition(":")
-    if not sep or not module or not fn_name:
-        raise DitdataError(f"--encoder {spec}: expected python:MODULE:FUNCTION (MODULE a module name or a .py file)")
-    fn = getattr(_import(module, spec), fn_name, None)
-    if not callable(fn):
-        raise DitdataError(f"--encoder {spec}: {module} has no function {fn_name}")
-    try:
-        net = fn()
-    except Exception as e:
-        raise DitdataError(f"--encoder {spec}: {fn_name}() failed ({described(e)})") from e
-    if not isinstance(net, torch.nn.Module):
-        raise DitdataError(f"--encoder {spec}: {fn_name}() returned a {type(net).__name__}, not a torch module")
-    px = int(override or getattr(net, "resolution", None) or store_resolution)
-    net = net.eval().requires_grad_(False).to(device)
-    with torch.inference_mode():
-        probe = net(torch.zeros(1, 3, px, px, device=device))
-    if not isinstance(probe, torch.Tensor) or probe.ndim != 3:
-        got = tuple(probe.shape) if isinstance(probe, torch.Tensor) else type(probe).__name__
-        raise DitdataError(f"--encoder {spec}: returned {got} for (1, 3, {px}, {px}); expected (N, tokens, dim)")
-    tokens = int(probe.shape[1])
+def _grid(net, tokens: int, label: str) -> tuple[int, int]:
+    """The token grid (h, w) of a python: encoder: its `grid` attribute, an int n for a square
+    n x n grid or a pair (h, w); without one the tokens must make a square grid."""
     grid = getattr(net, "grid", None)
-    if grid is None:  # no `grid` attribute: the tokens make a square grid
+    if grid is None:
         side = math.isqrt(tokens)
         if side * side != tokens:
-            raise DitdataError(f"--encoder {spec}: {tokens} tokens are not a square grid; give the module a "
-                               "`grid` attribute (h, w)")
-        grid = side, side
-    else:
+            raise DitdataError(f"{label}: {tokens} tokens are not a square grid; give the module a `grid` "
+                               "attribute (h, w)")
+        return side, side
+    if isinstance(grid, int) and not isinstance(grid, bool):
+        grid = (grid, grid)
+    try:
         h, w = (int(g) for g in grid)
-        if h * w != tokens:
-            raise DitdataError(f"--encoder {spec}: its grid {h}x{w} does not match the {tokens} tokens it returns")
-        grid = h, w
+        if h < 1 or w < 1 or isinstance(grid, str | bytes):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise DitdataError(f"{label}: its `grid` attribute is {grid!r}; give an int n (a square n x n grid) or "
+                           "a pair (h, w) of positive ints") from None
+    if h * w != tokens:
+        raise DitdataError(f"{label}: its grid {h}x{w} does not match the {tokens} tokens it returns")
+    return h, w
+
+
+def _from_python(spec: str, store_resolution: int, override: int | None, device, option: str) -> FeatureEncoder:
+    import torch
+
+    label = f"{option} {spec}"
+    module, sep, fn_name = spec[len(PYTHON_PREFIX):].rpartition(":")
+    if not sep or not module or not fn_name:
+        raise DitdataError(f"{label}: expected python:MODULE:FUNCTION (MODULE a module name or a .py file)")
+    fn = getattr(_import(module, label), fn_name, None)
+    if not callable(fn):
+        raise DitdataError(f"{label}: {module} has no function {fn_name}")
+    net = user_call(label, fn, what=f"{fn_name}()")
+    if not isinstance(net, torch.nn.Module):
+        raise DitdataError(f"{label}: {fn_name}() returned a {type(net).__name__}, not a torch module")
+    px = override or getattr(net, "resolution", None) or store_resolution
+    try:
+        px = operator.index(px)
+        if px < 1 or isinstance(px, bool):
+            raise TypeError
+    except TypeError:
+        raise DitdataError(f"{label}: its `resolution` attribute is {px!r}; give its input size in pixels as an "
+                           "int, or leave it out (the store's resolution)") from None
+    net = net.eval().requires_grad_(False).to(device)
+    with torch.inference_mode():
+        probe = user_call(label, net, torch.zeros(1, 3, px, px, device=device))
+    if not isinstance(probe, torch.Tensor) or probe.ndim != 3 or not probe.is_floating_point():
+        got = f"{probe.dtype} {tuple(probe.shape)}" if isinstance(probe, torch.Tensor) else type(probe).__name__
+        raise DitdataError(f"{label}: returned {got} for (1, 3, {px}, {px}); expected floating-point "
+                           "(N, tokens, dim)")
+    tokens = int(probe.shape[1])
+    grid = _grid(net, tokens, label)
     patch = px // grid[0] if px % grid[0] == 0 and px // grid[0] == px // grid[1] else None
     info = _info(spec, spec, "python", {"state_dict": state_dict_sha256(net.state_dict())}, px, patch, grid,
                  int(probe.shape[2]), "torch")
-    return FeatureEncoder(net, info, None)
+    return FeatureEncoder(net, info, None, option)
 
 
 # --------------------------------------------------------------------------- resolving
 
 
-def _preset(s: str, res: int, override: int | None, device) -> FeatureEncoder:
-    return _from_hub(PRESETS[s].repo_id, s, res, override)
+def _preset(s: str, res: int, override: int | None, device, option: str) -> FeatureEncoder:
+    return _from_hub(PRESETS[s].repo_id, s, res, override, option)
 
 
-def _directory(s: str, res: int, override: int | None, device) -> FeatureEncoder:
+def _directory(s: str, res: int, override: int | None, device, option: str) -> FeatureEncoder:
     path = Path(s).expanduser().resolve()
-    return _from_dir(path, str(path), str(path), res, override)
+    return _from_dir(path, str(path), str(path), res, override, option=option)
 
 
-def _hub_id(s: str, res: int, override: int | None, device) -> FeatureEncoder:
-    return _from_hub(s, s, res, override)
+def _hub_id(s: str, res: int, override: int | None, device, option: str) -> FeatureEncoder:
+    return _from_hub(s, s, res, override, option)
 
 
 # (what NAME is, how it is loaded), tried in this order (module docstring)
@@ -334,14 +365,15 @@ SOURCES = (
 )
 
 
-def load_encoder(name: str, store_resolution: int, resolution: int | None = None, device="cpu") -> FeatureEncoder:
+def load_encoder(name: str, store_resolution: int, resolution: int | None = None, device="cpu",
+                 option: str = "--encoder") -> FeatureEncoder:
     """The feature encoder NAME (module docstring) on `device`, in float32, for a store of
     `store_resolution` px; `resolution` overrides its input px. DitdataError when it is not
-    on disk or not usable."""
+    on disk or not usable; `option`: the command-line option that named it, which its errors name."""
     s = str(name).strip()
     for _, matches, load in SOURCES:
         if matches(s):
-            return load(s, store_resolution, resolution, device).to(device)
+            return load(s, store_resolution, resolution, device, option).to(device)
     raise DitdataError(f"unknown feature encoder {s!r}: not a preset ({', '.join(PRESETS)}), not an existing "
                        "directory, not a hub id (org/name), not python:MODULE:FUNCTION")
 

@@ -116,7 +116,7 @@ def run_pass(targets: Targets, writer: FeatureWriter, jobs: list[Job], *, resolu
         rows = pending.setdefault(name, ShardRows())
         if batch["meta"]:
             keys = [m["key"] for m in batch["meta"]]
-            rows.add(keys, targets(batch["images"], keys))
+            rows.add(keys, targets(batch["images"], keys, name))
             images += len(keys)
             bar.update(len(keys))
         if batch["last"]:
@@ -139,7 +139,7 @@ def calibration_need(dims: int | None, width: int) -> int:
 
 
 def store_order_images(jobs: list[Job], resolution: int, batch_size: int, need: int):
-    """(images, keys) batches of the store's first `need` samples, in the store's order."""
+    """(images, keys, shard name) batches of the store's first `need` samples, in the store's order."""
     for job in jobs:
         if need <= 0:
             return
@@ -152,7 +152,7 @@ def store_order_images(jobs: list[Job], resolution: int, batch_size: int, need: 
         _check_rows(got, keys, job.name, job.tar)
         for i in range(0, len(keys), batch_size):
             part = keys[i:i + batch_size]
-            yield np.stack([got[k] for k in part]), part
+            yield np.stack([got[k] for k in part]), part, job.name
 
 
 def recorded_storage(set_dir: Path, encoder_info: dict, dtype: str, dims: int) -> dict | None:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ditdata.common.devices import amp_dtype, autocast
+from ditdata.common.usercode import check_output
 from ditdata.config import FEATURE_COSINE_SAMPLES, PCA_FIT_IMAGES, PCA_TOKENS_PER_IMAGE
 from ditdata.errors import DitdataError
 from ditdata.store import encode_array
@@ -32,6 +33,9 @@ from . import pca as pca_
 COSINE_SAMPLES = FEATURE_COSINE_SAMPLES  # "the first batch": the samples the cosine is measured on
 PCA_SEED = 0  # of the tokens sampled for the PCA
 NOTE_COSINE = 0.999  # int8 rounding that keeps less than this is worth a note
+# what a non-finite encoder output leaves behind (passes.py writes a shard only when all of it is in)
+STOPPED = ("; nothing of that shard was stored and the feature set is not published: fix the encoder and rerun "
+           "(finished shards are kept)")
 
 
 class Targets:
@@ -72,8 +76,15 @@ class Targets:
             y = (y - mean) @ comps.T
         return y.cpu().numpy().astype(np.float32, copy=False)
 
-    def store(self, raw: dict[str, torch.Tensor], keys) -> dict[str, np.ndarray]:
+    def check(self, raw: dict[str, torch.Tensor], keys, shard: str | None) -> None:
+        """Stop on an encoder output that is not finite (ditdata.common.usercode), before any
+        of it is stored: the message names the encoder, the field, the shard and the first key."""
+        for field, y in raw.items():
+            check_output(y, source=self.encoder.source, field=field, keys=keys, shard=shard, then=STOPPED)
+
+    def store(self, raw: dict[str, torch.Tensor], keys, shard: str | None = None) -> dict[str, np.ndarray]:
         """The stored arrays of a batch: feat (int8 with feat_scale, or float16), and the flips."""
+        self.check(raw, keys, shard)
         out = {}
         for field, y in raw.items():
             v = self.projected(y)
@@ -81,18 +92,17 @@ class Targets:
                 out[field], out[f"{field}_scale"] = quantize(v)
             else:
                 out[field] = v.astype(np.float16)
-        # a target that is not finite would train REPA on NaN: stop, naming the sample
+        # finite tokens beyond float16's range (65504) are stored as inf: stop, naming the sample
         for field, v in out.items():
             bad = ~np.isfinite(v.astype(np.float32).reshape(len(v), -1)).all(axis=1)
             if bad.any():
                 key = list(keys)[int(np.argmax(bad))]
-                raise DitdataError(f"feature encoder {self.encoder.name} gave non-finite {field} for "
-                                   f"{int(bad.sum())} sample(s), e.g. {key!r}; run it in fp32 (--device cpu) or "
-                                   "store --features-dtype int8")
+                raise DitdataError(f"{self.encoder.source} gave {field} values beyond float16's range for "
+                                   f"{int(bad.sum())} sample(s), e.g. {key!r}; store --features-dtype int8")
         return out
 
-    def __call__(self, images_u8, keys) -> dict[str, np.ndarray]:
-        return self.store(self.raw(images_u8), keys)
+    def __call__(self, images_u8, keys, shard: str | None = None) -> dict[str, np.ndarray]:
+        return self.store(self.raw(images_u8), keys, shard)
 
 
 def stored_to_fp32(stored: dict[str, np.ndarray], field: str, pca: dict | None) -> np.ndarray:
@@ -116,7 +126,7 @@ def mean_cosine(a: np.ndarray, b: np.ndarray) -> float:
 def calibrate(targets: Targets, images, dims: int | None) -> dict:
     """The manifest's "storage" of the feature set: dtype, dims, pca (fitted first when
     `dims` is below the encoder's width), the measured cosines. `targets`: without a PCA.
-    `images` yields (images uint8 (B, N, N, 3), keys) in the store's order; no more is read
+    `images` yields (images uint8 (B, N, N, 3), keys, shard name) in the store's order; no more is read
     than is needed. Make the Targets that store with Targets(..., pca=decoded_pca(storage))."""
     enc = targets.encoder
     if dims is not None and not 0 < dims <= enc.dim:
@@ -125,13 +135,15 @@ def calibrate(targets: Targets, images, dims: int | None) -> dict:
     need = max(COSINE_SAMPLES, PCA_FIT_IMAGES if want_pca else 0)
     rng = np.random.default_rng(PCA_SEED)
     first, sample, seen = [], [], 0
-    for imgs, keys in images:
+    for imgs, keys, shard in images:
         imgs, keys = imgs[:need - seen], list(keys)[:need - seen]
-        taken = sum(len(k) for _, k in first)
+        taken = sum(len(k) for _, k, _ in first)
         if taken < COSINE_SAMPLES:
-            first.append((imgs[:COSINE_SAMPLES - taken], keys[:COSINE_SAMPLES - taken]))
+            first.append((imgs[:COSINE_SAMPLES - taken], keys[:COSINE_SAMPLES - taken], shard))
         if want_pca:
-            y = targets.raw(imgs, flip=False)["feat"].cpu().numpy()
+            raw = targets.raw(imgs, flip=False)
+            targets.check(raw, keys, shard)  # a NaN token would make the whole PCA NaN
+            y = raw["feat"].cpu().numpy()
             k = min(PCA_TOKENS_PER_IMAGE, y.shape[1])
             sample += [t[np.sort(rng.choice(t.shape[0], k, replace=False))] for t in y]
         seen += len(keys)
@@ -151,12 +163,13 @@ def calibrate(targets: Targets, images, dims: int | None) -> dict:
 
 
 def _storage(targets: Targets, first: list, pca: dict | None) -> dict:
-    """Storage info with the cosines measured on the `first` samples ((images, keys) chunks)."""
+    """Storage info with the cosines measured on the `first` samples ((images, keys, shard) chunks)."""
     full, rounding, n = [], [], 0
-    for imgs, keys in first:
+    for imgs, keys, shard in first:
         reference = targets.raw(imgs, fp32=True)
+        targets.check(reference, keys, shard)
         run = targets.raw(imgs) if targets.amp is not None else reference
-        stored = targets.store(run, keys)
+        stored = targets.store(run, keys, shard)
         full.append(mean_cosine(stored_to_fp32(stored, "feat", pca), reference["feat"].cpu().numpy()) * len(keys))
         unrounded = targets.projected(run["feat"])
         rounding.append(mean_cosine(dequantize(stored["feat"], stored.get("feat_scale")), unrounded) * len(keys))

@@ -33,6 +33,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ditdata.common.usercode import check_weights
 from ditdata.errors import DitdataError
 
 _LAYER_RE = re.compile(r"^(?:(?P<prefix>.*?)\.)?(?:(?P<index>\d+)\.)?(?P<param>weight|bias)$")
@@ -151,4 +152,6 @@ def load_predictor(path) -> AestheticPredictor:
             "and pass its local path"
         )
     p = p.resolve()
-    return AestheticPredictor(path=str(p), sha256=weights_sha256(p), layers=layers_from_state_dict(_state_dict(p), str(p)))
+    sd = _state_dict(p)
+    check_weights(sd, f"aesthetic predictor {p}")  # NaN weights would score every image NaN
+    return AestheticPredictor(path=str(p), sha256=weights_sha256(p), layers=layers_from_state_dict(sd, str(p)))
