@@ -279,6 +279,9 @@ def _opt(*names, field, **kw):
 @_opt("--repa-depth", field="repa_depth", type=click.IntRange(min=1), help="The block, 1-based (the paper: 8).")
 @_opt("--repa-weight", field="repa_weight", type=FiniteFloat(min=0), help="loss = diffusion loss + weight x REPA loss.")
 @_opt("--repa-projector-dim", field="repa_projector_dim", type=click.IntRange(min=1), help="The projector MLP's width.")
+@_opt("--repa-min-cosine", field="repa_min_cosine", type=FiniteFloat(0, 1),
+      help="Refuse a feature set whose stored targets keep a lower mean cosine to the encoder's fp32 output (its "
+           "manifest's cosine_to_fp32), or record a non-finite one; 0 trains on any set.")
 @_opt("--route", field="route", metavar="RATE:START:END", help="Token routing (TREAD), training only: a random "
       "fraction RATE of the tokens skips blocks START+1..END, e.g. 0.5:2:26 on DiT-XL/2's 28 blocks.")
 @quiet_option

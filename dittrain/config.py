@@ -57,6 +57,10 @@ LOGGERS = ("jsonl", "tensorboard", "wandb")  # dittrain.train.loggers
 # |guidance scale| beyond this is refused (--cfg, --sample-cfg, --eval-cfg; dittrain.inference.sample.plan_samples):
 # DiT guides with 1.5..4, and a finite but absurd scale (1e308) overflows the samples to NaN.
 MAX_CFG_SCALE = 100.0
+# --repa refuses a feature set whose stored targets keep less than this mean cosine to the encoder's fp32
+# output (dittrain.train.repa.check): int8 keeps about 0.9999 and a PCA to a few hundred dims about 0.95;
+# below it the projector aligns to something else than the encoder's features
+REPA_MIN_COSINE = 0.9
 
 
 @dataclass(frozen=True)
@@ -320,6 +324,9 @@ class RepaSection:
     repa_depth: int = setting(8, LEARNED, needs="repa")  # align the tokens after this block (1-based; the paper's 8 for SiT-XL/2)
     repa_weight: float = setting(0.5, LEARNED, needs="repa")  # lambda: loss = diffusion loss + lambda x REPA loss
     repa_projector_dim: int = setting(2048, FIXED, needs="repa")  # the projector MLP's width: hidden -> P -> P -> feature dims
+    # refuse a set whose stored targets keep a lower mean cosine to the encoder's fp32 output (its
+    # manifest's storage.cosine_to_fp32), or record a non-finite one; 0: train on any set
+    repa_min_cosine: float = setting(REPA_MIN_COSINE, SAFE, needs="repa")
 
 
 @dataclass

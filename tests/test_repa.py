@@ -220,7 +220,8 @@ def test_a_repa_run_logs_and_its_projector_learns(store, tmp_path):
     assert last < 0.7 * first, (first, last)
     assert rows[-1]["repa_cos"] > rows[0]["repa_cos"] and all("loss" in r and "repa_cos" in r for r in rows)
     config = json.loads((tmp_path / "r" / "config.json").read_text())
-    assert config["train"]["repa"] == {"repa": "pos", "repa_depth": 2, "repa_weight": 0.5, "repa_projector_dim": 64}
+    assert config["train"]["repa"] == {"repa": "pos", "repa_depth": 2, "repa_weight": 0.5, "repa_projector_dim": 64,
+                                       "repa_min_cosine": 0.9}
     features = config["store"]["features"]
     assert (features["name"], features["tokens"], features["dims"], features["grid"]) == ("pos", 4, 8, [2, 2])
     assert features["identity"] and features["identity"] != config["store"]["identity"]
@@ -356,6 +357,28 @@ def test_a_feature_set_whose_rows_do_not_match_is_refused(small_store, tmp_path)
     r = cli(*run_args(small_store, tmp_path / "r", "--max-steps", 1, *REPA))
     assert "its rows do not match the store's" in one_error_line(r.output)
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(("cosine", "says"), [
+    (0.5, "--repa low: its stored targets keep a mean cosine of 0.5000 to the encoder's fp32 output, below "
+          "--repa-min-cosine 0.9"),
+    (float("nan"), "--repa low: its manifest records cosine_to_fp32 nan"),
+])
+def test_a_set_whose_targets_lost_too_much_is_refused(small_store, tmp_path, cosine, says):
+    """A set whose manifest records a low or non-finite cosine to fp32 is refused in one line,
+    writing nothing; --repa-min-cosine 0 says to train on it anyway, and the run records that."""
+    from storeutil import FEATURE_INFO
+
+    info = {"encoder": FEATURE_INFO["encoder"], "storage": {**FEATURE_INFO["storage"], "cosine_to_fp32": cosine}}
+    add_features(small_store, "low", info=info)
+    args = ["--repa", "low", "--repa-depth", 2, "--repa-projector-dim", 32]
+    r = cli(*run_args(small_store, tmp_path / "r", "--max-steps", 1, *args))
+    assert r.exit_code == 1 and says in one_error_line(r.output), r.output
+    assert not (tmp_path / "r").exists()
+    r = cli(*run_args(small_store, tmp_path / "r", "--max-steps", 1, *args, "--repa-min-cosine", 0))
+    assert r.exit_code == 0, r.output
+    config = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert config["train"]["repa"]["repa_min_cosine"] == 0
 
 
 def test_a_resume_keeps_the_repa_settings_and_the_feature_set(small_store, tmp_path):

@@ -176,7 +176,8 @@ def test_the_resume_rules_read_the_declarations():
     assert resume.RESOLVED_AUTO == {"latent_norm"} and resume.flag("amp") == "--precision"
     assert resume.flag("repa_depth") == "--repa-depth"
     needing = {f.name: f.metadata["needs"] for f in _all_fields() if f.metadata["needs"]}
-    assert needing == {"repa_depth": "repa", "repa_weight": "repa", "repa_projector_dim": "repa"}
+    assert needing == {"repa_depth": "repa", "repa_weight": "repa", "repa_projector_dim": "repa",
+                       "repa_min_cosine": "repa"}
 
 
 def test_a_setting_without_a_known_class_is_refused():

@@ -178,7 +178,7 @@ class Repa(LossTerm):
             raise repa.RepaError(f"--repa {cfg.repa.repa}: not supported on a bucketed store ({cfg.data.latents}); "
                                  "train without --repa")
         features = repa.feature_record(store)
-        repa.check(cfg, model_cfg, features)
+        repa.check(cfg, model_cfg, features, store.feature_set.storage)
         return {"features": features}
 
     def make_module(self, cfg, model_cfg, resolved, device):

@@ -155,10 +155,21 @@ def model_grid(model_cfg: DiTConfig) -> tuple[int, int]:
     return side, side
 
 
-def check(cfg: TrainConfig, model_cfg: DiTConfig, record: dict) -> None:
-    """--repa-* values that cannot work with this model or feature set (record: feature_record's):
-    RepaError before anything is written."""
+def check(cfg: TrainConfig, model_cfg: DiTConfig, record: dict, storage: dict) -> None:
+    """--repa-* values that cannot work with this model or feature set (record: feature_record's;
+    storage: its manifest's, with the measured cosine): RepaError before anything is written."""
     r, (h, w) = cfg.repa, record["grid"]
+    # what `ditdata features` measured before writing (a set made another way may record nothing)
+    measured = {k: storage[k] for k in ("cosine_to_fp32", "rounding_cosine") if k in storage}
+    bad = sorted(k for k, v in measured.items() if not isinstance(v, int | float) or not math.isfinite(v))
+    if r.repa_min_cosine > 0 and bad:
+        raise RepaError(f"--repa {r.repa}: its manifest records {', '.join(f'{k} {measured[k]!r}' for k in bad)}; "
+                        "recompute the set with `ditdata features`, or pass --repa-min-cosine 0 to train on it anyway")
+    cosine = measured.get("cosine_to_fp32")
+    if r.repa_min_cosine > 0 and cosine is not None and cosine < r.repa_min_cosine:
+        raise RepaError(f"--repa {r.repa}: its stored targets keep a mean cosine of {cosine:.4f} to the encoder's "
+                        f"fp32 output, below --repa-min-cosine {r.repa_min_cosine:g}; recompute it with "
+                        "--features-dtype fp16 or more --features-dims, or pass --repa-min-cosine 0 to train on it")
     if h * w != record["tokens"]:
         raise RepaError(f"--repa {r.repa}: its encoder's grid {h}x{w} does not hold its {record['tokens']} tokens; "
                         "rerun `ditdata features` for this set")
