@@ -278,8 +278,9 @@ class FeaturedStore(Store):
             out |= self.feature_set.read(s.name, feat, start, stop)
         return out
 
-    def verify(self, progress=None) -> list[str]:
-        return self.base.verify(progress) + self.feature_set.verify(progress)
+    def verify(self, progress=None, warnings: list[str] | None = None) -> list[str]:
+        """The store's faults and then its feature set's (Store.verify; warnings appended)."""
+        return self.base.verify(progress, warnings) + self.feature_set.verify(progress, warnings)
 
 
 __all__ = ["FEATURES", "FeatureSet", "FeatureWriter", "FeaturedStore", "check_matches",
