@@ -426,9 +426,12 @@ def inspect(store, decode_n, out, vae, device, cache_dir, cache_limit):
 @_cache_opts
 @_quiet
 def verify(store, cache_dir, cache_limit, quiet):
-    """Recompute every checksum of a latent STORE and read every shard to check shapes and
-    counts (of every bucket, for a bucketed store), and the same for each of its feature
-    sets, which must match the store row for row. Exits non-zero, naming each faulty file, if anything is wrong.
+    """Recompute every checksum of a latent STORE and read every shard to check shapes,
+    counts and that no value is NaN or inf (of every bucket, for a bucketed store), and the
+    same for each of its feature sets, which must match the store row for row. Exits
+    non-zero, naming each faulty file, if anything is wrong. Tokens exactly zero in every
+    dimension (a latent position, a feature token) are counted per shard and shown as
+    WARNING lines, which do not change the exit status.
 
     \b
     Example:
@@ -436,12 +439,15 @@ def verify(store, cache_dir, cache_limit, quiet):
     """
     from ditdata.inspection import verify_all
 
-    faults, n, sets = verify_all(store, progress=not quiet, **_cache(cache_dir, cache_limit))
+    faults, n, sets, warnings = verify_all(store, progress=not quiet, **_cache(cache_dir, cache_limit))
+    for w in warnings:
+        click.echo(f"WARNING {w}", err=True)
     for f in faults:
         click.echo(f"FAULT {f}", err=True)
     if faults:
         raise click.ClickException(f"{store}: {len(faults)} fault(s) found")
-    click.echo(f"{store}: OK ({n} samples verified" + (f"; feature sets {', '.join(sets)}" if sets else "") + ")")
+    click.echo(f"{store}: OK ({n} samples verified" + (f"; feature sets {', '.join(sets)}" if sets else "")
+               + (f"; {len(warnings)} warning(s)" if warnings else "") + ")")
 
 
 @main.command()

@@ -5,6 +5,8 @@ reads as it always did."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ditdata.common.bytesize import format_size
 from ditdata.store import open_store
 
@@ -120,28 +122,41 @@ def _feature_lines(s) -> list[str]:
 
 
 def verify_store(path, *, progress: bool = True, **remote) -> tuple[list[str], int]:
-    """Faults (one line each) and samples; a URL store downloads every shard into its cache.
-    Every feature set is verified too (checksums, shapes, non-finite values) and checked
-    against the store (ditdata.store.features.check_matches). progress: a bar over the
-    shards (ditdata.common.progress; False: -q/--quiet)."""
-    faults, n, _ = verify_all(path, progress=progress, **remote)
-    return faults, n
+    """Faults (one line each) and samples of verify_all (its warnings left out)."""
+    result = verify_all(path, progress=progress, **remote)
+    return result.faults, result.samples
 
 
-def verify_all(path, *, progress: bool = True, **remote) -> tuple[list[str], int, list[str]]:
-    """verify_store's faults and samples, and the names of the feature sets verified."""
+class Verified(NamedTuple):
+    """What verify_all found: faults (one line each, naming the file), the samples verified,
+    the names of the feature sets verified, and warnings (one line each: suspect, no fault)."""
+
+    faults: list[str]
+    samples: int
+    feature_sets: list[str]
+    warnings: list[str]
+
+
+def verify_all(path, *, progress: bool = True, **remote) -> Verified:
+    """Verify a store (Store.verify: every checksum, shape and count, NaN/inf of float fields
+    as faults, tokens exactly zero in every dimension as warnings) and each of its feature
+    sets the same way, checked against the store (ditdata.store.features.check_matches); a
+    URL store downloads every shard into its cache. progress: a bar over the shards
+    (ditdata.common.progress; False: -q/--quiet)."""
     from ditdata.common.progress import progress_bar
     from ditdata.store import feature_sets
 
     s = open_store(path, **remote)
-    faults = s.verify(progress=lambda xs: progress_bar(xs, desc="verify", unit="shard", enabled=progress, leave=False))
+    warnings: list[str] = []
+    faults = s.verify(progress=lambda xs: progress_bar(xs, desc="verify", unit="shard", enabled=progress, leave=False),
+                      warnings=warnings)
     for name, fs, error in _each_feature_set(s):
         if error is not None:
             faults.append(str(error))
             continue
         faults += fs.verify(progress=lambda xs, n=name: progress_bar(xs, desc=f"verify {n}", unit="shard",
-                                                                   enabled=progress, leave=False))
-    return faults, len(s), sorted(feature_sets(s))
+                                                                   enabled=progress, leave=False), warnings=warnings)
+    return Verified(faults, len(s), sorted(feature_sets(s)), warnings)
 
 
 def _filename(key: str) -> str:

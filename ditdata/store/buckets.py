@@ -102,9 +102,10 @@ class BucketedStore(Store):
 
     shard = read = locate = sample = _refuse
 
-    def verify(self, progress=None) -> list[str]:
-        """Every bucket's faults (Store.verify), each naming its file."""
-        return [fault for b in self.buckets for fault in b.store.verify(progress)]
+    def verify(self, progress=None, warnings: list[str] | None = None) -> list[str]:
+        """Every bucket's faults (Store.verify), each naming its file; their warnings
+        appended to `warnings`."""
+        return [fault for b in self.buckets for fault in b.store.verify(progress, warnings)]
 
 
 def open_local(root, *, verify: bool = False) -> Store:

@@ -30,8 +30,9 @@ The feature-set manifest (format_version 1)::
     provenance {"tools", "created_at", ...}
 
 int8 is symmetric per token: scale = max |x| / 127 over the token's D values (1 for an
-all-zero token), q = round(x / scale) in [-127, 127]; quantize() and dequantize() below are
-the definition, shared by the producer, verify and the trainer's check.
+all-zero token), q = round(x / scale) in [-127, 127], NaN and inf refused (StoreError: int8
+has no code for them); quantize() and dequantize() below are the definition, shared by the
+producer, verify and the trainer's check.
 """
 
 from __future__ import annotations
@@ -63,8 +64,14 @@ def check_name(name: str) -> str:
 
 # ------------------------------------------------------------------------ quantization
 def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(..., T, D) float -> (int8 (..., T, D), float32 scale (..., T)): symmetric per token."""
+    """(..., T, D) float -> (int8 (..., T, D), float32 scale (..., T)): symmetric per token.
+    StoreError on NaN or inf: int8 has no code for them (NaN would round to 0, silently)."""
     x = np.asarray(x, dtype=np.float32)
+    finite = np.isfinite(x)
+    if not finite.all():
+        nan = int(np.isnan(x).sum())
+        raise StoreError(f"cannot quantize features to int8: {nan} NaN and {x.size - int(finite.sum()) - nan} "
+                         f"inf value(s) of {x.size}; int8 cannot store them")
     peak = np.abs(x).max(axis=-1)
     scale = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
     q = np.clip(np.rint(x / scale[..., None]), -127, 127).astype(np.int8)
@@ -271,8 +278,9 @@ class FeaturedStore(Store):
             out |= self.feature_set.read(s.name, feat, start, stop)
         return out
 
-    def verify(self, progress=None) -> list[str]:
-        return self.base.verify(progress) + self.feature_set.verify(progress)
+    def verify(self, progress=None, warnings: list[str] | None = None) -> list[str]:
+        """The store's faults and then its feature set's (Store.verify; warnings appended)."""
+        return self.base.verify(progress, warnings) + self.feature_set.verify(progress, warnings)
 
 
 __all__ = ["FEATURES", "FeatureSet", "FeatureWriter", "FeaturedStore", "check_matches",

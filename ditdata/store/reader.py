@@ -229,10 +229,14 @@ class Store:
             if digests and files.sha256_file(p) != meta["sha256"]:
                 raise StoreError(f"{p}: checksum mismatch (sha256 differs from the manifest); the file is corrupt")
 
-    def verify(self, progress=None) -> list[str]:
-        """Recompute every digest, read every shard, check shapes and counts.
+    def verify(self, progress=None, warnings: list[str] | None = None) -> list[str]:
+        """Recompute every digest, read every shard, check shapes, counts and that every
+        float field is finite.
 
         Returns the faults found (empty when the store is sound), each naming its file.
+        warnings: a list to append to what is suspect but not a fault, one line each
+        naming its file: a shard's tokens (Schema.token_axes) exactly zero in every
+        dimension, as an encoder's NaN stored as zeros would be.
         """
         faults = []
         for shard in self.shards if progress is None else progress(self.shards):
@@ -254,6 +258,8 @@ class Store:
                     if len(data[c]) != shard.num_samples:
                         faults.append(f"{shard.path}: column {c!r} has {len(data[c])} values, expected {shard.num_samples}")
                 faults += _non_finite(shard, data, self.schema)
+                if warnings is not None:
+                    warnings += _zero_tokens(shard, data, self.schema)
             except StoreError as e:
                 faults.append(str(e))
             except Exception as e:  # an unreadable shard is a fault to report, not a crash
@@ -274,6 +280,25 @@ def _non_finite(shard: Shard, data: dict, schema: Schema) -> list[str]:
             faults.append(f"{shard.path}: field {f!r} holds non-finite values (NaN/inf) in "
                           f"{int(bad.sum())} sample(s), the first at row {first} (key {key!r})")
     return faults
+
+
+def _zero_tokens(shard: Shard, data: dict, schema: Schema) -> list[str]:
+    """A warning per token field (Schema.token_axes) with tokens exactly zero in every
+    dimension (an int8 token: its codes, whatever its scale), counted over the shard."""
+    warnings = []
+    for f, axis in schema.token_axes.items():
+        x = data[f]
+        if not len(x) or x.shape[1:] != schema.tensors[f].shape:
+            continue  # nothing to count, or a shape fault already reported
+        zero = (x == 0).all(axis=1 + axis)
+        count = int(zero.sum())
+        if count:
+            first = int(np.argmax(zero.reshape(len(x), -1).any(axis=1)))
+            key = data["key"][first] if "key" in data else first
+            warnings.append(f"{shard.path}: field {f!r}: {count} of {zero.size} tokens are exactly zero in every "
+                            f"dimension, the first in row {first} (key {key!r}) (an encoder that gave NaN stored "
+                            "as zeros?)")
+    return warnings
 
 
 class FeatureSet(Store):

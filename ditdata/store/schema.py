@@ -31,6 +31,11 @@ COLUMN_TYPES = ("string", "int64", "float64", "bool")
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
+# The fields made of tokens, and the axis of a sample's array that holds one token's values:
+# a latent (C, H, W) has a token per position (its C channels), a feature set's feat (T, D)
+# one per row (its D dims). A token exactly zero in every one of them is suspect (verify).
+TOKEN_AXES = {"latent": 0, "latent_flip": 0, "mean": 0, "mean_flip": 0, "feat": 1, "feat_flip": 1}
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -107,6 +112,12 @@ class Schema:
     @property
     def flip(self) -> bool:
         return f"{self.primary}_flip" in self.tensors
+
+    @property
+    def token_axes(self) -> dict[str, int]:
+        """{field: the axis of its per-sample array that holds a token's values} of the
+        fields it has that are made of tokens (TOKEN_AXES: latents, feat; not std nor text)."""
+        return {f: axis for f, axis in TOKEN_AXES.items() if f in self.tensors}
 
     def to_json(self) -> dict:
         return {
