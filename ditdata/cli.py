@@ -557,8 +557,9 @@ def encode(shards, out, quiet, **options):
               help="dinov2-vits14, dinov2-vitb14, dinov2-vitl14, dinov2-vitg14 (and -reg: with registers), "
                    "from the local Hugging Face cache; a directory saved with transformers' save_pretrained; a "
                    "cached hub id; or python:MODULE:FUNCTION, FUNCTION() returning a torch module that maps "
-                   "float images (N, 3, H, W) in [0, 1] to (N, tokens, dim) (attributes resolution and grid "
-                   "optional).")
+                   "float images (N, 3, H, W) in [0, 1] to (N, tokens, dim) (optional attributes: resolution, its "
+                   "input px; grid, (h, w) or n for n x n). Its outputs must be finite: a NaN or inf stops the "
+                   "command naming the shard and sample, and nothing of the set is published.")
 @_features_opt("--out-name", field="out_name", metavar="SET",
                help="The feature set's name. Default: from the encoder's name (e.g. dinov2-vitb14).")
 @_features_opt("--shards", field="shards", type=click.Path(file_okay=False, path_type=str),
