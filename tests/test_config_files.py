@@ -90,3 +90,29 @@ def test_a_repeatable_flag_takes_a_list(tmp_path):
                      ({"threads": [4]}, "takes one value")):
         with pytest.raises(click.BadParameter, match=why):
             configfile.defaults_from(fetch, tmp_path / "f.toml", bad)
+
+
+def test_a_recipe_file_gives_each_command_its_own_table(tmp_path):
+    """A file with a [recipe] table: `run` reads [run] (with its section tables), `encode` reads
+    [encode], the other commands' tables and the recipe's own are left alone; a command the
+    recipe has no table for is told so in one line."""
+    import tomllib
+
+    recipe = _toml(tmp_path / "r.toml", '[recipe]\nname = "test"\nsource = "here"\n\n'
+                                        '[encode]\nvae = "pixels"\nresolution = 16\n\n'
+                                        '[run.model]\nmodel = "DiT-T/4"\n[run.optim]\nlr = 3e-4\nbatch-size = 4\n\n'
+                                        '[sample]\nsteps = 7\n')
+    r = dittrain("run", "--config", recipe, "--latents", tmp_path, "--out", tmp_path / "run", "--print-config")
+    assert r.exit_code == 0, r.output
+    printed = tomllib.loads(r.output)
+    assert printed["optim"]["lr"] == 3e-4 and printed["optim"]["batch-size"] == 4
+    assert printed["model"]["model"] == "DiT-T/4"
+    r = dittrain("export", "--config", recipe, "--ckpt", tmp_path, "--out", tmp_path / "x.safetensors")
+    assert r.exit_code == 2
+    assert "a recipe file without a [export] table (it has [encode], [run], [sample])" in one_error_line(r.output)
+    tree = class_tree(tmp_path / "tree", per_class=1, size=24)
+    ok = ditdata("fetch", tree, "-o", tmp_path / "shards", "-q", "--processes", 1)
+    assert ok.exit_code == 0, ok.output
+    r = ditdata("encode", tmp_path / "shards", "-o", tmp_path / "store", "--config", recipe, "--workers", 0, "-q")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "store" / "manifest.json").read_text())["latent"]["shape"] == [3, 16, 16]

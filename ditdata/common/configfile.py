@@ -8,6 +8,13 @@ defaults (click's default_map), so a flag given on the command line wins over th
 Every value is checked up front, before anything runs: an unknown key, a key in the wrong
 table or a value of the wrong type is one line naming the key and the file.
 
+A RECIPE file holds the settings of several commands: a top-level `[recipe]` table (what the
+recipe is and where its values come from; no command reads it) marks it, and every other
+top-level table is one command's settings, named after it (`[encode]`, `[features]`, `[run]`
+with `[run.model]`, `[run.optim]`, ..., `[sample]`). Each command reads its own table and
+leaves the others alone, so one file gives a published recipe from the pixels to the FID
+samples (pipelines/configs/recipes/).
+
 `to_toml` writes such a file back (`dittrain run --print-config`), and `given` says which
 options were set by the user (on the command line or in the file) rather than defaulted:
 what a resume compares with the run's record.
@@ -98,6 +105,23 @@ def read(path: str | Path) -> dict:
         raise click.BadParameter(f"{path}: not valid TOML ({e})", param_hint="'--config'") from None
 
 
+RECIPE = "recipe"  # the top-level table that marks a recipe file (module docstring)
+
+
+def command_table(path: str | Path, data: Mapping, command: str) -> Mapping:
+    """The settings of `command` in a config file: the file itself, or in a recipe file its
+    table named after the command (one line when it has none)."""
+    if not isinstance(data.get(RECIPE), dict):
+        return data
+    mine = data.get(command)
+    if not isinstance(mine, dict):
+        found = sorted(k for k, v in data.items() if isinstance(v, dict) and k != RECIPE)
+        raise click.BadParameter(f"{path}: a recipe file without a [{command}] table (it has "
+                                 f"{', '.join(f'[{t}]' for t in found) or 'none'}): nothing in it is for this command",
+                                 param_hint="'--config'")
+    return mine
+
+
 def defaults_from(command: click.Command, path: str | Path, data: Mapping,
                   sections: Mapping[str, str] | None = None, cli_only: frozenset = frozenset()) -> dict:
     """The checked values of a config file as {parameter name: value} (click's default_map).
@@ -150,7 +174,8 @@ def option(sections: Callable[[], Mapping[str, str]] | None = None, cli_only: tu
         if value is None or ctx.resilient_parsing:
             return value
         table = sections() if sections is not None else None
-        found = defaults_from(ctx.command, value, read(value), table, frozenset(cli_only))
+        data = command_table(value, read(value), ctx.command.name)
+        found = defaults_from(ctx.command, value, data, table, frozenset(cli_only))
         ctx.default_map = {**(ctx.default_map or {}), **found}
         return value
 
@@ -158,7 +183,8 @@ def option(sections: Callable[[], Mapping[str, str]] | None = None, cli_only: tu
                         default=None, is_eager=True, expose_value=False, callback=load, metavar="FILE.toml",
                         help="Read the options from this TOML file (keys: the flag names without dashes"
                              + (", in tables named after the sections below" if sections else "")
-                             + "); flags given here win over it.")
+                             + "; a recipe file: its table named after this command); flags given here win "
+                             "over it.")
 
 
 def given(ctx: click.Context) -> set[str]:
@@ -203,4 +229,5 @@ def to_toml(tables: Mapping[str, Mapping], header: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["CONFIG_OPTION", "defaults_from", "given", "key_of", "option", "read", "to_toml"]
+__all__ = ["CONFIG_OPTION", "RECIPE", "command_table", "defaults_from", "given", "key_of", "option", "read",
+           "to_toml"]
