@@ -54,6 +54,10 @@ LOGGERS = ("jsonl", "tensorboard", "wandb")  # dittrain.train.loggers
 # rejoin; half-open: dittrain's first meaning (blocks START <= i < END, no such block), what a run recorded
 # before this field means
 ROUTE_CONVENTIONS = ("tread", "half-open")
+# `dittrain sample --route-guidance` (dittrain.inference.route_guidance): the condition of its two routed passes.
+# null: the null class / empty caption in both, as TREAD's rf.py sample_tread (class_drop_prob=1.0); cond: the
+# sample's own class or prompt in both
+ROUTE_GUIDANCE_CONDS = ("null", "cond")
 # The DiT's block choices (DiTConfig.mlp / norm / pos) are not here: they are the names of the block-part
 # registries, dittrain.model.parts MLPS, NORMS and POSITIONS (without torch too), where each part's entry
 # holds all that is known of it
@@ -80,6 +84,10 @@ class SampleConfig:
     precision: str = "auto"  # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16 | fp16
     n: int = 16  # samples when neither --n nor --n-per-class says (the trainer's EMA grids too)
     cfg_channels: int = 0  # guide the first N latent channels only (DiT's released sampler: 3); 0: all
+    # TREAD's guidance by selection rates (dittrain.inference.route_guidance): (strong, weak) rates of two routed
+    # passes instead of CFG's pair, scaled by cfg_scale; None: off. Its inference.py uses (0.3, 0.7) at 1.5
+    route_guidance: tuple[float, float] | None = None
+    route_guidance_cond: str = ROUTE_GUIDANCE_CONDS[0]  # null | cond: the condition of both passes
 
 
 @dataclass(frozen=True)

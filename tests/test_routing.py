@@ -452,3 +452,82 @@ def test_compiled_blocks_with_routing_match_eager(store, tmp_path):
     a, b = losses(tmp_path / "eager"), losses(tmp_path / "blocks")
     assert [s for s, _ in a] == [s for s, _ in b] == [1, 2]
     np.testing.assert_allclose([loss for _, loss in b], [loss for _, loss in a], rtol=RTOL)
+
+
+# ----------------------------------------------------------------------------- route guidance at sampling
+
+
+def _hand_draw(gen: torch.Generator, n: int, tokens: int, rate: float) -> torch.Tensor:
+    """The reference's Router.get_mask (num_keep = T - int(T * rate) of a uniform argsort), kept in
+    ascending order as training keeps them."""
+    keep = tokens - int(tokens * rate)
+    return torch.rand(n, tokens, generator=gen).argsort(dim=1)[:, :keep].sort(dim=1).values
+
+
+def test_route_guidance_is_sample_treads_combination_by_hand():
+    """TREAD's rf.py sample_tread: v = v(gamma2) + s (v(gamma1) - v(gamma2)), each pass routed through
+    the run's blocks with its own random kept tokens, both passes with the null class; the guided
+    channels are x's, ddpm's variance channels come from the strong pass."""
+    from dittrain.inference.route_guidance import route_guided
+
+    model = _model().eval()
+    x, t, y = _inputs()
+    null = {"y": torch.full_like(y, 3)}
+    fn = route_guided(model, Route(0.5, 1, 2), (0.25, 0.75), 1.5, null, generator=torch.Generator().manual_seed(4))
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        out = fn(x, t)
+        strong, weak = _hand_draw(gen, 3, 16, 0.25), _hand_draw(gen, 3, 16, 0.75)
+        assert strong.shape == (3, 12) and weak.shape == (3, 4)
+        v1 = _by_hand(model, x, t, null["y"], 1, 2, strong)
+        v2 = _by_hand(model, x, t, null["y"], 1, 2, weak)
+        want = torch.cat([(v2 + 1.5 * (v1 - v2))[:, :3], v1[:, 3:]], dim=1)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+        assert out.shape == (3, 6, 8, 8) and not torch.allclose(fn(x, t), out)  # new tokens every call
+
+
+def _count_forwards(monkeypatch) -> list[tuple]:
+    """Every DiT forward from now on appends (its labels, the kept tokens per sample or None)."""
+    seen: list = []
+    forward = DiT.forward
+
+    def counting(self, x, t, y=None, *args, route=None, **kwargs):
+        seen.append((y.tolist(), None if route is None else route.idx.shape[1]))
+        return forward(self, x, t, y, *args, route=route, **kwargs)
+
+    monkeypatch.setattr(DiT, "forward", counting)
+    return seen
+
+
+@pytest.mark.parametrize(("cond", "labels"), [("null", [3, 3]), ("cond", [1, 1])])
+def test_dittrain_sample_route_guidance(store, tmp_path, monkeypatch, cond, labels):
+    out = tmp_path / "r"
+    assert cli(*run_args(store, out, "--max-steps", 1, "--logger", "jsonl", *ROUTE, model=MODEL)).exit_code == 0
+    seen = _count_forwards(monkeypatch)
+    r = cli("sample", "--ckpt", out, "--out", tmp_path / "g.png", "--n", 2, "--steps", 3, "--device", "cpu",
+            "--class", 1, "--route-guidance", "0.3,0.7", "--cfg", 1.5, "--route-guidance-cond", cond)
+    assert r.exit_code == 0, r.output
+    assert_has(r.output, f"route guidance 0.3 (strong) / 0.7 (weak) at 1.5 on the run's route 0.5:1:2 (tread: "
+                         f"blocks 1-2), {cond} condition in both passes")
+    # 3 ddpm steps, each a strong pass (16 - int(16 x 0.3) = 12 tokens kept) then a weak one (5), no CFG pair
+    assert seen == [(labels, 12), (labels, 5)] * 3
+    meta = json.loads((tmp_path / "g" / "samples.json").read_text())
+    assert meta["route_guidance"] == {"rates": [0.3, 0.7], "scale": 1.5, "route": "0.5:1:2",
+                                      "route_convention": "tread", "cond": cond}
+
+
+def test_route_guidance_refusals_are_one_line(store, tmp_path):
+    plain, routed_run = tmp_path / "plain", tmp_path / "routed"
+    assert cli(*run_args(store, plain, "--max-steps", 1, "--logger", "jsonl", model=MODEL)).exit_code == 0
+    assert cli(*run_args(store, routed_run, "--max-steps", 1, "--logger", "jsonl", *ROUTE, model=MODEL)).exit_code == 0
+    common = ["sample", "--out", tmp_path / "g.png", "--n", 1, "--steps", 2, "--device", "cpu", "--class", 0]
+    for run, extra, says in (
+        (plain, ["--route-guidance", "0.3,0.7"], "this run has no --route"),
+        (routed_run, ["--route-guidance", "0.3"], "give STRONG,WEAK, two selection rates in [0, 1)"),
+        (routed_run, ["--route-guidance", "1,0.5"], "give STRONG,WEAK"),
+        (routed_run, ["--route-guidance", "nan,0.5"], "give STRONG,WEAK"),
+        (routed_run, ["--route-guidance", "0.3,0.7", "--npz", tmp_path / "s.npz"], "not --npz"),
+    ):
+        r = cli(*common, "--ckpt", run, *extra)
+        assert r.exit_code != 0 and says in one_error_line(r.output), r.output
+    assert not (tmp_path / "g.png").exists()
