@@ -439,7 +439,7 @@ plan_cmd.params[:0] = [aliased(p, "--steps") if p.name == "max_steps" else p for
 @click.option("--cfg", "cfg_scale", default=None, type=_CFG_RANGE,
               help=f"Classifier-free guidance scale (1: none; ignored for unconditional models). Default "
                    f"{_SAMPLE.cfg_scale}; with --npz {_EVAL.cfg_scale} (the DiT paper's "
-                   "FID protocol).")
+                   f"FID protocol); with --route-guidance its scale, {config.ROUTE_GUIDANCE_CFG} (TREAD's).")
 @click.option("--cfg-channels", default=_SAMPLE.cfg_channels, show_default=True,
               type=click.IntRange(min=0),
               help="Guide only the first N latent channels (0: all). facebookresearch/DiT's and SiT's "
@@ -457,7 +457,7 @@ plan_cmd.params[:0] = [aliased(p, "--steps") if p.name == "max_steps" else p for
               help="TREAD's guidance by selection rates (a run trained with --route): every step two passes "
                    "routed through the run's blocks, STRONG then WEAK of the tokens skipping them, combined as "
                    "weak + --cfg x (strong - weak) in place of classifier-free guidance; TREAD's example: "
-                   "0.3,0.7 at --cfg 1.5. PNG samples, --engine torch.")
+                   f"0.3,0.7 (--cfg defaults to its {config.ROUTE_GUIDANCE_CFG} with it). PNG samples, --engine torch.")
 @click.option("--route-guidance-cond", default=_SAMPLE.route_guidance_cond, show_default=True,
               type=click.Choice(config.ROUTE_GUIDANCE_CONDS),
               help="--route-guidance: null gives both passes the null class (or empty caption), as TREAD's "
@@ -534,7 +534,9 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
     if chunk_size is not None or overwrite:
         raise click.ClickException("--chunk-size and --overwrite apply to --npz only")
     d = SampleConfig()
-    settings = SampleConfig(cfg_scale=d.cfg_scale if cfg_scale is None else cfg_scale,
+    if cfg_scale is None:  # TREAD's scale with its guidance, else the sampler's
+        cfg_scale = config.ROUTE_GUIDANCE_CFG if route_guidance is not None else d.cfg_scale
+    settings = SampleConfig(cfg_scale=cfg_scale,
                             steps=d.steps if steps is None else steps, sampler=sampler, seed=seed,
                             batch_size=batch_size, precision=precision, cfg_channels=cfg_channels,
                             route_guidance=route_guidance, route_guidance_cond=route_guidance_cond)

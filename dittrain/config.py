@@ -58,6 +58,7 @@ ROUTE_CONVENTIONS = ("tread", "half-open")
 # null: the null class / empty caption in both, as TREAD's rf.py sample_tread (class_drop_prob=1.0); cond: the
 # sample's own class or prompt in both
 ROUTE_GUIDANCE_CONDS = ("null", "cond")
+ROUTE_GUIDANCE_CFG = 1.5  # --cfg's default with --route-guidance: sample_tread's cfg_scale (and inference.py's)
 # The DiT's block choices (DiTConfig.mlp / norm / pos) are not here: they are the names of the block-part
 # registries, dittrain.model.parts MLPS, NORMS and POSITIONS (without torch too), where each part's entry
 # holds all that is known of it
@@ -86,6 +87,7 @@ class SampleConfig:
     cfg_channels: int = 0  # guide the first N latent channels only (DiT's released sampler: 3); 0: all
     # TREAD's guidance by selection rates (dittrain.inference.route_guidance): (strong, weak) rates of two routed
     # passes instead of CFG's pair, scaled by cfg_scale; None: off. Its inference.py uses (0.3, 0.7) at 1.5
+    # (ROUTE_GUIDANCE_CFG: `dittrain sample`'s --cfg default with it)
     route_guidance: tuple[float, float] | None = None
     route_guidance_cond: str = ROUTE_GUIDANCE_CONDS[0]  # null | cond: the condition of both passes
 

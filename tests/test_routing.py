@@ -505,7 +505,7 @@ def test_dittrain_sample_route_guidance(store, tmp_path, monkeypatch, cond, labe
     assert cli(*run_args(store, out, "--max-steps", 1, "--logger", "jsonl", *ROUTE, model=MODEL)).exit_code == 0
     seen = _count_forwards(monkeypatch)
     r = cli("sample", "--ckpt", out, "--out", tmp_path / "g.png", "--n", 2, "--steps", 3, "--device", "cpu",
-            "--class", 1, "--route-guidance", "0.3,0.7", "--cfg", 1.5, "--route-guidance-cond", cond)
+            "--class", 1, "--route-guidance", "0.3,0.7", "--route-guidance-cond", cond)  # --cfg: TREAD's 1.5
     assert r.exit_code == 0, r.output
     assert_has(r.output, f"route guidance 0.3 (strong) / 0.7 (weak) at 1.5 on the run's route 0.5:1:2 (tread: "
                          f"blocks 1-2), {cond} condition in both passes")

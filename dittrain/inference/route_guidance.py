@@ -14,8 +14,9 @@ the block after the rejoin with autocast off (dit.py). Here:
 
 - the route is the run's own (its recorded --route and --route-convention: a half-open run routes
   the blocks it trained with and has no full-precision block), the rates are STRONG,WEAK in [0, 1),
-  the scale is --cfg (which then does not add classifier-free guidance: the two routed passes
-  replace CFG's pair, as in the reference);
+  the scale is --cfg, by default sample_tread's 1.5 (dittrain.config.ROUTE_GUIDANCE_CFG; it then adds
+  no classifier-free guidance: the two routed passes replace CFG's pair, as in the reference; the
+  reference asserts a scale above 1, here 1 is allowed and samples the strong pass alone);
 - --route-guidance-cond null (the default) gives both passes the null class or the empty caption,
   as the reference; cond gives both the sample's own class or prompt (the README's "instead of
   dropping the class label" read the other way; not in the reference's code);
