@@ -29,7 +29,7 @@ python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', 
 
 # bench/gpu_train.py's default list: XL/2, S/2, B/2 at batch 256, eager / compiled (blocks,
 # model) / CUDA graphs, checkpointing every block / selective, the real loaders, XL/2 with --repa
-# on synthetic targets and with --route 0.5:2:26 (eager and compiled: against the rows without),
+# on synthetic targets and with --route 0.5:2:24 (eager and compiled: against the rows without),
 # LightningDiT-XL/1 on VA-VAE's 32x16x16 latents (in order of importance: a cut-short run keeps
 # the first rows)
 timeout 480 python3 bench/gpu_train.py --json "$OUT/gpu_train.json" 2>&1 | tee "$OUT/gpu_train.md"

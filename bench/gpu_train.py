@@ -24,7 +24,7 @@ A configuration SPEC is MODEL:BATCH:CKPT:COMPILE[:MODE[:LOADER[:EXTRA]]]
 The default list (CUDA) covers DiT-XL/2, B/2 and S/2 at batch 256, eager against compiled,
 CUDA graphs for the small models, checkpointing every block against selective checkpointing,
 the loaders' data wait for DiT-S/2 (only where zarr imports), XL/2 with --repa and with
---route 0.5:2:26, and LightningDiT-XL/1 on VA-VAE's 32x16x16 latents.
+--route 0.5:2:24 (TREAD's i = 2, j = depth - 4), and LightningDiT-XL/1 on VA-VAE's 32x16x16 latents.
 
 What one configuration reports (DiT at 256 px: 4x32x32 latents unless latent=, 1000 classes, ddpm with
 learn_sigma, bf16 autocast on the GPU; AdamW fused, lr 1e-4, clipping at 1.0, EMA 0.9999, TF32):
@@ -72,7 +72,7 @@ from ditdata.common.devices import gpu_named  # noqa: E402
 from dittrain.config import TrainConfig  # noqa: E402
 from dittrain.model.attention import attention_backend  # noqa: E402
 from dittrain.model.dit import num_params  # noqa: E402
-from dittrain.model.routing import block_tokens, parse_route  # noqa: E402
+from dittrain.model.routing import block_tokens, parse_route  # noqa: E402  (TREAD's counting, as a new run)
 from dittrain.model.routing import check as check_route  # noqa: E402
 from dittrain.model.sizes import flops_per_forward, get_config  # noqa: E402
 from dittrain.plan.probe import build as build_step  # noqa: E402 (the step as dittrain.train.loop builds it)
@@ -84,17 +84,17 @@ REPA_DEPTH, REPA_PROJECTOR = 8, 2048  # dittrain run's --repa-depth and --repa-p
 NUM_CLASSES = 1000
 DEFAULT_CUDA = ";".join([  # the issue's targets first: a run cut short keeps what matters most
     "DiT-XL/2:256:none:off", "DiT-XL/2:256:none:blocks", "DiT-XL/2:256:none:off:default:gpu:repa",
-    "DiT-XL/2:256:none:off:default:gpu:route=0.5,2,26", "LightningDiT-XL/1:256:none:off:default:gpu:latent=32x16x16",
+    "DiT-XL/2:256:none:off:default:gpu:route=0.5,2,24", "LightningDiT-XL/1:256:none:off:default:gpu:latent=32x16x16",
     "DiT-S/2:256:none:off", "DiT-S/2:256:none:model:reduce-overhead",
     "DiT-XL/2:256:every:blocks", "DiT-XL/2:256:selective:blocks", "DiT-XL/2:256:every:off",
     "DiT-S/2:256:none:blocks", "DiT-S/2:256:none:model", "DiT-S/2:256:none:blocks:reduce-overhead",
     "DiT-B/2:256:none:off", "DiT-B/2:256:none:blocks", "DiT-B/2:256:none:model:reduce-overhead",
     "DiT-S/2:256:none:model:reduce-overhead:resident-cuda", "DiT-S/2:256:none:model:reduce-overhead:streaming",
-    "DiT-XL/2:256:none:blocks:default:gpu:repa", "DiT-XL/2:256:none:blocks:default:gpu:route=0.5,2,26",
+    "DiT-XL/2:256:none:blocks:default:gpu:repa", "DiT-XL/2:256:none:blocks:default:gpu:route=0.5,2,24",
     "LightningDiT-XL/1:256:none:blocks:default:gpu:latent=32x16x16",
 ])
 DEFAULT_CPU = ("DiT-T/2:4:none:off;DiT-T/2:4:selective:off;DiT-T/2:4:none:off:default:gpu:repa;"
-               "DiT-T/2:4:none:off:default:gpu:route=0.5,1,5")
+               "DiT-T/2:4:none:off:default:gpu:route=0.5,1,4")
 
 
 def real_loader(spec: dict, device: torch.device, args):

@@ -1,6 +1,6 @@
 """Step time and activation memory of token routing (--route, TREAD) against none.
 
-    python bench/route_cost.py [--models DiT-S/2,DiT-B/2] [--routes 0.5:1:11] [--input-size 32]
+    python bench/route_cost.py [--models DiT-S/2,DiT-B/2] [--routes 0.5:2:8] [--input-size 32]
                                [--batch-size 32] [--reps 3] [--device cpu|cuda] [--threads N]
 
 For each model: one forward + backward of a training step (the loss over every output token)
@@ -9,8 +9,12 @@ speed drifts weighs on both alike; the kept tokens are drawn afresh each step, a
 (dittrain.model.routing.draw). Reported: the bytes the forward keeps for the backward pass
 (activations only, counted as bench/activation_memory.py counts them: every tensor autograd
 saves, distinct storages, parameters left out), the median step time, and both against no
-routing. 0.5:1:11 routes half the tokens around 10 of the 12 blocks of S and B (blocks 2-11),
-the share of blocks that 0.5:2:26 routes on XL's 28. fp32 on the CPU; bf16 autocast on CUDA.
+routing. Routes are written as `dittrain run --route` reads them for a new run, TREAD's counting
+(0-based, START and END both routed: dittrain.model.routing). The default 0.5:2:8 is TREAD's own
+DiT-B/2 route (CompVis/tread fccf77cc735a configs/model/tread.yaml): half the tokens skip blocks 2-8
+of 0-11, the paper's i = 2, j = depth - 4 that is 0.5:2:24 on XL's 28. bench/RESULTS.md's figures
+were measured with 0.5:1:10 (blocks 1-10, the last block with every token). fp32 on the CPU; bf16
+autocast on CUDA, where the block after the rejoin runs with autocast off, as in training.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ def measure(args, name: str, device) -> list[dict]:
 def main():
     ap = parser(__doc__)
     add_options(ap, ("--models", "DiT-S/2,DiT-B/2", "DiT sizes, comma-separated"),
-                ("--routes", "0.5:1:11", "--route values against none, comma-separated"),
+                ("--routes", "0.5:2:8", "--route values against none, comma-separated (TREAD's counting)"),
                 ("--input-size", 32, "latent side"), ("--batch-size", 32, "samples per step"),
                 ("--reps", 3, "timed steps per variant"))
     args, device = parse_on_device(ap)

@@ -99,6 +99,22 @@ def sample_engine(engine: str, onnx_file, ckpt, npz, *, latents, vae, model, siz
     return TorchEngine(ckpt, latents=latents, vae=vae, model=model)
 
 
+def _rate_pair(value: str | None) -> tuple[float, float] | None:
+    """--route-guidance STRONG,WEAK: two selection rates in [0, 1) (dittrain.inference.route_guidance)."""
+    if value is None:
+        return None
+    import math
+
+    try:
+        rates = tuple(float(v) for v in value.split(","))
+    except ValueError:
+        rates = ()
+    if len(rates) != 2 or not all(math.isfinite(r) and 0 <= r < 1 for r in rates):
+        raise click.BadParameter(f"{value!r}: give STRONG,WEAK, two selection rates in [0, 1) (the fraction of "
+                                 "tokens that skips the run's routed blocks), e.g. 0.3,0.7 as TREAD")
+    return rates
+
+
 def _say(line: str) -> None:
     """A command's log line: notes on stderr, the rest on stdout (sample, export)."""
     click.echo(line, err=line.startswith("note:"))
@@ -282,8 +298,13 @@ def _opt(*names, field, **kw):
 @_opt("--repa-min-cosine", field="repa_min_cosine", type=FiniteFloat(0, 1),
       help="Refuse a feature set whose stored targets keep a lower mean cosine to the encoder's fp32 output (its "
            "manifest's cosine_to_fp32), or record a non-finite one; 0 trains on any set.")
-@_opt("--route", field="route", metavar="RATE:START:END", help="Token routing (TREAD), training only: a random "
-      "fraction RATE of the tokens skips blocks START+1..END, e.g. 0.5:2:26 on DiT-XL/2's 28 blocks.")
+@_opt("--route", field="route", metavar="RATE:START:END", help="Token routing (TREAD), in training: a random "
+      "fraction RATE of the tokens skips blocks START..END, counted as TREAD does (0-based, both routed), and the "
+      "block after them runs with autocast off (bf16/fp16 runs), as TREAD's code; e.g. 0.5:2:24 on DiT-XL/2's blocks 0-27 (the paper's i = 2, "
+      "j = depth - 4), 0.5:2:8 on B/2's 0-11 (TREAD's config).")
+@_opt("--route-convention", field="route_convention", type=click.Choice(config.ROUTE_CONVENTIONS),
+      help="How --route counts: tread, or half-open (blocks START <= i < END, no full-precision block): the "
+           "meaning of runs recorded before this option, which keep it on --resume.")
 @quiet_option
 def run_cmd(print_config, allow_changes, quiet, **options):
     """Train a DiT on a latent store.
@@ -418,7 +439,7 @@ plan_cmd.params[:0] = [aliased(p, "--steps") if p.name == "max_steps" else p for
 @click.option("--cfg", "cfg_scale", default=None, type=_CFG_RANGE,
               help=f"Classifier-free guidance scale (1: none; ignored for unconditional models). Default "
                    f"{_SAMPLE.cfg_scale}; with --npz {_EVAL.cfg_scale} (the DiT paper's "
-                   "FID protocol).")
+                   f"FID protocol); with --route-guidance its scale, {config.ROUTE_GUIDANCE_CFG} (TREAD's).")
 @click.option("--cfg-channels", default=_SAMPLE.cfg_channels, show_default=True,
               type=click.IntRange(min=0),
               help="Guide only the first N latent channels (0: all). facebookresearch/DiT's and SiT's "
@@ -432,6 +453,15 @@ plan_cmd.params[:0] = [aliased(p, "--steps") if p.name == "max_steps" else p for
 @click.option("--seed", default=_SAMPLE.seed, show_default=True, type=int)
 @click.option("--size", default=None, metavar="WxH",
               help="A bucketed store's run: sample at this bucket's size in pixels, e.g. 352x176 (default: square).")
+@click.option("--route-guidance", default=None, metavar="STRONG,WEAK", callback=lambda c, p, v: _rate_pair(v),
+              help="TREAD's guidance by selection rates (a run trained with --route): every step two passes "
+                   "routed through the run's blocks, STRONG then WEAK of the tokens skipping them, combined as "
+                   "weak + --cfg x (strong - weak) in place of classifier-free guidance; TREAD's example: "
+                   f"0.3,0.7 (--cfg defaults to its {config.ROUTE_GUIDANCE_CFG} with it). PNG samples, --engine torch.")
+@click.option("--route-guidance-cond", default=_SAMPLE.route_guidance_cond, show_default=True,
+              type=click.Choice(config.ROUTE_GUIDANCE_CONDS),
+              help="--route-guidance: null gives both passes the null class (or empty caption), as TREAD's "
+                   "sampler; cond gives both the sample's class or prompt.")
 @sampling_options("Samples per forward pass (CFG doubles it).")
 @click.option("--latents", type=click.Path(file_okay=False, path_type=str), default=None,
               help="The latent store, if not at the path the run recorded (e.g. moved).")
@@ -448,7 +478,7 @@ plan_cmd.params[:0] = [aliased(p, "--steps") if p.name == "max_steps" else p for
 @quiet_option
 def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow, cfg_scale, cfg_channels, steps,
                sampler, seed, device, batch_size, precision, latents, vae, model, text_pretrained,
-               grid_scale, npz, chunk_size, overwrite, engine, onnx_file, size):
+               grid_scale, npz, chunk_size, overwrite, engine, onnx_file, size, route_guidance, route_guidance_cond):
     """Sample a trained run with classifier-free guidance; write a PNG grid and every sample.
 
     Decodes with the autoencoder named in the store's manifest. Same --seed (and
@@ -469,6 +499,7 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
       dittrain sample --ckpt runs/exp1 --classes all --n-per-class 8 --out samples_dir
       dittrain sample --ckpt runs/t2i --prompt "a red fox in snow" --n 8 --out fox.png
       dittrain sample --ckpt DiT-XL-2-256x256.pt --vae sd-vae-ft-ema --class 207 --out panda.png
+      dittrain sample --ckpt runs/xl2-tread --route-guidance 0.3,0.7 --cfg 1.5 --out tread.png   (TREAD)
       dittrain sample --engine onnx --onnx dit.onnx --class 207 --out grid.png   (dittrain export)
 
     \b
@@ -482,6 +513,8 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
     from dittrain.config import NpzConfig, SampleConfig
     from dittrain.inference.sample import sample_to_files
 
+    if route_guidance is not None and (npz is not None or engine != "torch"):
+        raise click.ClickException("--route-guidance draws PNG samples with --engine torch (not --npz, not onnx)")
     drawer = sample_engine(engine, onnx_file, ckpt, npz, latents=latents, vae=vae, model=model, size=size)
     if npz is not None:
         from dittrain.inference.eval_samples import sample_to_npz
@@ -501,9 +534,12 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
     if chunk_size is not None or overwrite:
         raise click.ClickException("--chunk-size and --overwrite apply to --npz only")
     d = SampleConfig()
-    settings = SampleConfig(cfg_scale=d.cfg_scale if cfg_scale is None else cfg_scale,
+    if cfg_scale is None:  # TREAD's scale with its guidance, else the sampler's
+        cfg_scale = config.ROUTE_GUIDANCE_CFG if route_guidance is not None else d.cfg_scale
+    settings = SampleConfig(cfg_scale=cfg_scale,
                             steps=d.steps if steps is None else steps, sampler=sampler, seed=seed,
-                            batch_size=batch_size, precision=precision, cfg_channels=cfg_channels)
+                            batch_size=batch_size, precision=precision, cfg_channels=cfg_channels,
+                            route_guidance=route_guidance, route_guidance_cond=route_guidance_cond)
     sample_to_files(drawer, out, classes=classes, prompts=prompts, n=n, n_per_class=n_per_class,
                     per_class_dir=per_class_dir, nrow=nrow, settings=settings, device=device,
                     text_pretrained=text_pretrained, grid_scale=grid_scale, size=size, log=_say)

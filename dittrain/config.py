@@ -49,6 +49,16 @@ LOADERS = ("auto", "resident", "streaming")  # dittrain.data
 BUCKET_REMAINDERS = ("pad", "drop")
 RESIDENT_DEVICES = ("cpu", "cuda")  # where a resident store lives
 LOGGERS = ("jsonl", "tensorboard", "wandb")  # dittrain.train.loggers
+# --route-convention (dittrain.model.routing): how --route's START:END count. tread: as TREAD's reference
+# (CompVis/tread: start_layer_idx..end_layer_idx, 0-based, both routed) with its full-precision block after the
+# rejoin; half-open: dittrain's first meaning (blocks START <= i < END, no such block), what a run recorded
+# before this field means
+ROUTE_CONVENTIONS = ("tread", "half-open")
+# `dittrain sample --route-guidance` (dittrain.inference.route_guidance): the condition of its two routed passes.
+# null: the null class / empty caption in both, as TREAD's rf.py sample_tread (class_drop_prob=1.0); cond: the
+# sample's own class or prompt in both
+ROUTE_GUIDANCE_CONDS = ("null", "cond")
+ROUTE_GUIDANCE_CFG = 1.5  # --cfg's default with --route-guidance: sample_tread's cfg_scale (and inference.py's)
 # The DiT's block choices (DiTConfig.mlp / norm / pos) are not here: they are the names of the block-part
 # registries, dittrain.model.parts MLPS, NORMS and POSITIONS (without torch too), where each part's entry
 # holds all that is known of it
@@ -75,6 +85,11 @@ class SampleConfig:
     precision: str = "auto"  # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16 | fp16
     n: int = 16  # samples when neither --n nor --n-per-class says (the trainer's EMA grids too)
     cfg_channels: int = 0  # guide the first N latent channels only (DiT's released sampler: 3); 0: all
+    # TREAD's guidance by selection rates (dittrain.inference.route_guidance): (strong, weak) rates of two routed
+    # passes instead of CFG's pair, scaled by cfg_scale; None: off. Its inference.py uses (0.3, 0.7) at 1.5
+    # (ROUTE_GUIDANCE_CFG: `dittrain sample`'s --cfg default with it)
+    route_guidance: tuple[float, float] | None = None
+    route_guidance_cond: str = ROUTE_GUIDANCE_CONDS[0]  # null | cond: the condition of both passes
 
 
 @dataclass(frozen=True)
@@ -175,17 +190,23 @@ START = "start"  # how this command starts, not a setting of the run (--out, --r
 RESUME_CLASSES = (SAFE, LEARNED, FIXED, START)
 
 
-def setting(default, resume: str, *, learned_if=None, needs: str = "", resolves_auto: bool = False, flag: str = ""):
+_DEFAULT = object()  # setting(absent=): none given, a record without the field means its default
+
+
+def setting(default, resume: str, *, learned_if=None, needs: str = "", resolves_auto: bool = False, flag: str = "",
+            absent=_DEFAULT):
     """A TrainConfig field: its default, and what a resume does with a change of it (RESUME_CLASSES).
     learned_if(recorded TrainConfig) -> True: a SAFE change that is LEARNED for this run (--max-steps
     under a cosine schedule, which ends at max_steps); needs: the field without which this one means
     nothing (--repa-depth without --repa is refused); resolves_auto: the start resolves "auto" and
     records the result, so "auto" on a resume means the recorded value; flag: the flag when it is not
-    --field-name."""
+    --field-name; absent: what a run record without the field means, when not the default (a field that
+    came later to say how an older field reads: --route-convention)."""
     if resume not in RESUME_CLASSES:
         raise ValueError(f"resume class {resume!r}: one of {', '.join(RESUME_CLASSES)}")
     return field(default=default, metadata={"resume": resume, "learned_if": learned_if, "needs": needs,
-                                            "resolves_auto": resolves_auto, "flag": flag})
+                                            "resolves_auto": resolves_auto, "flag": flag,
+                                            "absent": default if absent is _DEFAULT else absent})
 
 
 def _cosine(recorded: TrainConfig) -> bool:
@@ -332,10 +353,14 @@ class RepaSection:
 @dataclass
 class RoutingSection:
     """Token routing, TREAD (Krause et al., 2025; dittrain.model.routing): during training a random fraction
-    of the tokens skips the middle blocks and rejoins after them. Training only: sampling, evaluation
-    and exports always use every token. Off unless route is given."""
+    of the tokens skips the middle blocks and rejoins after them. Training only: sampling (unless `dittrain
+    sample --route-guidance` asks), evaluation and exports use every token. Off unless route is given."""
 
-    route: str = setting("", LEARNED)  # RATE:START:END, e.g. 0.5:2:26 (DiT-XL/2's 28 blocks); "": off
+    # RATE:START:END as TREAD writes it: blocks START..END (0-based, both routed), e.g. 0.5:2:24 on DiT-XL/2's
+    # 28 blocks (the paper's i = 2, j = depth - 4); "": off
+    route: str = setting("", LEARNED)
+    # how route reads (ROUTE_CONVENTIONS); a record from before this field has half-open, and keeps it on resume
+    route_convention: str = setting(ROUTE_CONVENTIONS[0], LEARNED, needs="route", absent="half-open")
 
 
 # `dittrain plan` takes these options of `dittrain run` (the same ones): the run it plans
@@ -349,6 +374,9 @@ SECTIONS = {"data": DataSection, "model": ModelSection, "diffusion": DiffusionSe
             "performance": PerformanceSection, "repa": RepaSection, "routing": RoutingSection}
 # field name -> its section: every flag of `dittrain run` is the name of one field
 SECTION_OF = {f.name: section for section, cls in SECTIONS.items() for f in fields(cls)}
+# field name -> what a run record without it means, for the fields whose absence is not their default
+ABSENT = {f.name: f.metadata["absent"] for cls in SECTIONS.values() for f in fields(cls)
+          if f.metadata["absent"] != f.default}
 
 
 @dataclass
@@ -389,6 +417,8 @@ class TrainConfig:
                 flat.update(value)
             else:
                 flat[key] = value
+        # a field that says how an older one reads: what its absence means (setting(absent=))
+        flat = {**ABSENT, **flat}
         return cls.from_flat(**{k: v for k, v in flat.items() if k in SECTION_OF})
 
     def flat(self) -> dict:
@@ -399,10 +429,13 @@ class TrainConfig:
 def recorded(config: dict | None, name: str, default=None):
     """One knob of a run's recorded config (config.json, a checkpoint, an EMA export, an ONNX
     file's metadata): config["train"] by section, or flat as runs recorded it before the
-    sections; `default` where the record has none (weights without a run config)."""
+    sections; `default` where the record has none (weights without a run config); a record that
+    predates a field with setting(absent=) has that (route_convention: half-open)."""
     train = (config or {}).get("train") or {}
     section = train.get(SECTION_OF.get(name, ""))
     if isinstance(section, dict) and name in section:
         return section[name]
+    if train and name in ABSENT and name not in train:  # a run recorded before the field: what that means
+        return ABSENT[name]
     value = train.get(name, default)
     return default if isinstance(value, dict) else value

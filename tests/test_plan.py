@@ -14,7 +14,7 @@ import torch
 from cliutil import assert_has, dittrain, ok, one_error_line
 
 from dittrain.config import TrainConfig
-from dittrain.model.routing import parse_route
+from dittrain.model.routing import parse_route, route_of
 from dittrain.model.sizes import get_config
 from dittrain.plan.footprint import Setting, footprint, kept_bytes
 from dittrain.plan.probe import measured_peak
@@ -26,7 +26,7 @@ TOLERANCE = 0.15  # the issue's: predicted peak within 15% of the measured one
 # sizes and three modes, LightningDiT's blocks, token routing and REPA (what each adds is modelled)
 CASES = [("DiT-T/2", 16, n, mode, {}) for n in (4, 8) for mode in ("none", "selective", "every")] + [
     ("custom:hidden=128,depth=4,heads=4,patch=2,mlp=swiglu,norm=rms,pos=rope,qk_norm=1", 16, 4, "mlp", {}),
-    ("DiT-T/2", 16, 8, "none", {"route": "0.5:1:5"}),
+    ("DiT-T/2", 16, 8, "none", {"route": "0.5:1:4"}),
     ("DiT-T/2", 16, 4, "2", {"repa": "feat", "repa_depth": 2, "repa_projector_dim": 256}),
 ]
 
@@ -39,13 +39,30 @@ def test_the_predicted_peak_is_within_15_percent_of_the_cpu_allocators(model, si
     model_cfg = get_config(model, input_size=side, in_channels=4, num_classes=1000,
                            grad_checkpointing=int(mode) if mode.isdigit() else mode)
     dims = 48 if cfg.repa.repa else None
-    setting = Setting(model_cfg, micro_batch=n, mode=mode, route=parse_route(cfg.routing.route),
+    setting = Setting(model_cfg, micro_batch=n, mode=mode, route=route_of(cfg.routing),
                       repa=(cfg.repa.repa_depth, cfg.repa.repa_projector_dim, dims) if dims else None)
     predicted = footprint(setting)
     measured = measured_peak(cfg, model_cfg, torch.device("cpu"), targets=(model_cfg.num_tokens, dims) if dims else None)
     assert abs(predicted.peak / measured - 1) < TOLERANCE, (predicted, measured)
     if extra.get("route"):  # routing lowers the activations of the routed blocks (K of T tokens)
         assert kept_bytes(setting) < 0.8 * kept_bytes(Setting(model_cfg, micro_batch=n, mode=mode))
+
+
+def test_the_block_after_a_tread_rejoin_is_planned_in_fp32():
+    """Under bf16 the block a TREAD route runs with autocast off (the one after the rejoin) keeps
+    what an fp32 block keeps; a half-open route (the old meaning) has no such block."""
+    from dittrain.plan.footprint import _Blocks
+
+    model_cfg = get_config("DiT-T/2", input_size=16, in_channels=4, num_classes=1000)
+    bf16 = {"micro_batch": 4, "precision": "bf16"}
+    tread = _Blocks(Setting(model_cfg, route=parse_route("0.5:1:3"), **bf16))
+    old = _Blocks(Setting(model_cfg, route=parse_route("0.5:1:4", "half-open"), **bf16))  # the same blocks 1-3
+    plain16, plain32 = _Blocks(Setting(model_cfg, **bf16)), _Blocks(Setting(model_cfg, micro_batch=4))
+    assert tread.full == 4 and old.full is None
+    assert tread.kept(4) == plain32.kept(4) > plain16.kept(4) == old.kept(4)
+    assert [tread.kept(i) for i in range(6) if i != 4] == [old.kept(i) for i in range(6) if i != 4]
+    assert kept_bytes(Setting(model_cfg, route=parse_route("0.5:1:3"), **bf16)) > kept_bytes(
+        Setting(model_cfg, route=parse_route("0.5:1:4", "half-open"), **bf16))
 
 
 def _memory_guide() -> list[tuple[str, str, int, float]]:
@@ -133,10 +150,10 @@ def test_the_pick_as_command_and_config_file_is_what_dittrain_run_takes(tmp_path
     add_features(store, "feats", tokens=16, dims=8)  # REPA targets on DiT-T/2's 4x4 grid
     config = tmp_path / "pick.toml"
     r = ok(dittrain("plan", "--model", "DiT-T/2", "--latents", store, "--batch-size", 16, "--device", "cpu",
-                    "--gpu-memory", "200MiB", "--route", "0.5:1:5", "--repa", "feats", "--repa-depth", 2,
+                    "--gpu-memory", "200MiB", "--route", "0.5:1:4", "--repa", "feats", "--repa-depth", 2,
                     "--write-config", config), f"wrote {config}", "MiB at the predicted peak")
     command = next(ln for ln in r.output.splitlines() if ln.startswith("  dittrain run "))
-    assert_has(command, "--route 0.5:1:5", f"--latents {store}", "--repa feats --repa-depth 2")
+    assert_has(command, "--route 0.5:1:4", f"--latents {store}", "--repa feats --repa-depth 2")
     settings = ok(dittrain(*shlex.split(command)[1:], "--print-config")).output
     from_file = ok(dittrain("run", "--config", config, "--out", "RUN", "--print-config")).output
     assert from_file == settings

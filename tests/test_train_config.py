@@ -27,7 +27,7 @@ def test_run_choices_are_the_config_constants():
         "latent_norm": config.LATENT_NORMS, "loss_weighting": config.LOSS_WEIGHTINGS,
         "t_sampling": config.T_SAMPLINGS, "amp": config.AMP_MODES, "compile": config.COMPILE,
         "compile_mode": config.COMPILE_MODES, "loader": config.LOADERS, "resident_device": config.RESIDENT_DEVICES,
-        "bucket_remainder": config.BUCKET_REMAINDERS,
+        "bucket_remainder": config.BUCKET_REMAINDERS, "route_convention": config.ROUTE_CONVENTIONS,
     }
 
 
@@ -40,10 +40,14 @@ def test_the_constants_are_what_their_modules_check():
     from dittrain.data import bucketed
     from dittrain.data import latent_norm as latents
     from dittrain.model import checkpointing as grad_checkpointing
+    from dittrain.model import routing
     from dittrain.train import loggers, step
 
     assert latents.LATENT_NORMS is config.LATENT_NORMS and loggers.LOGGERS is config.LOGGERS
     assert bucketed.REMAINDERS is config.BUCKET_REMAINDERS
+    assert (routing.TREAD, routing.HALF_OPEN) == config.ROUTE_CONVENTIONS
+    for convention in config.ROUTE_CONVENTIONS:
+        assert routing.parse_route("0.5:1:2", convention).convention == convention
     assert config.PRECISIONS == devices.PRECISIONS and set(config.AMP_MODES) == set(devices.PRECISIONS)
     assert set(config.COMPILE_TARGETS) < set(config.COMPILE)
     for knob in config.COMPILE:
@@ -128,6 +132,12 @@ def test_flat_and_sectioned_records_read_alike():
     # a record from before a knob existed takes its default; a name this version lacks is ignored
     old = {k: v for k, v in flat.items() if k != "optimizer"} | {"retired_knob": 1}
     assert config.TrainConfig.from_record(old).optim.optimizer == config.OptimSection().optimizer
+    # ... unless its definition says what its absence means (setting(absent=)): a record from before
+    # --route-convention counted --route half-open, a new run TREAD's way
+    assert config.ABSENT == {"route_convention": "half-open"} and cfg.routing.route_convention == "tread"
+    before = {k: v for k, v in flat.items() if k != "route_convention"}
+    assert config.TrainConfig.from_record(before).routing.route_convention == "half-open"
+    assert config.recorded({"train": before}, "route_convention") == "half-open"
     for record in (sectioned, flat):
         run = {"train": record}
         assert config.recorded(run, "model") == "DiT-S/2" and config.recorded(run, "lr") == 3e-4
@@ -146,7 +156,7 @@ LEARNED_SETTINGS = {
     "lr", "lr_schedule", "min_lr", "warmup_steps", "weight_decay", "ema", "grad_clip", "batch_size",
     "accumulation_steps", "seed", "shuffle_window", "bucket_remainder", "loss_weighting", "min_snr_gamma",
     "t_sampling", "t_mean", "t_std", "t_shift", "class_dropout", "caption_dropout", "amp", "tf32", "repa_depth",
-    "repa_weight", "route"}
+    "repa_weight", "route", "route_convention"}
 FIXED_SETTINGS = {"model", "learn_sigma", "qk_norm", "objective", "optimizer", "latent_norm", "repa",
                   "repa_projector_dim"}
 START_SETTINGS = {"resume", "out", "init_from"}
@@ -177,7 +187,7 @@ def test_the_resume_rules_read_the_declarations():
     assert resume.flag("repa_depth") == "--repa-depth"
     needing = {f.name: f.metadata["needs"] for f in _all_fields() if f.metadata["needs"]}
     assert needing == {"repa_depth": "repa", "repa_weight": "repa", "repa_projector_dim": "repa",
-                       "repa_min_cosine": "repa"}
+                       "repa_min_cosine": "repa", "route_convention": "route"}
 
 
 def test_a_setting_without_a_known_class_is_refused():

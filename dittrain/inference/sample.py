@@ -24,6 +24,8 @@ checks each batch's latents and decoded images are finite (NonFiniteSamples: NaN
 written as black pixels, so nothing is written). sample_images (the API and the
 trainer's grids) and sample_to_files (the command) both go through them. The command draws
 with the engine it is given (dittrain.inference.open_run.TorchEngine, dittrain.inference.onnx.OnnxEngine).
+--route-guidance (SampleConfig.route_guidance; dittrain.inference.route_guidance): the plan holds the
+run's route, and run_plan hands the sampler TREAD's two routed passes in place of CFG's pair.
 
 Public API:
     pick_labels, balanced_labels, class_mode, parse_classes, embed_prompts, check_sampler, SamplePlan,
@@ -47,9 +49,10 @@ import torch
 from ditdata.common import files as files_api
 from ditdata.common.devices import autocast
 from ditdata.store import TEXT_FIELDS
-from dittrain.config import MAX_CFG_SCALE, SampleConfig, recorded
+from dittrain.config import MAX_CFG_SCALE, ROUTE_GUIDANCE_CONDS, SampleConfig, recorded
 from dittrain.data.latent_norm import LatentNorm
 from dittrain.diffusion import SAMPLER_TABLE, SAMPLERS, Diffusion, DiffusionConfig
+from dittrain.inference import route_guidance
 from dittrain.inference.open_run import (
     SampleError,
     class_names,
@@ -64,6 +67,7 @@ from dittrain.inference.open_run import (
     sampling_memory_hint,
 )
 from dittrain.model.dit import DiT
+from dittrain.model.routing import Route
 from dittrain.model.sizes import DiTConfig
 
 GRID_NAME = "grid.png"  # --out DIR: DIR/grid.png
@@ -294,6 +298,7 @@ class SamplePlan:
     latents: dict | None = None  # the run's "latents" record (dittrain.data.latent_norm): undone before decoding
     grid: tuple[int, int] = (0, 0)  # (H, W) of the sampled latents: the model's square, or a bucket's
     size: str | None = None  # a bucketed run: the bucket sampled ("WxH" px; dittrain.inference.sample)
+    route: Route | None = None  # --route-guidance: the run's route its passes take (dittrain.inference.route_guidance)
 
     @property
     def guide(self) -> bool:
@@ -303,6 +308,8 @@ class SamplePlan:
     def describe(self) -> str:
         s, many = self.settings, "s" if self.total > 1 else ""
         guidance = f", cfg {s.cfg_scale:g}" if self.kind != "none" else ""
+        if self.route is not None:  # in place of classifier-free guidance
+            guidance = ", " + route_guidance.describe(self.route, s.route_guidance, s.cfg_scale, s.route_guidance_cond)
         if guidance and s.cfg_channels:
             guidance += f" on the first {s.cfg_channels} channels"
         at = f" at {self.size} px" if self.size else ""
@@ -316,7 +323,10 @@ class SamplePlan:
                 "steps": s.steps, "cfg_scale": s.cfg_scale if self.kind != "none" else None,
                 "cfg_channels": s.cfg_channels or None, "seed": s.seed,
                 "batch_size": s.batch_size, "layout": "row per class" if self.rows_per_class else "flat",
-                **({"size": self.size} if self.size else {})}
+                **({"size": self.size} if self.size else {}),
+                **({"route_guidance": {"rates": list(s.route_guidance), "scale": s.cfg_scale, "route": str(self.route),
+                                       "route_convention": self.route.convention, "cond": s.route_guidance_cond}}
+                   if self.route is not None else {})}
 
 
 _IS = {"class": "class-conditional (use --class)", "text": "text-conditioned (use --prompt)",
@@ -383,6 +393,16 @@ def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiT
     _check_choices(kind, settings, classes=classes, prompts=prompts, text=text, n=n, n_per_class=n_per_class,
                    nrow=nrow)
     settings = replace(settings, sampler=check_sampler(diffusion, settings.sampler, settings.steps))
+    route = None
+    if settings.route_guidance is not None:  # TREAD's guidance: the run's route, two rates
+        settings = replace(settings, route_guidance=route_guidance.check_rates(settings.route_guidance))
+        route = route_guidance.run_route(config)
+        if settings.route_guidance_cond not in ROUTE_GUIDANCE_CONDS:
+            raise SampleError(f"--route-guidance-cond {settings.route_guidance_cond!r}: one of "
+                              f"{', '.join(ROUTE_GUIDANCE_CONDS)}")
+        if not abs(settings.cfg_scale) <= MAX_CFG_SCALE:  # an unconditional model's too
+            raise SampleError(f"--cfg {settings.cfg_scale:g} is out of range: the guidance scale must be in "
+                              f"-{MAX_CFG_SCALE:g}..{MAX_CFG_SCALE:g} (TREAD's route guidance: 1.5)")
     dev = sampling_device(device)
     count = settings.n if n is None else n
     picks = labels = texts = None
@@ -419,7 +439,7 @@ def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiT
         groups=_tuple(picks) if n_per_class is not None or per_class_dir else None,
         records=tuple(records) or tuple({} for _ in range(total)),
         nrow=nrow or n_per_class or _square(total), rows_per_class=n_per_class is not None,
-        latents=config.get("latents"), grid=grid, size=bucket,
+        latents=config.get("latents"), grid=grid, size=bucket, route=route,
     )
 
 
@@ -452,6 +472,9 @@ def run_plan(model, plan: SamplePlan, store, *, autoencoder=None, text_encoder=N
             cond = _text_inputs(emb, plan.model)
         empty = empty_caption(store)
     s, dev = plan.settings, plan.device
+    if plan.route is not None and not isinstance(model, DiT):
+        raise SampleError("--route-guidance routes the PyTorch DiT's tokens: use --engine torch (an ONNX file has "
+                          "no routes)")
     generator = torch.Generator().manual_seed(s.seed)
     noise = torch.randn((plan.total, plan.model.in_channels, *plan.grid), generator=generator)  # all first
     if autoencoder is None:
@@ -466,10 +489,16 @@ def run_plan(model, plan: SamplePlan, store, *, autoencoder=None, text_encoder=N
             sl = slice(start, min(start + s.batch_size, plan.total))
             kwargs = {k: v[sl].to(dev) for k, v in cond.items()}
             uncond = model.unconditional_kwargs(kwargs, empty) if plan.guide else None
+            net, scale = model, s.cfg_scale if plan.guide else 1.0
+            if plan.route is not None:  # TREAD's two routed passes in place of CFG's pair (route_guidance)
+                both = model.unconditional_kwargs(kwargs, empty) if s.route_guidance_cond == "null" else kwargs
+                net = route_guidance.route_guided(model, plan.route, s.route_guidance, s.cfg_scale, both,
+                                                  generator=generator, channels=s.cfg_channels or None)
+                kwargs, uncond, scale = {}, None, 1.0
             with autocast(dev, plan.amp):
                 z = diffusion.sample(
-                    model, noise[sl].shape, steps=s.steps, sampler=s.sampler,
-                    cfg_scale=s.cfg_scale if plan.guide else 1.0, cfg_channels=s.cfg_channels or None,
+                    net, noise[sl].shape, steps=s.steps, sampler=s.sampler,
+                    cfg_scale=scale, cfg_channels=s.cfg_channels or None,
                     model_kwargs=kwargs,
                     uncond_kwargs=uncond, generator=generator, device=dev, noise=noise[sl],
                 )

@@ -73,6 +73,12 @@ from dittrain.model.parts import MLPS, NORMS, POSITIONS
 from dittrain.model.routing import TokenRoute, gather_tokens, rejoin_tokens
 from dittrain.model.sizes import CONFIGS, DiTConfig, architecture, flops_per_forward, get_config
 
+
+def _autocasting(device_type: str) -> bool:
+    """Whether autocast is on for this device type (never on devices without autocast: meta)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 # -----------------------------------------------------------------------------
 # Embedders
 
@@ -495,9 +501,10 @@ class DiT(nn.Module):
         returns (N, out_channels, H, W): eps (or velocity), then the variance channels if learn_sigma
         return_hidden = k >= 1: returns (that output, the tokens after the k-th block (N, T, D)),
             what REPA aligns (dittrain.train.repa); the output is the same either way
-        route: training only (dittrain.model.routing, TREAD): blocks route.start <= i < route.end run on
-            the tokens route.idx (N, K); the others skip them and rejoin before block route.end.
-            The hidden tokens of a routed block are the kept ones, (N, K, D)
+        route: token routing (dittrain.model.routing, TREAD): blocks route.start..route.end (0-based, both
+            included) run on the tokens route.idx (N, K); the others skip them and rejoin after block
+            route.end; with route.full_after, under autocast, the next block runs with autocast off.
+            The hidden tokens of a routed block are the kept ones, (N, K, D) (the last routed one's too)
         """
         cfg = self.config
         grid = self.token_grid(x)  # (h, w) = (H/p, W/p)
@@ -515,24 +522,43 @@ class DiT(nn.Module):
         if return_hidden and not 1 <= return_hidden <= len(self.blocks):
             raise ValueError(f"return_hidden={return_hidden}: the model has {len(self.blocks)} blocks")
         hidden = None
+        full_next = False  # TREAD: the block after the rejoin runs with autocast off
         for i, block in enumerate(self.blocks):
             if route is not None and i == route.start:  # the routed tokens leave: (N, K, D)
                 x_all, rope_all = x, rope
                 x, rope = gather_tokens(x, route.idx), None if rope is None else rope_rows(rope, route.idx)
-            if route is not None and i == route.end:  # and rejoin: (N, T, D) again
-                x, rope = rejoin_tokens(x_all, x, route.idx), rope_all
-            if k and i % k == 0:
+            if full_next:
+                x = self._full_precision(block, k and i % k == 0, x, c, context, text_mask, recompute, rope)
+                full_next = False
+            elif k and i % k == 0:
                 # recompute this block's activations in backward: memory for ~1/3 more compute
                 x = checkpoint(block, x, c, context, text_mask, use_reentrant=False, rope=rope)
             else:
                 x = block(x, c, context, text_mask, recompute=recompute, rope=rope)  # (N, T, D)
             if i + 1 == return_hidden:
                 hidden = x  # (N, T, D) after block k; (N, K, D) when it is routed
-        if route is not None and route.end == len(self.blocks):
-            x = rejoin_tokens(x_all, x, route.idx)
+            if route is not None and i == route.end:  # and rejoin after the last routed block: (N, T, D)
+                x, rope = rejoin_tokens(x_all, x, route.idx), rope_all
+                full_next = route.full_after and _autocasting(x.device.type)
         x = self.final_layer(x, c)  # (N, T, p^2 * out_channels)
         x = self.unpatchify(x, grid)  # (N, out_channels, H, W)
         return (x, hidden) if return_hidden else x
+
+    @staticmethod
+    def _full_precision(block, checkpointed, x, c, context, text_mask, recompute, rope):
+        """One block with autocast off, its inputs in its weights' dtype: what TREAD's reference runs
+        right after a rejoin (CompVis/tread fccf77cc735a dit.py DiT.forward, fp32_next: the first block
+        to see the rejoined sequence, whose routed tokens come from an earlier depth)."""
+        dtype = next(block.parameters()).dtype
+
+        def cast(v):
+            return v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
+
+        x, c, context, rope = cast(x), cast(c), cast(context), None if rope is None else tuple(map(cast, rope))
+        with torch.autocast(x.device.type, enabled=False):
+            if checkpointed:
+                return checkpoint(block, x, c, context, text_mask, use_reentrant=False, rope=rope)
+            return block(x, c, context, text_mask, recompute=recompute, rope=rope)
 
     def _conditioning(self, t, y, text_pooled, text_tokens, force_drop_ids):
         """c (N, D), the sum of the timestep, class and pooled-text embeddings, and the text

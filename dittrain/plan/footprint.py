@@ -63,7 +63,7 @@ from types import SimpleNamespace
 
 from ditdata.common.errors import UserError
 from dittrain.model.parts import BLOCK_PARTS, POSITIONS
-from dittrain.model.routing import Route, block_tokens
+from dittrain.model.routing import Route, block_tokens, full_precision_block
 from dittrain.model.sizes import DiTConfig
 from dittrain.train.losses import LOSS_TERMS, Cost
 
@@ -304,13 +304,19 @@ class _Blocks:
     def __init__(self, s: Setting):
         cfg = s.config
         self.s, self.cfg, self.parts = s, cfg, model_parts(cfg)
-        self.rows = _row(activation_table().BLOCK, f"{block_kind(cfg)}/{s.dtype}/{s.kernel}", f"{block_kind(cfg)} blocks")
+        rows = _row(activation_table().BLOCK, f"{block_kind(cfg)}/{s.dtype}/{s.kernel}", f"{block_kind(cfg)} blocks")
         self.modes = block_modes(s.mode, cfg.depth)
         self.tokens = block_tokens(s.route, cfg.depth, cfg.num_tokens)
+        # each block's rows: a 16-bit step's fp32 ones for the block a TREAD route runs with autocast off
+        self.rows = [rows] * cfg.depth
+        self.full = full_precision_block(s.route, cfg.depth) if s.dtype != FP32 else None
+        if self.full is not None:
+            self.rows[self.full] = _row(activation_table().BLOCK, f"{block_kind(cfg)}/{FP32}/{s.kernel}",
+                                        f"{block_kind(cfg)} blocks in fp32")
 
     def kept(self, i: int, mode: str | None = None) -> float:
         """What block i keeps for the backward in `mode` (default: its own)."""
-        coef, n = self.rows[mode or self.modes[i]], len(BLOCK_SAMPLE)
+        coef, n = self.rows[i][mode or self.modes[i]], len(BLOCK_SAMPLE)
         return (self.s.micro_batch * dot(coef[:n], block_sample(self.cfg, self.tokens[i]))
                 + dot(coef[n:], self.parts.block_linear))
 
@@ -321,7 +327,7 @@ class _Blocks:
     def saved_casts(self) -> float:
         """The 16-bit weight copies the kept activations hold (saved by non-checkpointed matmuls)."""
         n = len(BLOCK_SAMPLE)
-        return sum(dot(self.rows[m][n:], self.parts.block_linear) for m in self.modes)
+        return sum(dot(rows[m][n:], self.parts.block_linear) for rows, m in zip(self.rows, self.modes, strict=True))
 
 
 def _outside_row(s: Setting):
@@ -364,7 +370,8 @@ def _cast_cache(s: Setting, blocks: _Blocks) -> float:
     activations count: the ones of checkpointed blocks."""
     if s.dtype == FP32:
         return 0.0
-    every = 2.0 * (s.config.depth * sum(blocks.parts.block_linear) + blocks.parts.outside_linear)
+    cast = s.config.depth - (blocks.full is not None)  # the blocks under autocast (not a route's fp32 one)
+    every = 2.0 * (cast * sum(blocks.parts.block_linear) + blocks.parts.outside_linear)
     n = len(OUTSIDE_SAMPLE)
     saved = blocks.saved_casts() + sum(_outside_row(s)[p][n] for p in ("head", "tail")) * blocks.parts.outside_linear
     return max(0.0, every - saved)

@@ -31,7 +31,8 @@ from ditdata.common.bytesize import format_size
 from ditdata.common.devices import GPUS, Gpu, gpu_named
 from ditdata.common.errors import UserError
 from dittrain.config import EvalSampleConfig, TrainConfig
-from dittrain.model.routing import block_tokens, parse_route
+from dittrain.model.routing import block_tokens, route_of
+from dittrain.model.routing import check as check_route
 from dittrain.model.sizes import DiTConfig, flops_per_forward
 from dittrain.plan.footprint import (
     Footprint,
@@ -326,9 +327,11 @@ def make_plan(req: PlanRequest, *, log=None) -> Plan:
     try:
         probe_device = probe_device_of(req)
         model, store, samples = _model_config(req)
-        route = parse_route(req.cfg.routing.route)
-        if route is not None and route.end > model.depth:
-            raise PlanError(f"--route {route}: END {route.end} is beyond {req.cfg.model.model}'s {model.depth} blocks")
+        try:
+            route = route_of(req.cfg.routing)
+            check_route(route, model.depth, req.cfg.model.model)  # END beyond the last block
+        except UserError as e:  # RouteError
+            raise PlanError(str(e)) from None
         # the loss terms' settings, as footprint's Setting holds them: by entry name (dittrain.train.losses;
         # repa: block, projector width, target dims), for the terms that are planned
         try:

@@ -36,7 +36,7 @@ from ditdata.common.errors import described
 from ditdata.common.memory import halved, out_of_memory_hint
 from ditdata.common.progress import Lines, progress_bar
 from dittrain.model.dit import DiT
-from dittrain.model.routing import block_tokens, parse_route
+from dittrain.model.routing import block_tokens, route_of
 from dittrain.model.sizes import flops_per_forward
 from dittrain.train.checkpoint import RunState
 from dittrain.train.loggers import open_loggers
@@ -56,7 +56,7 @@ class Log:
         self.run, self.state = run, state
         # 2 FLOPs/MAC x (forward + 2 backward) per sample of the global batch; --route: what the routed step computes
         m = run.model_cfg
-        tokens = block_tokens(parse_route(cfg.routing.route), m.depth, m.num_tokens)
+        tokens = block_tokens(route_of(cfg.routing), m.depth, m.num_tokens)
         self.flops_step = 6 * flops_per_forward(m, text_token_count(run.store), tokens) * cfg.optim.batch_size
         # MFU against the card's dense bf16/fp16 peak (ditdata.common.devices.GPUS); unknown cards: no MFU
         gpu = gpu_named(torch.cuda.get_device_name(device)) if device.type == "cuda" else None

@@ -51,7 +51,7 @@ from dittrain.data.latent_norm import LatentNorm
 from dittrain.diffusion import DiffusionConfig
 from dittrain.model.dit import DiT
 from dittrain.model.routing import describe as describe_route
-from dittrain.model.routing import parse_route
+from dittrain.model.routing import route_of
 from dittrain.rundir import (
     EMA_EXPORT,
     CheckpointError,
@@ -312,7 +312,7 @@ def _train(cfg: TrainConfig, resumption: Resumption | None, progress: bool = Tru
                 print(f"dittrain: aspect-ratio buckets: {buckets()}", file=sys.stderr)
             for line in losses.describe(cfg, run.model_cfg, run.resolved, state.term_modules):  # --repa's
                 print(f"dittrain: {line}", file=sys.stderr)
-            if (route := parse_route(cfg.routing.route)) is not None:
+            if (route := route_of(cfg.routing)) is not None:
                 print(f"dittrain: {describe_route(route, run.model_cfg.depth, run.model_cfg.num_tokens)}", file=sys.stderr)
         # (the bar closes on errors too; out of GPU memory is one line naming the model, batch, precision)
         with (_Stop() as stop, Log(run, state, resumed=ckpt is not None, progress=progress) as log,

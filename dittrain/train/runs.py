@@ -43,7 +43,7 @@ class RunSummary:
 
     name: str
     run: bool = True
-    model: str | None = None
+    model: str | None = None  # with its --route and how that counts, for a routed run
     store: str | None = None
     step: int | None = None  # the last training record's step
     max_steps: int | None = None
@@ -105,7 +105,10 @@ def summarize(path) -> RunSummary:
     if not isinstance(config, dict) or not isinstance(config.get("train"), dict):
         return RunSummary(name, run=False, status="not a run (config.json is not a dittrain run config)")
     train, store = TrainConfig.from_record(config["train"]), config.get("store") or {}
-    s = RunSummary(name, model=train.model.model, max_steps=train.optim.max_steps,
+    model = train.model.model
+    if train.routing.route:  # and how its numbers count (a run recorded before TREAD's counting: half-open)
+        model = f"{model}, route {train.routing.route} ({train.routing.route_convention})"
+    s = RunSummary(name, model=model, max_steps=train.optim.max_steps,
                    store=Path(store["path"]).name if store.get("path") else None)
 
     records, s.skipped_lines = read_metrics(path / "metrics.jsonl")

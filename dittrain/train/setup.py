@@ -23,7 +23,7 @@ from dittrain.config import TrainConfig
 from dittrain.data.latent_norm import choose, latent_record
 from dittrain.diffusion import Diffusion, DiffusionConfig
 from dittrain.model.routing import check as check_route
-from dittrain.model.routing import parse_route
+from dittrain.model.routing import route_of
 from dittrain.model.sizes import DiTConfig, get_config
 from dittrain.train.checkpoint import CheckpointWriter
 from dittrain.train.loggers import parse_loggers
@@ -155,7 +155,7 @@ def setup(cfg: TrainConfig) -> Run:
     terms = {}
     for term in loss_terms(cfg):
         terms |= term.record(cfg, store, model_cfg)
-    check_route(parse_route(cfg.routing.route), model_cfg.depth, cfg.model.model)  # RouteError: one line
+    check_route(route_of(cfg.routing), model_cfg.depth, cfg.model.model)  # RouteError: one line
     diff_cfg, latents = diffusion_config(cfg, model_cfg, store)
     resolved = {
         "train": asdict(cfg),

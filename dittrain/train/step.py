@@ -54,7 +54,7 @@ from dittrain.config import COMPILE_MODES, COMPILE_TARGETS, TrainConfig
 from dittrain.data.latent_norm import LatentNorm
 from dittrain.diffusion import Diffusion
 from dittrain.model.dit import drop_text_conditioning
-from dittrain.model.routing import draw, keep_rows, parse_route
+from dittrain.model.routing import draw, keep_rows, route_of
 from dittrain.train.losses import Forward, hidden_block
 
 
@@ -118,7 +118,7 @@ class TrainStep:
         self.cfg, self.gen, self.device, self.amp_dtype = cfg, gen, device, amp_dtype
         self.norm, self.empty_text, self.world, self.terms = norm, empty_text or {}, world, tuple(terms)
         self.hidden = hidden_block(self.terms)  # the block whose tokens the forward returns for them, or None
-        self.route, self.patch = parse_route(cfg.routing.route), model.config.patch_size  # --route, or None
+        self.route, self.patch = route_of(cfg.routing), model.config.patch_size  # --route, or None
         # clipped together: one total norm over the model's and the terms' modules' gradients
         self.params = [p for p in model.parameters() if p.requires_grad] + [
             p for term in self.terms if term.module is not None for p in term.module.parameters() if p.requires_grad]
