@@ -178,8 +178,9 @@ def _opt(*names, field, **kw):
 @_opt("--caption-dropout", field="caption_dropout", type=FiniteFloat(0, 1), help="Caption dropout for CFG (0..1).")
 @click.option("--learn-sigma/--no-learn-sigma", default=None,
               help="Learned variance (default: on for ddpm, off for flow).")
-@_opt("--qk-norm/--no-qk-norm", field="qk_norm", help="Add QK-norm (RMSNorm of q and k per head); without it a "
-      "model keeps its own (LightningDiT's, a custom spec's qk_norm=1).")
+@_opt("--qk-norm/--no-qk-norm", field="qk_norm", help="QK-norm (RMSNorm of q and k per head) on or off, "
+      "whatever --model says; neither: the model's own (a custom spec's qk_norm=0|1; the presets' is off, as in "
+      "LightningDiT's released configs, whose 800-epoch config suggests it against NaN losses).")
 @_opt("--latent-norm", field="latent_norm", type=click.Choice(config.LATENT_NORMS),
       help="channel: standardise each latent channel with the store's recorded mean/std before the model "
            "(recorded in the run config; sampling undoes it before decoding). Helps scale-1 stores (TAEF2). "

@@ -225,7 +225,9 @@ class ModelSection:
 
     model: str = setting("DiT-B/2", FIXED)  # a name from `dittrain models` (DiT-XL/2, LightningDiT-XL/1, ...) or custom:hidden=H,depth=D,heads=N,patch=P
     learn_sigma: bool | None = setting(None, FIXED)  # None: True for ddpm (as DiT), False for flow
-    qk_norm: bool = setting(False, FIXED)  # True adds QK-norm to any model; False keeps the model's own (LightningDiT's: on)
+    # None: the model's own (a custom spec's qk_norm=0|1; the presets: off, as LightningDiT's released configs);
+    # True / False: QK-norm on / off whatever the model says. A resume builds the architecture its record holds
+    qk_norm: bool | None = setting(None, FIXED)
     init_from: str = setting("", START)  # fine-tune from these weights: a plain state dict, an EMA export, a run, a checkpoint
 
 
