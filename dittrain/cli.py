@@ -131,6 +131,18 @@ class PlanCommand(RunCommand):
 _CFG_RANGE = FiniteFloat(-config.MAX_CFG_SCALE, config.MAX_CFG_SCALE)  # a guidance scale
 
 
+class AdamBetas(click.ParamType):
+    """--adam-betas B1,B2: two numbers in [0, 1), kept in the one spelling config.json records."""
+
+    name = "B1,B2"
+
+    def convert(self, value, param, ctx):
+        try:
+            return config.adam_betas_text(config.parse_adam_betas(value))
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
 def _opt(*names, field, **kw):
     """A click option whose default is TrainConfig's (the one place defaults live)."""
     return click.option(*names, default=_D[field], show_default=True, **kw)
@@ -164,6 +176,9 @@ def _opt(*names, field, **kw):
       help="GLOBAL batch per optimizer step (split over ranks and accumulation steps).")
 @_opt("--accumulation-steps", field="accumulation_steps", type=click.IntRange(min=1))
 @_opt("--lr", field="lr", type=FiniteFloat(min=0), help="Peak learning rate (AdamW).")
+@_opt("--adam-betas", field="adam_betas", type=AdamBetas(),
+      help="AdamW's beta1,beta2, each in [0, 1) (both --optimizer kinds): DiT's 0.9,0.999; LightningDiT "
+           "trains with 0.9,0.95 (with its batch of 1024 and lr 2e-4).")
 @_opt("--weight-decay", field="weight_decay", type=FiniteFloat(min=0))
 @_opt("--optimizer", field="optimizer", type=click.Choice(config.OPTIMIZERS),
       help="adamw: torch AdamW (fp32 state, 8 bytes per parameter); adamw8bit: bitsandbytes' 8-bit "
