@@ -212,6 +212,9 @@ def _opt(*names, field, **kw):
 @_opt("--t-shift", field="t_shift", type=FiniteFloat(min=0, min_open=True),
       help="flow: SD3's shift t -> S t / (1 + (S - 1) t) of the training t and of the Euler/Heun "
            "sampling grid (1: none; S > 1 spends more time near the noise).")
+@_opt("--velocity-cosine-weight", field="velocity_cosine_weight", type=FiniteFloat(min=0), metavar="W",
+      help="flow: add W x mean(1 - cosine) of the predicted and the true velocity, over the channels at each "
+           "position, to the MSE (LightningDiT's cosine loss, W = 1; logged as velocity_cosine_loss). 0: off.")
 @_opt("--precision", "--amp", "amp", field="amp", type=click.Choice(config.AMP_MODES),
       help="Autocast (as sample's and serve's --precision; --amp is the older name): auto: bf16 on "
            "GPUs that have it, else fp16 with a grad scaler; fp32 on the CPU.")

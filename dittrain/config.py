@@ -269,6 +269,9 @@ class DiffusionSection:
     t_mean: float = setting(0.0, LEARNED)  # flow logit-normal: t = sigmoid(N(t_mean, t_std))
     t_std: float = setting(1.0, LEARNED)
     t_shift: float = setting(1.0, LEARNED)  # flow: t -> S t / (1 + (S - 1) t) in training and the sampling grid; 1: none
+    # flow: loss += W x mean(1 - cos(output, velocity)) over the channels at each position (LightningDiT's
+    # cosine loss, weight 1 there; dittrain.train.losses.VelocityCosine); 0: off
+    velocity_cosine_weight: float = setting(0.0, LEARNED)
     class_dropout: float = setting(0.1, LEARNED)  # labels -> null class, for classifier-free guidance
     caption_dropout: float = setting(0.1, LEARNED)  # captions -> the empty caption's embedding
 
