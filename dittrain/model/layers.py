@@ -8,8 +8,10 @@ them into the blocks). Nothing here knows a part's name.
     rope_table                  2-D axial rotary position embedding: (cos, sin) of a token grid
     rope_rows, apply_rope       the rows of a subset of tokens; q or k rotated by a table
 
-The state-dict names (fc1, fc2, norm weights) are those of the released DiT checkpoints and of
-LightningDiT, so they load strictly. Importable from dittrain.model.dit too, as before.
+The state-dict names (fc1, fc2, norm weights) are those of the released DiT checkpoints, so they
+load strictly. LightningDiT's own SwiGLU names its matmuls w12 (W1 then W3, fused, as fc1 here) and
+w3 (as fc2) (hustvl/LightningDiT models/swiglu_ffn.py @ 2725fed4): its files would need those two
+renamed, which nothing here does. Importable from dittrain.model.dit too, as before.
 """
 
 from __future__ import annotations
