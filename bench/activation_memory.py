@@ -95,6 +95,10 @@ class KeptCounter:
             s = t.untyped_storage()
             if s.data_ptr() not in self.params:
                 self.kept[s.data_ptr()] = s.nbytes()
+            # packed detached: the same storage kept (so no pointer is reused while counting), but no
+            # grad_fn; a node's own output packed as itself is a cycle through the C++ graph that is never
+            # freed, over 1 GB per block kind of --table
+            return t.detach()
         return t
 
     @contextlib.contextmanager

@@ -147,6 +147,18 @@ class PlanCommand(RunCommand):
 _CFG_RANGE = FiniteFloat(-config.MAX_CFG_SCALE, config.MAX_CFG_SCALE)  # a guidance scale
 
 
+class AdamBetas(click.ParamType):
+    """--adam-betas B1,B2: two numbers in [0, 1), kept in the one spelling config.json records."""
+
+    name = "B1,B2"
+
+    def convert(self, value, param, ctx):
+        try:
+            return config.adam_betas_text(config.parse_adam_betas(value))
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
 def _opt(*names, field, **kw):
     """A click option whose default is TrainConfig's (the one place defaults live)."""
     return click.option(*names, default=_D[field], show_default=True, **kw)
@@ -180,6 +192,9 @@ def _opt(*names, field, **kw):
       help="GLOBAL batch per optimizer step (split over ranks and accumulation steps).")
 @_opt("--accumulation-steps", field="accumulation_steps", type=click.IntRange(min=1))
 @_opt("--lr", field="lr", type=FiniteFloat(min=0), help="Peak learning rate (AdamW).")
+@_opt("--adam-betas", field="adam_betas", type=AdamBetas(),
+      help="AdamW's beta1,beta2, each in [0, 1) (both --optimizer kinds): DiT's 0.9,0.999; LightningDiT "
+           "trains with 0.9,0.95 (with its batch of 1024 and lr 2e-4).")
 @_opt("--weight-decay", field="weight_decay", type=FiniteFloat(min=0))
 @_opt("--optimizer", field="optimizer", type=click.Choice(config.OPTIMIZERS),
       help="adamw: torch AdamW (fp32 state, 8 bytes per parameter); adamw8bit: bitsandbytes' 8-bit "
@@ -194,8 +209,9 @@ def _opt(*names, field, **kw):
 @_opt("--caption-dropout", field="caption_dropout", type=FiniteFloat(0, 1), help="Caption dropout for CFG (0..1).")
 @click.option("--learn-sigma/--no-learn-sigma", default=None,
               help="Learned variance (default: on for ddpm, off for flow).")
-@_opt("--qk-norm/--no-qk-norm", field="qk_norm", help="Add QK-norm (RMSNorm of q and k per head); without it a "
-      "model keeps its own (LightningDiT's, a custom spec's qk_norm=1).")
+@_opt("--qk-norm/--no-qk-norm", field="qk_norm", help="QK-norm (RMSNorm of q and k per head) on or off, "
+      "whatever --model says; neither: the model's own (a custom spec's qk_norm=0|1; the presets' is off, as in "
+      "LightningDiT's released configs, whose 800-epoch config suggests it against NaN losses).")
 @_opt("--latent-norm", field="latent_norm", type=click.Choice(config.LATENT_NORMS),
       help="channel: standardise each latent channel with the store's recorded mean/std before the model "
            "(recorded in the run config; sampling undoes it before decoding). Helps scale-1 stores (TAEF2). "
@@ -212,6 +228,9 @@ def _opt(*names, field, **kw):
 @_opt("--t-shift", field="t_shift", type=FiniteFloat(min=0, min_open=True),
       help="flow: SD3's shift t -> S t / (1 + (S - 1) t) of the training t and of the Euler/Heun "
            "sampling grid (1: none; S > 1 spends more time near the noise).")
+@_opt("--velocity-cosine-weight", field="velocity_cosine_weight", type=FiniteFloat(min=0), metavar="W",
+      help="flow: add W x mean(1 - cosine) of the predicted and the true velocity, over the channels at each "
+           "position, to the MSE (LightningDiT's cosine loss, W = 1; logged as velocity_cosine_loss). 0: off.")
 @_opt("--precision", "--amp", "amp", field="amp", type=click.Choice(config.AMP_MODES),
       help="Autocast (as sample's and serve's --precision; --amp is the older name): auto: bf16 on "
            "GPUs that have it, else fp16 with a grad scaler; fp32 on the CPU.")

@@ -64,6 +64,33 @@ ROUTE_GUIDANCE_CFG = 1.5  # --cfg's default with --route-guidance: sample_tread'
 # holds all that is known of it
 
 
+# AdamW's betas unless --adam-betas says otherwise: DiT's (facebookresearch/DiT train.py: torch's defaults).
+# A string "B1,B2" in the config, as the flag and a --config file spell it (and config.json records it)
+ADAM_BETAS = "0.9,0.999"
+
+
+def parse_adam_betas(text: str) -> tuple[float, float]:
+    """"B1,B2" -> (B1, B2), each a finite number with 0 <= B < 1 (Adam's moment decays: 1 would never
+    forget, and the bias correction 1 - B^t would divide by zero); ValueError with a one-line reason."""
+    import math
+
+    parts = [p.strip() for p in str(text).split(",")]
+    try:
+        betas = tuple(float(p) for p in parts)
+    except ValueError:
+        betas = ()
+    if len(parts) != 2 or len(betas) != 2:
+        raise ValueError(f"{text!r} is not two numbers B1,B2 (e.g. 0.9,0.95)")
+    for name, b in zip(("B1", "B2"), betas, strict=True):
+        if not (math.isfinite(b) and 0 <= b < 1):
+            raise ValueError(f"{text!r}: {name} = {b:g} is outside [0, 1) (Adam's moment decay)")
+    return betas
+
+
+def adam_betas_text(betas: tuple[float, float]) -> str:
+    """(B1, B2) -> "B1,B2", the one spelling a record holds (0.90, 0.950 -> "0.9,0.95")."""
+    return ",".join(repr(float(b)) for b in betas)
+
 # |guidance scale| beyond this is refused (--cfg, --sample-cfg, --eval-cfg; dittrain.inference.sample.plan_samples):
 # DiT guides with 1.5..4, and a finite but absurd scale (1e308) overflows the samples to NaN.
 MAX_CFG_SCALE = 100.0
@@ -246,7 +273,9 @@ class ModelSection:
 
     model: str = setting("DiT-B/2", FIXED)  # a name from `dittrain models` (DiT-XL/2, LightningDiT-XL/1, ...) or custom:hidden=H,depth=D,heads=N,patch=P
     learn_sigma: bool | None = setting(None, FIXED)  # None: True for ddpm (as DiT), False for flow
-    qk_norm: bool = setting(False, FIXED)  # True adds QK-norm to any model; False keeps the model's own (LightningDiT's: on)
+    # None: the model's own (a custom spec's qk_norm=0|1; the presets: off, as LightningDiT's released configs);
+    # True / False: QK-norm on / off whatever the model says. A resume builds the architecture its record holds
+    qk_norm: bool | None = setting(None, FIXED)
     init_from: str = setting("", START)  # fine-tune from these weights: a plain state dict, an EMA export, a run, a checkpoint
 
 
@@ -261,6 +290,9 @@ class DiffusionSection:
     t_mean: float = setting(0.0, LEARNED)  # flow logit-normal: t = sigmoid(N(t_mean, t_std))
     t_std: float = setting(1.0, LEARNED)
     t_shift: float = setting(1.0, LEARNED)  # flow: t -> S t / (1 + (S - 1) t) in training and the sampling grid; 1: none
+    # flow: loss += W x mean(1 - cos(output, velocity)) over the channels at each position (LightningDiT's
+    # cosine loss, weight 1 there; dittrain.train.losses.VelocityCosine); 0: off
+    velocity_cosine_weight: float = setting(0.0, LEARNED)
     class_dropout: float = setting(0.1, LEARNED)  # labels -> null class, for classifier-free guidance
     caption_dropout: float = setting(0.1, LEARNED)  # captions -> the empty caption's embedding
 
@@ -272,6 +304,8 @@ class OptimSection:
     batch_size: int = setting(256, LEARNED)  # GLOBAL batch per optimizer step, over ranks and accumulation
     accumulation_steps: int = setting(1, LEARNED)
     lr: float = setting(1e-4, LEARNED)
+    # AdamW's "beta1,beta2" (parse_adam_betas; dittrain.train.optim): DiT's 0.9,0.999; LightningDiT trains with 0.9,0.95
+    adam_betas: str = setting(ADAM_BETAS, LEARNED)
     weight_decay: float = setting(0.0, LEARNED)
     optimizer: str = setting("adamw", FIXED)  # adamw (torch, fp32 state) | adamw8bit (bitsandbytes, 8-bit state)
     warmup_steps: int = setting(0, LEARNED)

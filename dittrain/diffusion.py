@@ -171,6 +171,12 @@ def _bcast(values: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> torch.Te
     return out.view(-1, *([1] * (x.dim() - 1)))
 
 
+def flow_velocity(x0, noise):
+    """The flow objective's target: the velocity d x_t / dt = noise - x0 of the path
+    x_t = (1 - t) x0 + t noise (q_sample); what a loss on the velocity compares the output with."""
+    return noise - x0
+
+
 def mean_flat(x):
     return x.flatten(1).mean(dim=1)
 
@@ -354,7 +360,7 @@ class Diffusion:
         self._check_channels(out, C)
         terms = {}
         if self.config.objective == "flow":
-            terms["mse"] = mean_flat((out.float() - (noise - x0).float()) ** 2)
+            terms["mse"] = mean_flat((out.float() - flow_velocity(x0, noise).float()) ** 2)
             terms["loss"] = terms["mse"]
         else:
             terms["mse"] = mean_flat((out[:, :C].float() - noise.float()) ** 2)

@@ -22,6 +22,7 @@ from dittrain.inference.open_run import model_config
 from dittrain.inference.weights import load_weights
 from dittrain.model.dit import DiT, describe, num_params
 from dittrain.model.sizes import (
+    CONFIGS,
     LIGHTNING,
     DiTConfig,
     ModelSpecError,
@@ -101,11 +102,14 @@ def test_spec_grammar():
 
 
 def test_block_choices_in_the_spec():
-    assert architecture(LIGHT) == dict(hidden_size=64, depth=2, num_heads=2, patch_size=2, **LIGHTNING)
+    assert architecture(LIGHT) == dict(hidden_size=64, depth=2, num_heads=2, patch_size=2, mlp="swiglu", norm="rms",
+                                       pos="rope", qk_norm=True)
     assert architecture(TINY + ",mlp=gelu,pos=sincos,qk_norm=0") == dict(
         hidden_size=32, depth=2, num_heads=2, patch_size=2, mlp="gelu", pos="sincos", qk_norm=False)
     assert get_config("LightningDiT-B/2") == get_config(
-        "custom:hidden=768,depth=12,heads=12,patch=2,mlp=swiglu,norm=rms,pos=rope,qk_norm=1")
+        "custom:hidden=768,depth=12,heads=12,patch=2,mlp=swiglu,norm=rms,pos=sincos+rope")
+    assert architecture("custom:hidden=768,depth=12,heads=12,patch=2,mlp=swiglu,norm=rms,pos=sincos+rope") == dict(
+        CONFIGS["DiT-B/2"], **{k: v for k, v in LIGHTNING.items() if k != "qk_norm"})
     assert get_config("custom:hidden=64,depth=2,heads=2,patch=2,norm=rms").norm == "rms"
     # custom_name spells the choices that are not DiT's, in a fixed order, and round-trips
     assert custom_name(64, 2, 2, 2, qk_norm=True, pos="rope", norm="rms", mlp="swiglu") == LIGHT
@@ -138,7 +142,7 @@ def test_bad_specs_are_one_line_errors(spec, needle):
     message = raises_one_line(ModelSpecError, lambda: get_config(spec))
     assert needle in message
     assert "valid keys: hidden, depth, heads, patch" in message and "mlp_ratio" in message
-    assert "mlp (gelu|swiglu), norm (layer|rms), pos (sincos|rope), qk_norm (0|1)" in message
+    assert "mlp (gelu|swiglu), norm (layer|rms), pos (sincos|rope|sincos+rope), qk_norm (0|1)" in message
     with pytest.raises(KeyError, match="custom:hidden=H,depth=D,heads=N,patch=P"):
         get_config("DiT-Q/2")
 
@@ -174,7 +178,7 @@ VAVAE = dict(input_size=16, in_channels=32, num_classes=1000, learn_sigma=False)
 @pytest.mark.parametrize("name", ["LightningDiT-B/1", "LightningDiT-B/2", "LightningDiT-XL/1", "LightningDiT-XL/2"])
 def test_lightning_presets_are_the_closed_form(name):
     cfg = get_config(name, **VAVAE)
-    assert (cfg.mlp, cfg.norm, cfg.pos, cfg.qk_norm) == ("swiglu", "rms", "rope", True)
+    assert (cfg.mlp, cfg.norm, cfg.pos, cfg.qk_norm) == ("swiglu", "rms", "sincos+rope", False)
     assert num_params(cfg) == closed_form_of(cfg) == describe(name, **VAVAE)["params"]
 
 

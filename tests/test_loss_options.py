@@ -119,3 +119,66 @@ def test_options_recorded_and_resume_keeps_them(store, tmp_path):
 
     r = cli(*run_args(store, tmp_path / "bad", "--max-steps", 1, "--objective", "flow", "--loss-weighting", "min-snr"))
     assert r.exit_code == 1 and "min-snr" in one_error_line(r.output)
+
+
+# ----------------------------------------------------------------------------- --velocity-cosine-weight
+
+
+def test_velocity_cosine_is_the_hand_formula():
+    """LightningDiT's cosine loss (hustvl/LightningDiT transport/transport.py @ 2725fed4:
+    mean_flat(1 - cosine_similarity(model_output, ut, dim=1)), then the batch mean, added to the MSE with
+    weight 1): written out here per sample n and position (h, w), the cosine over the channels c."""
+    from dittrain.config import TrainConfig
+    from dittrain.train.losses import LOSS_TERMS, Forward
+
+    g = torch.Generator().manual_seed(0)
+    x0, noise, out = (torch.randn(3, 4, 5, 6, generator=g, dtype=torch.float64) for _ in range(3))
+    cfg = TrainConfig.from_flat(objective="flow", velocity_cosine_weight=0.7)
+    entry = LOSS_TERMS["velocity_cosine"]
+    assert entry.on(cfg) and not entry.on(TrainConfig.from_flat(objective="flow"))  # 0: off
+    term = entry.build(cfg, None, {}, None, None)
+    fwd = Forward(lambda x, t: out.float(), None, {}, x0.float(), torch.zeros(3), noise.float(), {})
+    fwd(x0.float(), torch.zeros(3))  # the diffusion loss's call: the term reads its output
+    weighted, metrics = term(fwd)
+
+    v = (noise - x0).numpy()  # our velocity; the reference's is x0 - noise, and so is its output's sign
+    o = out.numpy()
+    total = 0.0
+    for n in range(3):
+        for h in range(5):
+            for w in range(6):
+                a, b = o[n, :, h, w], v[n, :, h, w]
+                total += 1 - a @ b / (np.linalg.norm(a) * np.linalg.norm(b))
+    want = total / (3 * 5 * 6)
+    assert metrics["velocity_cosine_loss"].item() == pytest.approx(want, rel=1e-5)
+    assert weighted.item() == pytest.approx(0.7 * want, rel=1e-5)
+    # the reference's signs (output and target both negated) give the same cosine
+    flipped = Forward(lambda x, t: -out.float(), None, {}, noise.float(), torch.zeros(3), x0.float(), {})
+    flipped(x0.float(), torch.zeros(3))
+    assert term(flipped)[1]["velocity_cosine_loss"].item() == pytest.approx(want, rel=1e-5)
+
+
+def test_velocity_cosine_trains_logs_and_resumes(store, tmp_path):
+    """The term joins the backward (the second step's loss moves) but not the logged loss (the first
+    step's, before any update, is a plain run's: the reference logs the MSE alone too); its metric is
+    logged; a resume keeps it; ddpm refuses it in one line."""
+    flow = ["--objective", "flow", "--lr", "1e-2", "--max-steps", 2]
+    assert cli(*run_args(store, tmp_path / "plain", *flow)).exit_code == 0
+    r = cli(*run_args(store, tmp_path / "cos", *flow, "--velocity-cosine-weight", 1))
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(line) for line in (tmp_path / "cos" / "metrics.jsonl").read_text().splitlines()]
+    plain = [json.loads(line) for line in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["loss"] == plain[0]["loss"] and rows[1]["loss"] != plain[1]["loss"]
+    assert all(0 < row["velocity_cosine_loss"] < 2 for row in rows) and "velocity_cosine_loss" not in plain[0]
+    train = json.loads((tmp_path / "cos" / "config.json").read_text())["train"]
+    assert train["diffusion"]["velocity_cosine_weight"] == 1.0
+    r = cli(*run_args(store, tmp_path / "cos", "--max-steps", 3, "--resume", "--velocity-cosine-weight", 0.5))
+    assert r.exit_code == 1 and "--velocity-cosine-weight 1.0 -> 0.5" in one_error_line(r.output)
+    assert cli(*run_args(store, tmp_path / "cos", "--max-steps", 3, "--resume")).exit_code == 0
+    last = json.loads((tmp_path / "cos" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 3 and "velocity_cosine_loss" in last
+
+    r = cli(*run_args(store, tmp_path / "ddpm", "--max-steps", 1, "--velocity-cosine-weight", 1))
+    line = one_error_line(r.output)
+    assert r.exit_code == 1 and "--velocity-cosine-weight 1 is a flow option" in line and "--objective flow" in line
+    assert not (tmp_path / "ddpm" / "checkpoints").exists()

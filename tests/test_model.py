@@ -24,6 +24,7 @@ from dittrain.model.dit import (
     num_params,
     rope_rows,
     rope_table,
+    sincos_pos_embed_2d,
 )
 from dittrain.model.parts import NORMS
 from dittrain.model.sizes import CONFIGS, LIGHTNING, flops_per_forward, get_config
@@ -413,7 +414,8 @@ def reference_forward(sd: dict, cfg, x, t, y) -> torch.Tensor:
     """The class-conditional DiT written out from its definitions, on a state dict: the paper's
     network (adaLN-Zero blocks, tanh-GELU MLP, affine-free LayerNorm, the sin-cos table in
     pos_embed) for default blocks; LightningDiT's with cfg.mlp / norm / pos (SwiGLU, RMSNorm
-    x / sqrt(mean x^2 + eps) * w, q and k rotated by grid_rotations)."""
+    x / sqrt(mean x^2 + eps) * w, q and k rotated by grid_rotations: pos=rope without the table,
+    pos=sincos+rope with it, as hustvl/LightningDiT's forward always adds it)."""
     F = torch.nn.functional
     D, p, heads = cfg.hidden_size, cfg.patch_size, cfg.num_heads
     grid = cfg.input_size // p
@@ -431,7 +433,7 @@ def reference_forward(sd: dict, cfg, x, t, y) -> torch.Tensor:
         return torch.einsum("tij,nhtj->nhti", R, h)
 
     h = F.conv2d(x, sd["x_embedder.proj.weight"], sd["x_embedder.proj.bias"], stride=p).flatten(2).transpose(1, 2)
-    if cfg.pos == "sincos":
+    if cfg.pos in ("sincos", "sincos+rope"):
         h = h + sd["pos_embed"]
     half = cfg.frequency_embedding_size // 2
     freqs = torch.exp(-math.log(10000.0) * torch.arange(half) / half)
@@ -445,7 +447,7 @@ def reference_forward(sd: dict, cfg, x, t, y) -> torch.Tensor:
         shift1, scale1, gate1, shift2, scale2, gate2 = linear(F.silu(c), b + "adaLN_modulation.1").chunk(6, dim=1)
         a = norm(h, b + "norm1") * (1 + scale1.unsqueeze(1)) + shift1.unsqueeze(1)
         q, k, v = linear(a, b + "attn.qkv").reshape(N, T, 3, heads, D // heads).permute(2, 0, 3, 1, 4).unbind(0)
-        if cfg.pos == "rope":
+        if cfg.pos in ("rope", "sincos+rope"):
             q, k = rotate(q), rotate(k)
         a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(N, T, D)
         h = h + gate1.unsqueeze(1) * linear(a, b + "attn.proj")
@@ -479,19 +481,27 @@ def test_default_blocks_are_the_dit_paper_network_bit_for_bit():
 LIGHT = dict(LIGHTNING, hidden_size=64, num_heads=4)  # head_dim 16
 
 
-def test_lightning_blocks_are_their_definitions():
-    m = randomize_(tiny(**LIGHT)).eval()
+@pytest.mark.parametrize("pos", ["sincos+rope", "rope"])
+def test_lightning_blocks_are_their_definitions(pos):
+    """The presets' blocks (sincos+rope: the table added and q, k rotated) and pos=rope (what the
+    presets were before: no table), against reference_forward; QK-norm on top of either."""
+    m = randomize_(tiny(**{**LIGHT, "pos": pos, "qk_norm": True})).eval()
     cfg = m.config
     sd = m.state_dict()
-    assert "pos_embed" not in sd and not hasattr(m, "pos_embed")  # RoPE: no table at all
+    if pos == "rope":
+        assert "pos_embed" not in sd and not hasattr(m, "pos_embed")  # RoPE alone: no table at all
+    else:  # the frozen sin-cos table of DiT, beside the rotation
+        assert not m.pos_embed.requires_grad
+        torch.testing.assert_close(sd["pos_embed"][0], sincos_pos_embed_2d(64, 4))
     assert {"blocks.0.norm1.weight", "blocks.0.norm2.weight", "final_layer.norm_final.weight",
             "blocks.0.attn.q_norm.weight"} <= set(sd)
     assert sd["blocks.0.mlp.fc1.weight"].shape == (2 * cfg.mlp_hidden, 64) and cfg.mlp_hidden == 170  # 2 * 256 // 3
     x, t, y = inputs()
     with torch.no_grad():
         out = m(x, t, y)
-        # the reference has no QK-norm: compare on a model without it
-        plain = randomize_(tiny(**{**LIGHT, "qk_norm": False})).eval()
+        # reference_forward has no QK-norm: compare on a model without it (the presets' own)
+        plain = randomize_(tiny(**{**LIGHT, "pos": pos})).eval()
+        assert not any("q_norm" in k for k in plain.state_dict())
         torch.testing.assert_close(plain(x, t, y), reference_forward(plain.state_dict(), plain.config, x, t, y),
                                    rtol=1e-4, atol=1e-5)
         again, hidden = m(x, t, y, return_hidden=2)  # REPA's hidden tokens: the output unchanged
@@ -542,7 +552,7 @@ def test_a_lightning_block_compiles_in_one_graph(per_sample):
 
 
 def test_lightning_registry_and_counts():
-    """LightningDiT-B and -XL at patch 1 and 2: DiT's sizes with swiglu + rms + rope + QK-norm.
+    """LightningDiT-B and -XL at patch 1 and 2: DiT's sizes with swiglu + rms + sincos+rope, no QK-norm.
     Parameters: the published 675 M of LightningDiT-XL/1 on VA-VAE latents (32x16x16, 1000
     classes, no learned sigma); GFLOPs: the closed form, equal to the matmuls torch counts."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -551,7 +561,7 @@ def test_lightning_registry_and_counts():
         for p in (1, 2):
             arch = CONFIGS[f"LightningDiT-{size}/{p}"]
             assert arch == {**CONFIGS[f"{dit}/2"], "patch_size": p, **LIGHTNING}
-    assert LIGHTNING == dict(mlp="swiglu", norm="rms", pos="rope", qk_norm=True)
+    assert LIGHTNING == dict(mlp="swiglu", norm="rms", pos="sincos+rope", qk_norm=False)
     vavae = dict(input_size=16, in_channels=32, num_classes=1000, learn_sigma=False)
     xl1 = get_config("LightningDiT-XL/1", **vavae)
     assert xl1.mlp_hidden == 3072 and xl1.num_tokens == 256

@@ -1,9 +1,12 @@
 """--optimizer adamw8bit (bitsandbytes' 8-bit AdamW, on the CPU here): it trains, keeps uint8
-moments, resumes exactly after SIGKILL, and a resume with another optimizer is refused."""
+moments, resumes exactly after SIGKILL, and a resume with another optimizer is refused.
+--adam-betas B1,B2 (LightningDiT's 0.9,0.95): both optimizers step with them (Adam's update by
+hand), the run records them, a resume keeps them, and bad values are one line."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -16,7 +19,11 @@ from dittrain.rundir import latest_checkpoint, load_checkpoint
 from dittrain.train.optim import build_optimizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-bnb = pytest.importorskip("bitsandbytes")
+try:
+    import bitsandbytes as bnb
+except ImportError:  # the optim extra: its tests skip, the rest run
+    bnb = None
+needs_bnb = pytest.mark.skipif(bnb is None, reason="bitsandbytes (pip install 'ditkit[optim]') is not installed")
 QUANT = "__bnb_optimizer_quant_state__"  # where bitsandbytes' state dict keeps a parameter's state
 
 
@@ -41,6 +48,7 @@ def moments(ckpt: dict) -> list[dict]:
     return [s[QUANT] for s in ckpt["optimizer"]["state"].values()]
 
 
+@needs_bnb
 def test_exact_resume_after_sigkill(store, tmp_path):
     steps, half = 40, 20
     common = ["--optimizer", "adamw8bit", "--loader", "resident", "--max-steps", steps, "--save-every", half,
@@ -58,6 +66,7 @@ def test_exact_resume_after_sigkill(store, tmp_path):
     assert all(s["state1"].dtype == torch.float32 for s in state if s["state1"].numel() < 4096)
 
 
+@needs_bnb
 def test_same_hyperparameters_as_adamw():
     cfg = TrainConfig.from_flat(optimizer="adamw8bit", lr=3e-4, weight_decay=0.05)
     params = [torch.nn.Parameter(torch.randn(64, 128))]
@@ -93,3 +102,78 @@ def test_missing_bitsandbytes(store, tmp_path, monkeypatch):
     assert r.exit_code == 1
     assert "pip install 'ditkit[optim]'" in one_error_line(r.output)
     assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+# ----------------------------------------------------------------------------- --adam-betas
+
+
+def hand_adam(p0: torch.Tensor, grads: list, betas, lr: float, eps: float = 1e-8) -> torch.Tensor:
+    """Adam's update (no weight decay) written out: m, v the bias-corrected moment averages."""
+    b1, b2 = betas
+    m = v = torch.zeros_like(p0, dtype=torch.float64)
+    p = p0.double()
+    for step, g in enumerate(grads, start=1):
+        m, v = b1 * m + (1 - b1) * g.double(), b2 * v + (1 - b2) * g.double() ** 2
+        p = p - lr * (m / (1 - b1 ** step)) / ((v / (1 - b2 ** step)).sqrt() + eps)
+    return p
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("adamw8bit", marks=needs_bnb)])
+def test_adam_betas_are_what_both_optimizers_step_with(optimizer):
+    """Three steps on a tensor under bitsandbytes' 4096 elements (its moments stay fp32, so its update is
+    Adam's too): the betas given, not the default ones, which move the weights elsewhere."""
+    betas, lr = (0.8, 0.95), 1e-2
+    cfg = TrainConfig.from_flat(optimizer=optimizer, lr=lr, adam_betas="0.8,0.95")
+    g = torch.Generator().manual_seed(0)
+    p0 = torch.randn(16, 32, generator=g)
+    grads = [torch.randn(16, 32, generator=g) for _ in range(3)]
+    param = torch.nn.Parameter(p0.clone())
+    opt = build_optimizer(cfg, [param], torch.device("cpu"))
+    assert tuple(opt.param_groups[0]["betas"]) == betas
+    for grad in grads:
+        param.grad = grad.clone()
+        opt.step()
+    want = hand_adam(p0, grads, betas, lr)
+    torch.testing.assert_close(param.detach().double(), want, rtol=1e-4, atol=1e-5)
+    assert (hand_adam(p0, grads, (0.9, 0.999), lr) - want).abs().max() > 1e-3  # the default: another point
+    assert tuple(build_optimizer(TrainConfig.from_flat(optimizer=optimizer), [param], torch.device("cpu"))
+                 .param_groups[0]["betas"]) == (0.9, 0.999)  # DiT's, when not given
+
+
+def test_adam_betas_are_recorded_and_kept_on_resume(store, tmp_path):
+    out = tmp_path / "r"
+    r = cli(*run_args(store, out, "--max-steps", 1, "--adam-betas", "0.90, 0.950"))
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "config.json").read_text())["train"]["optim"]["adam_betas"] == "0.9,0.95"  # one spelling
+    ckpt = load_checkpoint(latest_checkpoint(out))
+    assert tuple(ckpt["optimizer"]["param_groups"][0]["betas"]) == (0.9, 0.95)
+    # a resume continues with them (the same value spelled otherwise is no change) ...
+    assert cli(*run_args(store, out, "--max-steps", 2, "--resume", "--adam-betas", "0.9,0.95000")).exit_code == 0
+    assert tuple(load_checkpoint(latest_checkpoint(out))["optimizer"]["param_groups"][0]["betas"]) == (0.9, 0.95)
+    # ... and other ones are a change of what is learned
+    r = cli(*run_args(store, out, "--max-steps", 3, "--resume", "--adam-betas", "0.9,0.999"))
+    assert r.exit_code == 1 and "--adam-betas '0.9,0.95' -> '0.9,0.999'" in one_error_line(r.output)
+    # --print-config writes them as --config reads them back
+    toml = cli(*run_args(store, tmp_path / "p", "--adam-betas", "0.9,0.95", "--print-config")).output
+    assert 'adam-betas = "0.9,0.95"' in toml
+    (tmp_path / "p.toml").write_text(toml)
+    assert 'adam-betas = "0.9,0.95"' in cli("run", "--config", tmp_path / "p.toml", "--print-config").output
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("1,0.9", "B1 = 1 is outside [0, 1)"), ("0.9,1.0", "B2 = 1 is outside [0, 1)"),
+    ("0.9,-0.1", "B2 = -0.1 is outside [0, 1)"), ("nan,0.9", "B1 = nan is outside [0, 1)"),
+    ("0.9", "is not two numbers B1,B2"), ("0.9,0.95,0.99", "is not two numbers"), ("a,b", "is not two numbers"),
+])
+def test_bad_adam_betas_are_one_line(store, tmp_path, value, needle):
+    r = cli(*run_args(store, tmp_path / "r", "--max-steps", 1, "--adam-betas", value))
+    assert r.exit_code != 0
+    line = one_error_line(r.output)
+    assert "--adam-betas" in line and needle in line, line
+    assert not (tmp_path / "r").exists()
+    # a config made in Python is refused by the optimizer itself, in one line too
+    from dittrain.train.optim import OptimizerError
+
+    with pytest.raises(OptimizerError, match=re.escape(needle)):
+        build_optimizer(TrainConfig.from_flat(adam_betas=value), [torch.nn.Parameter(torch.zeros(2))],
+                        torch.device("cpu"))

@@ -156,7 +156,7 @@ LEARNED_SETTINGS = {
     "lr", "lr_schedule", "min_lr", "warmup_steps", "weight_decay", "ema", "grad_clip", "batch_size",
     "accumulation_steps", "seed", "shuffle_window", "bucket_remainder", "loss_weighting", "min_snr_gamma",
     "t_sampling", "t_mean", "t_std", "t_shift", "class_dropout", "caption_dropout", "amp", "tf32", "repa_depth",
-    "repa_weight", "route", "route_convention"}
+    "repa_weight", "route", "route_convention", "adam_betas", "velocity_cosine_weight"}
 FIXED_SETTINGS = {"model", "learn_sigma", "qk_norm", "objective", "optimizer", "latent_norm", "repa",
                   "repa_projector_dim"}
 START_SETTINGS = {"resume", "out", "init_from"}

@@ -98,10 +98,22 @@ def test_swiglu_and_rmsnorm_are_read_from_the_shapes(blocks, spelled):
 
 
 def test_a_rope_model_plain_state_dict_is_refused():
-    state = meta_model_state("LightningDiT-B/2", input_size=16)
+    state = meta_model_state("LightningDiT-B/2", input_size=16, pos="rope")  # what the presets were: no table
     with pytest.raises(WeightsError, match="without pos_embed, a RoPE model .* its run directory, checkpoint or EMA "
                                            "export"):
-        infer_model(state, "LightningDiT-B/2")
+        infer_model(state, "custom:hidden=768,depth=12,heads=12,patch=2,mlp=swiglu,norm=rms,pos=rope")
+
+
+def test_a_lightningdit_plain_state_dict_reads_as_the_preset():
+    """The presets' sincos+rope has DiT's pos_embed: its input size is in the shapes. The rotation is not:
+    the named size with these blocks says it (LightningDiT-B), and --model may say sin-cos alone (the same
+    shapes) but not RoPE alone (no table)."""
+    state = meta_model_state("LightningDiT-B/2", input_size=16)
+    assert infer_model(state) == ("LightningDiT-B/2", get_config("LightningDiT-B/2", input_size=16))
+    plain = "custom:hidden=768,depth=12,heads=12,patch=2,mlp=swiglu,norm=rms"
+    assert infer_model(state, plain)[1].pos == "sincos"
+    with pytest.raises(WeightsError, match=re.escape(f"--model {plain},pos=rope (hidden") + r".*\) does not fit"):
+        infer_model(state, plain + ",pos=rope")
 
 
 def test_heads_come_from_the_named_size_or_model():

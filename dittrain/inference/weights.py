@@ -27,7 +27,9 @@ What the shapes say (facebookresearch/DiT's key names, which our DiT keeps):
     text_token_embedder.mlp.0.weight    (D, Dt)       present: cross-attention to tokens of width Dt
 
 A RoPE model (pos=rope) has no pos_embed, so its input size is not in the shapes: its plain
-state dict is refused; its run, checkpoints and EMA exports record it.
+state dict is refused; its run, checkpoints and EMA exports record it. Whether q and k are rotated
+is not in the shapes either: pos_embed says the position part has a table (sincos, or
+LightningDiT's sincos+rope), and the named size (or --model) says which of those.
 The attention heads are not in the shapes: they come from the named size (dittrain.model.dit's
 CONFIGS) with the same hidden size and depth, or from `--model NAME`, which replaces the
 inferred name and architecture (its hidden size, depth and patch must be the weights'). A size
@@ -58,7 +60,7 @@ from ditdata.store import Conditioning, Schema, TensorSpec
 from dittrain.config import TrainConfig, recorded
 from dittrain.diffusion import DiffusionConfig
 from dittrain.model.dit import DiT
-from dittrain.model.parts import MLPS, NORMS
+from dittrain.model.parts import MLPS, NORMS, POSITIONS
 from dittrain.model.sizes import (
     BLOCK_FIELDS,
     CONFIGS,
@@ -267,14 +269,21 @@ def _blocks(spec: dict) -> tuple:
     return tuple(spec.get(k, getattr(DiTConfig, k)) for k in _KINDS)
 
 
+def _shaped(spec: dict) -> tuple:
+    """What the shapes tell of _blocks(spec): the MLP, the norm, and whether the position part adds
+    a table (pos_embed); a rotation has no weights (sincos and sincos+rope look alike)."""
+    mlp, norm, pos = _blocks(spec)
+    return mlp, norm, POSITIONS[pos].table is not None
+
+
 def _size(arch: dict) -> str:
     blocks = "".join(f", {k} {v}" for k, v in zip(_KINDS, _blocks(arch), strict=True) if v != getattr(DiTConfig, k))
     return f"hidden {arch['hidden_size']}, depth {arch['depth']}, patch {arch['patch_size']}{blocks}"
 
 
-def _name_and_heads(arch: dict, model: str | None, where) -> tuple[str, int]:
-    """(model name, attention heads): --model's, else the named size with the weights'
-    hidden size and depth (its name with the weights' patch)."""
+def _name_and_heads(arch: dict, model: str | None, where) -> tuple[str, int, str]:
+    """(model name, attention heads, position part): --model's, else the named size with the
+    weights' hidden size, depth and blocks (its name with the weights' patch)."""
     if model is not None:
         try:
             spec = architecture(model)  # a registry name or a custom:hidden=..,depth=..,heads=..,patch=.. spec
@@ -286,12 +295,12 @@ def _name_and_heads(arch: dict, model: str | None, where) -> tuple[str, int]:
         hidden = MLPS[arch["mlp"]].width  # the MLP width of a ratio (SwiGLU: two ratios may give one width)
         width = hidden(int(arch["hidden_size"] * spec.get("mlp_ratio", arch["mlp_ratio"])))  # a custom spec's ratio
         if (any(spec[k] != arch[k] for k in ("hidden_size", "depth", "patch_size"))
-                or width != hidden(int(arch["hidden_size"] * arch["mlp_ratio"])) or _blocks(spec) != _blocks(arch)):
+                or width != hidden(int(arch["hidden_size"] * arch["mlp_ratio"])) or _shaped(spec) != _shaped(arch)):
             raise WeightsError(f"--model {model} ({_size(spec)}) does not fit {where} ({_size(arch)})")
-        return model, spec["num_heads"]
+        return model, spec["num_heads"], _blocks(spec)[2]
     for name, spec in CONFIGS.items():  # a named size with these blocks
-        if (spec["hidden_size"], spec["depth"]) == (arch["hidden_size"], arch["depth"]) and _blocks(spec) == _blocks(arch):
-            return f"{name.rsplit('/', 1)[0]}/{arch['patch_size']}", spec["num_heads"]
+        if (spec["hidden_size"], spec["depth"]) == (arch["hidden_size"], arch["depth"]) and _shaped(spec) == _shaped(arch):
+            return f"{name.rsplit('/', 1)[0]}/{arch['patch_size']}", spec["num_heads"], _blocks(spec)[2]
     suggestion = custom_name(arch["hidden_size"], arch["depth"], "?", arch["patch_size"], arch["mlp_ratio"],
                              mlp=arch["mlp"], norm=arch["norm"], qk_norm=arch["qk_norm"])
     raise WeightsError(f"{where}: no named DiT size has hidden {arch['hidden_size']} and depth {arch['depth']}, "
@@ -319,9 +328,9 @@ def infer_model(state: dict, model: str | None = None, *, where="the weights") -
     model: a name from `dittrain models` instead of the inferred one. WeightsError when the
     shapes are not a DiT's or the heads cannot be told."""
     arch = _architecture(state, where)
-    name, heads = _name_and_heads(arch, model, where)
+    name, heads, pos = _name_and_heads(arch, model, where)
     try:
-        cfg = DiTConfig(**arch, num_heads=heads)
+        cfg = DiTConfig(**arch, num_heads=heads, pos=pos)
     except AssertionError as e:
         raise WeightsError(f"{where}: shapes of no valid DiT ({e})") from e
     with torch.device("meta"):

@@ -8,8 +8,10 @@ them into the blocks). Nothing here knows a part's name.
     rope_table                  2-D axial rotary position embedding: (cos, sin) of a token grid
     rope_rows, apply_rope       the rows of a subset of tokens; q or k rotated by a table
 
-The state-dict names (fc1, fc2, norm weights) are those of the released DiT checkpoints and of
-LightningDiT, so they load strictly. Importable from dittrain.model.dit too, as before.
+The state-dict names (fc1, fc2, norm weights) are those of the released DiT checkpoints, so they
+load strictly. LightningDiT's own SwiGLU names its matmuls w12 (W1 then W3, fused, as fc1 here) and
+w3 (as fc2) (hustvl/LightningDiT models/swiglu_ffn.py @ 2725fed4): its files would need those two
+renamed, which nothing here does. Importable from dittrain.model.dit too, as before.
 """
 
 from __future__ import annotations
@@ -101,7 +103,9 @@ def rope_table(head_dim: int, grid: int | tuple[int, int], theta: float = 10000.
     in row-major order. The first half of a head's dims turns with the token's row, the second
     half with its column; within each half the pairs (2i, 2i + 1) turn by the angle
     pos * theta^(-2i / (head_dim / 2)), i < head_dim / 4, so both entries of a pair share a
-    column of the tables. Computed in float64, on `device`
+    column of the tables. This is LightningDiT's rotation (hustvl/LightningDiT @ 2725fed4: EVA-02's
+    VisionRotaryEmbeddingFast at dim = head_dim / 2, theta 10000, on q and k of every head;
+    tests/test_lightningdit.py checks it element by element). Computed in float64, on `device`
     itself: a table made on the host and copied would make every forward wait for the GPU."""
     assert head_dim % 4 == 0, "2-D RoPE needs a head dim that is a multiple of 4"
     half = head_dim // 2

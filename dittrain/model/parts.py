@@ -8,10 +8,13 @@ that measures the memory table (bench/activation_memory.py).
 
     MLPS       DiTConfig.mlp   gelu: DiT's tanh-GELU MLP | swiglu: LightningDiT's silu(x W1) * (x W3), then W2
     NORMS      DiTConfig.norm  layer: DiT's LayerNorm (no affine) | rms: LightningDiT's RMSNorm (learned weight)
-    POSITIONS  DiTConfig.pos   sincos: DiT's fixed 2-D table added to the tokens | rope: 2-D rotary q and k
+    POSITIONS  DiTConfig.pos   sincos: DiT's fixed 2-D table added to the tokens | rope: 2-D rotary q and k,
+                               no table | sincos+rope: both, LightningDiT's (the table added AND q, k rotated)
 
-The first entry of each is DiT's own and the default; the LightningDiT presets and
-`custom:...,mlp=swiglu,norm=rms,pos=rope` choose the others. A registry is a mapping name ->
+The first entry of each is DiT's own and the default; the LightningDiT presets
+(mlp=swiglu, norm=rms, pos=sincos+rope) and `custom:...,mlp=swiglu,norm=rms,pos=...` choose the
+others. pos=rope (no pos_embed) is what the LightningDiT presets meant before they matched the
+reference; runs and checkpoints made with it keep loading and sampling as they trained. A registry is a mapping name ->
 entry in that order (iterating it gives the names), and its entries say:
 
     MlpPart(name, module, width, matmuls)
@@ -170,6 +173,12 @@ def _sincos_check(hidden: int, heads: int) -> str | None:
     return f"hidden {hidden} is not a multiple of 4 (the 2-D sin-cos position embedding needs it)" if hidden % 4 else None
 
 
+def _both_check(hidden: int, heads: int) -> str | None:
+    # the table's width rule and the rotation's head-dim rule, each worded as its own part words it
+    problem = _sincos_check(hidden, heads) or _rope_check(hidden, heads)
+    return problem and problem.replace("pos=rope", "pos=sincos+rope")
+
+
 MLPS: Registry[MlpPart] = Registry(
     "mlp",
     MlpPart("gelu", _layers("Mlp"), width=lambda m: m, matmuls=2),  # fc1 D -> M, fc2 M -> D
@@ -189,6 +198,10 @@ POSITIONS: Registry[PositionPart] = Registry(
     PositionPart("sincos", table=_layers("sincos_pos_embed_2d"), check=_sincos_check),
     # no pos_embed at all: the positions enter the attention, the tables computed in each forward
     PositionPart("rope", rotary=_layers("rope_table"), check=_rope_check),
+    # LightningDiT's (hustvl/LightningDiT models/lightningdit.py @ 2725fed4: `x_embedder(x) +
+    # self.pos_embed` whatever use_rope says, and with use_rope EVA-02's 2-D rotary on q and k of
+    # every block): the frozen sin-cos pos_embed added to the tokens AND q, k rotated
+    PositionPart("sincos+rope", table=_layers("sincos_pos_embed_2d"), rotary=_layers("rope_table"), check=_both_check),
 )
 BLOCK_PARTS = (MLPS, NORMS, POSITIONS)  # in DiTConfig's and the custom spec's order
 

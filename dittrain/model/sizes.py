@@ -12,8 +12,8 @@ dittrain.model.parts (MLPS, NORMS, POSITIONS), which DiTConfig checks a value ag
 entries give what this file counts: an MLP's width rule (mlp_hidden: SwiGLU's H' = 2M // 3 of
 the GELU width M) and matmuls per token (flops_per_forward), a position's width checks. DiT's
 blocks by default (gelu, layer, sincos); LightningDiT (Yao et al., 2025) swaps in a SwiGLU MLP,
-RMSNorm and 2-D rotary position embedding. A custom spec names them (",mlp=swiglu,norm=rms,
-pos=rope"), every registered part included.
+RMSNorm and 2-D rotary position embedding on top of the sin-cos table (sincos+rope). A custom spec
+names them (",mlp=swiglu,norm=rms,pos=sincos+rope"), every registered part included.
 
 Arithmetic on names and numbers only (the grad-checkpointing knob is read by
 dittrain.model.checkpointing): the network itself, and what it counts in parameters (the
@@ -46,7 +46,7 @@ class DiTConfig:
     # the block parts, names in dittrain.model.parts' registries (MLPS, NORMS, POSITIONS)
     mlp: str = "gelu"  # gelu | swiglu (its width rule: the same parameters as the GELU MLP)
     norm: str = "layer"  # layer | rms: the adaLN-modulated norms of the blocks and the final layer
-    pos: str = "sincos"  # sincos (a fixed pos_embed added to the tokens) | rope (q and k rotated, no pos_embed)
+    pos: str = "sincos"  # sincos (a fixed pos_embed added to the tokens) | rope (q and k rotated, no pos_embed) | sincos+rope (both)
     text_pooled_dim: int | None = None  # pooled text embedding, added to c
     text_token_dim: int | None = None  # token embeddings, through cross-attention
     # "none" | "every" | k (every k-th block) | "attn" / "mlp" (that branch of every block) |
@@ -91,11 +91,15 @@ _SIZES = {
 }
 _PATCHES = {"T": (2, 4), "S": (2, 4, 8), "B": (2, 4, 8), "L": (2, 4, 8), "XL": (2, 4, 8)}
 
-# LightningDiT (Yao et al., 2025, "Reconstruction vs. Generation", hustvl/LightningDiT): DiT's
-# B and XL sizes with patch 1 (its VA-VAE latents, 32x16x16 at 256 px, are already /16) or 2,
-# and these blocks. QK-norm on as well (the released XL/1 config leaves it off; it adds two
-# head_dim weights per block: 4032 parameters in XL).
-LIGHTNING = dict(mlp="swiglu", norm="rms", pos="rope", qk_norm=True)
+# LightningDiT (Yao et al., 2025, "Reconstruction vs. Generation", hustvl/LightningDiT @ 2725fed4):
+# DiT's B and XL sizes with patch 1 (its VA-VAE latents, 32x16x16 at 256 px, are already /16) or
+# 2, and the blocks of its released configs (configs/lightningdit_xl_vavae_f16d32.yaml: use_swiglu,
+# use_rmsnorm, use_rope true, use_qknorm false, wo_shift false). Its forward adds the fixed sin-cos
+# pos_embed to the tokens whether or not it rotates q and k (models/lightningdit.py), hence
+# sincos+rope. --qk-norm adds QK-norm (the 800-epoch config's advice against NaN losses).
+# Until the presets matched the reference they were pos=rope (no pos_embed) with QK-norm: runs made
+# then record that resolved config and keep it (dittrain.train.setup.model_config_for).
+LIGHTNING = dict(mlp="swiglu", norm="rms", pos="sincos+rope", qk_norm=False)
 _LIGHTNING_SIZES = {"B": (1, 2), "XL": (1, 2)}
 
 # The one registry: "DiT-XL/2" -> the architecture fields of DiTConfig. Data-dependent
@@ -115,6 +119,10 @@ _CUSTOM_FIELDS = {"hidden": "hidden_size", "depth": "depth", "heads": "num_heads
                   "mlp_ratio": "mlp_ratio", "mlp": "mlp", "norm": "norm", "pos": "pos", "qk_norm": "qk_norm"}
 _CUSTOM_REQUIRED = ("hidden", "depth", "heads", "patch")
 BLOCK_FIELDS = (*(parts.field for parts in BLOCK_PARTS), "qk_norm")  # DiTConfig's block choices, in custom-spec order
+# the DiTConfig fields a model name decides (a preset's or a custom spec's); the others come from the data
+# and the run's flags. A run's record keeps them resolved, so a resume builds what it trained even where a
+# preset's meaning has changed since (dittrain.train.setup.model_config_for)
+NAMED_FIELDS = ("hidden_size", "depth", "num_heads", "patch_size", "mlp_ratio", *BLOCK_FIELDS)
 CUSTOM_SPEC = "custom:hidden=H,depth=D,heads=N,patch=P"  # the grammar, for messages
 
 
@@ -248,6 +256,6 @@ def block_flops(config: DiTConfig, tokens: int, text_tokens: int = 0) -> int:
 
 
 
-__all__ = ["BLOCK_FIELDS", "CONFIGS", "CUSTOM_PREFIX", "CUSTOM_SPEC", "LIGHTNING", "DiTConfig",
+__all__ = ["BLOCK_FIELDS", "CONFIGS", "NAMED_FIELDS", "CUSTOM_PREFIX", "CUSTOM_SPEC", "LIGHTNING", "DiTConfig",
            "ModelSpecError", "architecture", "block_flops", "custom_name", "flops_per_forward", "get_config",
            "parse_custom"]

@@ -4,7 +4,7 @@
     setup.py       what a run is before it trains: process group, device, store, the configs it implies
     step.py        one optimizer step queued on the device (no host syncs), torch.compile
     optim.py       AdamW / 8-bit AdamW and the LR schedule
-    losses.py      the loss terms beside the diffusion loss: LOSS_TERMS, one entry each (REPA's)
+    losses.py      the loss terms beside the diffusion loss: LOSS_TERMS, one entry each (REPA's, the velocity cosine)
     repa.py        --repa: the projector and the alignment loss
     checkpoint.py  RunState (every stateful part) and its atomic and background saves
     resume.py      the run record (config.json) and its resume rules: safe / learned / fixed

@@ -57,9 +57,11 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ditdata.common.errors import UserError
 from dittrain.config import TrainConfig
+from dittrain.diffusion import flow_velocity
 from dittrain.model.sizes import DiTConfig
 from dittrain.rundir import CheckpointError
 from dittrain.train import repa
@@ -231,10 +233,66 @@ class Repa(LossTerm):
         return f"--repa {cfg.repa.repa}"
 
 
+# ----------------------------------------------------------------------------- the velocity's direction
+
+
+class VelocityCosine(LossTerm):
+    """--velocity-cosine-weight W (flow only): LightningDiT's cosine loss (hustvl/LightningDiT
+    transport/transport.py training_losses and train.py @ 2725fed4: `use_cosine_loss`, on in its
+    released configs, and `loss = cos_loss.mean() + mse_loss`, weight 1), added to the velocity MSE:
+
+        W x mean over the batch and the positions (h, w) of 1 - cos(v_pred[n, :, h, w], v[n, :, h, w])
+
+    the cosine over the CHANNELS at each latent position (torch's cosine_similarity on dim 1 of
+    (N, C, H, W), as the reference), v the flow's target (dittrain.diffusion.flow_velocity). The
+    reference's velocity is data - noise, ours noise - data: both sides flip, the cosine does not.
+    Its metric velocity_cosine_loss is the unweighted mean; the logged loss stays the diffusion
+    loss (the reference logs the MSE alone too). It keeps a few latent-sized tensors for the
+    backward, which `dittrain plan` leaves out."""
+
+    name, shown = "velocity_cosine", ("velocity_cosine_loss",)
+
+    def on(self, cfg):
+        return cfg.diffusion.velocity_cosine_weight > 0
+
+    def record(self, cfg, store, model_cfg):
+        if cfg.diffusion.objective != "flow":
+            raise LossTermError(f"--velocity-cosine-weight {cfg.diffusion.velocity_cosine_weight:g} is a flow option "
+                                f"(the cosine to the velocity the model predicts); --objective is "
+                                f"{cfg.diffusion.objective}: add --objective flow, or leave it out")
+        return {}
+
+    def build(self, cfg, model_cfg, resolved, module, train_module):
+        return _Cosine(cfg.diffusion.velocity_cosine_weight)
+
+    def describe(self, cfg, model_cfg, resolved, module):
+        return (f"velocity cosine: loss += {cfg.diffusion.velocity_cosine_weight:g} x mean(1 - cos(output, velocity)) "
+                "over the channels at each position (LightningDiT's cosine loss)")
+
+    def flag(self, cfg):
+        return f"--velocity-cosine-weight {cfg.diffusion.velocity_cosine_weight:g}"
+
+
+class _Cosine:
+    """VelocityCosine as the step calls it: the weight, and no module or hidden tokens."""
+
+    hidden = module = train_module = None
+
+    def __init__(self, weight: float):
+        self.weight = weight
+
+    def __call__(self, fwd: Forward) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        v = flow_velocity(fwd.x0, fwd.noise).float()  # (N, C, H, W), the target
+        cos = F.cosine_similarity(fwd.output.float(), v, dim=1)  # (N, H, W): over the channels
+        loss = (1 - cos).mean()  # over the positions, then the batch (every sample has as many)
+        return self.weight * loss, {"velocity_cosine_loss": loss.detach()}
+
+
 # ----------------------------------------------------------------------------- the table
 
 LOSS_TERMS: dict[str, LossTerm] = {
     "repa": Repa(),
+    "velocity_cosine": VelocityCosine(),
 }
 
 
@@ -301,5 +359,5 @@ def hidden_block(terms) -> int | None:
     return next(iter(blocks), None)
 
 
-__all__ = ["LOSS_TERMS", "Cost", "Forward", "LossTerm", "LossTermError", "Repa", "build", "describe",
+__all__ = ["LOSS_TERMS", "Cost", "Forward", "LossTerm", "LossTermError", "Repa", "VelocityCosine", "build", "describe",
            "feature_set", "hidden_block", "modules", "on", "shown", "trained"]

@@ -1,9 +1,13 @@
 """The optimizer and its learning-rate schedule, as `dittrain run` builds them.
 
     --optimizer adamw | adamw8bit    build_optimizer: torch's fused AdamW, or bitsandbytes' 8-bit one
+    --adam-betas B1,B2               both optimizers' (beta1, beta2)
     --lr-schedule constant | cosine  lr_at: linear warmup from 0, then constant or cosine to --min-lr
 
 DiT's recipe is the default: AdamW, lr 1e-4, betas (0.9, 0.999), no weight decay, no warmup.
+LightningDiT's (hustvl/LightningDiT train.py and configs/*.yaml @ 2725fed4): AdamW, lr 2e-4,
+betas (0.9, 0.95) (its `optimizer.beta2`), no weight decay, no warmup, no clipping unless its
+config names `max_grad_norm` (the released ones do not).
 """
 
 from __future__ import annotations
@@ -15,11 +19,21 @@ import torch
 
 from ditdata.common.errors import UserError
 from ditdata.common.extras import require
-from dittrain.config import OPTIMIZERS, TrainConfig
+from dittrain.config import OPTIMIZERS, TrainConfig, parse_adam_betas
 
 
 class OptimizerError(UserError, ValueError):
-    """An --optimizer that does not exist here or lacks its extra (one line)."""
+    """An --optimizer that does not exist here or lacks its extra, or --adam-betas that are not
+    two numbers in [0, 1) (one line)."""
+
+
+def adam_betas(cfg: TrainConfig) -> tuple[float, float]:
+    """--adam-betas as (beta1, beta2); OptimizerError for a value outside [0, 1) or not two numbers
+    (the command line checks them too; this holds for a config made in Python)."""
+    try:
+        return parse_adam_betas(cfg.optim.adam_betas)
+    except ValueError as e:
+        raise OptimizerError(f"--adam-betas {e}") from None
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -40,8 +54,9 @@ def build_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.
 
 def build_optimizer(cfg: TrainConfig, params: list, device: torch.device) -> torch.optim.Optimizer:
     """--optimizer: torch's AdamW (fp32 moments) or bitsandbytes' AdamW8bit (block-wise 8-bit
-    moments; tensors under 4096 elements keep fp32 ones), with the same hyperparameters."""
-    adam = dict(lr=cfg.optim.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=cfg.optim.weight_decay)
+    moments; tensors under 4096 elements keep fp32 ones), with the same hyperparameters: lr,
+    --adam-betas, eps 1e-8 (torch's default, LightningDiT's and DiT's), --weight-decay."""
+    adam = dict(lr=cfg.optim.lr, betas=adam_betas(cfg), eps=1e-8, weight_decay=cfg.optim.weight_decay)
     if cfg.optim.optimizer == "adamw":
         # fused: one kernel for all parameters, and it can skip a step on the device (found_inf;
         # dittrain.train.step), so a NaN/inf step costs no host sync; on the CPU too
@@ -64,4 +79,4 @@ def build_optimizer(cfg: TrainConfig, params: list, device: torch.device) -> tor
     return bnb.optim.AdamW8bit(params, **adam)
 
 
-__all__ = ["OptimizerError", "build_optimizer", "build_schedule", "lr_at"]
+__all__ = ["OptimizerError", "adam_betas", "build_optimizer", "build_schedule", "lr_at"]

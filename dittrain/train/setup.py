@@ -24,12 +24,13 @@ from dittrain.data.latent_norm import choose, latent_record
 from dittrain.diffusion import Diffusion, DiffusionConfig
 from dittrain.model.routing import check as check_route
 from dittrain.model.routing import route_of
-from dittrain.model.sizes import DiTConfig, get_config
+from dittrain.model.sizes import NAMED_FIELDS, DiTConfig, get_config
 from dittrain.train.checkpoint import CheckpointWriter
 from dittrain.train.loggers import parse_loggers
 from dittrain.train.losses import feature_set
 from dittrain.train.losses import on as loss_terms
 from dittrain.train.resume import Resumption
+from dittrain.train.resume import load as load_record
 from dittrain.train.step import compile_model, compile_target
 
 
@@ -46,9 +47,13 @@ def training_device(name: str) -> torch.device:
     return device
 
 
-def model_config_for(cfg: TrainConfig, store: Store) -> DiTConfig:
+def model_config_for(cfg: TrainConfig, store: Store, recorded: dict | None = None) -> DiTConfig:
     """The DiT config a store implies: in_channels, input size, classes and text dims come
-    from the store (its latent shape and conditioning); the architecture from the named size.
+    from the store (its latent shape and conditioning); the architecture from the named size,
+    with --qk-norm / --no-qk-norm over the name's QK-norm, or, for a resume, `recorded`: the
+    run record's resolved model, whose architecture (NAMED_FIELDS) is what the weights were
+    made for, whatever the name means today (the LightningDiT presets were pos=rope with QK-norm
+    until they matched the reference: such a run resumes as that).
     A bucketed store's input size is its top manifest's bucket (the square one, else the most
     populated; a non-square one gives the square of its shorter side): the grid of the model's
     pos_embed; every bucket's grid is computed (dittrain.model.dit), so each must divide by the patch."""
@@ -62,12 +67,14 @@ def model_config_for(cfg: TrainConfig, store: Store) -> DiTConfig:
     # --grad-checkpointing 2 is recorded as the int 2 (the model config is compared on resume)
     granularity = cfg.performance.grad_checkpointing
     granularity = int(granularity) if str(granularity).isdigit() else granularity
-    # --qk-norm adds QK-norm; without it a model keeps its own (the LightningDiT presets have it)
-    qk_norm = {"qk_norm": True} if cfg.model.qk_norm else {}
+    if recorded is not None:  # a resume: the architecture it was trained with
+        arch = {k: recorded[k] for k in NAMED_FIELDS if k in recorded}
+    else:  # --qk-norm / --no-qk-norm over the name's; neither (None): the name's own
+        arch = {} if cfg.model.qk_norm is None else {"qk_norm": bool(cfg.model.qk_norm)}
     try:
         return get_config(
             cfg.model.model, input_size=h, in_channels=c, num_classes=cond.num_classes,
-            class_dropout_prob=cfg.diffusion.class_dropout, learn_sigma=learn_sigma, **qk_norm,
+            class_dropout_prob=cfg.diffusion.class_dropout, learn_sigma=learn_sigma, **arch,
             text_pooled_dim=cond.pooled_dim,
             text_token_dim=cond.tokens_shape[-1] if cond.tokens_shape else None,
             grad_checkpointing=granularity,
@@ -77,6 +84,16 @@ def model_config_for(cfg: TrainConfig, store: Store) -> DiTConfig:
                          "custom:hidden=H,depth=D,heads=N,patch=P") from e
     except AssertionError as e:
         raise TrainError(f"{cfg.model.model} does not fit latents {c}x{h}x{w}: {e}") from e
+
+
+def recorded_model(cfg: TrainConfig) -> dict | None:
+    """The resolved model of the run's record (config.json) when this start is a resume of a
+    recorded run, else None."""
+    if not (cfg.checkpointing.resume and cfg.checkpointing.out):
+        return None
+    record = load_record(cfg.checkpointing.out)  # RecordError (one line) for an unreadable one
+    model = (record or {}).get("model")
+    return model if isinstance(model, dict) else None
 
 
 def check_buckets(cfg: TrainConfig, store: Store, model_cfg: DiTConfig) -> list[dict] | None:
@@ -145,7 +162,7 @@ def setup(cfg: TrainConfig) -> Run:
     # the store with the feature set a loss term reads (--repa; a missing or stale set is a one-line StoreError)
     store = open_store(cfg.data.latents, cache_dir=cfg.data.cache_dir or None, cache_limit=cfg.data.cache_limit,
                        features=feature_set(cfg))
-    model_cfg = model_config_for(cfg, store)
+    model_cfg = model_config_for(cfg, store, recorded_model(cfg))
     buckets = check_buckets(cfg, store, model_cfg)
     # --latent-norm auto becomes what it picks for this store, in the record too: a resume and
     # sampling see none or channel (dittrain.data.latent_norm)
@@ -193,5 +210,5 @@ def diffusion_config(cfg: TrainConfig, model_cfg: DiTConfig, store: Store) -> tu
     return diff_cfg, latent_record(store, cfg.data.latent_norm)  # LatentNormError: a user error already
 
 
-__all__ = ["Run", "TrainError", "check_buckets", "diffusion_config", "model_config_for", "setup",
+__all__ = ["Run", "TrainError", "check_buckets", "diffusion_config", "model_config_for", "recorded_model", "setup",
            "text_token_count", "training_device"]
