@@ -571,7 +571,8 @@ def encode(shards, out, quiet, **options):
                help="Storage of the targets: int8 with a per-token scale (a quarter of fp32), or fp16.")
 @_features_opt("--features-dims", field="dims", type=click.IntRange(min=1),
                help=f"Store the targets' PCA to this many dims (fitted on the store's first {PCA_FIT_IMAGES} "
-                    f"images, {PCA_TOKENS_PER_IMAGE} tokens each). Default: the encoder's width (no PCA).")
+                    f"images, {PCA_TOKENS_PER_IMAGE} tokens each; `dittrain run --repa` rebuilds the encoder's "
+                    "tokens from them). Default: the encoder's width (no PCA).")
 @_features_opt("--features-resolution", field="resolution", type=click.IntRange(min=1),
                help=f"The encoder's input px (a multiple of its patch). Default: {FEATURE_RESOLUTION_RULE} "
                     "(REPA's: 256 px -> 224, 16x16 tokens of a patch-14 DINOv2).")

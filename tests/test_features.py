@@ -18,7 +18,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cliutil import ditdata, kill_when, ok, on_one_and_two_ranks, one_error_line, torchrun_or_skip
+from cliutil import (
+    ditdata,
+    dittrain,
+    kill_when,
+    ok,
+    on_one_and_two_ranks,
+    one_error_line,
+    run_args,
+    torchrun_or_skip,
+)
 
 from ditdata.common.files import state_dict_sha256
 from ditdata.encode import EncodeConfig, encode
@@ -370,6 +379,36 @@ def test_pca_is_recorded_and_reconstructs(flip_store, dino, tmp_path):
     kept = 1 - ((rec - want) ** 2).sum() / (centred ** 2).sum()
     assert abs(kept - p["explained_variance"]) < 0.02
     assert 0.5 < fs.storage["cosine_to_fp32"] < 1
+
+
+def test_a_pca_set_trains_repa_against_the_rebuilt_tokens(flip_store, dino, tmp_path):
+    """`ditdata features --features-dims 8`, then `dittrain run --repa`: the projector maps to the
+    encoder's 32 dims and the run records that it rebuilds them; the cosine the set records is
+    that of the rebuilt tokens to the fp32 ones, i.e. of what is aligned."""
+    from dittrain.rundir import latest_checkpoint, load_checkpoint
+
+    store = _copy(flip_store, tmp_path / "s")
+    _features(store, dino, out_name="pca", dims=8, dtype="fp16")
+    fs = open_features(open_store(store), "pca")
+    r = dittrain(*run_args(store, tmp_path / "r", "--max-steps", 1, "--batch-size", 4, "--repa", "pca",
+                           "--repa-depth", 1, "--repa-projector-dim", 16, "--repa-min-cosine", 0, "--logger", "jsonl"))
+    assert r.exit_code == 0, r.output
+    assert f"8 dims float16, rebuilt to the encoder's {WIDTH} dims from its PCA" in r.output
+    assert tuple(load_checkpoint(latest_checkpoint(tmp_path / "r"))["projector"]["4.weight"].shape) == (WIDTH, 16)
+    record = json.loads((tmp_path / "r" / "config.json").read_text())["store"]["features"]
+    assert (record["targets"], record["target_dims"]) == ("reconstructed", WIDTH)
+    # the recorded cosine, by hand: the first samples' stored coordinates rebuilt vs the fp32 tokens
+    s, p = open_store(store), fs.pca()
+    crops, enc = _crops(Path(s.manifest["provenance"]["shards_dir"])), load_encoder(str(dino), RES)
+    got, want = [], []
+    for shard in s.shards:
+        keys = s.read(shard, ["key"])["key"].tolist()
+        with torch.no_grad():
+            want.append(enc(torch.as_tensor(np.stack([crops[k] for k in keys])).permute(0, 3, 1, 2).float() / 255))
+        got.append(fs.read(shard.name, ["feat"])["feat"].astype(np.float64) @ p["components"] + p["mean"])
+    a, b = np.concatenate(got).reshape(-1, WIDTH), torch.cat(want).numpy().reshape(-1, WIDTH)
+    cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    assert fs.storage["cosine_to_fp32"] == pytest.approx(cos.mean(), abs=1e-3)
 
 
 def test_inspect_and_verify_cover_feature_sets(flip_store, dino, tmp_path):
