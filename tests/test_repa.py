@@ -317,6 +317,24 @@ def test_a_pca_set_is_aligned_at_the_encoders_width(store, tmp_path):
     assert json.loads((out / "config.json").read_text())["store"]["features"]["targets"] == "reconstructed"
 
 
+@pytest.mark.parametrize("bad, says", [("shape", "its PCA has components (3, 12) and mean (12,), not (4, dim)"),
+                                        ("nan", "its PCA holds non-finite values")])
+def test_a_pca_that_does_not_fit_is_refused(small_store, tmp_path, bad, says):
+    from storeutil import FEATURE_INFO
+
+    from ditdata.store import encode_array
+
+    comps, mean = pca_arrays()
+    comps = comps[:3] if bad == "shape" else np.where(np.arange(PCA_WIDTH) == 0, np.nan, comps).astype(np.float32)
+    info = {"encoder": {**FEATURE_INFO["encoder"], "dim": PCA_WIDTH},
+            "storage": {**FEATURE_INFO["storage"], "dims": PCA_DIMS, "cosine_to_fp32": 0.95,
+                        "pca": {"components": encode_array(comps), "mean": encode_array(mean)}}}
+    add_features(small_store, "bad", tokens=16, dims=PCA_DIMS, info=info)
+    r = cli(*run_args(small_store, tmp_path / "r", "--max-steps", 1, "--repa", "bad", "--repa-depth", 2))
+    assert says in one_error_line(r.output)
+    assert not (tmp_path / "r").exists()
+
+
 def test_the_plan_counts_a_pca_sets_projector_at_the_encoders_width(store):
     from ditdata.store import open_store
     from dittrain.train.losses import LOSS_TERMS
