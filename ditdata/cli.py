@@ -31,6 +31,7 @@ from ditdata.config import (
     DTYPES,
     ENCODE_FORMATS,
     FEATURE_DTYPES,
+    FEATURE_RESIZES,
     FEATURE_RESOLUTION_RULE,
     KINDS,
     PCA_FIT_IMAGES,
@@ -501,6 +502,8 @@ def verify(store, cache_dir, cache_limit, quiet):
              help="Store the targets' PCA to this many dims. Default: the encoder's width (no PCA).")
 @_encode_opt("--features-resolution", field="features_resolution", type=click.IntRange(min=1),
              help=f"The feature encoder's input px. Default: {FEATURE_RESOLUTION_RULE}.")
+@_encode_opt("--features-resize", field="features_resize", type=click.Choice(FEATURE_RESIZES),
+             help="How the crops reach the encoder's input px, as `ditdata features --features-resize`.")
 @_encode_opt("--seed", field="seed", type=int, help="Seed of the posterior draws.")
 @_encode_opt("--chunk-samples", field="chunk_samples", type=click.IntRange(min=1),
              help="Samples per storage chunk (large chunks read fast).")
@@ -568,10 +571,15 @@ def encode(shards, out, quiet, **options):
                help="Storage of the targets: int8 with a per-token scale (a quarter of fp32), or fp16.")
 @_features_opt("--features-dims", field="dims", type=click.IntRange(min=1),
                help=f"Store the targets' PCA to this many dims (fitted on the store's first {PCA_FIT_IMAGES} "
-                    f"images, {PCA_TOKENS_PER_IMAGE} tokens each). Default: the encoder's width (no PCA).")
+                    f"images, {PCA_TOKENS_PER_IMAGE} tokens each; `dittrain run --repa` rebuilds the encoder's "
+                    "tokens from them). Default: the encoder's width (no PCA).")
 @_features_opt("--features-resolution", field="resolution", type=click.IntRange(min=1),
                help=f"The encoder's input px (a multiple of its patch). Default: {FEATURE_RESOLUTION_RULE} "
                     "(REPA's: 256 px -> 224, 16x16 tokens of a patch-14 DINOv2).")
+@_features_opt("--features-resize", field="resize", type=click.Choice(FEATURE_RESIZES),
+               help="reference: REPA's (bicubic, not antialiased, not clamped; a DINOv2's position embeddings "
+                    "resampled once, antialiased); antialias: ditkit's earlier rule (antialiased, clamped), only "
+                    "to finish or remake a set made with it.")
 @_features_opt("--batch-size", field="batch_size", type=click.IntRange(min=1))
 @_features_opt("--device", field="device", help="auto, cpu, cuda, cuda:1, ... (bf16 autocast on CUDA).")
 @_features_opt("--workers", field="workers", type=click.IntRange(min=0),
@@ -583,8 +591,8 @@ def features(store, quiet, **options):
     for row, without touching them (the store's identity does not change).
 
     Each store shard's images are read again from its image shard (--shards), decoded and
-    centre-cropped exactly as encode did, resized to the encoder's input resolution
-    (bicubic, antialiased) and encoded; when the store has flips the flipped image is
+    centre-cropped exactly as encode did, resized to the encoder's input resolution as
+    REPA does (bicubic, --features-resize) and encoded; when the store has flips the flipped image is
     encoded too. The targets are stored as int8 (per-token scale) or fp16, optionally
     reduced by a PCA; the mean cosine of the stored targets to the fp32 encoder output is
     measured on the first samples and recorded. Each feature shard is published

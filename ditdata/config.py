@@ -165,6 +165,7 @@ class EncodeConfig:
     features_dtype: str = "int8"  # one of FEATURE_DTYPES
     features_dims: int | None = None  # PCA to this many dims; None: the encoder's width
     features_resolution: int | None = None  # encoder input px; None: FEATURE_RESOLUTION_RULE
+    features_resize: str = "reference"  # one of FEATURE_RESIZES
     progress: bool = True
     extra: dict = field(default_factory=dict)
 
@@ -174,6 +175,11 @@ class EncodeConfig:
 # --features-dtype: the stored dtype's short name -> the store's dtype name
 FEATURE_DTYPES = {"int8": "int8", "fp16": "float16"}
 FEATURE_RESOLUTION_RULE = "(store resolution // 16) * patch"  # REPA's: 256 px -> 224 for patch 14
+# --features-resize: how images (and a DINOv2's position grid) reach the encoder's input size
+# (ditdata.features.encoders): "reference", REPA's (bicubic, no antialias, no clamp; position
+# embeddings resampled once, antialiased), the default; "antialias", ditkit's rule before it, kept
+# only to finish or remake feature sets made with it (antialiased, clamped)
+FEATURE_RESIZES = ("reference", "antialias")
 FEATURES_BATCH_SIZE = 64
 FEATURE_COSINE_SAMPLES = 64  # the first samples the stored targets are compared with fp32 on
 PCA_FIT_IMAGES = 1024  # --features-dims: the PCA is fitted on the store's first this many images,
@@ -192,6 +198,7 @@ class FeaturesConfig:
     dtype: str = "int8"  # one of FEATURE_DTYPES
     dims: int | None = None  # PCA to this many dims; None: the encoder's width (no PCA)
     resolution: int | None = None  # encoder input px; None: FEATURE_RESOLUTION_RULE
+    resize: str = "reference"  # one of FEATURE_RESIZES: REPA's resize (the default), or "antialias"
     batch_size: int = FEATURES_BATCH_SIZE
     device: str = "auto"
     workers: int = 2

@@ -18,7 +18,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cliutil import ditdata, kill_when, ok, on_one_and_two_ranks, one_error_line, torchrun_or_skip
+from cliutil import (
+    ditdata,
+    dittrain,
+    kill_when,
+    ok,
+    on_one_and_two_ranks,
+    one_error_line,
+    run_args,
+    torchrun_or_skip,
+)
 
 from ditdata.common.files import state_dict_sha256
 from ditdata.encode import EncodeConfig, encode
@@ -34,12 +43,16 @@ RES = 64  # store resolution: the tiny DINOv2 (patch 4) then sees (64 // 16) * 4
 WIDTH = 32
 
 
+POS_GRID = 6  # the tiny DINOv2's position grid (24 px / patch 4), resampled to the 4x4 token grid at load
+
+
 def save_tiny_dinov2(path: Path, *, registers: int = 0, seed: int = 0) -> Path:
-    """A random DINOv2 (hidden 32, 2 layers, 2 heads, patch 4 at 16 px) saved with save_pretrained."""
+    """A random DINOv2 (hidden 32, 2 layers, 2 heads, patch 4; positions for 24 px, a 6x6 grid, as
+    the real ones are for 518 px and run at 224) saved with save_pretrained."""
     import transformers
 
     kw = dict(hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-              patch_size=4, image_size=16)
+              patch_size=4, image_size=4 * POS_GRID)
     torch.manual_seed(seed)
     if registers:
         model = transformers.Dinov2WithRegistersModel(transformers.Dinov2WithRegistersConfig(
@@ -127,15 +140,30 @@ def _crops(shards: Path) -> dict[str, np.ndarray]:
             for s in imageshards.iter_shard(t)}
 
 
-def _reference(model_dir: Path, images: np.ndarray) -> np.ndarray:
-    """The tiny DINOv2's patch tokens of (B, N, N, 3) uint8 images, computed here from scratch."""
+def _reference(model_dir: Path, images: np.ndarray, *, resize: str = "reference") -> np.ndarray:
+    """The tiny DINOv2's patch tokens of (B, N, N, 3) uint8 images, computed here from scratch.
+
+    reference: as REPA (sihyun-yu/REPA@67f7145): utils.py load_encoders resamples the position
+    embeddings once to the token grid (timm's resample_abs_pos_embed: bicubic, antialiased, the
+    class token kept); train.py preprocess_raw_image takes x / 255, normalises with the ImageNet
+    mean and std, then F.interpolate(..., mode='bicubic'): no antialias, no clamp; the tokens are
+    x_norm_patchtokens, the patch tokens after the final norm. antialias: ditkit's earlier rule
+    (antialiased, clamped resize, then the normalisation; transformers interpolates the positions)."""
     import torch.nn.functional as F
     import transformers
 
     model = transformers.Dinov2Model.from_pretrained(str(model_dir)).eval()
+    mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
     x = torch.as_tensor(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float() / 255
-    x = F.interpolate(x, size=(16, 16), mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
-    x = (x - torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)) / torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    if resize == "reference":
+        pos = model.embeddings.position_embeddings.data  # (1, 1 + 6*6, 32)
+        grid = pos[:, 1:].reshape(1, POS_GRID, POS_GRID, WIDTH).permute(0, 3, 1, 2)
+        grid = F.interpolate(grid, size=(4, 4), mode="bicubic", align_corners=False, antialias=True)
+        model.embeddings.position_embeddings.data = torch.cat([pos[:, :1], grid.flatten(2).transpose(1, 2)], 1)
+        x = F.interpolate((x - mean) / std, size=(16, 16), mode="bicubic", align_corners=False)
+    else:
+        x = F.interpolate(x, size=(16, 16), mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
+        x = (x - mean) / std
     with torch.no_grad():
         return model(pixel_values=x).last_hidden_state[:, 1:].numpy()
 
@@ -163,6 +191,8 @@ def test_a_feature_set_beside_the_latents(flip_store, class_shards, dino, tmp_pa
     assert (enc["resolution"], enc["patch"], enc["grid"], enc["tokens"], enc["dim"]) == (16, 4, [4, 4], 16, WIDTH)
     assert list(enc["weights_sha256"]) == ["model.safetensors"] and enc["library"] == "transformers"
     assert enc["library_version"] and enc["dropped_tokens"] == 1
+    assert enc["resize"] == "bicubic, not antialiased, not clamped (REPA's preprocess_raw_image)"
+    assert enc["position_embeddings"].startswith(f"{POS_GRID}x{POS_GRID} resampled to 4x4 once at load")
     assert fs.storage["dtype"] == "float16" and fs.storage["pca"] is None and fs.flip
     assert fs.storage["cosine_to_fp32"] > 0.9999
     # rows: the store's keys in its order; feat_flip is the encoder's output of the mirror image
@@ -178,6 +208,128 @@ def test_a_feature_set_beside_the_latents(flip_store, class_shards, dino, tmp_pa
         assert not np.allclose(got["feat"], got["feat_flip"], atol=1e-2)
     featured = open_store(store, features="dino")
     assert featured.identity == before.identity and "feat_flip" in featured.read(0)
+
+
+def test_the_preprocessing_is_repas_and_antialias_is_the_earlier_rule(dino):
+    """REPA's train.py preprocess_raw_image ('dinov2'): x / 255, Normalize(ImageNet), then
+    F.interpolate(x, 224 * (resolution // 256), mode='bicubic'); at REPA's own ratio, 256 -> 224."""
+    import torch.nn.functional as F
+
+    from ditdata.config import FEATURE_RESOLUTION_RULE
+
+    assert FEATURE_RESOLUTION_RULE == "(store resolution // 16) * patch"  # 256 // 16 * 14 = 224 * (256 // 256)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (2, 3, 256, 256), generator=g, dtype=torch.uint8).float() / 255
+    mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    ref = load_encoder(str(dino), 256, resolution=224)
+    got = ref.preprocess(x.clone())
+    want = F.interpolate((x - mean) / std, size=(224, 224), mode="bicubic", align_corners=False)
+    assert got.shape == (2, 3, 224, 224)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    # not clamped: bicubic overshoots the normalised image of [0, 1] (noise has edges everywhere)
+    lo, hi = (0 - mean) / std, (1 - mean) / std
+    assert (got < lo - 0.05).any() and (got > hi + 0.05).any()
+    old = load_encoder(str(dino), 256, resolution=224, resize="antialias").preprocess(x.clone())
+    earlier = (F.interpolate(x, size=(224, 224), mode="bicubic", antialias=True, align_corners=False)
+               .clamp(0, 1) - mean) / std
+    torch.testing.assert_close(old, earlier, atol=1e-6, rtol=0)
+    assert (old - got).abs().max() > 0.1  # the two rules differ where it shows
+    # at the encoder's own size nothing is resized, either way
+    same = torch.rand(1, 3, 224, 224, generator=g)
+    torch.testing.assert_close(ref.preprocess(same.clone()), (same - mean) / std)
+
+
+def test_position_embeddings_are_resampled_as_repa_does(tmp_path):
+    """REPA's utils.py load_encoders: timm.layers.pos_embed.resample_abs_pos_embed(pos_embed,
+    [16, 16]) once at load (its defaults: bicubic, antialiased, the class token kept), for the
+    plain and the register DINOv2s; "antialias" leaves transformers' own per-call interpolation."""
+    import transformers
+
+    timm_pos = pytest.importorskip("timm.layers.pos_embed")
+    for registers in (0, 4):
+        path = save_tiny_dinov2(tmp_path / f"d{registers}", registers=registers)
+        cls = transformers.Dinov2WithRegistersModel if registers else transformers.Dinov2Model
+        pretrained = cls.from_pretrained(str(path)).embeddings.position_embeddings.data
+        assert pretrained.shape == (1, 1 + POS_GRID ** 2, WIDTH)
+        enc = load_encoder(str(path), RES)
+        pos = enc.net.model.embeddings.position_embeddings.data
+        want = timm_pos.resample_abs_pos_embed(pretrained, [4, 4], num_prefix_tokens=1)
+        assert pos.shape == (1, 17, WIDTH)
+        torch.testing.assert_close(pos, want, atol=1e-6, rtol=0)
+        x = torch.rand(2, 3, RES, RES, generator=torch.Generator().manual_seed(registers))
+        with torch.no_grad():
+            ours = enc(x)
+            model = cls.from_pretrained(str(path)).eval()
+            model.embeddings.position_embeddings.data = want
+            by_hand = model(pixel_values=enc.preprocess(x.clone())).last_hidden_state[:, 1 + registers:]
+            plain = cls.from_pretrained(str(path)).eval()(pixel_values=enc.preprocess(x.clone()))
+        torch.testing.assert_close(ours, by_hand, atol=1e-5, rtol=1e-5)
+        if not registers:  # transformers' Dinov2Model interpolates without antialias: other tokens
+            assert (ours - plain.last_hidden_state[:, 1:]).abs().max() > 1e-3
+        old = load_encoder(str(path), RES, resize="antialias")
+        assert "position_embeddings" not in old.info
+        assert old.net.model.embeddings.position_embeddings.shape == pretrained.shape
+
+
+def test_the_tokens_are_after_the_final_norm(dino):
+    """REPA aligns to DINOv2's x_norm_patchtokens: norm(x) without the class (and register)
+    tokens. transformers' last_hidden_state is layernorm(the last block's output)."""
+    enc = load_encoder(str(dino), RES)
+    model = enc.net.model
+    x = enc.preprocess(torch.rand(2, 3, RES, RES, generator=torch.Generator().manual_seed(3)))
+    with torch.no_grad():
+        out = model(pixel_values=x, output_hidden_states=True)
+        normed = model.layernorm(out.hidden_states[-1])[:, 1:]
+        torch.testing.assert_close(enc.net(x), normed, atol=1e-6, rtol=0)
+        assert (out.hidden_states[-1][:, 1:] - normed).abs().max() > 0.1
+
+
+def _half_written(made: Path, into: Path, name: str, keep: int) -> None:
+    """Feature set `name` of store `into` as a killed run of the one in `made` left it: its
+    config and its first `keep` finished shards, no manifest (the stores are copies of one)."""
+    src, dst = made / "features" / name, into / "features" / name
+    (dst / "shards").mkdir(parents=True)
+    shutil.copy2(src / "config.json", dst / "config.json")
+    for shard in sorted((src / "shards").glob("*.json"))[:keep]:
+        for part in src.joinpath("shards").glob(shard.stem + ".*"):
+            (shutil.copytree if part.is_dir() else shutil.copy2)(part, dst / "shards" / part.name)
+
+
+def test_a_set_begun_with_the_earlier_resize_is_finished_with_it_never_mixed(flip_store, class_shards, dino,
+                                                                              tmp_path):
+    whole = _copy(flip_store, tmp_path / "whole")
+    args = ["--encoder", dino, "--out-name", "d", "--features-dtype", "fp16", "--device", "cpu", "--workers", 0,
+            "--batch-size", 3, "-q"]
+    ok(ditdata("features", whole, *args, "--features-resize", "antialias"))
+    fs = open_features(open_store(whole), "d")
+    # what every set made before the choice records, byte for byte (a resume compares records)
+    assert fs.encoder["resize"] == "bicubic, antialiased, clamped to [0, 1]"
+    assert "position_embeddings" not in fs.encoder
+    assert fs.manifest["provenance"]["features"]["resize"] == "antialias"
+    s, crops = open_store(whole), _crops(class_shards)
+    keys = s.read(0, ["key"])["key"].tolist()
+    imgs = np.stack([crops[k] for k in keys])
+    got = fs.read(s.shards[0].name)["feat"].astype(np.float32)
+    np.testing.assert_allclose(got, _reference(dino, imgs, resize="antialias"), atol=2e-3, rtol=2e-3)
+    assert np.abs(got - _reference(dino, imgs)).max() > 0.05  # the two rules give other targets
+    # a run killed after 2 of its 4 shards: the default (reference) refuses to mix, naming the way on
+    half = _copy(flip_store, tmp_path / "half")
+    _half_written(whole, half, "d", keep=2)
+    line = one_error_line(ditdata("features", half, *args).output)
+    assert "begun with --features-resize antialias" in line and "finish it with --features-resize antialias" in line
+    assert len(list((half / "features" / "d" / "shards").glob("*.json"))) == 2
+    # encode --features says the same, before any work
+    store = tmp_path / "enc"
+    _encode(class_shards, store, flip=True)
+    _half_written(whole, store, "d", keep=2)
+    r = ditdata("encode", class_shards, "--out", store, "--vae", "pixels", "--resolution", RES, "--flip",
+                "--features", dino, "--features-out-name", "d", "--features-dtype", "fp16", "--batch-size", 3,
+                "--workers", 0, "--device", "cpu", "-q")
+    assert "finish it with --features-resize antialias" in one_error_line(r.output)
+    # finished with its own rule: the bytes of the uninterrupted run
+    ok(ditdata("features", half, *args, "--features-resize", "antialias"), "(2 already done)")
+    a, b = _files(whole / "features"), _files(half / "features")
+    assert a == b and len(a) > 4
 
 
 def test_int8_is_close_to_fp32_and_the_default(flip_store, dino, tmp_path):
@@ -227,6 +379,36 @@ def test_pca_is_recorded_and_reconstructs(flip_store, dino, tmp_path):
     kept = 1 - ((rec - want) ** 2).sum() / (centred ** 2).sum()
     assert abs(kept - p["explained_variance"]) < 0.02
     assert 0.5 < fs.storage["cosine_to_fp32"] < 1
+
+
+def test_a_pca_set_trains_repa_against_the_rebuilt_tokens(flip_store, dino, tmp_path):
+    """`ditdata features --features-dims 8`, then `dittrain run --repa`: the projector maps to the
+    encoder's 32 dims and the run records that it rebuilds them; the cosine the set records is
+    that of the rebuilt tokens to the fp32 ones, i.e. of what is aligned."""
+    from dittrain.rundir import latest_checkpoint, load_checkpoint
+
+    store = _copy(flip_store, tmp_path / "s")
+    _features(store, dino, out_name="pca", dims=8, dtype="fp16")
+    fs = open_features(open_store(store), "pca")
+    r = dittrain(*run_args(store, tmp_path / "r", "--max-steps", 1, "--batch-size", 4, "--repa", "pca",
+                           "--repa-depth", 1, "--repa-projector-dim", 16, "--repa-min-cosine", 0, "--logger", "jsonl"))
+    assert r.exit_code == 0, r.output
+    assert f"8 dims float16, rebuilt to the encoder's {WIDTH} dims from its PCA" in r.output
+    assert tuple(load_checkpoint(latest_checkpoint(tmp_path / "r"))["projector"]["4.weight"].shape) == (WIDTH, 16)
+    record = json.loads((tmp_path / "r" / "config.json").read_text())["store"]["features"]
+    assert (record["targets"], record["target_dims"]) == ("reconstructed", WIDTH)
+    # the recorded cosine, by hand: the first samples' stored coordinates rebuilt vs the fp32 tokens
+    s, p = open_store(store), fs.pca()
+    crops, enc = _crops(Path(s.manifest["provenance"]["shards_dir"])), load_encoder(str(dino), RES)
+    got, want = [], []
+    for shard in s.shards:
+        keys = s.read(shard, ["key"])["key"].tolist()
+        with torch.no_grad():
+            want.append(enc(torch.as_tensor(np.stack([crops[k] for k in keys])).permute(0, 3, 1, 2).float() / 255))
+        got.append(fs.read(shard.name, ["feat"])["feat"].astype(np.float64) @ p["components"] + p["mean"])
+    a, b = np.concatenate(got).reshape(-1, WIDTH), torch.cat(want).numpy().reshape(-1, WIDTH)
+    cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    assert fs.storage["cosine_to_fp32"] == pytest.approx(cos.mean(), abs=1e-3)
 
 
 def test_inspect_and_verify_cover_feature_sets(flip_store, dino, tmp_path):

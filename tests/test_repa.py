@@ -30,7 +30,7 @@ from dittrain.data import targets as data_targets
 from dittrain.diffusion import Diffusion, DiffusionConfig
 from dittrain.inference.weights import load_weights
 from dittrain.model.dit import DiT
-from dittrain.model.sizes import get_config
+from dittrain.model.sizes import DiTConfig, get_config
 from dittrain.rundir import latest_checkpoint, load_checkpoint
 from dittrain.train.optim import build_optimizer
 from dittrain.train.repa import (
@@ -49,11 +49,38 @@ REPA = ["--repa", "feats", "--repa-depth", 2, "--repa-projector-dim", 32]
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
     """A 48-latent 3x8x8 store (DiT-T/4: a 2x2 token grid) with feature set feats (4x4 tokens,
-    8 dims, int8) and pos, whose targets are one vector per token position (and noise)."""
+    8 dims, int8) and pos, whose targets are one vector per token position (and noise), and pca
+    (PCA_DIMS coordinates of a PCA_WIDTH-dim encoder)."""
     root = make_store(tmp_path_factory.mktemp("store") / "s")
     add_features(root, "feats", tokens=16, dims=8)
     positional_features(root, "pos")
+    pca_features(root, "pca")
     return root
+
+
+PCA_DIMS, PCA_WIDTH = 4, 12  # a PCA set's stored dims K and its encoder's width Dy
+
+
+def pca_arrays(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(components (K, Dy) with orthonormal rows, mean (Dy,)) float32, as ditdata.features.pca fits them."""
+    rng = np.random.default_rng(seed)
+    q, _ = np.linalg.qr(rng.standard_normal((PCA_WIDTH, PCA_DIMS)))
+    return q.T.astype(np.float32), rng.standard_normal(PCA_WIDTH).astype(np.float32)
+
+
+def pca_features(root: Path, name: str, *, dtype: str = "int8") -> None:
+    """Feature set `name` stored as PCA_DIMS coordinates (4x4 tokens), its storage["pca"] as
+    ditdata.features.targets._storage writes it (components and mean in encode_array's format)."""
+    from storeutil import FEATURE_INFO
+
+    from ditdata.store import encode_array
+
+    comps, mean = pca_arrays()
+    info = {"encoder": {**FEATURE_INFO["encoder"], "dim": PCA_WIDTH},
+            "storage": {**FEATURE_INFO["storage"], "dtype": dtype, "dims": PCA_DIMS, "cosine_to_fp32": 0.95,
+                        "pca": {"components": encode_array(comps), "mean": encode_array(mean),
+                                "explained_variance": 0.9}}}
+    add_features(root, name, tokens=16, dims=PCA_DIMS, dtype=dtype, info=info)
 
 
 def positional_features(root: Path, name: str, *, tokens: int = 4, dims: int = 8, noise: float = 0.1) -> None:
@@ -108,6 +135,39 @@ def test_the_loss_is_one_minus_the_cosine_by_hand():
     assert loss.item() == pytest.approx(np.mean(1 - cosine), rel=1e-5)
     assert cos.item() == pytest.approx(np.mean(cosine), rel=1e-5)
     assert loss.requires_grad and not cos.requires_grad
+
+
+def test_pca_coordinates_are_rebuilt_to_the_encoders_tokens_before_the_cosine():
+    """y = c W + m (numpy, float64) of the stored coordinates c, then 1 - cos against the
+    projection: the loss of an Alignment given the PCA; under autocast still in fp32; resized
+    coordinates rebuilt equal rebuilt targets resized (the resize and the affine map commute)."""
+    from dittrain.train.repa import reconstruct
+
+    g = torch.Generator().manual_seed(1)
+    comps, mean = pca_arrays()
+    pca = (torch.from_numpy(comps), torch.from_numpy(mean))
+    coords = torch.randn((2, 4, PCA_DIMS), generator=g)
+    y = coords.double().numpy() @ comps.astype(np.float64) + mean.astype(np.float64)  # (2, 4, 12)
+    np.testing.assert_allclose(reconstruct(coords, pca).numpy(), y, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rebuilt = reconstruct(coords, pca)
+    assert rebuilt.dtype == torch.float32
+    np.testing.assert_allclose(rebuilt.numpy(), y, atol=1e-5)
+
+    proj = Projector(6, 5, PCA_WIDTH)
+    hidden = torch.randn((2, 4, 6), generator=g)
+    align = Alignment(proj, proj, depth=1, weight=1.0, grid=(2, 2), target_grid=(2, 2), pca=pca)
+    loss, cos = align.loss(hidden, coords)
+    with torch.no_grad():
+        p = proj(hidden).double().numpy()
+    cosine = (p * y).sum(-1) / (np.linalg.norm(p, axis=-1) * np.linalg.norm(y, axis=-1))
+    assert loss.item() == pytest.approx(np.mean(1 - cosine), rel=1e-5)
+    assert cos.item() == pytest.approx(np.mean(cosine), rel=1e-5)
+    # on a 4x4 set and the model's 2x2 grid: resizing the coordinates first changes nothing
+    fine = torch.randn((2, 16, PCA_DIMS), generator=g)
+    align = Alignment(proj, proj, depth=1, weight=1.0, grid=(2, 2), target_grid=(4, 4), pca=pca)
+    want = resize_targets(reconstruct(fine, pca), (4, 4), (2, 2))
+    assert align.loss(hidden, fine)[0].item() == pytest.approx(alignment_loss(proj(hidden), want)[0].item(), rel=1e-5)
 
 
 def test_targets_are_resized_bilinearly_per_channel_on_the_token_grid():
@@ -227,6 +287,91 @@ def test_a_repa_run_logs_and_its_projector_learns(store, tmp_path):
     assert features["identity"] and features["identity"] != config["store"]["identity"]
 
 
+def test_a_pca_set_is_aligned_at_the_encoders_width(store, tmp_path):
+    """REPA aligns to the encoder's features: a set stored as PCA coordinates trains a projector
+    to the encoder's width, against the coordinates rebuilt with the set's own components and mean;
+    the record says so (a resume keeps it)."""
+    from dittrain.train.losses import LOSS_TERMS
+
+    out = tmp_path / "r"
+    r = cli(*run_args(store, out, "--max-steps", 2, "--logger", "jsonl", "--repa", "pca", "--repa-depth", 2,
+                      "--repa-projector-dim", 32))
+    assert r.exit_code == 0, r.output
+    assert_has(r.output, f"repa: pca (encoder test-encoder, 16 tokens x {PCA_DIMS} dims int8, rebuilt to the "
+                         f"encoder's {PCA_WIDTH} dims from its PCA), block 2 of 6", f"projector 192->32->32->{PCA_WIDTH} (")
+    projector = load_checkpoint(latest_checkpoint(out))["projector"]
+    assert tuple(projector["4.weight"].shape) == (PCA_WIDTH, 32)  # Linear SiLU Linear SiLU Linear: the 5th
+    config = json.loads((out / "config.json").read_text())
+    record = config["store"]["features"]
+    assert (record["dims"], record["targets"], record["target_dims"]) == (PCA_DIMS, "reconstructed", PCA_WIDTH)
+    # the step's term rebuilds with exactly the set's arrays
+    module = build_projector(192, 32, PCA_WIDTH, 0)
+    term = LOSS_TERMS["repa"].build(TrainConfig.from_record(config["train"]), DiTConfig(**config["model"]), config,
+                                    module, module)
+    comps, mean = pca_arrays()
+    assert np.array_equal(term.pca[0].numpy(), comps) and np.array_equal(term.pca[1].numpy(), mean)
+    assert all(np.isfinite(row["repa_loss"]) for row in _rows(out))
+    # a resume keeps the projector and the rebuilt targets
+    r = cli("run", "--resume", "--out", out, "--max-steps", 3)
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "config.json").read_text())["store"]["features"]["targets"] == "reconstructed"
+
+
+@pytest.mark.parametrize("bad, says", [("shape", "its PCA has components (3, 12) and mean (12,), not (4, dim)"),
+                                        ("nan", "its PCA holds non-finite values")])
+def test_a_pca_that_does_not_fit_is_refused(small_store, tmp_path, bad, says):
+    from storeutil import FEATURE_INFO
+
+    from ditdata.store import encode_array
+
+    comps, mean = pca_arrays()
+    comps = comps[:3] if bad == "shape" else np.where(np.arange(PCA_WIDTH) == 0, np.nan, comps).astype(np.float32)
+    info = {"encoder": {**FEATURE_INFO["encoder"], "dim": PCA_WIDTH},
+            "storage": {**FEATURE_INFO["storage"], "dims": PCA_DIMS, "cosine_to_fp32": 0.95,
+                        "pca": {"components": encode_array(comps), "mean": encode_array(mean)}}}
+    add_features(small_store, "bad", tokens=16, dims=PCA_DIMS, info=info)
+    r = cli(*run_args(small_store, tmp_path / "r", "--max-steps", 1, "--repa", "bad", "--repa-depth", 2))
+    assert says in one_error_line(r.output)
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_plan_counts_a_pca_sets_projector_at_the_encoders_width(store):
+    from ditdata.store import open_store
+    from dittrain.train.losses import LOSS_TERMS
+
+    cfg = TrainConfig.from_flat(latents=str(store), model="DiT-T/4", repa="pca", repa_depth=2, repa_projector_dim=32)
+    model_cfg = get_config("DiT-T/4", input_size=8, in_channels=3)
+    entry = LOSS_TERMS["repa"]
+    assert entry.planned(cfg, model_cfg, open_store(store, features="pca")) == (2, 32, PCA_WIDTH)
+    assert entry.planned(cfg, model_cfg, open_store(store, features="feats")) == (2, 32, 8)
+
+
+def test_a_run_recorded_aligning_pca_coordinates_resumes_with_them(store, tmp_path, monkeypatch):
+    """Runs recorded before the rebuilt targets aligned a PCA set's K coordinates and record
+    neither "targets" nor "target_dims": a resume keeps that projector (K wide) and those targets."""
+    from dittrain.train import repa as repa_mod
+
+    out, real = tmp_path / "old", repa_mod.feature_record
+
+    def as_recorded_before(store):  # the record of the code before: no "targets", no "target_dims"
+        return {k: v for k, v in real(store).items() if k not in ("targets", "target_dims")}
+
+    args = run_args(store, out, "--max-steps", 2, "--logger", "jsonl", "--repa", "pca", "--repa-depth", 2,
+                    "--repa-projector-dim", 32)
+    with monkeypatch.context() as m:
+        m.setattr(repa_mod, "feature_record", as_recorded_before)
+        assert cli(*args).exit_code == 0
+    assert "targets" not in json.loads((out / "config.json").read_text())["store"]["features"]
+    r = cli("run", "--resume", "--out", out, "--max-steps", 4)
+    assert r.exit_code == 0, r.output
+    assert f"projector 192->32->32->{PCA_DIMS} (" in r.output and "rebuilt" not in r.output
+    record = json.loads((out / "config.json").read_text())["store"]["features"]
+    assert (record["targets"], record["target_dims"]) == ("stored", PCA_DIMS)
+    projector = load_checkpoint(latest_checkpoint(out))["projector"]
+    assert tuple(projector["4.weight"].shape) == (PCA_DIMS, 32)
+    assert [s for s, _ in losses(out)] == [1, 2, 3, 4]
+
+
 def test_flow_with_repa_streamed_and_the_resize_line(store, tmp_path):
     r = cli(*run_args(store, tmp_path / "r", "--max-steps", 2, "--objective", "flow", "--logger", "jsonl", *REPA,
                       "--repa-weight", "2", "--loader", "streaming", "--workers", 1))
@@ -321,7 +466,7 @@ def test_nothing_of_the_projector_is_exported_and_sampling_is_unchanged(store, t
 
 
 @pytest.mark.parametrize(("extra", "says"), [
-    (["--repa", "nope"], "no feature set 'nope' (it has: feats, pos)"),
+    (["--repa", "nope"], "no feature set 'nope' (it has: feats, pca, pos)"),
     ([*REPA, "--repa-depth", 30], "--repa-depth 30: the model DiT-T/4 has 6 blocks; choose 1..6"),
     ([*REPA, "--repa-depth", 0], "'--repa-depth': 0 is not in the range x>=1"),
     ([*REPA, "--repa-weight", -1], "'--repa-weight': -1.0 is not in the range x>=0"),

@@ -223,7 +223,8 @@ def encode(cfg: EncodeConfig) -> dict:
     if cfg.features:
         from ditdata.features import check_options
 
-        check_options(dtype=cfg.features_dtype, dims=cfg.features_dims, resolution=cfg.features_resolution)
+        check_options(dtype=cfg.features_dtype, dims=cfg.features_dims, resolution=cfg.features_resolution,
+                      resize=cfg.features_resize)
     if cfg.buckets and cfg.features:
         raise DitdataError("--buckets with --features is not supported yet (feature sets of bucketed stores "
                            "would need each bucket's crop); drop one of them")

@@ -26,7 +26,7 @@ import datetime as dt
 from dataclasses import asdict
 from pathlib import Path
 
-from ditdata.config import FEATURE_DTYPES, MAX_RESOLUTION, FeaturesConfig
+from ditdata.config import FEATURE_DTYPES, FEATURE_RESIZES, MAX_RESOLUTION, FeaturesConfig
 from ditdata.errors import DitdataError
 
 from .encoders import default_feature_set_name
@@ -35,8 +35,11 @@ from .encoders import default_feature_set_name
 GROUP_TIMEOUT = dt.timedelta(hours=12)
 
 
-def check_options(*, dtype: str, dims: int | None, resolution: int | None, flag: str = "--features") -> None:
+def check_options(*, dtype: str, dims: int | None, resolution: int | None, resize: str = "reference",
+                  flag: str = "--features") -> None:
     """The options a feature set is made with (one line naming the flag when one is wrong)."""
+    if resize not in FEATURE_RESIZES:
+        raise DitdataError(f"{flag}-resize {resize!r}: use one of {', '.join(FEATURE_RESIZES)}")
     if dtype not in FEATURE_DTYPES:
         raise DitdataError(f"{flag}-dtype {dtype!r}: use one of {', '.join(FEATURE_DTYPES)}")
     if dims is not None and dims < 1:
@@ -71,7 +74,7 @@ def compute_features(cfg: FeaturesConfig) -> dict:
     from ditdata.store import is_url
     from ditdata.store.features import check_name
 
-    check_options(dtype=cfg.dtype, dims=cfg.dims, resolution=cfg.resolution)
+    check_options(dtype=cfg.dtype, dims=cfg.dims, resolution=cfg.resolution, resize=cfg.resize)
     if cfg.batch_size < 1 or cfg.workers < 0:
         raise DitdataError("--batch-size must be at least 1, --workers at least 0")
     if is_url(cfg.store):
@@ -137,7 +140,7 @@ def _compute(cfg: FeaturesConfig, name: str) -> dict:
     device = resolve_device(cfg.device)
     own_group = join(device, timeout=GROUP_TIMEOUT)  # a group we join, we also leave
     with memory_hint(cfg.encoder, cfg.batch_size, store.schema.flip, device):
-        enc = load_encoder(cfg.encoder, res, cfg.resolution, device)
+        enc = load_encoder(cfg.encoder, res, cfg.resolution, device, resize=cfg.resize)
         base = Targets(enc, flip=store.schema.flip, dtype=FEATURE_DTYPES[cfg.dtype], device=device)
         need = calibration_need(cfg.dims, enc.dim)
 

@@ -39,7 +39,8 @@ class InPass:
 
     def __init__(self, cfg, device, folder, keep, skip: set, world: int):
         self.name = check_name(cfg.features_out_name or default_feature_set_name(cfg.features))
-        enc = load_encoder(cfg.features, cfg.resolution, cfg.features_resolution, device, option="--features")
+        enc = load_encoder(cfg.features, cfg.resolution, cfg.features_resolution, device, option="--features",
+                           resize=cfg.features_resize)
         base = Targets(enc, flip=cfg.flip, dtype=FEATURE_DTYPES[cfg.features_dtype], device=device)
 
         def first_images():  # the store's first samples: the image shards' kept images, in order
@@ -86,7 +87,7 @@ class InPass:
                             "shards_dir": str(Path(cfg.shards).resolve()), "made_by": "ditdata encode --features",
                             "features": {"encoder": cfg.features, "out_name": self.name, "dtype": cfg.features_dtype,
                                          "dims": cfg.features_dims, "resolution": cfg.features_resolution,
-                                         "batch_size": cfg.batch_size}})
+                                         "resize": cfg.features_resize, "batch_size": cfg.batch_size}})
         return {**done, "written": done["written"] + self.written_shards, "images": done["images"] + self.images,
                 "seconds": done["seconds"] + self.seconds, "already": done["already"] - self.written_shards,
                 "notes": storage_notes(self.storage)}

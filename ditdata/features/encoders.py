@@ -1,12 +1,14 @@
 """Feature encoders: the frozen models whose patch tokens a feature set stores (`ditdata
 features`, `ditdata encode --features`), e.g. DINOv2 for REPA.
 
-``load_encoder(name, store_resolution, resolution=None, device=..., option="--encoder")`` resolves NAME through
+``load_encoder(name, store_resolution, resolution=None, device=..., option="--encoder", resize="reference")``
+resolves NAME through
 ``SOURCES``, in this order:
 
 1. ``python:MODULE:FUNCTION``: FUNCTION() (MODULE a dotted module name on sys.path, or a
    path to a .py file) returns a torch module mapping float images (N, 3, H, W) in [0, 1]
-   to patch tokens (N, tokens, dim). It may carry ``resolution`` (its input px) and
+   (resized ones may overshoot it slightly: the default resize does not clamp) to patch
+   tokens (N, tokens, dim). It may carry ``resolution`` (its input px) and
    ``grid`` ((h, w), or n for a square n x n grid); without them the input is the store's
    resolution and the grid square. Its weights_sha256 is a digest of its state_dict. Its
    failures and its outputs are checked as the user's (ditdata.common.usercode): an exception
@@ -28,14 +30,30 @@ diffusers already uses here for the autoencoders, and it ships the library's own
 Dinov2Config / Dinov2WithRegistersConfig, so tests build tiny random DINOv2s that go
 through the real loader.
 
-What the encoder sees: the store's centre crop (uint8, at the store's resolution) as floats
-in [0, 1], resized to the encoder's input resolution (bicubic, antialiased, clamped to
-[0, 1]), and for DINOv2 normalised with the ImageNet mean and std. The input resolution
-rule is REPA's recipe, ``(store resolution // 16) * patch``, which keeps the token grid at
-the store resolution / 16 per side: 256 px -> 224 px for patch 14 (16 x 16 tokens), 512 ->
-448 (32 x 32); ``--features-resolution`` overrides it. Output: the patch tokens of
-last_hidden_state only (the CLS and register tokens are dropped), (N, tokens, dim), in
-row-major order over the grid.
+What the encoder sees (``--features-resize``, ditdata.config.FEATURE_RESIZES): the store's
+centre crop (uint8, at the store's resolution; the ADM crop REPA's preprocessing makes too)
+as floats x / 255 in [0, 1], then, by default ("reference"), exactly as REPA's training does
+(sihyun-yu/REPA@67f7145 train.py preprocess_raw_image, its 'dinov2' branch): normalised with
+the ImageNet mean and std (DINOv2 only), then resized to the encoder's input resolution by
+``F.interpolate(mode="bicubic")``: not antialiased, not clamped (bicubic overshoots [0, 1] a
+little at edges, and the encoder sees that). A DINOv2's position embeddings (pretrained on a
+37 x 37 grid, 518 px) are resampled ONCE at load to the token grid, bicubic and antialiased,
+the class token's kept: REPA's utils.py load_encoders with timm's resample_abs_pos_embed
+defaults, where transformers would interpolate them at every call (bicubic, not antialiased,
+for Dinov2Model). "antialias" is how ditkit made feature sets before it followed REPA:
+resized bicubic, antialiased and clamped to [0, 1], then normalised, the position embeddings
+left to transformers. At 256 -> 224 (and 512 -> 448) antialiasing changes little, so there is
+no quality reason to prefer it; it is kept only so that a feature set begun that way can be
+finished (or remade) with the same targets (its encoder record says "resize": that string).
+
+The input resolution rule is REPA's recipe, ``(store resolution // 16) * patch``, which
+keeps the token grid at the store resolution / 16 per side: 256 px -> 224 px for patch 14
+(16 x 16 tokens), 512 -> 448 (32 x 32), as REPA's ``224 * (resolution // 256)``;
+``--features-resolution`` overrides it. Output: the patch tokens of last_hidden_state only
+(the CLS and register tokens are dropped), (N, tokens, dim), in row-major order over the
+grid. last_hidden_state is after the final layernorm (transformers' Dinov2Model applies
+self.layernorm to the encoder's output), i.e. DINOv2's own ``x_norm_patchtokens``, the output
+REPA aligns to.
 
 Importing this module is cheap: torch and transformers are imported inside the loaders.
 """
@@ -58,14 +76,18 @@ from ditdata.common.extras import require
 from ditdata.common.files import read_json, sha256_file, state_dict_sha256
 from ditdata.common.hub import download_command, hub_cache_dir, not_cached_message, saved_weights
 from ditdata.common.usercode import UserCodeError, check_weights, user_call
-from ditdata.config import FEATURE_RESOLUTION_RULE
+from ditdata.config import FEATURE_RESIZES, FEATURE_RESOLUTION_RULE
 from ditdata.errors import DitdataError
 
 PYTHON_PREFIX = "python:"
 GRID_DIVISOR = 16  # input px = (store px // 16) * patch: FEATURE_RESOLUTION_RULE
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-RESIZE = "bicubic, antialiased, clamped to [0, 1]"
+# --features-resize -> the encoder record's "resize" (module docstring). "antialias"'s string is
+# what every feature set made before the choice records: a resume compares records, keep it as is.
+RESIZES = {"reference": "bicubic, not antialiased, not clamped (REPA's preprocess_raw_image)",
+           "antialias": "bicubic, antialiased, clamped to [0, 1]"}
+assert tuple(RESIZES) == FEATURE_RESIZES
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -130,10 +152,11 @@ class FeatureEncoder:
     ``__call__(x)`` takes images (N, 3, H, W) float in [0, 1] on its device, at any size,
     and returns their patch tokens (N, tokens, dim) float32 (module docstring)."""
 
-    def __init__(self, net, info: dict[str, Any], normalize: tuple | None, option: str = "--encoder"):
+    def __init__(self, net, info: dict[str, Any], normalize: tuple | None, option: str = "--encoder",
+                 resize: str = "reference"):
         self.net = net.eval().requires_grad_(False)
         self.info = dict(info)
-        self.normalize = normalize
+        self.normalize, self.resize = normalize, resize
         self.source = f"{option} {info['name']}"  # how its errors name it: the option the user gave
         check_weights(self.net.state_dict(), self.source)  # NaN weights: every target would be NaN
 
@@ -147,16 +170,28 @@ class FeatureEncoder:
         return self
 
     def preprocess(self, x):
-        import torch
+        """Images (N, 3, H, W) float in [0, 1] -> the encoder's input (N, 3, r, r) (module docstring)."""
         import torch.nn.functional as F
 
         r = self.resolution
-        if tuple(x.shape[-2:]) != (r, r):
-            x = F.interpolate(x, size=(r, r), mode="bicubic", antialias=True, align_corners=False).clamp_(0, 1)
-        if self.normalize is not None:
-            mean, std = (torch.tensor(v, device=x.device, dtype=x.dtype).view(1, 3, 1, 1) for v in self.normalize)
-            x = (x - mean) / std
+        size = None if tuple(x.shape[-2:]) == (r, r) else (r, r)
+        if self.resize == "antialias":  # ditkit's earlier rule: resize (antialiased, clamped), then normalise
+            if size is not None:
+                x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).clamp_(0, 1)
+            return self._normalized(x)
+        # REPA's order: Normalize, then F.interpolate(x, 224 * (resolution // 256), mode='bicubic')
+        x = self._normalized(x)
+        if size is not None:
+            x = F.interpolate(x, size=size, mode="bicubic", align_corners=False)
         return x
+
+    def _normalized(self, x):
+        if self.normalize is None:
+            return x
+        import torch
+
+        mean, std = (torch.tensor(v, device=x.device, dtype=x.dtype).view(1, 3, 1, 1) for v in self.normalize)
+        return (x - mean) / std
 
     def __call__(self, x):
         """Its patch tokens; its failure, or output of another type or shape, is the user's
@@ -172,7 +207,7 @@ class FeatureEncoder:
 
 
 def _info(name: str, ident: str, kind: str, sha: dict, resolution: int, patch: int | None,
-          grid: tuple[int, int], dim: int, library: str, **extra) -> dict[str, Any]:
+          grid: tuple[int, int], dim: int, library: str, resize: str, **extra) -> dict[str, Any]:
     """A FeatureEncoder.info (the feature set's "encoder" entry), keys in their recorded order."""
     try:
         version = metadata.version(library)
@@ -180,7 +215,7 @@ def _info(name: str, ident: str, kind: str, sha: dict, resolution: int, patch: i
         version = None
     return {"name": name, "id": ident, "kind": kind, "weights_sha256": sha, "resolution": int(resolution),
             "patch": patch, "grid": [int(grid[0]), int(grid[1])], "tokens": int(grid[0] * grid[1]),
-            "dim": int(dim), **extra, "resize": RESIZE, "library": library, "library_version": version}
+            "dim": int(dim), **extra, "resize": RESIZES[resize], "library": library, "library_version": version}
 
 
 # --------------------------------------------------------------------------- transformers
@@ -201,8 +236,32 @@ def _patch_tokens(model, prefix: int):
     return PatchTokens()
 
 
+def resample_positions(model, grid: tuple[int, int]) -> tuple[int, int]:
+    """Resample a transformers DINOv2's position embeddings (1, 1 + n*n, D), in place, to `grid`
+    (h, w) once, as REPA does at load (utils.py load_encoders: timm.layers.pos_embed
+    .resample_abs_pos_embed with its defaults: the class token's kept, the n x n patch grid
+    resized in float32 by F.interpolate bicubic, antialiased, align_corners False). transformers
+    then uses them as they are (its interpolate_pos_encoding returns them when the grid matches).
+    Returns the pretrained grid (n, n)."""
+    import torch
+    import torch.nn.functional as F
+
+    emb = model.embeddings
+    if getattr(emb, "position_embeddings", None) is None:
+        raise DitdataError(f"{type(model).__name__} has no position embeddings to resample; "
+                           "pass --features-resize antialias")
+    pos = emb.position_embeddings.data  # (1, 1 + n*n, D)
+    n, dim = math.isqrt(pos.shape[1] - 1), pos.shape[-1]
+    if (n, n) != tuple(grid):
+        patches = pos[:, 1:].float().reshape(1, n, n, dim).permute(0, 3, 1, 2)  # (1, D, n, n)
+        patches = F.interpolate(patches, size=tuple(grid), mode="bicubic", align_corners=False, antialias=True)
+        patches = patches.permute(0, 2, 3, 1).reshape(1, -1, dim).to(pos.dtype)  # (1, h*w, D)
+        emb.position_embeddings = torch.nn.Parameter(torch.cat([pos[:, :1], patches], dim=1), requires_grad=False)
+    return n, n
+
+
 def _from_dir(model_dir: Path, name: str, ident: str, store_resolution: int, override: int | None,
-              revision: str | None = None, option: str = "--encoder") -> FeatureEncoder:
+              revision: str | None = None, option: str = "--encoder", resize: str = "reference") -> FeatureEncoder:
     try:
         kind = read_json(model_dir / "config.json").get("model_type")
     except (OSError, ValueError, AttributeError):
@@ -235,9 +294,15 @@ def _from_dir(model_dir: Path, name: str, ident: str, store_resolution: int, ove
     patch = int(cfg.patch_size)
     px = input_resolution(store_resolution, patch, override, name)
     prefix = 1 + int(getattr(cfg, "num_register_tokens", 0) or 0)
-    info = _info(name, ident, kind, sha, px, patch, (px // patch, px // patch), cfg.hidden_size,
-                 "transformers", revision=revision, dropped_tokens=prefix, normalize="imagenet")
-    return FeatureEncoder(_patch_tokens(model, prefix), info, (IMAGENET_MEAN, IMAGENET_STD), option)
+    grid = (px // patch, px // patch)
+    extra = {}
+    if resize == "reference":  # the antialias rule left them to transformers (and records nothing of them)
+        n = resample_positions(model, grid)
+        extra["position_embeddings"] = (f"{n[0]}x{n[1]} resampled to {grid[0]}x{grid[1]} once at load, bicubic, "
+                                        "antialiased (REPA's timm resample_abs_pos_embed)")
+    info = _info(name, ident, kind, sha, px, patch, grid, cfg.hidden_size, "transformers", resize,
+                 revision=revision, dropped_tokens=prefix, normalize="imagenet", **extra)
+    return FeatureEncoder(_patch_tokens(model, prefix), info, (IMAGENET_MEAN, IMAGENET_STD), option, resize)
 
 
 def _missing_hub_message(name: str, repo_id: str, cache: Path, detail: str = "") -> str:
@@ -247,7 +312,7 @@ def _missing_hub_message(name: str, repo_id: str, cache: Path, detail: str = "")
 
 
 def _from_hub(repo_id: str, name: str, store_resolution: int, override: int | None,
-              option: str = "--encoder") -> FeatureEncoder:
+              option: str = "--encoder", resize: str = "reference") -> FeatureEncoder:
     cache = hub_cache_dir()
     hub = require("huggingface_hub", f"feature encoder {name} ({repo_id})", "features", DitdataError)
     try:
@@ -256,7 +321,8 @@ def _from_hub(repo_id: str, name: str, store_resolution: int, override: int | No
         raise DitdataError(_missing_hub_message(name, repo_id, cache, type(e).__name__)) from e
     if not (snap / "config.json").is_file():
         raise DitdataError(_missing_hub_message(name, repo_id, cache, f"snapshot {snap.name} has no config.json"))
-    return _from_dir(snap, name, repo_id, store_resolution, override, revision=snap.name, option=option)
+    return _from_dir(snap, name, repo_id, store_resolution, override, revision=snap.name, option=option,
+                     resize=resize)
 
 
 # --------------------------------------------------------------------------- python:
@@ -304,7 +370,8 @@ def _grid(net, tokens: int, label: str) -> tuple[int, int]:
     return h, w
 
 
-def _from_python(spec: str, store_resolution: int, override: int | None, device, option: str) -> FeatureEncoder:
+def _from_python(spec: str, store_resolution: int, override: int | None, device, option: str,
+                 resize: str) -> FeatureEncoder:
     import torch
 
     label = f"{option} {spec}"
@@ -336,24 +403,24 @@ def _from_python(spec: str, store_resolution: int, override: int | None, device,
     grid = _grid(net, tokens, label)
     patch = px // grid[0] if px % grid[0] == 0 and px // grid[0] == px // grid[1] else None
     info = _info(spec, spec, "python", {"state_dict": state_dict_sha256(net.state_dict())}, px, patch, grid,
-                 int(probe.shape[2]), "torch")
-    return FeatureEncoder(net, info, None, option)
+                 int(probe.shape[2]), "torch", resize)
+    return FeatureEncoder(net, info, None, option, resize)
 
 
 # --------------------------------------------------------------------------- resolving
 
 
-def _preset(s: str, res: int, override: int | None, device, option: str) -> FeatureEncoder:
-    return _from_hub(PRESETS[s].repo_id, s, res, override, option)
+def _preset(s: str, res: int, override: int | None, device, option: str, resize: str) -> FeatureEncoder:
+    return _from_hub(PRESETS[s].repo_id, s, res, override, option, resize)
 
 
-def _directory(s: str, res: int, override: int | None, device, option: str) -> FeatureEncoder:
+def _directory(s: str, res: int, override: int | None, device, option: str, resize: str) -> FeatureEncoder:
     path = Path(s).expanduser().resolve()
-    return _from_dir(path, str(path), str(path), res, override, option=option)
+    return _from_dir(path, str(path), str(path), res, override, option=option, resize=resize)
 
 
-def _hub_id(s: str, res: int, override: int | None, device, option: str) -> FeatureEncoder:
-    return _from_hub(s, s, res, override, option)
+def _hub_id(s: str, res: int, override: int | None, device, option: str, resize: str) -> FeatureEncoder:
+    return _from_hub(s, s, res, override, option, resize)
 
 
 # (what NAME is, how it is loaded), tried in this order (module docstring)
@@ -366,17 +433,20 @@ SOURCES = (
 
 
 def load_encoder(name: str, store_resolution: int, resolution: int | None = None, device="cpu",
-                 option: str = "--encoder") -> FeatureEncoder:
+                 option: str = "--encoder", resize: str = "reference") -> FeatureEncoder:
     """The feature encoder NAME (module docstring) on `device`, in float32, for a store of
-    `store_resolution` px; `resolution` overrides its input px. DitdataError when it is not
-    on disk or not usable; `option`: the command-line option that named it, which its errors name."""
+    `store_resolution` px; `resolution` overrides its input px; `resize`: one of
+    FEATURE_RESIZES (--features-resize). DitdataError when it is not on disk or not usable;
+    `option`: the command-line option that named it, which its errors name."""
+    if resize not in RESIZES:
+        raise DitdataError(f"--features-resize {resize!r}: use one of {', '.join(RESIZES)}")
     s = str(name).strip()
     for _, matches, load in SOURCES:
         if matches(s):
-            return load(s, store_resolution, resolution, device, option).to(device)
+            return load(s, store_resolution, resolution, device, option, resize).to(device)
     raise DitdataError(f"unknown feature encoder {s!r}: not a preset ({', '.join(PRESETS)}), not an existing "
                        "directory, not a hub id (org/name), not python:MODULE:FUNCTION")
 
 
-__all__ = ["FeatureEncoder", "IMAGENET_MEAN", "IMAGENET_STD", "MODEL_TYPES", "PRESETS", "SOURCES",
-           "default_feature_set_name", "input_resolution", "load_encoder"]
+__all__ = ["FeatureEncoder", "IMAGENET_MEAN", "IMAGENET_STD", "MODEL_TYPES", "PRESETS", "RESIZES", "SOURCES",
+           "default_feature_set_name", "input_resolution", "load_encoder", "resample_positions"]

@@ -170,14 +170,38 @@ def recorded_storage(set_dir: Path, encoder_info: dict, dtype: str, dims: int) -
     return storage
 
 
+def check_resize(set_dir: Path, encoder_info: dict) -> None:
+    """A feature set begun with the other --features-resize is refused before anything is
+    computed, naming the choice that finishes it: its shards and new ones would hold targets
+    of two preprocessings (a set made before the choice existed records "antialias"'s string)."""
+    from .encoders import RESIZES
+
+    try:
+        cfg = json.loads((set_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    old = (cfg.get("encoder") or {}).get("resize") if isinstance(cfg, dict) else None
+    new = encoder_info.get("resize")
+    if old is None or old == new or not any((set_dir / "shards").glob("*.json")):
+        return
+    was = next((k for k, v in RESIZES.items() if v == old), None)
+    now = next((k for k, v in RESIZES.items() if v == new), new)
+    finish = f"finish it with --features-resize {was}" if was else f"it records resize {old!r}"
+    raise DitdataError(f"{set_dir}: feature set {set_dir.name} was begun with "
+                       f"{'--features-resize ' + was if was else 'another resize'} ({old}), not {now}; {finish}, "
+                       f"or make a new set with another --out-name (or delete {set_dir})")
+
+
 def resolve_storage(targets: Targets, set_dir: Path, dims: int | None, images, world: int) -> dict:
     """The feature set's storage: recorded (recorded_storage) or calibrated on rank 0, and
-    the same on every rank (broadcast: an error on rank 0 is raised on every rank)."""
+    the same on every rank (broadcast: an error on rank 0 is raised on every rank). A set begun
+    with the other --features-resize is refused first (check_resize)."""
     rank = dist.get_rank() if world > 1 else 0
     result = None
     if rank == 0:
         try:
             enc = targets.encoder
+            check_resize(set_dir, enc.info)
             result = ("ok", recorded_storage(set_dir, enc.info, targets.dtype, dims or enc.dim)
                       or calibrate(targets, images(), dims))
         except DitdataError as e:

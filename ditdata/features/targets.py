@@ -14,6 +14,9 @@ calibrate() measures, before anything is written, what the storage loses: the me
 between the stored targets (dequantized and, with a PCA, reconstructed) and the fp32
 encoder output over the first COSINE_SAMPLES samples, and fits the PCA on tokens sampled
 from the first PCA_FIT_IMAGES images. Both are recorded in the feature set's manifest.
+With a PCA the cosine is that of the rebuilt tokens, which is what a REPA run aligns to:
+dittrain rebuilds y = coords @ components + mean on the device and projects to the encoder's
+width (dittrain.train.repa), as REPA aligns to the encoder's own features.
 """
 
 from __future__ import annotations

@@ -184,15 +184,18 @@ class Repa(LossTerm):
         return {"features": features}
 
     def make_module(self, cfg, model_cfg, resolved, device):
-        """The projector from the model's hidden width to the feature set's dims (its own seeded
-        init: the model starts as a plain run's does)."""
-        dims = resolved["store"]["features"]["dims"]
+        """The projector from the model's hidden width to the targets' width (the encoder's, for a
+        PCA set's rebuilt targets; repa.target_dims), with its own seeded init: the model starts
+        as a plain run's does."""
+        dims = repa.target_dims(resolved["store"]["features"])
         return repa.build_projector(model_cfg.hidden_size, cfg.repa.repa_projector_dim, dims, cfg.optim.seed).to(device)
 
     def build(self, cfg, model_cfg, resolved, module, train_module):
+        record = resolved["store"]["features"]
+        device = next(module.parameters()).device
         return repa.Alignment(module, train_module, depth=cfg.repa.repa_depth, weight=cfg.repa.repa_weight,
-                              grid=repa.model_grid(model_cfg),
-                              target_grid=tuple(resolved["store"]["features"]["grid"]))
+                              grid=repa.model_grid(model_cfg), target_grid=tuple(record["grid"]),
+                              pca=repa.pca_on(cfg, record, device) if repa.rebuilds(record) else None)
 
     def describe(self, cfg, model_cfg, resolved, module):
         return repa.describe(cfg, model_cfg, resolved["store"]["features"], module)
@@ -210,12 +213,18 @@ class Repa(LossTerm):
             raise CheckpointError(f"{latest}: aligned to feature set {r.repa!r} {str(old.get('identity'))[:19]}..., and "
                                   f"the store's {r.repa!r} is now another one ({str(new.get('identity'))[:19]}...); "
                                   "resume with the set it was trained with, or start a new --out")
+        if new:
+            # It keeps the targets it trained with, and so its projector's shape: a run recorded
+            # before the rebuilt targets aligned a PCA set's stored coordinates (and says nothing).
+            new["targets"], new["target_dims"] = old.get("targets", "stored"), repa.target_dims(old)
 
     def planned(self, cfg, model_cfg, store):
+        """(block, projector width, the targets' width as aligned: a PCA set's rebuilt ones are
+        the encoder's; planned a little high for them, its K stored dims counted at that width)."""
         r = cfg.repa
         if not 1 <= r.repa_depth <= model_cfg.depth:
             raise repa.RepaError(f"--repa-depth {r.repa_depth}: {cfg.model.model} has {model_cfg.depth} blocks")
-        dims = store.feature_set.dims if store is not None else self.PLANNED_DIMS
+        dims = (repa.target_dims(repa.feature_record(store)) if store is not None else self.PLANNED_DIMS)
         return r.repa_depth, r.repa_projector_dim, dims
 
     def cost(self, model_cfg, tokens, planned):
