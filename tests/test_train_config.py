@@ -27,7 +27,7 @@ def test_run_choices_are_the_config_constants():
         "latent_norm": config.LATENT_NORMS, "loss_weighting": config.LOSS_WEIGHTINGS,
         "t_sampling": config.T_SAMPLINGS, "amp": config.AMP_MODES, "compile": config.COMPILE,
         "compile_mode": config.COMPILE_MODES, "loader": config.LOADERS, "resident_device": config.RESIDENT_DEVICES,
-        "bucket_remainder": config.BUCKET_REMAINDERS,
+        "bucket_remainder": config.BUCKET_REMAINDERS, "eval_sampler": config.SAMPLERS,
     }
 
 
