@@ -454,9 +454,9 @@ plan_cmd.params[:0] = [aliased(p, "--steps") if p.name == "max_steps" else p for
                    "FID protocol).")
 @click.option("--cfg-channels", default=_SAMPLE.cfg_channels, show_default=True,
               type=click.IntRange(min=0),
-              help="Guide only the first N latent channels (0: all). facebookresearch/DiT's and SiT's "
-                   "samplers guide 3 of the 4 'for exact reproducibility': --cfg-channels 3 reproduces "
-                   "the FIDs published with their checkpoints.")
+              help="Guide only the first N latent channels (0: all). facebookresearch/DiT's, SiT's and "
+                   "LightningDiT's samplers guide the first 3 'for exact reproducibility': --cfg-channels 3 "
+                   "reproduces the FIDs published with their checkpoints (REPA's guides all).")
 @click.option("--cfg-interval", default=config.format_cfg_interval(_SAMPLE.cfg_interval), show_default=True,
               type=CfgInterval(), help=_INTERVAL_HELP)
 @click.option("--steps", default=None, type=click.IntRange(min=1),

@@ -260,7 +260,13 @@ def test_lightningdits_interval_and_shift_are_ours_mapped():
     cfg_interval_start. In our time (t = 1 - t_SiT) that is --steps N-1 --time-shift 1/s
     --cfg-interval 0,1-c."""
     s, c, n = 0.3, 0.125, 26
-    theirs = [(s * u) / (1 + (s - 1) * u) for u in torch.linspace(0, 1, n).tolist()]  # compute_tm
+
+    def compute_tm(t_n, timestep_shift):  # LightningDiT's transport/integrators.py, on its time
+        return timestep_shift * t_n / (1 + (timestep_shift - 1) * t_n)
+
+    for t in (0.0, 0.1, 0.5, 0.875, 1.0):  # the same map in our time: shift_t with S = 1 / s
+        assert 1 - compute_tm(1 - t, s) == pytest.approx(shift_t(t, 1 / s), abs=1e-12)
+    theirs = [compute_tm(u, s) for u in torch.linspace(0, 1, n).tolist()]  # float32 linspace, as theirs
     d = flow()
     ours = d.flow_time_grid(n - 1, "euler", shift=1 / s)
     assert ours == pytest.approx([1 - u for u in theirs], abs=1e-6)
@@ -480,13 +486,13 @@ def test_the_trainers_evaluation_samples_with_its_sampler_interval_and_shift(flo
                            eval_cfg=2.0, eval_batch_size=2, eval_sampler="sde", eval_cfg_interval="0.0,0.5",
                            eval_time_shift=2.0)
     rec = TrainingEval(settings, resolution=16, seed=3, objective="flow")(load_model(weights, config), config, store)
-    assert (rec["eval_sampler"], rec["eval_cfg_interval"], rec["eval_time_shift"]) == ("sde", [0.0, 0.5], 2.0)
+    assert (rec["eval_sampler"], rec["eval_cfg_interval"], rec["eval_time_shift"]) == ("sde", "0.0,0.5", 2.0)
     assert {(s.sampler, s.steps, s.cfg_scale, tuple(s.cfg_interval), s.time_shift) for s in seen} == {
         ("sde", 3, 2.0, (0.0, 0.5), 2.0)}
     default = TrainingEval(replace(settings, eval_sampler=None, eval_cfg_interval="0,1", eval_time_shift=None),
                            resolution=16, seed=3)(load_model(weights, config), config, store)
     assert (default["eval_sampler"], default["eval_cfg_interval"], default["eval_time_shift"]) == (
-        "euler", [0.0, 1.0], 1.0)
+        "euler", "0.0,1.0", 1.0)
 
 
 def test_run_refuses_an_eval_sampler_that_does_not_fit_before_the_first_step(tmp_path):

@@ -536,9 +536,9 @@ def sample_images(
 
     weights: a state dict (e.g. from load_weights) or the DiT itself (the trainer's EMA
         model: used on its own device, put in eval mode for the call and restored).
-    settings: cfg scale (1 = none; ignored for unconditional models), steps, sampler, seed,
-        batch size, precision and guided channels (SampleConfig); settings.n samples when
-        there are no labels / prompts / text.
+    settings: cfg scale (1 = none; ignored for unconditional models), its channels and its
+        interval, steps, sampler, time shift, seed, batch size and precision (SampleConfig);
+        settings.n samples when there are no labels / prompts / text.
     labels: (N,) class indices for class models; None: settings.n labels drawn with the seed.
     prompts: N prompts for text models, embedded with the store's text encoder (or
         `text_encoder`); or `text`: their embeddings, {"text_pooled" (N, Dp), ...}.

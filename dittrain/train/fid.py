@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 
 from ditdata.common.errors import UserError
-from dittrain.config import EvalSection, parse_cfg_interval
+from dittrain.config import EvalSection, format_cfg_interval, parse_cfg_interval
 from dittrain.eval import (
     FEATURES,
     EvalError,
@@ -144,6 +144,7 @@ class TrainingEval:
         metrics = compute_metrics(feats, self._reference(), with_pr=False)
         return {"fid": metrics["fid"], "sfid": metrics["sfid"], "inception_score": metrics["inception_score"],
                 "eval_n": self.n, "eval_steps": settings.steps, "eval_cfg": settings.cfg_scale,
-                "eval_sampler": settings.sampler, "eval_cfg_interval": list(settings.cfg_interval),
-                "eval_time_shift": settings.time_shift,
+                # text where the loggers take numbers (TensorBoard keeps text out, metrics.jsonl has it)
+                "eval_sampler": settings.sampler, "eval_cfg_interval": format_cfg_interval(settings.cfg_interval),
+                **({} if settings.time_shift is None else {"eval_time_shift": settings.time_shift}),
                 "eval_seconds": round(time.time() - t0, 3)}
