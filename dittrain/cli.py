@@ -159,6 +159,30 @@ class AdamBetas(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+class CfgInterval(click.ParamType):
+    """--cfg-interval LO,HI: two numbers with 0 <= LO <= HI <= 1 (dittrain.config.parse_cfg_interval);
+    the pair (LO, HI), or as_text: the field's text, written back exactly (`run`'s --eval-cfg-interval)."""
+
+    name = "LO,HI"
+
+    def __init__(self, as_text: bool = False):
+        self.as_text = as_text
+
+    def convert(self, value, param, ctx):
+        try:
+            interval = config.parse_cfg_interval(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+        return config.format_cfg_interval(interval) if self.as_text else interval
+
+
+_INTERVAL_HELP = ("Classifier-free guidance only where LO <= t <= HI, t in 0..1 with 1 the noise end (flow: its t; "
+                  "ddpm: timestep / 1000); the conditional pass alone elsewhere. REPA's --guidance-high 0.7 is 0,0.7; "
+                  "LightningDiT's cfg_interval_start c is 0,1-c (its t runs the other way).")
+_SHIFT_HELP = ("Flow runs: shift the sampling time grid, t -> S t / (1 + (S - 1) t) (S > 1: more steps near the "
+               "noise; 1: none). Default: the run's --t-shift. LightningDiT's timestep_shift s is S = 1/s.")
+
+
 def _opt(*names, field, **kw):
     """A click option whose default is TrainConfig's (the one place defaults live)."""
     return click.option(*names, default=_D[field], show_default=True, **kw)
@@ -297,6 +321,12 @@ def _opt(*names, field, **kw):
 @_opt("--eval-steps", field="eval_steps", type=click.IntRange(min=0),
       help="Sampling steps of an evaluation (0: the FID protocol: 250 ddpm, 50 Euler for flow).")
 @_opt("--eval-cfg", field="eval_cfg", type=_CFG_RANGE, help="Guidance scale of an evaluation.")
+@_opt("--eval-sampler", field="eval_sampler", type=click.Choice(config.SAMPLERS),
+      help="Sampler of an evaluation (default: ddpm for ddpm runs, euler for flow; sde: REPA's FID protocol).")
+@_opt("--eval-cfg-interval", field="eval_cfg_interval", type=CfgInterval(as_text=True),
+      help="Guidance interval of an evaluation (as `dittrain sample --cfg-interval`).")
+@_opt("--eval-time-shift", field="eval_time_shift", type=FiniteFloat(min=0, min_open=True),
+      help="Flow runs: the sampling grid's shift of an evaluation (default: the run's --t-shift).")
 @_opt("--eval-batch-size", field="eval_batch_size", type=click.IntRange(min=1))
 @_opt("--max-nonfinite", field="max_nonfinite", type=click.IntRange(min=1),
       help="Consecutive NaN/inf losses (each step skipped) before the run stops.")
@@ -411,7 +441,10 @@ plan_cmd.params[:0] = [aliased(p, "--steps") if p.name == "max_steps" else p for
 
 
 @main.command("sample")
-@configfile.option()
+@configfile.option(cli_only=("print_config",))
+@click.option("--print-config", is_flag=True,
+              help="Print the sampling settings (the --config file under the flags, the defaults resolved) as a "
+                   "TOML file that --config reads back, and exit.")
 @click.option("--ckpt", default=None, type=click.Path(exists=True, path_type=str),
               help="A run directory (its ema.safetensors, else its latest checkpoint), an EMA "
                    "export .safetensors (fp32, or fp16 from `dittrain export`), an int8 export .pt, a "
@@ -461,14 +494,21 @@ plan_cmd.params[:0] = [aliased(p, "--steps") if p.name == "max_steps" else p for
                    f"FID protocol); with --route-guidance its scale, {config.ROUTE_GUIDANCE_CFG} (TREAD's).")
 @click.option("--cfg-channels", default=_SAMPLE.cfg_channels, show_default=True,
               type=click.IntRange(min=0),
-              help="Guide only the first N latent channels (0: all). facebookresearch/DiT's and SiT's "
-                   "samplers guide 3 of the 4 'for exact reproducibility': --cfg-channels 3 reproduces "
-                   "the FIDs published with their checkpoints.")
+              help="Guide only the first N latent channels (0: all). facebookresearch/DiT's, SiT's and "
+                   "LightningDiT's samplers guide the first 3 'for exact reproducibility': --cfg-channels 3 "
+                   "reproduces the FIDs published with their checkpoints (REPA's guides all).")
+@click.option("--cfg-interval", default=config.format_cfg_interval(_SAMPLE.cfg_interval), show_default=True,
+              type=CfgInterval(), help=_INTERVAL_HELP)
 @click.option("--steps", default=None, type=click.IntRange(min=1),
-              help=f"Sampling steps. Default {_SAMPLE.steps}; with --npz {_EVAL.ddpm_steps} "
-                   f"for a ddpm run (DiT's FID protocol), {_EVAL.flow_steps} Euler steps for a flow run.")
+              help=f"Sampling steps (sde: model evaluations, REPA's --num-steps). Default {_SAMPLE.steps}; with "
+                   f"--npz {_EVAL.ddpm_steps} for a ddpm run (DiT's FID protocol), {_EVAL.flow_steps} Euler steps "
+                   "for a flow run.")
 @click.option("--sampler", type=click.Choice(config.SAMPLERS), default=None,
-              help="Default: ddpm for the ddpm objective, euler for flow (dittrain.diffusion.SAMPLER_TABLE).")
+              help="Default: ddpm for the ddpm objective, euler for flow (dittrain.diffusion.SAMPLER_TABLE). Flow "
+                   "runs: euler, heun, or sde: SiT's and REPA's Euler-Maruyama (diffusion w(t) = 2t, steps-1 "
+                   "stochastic steps from t=1 to 0.04, then the mean step to 0); ddpm and sde draw noise batch "
+                   "after batch, so --batch-size is part of what decides their images.")
+@click.option("--time-shift", default=None, type=FiniteFloat(min=0, min_open=True), metavar="S", help=_SHIFT_HELP)
 @click.option("--seed", default=_SAMPLE.seed, show_default=True, type=int)
 @click.option("--size", default=None, metavar="WxH",
               help="A bucketed store's run: sample at this bucket's size in pixels, e.g. 352x176 (default: square).")
@@ -497,7 +537,8 @@ plan_cmd.params[:0] = [aliased(p, "--steps") if p.name == "max_steps" else p for
 @quiet_option
 def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir, nrow, cfg_scale, cfg_channels, steps,
                sampler, seed, device, batch_size, precision, latents, vae, model, text_pretrained,
-               grid_scale, npz, chunk_size, overwrite, engine, onnx_file, size, route_guidance, route_guidance_cond):
+               grid_scale, npz, chunk_size, overwrite, engine, onnx_file, size, route_guidance, route_guidance_cond,
+               cfg_interval, time_shift, print_config):
     """Sample a trained run with classifier-free guidance; write a PNG grid and every sample.
 
     Decodes with the autoencoder named in the store's manifest. Same --seed (and
@@ -529,6 +570,9 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
       Sample i depends only on the settings and --seed (not on ranks or interruptions);
       text models cycle the --prompt values (arr_1: the prompt's index); unconditional: no arr_1.
     """
+    if print_config:
+        click.echo(_sample_toml(click.get_current_context()), nl=False)
+        return
     from dittrain.config import NpzConfig, SampleConfig
     from dittrain.inference.sample import sample_to_files
 
@@ -542,8 +586,9 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
             raise click.ClickException("--npz writes --n samples into one file: not with --n-per-class or "
                                        "--per-class-dir (--classes balanced gives every class alike)")
         given = {"n": n, "cfg_scale": cfg_scale, "chunk_size": chunk_size}  # None: the FID protocol's
-        settings = NpzConfig(steps=steps, cfg_channels=cfg_channels, sampler=sampler, seed=seed, batch_size=batch_size,
-                             precision=precision, **{k: v for k, v in given.items() if v is not None})
+        settings = NpzConfig(steps=steps, cfg_channels=cfg_channels, cfg_interval=cfg_interval, time_shift=time_shift,
+                             sampler=sampler, seed=seed, batch_size=batch_size, precision=precision,
+                             **{k: v for k, v in given.items() if v is not None})
         sample_to_npz(drawer, npz, settings, classes=classes, prompts=prompts, device=device,
                       text_pretrained=text_pretrained, overwrite=overwrite, preview=out, log=_say,
                       progress=not quiet)
@@ -558,10 +603,39 @@ def sample_cmd(quiet, ckpt, out, classes, prompts, n, n_per_class, per_class_dir
     settings = SampleConfig(cfg_scale=cfg_scale,
                             steps=d.steps if steps is None else steps, sampler=sampler, seed=seed,
                             batch_size=batch_size, precision=precision, cfg_channels=cfg_channels,
-                            route_guidance=route_guidance, route_guidance_cond=route_guidance_cond)
+                            route_guidance=route_guidance, route_guidance_cond=route_guidance_cond,
+                            cfg_interval=cfg_interval, time_shift=time_shift)
     sample_to_files(drawer, out, classes=classes, prompts=prompts, n=n, n_per_class=n_per_class,
                     per_class_dir=per_class_dir, nrow=nrow, settings=settings, device=device,
                     text_pretrained=text_pretrained, grid_scale=grid_scale, size=size, log=_say)
+
+
+def _sample_toml(ctx: click.Context) -> str:
+    """`dittrain sample --print-config`: every option's value (the --config file's under the flags)
+    as the TOML file --config reads, the defaults that do not depend on the run resolved as the
+    command resolves them (--cfg, --n, --chunk-size by --npz); what the run's objective decides
+    (--steps with --npz, --sampler, --time-shift) is left out when not given, and named in a comment."""
+    from ditdata.common.configfile import CONFIG_OPTION, key_of, to_toml
+
+    p = dict(ctx.params)
+    npz = p["npz"] is not None
+    for name, plain, with_npz in (("cfg_scale", _SAMPLE.cfg_scale, _EVAL.cfg_scale), ("n", _SAMPLE.n, _EVAL.n),
+                                  ("chunk_size", None, _EVAL.chunk_size), ("steps", _SAMPLE.steps, None)):
+        if p[name] is None:
+            p[name] = with_npz if npz else plain
+    by_run = {"steps": "steps (--npz: 250 for ddpm, 50 for flow)", "sampler": "sampler (ddpm or euler)",
+              "time_shift": "time-shift (flow: the run's --t-shift)"}
+    open_ = [why for name, why in by_run.items() if p[name] is None]
+    values = {}
+    for o in ctx.command.params:
+        if isinstance(o, click.Option) and o.name not in (CONFIG_OPTION, "print_config") and not o.is_eager:
+            v = p[o.name]
+            values[key_of(o)] = config.format_cfg_interval(v) if o.name == "cfg_interval" else \
+                list(v) if isinstance(v, tuple) else v
+    header = "dittrain sample --config FILE: the settings of one sampling call"
+    if open_:
+        header += f"\nleft to the run: {', '.join(open_)}"
+    return to_toml({"": values}, header=header)
 
 
 @main.command("export")

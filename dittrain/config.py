@@ -28,7 +28,8 @@ from dataclasses import dataclass, field, fields
 # value use the same tuples (tests/test_train_config.py checks both).
 
 OBJECTIVES = ("ddpm", "flow")  # ddpm: epsilon (DiT); flow: rectified flow, velocity (dittrain.diffusion)
-SAMPLERS = ("ddpm", "ddim", "euler", "heun")  # dittrain sample --sampler: ddpm/ddim for ddpm runs, euler/heun for flow
+# dittrain sample --sampler: ddpm/ddim for ddpm runs, euler/heun/sde for flow (dittrain.diffusion.SAMPLER_TABLE)
+SAMPLERS = ("ddpm", "ddim", "euler", "heun", "sde")
 LOSS_WEIGHTINGS = ("none", "min-snr")  # ddpm
 T_SAMPLINGS = ("logit-normal", "uniform")  # flow: how training draws t
 LATENT_NORMS = ("auto", "none", "channel")  # dittrain.data.latent_norm (auto: resolved to none or channel at the start)
@@ -98,6 +99,29 @@ MAX_CFG_SCALE = 100.0
 # output (dittrain.train.repa.check): int8 keeps about 0.9999 and a PCA to a few hundred dims about 0.95;
 # below it the projector aligns to something else than the encoder's features
 REPA_MIN_COSINE = 0.9
+# --cfg-interval LO,HI: guidance only where LO <= t <= HI, t in [0, 1] with 1 the noise end (flow: its t; ddpm:
+# timestep / 1000); the default guides everywhere (dittrain.diffusion.guidance_interval)
+CFG_EVERYWHERE = (0.0, 1.0)
+
+
+def parse_cfg_interval(value) -> tuple[float, float]:
+    """--cfg-interval "LO,HI" (or a pair) -> (LO, HI) with 0 <= LO <= HI <= 1; ValueError (one
+    line) otherwise."""
+    text = value if isinstance(value, str) else ",".join(map(str, value))
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        lo, hi = (float(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"{text!r} is not LO,HI: two numbers in 0..1, e.g. 0,0.7 (guidance for t <= 0.7)") from None
+    if not 0.0 <= lo <= hi <= 1.0:  # NaN fails too
+        raise ValueError(f"{text!r}: LO,HI must satisfy 0 <= LO <= HI <= 1 (t runs from 0, the data, to 1, the noise)")
+    return lo, hi
+
+
+def format_cfg_interval(interval) -> str:
+    """(LO, HI) as --cfg-interval writes it: "0.0,0.7" (repr: read back exactly)."""
+    lo, hi = interval
+    return f"{float(lo)!r},{float(hi)!r}"
 
 
 @dataclass(frozen=True)
@@ -117,6 +141,12 @@ class SampleConfig:
     # (ROUTE_GUIDANCE_CFG: `dittrain sample`'s --cfg default with it)
     route_guidance: tuple[float, float] | None = None
     route_guidance_cond: str = ROUTE_GUIDANCE_CONDS[0]  # null | cond: the condition of both passes
+    # guide only where LO <= t <= HI (t in [0, 1], 1 = noise; REPA's guidance_high 0.7 is (0, 0.7)); else the
+    # conditional pass alone
+    cfg_interval: tuple[float, float] = CFG_EVERYWHERE
+    # flow: shift the sampling time grid by t -> S t / (1 + (S - 1) t); None: the run's --t-shift (LightningDiT's
+    # timestep_shift s, in its reversed time, is S = 1 / s)
+    time_shift: float | None = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +182,8 @@ class NpzConfig:
     n: int = EvalSampleConfig.n
     chunk_size: int = EvalSampleConfig.chunk_size
     cfg_channels: int = SampleConfig.cfg_channels
+    cfg_interval: tuple[float, float] = SampleConfig.cfg_interval
+    time_shift: float | None = SampleConfig.time_shift
     sampler: str | None = SampleConfig.sampler
     seed: int = SampleConfig.seed
     batch_size: int = SampleConfig.batch_size
@@ -167,7 +199,7 @@ class ServeConfig:
     port: int = 7860
     device: str = "auto"
     precision: str = SampleConfig.precision
-    batch_size: int = SampleConfig.batch_size  # samples per forward pass; part of what decides ddpm's images
+    batch_size: int = SampleConfig.batch_size  # samples per forward pass; part of what decides ddpm and sde images
     max_images: int = 64  # per request
     max_steps: int = 1000  # per request (ddpm: at most its timesteps)
     queue_size: int = 32  # requests waiting their turn before new ones are turned away
@@ -352,6 +384,9 @@ class EvalSection:
     eval_inception: str = setting("", SAFE)  # the FID Inception weights file ("": $DITKIT_INCEPTION or the torch hub cache)
     eval_steps: int = setting(0, SAFE)  # 0: the FID protocol's (EvalSampleConfig: 250 ddpm steps, 50 Euler for flow)
     eval_cfg: float = setting(EvalSampleConfig.cfg_scale, SAFE)
+    eval_sampler: str | None = setting(None, SAFE)  # None: the objective's (ddpm, euler); sde: REPA's FID protocol
+    eval_cfg_interval: str = setting(format_cfg_interval(CFG_EVERYWHERE), SAFE)  # LO,HI: guided where LO <= t <= HI
+    eval_time_shift: float | None = setting(None, SAFE)  # flow: the sampling grid's shift; None: the run's --t-shift
     eval_batch_size: int = setting(64, SAFE)  # samples per forward while evaluating (CFG doubles it)
 
 

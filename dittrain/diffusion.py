@@ -20,18 +20,48 @@ ddpm  (DDPM / improved DDPM, the DiT setting) linear betas 1e-4..0.02 over 1000 
 flow  rectified flow: x_t = (1 - t) x0 + t eps, t in [0, 1], the model predicts the
       velocity eps - x0; t ~ logit-normal(mean, std) in training (SD3; t_sampling
       "uniform": t ~ U(0, 1)); the model sees 1000 t. t_shift S (SD3's resolution shift)
-      maps every t, drawn in training and on the Euler/Heun time grid alike, through
-      shift_t(t) = S t / (1 + (S - 1) t) (S > 1: more time near the noise end; 1: none).
+      maps every t, drawn in training and on the samplers' time grids alike (unless sampling
+      is given its own time_shift), through shift_t(t) = S t / (1 + (S - 1) t) (S > 1: more
+      time near the noise end; 1: none).
 
-Samplers: "ddpm" (ancestral) and "ddim" (eta) for ddpm, "euler" and "heun" for flow, one
-entry each of SAMPLER_TABLE (name -> the objective, the chain it walks, its step); SAMPLERS
-is objective -> the names that fit it. Everything random takes a torch.Generator, so a seed
-fixes samples and losses.
+Samplers: "ddpm" (ancestral) and "ddim" (eta) for ddpm, "euler", "heun" and "sde" for flow,
+one entry each of SAMPLER_TABLE (name -> the objective, the chain it walks, its time grid, its
+step); SAMPLERS is objective -> the names that fit it. Everything random takes a
+torch.Generator, so a seed fixes samples and losses.
+
+"sde" is the Euler-Maruyama sampler of SiT and REPA (REPA's samplers.py euler_maruyama_sampler,
+sihyun-yu/REPA@67f7145; SiT's transport Sampler.sample_sde with its defaults, willisma/SiT@947f95b).
+The conventions map onto ours as follows. REPA's linear path is ours exactly: x_t = (1 - t) x0 +
+t eps, t = 1 the noise, the model predicts the velocity eps - x0 (its model sees t in [0, 1],
+ours 1000 t: only the embedder's scale). SiT's (and LightningDiT's) time runs the other way:
+x_t = t x0 + (1 - t) eps, t_SiT = 0 the noise, so t_SiT = 1 - t and v_SiT = -v. With the score
+of the linear path s(x, t) = -((1 - t) v + x) / t and the diffusion coefficient w(t) = 2 t
+(REPA's compute_diffusion = g^2; SiT's diffusion_form "sigma", norm 1: w = sigma_t = t, noise
+sqrt(2 w)), each step from t to t_next < t is
+    x <- x + (v - (w / 2) s) (t_next - t) + sqrt(w) sqrt(t - t_next) z,    z ~ N(0, I)
+on the grid linspace(1, 0.04, steps) (`steps` model evaluations), and the last step, from 0.04
+to 0, is the mean alone: x + (v - (w / 2) s) (0 - 0.04), no noise (REPA's "last step"; SiT's
+last_step "Mean", last_step_size 0.04). The state is kept in float64 and the model sees it in
+the noise's dtype, as REPA does. Guidance is applied to v before the drift is formed: REPA
+guides the drift, which is the same since the drift is affine in v with the same x for both.
+
+Guidance interval (cfg_interval (LO, HI), guidance_interval): classifier-free guidance only at
+evaluations whose t lies in LO <= t <= HI, t in [0, 1] with 1 the noise end (flow: its t, the
+exact grid value; ddpm: timestep / T), the conditional pass alone elsewhere (one forward of
+the batch, not of the doubled one). REPA's guidance_low, guidance_high are (LO, HI) as they
+are (its t is ours, both ends inclusive); LightningDiT's cfg_interval_start c (guidance where
+t_SiT >= c) is (0, 1 - c). A Heun step is guided or not as a whole, by the t it starts from
+(REPA's euler_sampler with heun). The default (0, 1) guides everywhere.
+
+Time shift of sampling (time_shift S, default the run's t_shift): the flow grid's times go
+through shift_t(t, S). LightningDiT's timestep_shift s (its transport/integrators.py ode,
+hustvl/LightningDiT@2725fed: t_SiT -> s t_SiT / (1 + (s - 1) t_SiT) on linspace(0, 1, N)) is
+our shift_t with S = 1 / s: 1 - shift_t_SiT(1 - t, s) = t / (s + (1 - s) t) = shift_t(t, 1 / s).
 
 Public API:
     DiffusionConfig, Diffusion(config), Diffusion.q_sample, Diffusion.training_loss,
-    Diffusion.sample, guided(model_fn, cfg_scale, cond_kwargs, uncond_kwargs), SAMPLER_TABLE,
-    SAMPLERS.
+    Diffusion.sample, guided(model_fn, cfg_scale, cond_kwargs, uncond_kwargs), guidance_interval,
+    score_from_velocity, SAMPLER_TABLE, SAMPLERS.
 """
 
 from __future__ import annotations
@@ -135,6 +165,23 @@ def guided(
         return torch.cat([g, cond[:, C:]], dim=1)
 
     return fn
+
+
+def in_interval(level: float, interval) -> bool:
+    """Whether t = `level` (in [0, 1], 1 the noise end) is inside the guidance interval (LO, HI),
+    both ends included (REPA: guidance_low <= t <= guidance_high); None: everywhere."""
+    return interval is None or interval[0] <= level <= interval[1]
+
+
+def guidance_interval(guided_fn: ModelFn, plain_fn: ModelFn, interval) -> Callable:
+    """A sampling model function (x, t, level) -> out: `guided_fn(x, t)` (classifier-free
+    guidance) where `level`, the evaluation's t in [0, 1] (1: the noise end), lies in
+    interval = (LO, HI), `plain_fn(x, t)` (the conditional pass alone) elsewhere; None or
+    (0, 1): guided_fn everywhere. The chains give `level` from their exact grid, so a
+    boundary (REPA's 0.7) is compared with the grid's own float64 value."""
+    if interval is None or (interval[0] <= 0.0 and interval[1] >= 1.0):
+        return lambda x, t, level: guided_fn(x, t)
+    return lambda x, t, level: (guided_fn if in_interval(level, interval) else plain_fn)(x, t)
 
 
 # -----------------------------------------------------------------------------
@@ -318,11 +365,12 @@ class Diffusion:
         snr = self.snr(t)
         return torch.clamp(snr, max=self.config.min_snr_gamma) / snr
 
-    def flow_time_grid(self, steps: int) -> list[float]:
-        """The flow samplers' (euler, heun) times from 1 (noise) to 0 (data): `steps` uniform
-        intervals, shifted by t_shift."""
-        ts = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
-        return shift_t(ts, self.config.t_shift).tolist()
+    def flow_time_grid(self, steps: int, sampler: str = "euler", shift: float | None = None) -> list[float]:
+        """The times a flow sampler steps through, from 1 (noise) to 0 (data): its grid
+        (euler, heun: `steps` uniform intervals; sde: linspace(1, 0.04, steps), then 0), each
+        time shifted by `shift` (None: the run's t_shift)."""
+        ts = SAMPLER_TABLE[sampler].grid(steps)
+        return shift_t(ts, self.config.t_shift if shift is None else shift).tolist()
 
     def q_sample(self, x0, t, noise):
         """x_t from x0: ddpm sqrt(abar_t) x0 + sqrt(1 - abar_t) noise (t int);
@@ -421,6 +469,8 @@ class Diffusion:
         sampler: str | None = None,
         cfg_scale: float = 1.0,
         cfg_channels: int | None = None,
+        cfg_interval: tuple[float, float] | None = None,
+        time_shift: float | None = None,
         model_kwargs: dict | None = None,
         uncond_kwargs: dict | None = None,
         generator: torch.Generator | None = None,
@@ -434,8 +484,12 @@ class Diffusion:
             label dropout is off); cfg_scale > 1 batches the unconditional pass given by
             uncond_kwargs (e.g. DiT.unconditional_kwargs(model_kwargs, empty_text)).
         sampler: "ddpm" (ancestral) or "ddim" (eta: 0 deterministic, 1 ~ ancestral) for
-            the ddpm objective; "euler" or "heun" (2 evaluations per step) for flow.
-        generator: the only source of randomness (initial noise and ancestral noise)."""
+            the ddpm objective; "euler", "heun" (2 evaluations per step) or "sde" (SiT/REPA's
+            Euler-Maruyama, `steps` evaluations) for flow.
+        cfg_interval: (LO, HI): guidance only where LO <= t <= HI (t in [0, 1], 1 the noise;
+            ddpm: timestep / T); None: everywhere (module docstring).
+        time_shift: flow: the grid's shift S (None: the run's t_shift).
+        generator: the only source of randomness (initial noise, ancestral and SDE noise)."""
         sampler = sampler or self.config.default_sampler
         method = SAMPLER_TABLE.get(sampler)
         if method is None or method.objective != self.config.objective:
@@ -445,6 +499,10 @@ class Diffusion:
             )
         if steps < method.min_steps:
             raise ValueError(f"{sampler} sampling needs at least {method.min_steps} steps, got {steps}")
+        if time_shift is not None and not (self.config.objective == "flow" and 0 < time_shift < math.inf):
+            raise ValueError(f"time_shift is a finite number > 0 for the flow objective, got {time_shift}")
+        if cfg_interval is not None and not 0.0 <= cfg_interval[0] <= cfg_interval[1] <= 1.0:
+            raise ValueError(f"cfg_interval must be (LO, HI) with 0 <= LO <= HI <= 1, got {cfg_interval}")
         if device is None:
             if noise is not None:
                 device = noise.device
@@ -452,39 +510,46 @@ class Diffusion:
                 device = next(model.parameters()).device
             else:
                 device = "cpu"
-        fn = guided(model, cfg_scale, model_kwargs or {}, uncond_kwargs, channels=cfg_channels)
+        cond = model_kwargs or {}
+        fn = guidance_interval(guided(model, cfg_scale, cond, uncond_kwargs, channels=cfg_channels),
+                               guided(model, 1.0, cond, None), cfg_interval)
         x = noise.to(device) if noise is not None else _randn(tuple(shape), generator, device)
-        chain = self._ddpm_chain if method.chain == "ddpm" else self._flow_chain
-        return chain(fn, x, steps, method.update, generator=generator, eta=eta)
+        if method.chain == "ddpm":
+            return self._ddpm_chain(fn, x, steps, method.update, generator=generator, eta=eta)
+        return self._flow_chain(fn, x, steps, method, sampler, generator=generator, shift=time_shift)
 
     def _ddpm_chain(self, fn, x, steps, update, *, generator, eta: float):
-        """Walk the respaced DDPM chain from the last kept step to 0; `update` makes each step."""
+        """Walk the respaced DDPM chain from the last kept step to 0; `update` makes each step.
+        fn(x, t, level): level = timestep / T, the guidance interval's t."""
         s = _Schedule(self.alphas_cumprod, self.respaced_timesteps(steps))
-        C = x.shape[1]
+        C, T = x.shape[1], self.config.num_timesteps
         for i in reversed(range(len(s.timesteps))):
             idx = torch.full((x.shape[0],), i, dtype=torch.long)
             t = torch.full((x.shape[0],), float(s.timesteps[i]), device=x.device)
-            out = fn(x, t).to(x.dtype)
+            out = fn(x, t, float(s.timesteps[i]) / T).to(x.dtype)
             self._check_channels(out, C)
             x = update(s, x, out, i, idx, learn_sigma=self.learn_sigma, generator=generator, eta=eta)
         return x
 
-    def _flow_chain(self, fn, x, steps, update, *, generator=None, eta: float = 0.0):
-        """Integrate dx/dt = v from t = 1 (noise) to t = 0 (data) on a uniform grid, shifted by
-        t_shift; `update` makes each step from the velocity field v(x, t)."""
-        ts = self.flow_time_grid(steps)
-        n = x.shape[0]
+    def _flow_chain(self, fn, x, steps, method, sampler, *, generator=None, shift=None):
+        """Integrate from t = 1 (noise) to t = 0 (data) on the sampler's grid, shifted
+        (flow_time_grid); method.update makes each step from the velocity field v(x, t), whose
+        guidance is decided at t (or at `guide_at`: a Heun step's start). The state is kept in
+        method.state_dtype (sde: float64) and handed to the model in the noise's dtype."""
+        ts = self.flow_time_grid(steps, sampler, shift)
+        n, dtype = x.shape[0], x.dtype
+        state = method.state_dtype or dtype
 
-        def v(x, t):
-            out = fn(x, torch.full((n,), t * self.config.num_timesteps, device=x.device)).to(
-                x.dtype
-            )
+        def v(x, t, guide_at=None):
+            tt = torch.full((n,), t * self.config.num_timesteps, device=x.device)
+            out = fn(x.to(dtype), tt, t if guide_at is None else guide_at).to(state)
             self._check_channels(out, x.shape[1])
             return out
 
+        x = x.to(state)
         for t, t_next in zip(ts[:-1], ts[1:], strict=True):
-            x = update(v, x, t, t_next)
-        return x
+            x = method.update(v, x, t, t_next, generator=generator)
+        return x.to(dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -514,28 +579,77 @@ def _ddim_step(s: _Schedule, x, out, i, idx, *, learn_sigma, generator, eta):
     return x
 
 
-def _euler_step(v, x, t: float, t_next: float):
+def _euler_step(v, x, t: float, t_next: float, *, generator=None):
     dt = t_next - t  # negative
     return x + dt * v(x, t)
 
 
-def _heun_step(v, x, t: float, t_next: float):
-    """Euler's prediction, then the mean of the slopes at both ends (2 evaluations)."""
+def _heun_step(v, x, t: float, t_next: float, *, generator=None):
+    """Euler's prediction, then the mean of the slopes at both ends (2 evaluations); guided or
+    not as a whole, by t (REPA's euler_sampler with heun decides both by t_cur)."""
     dt = t_next - t  # negative
     d = v(x, t)
     x_euler = x + dt * d
-    return x + dt * 0.5 * (d + v(x_euler, t_next))
+    return x + dt * 0.5 * (d + v(x_euler, t_next, guide_at=t))
+
+
+def _uniform_grid(steps: int) -> torch.Tensor:
+    """euler, heun: `steps` uniform intervals from t = 1 to 0 (float64)."""
+    return torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
+
+
+# sde: where the stochastic steps end and the last, deterministic one starts (REPA's t_steps
+# linspace(1., 0.04, num_steps); SiT's --last-step-size 0.04, one stride of 250 steps over [0, 1])
+SDE_LAST_STEP = 0.04
+
+
+def _sde_grid(steps: int) -> torch.Tensor:
+    """sde: linspace(1, 0.04, steps) then 0 (float64): steps - 1 Euler-Maruyama steps, then the
+    mean step to 0; `steps` model evaluations in all (REPA's --num-steps)."""
+    return torch.cat([torch.linspace(1.0, SDE_LAST_STEP, steps, dtype=torch.float64),
+                      torch.zeros(1, dtype=torch.float64)])
+
+
+def score_from_velocity(v, x, t: float):
+    """The score grad log p_t(x) of the linear path x_t = (1 - t) x0 + t eps from its velocity
+    v = eps - x0 (REPA's get_score_from_velocity, path "linear": alpha = 1 - t, sigma = t, so
+    (alpha / alpha') v - x over sigma^2 - (alpha / alpha') sigma' sigma = t): -((1 - t) v + x) / t."""
+    return -((1.0 - t) * v + x) / t
+
+
+def sde_diffusion(t: float) -> float:
+    """w(t) = 2 t, the squared diffusion coefficient of the reverse SDE (REPA's compute_diffusion;
+    SiT's diffusion_form "sigma", norm 1: w = sigma_t = t in its time, the noise sqrt(2 w))."""
+    return 2.0 * t
+
+
+def _euler_maruyama_step(v, x, t: float, t_next: float, *, generator=None):
+    """sde: one Euler-Maruyama step of dx = (v - w/2 s) dt + sqrt(w) dW from t to t_next < t
+    (module docstring); the step to t_next = 0 is the mean alone, no noise (REPA's last step)."""
+    dt = t_next - t  # negative
+    vel = v(x, t)
+    w = sde_diffusion(t)
+    drift = vel - 0.5 * w * score_from_velocity(vel, x, t)
+    mean = x + drift * dt
+    if t_next == 0.0:
+        return mean
+    z = _randn(x.shape, generator, x.device, x.dtype)
+    return mean + math.sqrt(w) * math.sqrt(-dt) * z
 
 
 @dataclass(frozen=True)
 class Sampler:
     """A sampling method: the objective it serves, the chain it walks ("ddpm": the respaced
-    posterior chain; "flow": the velocity ODE's time grid) and its step."""
+    posterior chain; "flow": a time grid of the velocity field), its step, and for a flow
+    chain its grid (steps -> float64 times from 1 to 0, before the time shift) and the dtype
+    its state is kept in (None: the noise's)."""
 
     objective: str
     chain: str
     update: Callable
     about: str
+    grid: Callable | None = None
+    state_dtype: torch.dtype | None = None
 
     @property
     def min_steps(self) -> int:
@@ -546,12 +660,16 @@ class Sampler:
 SAMPLER_TABLE: dict[str, Sampler] = {
     "ddpm": Sampler("ddpm", "ddpm", _ancestral_step, "ancestral DDPM (DiT's)"),
     "ddim": Sampler("ddpm", "ddpm", _ddim_step, "DDIM (eta: 0 deterministic, 1 ~ ancestral)"),
-    "euler": Sampler("flow", "flow", _euler_step, "Euler steps of the flow ODE"),
-    "heun": Sampler("flow", "flow", _heun_step, "Heun's method (2 evaluations per step)"),
+    "euler": Sampler("flow", "flow", _euler_step, "Euler steps of the flow ODE", _uniform_grid),
+    "heun": Sampler("flow", "flow", _heun_step, "Heun's method (2 evaluations per step)", _uniform_grid),
+    "sde": Sampler("flow", "flow", _euler_maruyama_step,
+                   "Euler-Maruyama of the reverse SDE, w(t) = 2t, last step the mean (SiT's, REPA's)",
+                   _sde_grid, torch.float64),
 }
 # objective -> the names of its samplers, in table order
 SAMPLERS = {o: tuple(n for n, m in SAMPLER_TABLE.items() if m.objective == o) for o in OBJECTIVES}
 
 
-__all__ = ["LOSS_WEIGHTINGS", "OBJECTIVES", "SAMPLERS", "SAMPLER_TABLE", "T_SAMPLINGS", "Diffusion", "DiffusionConfig",
-           "Sampler", "guided", "mean_flat", "normal_kl", "shift_t"]
+__all__ = ["LOSS_WEIGHTINGS", "OBJECTIVES", "SAMPLERS", "SAMPLER_TABLE", "SDE_LAST_STEP", "T_SAMPLINGS", "Diffusion",
+           "DiffusionConfig", "Sampler", "guidance_interval", "guided", "in_interval", "mean_flat", "normal_kl",
+           "score_from_velocity", "sde_diffusion", "shift_t"]

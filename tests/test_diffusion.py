@@ -180,6 +180,7 @@ def test_channel_mismatch_is_explained():
         ("ddpm", False, "ddim", 50, 0.04),  # (0.993, 0.474)
         ("flow", False, "euler", 50, 0.03),  # (0.996, 0.488)
         ("flow", False, "heun", 10, 0.02),  # (0.996, 0.504)
+        ("flow", False, "sde", 100, 0.02),  # (0.999, 0.491): SiT/REPA's Euler-Maruyama
     ],
 )
 def test_samplers_reproduce_gaussian_data(objective, learn_sigma, sampler, steps, std_tol):
@@ -264,7 +265,7 @@ def tiny_dit(**overrides):
 
 
 @pytest.mark.parametrize(
-    "objective, sampler", [("ddpm", "ddpm"), ("ddpm", "ddim"), ("flow", "euler"), ("flow", "heun")]
+    "objective, sampler", [("ddpm", "ddpm"), ("ddpm", "ddim"), ("flow", "euler"), ("flow", "heun"), ("flow", "sde")]
 )
 def test_samplers_are_deterministic_under_a_seed(objective, sampler):
     learn_sigma = objective == "ddpm"

@@ -56,7 +56,13 @@ def test_the_adm_format(reference):
     assert z["arr_1"].tolist() == pick_labels(24, 3, 5)  # random: the plain sampler's rule
     assert len({z["arr_0"][i].tobytes() for i in range(24)}) == 24
     assert not reference.with_name("ref.npz.parts").exists()  # the parts are gone
-    assert sorted(p.name for p in reference.parent.iterdir()) == ["ref.npz"]  # and no temporaries
+    # no temporaries; beside the file, the job's record (what decided the images)
+    assert sorted(p.name for p in reference.parent.iterdir()) == ["ref.npz", "ref.npz.json"]
+    record = json.loads(reference.with_name("ref.npz.json").read_text())
+    assert {k: record[k] for k in ("n", "seed", "sampler", "steps", "cfg_scale", "cfg_interval", "time_shift",
+                                   "chunk_size", "batch_size")} == {
+        "n": 24, "seed": 5, "sampler": "ddpm", "steps": 12, "cfg_scale": 1.5, "cfg_interval": [0.0, 1.0],
+        "time_shift": None, "chunk_size": 2, "batch_size": 2}
     # as the ADM evaluator reads it: the zip entry's .npy header, then raw rows
     with zipfile.ZipFile(reference) as zf, zf.open("arr_0.npy") as f:
         assert np.lib.format.read_magic(f) == (1, 0)

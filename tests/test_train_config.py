@@ -28,6 +28,7 @@ def test_run_choices_are_the_config_constants():
         "t_sampling": config.T_SAMPLINGS, "amp": config.AMP_MODES, "compile": config.COMPILE,
         "compile_mode": config.COMPILE_MODES, "loader": config.LOADERS, "resident_device": config.RESIDENT_DEVICES,
         "bucket_remainder": config.BUCKET_REMAINDERS, "route_convention": config.ROUTE_CONVENTIONS,
+        "eval_sampler": config.SAMPLERS,
     }
 
 

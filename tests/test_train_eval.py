@@ -56,6 +56,9 @@ def test_fid_of_the_ema_is_logged_to_metrics_and_tensorboard(tmp_path, inception
     assert [rec["step"] for rec in evals] == [2, 4]
     assert all(np.isfinite(rec["fid"]) and rec["fid"] > 0 and rec["eval_n"] == 6 for rec in evals)
     assert all(rec["eval_steps"] == 2 and rec["eval_cfg"] == 1.5 for rec in evals)
+    # how it sampled (a ddpm run: no time shift), as text where the loggers take numbers
+    assert all((rec["eval_sampler"], rec["eval_cfg_interval"]) == ("ddpm", "0.0,1.0") and "eval_time_shift" not in rec
+               for rec in evals)
     assert evals[0]["fid"] != evals[1]["fid"]  # the EMA changed between them
     assert len([rec for rec in _records(out) if "loss" in rec]) == 4  # the loss records are all there
     assert [s for s, _ in _scalars(out, "eval/fid")] == [2, 4]

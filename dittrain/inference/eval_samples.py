@@ -16,7 +16,9 @@ command again continues with the missing ones; other settings are refused (the f
 belongs to the job that made it). When every chunk is there, the
 chunks are streamed into the zip entries of the .npz (never all in memory: 50,000 images
 of 256 px are 9.8 GB; the disk holds the chunks and the file at once for a moment), under a
-temporary name renamed into place, and the folder is removed.
+temporary name renamed into place, and the folder is removed. The job's record stays beside
+the file as NAME.npz.json (what decided the images: sampler, steps, cfg and its interval,
+time shift, seed, ...; the .npz itself holds only the evaluator's arrays).
 
 Determinism. Everything is decided from --seed before anything is drawn: the labels of all
 N samples (random: pick_labels(N, K, seed); balanced: balanced_labels(N, K, seed)), and
@@ -32,8 +34,8 @@ progress (all ranks' chunks on disk) and assembles the file once every rank is d
 Public API:
     eval_settings (the FID protocol's defaults), check_npz_path, plan_npz -> NpzJob (the job:
     plan of all N, labels, chunking), job_record (job.json), check_job (resume or refuse),
-    chunk_seed, chunk_plan, draw_chunk, write_npz (chunks -> .npz, streamed),
-    sample_to_npz (the command).
+    chunk_seed, chunk_plan, draw_chunk, write_npz (chunks -> .npz, streamed), record_path (the
+    finished file's NAME.npz.json), sample_to_npz (the command).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ import torch
 from ditdata.common import files as files_api
 from ditdata.common.dist import LaunchEnv, launch_env, process_group
 from ditdata.common.files import json_digest, read_json, state_dict_sha256
-from dittrain.config import EvalSampleConfig, NpzConfig, SampleConfig
+from dittrain.config import CFG_EVERYWHERE, EvalSampleConfig, NpzConfig, SampleConfig
 from dittrain.inference.open_run import (
     SampleError,
     check_new_output,
@@ -79,6 +81,7 @@ from dittrain.inference.sample import (
 
 _E, _N = EvalSampleConfig(), NpzConfig()  # the FID protocol's defaults, and --npz's
 JOB_NAME = "job.json"
+RECORD_SUFFIX = ".json"  # NAME.npz.json: the finished file's job record
 JOB_VERSION = 2  # 2: the config and stand-in store digests are ditdata.common.files.json_digest
 PARTS_SUFFIX = ".parts"
 PREVIEW = 64  # --out with --npz: a grid of the first 64 samples
@@ -88,9 +91,12 @@ OPTIONS = {
     "version": "the job file version", "weights_sha256": "--ckpt (its weights)",
     "config_sha256": "--ckpt (its model / diffusion config)", "store_identity": "--latents (the store)",
     "n": "--n", "seed": "--seed", "sampler": "--sampler", "steps": "--steps", "cfg_scale": "--cfg", "cfg_channels": "--cfg-channels",
-    "classes": "--classes", "prompts": "--prompt", "chunk_size": "--chunk-size", "batch_size": "--batch-size",
+    "cfg_interval": "--cfg-interval", "time_shift": "--time-shift", "classes": "--classes", "prompts": "--prompt", "chunk_size": "--chunk-size", "batch_size": "--batch-size",
     "precision": "--precision", "device": "--device", "image_shape": "the image shape",
 }
+# job.json keys newer than some jobs of this version: what a job recorded without them drew with
+_BEFORE = {"cfg_interval": lambda job: list(CFG_EVERYWHERE) if job.plan.kind != "none" else None,
+           "time_shift": lambda job: job.plan.diffusion.t_shift if job.plan.diffusion.objective == "flow" else None}
 
 
 def eval_settings(objective: str, *, steps: int | None = None, cfg_scale: float | None = None,
@@ -174,7 +180,8 @@ def plan_npz(config: dict, store, path, settings: NpzConfig = _N, *, classes=(),
     if settings.chunk_size < 1:
         raise SampleError(f"--chunk-size must be at least 1, got {settings.chunk_size}")
     sampling = eval_settings(diffusion_config(config).objective, steps=settings.steps, cfg_scale=settings.cfg_scale,
-                             cfg_channels=settings.cfg_channels, sampler=settings.sampler, seed=settings.seed,
+                             cfg_channels=settings.cfg_channels, cfg_interval=settings.cfg_interval,
+                             time_shift=settings.time_shift, sampler=settings.sampler, seed=settings.seed,
                              batch_size=settings.batch_size, precision=settings.precision)
     plan = plan_samples(config, store, sampling, device=device, classes=classes, prompts=list(prompts), n=settings.n)
     if plan.kind == "class":
@@ -213,6 +220,8 @@ def job_record(job: NpzJob, *, weights: dict, config: dict, store, classes=(), c
         "steps": s.steps,
         "cfg_scale": s.cfg_scale if p.kind != "none" else None,
         "cfg_channels": s.cfg_channels if p.kind != "none" else None,
+        "cfg_interval": list(s.cfg_interval) if p.kind != "none" else None,
+        "time_shift": s.time_shift,  # resolved: the run's t_shift unless given (flow); None for ddpm
         "classes": spec,
         "prompts": list(job.prompts) if job.prompts else None,
         "chunk_size": job.chunk_size,
@@ -244,9 +253,10 @@ def check_job(job: NpzJob, record: dict) -> bool:
     except (OSError, ValueError) as e:
         raise SampleError(f"{path}: unreadable ({files_api.error_reason(e)}); delete {parts}/ to start over") from e
     for key, option in OPTIONS.items():
-        if old.get(key) != record[key]:
+        then = old[key] if key in old or key not in _BEFORE else _BEFORE[key](job)
+        if then != record[key]:
             raise SampleError(f"--npz {job.path}: {parts}/ holds a job with other settings: {key} "
-                              f"{_short(old.get(key))} there, {_short(record[key])} now ({option}); rerun with "
+                              f"{_short(then)} there, {_short(record[key])} now ({option}); rerun with "
                               f"the same settings to continue, or delete {parts}/ or give another --npz")
     return True
 
@@ -370,8 +380,8 @@ def sample_to_npz(
 
     engine: a dittrain.inference.open_run.TorchEngine (--ckpt, --latents, --vae, --model): the job
     records a digest of its weights. settings: NpzConfig (n, steps, cfg scale, chunk size,
-    sampler, seed, batch size, precision, guided channels; steps None: the FID protocol's for
-    the run's objective, eval_settings). classes: as --class, or "random" (the default) /
+    sampler, seed, batch size, precision, guided channels, guidance interval, time shift; steps
+    None: the FID protocol's for the run's objective, eval_settings). classes: as --class, or "random" (the default) /
     "balanced". prompts (text models): cycled over the n samples. preview: --out, where a grid
     of the first 64 samples goes (optional).
     Returns {"npz", "total", "drawn" (chunks this process drew), "resumed" (chunks found)}."""
@@ -409,7 +419,7 @@ def sample_to_npz(
             result = _draw(job, env, engine, store, text_pretrained, progress)
             _barrier(env, dev)
             if env.rank == 0:
-                _assemble(job, preview, say)
+                _assemble(job, record, preview, say)
         finally:
             if lock is not None:
                 lock.release()
@@ -464,8 +474,14 @@ def _draw(job: NpzJob, env: LaunchEnv, engine, store, text_pretrained, progress)
     return result
 
 
-def _assemble(job: NpzJob, preview, say) -> None:
-    """Rank 0, every chunk drawn: the .npz, the preview grid, the parts emptied."""
+def record_path(npz) -> Path:
+    """NAME.npz.json: the job record kept beside a finished NAME.npz."""
+    npz = Path(npz)
+    return npz.with_name(npz.name + RECORD_SUFFIX)
+
+
+def _assemble(job: NpzJob, record: dict, preview, say) -> None:
+    """Rank 0, every chunk drawn: the .npz, its record beside it, the preview grid, the parts emptied."""
     chunks = [job.chunk_path(i) for i in range(job.num_chunks)]
     missing = [i for i, p in enumerate(chunks) if not p.is_file()]
     if missing:
@@ -475,9 +491,11 @@ def _assemble(job: NpzJob, preview, say) -> None:
     except OSError as e:
         raise SampleError(f"--npz {job.path}: could not write ({files_api.error_reason(e)}); "
                           f"the chunks in {job.parts}/ are kept: rerun to try again") from e
+    files_api.write_json_atomic(record_path(job.path), record)
     h, w, _ = job.image_shape
     what = {"class": "class labels", "text": "prompt indices", "none": None}[job.plan.kind]
-    say(f"npz: {job.path}  (arr_0 {job.total} x {h} x {w} x 3 uint8" + (f", arr_1 {what} int64)" if what else ")"))
+    say(f"npz: {job.path}  (arr_0 {job.total} x {h} x {w} x 3 uint8" + (f", arr_1 {what} int64)" if what else ")")
+        + f"; how it was made: {record_path(job.path).name}")
     if preview is not None:
         first, need = [], min(PREVIEW, job.total)
         for p in chunks:
@@ -493,5 +511,5 @@ def _assemble(job: NpzJob, preview, say) -> None:
 
 __all__ = [
     "NpzJob", "check_job", "check_npz_path", "chunk_plan", "chunk_seed", "draw_chunk", "eval_settings",
-    "job_record", "plan_npz", "sample_to_npz", "write_npz",
+    "job_record", "plan_npz", "record_path", "sample_to_npz", "write_npz",
 ]

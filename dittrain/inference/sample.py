@@ -12,10 +12,11 @@ weights, config and store, the store another one may replace, plain state dicts)
 dittrain.inference.open_run's.
 
 Determinism: the initial noise of all samples is drawn first from one CPU generator seeded
-with --seed, then ancestral noise (ddpm sampler) batch after batch from the same generator,
-and random class labels from a separate generator with the same seed. So a seed gives the
-same images on every run with the same --batch-size and device; the deterministic samplers
-(ddim, euler, heun) do not depend on --batch-size either.
+with --seed, then the noise of the stochastic samplers (ddpm's ancestral steps, sde's
+Euler-Maruyama steps) batch after batch from the same generator, and random class labels
+from a separate generator with the same seed. So a seed gives the same images on every run
+with the same --batch-size and device; the deterministic samplers (ddim, euler, heun) do not
+depend on --batch-size either.
 
 One pass checks and plans: plan_samples turns the run's config, its store and the user's
 choices into a frozen SamplePlan (conditions per sample, layout, sampler, device, precision)
@@ -28,7 +29,8 @@ with the engine it is given (dittrain.inference.open_run.TorchEngine, dittrain.i
 run's route, and run_plan hands the sampler TREAD's two routed passes in place of CFG's pair.
 
 Public API:
-    pick_labels, balanced_labels, class_mode, parse_classes, embed_prompts, check_sampler, SamplePlan,
+    pick_labels, balanced_labels, class_mode, parse_classes, embed_prompts, check_sampler,
+    check_guidance_times, SamplePlan,
     MAX_CFG_SCALE, NonFiniteSamples, check_finite, plan_samples, run_plan, sample_images, make_grid, save_png, output_paths, write_samples,
     sample_to_files (the command), write_training_grid (the trainer's EMA grids), store_text,
     run_sizes, default_size, choose_size (a bucketed run's sizes).
@@ -49,7 +51,14 @@ import torch
 from ditdata.common import files as files_api
 from ditdata.common.devices import autocast
 from ditdata.store import TEXT_FIELDS
-from dittrain.config import MAX_CFG_SCALE, ROUTE_GUIDANCE_CONDS, SampleConfig, recorded
+from dittrain.config import (
+    CFG_EVERYWHERE,
+    MAX_CFG_SCALE,
+    ROUTE_GUIDANCE_CONDS,
+    SampleConfig,
+    parse_cfg_interval,
+    recorded,
+)
 from dittrain.data.latent_norm import LatentNorm
 from dittrain.diffusion import SAMPLER_TABLE, SAMPLERS, Diffusion, DiffusionConfig
 from dittrain.inference import route_guidance
@@ -220,6 +229,26 @@ def empty_caption(store) -> dict[str, torch.Tensor]:
 # Sampling
 
 
+def check_guidance_times(config: DiffusionConfig, settings: SampleConfig) -> SampleConfig:
+    """settings with cfg_interval checked as (LO, HI) floats and time_shift resolved (flow: the
+    run's t_shift where None; ddpm: None), or SampleError: an interval outside 0..1, a shift
+    that is not a finite number > 0, or a shift for a ddpm run."""
+    try:
+        interval = parse_cfg_interval(settings.cfg_interval)
+    except ValueError as e:
+        raise SampleError(f"--cfg-interval {e}") from None
+    shift = settings.time_shift
+    if config.objective != "flow":
+        if shift is not None:
+            raise SampleError(f"--time-shift {shift:g} shifts a flow run's time grid; this run is {config.objective} "
+                              "(leave it out)")
+    elif shift is None:
+        shift = config.t_shift
+    elif not 0 < shift < math.inf:  # NaN too
+        raise SampleError(f"--time-shift must be a finite number > 0 (1: none), got {shift:g}")
+    return replace(settings, cfg_interval=interval, time_shift=shift)
+
+
 def check_sampler(config: DiffusionConfig, sampler: str | None, steps: int) -> str:
     """The sampler to use (default: the objective's), or SampleError if it or `steps` do not fit."""
     sampler = sampler or config.default_sampler
@@ -312,16 +341,21 @@ class SamplePlan:
             guidance = ", " + route_guidance.describe(self.route, s.route_guidance, s.cfg_scale, s.route_guidance_cond)
         if guidance and s.cfg_channels:
             guidance += f" on the first {s.cfg_channels} channels"
+        if guidance and tuple(s.cfg_interval) != CFG_EVERYWHERE:
+            guidance += f" for t in [{s.cfg_interval[0]:g}, {s.cfg_interval[1]:g}]"
+        shift = f", time shift {s.time_shift:g}" if s.time_shift not in (None, 1.0) else ""
         at = f" at {self.size} px" if self.size else ""
         return (f"sampling {self.total} image{many}{at} with {self.name} ({self.diffusion.objective}, {s.sampler}, "
-                f"{s.steps} steps{guidance}) on {self.device}, seed {s.seed}")
+                f"{s.steps} steps{shift}{guidance}) on {self.device}, seed {s.seed}")
 
     def record(self) -> dict:
         """How the samples were made, for samples.json."""
         s = self.settings
+        guided = self.kind != "none"
         return {"model": self.name, "objective": self.diffusion.objective, "sampler": s.sampler,
-                "steps": s.steps, "cfg_scale": s.cfg_scale if self.kind != "none" else None,
-                "cfg_channels": s.cfg_channels or None, "seed": s.seed,
+                "steps": s.steps, "cfg_scale": s.cfg_scale if guided else None,
+                "cfg_channels": s.cfg_channels or None,
+                "cfg_interval": list(s.cfg_interval) if guided else None, "time_shift": s.time_shift, "seed": s.seed,
                 "batch_size": s.batch_size, "layout": "row per class" if self.rows_per_class else "flat",
                 **({"size": self.size} if self.size else {}),
                 **({"route_guidance": {"rates": list(s.route_guidance), "scale": s.cfg_scale, "route": str(self.route),
@@ -392,7 +426,8 @@ def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiT
     diffusion, kind = diffusion_config(config), conditioning_kind(cfg)
     _check_choices(kind, settings, classes=classes, prompts=prompts, text=text, n=n, n_per_class=n_per_class,
                    nrow=nrow)
-    settings = replace(settings, sampler=check_sampler(diffusion, settings.sampler, settings.steps))
+    settings = replace(check_guidance_times(diffusion, settings),
+                       sampler=check_sampler(diffusion, settings.sampler, settings.steps))
     route = None
     if settings.route_guidance is not None:  # TREAD's guidance: the run's route, two rates
         settings = replace(settings, route_guidance=route_guidance.check_rates(settings.route_guidance))
@@ -403,6 +438,9 @@ def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiT
         if not abs(settings.cfg_scale) <= MAX_CFG_SCALE:  # an unconditional model's too
             raise SampleError(f"--cfg {settings.cfg_scale:g} is out of range: the guidance scale must be in "
                               f"-{MAX_CFG_SCALE:g}..{MAX_CFG_SCALE:g} (TREAD's route guidance: 1.5)")
+        if tuple(settings.cfg_interval) != tuple(CFG_EVERYWHERE):  # its passes replace CFG's, at every step
+            raise SampleError("--cfg-interval applies to classifier-free guidance; --route-guidance guides at "
+                              "every step: give one of them")
     dev = sampling_device(device)
     count = settings.n if n is None else n
     picks = labels = texts = None
@@ -499,7 +537,7 @@ def run_plan(model, plan: SamplePlan, store, *, autoencoder=None, text_encoder=N
                 z = diffusion.sample(
                     net, noise[sl].shape, steps=s.steps, sampler=s.sampler,
                     cfg_scale=scale, cfg_channels=s.cfg_channels or None,
-                    model_kwargs=kwargs,
+                    cfg_interval=s.cfg_interval, time_shift=s.time_shift, model_kwargs=kwargs,
                     uncond_kwargs=uncond, generator=generator, device=dev, noise=noise[sl],
                 )
             check_finite(z, "latents", plan, start)  # NaN would be black pixels, written as if fine
@@ -531,9 +569,9 @@ def sample_images(
 
     weights: a state dict (e.g. from load_weights) or the DiT itself (the trainer's EMA
         model: used on its own device, put in eval mode for the call and restored).
-    settings: cfg scale (1 = none; ignored for unconditional models), steps, sampler, seed,
-        batch size, precision and guided channels (SampleConfig); settings.n samples when
-        there are no labels / prompts / text.
+    settings: cfg scale (1 = none; ignored for unconditional models), its channels and its
+        interval, steps, sampler, time shift, seed, batch size and precision (SampleConfig);
+        settings.n samples when there are no labels / prompts / text.
     labels: (N,) class indices for class models; None: settings.n labels drawn with the seed.
     prompts: N prompts for text models, embedded with the store's text encoder (or
         `text_encoder`); or `text`: their embeddings, {"text_pooled" (N, Dp), ...}.
@@ -741,7 +779,7 @@ def _list(values) -> list | None:
 
 __all__ = [
     "CLASS_MODES", "MAX_CFG_SCALE", "NonFiniteSamples", "SamplePlan", "balanced_labels", "check_finite",
-    "check_sampler", "choose_size", "class_mode", "default_size", "embed_prompts",
+    "check_guidance_times", "check_sampler", "choose_size", "class_mode", "default_size", "embed_prompts",
     "make_grid", "output_paths", "parse_classes", "run_sizes",
     "pick_labels", "plan_samples", "run_plan", "sample_images", "sample_to_files", "save_png", "store_text",
     "write_samples", "write_training_grid",

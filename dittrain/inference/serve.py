@@ -10,9 +10,10 @@
     serve(RUN, ServeConfig(port=7860))               the command: build, queue, launch, wait
 
 The same images as the shown command. What decides the images (sample.py's docstring):
-the weights, the seed (the noise of all samples first, then the ddpm sampler's ancestral
-noise batch after batch, random classes with the same seed), the batch size (ddpm),
-the device and the precision, besides steps, cfg, sampler and the conditions. A request
+the weights, the seed (the noise of all samples first, then the ddpm and sde samplers'
+noise batch after batch, random classes with the same seed), the batch size (ddpm, sde),
+the device and the precision, besides steps, cfg (its interval), sampler, time shift and
+the conditions. A request
 is turned into ONE call (classes or prompt, n and a SampleConfig) from which both the
 command line and the plan are made: plan_samples gets exactly what `dittrain sample`
 gives it for that line (its cfg_channels default, no layout options), with the resolved
@@ -25,7 +26,8 @@ message says so: the command would then sample the new weights.
 
 Requests are queued (gradio's queue, one at a time: the model is not thread-safe; a lock
 guards direct callers too). A bad request (0 steps, too many images, a CFG scale
-beyond +-100, an unknown class, a text encoder that cannot load) is a message in the page,
+beyond +-100, a CFG interval outside 0..1, an unknown class, a text encoder that cannot load) is a
+message in the page,
 and so are samples that went NaN/inf (no images shown); the server stays up.
 
 Offline (checked with gradio 6.31): GRADIO_ANALYTICS_ENABLED=False is set before gradio is
@@ -58,7 +60,13 @@ import numpy as np
 
 from ditdata.common.errors import UserError, one_line
 from ditdata.common.extras import missing_extra
-from dittrain.config import SampleConfig, ServeConfig
+from dittrain.config import (
+    CFG_EVERYWHERE,
+    SampleConfig,
+    ServeConfig,
+    format_cfg_interval,
+    parse_cfg_interval,
+)
 from dittrain.diffusion import SAMPLERS
 from dittrain.inference.open_run import (
     SampleError,
@@ -98,6 +106,8 @@ class Request:
     sampler: str | None = None
     seed: int | None = _S.seed
     size: str | None = None  # a bucketed run: the bucket ("WxH" px); None: its default
+    cfg_interval: str | tuple = _S.cfg_interval  # "LO,HI": guided where LO <= t <= HI (as --cfg-interval)
+    time_shift: float | None = None  # a flow run's grid shift (as --time-shift); None or "": the run's
 
 
 class Generated(NamedTuple):
@@ -262,8 +272,24 @@ class Server:
             if not choice:
                 raise SampleError("this run is text-conditioned: write a prompt")
             prompts = (choice,)
+        try:
+            interval = parse_cfg_interval(req.cfg_interval if req.cfg_interval not in (None, "") else _S.cfg_interval)
+        except ValueError as e:
+            raise SampleError(f"the CFG interval {e}") from None
+        shift = None if req.time_shift in (None, "") else req.time_shift
+        if shift is not None:
+            if self.diffusion.objective != "flow":
+                raise SampleError(f"the time shift is for flow runs; this one is {self.diffusion.objective}")
+            try:
+                shift = float(shift)
+            except (TypeError, ValueError):
+                raise SampleError(f"the time shift must be a number, got {shift!r}") from None
+            if not 0 < shift < math.inf:
+                raise SampleError(f"the time shift must be a finite number > 0 (1: none), got {shift:g}")
         settings = SampleConfig(cfg_scale=cfg if self.kind != "none" else _S.cfg_scale, steps=steps,
-                                sampler=sampler, seed=seed, batch_size=self.batch_size, precision=self.precision)
+                                sampler=sampler, seed=seed, batch_size=self.batch_size, precision=self.precision,
+                                cfg_interval=interval if self.kind != "none" else _S.cfg_interval,
+                                time_shift=None if shift == self.diffusion.t_shift else shift)
         size = str(req.size).strip() if req.size and self.sizes else None  # plan_samples refuses an unknown one
         if req.size and not self.sizes:
             raise SampleError(f"size {req.size}: this run samples at its own size only (no aspect-ratio buckets)")
@@ -286,6 +312,10 @@ class Server:
             args += ["--size", call.size]
         if self.kind != "none":
             args += ["--cfg", repr(s.cfg_scale)]
+            if tuple(s.cfg_interval) != CFG_EVERYWHERE:
+                args += ["--cfg-interval", format_cfg_interval(s.cfg_interval)]
+        if s.time_shift is not None:
+            args += ["--time-shift", repr(s.time_shift)]
         args += ["--sampler", s.sampler, "--seed", str(s.seed), "--batch-size", str(s.batch_size),
                  "--device", str(self.device), "--precision", s.precision, "--out", f"samples-seed{s.seed}.png"]
         return shlex.join(args)
@@ -386,8 +416,14 @@ def build_app(server: Server):
                                   label=f"steps (1..{server.max_steps})")
                 cfg = gr.Number(value=_S.cfg_scale, label="CFG scale (1: no guidance)", elem_id="cfg",
                                 visible=server.kind != "none")
+                interval = gr.Textbox(value=format_cfg_interval(_S.cfg_interval), elem_id="cfg-interval",
+                                      label="guided where LO <= t <= HI (LO,HI; t: 0 data .. 1 noise)",
+                                      visible=server.kind != "none")
                 sampler = gr.Dropdown(list(server.samplers), value=server.diffusion.default_sampler,
                                       label="sampler", elem_id="sampler")
+                flow = server.diffusion.objective == "flow"
+                shift = gr.Number(value=server.diffusion.t_shift if flow else None, elem_id="time-shift",
+                                  label="time shift S of the grid (1: none; the run's by default)", visible=flow)
                 with gr.Row():
                     seed = gr.Number(value=_S.seed, precision=0, label="seed", elem_id="seed")
                     random_seed = gr.Checkbox(False, label="random seed (drawn, then shown)", elem_id="random-seed")
@@ -399,15 +435,16 @@ def build_app(server: Server):
                                      lines=2, elem_id="command", buttons=["copy"])
                 message = gr.Markdown(elem_id="message")
 
-        def on_generate(choice, n_, steps_, cfg_, sampler_, seed_, random_, size_):
+        def on_generate(choice, n_, steps_, cfg_, sampler_, seed_, random_, size_, interval_, shift_):
             out = server.generate(Request(choice=choice, n=n_, steps=steps_, cfg_scale=cfg_, sampler=sampler_,
-                                          seed=None if random_ else seed_, size=size_))
+                                          seed=None if random_ else seed_, size=size_, cfg_interval=interval_,
+                                          time_shift=shift_ if server.diffusion.objective == "flow" else None))
             if not out.ok:
                 raise gr.Error(out.message, print_exception=False)
             items = list(zip(list(out.images), server.captions(out), strict=True))
             return items, out.command, out.message, out.seed
 
-        inputs = [cond, n, steps, cfg, sampler, seed, random_seed, size_choice]
+        inputs = [cond, n, steps, cfg, sampler, seed, random_seed, size_choice, interval, shift]
         go.click(on_generate, inputs, [gallery, command, message, seed])
         if server.kind == "text":
             cond.submit(on_generate, inputs, [gallery, command, message, seed])

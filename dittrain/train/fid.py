@@ -13,7 +13,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from dittrain.config import EvalSection
+from ditdata.common.errors import UserError
+from dittrain.config import EvalSection, format_cfg_interval, parse_cfg_interval
 from dittrain.eval import (
     FEATURES,
     EvalError,
@@ -43,21 +44,52 @@ class TrainingEval:
     stops a run."""
 
     def __init__(self, settings: EvalSection, *, resolution: int | None = None, seed: int = 0, cache_dir=None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, objective: str | None = None):
         """settings: the run's eval section (--eval-ref, --eval-n, --eval-inception, --eval-steps,
-        --eval-cfg, --eval-batch-size; 0 steps: the FID protocol's). resolution: the store's image
-        size, the reference's crop; seed: the run's."""
+        --eval-cfg, --eval-sampler, --eval-cfg-interval, --eval-time-shift, --eval-batch-size; 0
+        steps: the FID protocol's). resolution: the store's image size, the reference's crop;
+        seed: the run's; objective: the run's, to refuse a sampler that does not fit it now."""
         n = settings.eval_n
         if n < 2:
             raise EvalError(f"--eval-n must be at least 2 (a covariance needs two samples), got {n}")
+        self.n, self.steps, self.cfg_scale = n, settings.eval_steps or None, settings.eval_cfg
+        # the sampler (None: the objective's), the guidance interval and the grid's shift (None: the run's --t-shift)
+        self.sampler, self.time_shift = settings.eval_sampler or None, settings.eval_time_shift
+        try:
+            self.cfg_interval = parse_cfg_interval(settings.eval_cfg_interval)
+        except ValueError as e:
+            raise EvalError(f"--eval-cfg-interval {e}") from None
+        if objective is not None:  # a sampler or a shift that does not fit the run: refused before the first step
+            self._check(objective)
         self.weights = find_inception(settings.eval_inception or None)  # fail now, not after hours of training
         self.ref_source = open_source(settings.eval_ref, resolution=resolution)
         self.resolution = resolution
-        self.n, self.steps, self.cfg_scale = n, settings.eval_steps or None, settings.eval_cfg
         self.seed, self.batch_size = seed, settings.eval_batch_size
         self.cache_dir, self.log = cache_dir, log or (lambda line: None)
         self.inception: Inception | None = None
         self.ref: RefStats | None = None
+
+    def _check(self, objective: str) -> None:
+        """EvalError when --eval-sampler or --eval-time-shift does not fit the run's objective."""
+        from dittrain.diffusion import DiffusionConfig
+        from dittrain.inference.sample import check_guidance_times, check_sampler
+
+        diffusion = DiffusionConfig(objective=objective, learn_sigma=False)
+        try:
+            check_sampler(diffusion, self.sampler, self.steps or 2)
+        except UserError as e:
+            raise EvalError(f"--eval-sampler: {e}") from None
+        try:
+            check_guidance_times(diffusion, self._settings(objective))
+        except UserError as e:
+            raise EvalError(str(e).replace("--time-shift", "--eval-time-shift")) from None
+
+    def _settings(self, objective: str):
+        """The SampleConfig of an evaluation (eval_settings: the FID protocol's steps and cfg unless given)."""
+        from dittrain.inference.eval_samples import eval_settings
+
+        return eval_settings(objective, steps=self.steps, cfg_scale=self.cfg_scale, sampler=self.sampler,
+                             cfg_interval=self.cfg_interval, time_shift=self.time_shift)
 
     def _reference(self) -> RefStats:
         if self.ref is None:
@@ -73,13 +105,14 @@ class TrainingEval:
         import torch
 
         from dittrain.inference import sample
-        from dittrain.inference.eval_samples import eval_settings
 
         t0 = time.time()
         device = next(model.parameters()).device
         if self.inception is None:
             self.inception = load_inception(self.weights, device)
-        settings = eval_settings(config["diffusion"]["objective"], steps=self.steps, cfg_scale=self.cfg_scale)
+        diffusion = sample.diffusion_config(config)  # the sampler and the time shift resolved, for the record
+        settings = sample.check_guidance_times(diffusion, self._settings(diffusion.objective))
+        settings = replace(settings, sampler=sample.check_sampler(diffusion, settings.sampler, settings.steps))
         kind = sample.conditioning_kind(model.config)
         labels = sample.balanced_labels(self.n, model.config.num_classes, self.seed) if kind == "class" else None
         text = sample.store_text(store, self.n) if kind == "text" else None
@@ -111,4 +144,7 @@ class TrainingEval:
         metrics = compute_metrics(feats, self._reference(), with_pr=False)
         return {"fid": metrics["fid"], "sfid": metrics["sfid"], "inception_score": metrics["inception_score"],
                 "eval_n": self.n, "eval_steps": settings.steps, "eval_cfg": settings.cfg_scale,
+                # text where the loggers take numbers (TensorBoard keeps text out, metrics.jsonl has it)
+                "eval_sampler": settings.sampler, "eval_cfg_interval": format_cfg_interval(settings.cfg_interval),
+                **({} if settings.time_shift is None else {"eval_time_shift": settings.time_shift}),
                 "eval_seconds": round(time.time() - t0, 3)}

@@ -86,7 +86,8 @@ def _evaluator(cfg: TrainConfig, store: Store):
         raise missing_extra("--eval-every", "eval", e, TrainError) from e
     try:
         return TrainingEval(cfg.eval, resolution=(store.manifest.get("image") or {}).get("resolution"),
-                            seed=cfg.optim.seed, log=lambda line: print(f"dittrain: {line}", file=sys.stderr))
+                            seed=cfg.optim.seed, log=lambda line: print(f"dittrain: {line}", file=sys.stderr),
+                            objective=cfg.diffusion.objective)
     except EvalError as e:
         raise TrainError(f"--eval-every: {e}") from e
 
