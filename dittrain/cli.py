@@ -252,6 +252,9 @@ def _opt(*names, field, **kw):
 @_opt("--t-shift", field="t_shift", type=FiniteFloat(min=0, min_open=True),
       help="flow: SD3's shift t -> S t / (1 + (S - 1) t) of the training t and of the Euler/Heun "
            "sampling grid (1: none; S > 1 spends more time near the noise).")
+@_opt("--flow-time-scale", field="flow_time_scale", type=FiniteFloat(min=0, min_open=True), metavar="S",
+      help="flow: the model's timestep embedder sees t x S (1000: DiT's and SD3's scale; 1: SiT's, REPA's and "
+           "LightningDiT's, which feed t in [0, 1]).")
 @_opt("--velocity-cosine-weight", field="velocity_cosine_weight", type=FiniteFloat(min=0), metavar="W",
       help="flow: add W x mean(1 - cosine) of the predicted and the true velocity, over the channels at each "
            "position, to the MSE (LightningDiT's cosine loss, W = 1; logged as velocity_cosine_loss). 0: off.")

@@ -325,6 +325,8 @@ class DiffusionSection:
     # flow: loss += W x mean(1 - cos(output, velocity)) over the channels at each position (LightningDiT's
     # cosine loss, weight 1 there; dittrain.train.losses.VelocityCosine); 0: off
     velocity_cosine_weight: float = setting(0.0, LEARNED)
+    # flow: the model's timestep input is t x S (1000: DiT's and SD3's scale; 1: SiT, REPA, LightningDiT)
+    flow_time_scale: float = setting(1000.0, FIXED)
     class_dropout: float = setting(0.1, LEARNED)  # labels -> null class, for classifier-free guidance
     caption_dropout: float = setting(0.1, LEARNED)  # captions -> the empty caption's embedding
 

@@ -19,7 +19,7 @@ ddpm  (DDPM / improved DDPM, the DiT setting) linear betas 1e-4..0.02 over 1000 
       stays unweighted: L = w(t) MSE(eps) + vlb_weight * L_vlb(t).
 flow  rectified flow: x_t = (1 - t) x0 + t eps, t in [0, 1], the model predicts the
       velocity eps - x0; t ~ logit-normal(mean, std) in training (SD3; t_sampling
-      "uniform": t ~ U(0, 1)); the model sees 1000 t. t_shift S (SD3's resolution shift)
+      "uniform": t ~ U(0, 1)); the model sees 1000 t (flow_time_scale: 1 for SiT's t). t_shift S (SD3's resolution shift)
       maps every t, drawn in training and on the samplers' time grids alike (unless sampling
       is given its own time_shift), through shift_t(t) = S t / (1 + (S - 1) t) (S > 1: more
       time near the noise end; 1: none).
@@ -88,7 +88,7 @@ def shift_t(t, shift: float):
 @dataclass(frozen=True)
 class DiffusionConfig:
     objective: str = "ddpm"  # "ddpm" | "flow"
-    num_timesteps: int = 1000  # ddpm training steps; also the model's timestep scale for flow
+    num_timesteps: int = 1000  # ddpm training steps (flow's timestep scale: flow_time_scale)
     beta_start: float = 1e-4
     beta_end: float = 0.02
     learn_sigma: bool = True  # ddpm only: must match the model's learn_sigma
@@ -98,6 +98,9 @@ class DiffusionConfig:
     loss_weighting: str = "none"  # ddpm: none | min-snr (weight min(SNR, gamma) / SNR on the MSE)
     min_snr_gamma: float = 5.0
     t_sampling: str = "logit-normal"  # flow: logit-normal | uniform
+    # flow: the model's timestep input is t x this. 1000 is DiT's embedder scale and SD3's; SiT, REPA and
+    # LightningDiT feed t itself (1): the same sinusoid at 1000x lower frequencies, so another network
+    flow_time_scale: float = 1000.0
     t_shift: float = 1.0  # flow: t -> S t / (1 + (S - 1) t) in training and sampling; 1: none
 
     def __post_init__(self):
@@ -117,6 +120,10 @@ class DiffusionConfig:
             raise ValueError("t_shift and t_sampling are flow options (ddpm draws integer steps uniformly)")
         if not self.logit_normal_std > 0:
             raise ValueError(f"logit_normal_std must be > 0, got {self.logit_normal_std}")
+        if not (self.flow_time_scale > 0 and math.isfinite(self.flow_time_scale)):
+            raise ValueError(f"flow_time_scale must be a finite number > 0, got {self.flow_time_scale}")
+        if self.objective != "flow" and self.flow_time_scale != 1000.0:
+            raise ValueError("--flow-time-scale is a flow option (ddpm's model sees its step index 0..999)")
 
     @property
     def default_sampler(self) -> str:
@@ -330,9 +337,9 @@ class Diffusion:
         return self.config.objective == "ddpm" and self.config.learn_sigma
 
     def model_timesteps(self, t: torch.Tensor) -> torch.Tensor:
-        """What the model sees: ddpm step index as float, flow t in [0, 1] scaled by T."""
+        """What the model sees: ddpm step index as float, flow t in [0, 1] times flow_time_scale."""
         if self.config.objective == "flow":
-            return t.float() * self.config.num_timesteps
+            return t.float() * self.config.flow_time_scale
         return t.float()
 
     # --- noising ---
@@ -541,7 +548,7 @@ class Diffusion:
         state = method.state_dtype or dtype
 
         def v(x, t, guide_at=None):
-            tt = torch.full((n,), t * self.config.num_timesteps, device=x.device)
+            tt = torch.full((n,), t * self.config.flow_time_scale, device=x.device)
             out = fn(x.to(dtype), tt, t if guide_at is None else guide_at).to(state)
             self._check_channels(out, x.shape[1])
             return out

@@ -420,3 +420,27 @@ def test_guidance_on_the_first_channels_only():
     torch.testing.assert_close(three[:, :3], u[:, :3] + 4.0 * (c[:, :3] - u[:, :3]))
     torch.testing.assert_close(three[:, 3:], c[:, 3:])
     assert not torch.allclose(three[:, 3], full[:, 3])
+
+
+@pytest.mark.parametrize("scale", [1000.0, 1.0])
+def test_the_flow_models_timestep_input_is_t_times_the_scale(scale):
+    """--flow-time-scale: the model sees t x S in training and in every sampler (1000: DiT's and SD3's
+    embedder scale; 1: SiT, REPA and LightningDiT feed t in [0, 1]); ddpm refuses it."""
+    seen = []
+
+    def model(x, t, **kw):
+        seen.append(t.clone())
+        return torch.zeros_like(x)
+
+    d = Diffusion(DiffusionConfig(objective="flow", learn_sigma=False, flow_time_scale=scale))
+    t = torch.tensor([0.25, 0.5])
+    d.training_loss(model, torch.zeros(2, 4, 2, 2), t=t, noise=torch.ones(2, 4, 2, 2))
+    torch.testing.assert_close(seen[-1], t * scale)
+    for sampler in ("euler", "sde"):
+        seen.clear()
+        d.sample(model, (1, 4, 2, 2), steps=4, sampler=sampler, generator=torch.Generator().manual_seed(0))
+        first = seen[0].item()
+        assert first == pytest.approx(1.0 * scale)  # the grid starts at the noise end, t = 1
+        assert all(0 < s.item() <= scale for s in seen)
+    with pytest.raises(ValueError, match="flow option"):
+        DiffusionConfig(objective="ddpm", flow_time_scale=1.0)

@@ -182,3 +182,18 @@ def test_velocity_cosine_trains_logs_and_resumes(store, tmp_path):
     line = one_error_line(r.output)
     assert r.exit_code == 1 and "--velocity-cosine-weight 1 is a flow option" in line and "--objective flow" in line
     assert not (tmp_path / "ddpm" / "checkpoints").exists()
+
+
+def test_flow_time_scale_is_recorded_and_ddpm_refuses_it(store, tmp_path):
+    """`--flow-time-scale 1` (SiT's t): recorded in the run's diffusion config, which sampling reads; a
+    ddpm run refuses it in one line and writes nothing."""
+    r = cli(*run_args(store, tmp_path / "r", "--objective", "flow", "--flow-time-scale", 1, "--max-steps", 1))
+    assert r.exit_code == 0, r.output
+    config = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert config["diffusion"]["flow_time_scale"] == 1.0 and config["train"]["diffusion"]["flow_time_scale"] == 1.0
+    from dittrain.inference.open_run import diffusion_config
+
+    assert diffusion_config(config).flow_time_scale == 1.0
+    r = cli(*run_args(store, tmp_path / "d", "--flow-time-scale", 1, "--max-steps", 1))
+    assert r.exit_code != 0 and "--flow-time-scale is a flow option" in one_error_line(r.output)
+    assert not (tmp_path / "d").exists()

@@ -28,6 +28,7 @@ TREAD = "CompVis/tread@fccf77cc735ae2850162e12e4ed360cbc9a13e68"
 DIT_RUN = {
     ("model", "model"): ("DiT-XL/2", f"{DIT} train.py:258, models.py:328"),
     ("model", "learn-sigma"): (True, f"{DIT} models.py:160"),
+    ("diffusion", "flow-time-scale"): (1000.0, "ddpm: the model sees the step index (models.py TimestepEmbedder)"),
     ("diffusion", "objective"): ("ddpm", f"{DIT} train.py:150 create_diffusion: 1000 linear steps, eps"),
     ("diffusion", "class-dropout"): (0.1, f"{DIT} models.py:158"),
     ("optim", "optimizer"): ("adamw", f"{DIT} train.py:155"),
@@ -82,6 +83,7 @@ REFERENCE = {
             ("diffusion", "objective"): ("flow", f"{REPA} train.py:432-433 linear path, v"),
             ("diffusion", "t-sampling"): ("uniform", f"{REPA} train.py:437, loss.py:57"),
             ("diffusion", "t-shift"): (1.0, f"{REPA} loss.py: no shift"),
+            ("diffusion", "flow-time-scale"): (1.0, f"{REPA} loss.py:77: the model is given t"),
             ("diffusion", "class-dropout"): (0.1, f"{REPA} train.py:434"),
             ("repa", "repa"): ("dinov2-vitb14", f"{REPA} train.py:435"),
             ("repa", "repa-depth"): (8, f"{REPA} train.py:400"),
@@ -129,6 +131,7 @@ REFERENCE = {
             ("diffusion", "t-mean"): (0.0, f"{LIGHTNING} transport: sigmoid(N(0, 1))"),
             ("diffusion", "t-std"): (1.0, f"{LIGHTNING} transport: sigmoid(N(0, 1))"),
             ("diffusion", "t-shift"): (1.0, f"{LIGHTNING} transport: no training shift"),
+            ("diffusion", "flow-time-scale"): (1.0, f"{LIGHTNING} transport: the model is given t"),
             ("diffusion", "velocity-cosine-weight"): (1.0, f"{LIGHTNING_YAML}:54, train.py:202-204"),
             ("diffusion", "class-dropout"): (0.1, f"{LIGHTNING} models/lightningdit.py:288"),
             ("data", "latent-norm"): ("channel", f"{LIGHTNING_YAML}:15-16"),

@@ -159,6 +159,7 @@ LEARNED_SETTINGS = {
     "t_sampling", "t_mean", "t_std", "t_shift", "class_dropout", "caption_dropout", "amp", "tf32", "repa_depth",
     "repa_weight", "route", "route_convention", "adam_betas", "velocity_cosine_weight"}
 FIXED_SETTINGS = {"model", "learn_sigma", "qk_norm", "objective", "optimizer", "latent_norm", "repa",
+                  "flow_time_scale",
                   "repa_projector_dim"}
 START_SETTINGS = {"resume", "out", "init_from"}
 

@@ -204,7 +204,8 @@ def diffusion_config(cfg: TrainConfig, model_cfg: DiTConfig, store: Store) -> tu
         diff_cfg = DiffusionConfig(
             objective=cfg.diffusion.objective, learn_sigma=model_cfg.learn_sigma, loss_weighting=cfg.diffusion.loss_weighting,
             min_snr_gamma=cfg.diffusion.min_snr_gamma, logit_normal_mean=cfg.diffusion.t_mean, logit_normal_std=cfg.diffusion.t_std,
-            t_sampling=cfg.diffusion.t_sampling, t_shift=cfg.diffusion.t_shift)
+            t_sampling=cfg.diffusion.t_sampling, t_shift=cfg.diffusion.t_shift,
+            flow_time_scale=cfg.diffusion.flow_time_scale)
     except ValueError as e:  # a plain ValueError: as a one-line user error
         raise TrainError(str(e)) from e
     return diff_cfg, latent_record(store, cfg.data.latent_norm)  # LatentNormError: a user error already
