@@ -11,9 +11,9 @@
 # they are recorded as skipped). Writes $OUT/gpu_train.json (rewritten after every
 # configuration, so a cut-short run keeps what it measured), $OUT/gpu_train.md (the printed
 # table), $OUT/sample_throughput.{json,md} and $OUT/nvidia-smi.txt.
-# Expected: about 8-10 minutes on an H200 (21 training configurations, most compiled: each
-# compile 20-60 s; gpu_train.py stops at 8 minutes, keeping the rows measured; then 8 sampling
-# configurations, about 1 minute).
+# Expected: about 9-10 minutes on an H200 (21 training configurations, most compiled: each
+# compile 20-60 s; gpu_train.py stops at 330 s, keeping the rows measured, so that the whole script
+# fits a 10-minute command; the 4 recipe rows, at most 150 s; then 8 sampling configurations, about 1 minute).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_check}"
@@ -32,9 +32,17 @@ python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', 
 # on synthetic targets and with --route 0.5:2:24 (eager and compiled: against the rows without),
 # LightningDiT-XL/1 on VA-VAE's 32x16x16 latents (in order of importance: a cut-short run keeps
 # the first rows)
-timeout 480 python3 bench/gpu_train.py --json "$OUT/gpu_train.json" 2>&1 | tee "$OUT/gpu_train.md"
+timeout 330 python3 bench/gpu_train.py --json "$OUT/gpu_train.json" 2>&1 | tee "$OUT/gpu_train.md"
 rc=${PIPESTATUS[0]}
 echo "gpu_train.py exit status: $rc"
+
+# One row per published recipe (pipelines/configs/recipes/*.toml, issue 35): its [run] settings at its
+# global batch and precision (micro-batches of at most 256, selective checkpointing where needed):
+# step time and peak memory; about 1-2 minutes, not measured yet.
+timeout 150 python3 bench/gpu_train.py --steps 5 --json "$OUT/gpu_recipes.json" \
+    --configs "recipe:dit_xl2;recipe:dit_xl2_tread;recipe:sit_xl2_repa;recipe:lightningdit_xl1_vavae" \
+    2>&1 | tee "$OUT/gpu_recipes.md"
+echo "gpu_train.py (recipes) exit status: ${PIPESTATUS[0]}"
 
 # Evaluation sampling (issue 14): DiT-S/2 and XL/2, 250 ddpm steps and 50 Euler steps with CFG 1.5;
 # about 30-60 s. Gives the FID-50K sampling time on this GPU.

@@ -21,6 +21,12 @@ A configuration SPEC is MODEL:BATCH:CKPT:COMPILE[:MODE[:LOADER[:EXTRA]]]
               its MFU counts the FLOPs the routed step computes (flops_per_forward(tokens=))
             latent=CxHxW: the latents' shape (default 4x32x32; 32x16x16 is VA-VAE's at 256 px,
               what LightningDiT-XL/1 trains on)
+A recipe row, recipe:NAME[:BATCH[:MODEL]], is one of pipelines/configs/recipes/NAME.toml as its [run]
+table says (model, batch, precision, objective, optimizer settings, --repa on synthetic targets,
+--route, the velocity cosine term; the latents' shape from its [encode] autoencoder), at its global batch
+in micro-batches of at most 256 with --grad-checkpointing selective when a micro-batch of the recipe's
+precision would not otherwise fit (fp32, or accumulation); BATCH and MODEL override the recipe's (a CPU
+smoke test: recipe:sit_xl2_repa:2:DiT-T/2).
 The default list (CUDA) covers DiT-XL/2, B/2 and S/2 at batch 256, eager against compiled,
 CUDA graphs for the small models, checkpointing every block against selective checkpointing,
 the loaders' data wait for DiT-S/2 (only where zarr imports), XL/2 with --repa and with
@@ -69,7 +75,7 @@ sys.path.insert(0, str(ROOT))
 
 from ditdata.common.devices import amp_dtype as trainer_amp  # noqa: E402
 from ditdata.common.devices import gpu_named  # noqa: E402
-from dittrain.config import TrainConfig  # noqa: E402
+from dittrain.config import SECTION_OF, TrainConfig  # noqa: E402
 from dittrain.model.attention import attention_backend  # noqa: E402
 from dittrain.model.dit import num_params  # noqa: E402
 from dittrain.model.routing import block_tokens, parse_route  # noqa: E402  (TREAD's counting, as a new run)
@@ -113,8 +119,44 @@ def real_loader(spec: dict, device: torch.device, args):
     return build_loader(str(store), settings, batch_size=spec["batch"], seed=0, device=device)
 
 
+RECIPES = ROOT / "pipelines" / "configs" / "recipes"
+RECIPE_MICRO = 256  # a recipe's global batch runs in micro-batches of at most this many samples
+RECIPE_LATENTS = {"vavae-f16d32": (32, 16, 16)}  # else an f8 4-channel autoencoder's LATENT at 256 px
+
+
+def recipe_settings(name: str) -> dict:
+    """The TrainConfig fields a recipe's [run] table sets, checked and converted by `dittrain run`'s own
+    --config reader, and the latents' shape its [encode] table's autoencoder gives."""
+    from ditdata.common import configfile
+    from dittrain.cli import RunCommand, run_cmd
+
+    path = RECIPES / f"{name}.toml"
+    data = configfile.read(path)
+    run = configfile.command_table(path, data, "run")
+    values = configfile.defaults_from(run_cmd, path, run, {**SECTION_OF, **RunCommand.EXTRA})
+    latent = RECIPE_LATENTS.get((data.get("encode") or {}).get("vae"), LATENT)
+    return {"train": values, "latent": latent}
+
+
+def recipe_row(spec: str, parts: list[str]) -> dict:
+    parts = [*parts[:3], ":".join(parts[3:])] if len(parts) > 4 else parts  # MODEL may be custom:...
+    if not 2 <= len(parts) <= 4:
+        raise SystemExit(f"gpu_train: config {spec!r}: want recipe:NAME[:BATCH[:MODEL]]")
+    got = recipe_settings(parts[1])
+    train = got["train"]
+    batch = int(parts[2]) if len(parts) > 2 else int(train.get("batch_size", 256))
+    micro = min(batch, RECIPE_MICRO)
+    fp32 = train.get("amp") == "fp32"
+    return {"model": parts[3] if len(parts) > 3 else train["model"], "batch": batch,
+            "grad_ckpt": "selective" if fp32 or micro < batch else "none", "compile": "off", "mode": "default",
+            "loader": "gpu", "repa": bool(train.get("repa")), "route": train.get("route", ""),
+            "latent": got["latent"], "recipe": parts[1], "accumulation": batch // micro, "train": train}
+
+
 def parse_spec(spec: str) -> dict:
     parts = spec.strip().split(":")
+    if parts[0] == "recipe":
+        return recipe_row(spec, parts)
     if parts[0] == "custom":  # a custom size, custom:hidden=..., holds a colon of its own
         parts = [f"custom:{parts[1]}", *parts[2:]]
     if not 4 <= len(parts) <= 7:
@@ -143,19 +185,34 @@ def build(spec: dict, device: torch.device, args):
     store on the device, the others dittrain.data's over a real store."""
     ckpt = int(spec["grad_ckpt"]) if spec["grad_ckpt"].isdigit() else spec["grad_ckpt"]
     latent = spec["latent"]
+    recipe = spec.get("train")
+    learn_sigma = True if recipe is None else recipe.get("learn_sigma", recipe.get("objective", "ddpm") == "ddpm")
+    qk = {} if recipe is None or recipe.get("qk_norm") is None else {"qk_norm": recipe["qk_norm"]}
     cfg = get_config(spec["model"], input_size=latent[-1], in_channels=latent[0], num_classes=NUM_CLASSES,
-                     class_dropout_prob=0.1, learn_sigma=True, grad_checkpointing=ckpt)
+                     class_dropout_prob=0.1, learn_sigma=learn_sigma, grad_checkpointing=ckpt, **qk)
     check_route(parse_route(spec["route"]), cfg.depth, spec["model"])  # as dittrain run: END within the model
     repa = dict(repa="synthetic", repa_depth=min(REPA_DEPTH, cfg.depth), repa_weight=0.5,
                 repa_projector_dim=REPA_PROJECTOR) if spec["repa"] else {}
-    tcfg = TrainConfig.from_flat(batch_size=spec["batch"], grad_clip=1.0, ema=0.9999, lr=1e-4, seed=0, amp=args.amp,
-                                 compile=spec["compile"], compile_mode=spec["mode"], route=spec["route"], **repa)
+    if recipe is not None:  # the recipe's own settings; the synthetic feature set stands for its targets
+        keep = {k: v for k, v in recipe.items() if k not in ("model", "learn_sigma", "qk_norm", "latents", "out")}
+        if args.amp != "auto":  # --amp overrides the recipe's precision (the CPU smoke test: fp32)
+            keep["amp"] = recipe["amp"] = args.amp
+        repa = {k: v for k, v in repa.items() if k not in ("repa_depth",)} if repa else {}
+        if repa:
+            repa["repa_depth"] = min(int(keep.pop("repa_depth", REPA_DEPTH)), cfg.depth)
+        tcfg = TrainConfig.from_flat(**{**keep, **repa, "batch_size": spec["batch"],
+                                        "accumulation_steps": spec["accumulation"], "grad_checkpointing": spec["grad_ckpt"],
+                                        "route": spec["route"]})
+    else:
+        tcfg = TrainConfig.from_flat(batch_size=spec["batch"], grad_clip=1.0, ema=0.9999, lr=1e-4, seed=0,
+                                     amp=args.amp, compile=spec["compile"], compile_mode=spec["mode"],
+                                     route=spec["route"], **repa)
     gpu = spec["loader"] == "gpu"
     step, sched, loader = build_step(tcfg, cfg, device, samples=args.store_size if gpu else None,
                                      targets=(cfg.num_tokens, REPA_DIMS) if spec["repa"] else None)
     if not gpu:
         loader = real_loader(spec, device, args)
-    return cfg, step, sched, loader, trainer_amp(device, args.amp)
+    return cfg, step, sched, loader, trainer_amp(device, tcfg.performance.amp)
 
 
 def measure(spec: dict, device: torch.device, args) -> dict:
@@ -234,7 +291,9 @@ def matmul_peak(device: torch.device, n: int = 8192, reps: int = 50) -> float:
 
 
 def fmt(row: dict) -> str:
-    head = (f"| {row['model']} | {row['batch']} | {row['grad_ckpt']} | {row['compile']} | {row['mode']} | "
+    head = (f"| {row['recipe'] + ': ' if row.get('recipe') else ''}{row['model']} | {row['batch']}"
+            f"{' (' + str(row['batch'] // row['accumulation']) + ' x ' + str(row['accumulation']) + ')' if row.get('accumulation', 1) > 1 else ''}"
+            f"{', ' + row['train'].get('amp', 'auto') if row.get('train') else ''} | {row['grad_ckpt']} | {row['compile']} | {row['mode']} | "
             f"{row['loader']}{' + repa' if row.get('repa') else ''}{' + route ' + row['route'] if row.get('route') else ''}"
             f"{' + latent ' + 'x'.join(map(str, row['latent'])) if tuple(row.get('latent', LATENT)) != LATENT else ''} |")
     if row["status"] != "ok":

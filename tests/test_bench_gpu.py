@@ -40,6 +40,30 @@ def test_gpu_train_cpu_path(tmp_path):
     assert rows[7]["status"].startswith("error: RouteError") and "END 9 is beyond" in rows[7]["status"]
 
 
+def test_gpu_train_recipe_rows(tmp_path):
+    """recipe:NAME[:BATCH[:MODEL]] rows: the recipe's [run] settings (its route, REPA, latents' shape,
+    precision unless --amp) on a small model; a global batch above 256 runs in accumulated micro-batches."""
+    out = tmp_path / "r.json"
+    configs = ("recipe:sit_xl2_repa:2:DiT-T/2;recipe:lightningdit_xl1_vavae:2:DiT-T/2;"
+               "recipe:dit_xl2_tread:2:custom:hidden=32,depth=28,heads=2,patch=2")
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_train.py"), "--device", "cpu", "--amp", "fp32",
+                        "--configs", configs, "--steps", "1", "--store-size", "8", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [row["status"] for row in rows] == ["ok"] * 3, rows
+    repa, lightning, tread = rows
+    assert repa["repa"] and repa["train"]["repa_depth"] == 8 and repa["train"]["objective"] == "flow"
+    assert lightning["latent"] == [32, 16, 16] and lightning["train"]["adam_betas"] == "0.9,0.95"
+    assert tread["route"] == "0.5:2:24" and "| dit_xl2_tread: custom:" in r.stdout
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_train import parse_spec
+
+    big = parse_spec("recipe:lightningdit_xl1_vavae")
+    assert (big["batch"], big["accumulation"], big["grad_ckpt"]) == (1024, 4, "selective")
+    assert parse_spec("recipe:dit_xl2")["grad_ckpt"] == "selective"  # fp32 at 256
+
+
 def test_gpu_train_without_cuda_says_so():
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_train.py")], capture_output=True, text=True,
                        timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))

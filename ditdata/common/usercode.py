@@ -50,14 +50,6 @@ def user_call(source: str, fn: Callable, *args, what: str = "its forward", **kwa
         raise UserCodeError(f"{source}: {what} raised {described(e)}") from e
 
 
-def _as_numpy(x) -> np.ndarray:
-    if isinstance(x, np.ndarray):
-        return x
-    if hasattr(x, "detach"):  # a torch tensor, on any device
-        return x.detach().float().cpu().numpy()
-    raise TypeError(type(x).__name__)
-
-
 def check_output(x, *, source: str, keys: Sequence | None = None, shard: str | None = None,
                  field: str | None = None, shape: tuple[int, ...] | None = None, then: str = "") -> None:
     """UserCodeError unless `x` (a torch tensor or numpy array of N samples) is floating, of
@@ -78,14 +70,17 @@ def check_output(x, *, source: str, keys: Sequence | None = None, shard: str | N
         if tuple(x.shape) != tuple(want):
             raise UserCodeError(f"{source}: returned {what}of shape {tuple(x.shape)}{where}, expected "
                                 f"{tuple(want)}{then}")
-    arr = _as_numpy(x)
-    if not len(arr):
+    if not len(x):
         return
-    bad = ~np.isfinite(arr.astype(np.float32, copy=False).reshape(len(arr), -1)).all(axis=1)
+    if hasattr(x, "detach") and x.device.type != "cpu":  # tested on its device: only the (N,) verdict comes back
+        bad = (~x.detach().reshape(len(x), -1).isfinite().all(dim=1)).cpu().numpy()
+    else:  # numpy's isfinite is ~20x torch's on one CPU thread (64 x 256 x 768: 3 ms against 63)
+        x = x.detach().float().numpy() if hasattr(x, "detach") else x
+        bad = ~np.isfinite(np.asarray(x, dtype=np.float32).reshape(len(x), -1)).all(axis=1)
     if bad.any():
         first = int(np.argmax(bad))
         key = f"key {list(keys)[first]!r}" if keys is not None else f"row {first}"
-        raise UserCodeError(f"{source}: gave non-finite {what}values (NaN/inf) for {int(bad.sum())} of {len(arr)} "
+        raise UserCodeError(f"{source}: gave non-finite {what}values (NaN/inf) for {int(bad.sum())} of {len(x)} "
                             f"sample(s){where}, the first {key}{then}")
 
 
