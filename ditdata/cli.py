@@ -577,9 +577,8 @@ def encode(shards, out, quiet, **options):
                help=f"The encoder's input px (a multiple of its patch). Default: {FEATURE_RESOLUTION_RULE} "
                     "(REPA's: 256 px -> 224, 16x16 tokens of a patch-14 DINOv2).")
 @_features_opt("--features-resize", field="resize", type=click.Choice(FEATURE_RESIZES),
-               help="reference: REPA's (bicubic, not antialiased, not clamped; a DINOv2's position embeddings "
-                    "resampled once, antialiased); antialias: ditkit's earlier rule (antialiased, clamped), only "
-                    "to finish or remake a set made with it.")
+               help="reference: REPA's (bicubic, no antialias, no clamp; DINOv2 positions resampled once); "
+                    "antialias: the earlier rule, to finish or remake a set made with it.")
 @_features_opt("--batch-size", field="batch_size", type=click.IntRange(min=1))
 @_features_opt("--device", field="device", help="auto, cpu, cuda, cuda:1, ... (bf16 autocast on CUDA).")
 @_features_opt("--workers", field="workers", type=click.IntRange(min=0),

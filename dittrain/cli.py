@@ -350,13 +350,11 @@ def _opt(*names, field, **kw):
 @_opt("--repa-min-cosine", field="repa_min_cosine", type=FiniteFloat(0, 1),
       help="Refuse a feature set whose stored targets keep a lower mean cosine to the encoder's fp32 output (its "
            "manifest's cosine_to_fp32), or record a non-finite one; 0 trains on any set.")
-@_opt("--route", field="route", metavar="RATE:START:END", help="Token routing (TREAD), in training: a random "
-      "fraction RATE of the tokens skips blocks START..END, counted as TREAD does (0-based, both routed), and the "
-      "block after them runs with autocast off (bf16/fp16 runs), as TREAD's code; e.g. 0.5:2:24 on DiT-XL/2's blocks 0-27 (the paper's i = 2, "
-      "j = depth - 4), 0.5:2:8 on B/2's 0-11 (TREAD's config).")
+@_opt("--route", field="route", metavar="RATE:START:END", help="Token routing (TREAD), in training: a fraction "
+      "RATE of the tokens skips blocks START..END (0-based, both routed, as TREAD counts; the next block runs "
+      "without autocast, as its code), e.g. 0.5:2:24 on DiT-XL/2 (i = 2, j = depth - 4), 0.5:2:8 on B/2.")
 @_opt("--route-convention", field="route_convention", type=click.Choice(config.ROUTE_CONVENTIONS),
-      help="How --route counts: tread, or half-open (blocks START <= i < END, no full-precision block): the "
-           "meaning of runs recorded before this option, which keep it on --resume.")
+      help="tread, or half-open (START <= i < END, no fp32 block): runs recorded before this option, kept on --resume.")
 @quiet_option
 def run_cmd(print_config, allow_changes, quiet, **options):
     """Train a DiT on a latent store.

@@ -114,14 +114,13 @@ class DiffusionConfig:
             raise ValueError("min-snr loss weighting is for the ddpm objective (epsilon prediction)")
         if not self.min_snr_gamma > 0:
             raise ValueError(f"min_snr_gamma must be > 0, got {self.min_snr_gamma}")
-        if not (self.t_shift > 0 and math.isfinite(self.t_shift)):
-            raise ValueError(f"t_shift must be a finite number > 0, got {self.t_shift}")
+        for name in ("t_shift", "flow_time_scale"):  # scales: finite and > 0
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
         if self.objective != "flow" and (self.t_shift != 1.0 or self.t_sampling != "logit-normal"):
             raise ValueError("t_shift and t_sampling are flow options (ddpm draws integer steps uniformly)")
         if not self.logit_normal_std > 0:
             raise ValueError(f"logit_normal_std must be > 0, got {self.logit_normal_std}")
-        if not (self.flow_time_scale > 0 and math.isfinite(self.flow_time_scale)):
-            raise ValueError(f"flow_time_scale must be a finite number > 0, got {self.flow_time_scale}")
         if self.objective != "flow" and self.flow_time_scale != 1000.0:
             raise ValueError("--flow-time-scale is a flow option (ddpm's model sees its step index 0..999)")
 

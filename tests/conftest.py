@@ -31,6 +31,18 @@ def class_shards(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def flip_store(class_shards, tmp_path_factory) -> Path:
+    """A 64 px pixels store with flips of the class shards (8 samples in 4 shards), for feature sets
+    (tests/test_features.py, tests/test_user_code.py). Module-scoped: copy it before changing it."""
+    from ditdata.encode import EncodeConfig, encode
+
+    out = tmp_path_factory.mktemp("flip") / "store"
+    encode(EncodeConfig(shards=str(class_shards), out=str(out), vae="pixels", resolution=64, flip=True, workers=0,
+                        progress=False, device="cpu"))
+    return out
+
+
+@pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
     """A class-conditioned pixels store to train on: storeutil.make_store's defaults (48
     latents of 3x8x8 in 3 shards, classes a, b, c). Module-scoped: tests read it, never

@@ -122,14 +122,6 @@ def _features(store, encoder, **kw) -> dict:
     return compute_features(FeaturesConfig(store=str(store), encoder=str(encoder), **kw))
 
 
-@pytest.fixture(scope="module")
-def flip_store(class_shards, tmp_path_factory) -> Path:
-    """A pixels store with flips of the class shards (8 samples in 4 shards): never changed."""
-    out = tmp_path_factory.mktemp("flip") / "store"
-    _encode(class_shards, out, flip=True)
-    return out
-
-
 def _copy(store: Path, to: Path) -> Path:
     shutil.copytree(store, to)
     return to

@@ -15,7 +15,7 @@ import pytest
 import torch
 from cliutil import ditdata, ok, one_error_line
 from PIL import Image
-from test_features import RES, _encode, save_tiny_dinov2
+from test_features import PY_ENCODER, RES, _copy, _encode, save_tiny_dinov2
 from tiny import fetch_tree
 
 from ditdata.common.usercode import UserCodeError, check_output, check_weights, user_call
@@ -24,24 +24,8 @@ from ditdata.store.features import feature_sets
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ENCODERS = '''
+ENCODERS = PY_ENCODER + '''
 import os
-import torch
-
-class Patches(torch.nn.Module):
-    """8x8 patches of the image, linearly mapped to 12 dims: (N, 16, 12) at 32 px."""
-    resolution = 32
-    grid = (4, 4)
-
-    def __init__(self):
-        super().__init__()
-        g = torch.Generator().manual_seed(1)
-        self.proj = torch.nn.Parameter(torch.randn(3 * 64, 12, generator=g))
-
-    def forward(self, x):
-        n = x.shape[0]
-        p = x.unfold(2, 8, 8).unfold(3, 8, 8).permute(0, 2, 3, 1, 4, 5).reshape(n, 16, 3 * 64)
-        return p @ self.proj
 
 class NaNs(Patches):
     def forward(self, x):
@@ -85,24 +69,9 @@ def broken():
 
 @pytest.fixture(scope="module")
 def encoders(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("enc") / "encoders.py"
-    path.write_text(ENCODERS)
+    """test_features' patch encoders and the misbehaving ones above, as one .py file."""
+    (path := tmp_path_factory.mktemp("enc") / "encoders.py").write_text(ENCODERS)
     return path
-
-
-@pytest.fixture(scope="module")
-def plain_store(class_shards, tmp_path_factory) -> Path:
-    """A pixels store of the class shards (8 samples in 4 shards), without flips: never changed."""
-    out = tmp_path_factory.mktemp("plain") / "store"
-    _encode(class_shards, out)
-    return out
-
-
-def _copy(store: Path, to: Path) -> Path:
-    import shutil
-
-    shutil.copytree(store, to)
-    return to
 
 
 def features(store, spec, *extra):
@@ -118,8 +87,8 @@ def _published(store: Path) -> bool:
 
 
 @pytest.mark.parametrize("dtype", ["int8", "fp16"])
-def test_an_encoder_that_gives_nan_stops_naming_it_and_publishes_nothing(plain_store, encoders, tmp_path, dtype):
-    store = _copy(plain_store, tmp_path / "s")
+def test_an_encoder_that_gives_nan_stops_naming_it_and_publishes_nothing(flip_store, encoders, tmp_path, dtype):
+    store = _copy(flip_store, tmp_path / "s")
     first_key = open_store(store).read(0, ["key"])["key"][0]
     spec = f"python:{encoders}:NaNs"
     r = features(store, spec, "--features-dtype", dtype)
@@ -167,8 +136,8 @@ def test_a_late_nan_keeps_the_finished_shards_and_a_rerun_after_the_fix_resumes(
 # --------------------------------------------------------------------------- failures inside user code
 
 
-def test_an_encoder_that_raises_is_the_users_error(plain_store, encoders, tmp_path, monkeypatch):
-    store = _copy(plain_store, tmp_path / "s")
+def test_an_encoder_that_raises_is_the_users_error(flip_store, encoders, tmp_path, monkeypatch):
+    store = _copy(flip_store, tmp_path / "s")
     spec = f"python:{encoders}:Raises"
     r = features(store, spec)
     assert r.exit_code == 1
@@ -195,21 +164,21 @@ def test_encode_features_names_its_own_option(class_shards, encoders, tmp_path):
     ("Integers", "returned torch.int64 (1, 16, 12) for (1, 3, 32, 32); expected floating-point"),
     ("NaNWeights", "its weights hold non-finite values (NaN/inf) in 1 of 1 tensors, the first 'proj'"),
 ])
-def test_unusable_encoders_are_refused_in_one_line(plain_store, encoders, tmp_path, name, says):
-    store = _copy(plain_store, tmp_path / "s")
+def test_unusable_encoders_are_refused_in_one_line(flip_store, encoders, tmp_path, name, says):
+    store = _copy(flip_store, tmp_path / "s")
     r = features(store, f"python:{encoders}:{name}")
     assert r.exit_code == 1 and f"--encoder python:{encoders}:{name}: {says}" in one_error_line(r.output), r.output
     assert not (store / "features").exists() or not _published(store)
 
 
-def test_an_int_grid_is_a_square_grid(plain_store, encoders, tmp_path):
-    store = _copy(plain_store, tmp_path / "s")
+def test_an_int_grid_is_a_square_grid(flip_store, encoders, tmp_path):
+    store = _copy(flip_store, tmp_path / "s")
     ok(features(store, f"python:{encoders}:IntGrid"))
     m = json.loads((store / "features" / "f" / "manifest.json").read_text())
     assert m["encoder"]["grid"] == [4, 4] and m["encoder"]["patch"] == 8
 
 
-def test_a_model_folder_with_nan_weights_is_refused(plain_store, tmp_path):
+def test_a_model_folder_with_nan_weights_is_refused(flip_store, tmp_path):
     from safetensors.torch import load_file, save_file
 
     folder = save_tiny_dinov2(tmp_path / "dino")
@@ -217,7 +186,7 @@ def test_a_model_folder_with_nan_weights_is_refused(plain_store, tmp_path):
     name = sorted(sd)[3]
     sd[name] = sd[name].clone().fill_(float("inf"))
     save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
-    r = features(_copy(plain_store, tmp_path / "s"), folder)
+    r = features(_copy(flip_store, tmp_path / "s"), folder)
     line = one_error_line(r.output)
     assert r.exit_code == 1 and "its weights hold non-finite values (NaN/inf) in 1 of" in line, line
 

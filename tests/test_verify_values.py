@@ -60,27 +60,25 @@ def _warnings(output: str) -> list[str]:
     return [ln for ln in output.splitlines() if ln.startswith("WARNING ")]
 
 
-def test_a_nan_in_float16_features_is_a_fault(tmp_path, monkeypatch):
-    def nan(t):
-        t["feat"][3, 5, 2] = np.nan
+def _passes_with(root) -> tuple[list[str], str]:
+    """`ditdata verify ROOT` exits 0: its WARNING lines and its output."""
+    r = cli("verify", root, "-q")
+    assert r.exit_code == 0, r.output
+    return _warnings(r.output), r.output
 
-    path = _feature_set(monkeypatch, tmp_path / "s", "float16", nan)
+
+@pytest.mark.parametrize(("dtype", "field", "row"), [("float16", "feat", 3), ("int8", "feat_scale", 2)])
+def test_a_stored_nan_in_a_feature_set_is_a_fault(tmp_path, monkeypatch, dtype, field, row):
+    """A NaN in a float16 feature set's values, or in an int8 set's per-token scale: a FAULT line naming
+    the feature shard's file, the field, the row and its key; exit 1."""
+    def nan(t):  # one value: feat (token 5, dim 2) or feat_scale (token 7)
+        t[field][(row, 5, 2) if field == "feat" else (row, 7)] = np.nan
+
+    path = _feature_set(monkeypatch, tmp_path / "s", dtype, nan)
     r = cli("verify", tmp_path / "s", "-q")
     assert r.exit_code == 1, r.output
-    assert (f"FAULT {path}: field 'feat' holds non-finite values (NaN/inf) in 1 sample(s), the first at row 3 "
-            "(key '1-3')") in r.output
-    assert "1 fault(s) found" in r.output and not _warnings(r.output)
-
-
-def test_a_nan_scale_of_int8_features_is_a_fault(tmp_path, monkeypatch):
-    def nan(t):
-        t["feat_scale"][2, 7] = np.nan
-
-    path = _feature_set(monkeypatch, tmp_path / "s", "int8", nan)
-    r = cli("verify", tmp_path / "s", "-q")
-    assert r.exit_code == 1, r.output
-    assert (f"FAULT {path}: field 'feat_scale' holds non-finite values (NaN/inf) in 1 sample(s), the first at "
-            "row 2 (key '1-2')") in r.output
+    assert (f"FAULT {path}: field '{field}' holds non-finite values (NaN/inf) in 1 sample(s), the first at row "
+            f"{row} (key '1-{row}')") in r.output
     assert "1 fault(s) found" in r.output and not _warnings(r.output)
 
 
@@ -91,14 +89,13 @@ def test_int8_features_all_zero_are_a_warning(tmp_path, monkeypatch):
         t["feat_flip"][4, 9] = 0  # one token of the flips, whatever its scale
 
     path = _feature_set(monkeypatch, tmp_path / "s", "int8", zero)
-    r = cli("verify", tmp_path / "s", "-q")
-    assert r.exit_code == 0, r.output
-    assert _warnings(r.output) == [
+    warnings, output = _passes_with(tmp_path / "s")
+    assert warnings == [
         f"WARNING {path}: field 'feat': 128 of 128 tokens are exactly zero in every dimension, the first in row 0 "
         "(key '1-0') (an encoder that gave NaN stored as zeros?)",
         f"WARNING {path}: field 'feat_flip': 1 of 128 tokens are exactly zero in every dimension, the first in "
         "row 4 (key '1-4') (an encoder that gave NaN stored as zeros?)"]
-    assert r.output.strip().endswith("OK (24 samples verified; feature sets f; 2 warning(s))")
+    assert output.strip().endswith("OK (24 samples verified; feature sets f; 2 warning(s))")
 
 
 def _zeroed(data, kind: str):
@@ -118,32 +115,28 @@ def _zeroed(data, kind: str):
     return zeroed
 
 
-@pytest.mark.parametrize("kind", ["sample", "mean_std"])
-def test_zero_latent_positions_are_a_warning(tmp_path, kind):
-    sch = schema(shape=(4, 8, 8), kind=kind, flip=True, text=False, columns=LABELLED)
-    write_store(tmp_path / "s", sch, [6, 6], data=_zeroed(tiny_data(0), kind))
+@pytest.mark.parametrize(("kind", "bucketed"), [("sample", False), ("mean_std", False), ("sample", True)])
+def test_zero_latent_positions_are_a_warning(tmp_path, monkeypatch, kind, bucketed):
+    """3 latent positions of shard 1 zero in every channel: one WARNING naming the shard, the field and the
+    count (of a plain store, or of the bucket that holds them), exit 0."""
+    if bucketed:
+        import storeutil
+
+        clean = storeutil.bucket_data
+        monkeypatch.setattr(storeutil, "bucket_data", lambda seed, name: _zeroed(clean(seed, name), "sample")
+                            if name == "32x16" else clean(seed, name))
+        bucketed_store(tmp_path / "s", {(16, 16): 5, (32, 16): 10}, shards=2)  # latents (3, 16, 32)
+        shard, tokens, key = open_store(tmp_path / "s").bucket("32x16").store.shard(1), 2560, "32x16/1-1"
+    else:
+        sch = schema(shape=(4, 8, 8), kind=kind, flip=True, text=False, columns=LABELLED)
+        write_store(tmp_path / "s", sch, [6, 6], data=_zeroed(tiny_data(0), kind))
+        shard, tokens, key = open_store(tmp_path / "s").shard(1), 384, "k1"
     field = "latent" if kind == "sample" else "mean"
-    r = cli("verify", tmp_path / "s", "-q")
-    assert r.exit_code == 0, r.output
-    assert _warnings(r.output) == [
-        f"WARNING {open_store(tmp_path / 's').shard(1).path}: field {field!r}: 3 of 384 tokens are exactly zero in "
-        "every dimension, the first in row 1 (key 'k1') (an encoder that gave NaN stored as zeros?)"]
-    assert r.output.strip().endswith("OK (12 samples verified; 1 warning(s))")
-
-
-def test_zero_latent_positions_of_a_bucket_are_a_warning(tmp_path, monkeypatch):
-    import storeutil
-
-    clean = storeutil.bucket_data
-    monkeypatch.setattr(storeutil, "bucket_data", lambda seed, name: _zeroed(clean(seed, name), "sample")
-                        if name == "32x16" else clean(seed, name))
-    bucketed_store(tmp_path / "s", {(16, 16): 5, (32, 16): 10}, shards=2)  # latents (3, 16, 32)
-    shard = open_store(tmp_path / "s").bucket("32x16").store.shard(1)
-    r = cli("verify", tmp_path / "s", "-q")
-    assert r.exit_code == 0, r.output
-    assert _warnings(r.output) == [
-        f"WARNING {shard.path}: field 'latent': 3 of 2560 tokens are exactly zero in every dimension, the first in "
-        "row 1 (key '32x16/1-1') (an encoder that gave NaN stored as zeros?)"]
+    warnings, output = _passes_with(tmp_path / "s")
+    assert warnings == [
+        f"WARNING {shard.path}: field {field!r}: 3 of {tokens} tokens are exactly zero in every dimension, the "
+        f"first in row 1 (key {key!r}) (an encoder that gave NaN stored as zeros?)"]
+    assert output.strip().endswith("; 1 warning(s))")
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float16"])

@@ -28,7 +28,14 @@ from ditdata.store import FeatureSchema, FeatureWriter, Store, open_store
 from ditdata.store.features import check_name
 
 from .encoders import default_feature_set_name, load_encoder
-from .passes import ShardRows, complete, features_dir, resolve_storage, storing_targets
+from .passes import (
+    ShardRows,
+    complete,
+    features_dir,
+    recorded_config,
+    resolve_storage,
+    storing_targets,
+)
 from .targets import Targets, storage_notes
 
 
@@ -96,12 +103,11 @@ class InPass:
 def _refuse_other_settings(set_dir: Path, name: str, schema: FeatureSchema, info: dict) -> None:
     """A feature set with finished shards made with other settings is refused before the pass
     (each shard's FeatureWriter sees only its own shard, so it cannot tell)."""
-    try:
-        old = json.loads((set_dir / "config.json").read_text())
-    except (OSError, ValueError):
+    old = recorded_config(set_dir)
+    if old is None:
         return
     new = json.loads(json.dumps({"fields": schema.to_json(), **info}))
-    differ = sorted(k for k in new if not isinstance(old, dict) or old.get(k) != new[k])
+    differ = sorted(k for k in new if old.get(k) != new[k])
     if differ and any((set_dir / "shards").glob("*.json")):
         raise DitdataError(f"{set_dir}: feature set {name} was made with other settings ({', '.join(differ)} "
                            "differ); use the same --features options, another --features-out-name, or delete "

@@ -155,15 +155,21 @@ def store_order_images(jobs: list[Job], resolution: int, batch_size: int, need: 
             yield np.stack([got[k] for k in part]), part, job.name
 
 
-def recorded_storage(set_dir: Path, encoder_info: dict, dtype: str, dims: int) -> dict | None:
-    """The storage a feature set being written already records (config.json) when it was
-    made with this encoder, dtype and dims: a resumed run keeps its PCA and measurements,
-    so its shards are those of an uninterrupted run."""
+def recorded_config(set_dir: Path) -> dict | None:
+    """The config.json a feature set being written records (what every shard is made with), or None."""
     try:
         cfg = json.loads((set_dir / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    storage = cfg.get("storage") if isinstance(cfg, dict) else None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def recorded_storage(set_dir: Path, encoder_info: dict, dtype: str, dims: int) -> dict | None:
+    """The storage a feature set being written already records (config.json) when it was
+    made with this encoder, dtype and dims: a resumed run keeps its PCA and measurements,
+    so its shards are those of an uninterrupted run."""
+    cfg = recorded_config(set_dir) or {}
+    storage = cfg.get("storage")
     if (not isinstance(storage, dict) or cfg.get("encoder") != json.loads(json.dumps(encoder_info))
             or storage.get("dtype") != dtype or storage.get("dims") != dims):
         return None
@@ -176,11 +182,7 @@ def check_resize(set_dir: Path, encoder_info: dict) -> None:
     of two preprocessings (a set made before the choice existed records "antialias"'s string)."""
     from .encoders import RESIZES
 
-    try:
-        cfg = json.loads((set_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return
-    old = (cfg.get("encoder") or {}).get("resize") if isinstance(cfg, dict) else None
+    old = ((recorded_config(set_dir) or {}).get("encoder") or {}).get("resize")
     new = encoder_info.get("resize")
     if old is None or old == new or not any((set_dir / "shards").glob("*.json")):
         return

@@ -133,18 +133,26 @@ class _Call:
     size: str | None = None  # a bucketed run's bucket, as `--size`
 
 
-def _int(value, what: str, lo: int, hi: int, why: str = "") -> int:
-    if value is None or value == "":
-        raise SampleError(f"give the {what}")
+def _number(value, what: str, hint: str = "", whole: bool = False) -> float:
+    """A finite number (a whole one with `whole`) the page sent; SampleError naming `what` otherwise."""
+    kind = "whole number" if whole else "number"
     try:
         f = float(value)
     except (TypeError, ValueError):
-        raise SampleError(f"the {what} must be a whole number, got {value!r}") from None
-    if not math.isfinite(f) or f != int(f):
-        raise SampleError(f"the {what} must be a whole number, got {value!r}")
-    if not lo <= int(f) <= hi:
-        raise SampleError(f"the {what} must be in {lo}..{hi}{why}, got {int(f)}")
-    return int(f)
+        raise SampleError(f"the {what} must be a {kind}, got {value!r}") from None
+    if not math.isfinite(f) or (whole and f != int(f)):
+        got = repr(value) if whole else f
+        raise SampleError(f"the {what} must be a {'' if whole else 'finite '}{kind}{hint}, got {got}")
+    return f
+
+
+def _int(value, what: str, lo: int, hi: int, why: str = "") -> int:
+    if value is None or value == "":
+        raise SampleError(f"give the {what}")
+    f = int(_number(value, what, whole=True))
+    if not lo <= f <= hi:
+        raise SampleError(f"the {what} must be in {lo}..{hi}{why}, got {f}")
+    return f
 
 
 def _path_arg(value):
@@ -251,12 +259,7 @@ class Server:
     def _call(self, req: Request, seed: int) -> _Call:
         n = _int(req.n, "number of images", 1, self.max_images, " (the server's --max-images)")
         steps = _int(req.steps, "number of steps", 1, self.max_steps, self._steps_limit)
-        try:
-            cfg = float(req.cfg_scale if req.cfg_scale is not None else _S.cfg_scale)
-        except (TypeError, ValueError):
-            raise SampleError(f"the CFG scale must be a number, got {req.cfg_scale!r}") from None
-        if not math.isfinite(cfg):
-            raise SampleError(f"the CFG scale must be a finite number, got {cfg}")
+        cfg = _number(req.cfg_scale if req.cfg_scale is not None else _S.cfg_scale, "CFG scale")
         if self.kind != "none" and abs(cfg) > MAX_CFG_SCALE:
             raise SampleError(f"the CFG scale must be in -{MAX_CFG_SCALE:g}..{MAX_CFG_SCALE:g} (1: no guidance), "
                               f"got {cfg:g}")
@@ -280,11 +283,8 @@ class Server:
         if shift is not None:
             if self.diffusion.objective != "flow":
                 raise SampleError(f"the time shift is for flow runs; this one is {self.diffusion.objective}")
-            try:
-                shift = float(shift)
-            except (TypeError, ValueError):
-                raise SampleError(f"the time shift must be a number, got {shift!r}") from None
-            if not 0 < shift < math.inf:
+            shift = _number(shift, "time shift", " > 0 (1: none)")
+            if not shift > 0:
                 raise SampleError(f"the time shift must be a finite number > 0 (1: none), got {shift:g}")
         settings = SampleConfig(cfg_scale=cfg if self.kind != "none" else _S.cfg_scale, steps=steps,
                                 sampler=sampler, seed=seed, batch_size=self.batch_size, precision=self.precision,
