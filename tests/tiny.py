@@ -255,3 +255,24 @@ def step_inputs(step, batch: dict) -> tuple:
     t = step.diffusion.sample_timesteps(len(x0), generator=torch.Generator().manual_seed(2))
     kwargs = {"y": batch["y"], "force_drop_ids": torch.zeros(len(x0), dtype=torch.bool)}
     return x0, t, torch.randn_like(x0), kwargs
+
+
+def tiny_rae(**config):
+    """A diffusers AutoencoderRAE with a tiny random Dinov2WithRegisters inside (64 wide, one layer,
+    patch 14 on a 56 px input: a 4 x 4 grid of 64-d tokens), a one-layer ViT decoder drawing 32 px
+    images (decoder patch 8), and per-channel, per-position latent statistics as the released
+    checkpoints carry."""
+    import diffusers
+    import torch
+
+    torch.manual_seed(0)
+    kw = dict(encoder_type="dinov2", encoder_hidden_size=64, encoder_patch_size=14, encoder_num_hidden_layers=1,
+              decoder_hidden_size=32, decoder_num_hidden_layers=1, decoder_num_attention_heads=2,
+              decoder_intermediate_size=64, patch_size=8, encoder_input_size=56,
+              latents_mean=(torch.randn(64, 4, 4) * 0.1).tolist(), latents_std=(torch.rand(64, 4, 4) + 0.5).tolist())
+    return diffusers.AutoencoderRAE(**{**kw, **config}).eval()
+
+
+def save_tiny_rae(path: Path, **config) -> Path:
+    tiny_rae(**config).save_pretrained(str(path))
+    return path

@@ -55,6 +55,7 @@ from ditdata.autoencoders.ldm import LDM_SPEC, checkpoint_of
 from ditdata.autoencoders.presets import (  # noqa: F401  (re-exported: the presets' names, as before)
     KIND_KL,
     KIND_PIXELS,
+    KIND_RAE,
     KIND_TAEF2,
     PRESETS,
     RANGE_01,
@@ -184,6 +185,9 @@ class Autoencoder:
         if height % d or width % d:
             raise DitdataError(
                 f"autoencoder {self.name}: image size {height}x{width} is not a multiple of {d}")
+        problem = self.adapter.size_problem(self.info, height, width)
+        if problem:
+            raise DitdataError(f"autoencoder {self.name}: {problem}")
 
     # -- encode / decode
     def encode(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -242,6 +246,7 @@ class AutoencoderKind:
     deterministic = True  # encode returns no std
     has_weights = True
     dir_hint: str | None = None
+    no_buckets: str | None = None  # why `ditdata encode --buckets` cannot use this kind (None: it can)
 
     def encode(self, module, x) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x (B, 3, H, W) in the kind's input range -> (mean, std or None), unscaled."""
@@ -261,6 +266,10 @@ class AutoencoderKind:
     def from_manifest(self, entry: dict[str, Any], device: Any, dtype: torch.dtype) -> Autoencoder:
         """The autoencoder a store's manifest entry records, found where it was recorded."""
         raise NotImplementedError
+
+    def size_problem(self, info: dict[str, Any], height: int, width: int) -> str | None:
+        """Why images of this size cannot be encoded (beyond the downsample's multiple), or None."""
+        return None
 
 
 class _TAEF2Kind(AutoencoderKind):
@@ -352,8 +361,65 @@ class _PixelsKind(AutoencoderKind):
         return _pixels(device, dtype)
 
 
+RAE_SPEC = "rae:"  # --vae rae:DIR, a local AutoencoderRAE folder named as one
+RAE_CLASS = "AutoencoderRAE"
+
+
+class _RAEKind(AutoencoderKind):
+    """A diffusers AutoencoderRAE (Zheng et al., 2025, "Diffusion Transformers with Representation
+    Autoencoders"): its ``encode`` resizes the [0, 1] images to the encoder's input (bicubic), applies
+    the encoder's mean and std, takes the frozen encoder's patch tokens and normalises them with the
+    checkpoint's latent statistics; ``decode`` runs its ViT decoder and undoes the pixel
+    normalisation. Nothing of that is redone here: the latent is what ``AutoencoderRAE.encode`` returns.
+
+    The token grid is fixed by the encoder's input size, whatever the image's: the decoder always
+    draws ``image_size`` px squares. So the images must be that square (``--resolution`` equal to
+    it) and ``--buckets`` is refused: an RAE would squash every bucket to the same square grid."""
+
+    name = KIND_RAE
+    no_buckets = ("encodes one square size only: its encoder resizes every image to its own square input, so every "
+                  "bucket would be squashed to the same token grid; encode at its --resolution without --buckets")
+    dir_hint = f"a diffusers {RAE_CLASS} (config.json + diffusion_pytorch_model.safetensors)"
+
+    def encode(self, module, x):
+        return module.encode(x).latent, None
+
+    def decode(self, module, latents):
+        return module.decode(latents).sample
+
+    def from_preset(self, preset, device, dtype):
+        return _rae_from_hub(preset.repo_id, preset.subfolder, None, device, dtype, name=preset.name)
+
+    def from_dir(self, path, device, dtype):
+        cfg = _kl_config(path)
+        return _rae_from_dir(path, device, dtype) if cfg and cfg.get("_class_name") == RAE_CLASS else None
+
+    def from_manifest(self, entry, device, dtype):
+        ident, name = entry.get("id"), entry.get("name")
+        if ident and Path(ident).is_absolute():
+            if not Path(ident).is_dir():
+                raise DitdataError(f"store autoencoder {name!r}: {ident} is not on this machine; pass its "
+                                   f"folder (--vae {RAE_SPEC}DIR)")
+            return _rae_from_dir(Path(ident), device, dtype, name=name)
+        if ident and _HUB_ID.fullmatch(ident):
+            sub = entry.get("subfolder")
+            return _from_hub_pinned(lambda rev: _rae_from_hub(ident, sub, rev, device, dtype, name=name or ident),
+                                    ident, entry.get("revision"), name or ident)
+        raise DitdataError(f"store autoencoder {name!r}: unusable id {ident!r}; pass its folder "
+                           f"(--vae {RAE_SPEC}DIR)")
+
+    def size_problem(self, info, height, width):
+        rae = info.get("rae") or {}
+        side = rae.get("image_size")
+        if side and (height, width) != (side, side):
+            return (f"takes {side}x{side} images only, got {height}x{width} (an RAE resizes every image to its "
+                    f"encoder's {rae.get('encoder_input_size')} px square and decodes {side} px squares): use "
+                    f"--resolution {side}, without --buckets")
+        return None
+
+
 # kind -> adapter; directories are recognised in this order
-KINDS: dict[str, AutoencoderKind] = {k.name: k for k in (_TAEF2Kind(), _KLKind(), _PixelsKind())}
+KINDS: dict[str, AutoencoderKind] = {k.name: k for k in (_TAEF2Kind(), _KLKind(), _RAEKind(), _PixelsKind())}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -494,12 +560,64 @@ def _kl_from_hub(repo_id: str, subfolder: str | None, device: Any, dtype: torch.
         raise DitdataError(_missing_hub_message(
             name, repo_id, subfolder, hub_cache_dir(), revision,
             f"snapshot {snap.name} has no {subfolder + '/' if subfolder else ''}config.json"))
+    if cfg.get("_class_name") == RAE_CLASS:  # a cached hub id of an RAE
+        return _rae_from_dir(model_dir, device, dtype, name=name, ident=repo_id, subfolder=subfolder,
+                             revision=snap.name)
     if cfg.get("_class_name") != "AutoencoderKL":
         raise DitdataError(f"{repo_id}{'/' + subfolder if subfolder else ''} is a "
                            f"{cfg.get('_class_name')}, not an AutoencoderKL")
     module, sha = _load_kl(model_dir, dtype, name)
     info = _kl_info(name, repo_id, subfolder, snap.name, sha, module, scaling, shift)
     return Autoencoder(module, info).to(device, dtype)
+
+
+def _rae_from_dir(path: Path, device: Any, dtype: torch.dtype, *, name: str | None = None, ident: str | None = None,
+                  subfolder: str | None = None, revision: str | None = None) -> Autoencoder:
+    """An AutoencoderRAE folder (config.json + weights): the manifest entry records its encoder
+    (type, patch, input size) and the image size its decoder draws, beside the usual facts."""
+    path = path.expanduser().resolve()
+    label = name or f"{RAE_SPEC}{path}"
+    cfg = _kl_config(path)
+    if cfg is None or cfg.get("_class_name") != RAE_CLASS:
+        found = f"a {cfg.get('_class_name')} config" if cfg else "no readable config.json"
+        raise DitdataError(f"--vae {label}: {path} is not a diffusers {RAE_CLASS} folder ({found})")
+    weights = saved_weights(path, ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin"))
+    if weights is None:
+        raise DitdataError(f"no diffusion_pytorch_model.safetensors or .bin weights in {path}")
+    files, safe = weights
+    sha = {f: sha256_file(path / f) for f in files}
+    quiet_third_party_imports()
+    diffusers = require("diffusers", f"autoencoder {label}", "vae", DitdataError)
+    if not hasattr(diffusers, RAE_CLASS):
+        raise DitdataError(f"autoencoder {label}: this diffusers ({diffusers.__version__}) has no {RAE_CLASS}; "
+                           "upgrade diffusers (0.37 or later)")
+    try:
+        module = getattr(diffusers, RAE_CLASS).from_pretrained(
+            str(path), torch_dtype=dtype, use_safetensors=safe, local_files_only=True,
+            low_cpu_mem_usage=importlib.util.find_spec("accelerate") is not None)
+    except Exception as e:  # corrupt or incompatible files: one line for the CLI
+        raise DitdataError(f"cannot load {RAE_CLASS} {label} from {path}: {described(e)}") from e
+    c = module.config
+    info = _info(label, ident or str(path), subfolder=subfolder, revision=revision, sha=sha, scaling=1.0, shift=0.0,
+                 channels=c["encoder_hidden_size"], downsample=module.decoder_patch_size, input_range=RANGE_01,
+                 kind=KIND_RAE)
+    # the latent is (C, g, g) for every input: g = encoder_input_size / encoder_patch_size
+    info["rae"] = {"encoder_type": c["encoder_type"], "encoder_patch_size": int(c["encoder_patch_size"]),
+                   "encoder_input_size": int(c["encoder_input_size"]), "image_size": int(module.decoder_image_size),
+                   "grid": int(module.num_patches ** 0.5)}
+    return Autoencoder(module, info).to(device, dtype)
+
+
+def _rae_from_hub(repo_id: str, subfolder: str | None, revision: str | None, device: Any, dtype: torch.dtype, *,
+                  name: str) -> Autoencoder:
+    snap = _snapshot(repo_id, subfolder, revision, name)
+    model_dir = snap / subfolder if subfolder else snap
+    if _kl_config(model_dir) is None:
+        raise DitdataError(_missing_hub_message(
+            name, repo_id, subfolder, hub_cache_dir(), revision,
+            f"snapshot {snap.name} has no {subfolder + '/' if subfolder else ''}config.json",
+            instead=f"a local {RAE_CLASS} folder (--vae {RAE_SPEC}DIR)"))
+    return _rae_from_dir(model_dir, device, dtype, name=name, ident=repo_id, subfolder=subfolder, revision=snap.name)
 
 
 def _ldm(checkpoint: Path, config: str | Path | dict, device: Any, dtype: torch.dtype, *,
@@ -596,6 +714,12 @@ def load_autoencoder(name_or_path: str, device: Any = "cpu", dtype: torch.dtype 
     preset = PRESETS.get(s)
     if preset is not None:
         return KINDS[preset.kind].from_preset(preset, device, dtype)
+    if s.startswith(RAE_SPEC):
+        folder = Path(s[len(RAE_SPEC):]).expanduser()
+        if not folder.is_dir():
+            raise DitdataError(f"--vae {s}: {folder} is not a directory (an {RAE_CLASS} folder: config.json + "
+                               "diffusion_pytorch_model.safetensors, as save_pretrained writes it)")
+        return _rae_from_dir(folder, device, dtype)
     path = Path(s).expanduser()
     if path.is_dir():  # each kind in turn recognises its directories (KINDS)
         for kind in KINDS.values():

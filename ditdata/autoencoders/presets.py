@@ -9,6 +9,9 @@ can name a preset, a kind or a value range without loading a model.
                  (``ldm_config``: ditdata/autoencoders/ldm.py), as VA-VAE ships
     KIND_TAEF2   the tiny FLUX.2-latent autoencoder (ditdata/autoencoders/taef2.py), deterministic
     KIND_PIXELS  no autoencoder: the image itself, deterministic
+    KIND_RAE     a diffusers AutoencoderRAE (Zheng et al., 2025): a frozen representation encoder
+                 (DINOv2 with registers, SigLIP2, MAE) and a trained ViT decoder, deterministic; its
+                 latent is the encoder's normalised patch tokens on a fixed square grid
 
 A kind's encoding and decoding live in ``ditdata.autoencoders.kinds.KINDS`` (one adapter per kind).
 """
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 KIND_KL = "autoencoder_kl"
 KIND_TAEF2 = "taef2"
 KIND_PIXELS = "pixels"
+KIND_RAE = "autoencoder_rae"
 RANGE_PM1 = "[-1,1]"
 RANGE_01 = "[0,1]"
 TAEF2_ENV = "DITKIT_TAEF2"
@@ -42,8 +46,8 @@ VAVAE_F16D32 = {
 @dataclass(frozen=True)
 class Preset:
     name: str
-    kind: str  # KIND_KL | KIND_TAEF2 | KIND_PIXELS
-    repo_id: str | None  # hub id (KIND_KL only)
+    kind: str  # KIND_KL | KIND_TAEF2 | KIND_PIXELS | KIND_RAE
+    repo_id: str | None  # hub id (KIND_KL, KIND_RAE)
     subfolder: str | None
     scaling_factor: float
     shift_factor: float
@@ -73,6 +77,20 @@ PRESETS: dict[str, Preset] = {
                RANGE_PM1, f"VA-VAE (LightningDiT), 32 channels /16, aligned to DINOv2; no published scaling: "
                f"--latent-norm auto standardises per channel; a local copy through ${VAVAE_ENV}",
                filename="vavae-imagenet256-f16d32-dinov2.pt", ldm_config=VAVAE_F16D32, env=VAVAE_ENV),
+        # the released RAEs (nyu-visionx on the hub, as diffusers' AutoencoderRAE page lists them): the
+        # latent is C x 16 x 16 at 256 px (32 x 32 at 512), the decoder's patch (16) is the downsample
+        *(Preset(name, KIND_RAE, f"nyu-visionx/{repo}", None, 1.0, 0.0, channels, 16, RANGE_01, note)
+          for name, repo, channels, note in (
+              ("rae-dinov2-b", "RAE-dinov2-wReg-base-ViTXL-n08", 768,
+               "RAE: DINOv2-B with registers + ViT-XL decoder, 768 x 16 x 16 at 256 px (the paper's choice)"),
+              ("rae-dinov2-b-512", "RAE-dinov2-wReg-base-ViTXL-n08-i512", 768,
+               "RAE: DINOv2-B with registers, 512 px: 768 x 32 x 32"),
+              ("rae-dinov2-s", "RAE-dinov2-wReg-small-ViTXL-n08", 384, "RAE: DINOv2-S with registers, 384 x 16 x 16"),
+              ("rae-dinov2-l", "RAE-dinov2-wReg-large-ViTXL-n08", 1024,
+               "RAE: DINOv2-L with registers, 1024 x 16 x 16"),
+              ("rae-siglip2-b", "RAE-siglip2-base-p16-i256-ViTXL-n08", 768, "RAE: SigLIP2-B, 768 x 16 x 16"),
+              ("rae-mae-b", "RAE-mae-base-p16-ViTXL-n08", 768, "RAE: MAE-B, 768 x 16 x 16"),
+          )),
         Preset("taef2", KIND_TAEF2, None, None, 1.0, 0.0, 32, 8, RANGE_01,
                f"tiny FLUX.2-latent autoencoder, weights from ${TAEF2_ENV} or a directory"),
         Preset("pixels", KIND_PIXELS, None, None, 1.0, 0.0, 3, 1, RANGE_PM1,

@@ -293,6 +293,8 @@ def _encode(cfg: EncodeConfig) -> dict:
     torch.manual_seed(cfg.seed)
     with _memory_hint(cfg, device):
         enc = Encoder(cfg, device)
+        if cfg.buckets and enc.ae.adapter.no_buckets:
+            raise DitdataError(f"--buckets: autoencoder {enc.ae.name} {enc.ae.adapter.no_buckets}")
         spec = parse_spec(cfg.buckets, enc.ae.downsample) if cfg.buckets else None
         layout = _store_layout(cfg, enc, folder, spec)
         image = {"resolution": cfg.resolution, "crop": "center", "crop_rule": CROP_RULE, "flip": cfg.flip}

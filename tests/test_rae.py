@@ -1,0 +1,149 @@
+"""Representation autoencoders (RAE, Zheng et al. 2025) as an autoencoder kind: a tiny random
+diffusers AutoencoderRAE (a tiny random Dinov2WithRegisters inside) saved with save_pretrained,
+through `ditdata encode`, `ditdata inspect --decode`, a training run and `dittrain sample`; the
+stored latents are AutoencoderRAE.encode's and the decodes AutoencoderRAE.decode's."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from cliutil import ditdata, dittrain, one_error_line, run_args
+from tiny import class_tree, fetch_tree, save_tiny_kl, save_tiny_rae, tiny_rae
+
+from ditdata.autoencoders.kinds import PRESETS, autoencoder_from_manifest, load_autoencoder
+from ditdata.framing import center_crop, hflip
+from ditdata.imageshards import folder as imageshards
+from ditdata.store import open_store
+
+pytest.importorskip("diffusers")
+BIN = Path(sys.executable).parent
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("data")
+    return fetch_tree(class_tree(root / "tree", per_class=2, size=40), root / "shards", samples_per_shard=2)
+
+
+@pytest.fixture(scope="module")
+def rae_dir(tmp_path_factory) -> Path:
+    return save_tiny_rae(tmp_path_factory.mktemp("rae") / "tiny-rae")
+
+
+@pytest.fixture(scope="module")
+def rae_store(shards, rae_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("store") / "s"
+    r = ditdata("encode", shards, "--vae", f"rae:{rae_dir}", "--resolution", 32, "--flip", "--out", out,
+                "--workers", 0, "--device", "cpu", "--quiet")
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def _pixels(crops) -> torch.Tensor:
+    return torch.stack([torch.from_numpy(np.asarray(c)).permute(2, 0, 1) for c in crops]).float() / 255
+
+
+def test_encode_stores_what_autoencoder_rae_encode_returns(shards, rae_dir, rae_store):
+    store = open_store(rae_store, verify=True)
+    vae = store.manifest["vae"]
+    assert vae["kind"] == "autoencoder_rae" and store.latent_shape == (64, 4, 4)
+    assert vae["weights_sha256"] == {WEIGHTS: hashlib.sha256((rae_dir / WEIGHTS).read_bytes()).hexdigest()}
+    assert vae["rae"] == {"encoder_type": "dinov2", "encoder_patch_size": 14, "encoder_input_size": 56,
+                          "image_size": 32, "grid": 4}
+    assert (vae["scaling_factor"], vae["shift_factor"], vae["input_range"], vae["downsample"]) == (1.0, 0.0, "[0,1]", 8)
+    model = tiny_rae()  # the same seed: the same weights as the saved folder
+    data = store.read(0)
+    crops = {s.key: center_crop(s.decode(), 32) for s in imageshards.iter_shard(imageshards.list_shards(shards)[0])}
+    with torch.no_grad():
+        want = model.encode(_pixels([crops[k] for k in data["key"]])).latent.numpy()
+        flipped = model.encode(_pixels([hflip(crops[k]) for k in data["key"]])).latent.numpy()
+    assert not np.allclose(want, flipped, atol=1e-2)  # the flip is a different latent, not a copy
+    np.testing.assert_allclose(data["latent"].astype(np.float32), want, rtol=2e-3, atol=2e-3)  # stored fp16
+    np.testing.assert_allclose(data["latent_flip"].astype(np.float32), flipped, rtol=2e-3, atol=2e-3)
+
+
+def test_decode_is_autoencoder_rae_decode_and_inspect_draws_it(rae_store, tmp_path):
+    store = open_store(rae_store)
+    ae = autoencoder_from_manifest(store.manifest["vae"], strict=True)  # found at the recorded folder
+    z = torch.from_numpy(store.read(0)["latent"].astype(np.float32))
+    with torch.no_grad():
+        want = tiny_rae().decode(z).sample.clamp(0, 1)
+    torch.testing.assert_close(ae.decode(z), want)
+    r = ditdata("inspect", rae_store, "--decode", 2, "--out", tmp_path / "peek")
+    assert r.exit_code == 0 and "decoded 2 samples" in r.output, r.output
+    assert len(list((tmp_path / "peek").glob("*.png"))) == 2
+
+
+def test_a_run_on_rae_latents_trains_and_samples_through_the_rae_decoder(rae_store, tmp_path):
+    run = tmp_path / "run"
+    r = dittrain(*run_args(rae_store, run, "--max-steps", 2, "--objective", "flow",
+                           model="custom:hidden=64,depth=2,heads=2,patch=1"))
+    assert r.exit_code == 0, r.output
+    r = dittrain("sample", "--ckpt", run, "--out", tmp_path / "grid.png", "--n", 2, "--steps", 2, "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    from PIL import Image
+
+    tiles = sorted((tmp_path / "grid").glob("*.png"))
+    assert len(tiles) == 2 and all(np.asarray(Image.open(p)).shape == (32, 32, 3) for p in tiles)
+
+
+def test_sizes_an_rae_cannot_take_are_one_line(shards, rae_dir, tmp_path):
+    r = ditdata("encode", shards, "--vae", f"rae:{rae_dir}", "--resolution", 64, "--out", tmp_path / "a",
+                "--workers", 0, "--device", "cpu")
+    assert r.exit_code != 0 and "takes 32x32 images only" in one_error_line(r.output), r.output
+    r = ditdata("encode", shards, "--vae", f"rae:{rae_dir}", "--buckets", "32:8", "--out", tmp_path / "b",
+                "--workers", 0, "--device", "cpu")
+    assert r.exit_code != 0 and "--buckets: autoencoder" in one_error_line(r.output), r.output
+    assert "squashed to the same token grid" in one_error_line(r.output)
+    assert not (tmp_path / "a" / "manifest.json").exists() and not (tmp_path / "b" / "manifest.json").exists()
+
+
+def test_folders_that_are_not_an_rae_are_one_line(shards, tmp_path):
+    kl = save_tiny_kl(tmp_path / "kl")
+    for spec, needle in ((f"rae:{kl}", "is not a diffusers AutoencoderRAE folder (a AutoencoderKL config)"),
+                         (f"rae:{tmp_path / 'none'}", "is not a directory"),
+                         (f"rae:{tmp_path}", "no readable config.json")):
+        r = ditdata("encode", shards, "--vae", spec, "--out", tmp_path / "s")
+        assert r.exit_code != 0 and needle in one_error_line(r.output), (spec, r.output)
+    assert load_autoencoder(str(save_tiny_rae(tmp_path / "plain"))).kind == "autoencoder_rae"  # a plain folder too
+
+
+def test_presets_and_a_cached_hub_id(shards, tmp_path, monkeypatch):
+    names = {n: p.repo_id for n, p in PRESETS.items() if p.kind == "autoencoder_rae"}
+    assert names == {"rae-dinov2-b": "nyu-visionx/RAE-dinov2-wReg-base-ViTXL-n08",
+                     "rae-dinov2-b-512": "nyu-visionx/RAE-dinov2-wReg-base-ViTXL-n08-i512",
+                     "rae-dinov2-s": "nyu-visionx/RAE-dinov2-wReg-small-ViTXL-n08",
+                     "rae-dinov2-l": "nyu-visionx/RAE-dinov2-wReg-large-ViTXL-n08",
+                     "rae-siglip2-b": "nyu-visionx/RAE-siglip2-base-p16-i256-ViTXL-n08",
+                     "rae-mae-b": "nyu-visionx/RAE-mae-base-p16-ViTXL-n08"}
+    assert {n: PRESETS[n].latent_channels for n in names} == {"rae-dinov2-b": 768, "rae-dinov2-b-512": 768,
+                                                               "rae-dinov2-s": 384, "rae-dinov2-l": 1024,
+                                                               "rae-siglip2-b": 768, "rae-mae-b": 768}
+    # offline and not cached: fails at once with the download command, nothing written
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    r = subprocess.run([BIN / "ditdata", "encode", shards, "--vae", "rae-dinov2-b", "--out", tmp_path / "s"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "hf download nyu-visionx/RAE-dinov2-wReg-base-ViTXL-n08" in r.stderr
+    # a cached snapshot of an RAE repo: by preset name and by hub id, its commit recorded
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf" / "hub" / "models--nyu-visionx--RAE-dinov2-wReg-small-ViTXL-n08"
+    save_tiny_rae(repo / "snapshots" / rev)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    for spec in ("rae-dinov2-s", "nyu-visionx/RAE-dinov2-wReg-small-ViTXL-n08"):
+        ae = load_autoencoder(spec)
+        assert (ae.kind, ae.info["id"], ae.info["revision"], ae.name) == (
+            "autoencoder_rae", "nyu-visionx/RAE-dinov2-wReg-small-ViTXL-n08", rev, spec)
+        again = autoencoder_from_manifest(json.loads(json.dumps(ae.info)), strict=True)
+        assert again.info["revision"] == rev
