@@ -159,6 +159,20 @@ class AdamBetas(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+class ShiftOrAuto(FiniteFloat):
+    """--t-shift S (a finite number > 0) or auto (resolved at the start from the store's latent shape)."""
+
+    name = "S|auto"
+
+    def __init__(self):
+        super().__init__(min=0, min_open=True)
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        return super().convert(value, param, ctx)
+
+
 class CfgInterval(click.ParamType):
     """--cfg-interval LO,HI: two numbers with 0 <= LO <= HI <= 1 (dittrain.config.parse_cfg_interval);
     the pair (LO, HI), or as_text: the field's text, written back exactly (`run`'s --eval-cfg-interval)."""
@@ -249,9 +263,10 @@ def _opt(*names, field, **kw):
       help="flow: how training draws t in (0, 1).")
 @_opt("--t-mean", field="t_mean", type=FiniteFloat(), help="flow logit-normal: t = sigmoid(N(mean, std)).")
 @_opt("--t-std", field="t_std", type=FiniteFloat(min=0, min_open=True))
-@_opt("--t-shift", field="t_shift", type=FiniteFloat(min=0, min_open=True),
+@_opt("--t-shift", field="t_shift", type=ShiftOrAuto(),
       help="flow: SD3's shift t -> S t / (1 + (S - 1) t) of the training t and of the Euler/Heun "
-           "sampling grid (1: none; S > 1 spends more time near the noise).")
+           "sampling grid (1: none; S > 1 spends more time near the noise). auto: RAE's S = sqrt(C x H x W / "
+           "4096) of the store's latent (6.93 for 768x16x16; 1 for SD-VAE's 4x32x32), recorded as the number.")
 @_opt("--flow-time-scale", field="flow_time_scale", type=FiniteFloat(min=0, min_open=True), metavar="S",
       help="flow: the model's timestep embedder sees t x S (1000: DiT's and SD3's scale; 1: SiT's, REPA's and "
            "LightningDiT's, which feed t in [0, 1]).")

@@ -321,7 +321,9 @@ class DiffusionSection:
     t_sampling: str = setting("logit-normal", LEARNED)  # flow: logit-normal | uniform
     t_mean: float = setting(0.0, LEARNED)  # flow logit-normal: t = sigmoid(N(t_mean, t_std))
     t_std: float = setting(1.0, LEARNED)
-    t_shift: float = setting(1.0, LEARNED)  # flow: t -> S t / (1 + (S - 1) t) in training and the sampling grid; 1: none
+    # flow: t -> S t / (1 + (S - 1) t) in training and the sampling grid; 1: none; "auto": RAE's S = sqrt(C H W /
+    # 4096) of the store's latent (dittrain.diffusion.dimension_shift), recorded as the number
+    t_shift: float | str = setting(1.0, LEARNED, resolves_auto=True)
     # flow: loss += W x mean(1 - cos(output, velocity)) over the channels at each position (LightningDiT's
     # cosine loss, weight 1 there; dittrain.train.losses.VelocityCosine); 0: off
     velocity_cosine_weight: float = setting(0.0, LEARNED)

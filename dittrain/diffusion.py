@@ -77,6 +77,17 @@ from dittrain.config import LOSS_WEIGHTINGS, OBJECTIVES, T_SAMPLINGS  # the torc
 ModelFn = Callable[..., torch.Tensor]
 
 
+# RAE's dimension-dependent shift (Zheng et al. 2025, bytetriper/RAE @ a4d18c4 configs/stage2/training:
+# time_dist_shift_dim = C H W of the latent, time_dist_shift_base 4096, the shift their square root's
+# ratio): S = sqrt(C H W / 4096), 4096 being SD-VAE's 4 x 32 x 32 at 256 px, where S = 1. --t-shift auto
+SHIFT_BASE_DIMS = 4096
+
+
+def dimension_shift(latent_shape, base: int = SHIFT_BASE_DIMS) -> float:
+    """S = sqrt(prod(latent_shape) / base): 6.93 for RAE's 768 x 16 x 16, 1 for SD-VAE's 4 x 32 x 32."""
+    return math.sqrt(math.prod(int(n) for n in latent_shape) / base)
+
+
 def shift_t(t, shift: float):
     """SD3's timestep shift t' = S t / (1 + (S - 1) t) of flow times t in [0, 1] (a tensor
     or a float); S = 1 is the identity, 0 and 1 stay put."""

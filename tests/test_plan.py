@@ -20,6 +20,8 @@ from dittrain.plan.footprint import Setting, footprint, kept_bytes
 from dittrain.plan.probe import measured_peak
 
 ROOT = Path(__file__).resolve().parents[1]
+DDT = ("custom:hidden=64,depth=2,heads=2,patch=1,mlp=swiglu,norm=rms,pos=sincos+rope,time=fourier,head_depth=2,"
+       "head_hidden=128,head_heads=4")
 TOLERANCE = 0.15  # the issue's: predicted peak within 15% of the measured one
 
 # (model, latent side, micro-batch, --grad-checkpointing, extra run settings): DiT-T/2 at two batch
@@ -28,7 +30,7 @@ CASES = [("DiT-T/2", 16, n, mode, {}) for n in (4, 8) for mode in ("none", "sele
     ("custom:hidden=128,depth=4,heads=4,patch=2,mlp=swiglu,norm=rms,pos=rope,qk_norm=1", 16, 4, "mlp", {}),
     ("DiT-T/2", 16, 8, "none", {"route": "0.5:1:4"}),
     ("DiT-T/2", 16, 4, "2", {"repa": "feat", "repa_depth": 2, "repa_projector_dim": 256}),
-]
+] + [(DDT, 8, 8, mode, {}) for mode in ("none", "3")]  # a DiT^DH: its head blocks, wiring and final layer
 
 
 @pytest.mark.parametrize("model,side,n,mode,extra", CASES, ids=[f"{c[0][:12]}-{c[2]}-{c[3]}-{'+'.join(c[4]) or 'plain'}"

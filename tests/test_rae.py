@@ -147,3 +147,55 @@ def test_presets_and_a_cached_hub_id(shards, tmp_path, monkeypatch):
             "autoencoder_rae", "nyu-visionx/RAE-dinov2-wReg-small-ViTXL-n08", rev, spec)
         again = autoencoder_from_manifest(json.loads(json.dumps(ae.info)), strict=True)
         assert again.info["revision"] == rev
+
+
+# A DiT^DH (RAE's DiT with a DDT head; tests/test_ddt.py holds the model itself) at tiny widths: the trunk
+# LightningDiT's blocks, Gaussian Fourier time features, a head of one block at twice the width
+DDT = ("custom:hidden=32,depth=2,heads=2,patch=1,mlp=swiglu,norm=rms,pos=sincos+rope,time=fourier,"
+       "head_depth=1,head_hidden=64,head_heads=4")
+
+
+def test_a_dit_dh_run_resumes_exactly_after_sigkill_and_samples_through_the_rae_decoder(rae_store, tmp_path):
+    """RAE's recipe on RAE latents: flow, t as the model's input (--flow-time-scale 1), --t-shift auto =
+    sqrt(64 x 4 x 4 / 4096) for this store (RAE's 6.93 at 768 x 16 x 16); SIGKILLed at step 20 and resumed,
+    the same loss at every step; then sampled and decoded by the RAE decoder of the manifest."""
+    from cliutil import resume_after_sigkill
+
+    common = ["--model", DDT, "--objective", "flow", "--t-shift", "auto", "--flow-time-scale", 1, "--max-steps", 40,
+              "--save-every", 20, "--lr", "1e-3", "--ema", "0.9", "--adam-betas", "0.9,0.95"]
+    err = resume_after_sigkill(rae_store, tmp_path, common, steps=40, half=20)
+    assert "--t-shift auto: sqrt(64 x 4 x 4 / 4096) = 0.5000" in err, err
+    record = json.loads((tmp_path / "killed" / "config.json").read_text())
+    assert record["diffusion"]["t_shift"] == 0.5 == record["train"]["diffusion"]["t_shift"]  # recorded, the number
+    assert record["model"]["head_depth"] == 1 and record["model"]["time_embed"] == "fourier"
+    out = tmp_path / "samples.npz"
+    r = dittrain("sample", "--ckpt", tmp_path / "killed", "--npz", out, "--n", 2, "--steps", 2, "--device", "cpu",
+                 "--chunk-size", 2)
+    assert r.exit_code == 0, r.output
+    with np.load(out) as npz:
+        assert npz["arr_0"].shape == (2, 32, 32, 3) and npz["arr_0"].dtype == np.uint8  # decoded RGB
+
+
+def test_a_dit_dh_takes_token_routing_and_ddpm_refuses_t_shift_auto(rae_store, tmp_path):
+    r = dittrain(*run_args(rae_store, tmp_path / "routed", "--max-steps", 2, "--objective", "flow",
+                           "--flow-time-scale", 1, "--route", "0.5:0:1", model=DDT))
+    assert r.exit_code == 0, r.output
+    r = dittrain(*run_args(rae_store, tmp_path / "ddpm", "--max-steps", 2, "--t-shift", "auto", model=DDT))
+    assert r.exit_code != 0 and "--t-shift auto is a flow option" in one_error_line(r.output)
+
+
+def test_a_dit_dh_exports_to_onnx_fp16_and_int8_and_refuses_diffusers_in_one_line(rae_store, tmp_path):
+    """onnx (checked against torch by the export itself), fp16 and int8 carry a DiT^DH: they hold whatever
+    state dict and graph the model has; a diffusers DiTPipeline has no DDT head, so that format is refused."""
+    pytest.importorskip("onnxruntime")
+    run = tmp_path / "run"
+    r = dittrain(*run_args(rae_store, run, "--max-steps", 2, "--objective", "flow", "--flow-time-scale", 1, model=DDT))
+    assert r.exit_code == 0, r.output
+    r = dittrain("export", "--ckpt", run, "--format", "onnx", "--out", tmp_path / "d.onnx")
+    assert r.exit_code == 0 and "max abs diff" in r.output, r.output
+    for fmt, name in (("fp16", "d.safetensors"), ("int8", "d.pt")):
+        r = dittrain("export", "--ckpt", run, "--format", fmt, "--out", tmp_path / name)
+        assert r.exit_code == 0 and (tmp_path / name).is_file(), r.output
+    r = dittrain("export", "--ckpt", run, "--format", "diffusers", "--out", tmp_path / "pipe")
+    assert r.exit_code != 0 and "it is a DiT^DH (a DDT head after the trunk)" in one_error_line(r.output)
+    assert not (tmp_path / "pipe").exists()

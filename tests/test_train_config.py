@@ -185,7 +185,7 @@ def test_the_resume_rules_read_the_declarations():
     assert resume.kind("lr", plain) == "learned" and resume.kind("repa", plain) == "fixed"
     assert resume.kind("save_every", plain) == "safe" and resume.kind("out", plain) == "start"
     assert resume.kind("max_steps", plain) == "safe" and resume.kind("max_steps", cosine) == "learned"
-    assert resume.RESOLVED_AUTO == {"latent_norm"} and resume.flag("amp") == "--precision"
+    assert resume.RESOLVED_AUTO == {"latent_norm", "t_shift"} and resume.flag("amp") == "--precision"
     assert resume.flag("repa_depth") == "--repa-depth"
     needing = {f.name: f.metadata["needs"] for f in _all_fields() if f.metadata["needs"]}
     assert needing == {"repa_depth": "repa", "repa_weight": "repa", "repa_projector_dim": "repa",

@@ -264,6 +264,9 @@ def export_int8(dit: DiT, config: dict, out, record: dict, *, log=print) -> Path
 def diffusers_refusal(config: dict, store=None) -> str | None:
     """Why a run cannot be a DiTPipeline (None: it can); with `store`, its autoencoder too."""
     cfg, d = model_config(config), diffusion_config(config)
+    if cfg.head_depth:
+        return ("it is a DiT^DH (a DDT head after the trunk) and no diffusers pipeline has one "
+                "(DiTTransformer2DModel is DiT's blocks alone); export it as onnx, fp16 or int8")
     if cfg.text_pooled_dim or cfg.text_token_dim:
         return ("it is a text-conditioned DiT and no diffusers pipeline matches it (DiTPipeline is class-conditional); "
                 "export it as onnx, fp16 or int8")

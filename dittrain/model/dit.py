@@ -83,9 +83,16 @@ def _autocasting(device_type: str) -> bool:
 # Embedders
 
 
+def per_token(v):
+    """An adaLN regression as rows of tokens: (N, D) -> (N, 1, D), one row for every token; (N, T, D),
+    a DDT head's (regressed from each token of the trunk's output), as it is."""
+    return v.unsqueeze(1) if v.dim() == 2 else v
+
+
 def modulate(x, shift, scale):
-    # x (N, T, D), shift/scale (N, D): the adaLN affine, per sample instead of learned per channel
-    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+    # x (N, T, D), shift/scale (N, D) or per token (N, T, D): the adaLN affine, per sample (or per token)
+    # instead of learned per channel
+    return x * (1 + per_token(scale)) + per_token(shift)
 
 
 class PatchEmbed(nn.Module):
@@ -127,6 +134,25 @@ class TimestepEmbedder(nn.Module):
     def forward(self, t):
         t_freq = self.timestep_embedding(t, self.frequency_embedding_size)
         return self.mlp(t_freq.to(self.mlp[0].weight.dtype))
+
+
+class FourierTimestepEmbedder(nn.Module):
+    """Scalar timesteps (N,) -> (N, D): Gaussian Fourier features [sin(2 pi t W), cos(2 pi t W)] of fixed
+    random frequencies W (size,) ~ N(0, 1), then a 2-layer MLP: RAE's DiT^DH time embedding
+    (bytetriper/RAE @ a4d18c4 src/stage2/models/model_utils.py GaussianFourierEmbedding: scale 1, 256
+    frequencies, W a frozen parameter, the sines first). Its frequencies suit t in [0, 1]: the model
+    wants --flow-time-scale 1, what its reference feeds."""
+
+    def __init__(self, hidden_size: int, size: int = 256):
+        super().__init__()
+        # frozen like pos_embed: a Parameter because it is state (drawn once, saved, loaded)
+        self.W = nn.Parameter(torch.empty(size), requires_grad=False)
+        self.mlp = nn.Sequential(nn.Linear(2 * size, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
+
+    def forward(self, t):
+        args = t.float()[:, None] * self.W.float()[None] * (2 * math.pi)  # (N, size)
+        features = torch.cat([torch.sin(args), torch.cos(args)], dim=-1)  # (N, 2 size)
+        return self.mlp(features.to(self.mlp[0].weight.dtype))
 
 
 class LabelEmbedder(nn.Module):
@@ -307,9 +333,10 @@ class DiTBlock(nn.Module):
             context_fn = partial(selective_checkpoint_context, self.selective_recompute_width)
             return checkpoint(self.forward, x, c, context, context_mask, use_reentrant=False,
                               context_fn=context_fn, rope=rope, **SAC_HOOKS)
+        # (N, D) each, or (N, T, D) each in a DDT head (c per token)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(
             c
-        ).chunk(6, dim=1)
+        ).chunk(6, dim=-1)
         attn_args = (x, shift_msa, scale_msa, gate_msa, context, context_mask, rope)
         if recompute == "attn":
             x = checkpoint(self._attention, *attn_args, use_reentrant=False)
@@ -321,13 +348,13 @@ class DiTBlock(nn.Module):
 
     def _attention(self, x, shift, scale, gate, context, context_mask, rope):
         # the attention branch with its residuals: self-attention, then (text) cross-attention
-        x = x + gate.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift, scale), rope)
+        x = x + per_token(gate) * self.attn(modulate(self.norm1(x), shift, scale), rope)
         if context is not None:
             x = x + self.cross_attn(self.norm_cross(x), context, context_mask)
         return x
 
     def _mlp(self, x, shift, scale, gate):
-        return x + gate.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift, scale))
+        return x + per_token(gate) * self.mlp(modulate(self.norm2(x), shift, scale))
 
 
 class FinalLayer(nn.Module):
@@ -340,7 +367,8 @@ class FinalLayer(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
 
     def forward(self, x, c):
-        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        # c (N, D), or per token (N, T, D) in a DDT head
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
         return self.linear(modulate(self.norm_final(x), shift, scale))
 
 
@@ -358,7 +386,10 @@ class DiT(nn.Module):
         self.patch_size = cfg.patch_size
 
         self.x_embedder = PatchEmbed(cfg.patch_size, cfg.in_channels, D)
-        self.t_embedder = TimestepEmbedder(D, cfg.frequency_embedding_size)
+        if cfg.time_embed == "fourier":
+            self.t_embedder = FourierTimestepEmbedder(D, cfg.frequency_embedding_size)
+        else:
+            self.t_embedder = TimestepEmbedder(D, cfg.frequency_embedding_size)
         if cfg.num_classes:
             self.y_embedder = LabelEmbedder(cfg.num_classes, D, cfg.class_dropout_prob)
         if cfg.text_pooled_dim:
@@ -380,14 +411,35 @@ class DiT(nn.Module):
                      mlp=cfg.mlp, norm=cfg.norm)
             for _ in range(cfg.depth)
         )
-        self.final_layer = FinalLayer(D, cfg.patch_size, cfg.out_channels, norm=cfg.norm)
+        if cfg.head_depth:  # DiT^DH: the DDT head, and the final layer at its width
+            self._build_head()
+        else:
+            self.final_layer = FinalLayer(D, cfg.patch_size, cfg.out_channels, norm=cfg.norm)
         self.initialize_weights()
+
+    def _build_head(self):
+        """RAE's DDT head (bytetriper/RAE @ a4d18c4 src/stage2/models/DDT.py DiTwDDTHead), its names ours:
+        head_embedder (its x_embedder: x_t patched again at the head's width W, no position table),
+        s_projector (the trunk's tokens, D -> W; none when D == W), head_blocks (the trunk's block kind at
+        width W with head_heads heads, modulated per token by s), final_layer at width W (per token too).
+        The trunk is blocks and x_embedder (its s_embedder), as in a DiT."""
+        cfg, W = self.config, self.config.head_hidden
+        self.head_embedder = PatchEmbed(cfg.patch_size, cfg.in_channels, W)
+        self.s_projector = nn.Linear(cfg.hidden_size, W) if cfg.hidden_size != W else nn.Identity()
+        self.head_blocks = nn.ModuleList(
+            DiTBlock(W, cfg.head_heads, cfg.head_mlp_hidden, cfg.qk_norm, cross=False, mlp=cfg.mlp, norm=cfg.norm)
+            for _ in range(cfg.head_depth)
+        )
+        self.final_layer = FinalLayer(W, cfg.patch_size, cfg.out_channels, norm=cfg.norm)
 
     @torch.no_grad()
     def initialize_weights(self):
-        """DiT's init. Call again after `to_empty()` when the model was built on meta."""
+        """DiT's init (a DiT^DH: its reference's, _init_ddt). Call again after `to_empty()` when the model
+        was built on meta."""
         if self.x_embedder.proj.weight.is_meta:  # nothing to fill: a meta model is for counting only
             return
+        if self.config.head_depth:
+            return self._init_ddt()
 
         def _basic_init(module):
             if isinstance(module, nn.Linear):
@@ -421,6 +473,37 @@ class DiT(nn.Module):
         nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
         nn.init.zeros_(self.final_layer.linear.weight)
         nn.init.zeros_(self.final_layer.linear.bias)
+
+    def _init_ddt(self):
+        """DiTwDDTHead.initialize_weights as its model builds it (xavier_uniform_init=False): every linear
+        keeps torch's own init (reset_parameters: here, so that a model built on meta gets it too), the two
+        patch embeddings xavier-uniform as linears with zero bias, the label table N(0, 0.02), the time
+        MLP's weights N(0, 0.02), the Fourier frequencies N(0, 1), the sin-cos table, and adaLN-Zero:
+        every block's modulation (trunk and head) and the final layer's modulation and linear at zero."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.RMSNorm, nn.LayerNorm)):
+                module.reset_parameters()
+        if self.position.table is not None:
+            self.pos_embed.copy_(self.position.table(self.config.hidden_size, self.square_grid).unsqueeze(0))
+        for embedder in (self.x_embedder, self.head_embedder):
+            w = embedder.proj.weight
+            nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+            nn.init.zeros_(embedder.proj.bias)
+        if self.config.num_classes:
+            nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        if isinstance(self.t_embedder, FourierTimestepEmbedder):
+            nn.init.normal_(self.t_embedder.W, std=1.0)
+        for block in (*self.blocks, *self.head_blocks):
+            nn.init.zeros_(block.adaLN_modulation[-1].weight)
+            nn.init.zeros_(block.adaLN_modulation[-1].bias)
+            if hasattr(block, "cross_attn"):
+                nn.init.zeros_(block.cross_attn.proj.weight)
+                nn.init.zeros_(block.cross_attn.proj.bias)
+        for layer in (self.final_layer.adaLN_modulation[-1], self.final_layer.linear):
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
 
     def set_grad_checkpointing(self, granularity: str | int) -> None:
         """Change the checkpointing knob of a built model ("none", "every", k, "attn", "mlp" or
@@ -508,13 +591,17 @@ class DiT(nn.Module):
         """
         cfg = self.config
         grid = self.token_grid(x)  # (h, w) = (H/p, W/p)
+        x_t = x  # the input (N, C, H, W), which a DDT head reads again
         x = self.x_embedder(x)  # (N, T, D), T = h * w
         if self.position.table is not None:
             x = x + self.pos_table(grid, x)
         rope = None  # the rotary tables of the grid, once for every block
         if self.position.rotary is not None:
             rope = self.position.rotary(cfg.head_dim, grid, device=x.device)
-        c, context = self._conditioning(t, y, text_pooled, text_tokens, force_drop_ids)
+        t_emb = self.t_embedder(t)  # (N, D)
+        c, context = self._conditioning(t_emb, y, text_pooled, text_tokens, force_drop_ids)
+        if cfg.head_depth:  # DiT^DH: c = silu(t + y) (the blocks' adaLN applies its own SiLU on top)
+            c = F.silu(c)
 
         training = self.training and torch.is_grad_enabled()
         k = checkpoint_every(cfg.grad_checkpointing) if training else 0
@@ -540,9 +627,30 @@ class DiT(nn.Module):
             if route is not None and i == route.end:  # and rejoin after the last routed block: (N, T, D)
                 x, rope = rejoin_tokens(x_all, x, route.idx), rope_all
                 full_next = route.full_after and _autocasting(x.device.type)
-        x = self.final_layer(x, c)  # (N, T, p^2 * out_channels)
+        if cfg.head_depth:  # the DDT head, its final layer modulated per token
+            x = self._head(x_t, x, t_emb, grid, k, recompute)  # (N, T, p^2 * out_channels)
+        else:
+            x = self.final_layer(x, c)  # (N, T, p^2 * out_channels)
         x = self.unpatchify(x, grid)  # (N, out_channels, H, W)
         return (x, hidden) if return_hidden else x
+
+    def _head(self, x_t, s, t_emb, grid, k, recompute):
+        """The DDT head (DiTwDDTHead.forward after its encoder blocks): the trunk's tokens s (N, T, D) become
+        the per-token condition s = s_projector(silu(t + s)) (N, T, W); the noisy latent x_t, patched again at
+        width W, runs through the head blocks under it (RoPE at the head's head dim where the position part
+        rotates, no table). Returns (the head's tokens modulated by the final layer, (N, T, p^2 C_out))."""
+        cfg = self.config
+        s = self.s_projector(F.silu(t_emb.unsqueeze(1) + s))  # (N, T, W)
+        x = self.head_embedder(x_t)  # (N, T, W)
+        rope = None
+        if self.position.rotary is not None:
+            rope = self.position.rotary(cfg.head_head_dim, grid, device=x.device)
+        for j, block in enumerate(self.head_blocks):
+            if k and (cfg.depth + j) % k == 0:  # the knob counts the head's blocks after the trunk's
+                x = checkpoint(block, x, s, None, None, use_reentrant=False, rope=rope)
+            else:
+                x = block(x, s, None, None, recompute=recompute, rope=rope)  # (N, T, W)
+        return self.final_layer(x, s)
 
     @staticmethod
     def _full_precision(block, checkpointed, x, c, context, text_mask, recompute, rope):
@@ -560,11 +668,11 @@ class DiT(nn.Module):
                 return checkpoint(block, x, c, context, text_mask, use_reentrant=False, rope=rope)
             return block(x, c, context, text_mask, recompute=recompute, rope=rope)
 
-    def _conditioning(self, t, y, text_pooled, text_tokens, force_drop_ids):
-        """c (N, D), the sum of the timestep, class and pooled-text embeddings, and the text
-        tokens each block cross-attends to, (N, L, D) (None without text tokens)."""
+    def _conditioning(self, t_emb, y, text_pooled, text_tokens, force_drop_ids):
+        """c (N, D), the sum of the timestep embedding t_emb (N, D), the class and pooled-text embeddings,
+        and the text tokens each block cross-attends to, (N, L, D) (None without text tokens)."""
         cfg = self.config
-        c = self.t_embedder(t)  # (N, D)
+        c = t_emb
         if cfg.num_classes:
             if y is None:
                 raise ValueError(

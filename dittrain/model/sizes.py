@@ -52,7 +52,17 @@ class DiTConfig:
     # "none" | "every" | k (every k-th block) | "attn" / "mlp" (that branch of every block) |
     # "selective" (every block, keeping its matmul and attention outputs)
     grad_checkpointing: str | int = "none"
-    frequency_embedding_size: int = 256  # sinusoidal timestep features
+    frequency_embedding_size: int = 256  # sinusoidal timestep features (Gaussian Fourier: W's length)
+    # the timestep embedding, one of TIME_EMBEDDINGS: "sinusoid" (DiT's: fixed geometric frequencies) or
+    # "fourier" (RAE's DiT^DH: fixed random Gaussian frequencies W ~ N(0, 1), features of 2 pi t W, which
+    # want t in [0, 1]: --flow-time-scale 1, as the reference feeds it)
+    time_embed: str = "sinusoid"
+    # the DDT head of DiT^DH (RAE, Zheng et al. 2025): head_depth wide blocks of width head_hidden and
+    # head_heads heads after the trunk's `depth`, reading the noisy latent itself (its own patch embedding, no
+    # position table) modulated per token by the trunk's output. 0: a plain DiT
+    head_depth: int = 0
+    head_hidden: int = 0
+    head_heads: int = 0
 
     def __post_init__(self):
         assert self.input_size % self.patch_size == 0, "input_size must be a multiple of patch_size"
@@ -62,6 +72,13 @@ class DiTConfig:
         problem = POSITIONS[self.pos].check(self.hidden_size, self.num_heads)  # e.g. RoPE's head dim
         assert problem is None, problem
         checkpoint_every(self.grad_checkpointing)  # validates the knob
+        assert self.time_embed in TIME_EMBEDDINGS, f"time_embed must be one of {', '.join(TIME_EMBEDDINGS)}"
+        if self.head_depth:
+            assert self.head_hidden > 0 and self.head_heads > 0, "a DDT head needs head_hidden and head_heads"
+            assert self.head_hidden % self.head_heads == 0, "head_hidden must be a multiple of head_heads"
+            if POSITIONS[self.pos].rotary is not None:  # the head rotates its q and k too (no table)
+                problem = POSITIONS["rope"].check(self.head_hidden, self.head_heads)
+                assert problem is None, f"the DDT head: {problem}"
 
     @property
     def out_channels(self) -> int:
@@ -79,6 +96,20 @@ class DiTConfig:
     def mlp_hidden(self) -> int:
         """The MLP's hidden width (H' of SwiGLU): its part's width rule of the GELU width M."""
         return MLPS[self.mlp].width(int(self.hidden_size * self.mlp_ratio))
+
+    @property
+    def head_mlp_hidden(self) -> int:
+        """The DDT head's MLP width: the same rule at head_hidden (RAE's blocks share mlp_ratio)."""
+        return MLPS[self.mlp].width(int(self.head_hidden * self.mlp_ratio))
+
+    @property
+    def head_head_dim(self) -> int:
+        return self.head_hidden // self.head_heads if self.head_heads else 0
+
+    @property
+    def time_features(self) -> int:
+        """Width of the timestep features the time MLP reads: sin and cos of each frequency."""
+        return 2 * self.frequency_embedding_size if self.time_embed == "fourier" else self.frequency_embedding_size
 
 
 # The sizes of the DiT paper (Table 1) plus a tiny one for CPU tests and demos.
@@ -102,13 +133,27 @@ _PATCHES = {"T": (2, 4), "S": (2, 4, 8), "B": (2, 4, 8), "L": (2, 4, 8), "XL": (
 LIGHTNING = dict(mlp="swiglu", norm="rms", pos="sincos+rope", qk_norm=False)
 _LIGHTNING_SIZES = {"B": (1, 2), "XL": (1, 2)}
 
+# RAE's DiT^DH (Zheng et al. 2025, "Diffusion Transformers with Representation Autoencoders", bytetriper/RAE
+# @ a4d18c4, src/stage2/models/DDT.py DiTwDDTHead): a LightningDiT trunk (SwiGLU, RMSNorm, the sin-cos
+# table added and q, k rotated: use_swiglu, use_rmsnorm, use_rope, use_pos_embed true, use_qknorm false),
+# Gaussian Fourier timestep features, and a DDT head of 2 blocks 2048 wide with 16 heads, patch 1 on the
+# RAE's 16x16 token grid. S and XL are the released training configs' (configs/stage2/training/ImageNet256/
+# DiTDH-S_DINOv2-B.yaml: hidden [384, 2048], depth [12, 2], heads [6, 16]; DiTDH-XL_DINOv2-B.yaml: [1152,
+# 2048], [28, 2], [16, 16]); B and L are the paper's scaling sizes, DiT-B's and DiT-L's trunks with the same
+# head, which no released config spells out.
+DDT_HEAD = dict(head_depth=2, head_hidden=2048, head_heads=16, time_embed="fourier")
+_DDT_SIZES = ("S", "B", "L", "XL")
+
 # The one registry: "DiT-XL/2" -> the architecture fields of DiTConfig. Data-dependent
 # fields (input_size, in_channels, num_classes, text dims) come from the latent store.
 CONFIGS: dict[str, dict] = {
     **{f"DiT-{size}/{p}": dict(_SIZES[size], patch_size=p) for size in _SIZES for p in _PATCHES[size]},
     **{f"LightningDiT-{size}/{p}": dict(_SIZES[size], patch_size=p, **LIGHTNING)
        for size, patches in _LIGHTNING_SIZES.items() for p in patches},
+    **{f"DiTDH-{size}/1": dict(_SIZES[size], patch_size=1, **LIGHTNING, **DDT_HEAD) for size in _DDT_SIZES},
 }
+# the paper's spelling, accepted wherever a name is (a caret is awkward in some shells: zsh's extended glob)
+ALIASES = {f"DiT^DH-{size}/1": f"DiTDH-{size}/1" for size in _DDT_SIZES}
 
 
 # Sizes outside the registry, named by their fields: "custom:hidden=512,depth=8,heads=8,patch=2"
@@ -116,20 +161,26 @@ CONFIGS: dict[str, dict] = {
 # Such a name works wherever a registry name does.
 CUSTOM_PREFIX = "custom:"
 _CUSTOM_FIELDS = {"hidden": "hidden_size", "depth": "depth", "heads": "num_heads", "patch": "patch_size",
-                  "mlp_ratio": "mlp_ratio", "mlp": "mlp", "norm": "norm", "pos": "pos", "qk_norm": "qk_norm"}
+                  "mlp_ratio": "mlp_ratio", "mlp": "mlp", "norm": "norm", "pos": "pos", "qk_norm": "qk_norm",
+                  "time": "time_embed", "head_depth": "head_depth", "head_hidden": "head_hidden",
+                  "head_heads": "head_heads"}
+TIME_EMBEDDINGS = ("sinusoid", "fourier")
+_HEAD_FIELDS = ("head_depth", "head_hidden", "head_heads")  # all three or none
 _CUSTOM_REQUIRED = ("hidden", "depth", "heads", "patch")
 BLOCK_FIELDS = (*(parts.field for parts in BLOCK_PARTS), "qk_norm")  # DiTConfig's block choices, in custom-spec order
 # the DiTConfig fields a model name decides (a preset's or a custom spec's); the others come from the data
 # and the run's flags. A run's record keeps them resolved, so a resume builds what it trained even where a
 # preset's meaning has changed since (dittrain.train.setup.model_config_for)
-NAMED_FIELDS = ("hidden_size", "depth", "num_heads", "patch_size", "mlp_ratio", *BLOCK_FIELDS)
+NAMED_FIELDS = ("hidden_size", "depth", "num_heads", "patch_size", "mlp_ratio", *BLOCK_FIELDS, "time_embed",
+                *_HEAD_FIELDS)
 CUSTOM_SPEC = "custom:hidden=H,depth=D,heads=N,patch=P"  # the grammar, for messages
 
 
 def _custom_choices() -> dict[str, dict]:
     """The optional keys that name a choice, key -> {spelling: value}: the block parts registered
     now (a part registered at run time is spelled like the built-in ones), and QK-norm."""
-    return {**{parts.field: {name: name for name in parts} for parts in BLOCK_PARTS}, "qk_norm": {"0": False, "1": True}}
+    return {**{parts.field: {name: name for name in parts} for parts in BLOCK_PARTS}, "qk_norm": {"0": False, "1": True},
+            "time": {name: name for name in TIME_EMBEDDINGS}}
 
 
 class ModelSpecError(UserError, ValueError):
@@ -137,13 +188,14 @@ class ModelSpecError(UserError, ValueError):
 
 
 def parse_custom(spec: str) -> dict:
-    """"custom:hidden=D,depth=N,heads=H,patch=p[,mlp_ratio=r][,mlp=..][,norm=..][,pos=..][,qk_norm=0|1]"
-    -> the architecture fields of DiTConfig (as CONFIGS holds them, plus the optional ones given);
+    """"custom:hidden=D,depth=N,heads=H,patch=p[,mlp_ratio=r][,mlp=..][,norm=..][,pos=..][,qk_norm=0|1]
+    [,time=sinusoid|fourier][,head_depth=K,head_hidden=W,head_heads=M]" -> the architecture fields of DiTConfig (as CONFIGS holds them, plus the optional ones given);
     ModelSpecError otherwise."""
     named = _custom_choices()
     choices = ", ".join(f"{key} ({'|'.join(values)})" for key, values in named.items())
     valid = (f"valid keys: {', '.join(_CUSTOM_REQUIRED)} (positive integers, required), mlp_ratio "
              f"(optional, default {DiTConfig.mlp_ratio:g}), {choices} (optional, DiT's first), "
+             "head_depth, head_hidden, head_heads (a DDT head: all three or none), "
              "e.g. custom:hidden=512,depth=8,heads=8,patch=2")
 
     def fail(why: str):
@@ -164,6 +216,8 @@ def parse_custom(spec: str) -> dict:
     missing = [k for k in _CUSTOM_REQUIRED if k not in given]
     if missing:
         fail(f"missing {', '.join(missing)}")
+    if any(k in given for k in _HEAD_FIELDS) and not all(k in given for k in _HEAD_FIELDS):
+        fail(f"a DDT head needs all of {', '.join(_HEAD_FIELDS)}")
     arch = {}
     for key, value in given.items():
         if key in named:
@@ -186,18 +240,29 @@ def parse_custom(spec: str) -> dict:
         fail(problem)
     if MLPS[arch.get("mlp", DiTConfig.mlp)].width(int(D * arch.get("mlp_ratio", DiTConfig.mlp_ratio))) < 1:
         fail(f"mlp_ratio {arch['mlp_ratio']} leaves the MLP no hidden units")
+    if "head_depth" in arch:
+        if arch["head_hidden"] % arch["head_heads"]:
+            fail(f"head_hidden {arch['head_hidden']} is not divisible by head_heads {arch['head_heads']}")
+        if POSITIONS[arch.get("pos", DiTConfig.pos)].rotary is not None:  # the head rotates q and k too
+            problem = POSITIONS["rope"].check(arch["head_hidden"], arch["head_heads"])
+            if problem:
+                fail(f"the DDT head: {problem}")
     return arch
 
 
 def custom_name(hidden_size: int, depth: int, num_heads: int | str, patch_size: int, mlp_ratio: float = 4.0,
                 **blocks) -> str:
-    """The custom spec of these fields (mlp_ratio and the block choices, BLOCK_FIELDS, only when not
-    the default; num_heads "?" for a spec to complete)."""
+    """The custom spec of these fields (mlp_ratio, the block choices, BLOCK_FIELDS, the time embedding and
+    a DDT head's fields, only when not the default; num_heads "?" for a spec to complete)."""
     ratio = f",mlp_ratio={mlp_ratio:g}" if mlp_ratio != DiTConfig.mlp_ratio else ""
     named = _custom_choices()
-    spelled = {key: next(s for s, v in named[key].items() if v == value)
-               for key, value in blocks.items() if value != getattr(DiTConfig, key)}
+    spelled = {key: next(s for s, v in named["time" if key == "time_embed" else key].items() if v == value)
+               for key, value in blocks.items() if key not in _HEAD_FIELDS and value != getattr(DiTConfig, key)}
     choices = "".join(f",{key}={spelled[key]}" for key in BLOCK_FIELDS if key in spelled)
+    if "time_embed" in spelled:
+        choices += f",time={spelled['time_embed']}"
+    if blocks.get("head_depth"):
+        choices += "".join(f",{key}={blocks[key]}" for key in _HEAD_FIELDS)
     return (f"{CUSTOM_PREFIX}hidden={hidden_size},depth={depth},heads={num_heads},patch={patch_size}{ratio}"
             f"{choices}")
 
@@ -207,6 +272,7 @@ def architecture(name: str) -> dict:
     ModelSpecError: a custom spec that does not parse)."""
     if name.startswith(CUSTOM_PREFIX):
         return parse_custom(name)
+    name = ALIASES.get(name, name)
     if name not in CONFIGS:
         raise KeyError(f"unknown model {name!r}; choose one of {', '.join(CONFIGS)}, or a custom size "
                        f"{CUSTOM_SPEC}")
@@ -223,17 +289,26 @@ def flops_per_forward(config: DiTConfig, text_tokens: int = 0, tokens: list[int]
     forward + backward). Counts every matmul: patch embedding, timestep MLP, the adaLN
     regressions (once per sample, not per token), per block q/k/v/out projections, the
     attention scores QK^T and the weighted sum AV, the MLP, the final layer; with text,
-    the text embedders and the cross-attention (L = text_tokens). Leaves out
+    the text embedders and the cross-attention (L = text_tokens); with a DDT head, its patch
+    embedding, the projection of the trunk's tokens to its width, its blocks and its final layer,
+    whose adaLN regressions run per token (they read the trunk's tokens, not one vector). Leaves out
     element-wise work (norms, softmax, activations, modulation, the label lookup, the
-    rotation of RoPE, SwiGLU's gate).
+    rotation of RoPE, SwiGLU's gate, the Gaussian Fourier features).
     This is the convention of the DiT paper's Gflops: XL/2 at 256 px gives 118.62 G.
     tokens: the tokens each block sees (token routing: dittrain.model.routing.block_tokens); default all T."""
     D, T, p = config.hidden_size, config.num_tokens, config.patch_size
     L = text_tokens if config.text_token_dim else 0
     total = sum(block_flops(config, t, L) for t in tokens or [T] * config.depth)
     total += T * config.in_channels * p * p * D  # patch embedding
-    total += config.frequency_embedding_size * D + D * D  # timestep MLP
-    total += 2 * D * D + T * D * p * p * config.out_channels  # final adaLN + linear
+    total += config.time_features * D + D * D  # timestep MLP
+    if config.head_depth:
+        Dh = config.head_hidden
+        total += config.head_depth * block_flops(config, T, head=True)
+        total += T * config.in_channels * p * p * Dh  # the head's patch embedding of x_t
+        total += T * D * Dh if D != Dh else 0  # s_projector: the trunk's tokens to the head's width
+        total += T * 2 * Dh * Dh + T * Dh * p * p * config.out_channels  # final adaLN (per token) + linear
+    else:
+        total += 2 * D * D + T * D * p * p * config.out_channels  # final adaLN + linear
     if config.text_pooled_dim:
         total += config.text_pooled_dim * D + D * D
     if L:
@@ -241,21 +316,25 @@ def flops_per_forward(config: DiTConfig, text_tokens: int = 0, tokens: list[int]
     return total
 
 
-def block_flops(config: DiTConfig, tokens: int, text_tokens: int = 0) -> int:
-    """Multiply-adds of one block on `tokens` tokens of one sample (flops_per_forward's terms)."""
-    D, T, H, L = config.hidden_size, tokens, config.mlp_hidden, text_tokens
+def block_flops(config: DiTConfig, tokens: int, text_tokens: int = 0, head: bool = False) -> int:
+    """Multiply-adds of one block on `tokens` tokens of one sample (flops_per_forward's terms);
+    head: a block of the DDT head (its width, its MLP, the adaLN per token, no text)."""
+    if head:
+        D, H, L = config.head_hidden, config.head_mlp_hidden, 0
+    else:
+        D, H, L = config.hidden_size, config.mlp_hidden, text_tokens
+    T = tokens
     # qkv, proj, the MLP: its part's matmuls of D x H (GELU: fc1 + fc2, D -> H -> D; SwiGLU: fc1
     # D -> 2H' as two, fc2 H' -> D)
     per_block = T * (3 * D * D + D * D + MLPS[config.mlp].matmuls * D * H)
     per_block += 2 * T * T * D  # QK^T and AV, all heads together
-    per_block += 6 * D * D  # adaLN modulation, once per sample
+    per_block += 6 * D * D * (T if head else 1)  # adaLN modulation, once per sample (a head's: per token)
     if L:
         per_block += T * D * D + L * 2 * D * D + T * D * D  # q, kv, proj
         per_block += 2 * T * L * D  # QK^T and AV
     return per_block
 
 
-
-__all__ = ["BLOCK_FIELDS", "CONFIGS", "NAMED_FIELDS", "CUSTOM_PREFIX", "CUSTOM_SPEC", "LIGHTNING", "DiTConfig",
+__all__ = ["ALIASES", "BLOCK_FIELDS", "CONFIGS", "DDT_HEAD", "TIME_EMBEDDINGS", "NAMED_FIELDS", "CUSTOM_PREFIX", "CUSTOM_SPEC", "LIGHTNING", "DiTConfig",
            "ModelSpecError", "architecture", "block_flops", "custom_name", "flops_per_forward", "get_config",
            "parse_custom"]

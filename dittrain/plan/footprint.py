@@ -114,14 +114,36 @@ def loss_kind(objective: str, learn_sigma: bool) -> str:
     return "flow" if objective == "flow" else ("ddpm-sigma" if learn_sigma else "ddpm")
 
 
-def block_sample(config: DiTConfig, tokens: int) -> tuple[int, ...]:
+def block_sample(config: DiTConfig, tokens: int, head: bool = False) -> tuple[int, ...]:
+    """The BLOCK_SAMPLE features of one block; head: a DDT head's (its width, heads and MLP, and its adaLN
+    regressed per token: what a trunk block keeps per sample of width D (the modulation's input and its
+    shifts, scales and gates) it keeps for each of the T tokens, so the D feature is T x W)."""
+    if head:
+        T, W, h = tokens, config.head_hidden, config.head_heads
+        return (T * W, T * config.head_mlp_hidden, T * h, T, T * W, T * T * h)
     T, D, h = tokens, config.hidden_size, config.num_heads
     return (T * D, T * config.mlp_hidden, T * h, T, D, T * T * h)
 
 
-def outside_sample(config: DiTConfig) -> tuple[int, ...]:
+def outside_sample(config: DiTConfig, part: str = "head") -> tuple[int, ...]:
+    """The OUTSIDE_SAMPLE features of the embedders ("head") or the final layer and the loss ("tail"); a
+    DiT^DH's final layer is at the DDT head's width, modulated per token (its D feature T x W, as the
+    head's blocks)."""
     T, D = config.num_tokens, config.hidden_size
+    if part == "tail" and config.head_depth:
+        return (T * config.head_hidden, config.in_channels * config.input_size ** 2, T * config.head_hidden, 1)
     return (T * D, config.in_channels * config.input_size ** 2, D, 1)
+
+
+def ddt_wiring_bytes(config: DiTConfig, dtype: str) -> int:
+    """Bytes per sample a DDT head's wiring keeps beyond its blocks and final layer: silu(t + s)'s input
+    and output (T x D each: SiLU's backward and s_projector's matmul read them; the residual stream's fp32,
+    the matmul's input its 16-bit cast under autocast) and the condition s (T x W, s_projector's output,
+    shared by every head block's adaLN and the final layer's: counted once); 0 without a head."""
+    if not config.head_depth:
+        return 0
+    T, D, W = config.num_tokens, config.hidden_size, config.head_hidden
+    return 4 * T * D + (4 if dtype == FP32 else 2) * (T * D + T * W)
 
 
 def outside_fixed(config: DiTConfig) -> tuple[int, ...]:
@@ -141,7 +163,9 @@ class ModelParts:
     trainable: tuple[int, ...]  # numel of each trainable parameter: gradients, optimizer state
     block: int  # trainable parameters of one block
     block_linear: tuple[int, int]  # linear parameters of a block's attention + adaLN, and of its MLP
-    outside_linear: int  # linear and convolution parameters outside the blocks
+    outside_linear: int  # linear and convolution parameters outside the blocks (a DDT head's blocks too)
+    head_block: int = 0  # a DiT^DH: trainable parameters of one DDT head block
+    head_block_linear: tuple[int, int] = (0, 0)  # ... and its linear parameters, as block_linear
 
 
 @lru_cache(maxsize=64)
@@ -152,19 +176,24 @@ def model_parts(config: DiTConfig) -> ModelParts:
 
     with torch.device("meta"):
         model = DiT(replace(config, grad_checkpointing="none"))
-    block = model.blocks[0]
-    groups = {"attn": 0, "mlp": 0, "adaLN_modulation": 0}
-    for name, p in block.named_parameters():
-        top = name.split(".")[0]
-        if top in groups and _in_linear(block, name):
-            groups[top] += p.numel()
-    blocks = {id(p) for p in model.blocks.parameters()}
+
+    def linear(block) -> tuple[int, int]:
+        groups = {"attn": 0, "mlp": 0, "adaLN_modulation": 0}
+        for name, p in block.named_parameters():
+            top = name.split(".")[0]
+            if top in groups and _in_linear(block, name):
+                groups[top] += p.numel()
+        return groups["attn"] + groups["adaLN_modulation"], groups["mlp"]
+
+    heads = list(getattr(model, "head_blocks", ()))
+    blocks = {id(p) for b in (*model.blocks, *heads) for p in b.parameters()}
     outside = sum(p.numel() for name, p in model.named_parameters() if id(p) not in blocks and _in_linear(model, name))
     return ModelParts(total=sum(p.numel() for p in model.parameters()),
                       trainable=tuple(p.numel() for p in model.parameters() if p.requires_grad),
-                      block=sum(p.numel() for p in block.parameters() if p.requires_grad),
-                      block_linear=(groups["attn"] + groups["adaLN_modulation"], groups["mlp"]),
-                      outside_linear=outside)
+                      block=sum(p.numel() for p in model.blocks[0].parameters() if p.requires_grad),
+                      block_linear=linear(model.blocks[0]), outside_linear=outside,
+                      head_block=sum(p.numel() for p in heads[0].parameters() if p.requires_grad) if heads else 0,
+                      head_block_linear=linear(heads[0]) if heads else (0, 0))
 
 
 def _in_linear(module, name: str) -> bool:
@@ -305,20 +334,31 @@ class _Blocks:
         cfg = s.config
         self.s, self.cfg, self.parts = s, cfg, model_parts(cfg)
         rows = _row(activation_table().BLOCK, f"{block_kind(cfg)}/{s.dtype}/{s.kernel}", f"{block_kind(cfg)} blocks")
-        self.modes = block_modes(s.mode, cfg.depth)
-        self.tokens = block_tokens(s.route, cfg.depth, cfg.num_tokens)
+        # the trunk's blocks, then a DiT^DH's head blocks (the same kind at the head's width; the knob counts
+        # over both, as DiT.forward does; a route only ever covers trunk blocks)
+        self.n = cfg.depth + cfg.head_depth
+        self.head = [False] * cfg.depth + [True] * cfg.head_depth
+        self.modes = block_modes(s.mode, self.n)
+        self.tokens = [*block_tokens(s.route, cfg.depth, cfg.num_tokens), *[cfg.num_tokens] * cfg.head_depth]
         # each block's rows: a 16-bit step's fp32 ones for the block a TREAD route runs with autocast off
-        self.rows = [rows] * cfg.depth
+        self.rows = [rows] * self.n
         self.full = full_precision_block(s.route, cfg.depth) if s.dtype != FP32 else None
         if self.full is not None:
             self.rows[self.full] = _row(activation_table().BLOCK, f"{block_kind(cfg)}/{FP32}/{s.kernel}",
                                         f"{block_kind(cfg)} blocks in fp32")
 
+    def linear(self, i: int) -> tuple[int, int]:
+        """Block i's linear parameters (attention + adaLN, MLP): a trunk block's or a head block's."""
+        return self.parts.head_block_linear if self.head[i] else self.parts.block_linear
+
+    def params(self, i: int) -> int:
+        return self.parts.head_block if self.head[i] else self.parts.block
+
     def kept(self, i: int, mode: str | None = None) -> float:
         """What block i keeps for the backward in `mode` (default: its own)."""
         coef, n = self.rows[i][mode or self.modes[i]], len(BLOCK_SAMPLE)
-        return (self.s.micro_batch * dot(coef[:n], block_sample(self.cfg, self.tokens[i]))
-                + dot(coef[n:], self.parts.block_linear))
+        return (self.s.micro_batch * dot(coef[:n], block_sample(self.cfg, self.tokens[i], self.head[i]))
+                + dot(coef[n:], self.linear(i)))
 
     def recompute(self, i: int) -> float:
         """What block i's checkpointed part makes again (in its forward too, transiently)."""
@@ -327,7 +367,7 @@ class _Blocks:
     def saved_casts(self) -> float:
         """The 16-bit weight copies the kept activations hold (saved by non-checkpointed matmuls)."""
         n = len(BLOCK_SAMPLE)
-        return sum(dot(rows[m][n:], self.parts.block_linear) for rows, m in zip(self.rows, self.modes, strict=True))
+        return sum(dot(rows[m][n:], self.linear(i)) for i, (rows, m) in enumerate(zip(self.rows, self.modes, strict=True)))
 
 
 def _outside_row(s: Setting):
@@ -337,7 +377,7 @@ def _outside_row(s: Setting):
 def _outside_kept(s: Setting, part: str) -> float:
     """What the embedders ("head") or the final layer and the loss ("tail") keep."""
     cfg, coef, n = s.config, _outside_row(s)[part], len(OUTSIDE_SAMPLE)
-    return s.micro_batch * dot(coef[:n], outside_sample(cfg)) + dot(coef[n:], outside_fixed(cfg))
+    return s.micro_batch * dot(coef[:n], outside_sample(cfg, part)) + dot(coef[n:], outside_fixed(cfg))
 
 
 def term_costs(s: Setting) -> list[Cost]:
@@ -361,8 +401,8 @@ def _terms_kept(s: Setting, costs: list[Cost]) -> float:
 def kept_bytes(s: Setting) -> float:
     """Everything the forward keeps for the backward (the activations at the backward's start)."""
     blocks = _Blocks(s)
-    return (sum(blocks.kept(i) for i in range(s.config.depth)) + _outside_kept(s, "head") + _outside_kept(s, "tail")
-            + _terms_kept(s, term_costs(s)))
+    return (sum(blocks.kept(i) for i in range(blocks.n)) + _outside_kept(s, "head") + _outside_kept(s, "tail")
+            + _terms_kept(s, term_costs(s)) + s.micro_batch * ddt_wiring_bytes(s.config, s.dtype))
 
 
 def _cast_cache(s: Setting, blocks: _Blocks) -> float:
@@ -370,8 +410,9 @@ def _cast_cache(s: Setting, blocks: _Blocks) -> float:
     activations count: the ones of checkpointed blocks."""
     if s.dtype == FP32:
         return 0.0
-    cast = s.config.depth - (blocks.full is not None)  # the blocks under autocast (not a route's fp32 one)
-    every = 2.0 * (cast * sum(blocks.parts.block_linear) + blocks.parts.outside_linear)
+    # the blocks under autocast (not a route's fp32 one)
+    cast = sum(sum(blocks.linear(i)) for i in range(blocks.n) if i != blocks.full)
+    every = 2.0 * (cast + blocks.parts.outside_linear)
     n = len(OUTSIDE_SAMPLE)
     saved = blocks.saved_casts() + sum(_outside_row(s)[p][n] for p in ("head", "tail")) * blocks.parts.outside_linear
     return max(0.0, every - saved)
@@ -383,25 +424,28 @@ def footprint(s: Setting) -> Footprint:
     extra = tuple(n for c in costs for n in c.params)  # the terms' modules: trained beside the model
     trainable = (*parts.trainable, *extra)
     grads = 4 * sum(trainable)
-    kept = [blocks.kept(i) for i in range(cfg.depth)]
+    kept = [blocks.kept(i) for i in range(blocks.n)]
     # the embedders' activations (and the terms', REPA's backward coming with the aligned block's)
-    # stay to the end of the backward; the final layer's and the loss's go before the blocks' backward
+    # stay to the end of the backward; the final layer's and the loss's go before the blocks' backward;
+    # a DDT head's wiring (s and silu(t + s)) before the trunk's
     head, tail = _outside_kept(s, "head") + _terms_kept(s, costs), _outside_kept(s, "tail")
+    wiring = s.micro_batch * ddt_wiring_bytes(cfg, s.dtype)
     # the micro-batch on the device: float32 latents and labels; the terms' tensors (REPA's int8
     # targets and scales)
     per_sample = 4 * cfg.in_channels * cfg.input_size ** 2 + 8 + sum(c.data_per_sample for c in costs)
-    last, data = cfg.depth - 1, s.micro_batch * per_sample
-    # the final layer's parameters: its adaLN modulation (D -> 2D) and its linear (D -> p^2 x C_out)
-    D, pp = cfg.hidden_size, cfg.patch_size ** 2
+    last, data = blocks.n - 1, s.micro_batch * per_sample
+    # the final layer's parameters: its adaLN modulation (D -> 2D) and its linear (D -> p^2 x C_out); D is a
+    # DiT^DH's head width
+    D, pp = cfg.head_hidden if cfg.head_depth else cfg.hidden_size, cfg.patch_size ** 2
     final_layer = 2 * D * D + 2 * D + (D + 1) * pp * cfg.out_channels
     # gradients alive: from the second micro-batch of an accumulation on, all of them; else the
     # backward allocates them block by block, from the final layer down to the first block
     accumulating = s.accumulation > 1
     moments = {  # name: (gradients, activations, workspace, data)
-        "forward end": (grads if accumulating else 0, head + sum(kept) + tail + _cast_cache(s, blocks),
-                        max(blocks.recompute(i) for i in range(cfg.depth)), data),
-        "backward, last block": (grads if accumulating else 4 * (parts.block + final_layer),
-                                 head + sum(kept), blocks.recompute(last), data),
+        "forward end": (grads if accumulating else 0, head + sum(kept) + wiring + tail + _cast_cache(s, blocks),
+                        max(blocks.recompute(i) for i in range(blocks.n)), data),
+        "backward, last block": (grads if accumulating else 4 * (blocks.params(last) + final_layer),
+                                 head + sum(kept) + wiring, blocks.recompute(last), data),
         "backward, first block": (grads if accumulating else grads - 4 * parts.block, head + kept[0],
                                   blocks.recompute(0), data),
         "optimizer step": (grads, 0, 0, 0),
@@ -414,7 +458,7 @@ def footprint(s: Setting) -> Footprint:
                      moments={name: int(state + sum(parts_)) for name, parts_ in moments.items()})
 
 
-__all__ = ["BLOCK_FIXED", "BLOCK_SAMPLE", "FP32", "HALF", "MODES", "OUTSIDE_FIXED", "OUTSIDE_SAMPLE", "PARTS",
+__all__ = ["BLOCK_FIXED", "BLOCK_SAMPLE", "FP32", "ddt_wiring_bytes", "HALF", "MODES", "OUTSIDE_FIXED", "OUTSIDE_SAMPLE", "PARTS",
            "REPA_FEATURES", "Footprint", "FootprintError", "ModelParts", "Setting", "block_kind",
            "block_modes", "block_sample", "dot", "footprint", "kept_bytes", "loss_kind", "model_parts",
            "optimizer_state_bytes", "outside_fixed", "outside_sample", "term_costs"]

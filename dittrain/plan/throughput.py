@@ -66,15 +66,19 @@ def recompute_flops(config: DiTConfig, mode: str | int, tokens: list[int] | None
     attention products; mlp: the MLP, its part's matmuls), none for selective (element-wise only) and none.
     tokens: each block's tokens (routing), default all of them."""
     depth, T = config.depth, config.num_tokens
-    tokens = tokens or [T] * depth
+    # the trunk's blocks (routed or not), then a DiT^DH's head blocks, all T tokens: (tokens, head?)
+    blocks = [(t, False) for t in tokens or [T] * depth] + [(T, True)] * config.head_depth
     k = int(mode) if str(mode).isdigit() else (1 if mode == "every" else 0)
     if k:
-        return sum(block_flops(config, tokens[i]) for i in range(0, depth, k))
-    D = config.hidden_size
+        return sum(block_flops(config, blocks[i][0], head=blocks[i][1]) for i in range(0, len(blocks), k))
+
+    def widths(head: bool) -> tuple[int, int]:
+        return (config.head_hidden, config.head_mlp_hidden) if head else (config.hidden_size, config.mlp_hidden)
+
     if mode == "attn":
-        return sum(t * 4 * D * D + 2 * t * t * D for t in tokens)
+        return sum(t * 4 * widths(h)[0] ** 2 + 2 * t * t * widths(h)[0] for t, h in blocks)
     if mode == "mlp":
-        return sum(t * MLPS[config.mlp].matmuls * D * config.mlp_hidden for t in tokens)
+        return sum(t * MLPS[config.mlp].matmuls * widths(h)[0] * widths(h)[1] for t, h in blocks)
     return 0.0
 
 

@@ -309,6 +309,8 @@ def _train(cfg: TrainConfig, resumption: Resumption | None, progress: bool = Tru
                   f"{state.loader.kind} ({state.loader.reason}); global batch {cfg.optim.batch_size} = {run.world} "
                   f"rank(s) x {cfg.optim.accumulation_steps} accumulation x {run.per_rank}; latent norm "
                   f"{run.latent_norm}; {origin}", file=sys.stderr)
+            if run.t_shift:
+                print(f"dittrain: {run.t_shift}", file=sys.stderr)
             if (buckets := getattr(state.loader, "describe_buckets", None)) is not None:
                 print(f"dittrain: aspect-ratio buckets: {buckets()}", file=sys.stderr)
             for line in losses.describe(cfg, run.model_cfg, run.resolved, state.term_modules):  # --repa's

@@ -21,7 +21,7 @@ from ditdata.common.errors import UserError
 from ditdata.store import Store, open_store
 from dittrain.config import TrainConfig
 from dittrain.data.latent_norm import choose, latent_record
-from dittrain.diffusion import Diffusion, DiffusionConfig
+from dittrain.diffusion import SHIFT_BASE_DIMS, Diffusion, DiffusionConfig, dimension_shift
 from dittrain.model.routing import check as check_route
 from dittrain.model.routing import route_of
 from dittrain.model.sizes import NAMED_FIELDS, DiTConfig, get_config
@@ -137,6 +137,7 @@ class Run:
     saver: CheckpointWriter | None = None  # --async-save, rank 0: the background writer (made by the first save)
     resumption: Resumption | None = None  # a resume of a recorded run: what it changes (dittrain.train.resume)
     latent_norm: str = ""  # the startup line's words for the latent normalisation (dittrain.data.latent_norm.choose)
+    t_shift: str = ""  # the startup line's words for --t-shift auto (resolve_t_shift); "" when given
 
     @property
     def master(self) -> bool:
@@ -173,6 +174,7 @@ def setup(cfg: TrainConfig) -> Run:
     for term in loss_terms(cfg):
         terms |= term.record(cfg, store, model_cfg)
     check_route(route_of(cfg.routing), model_cfg.depth, cfg.model.model)  # RouteError: one line
+    shift_words = resolve_t_shift(cfg, store)
     diff_cfg, latents = diffusion_config(cfg, model_cfg, store)
     resolved = {
         "train": asdict(cfg),
@@ -194,7 +196,20 @@ def setup(cfg: TrainConfig) -> Run:
     compile_model(None, "off", cfg.performance.compile_mode)  # validates the mode before anything is written
     # auto: bf16 on GPUs that have it, else fp16 (with a grad scaler); fp32 on the CPU
     return Run(cfg, rank, world, device, amp_dtype(device, cfg.performance.amp), store, model_cfg,
-               Diffusion(diff_cfg), resolved, per_rank, created_group, latent_norm=latent_words)
+               Diffusion(diff_cfg), resolved, per_rank, created_group, latent_norm=latent_words, t_shift=shift_words)
+
+
+def resolve_t_shift(cfg: TrainConfig, store: Store) -> str:
+    """--t-shift auto becomes RAE's S = sqrt(C H W / 4096) of the store's latent, in the record too (a resume
+    and sampling see the number); the startup line's words for it ("" when the shift was given)."""
+    if cfg.diffusion.t_shift != "auto":
+        return ""
+    if cfg.diffusion.objective != "flow":
+        raise TrainError("--t-shift auto is a flow option (ddpm draws integer steps uniformly): add --objective flow")
+    shape = tuple(store.latent_shape)
+    cfg.diffusion.t_shift = dimension_shift(shape)
+    return (f"--t-shift auto: sqrt({' x '.join(map(str, shape))} / {SHIFT_BASE_DIMS}) = {cfg.diffusion.t_shift:.4f} "
+            "(RAE's dimension-dependent shift), recorded")
 
 
 def diffusion_config(cfg: TrainConfig, model_cfg: DiTConfig, store: Store) -> tuple[DiffusionConfig, dict]:

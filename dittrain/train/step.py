@@ -249,7 +249,7 @@ def compile_model(model, how: str, mode: str = "default"):
 
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     if how == "blocks":
-        for block in model.blocks:
+        for block in (*model.blocks, *getattr(model, "head_blocks", ())):  # a DiT^DH's head blocks too
             block.compile(**kw)
         return model
     return torch.compile(model, **kw)
