@@ -163,6 +163,7 @@ class ShiftOrAuto(FiniteFloat):
     """--t-shift S (a finite number > 0) or auto (resolved at the start from the store's latent shape)."""
 
     name = "S|auto"
+    words = ("auto",)  # what a --config file may give besides a number (ditdata.common.configfile)
 
     def __init__(self):
         super().__init__(min=0, min_open=True)
@@ -239,7 +240,12 @@ def _opt(*names, field, **kw):
            "AdamW (about 2 bytes per parameter; pip install 'ditkit[optim]'). Same lr, betas, weight decay.")
 @_opt("--warmup-steps", field="warmup_steps", type=click.IntRange(min=0))
 @_opt("--lr-schedule", field="lr_schedule", type=click.Choice(config.LR_SCHEDULES))
-@_opt("--min-lr", field="min_lr", type=FiniteFloat(min=0), help="Cosine schedule floor.")
+@_opt("--min-lr", field="min_lr", type=FiniteFloat(min=0), help="The cosine and linear schedules' floor.")
+@_opt("--lr-decay-start", field="lr_decay_start", type=click.IntRange(min=0), metavar="STEP",
+      help="--lr-schedule linear: the lr is held until this step (or the warmup's end), then falls linearly.")
+@_opt("--lr-decay-end", field="lr_decay_end", type=click.IntRange(min=0), metavar="STEP",
+      help="--lr-schedule linear: the step it reaches --min-lr, kept after (0: --max-steps). RAE: 40 and 800 "
+           "epochs for start and end.")
 @_opt("--grad-clip", field="grad_clip", type=FiniteFloat(min=0), help="Max gradient norm (0: no clipping).")
 @_opt("--max-steps", field="max_steps", type=click.IntRange(min=1))
 @_opt("--ema", field="ema", type=FiniteFloat(0, 1), help="EMA decay (0..1).")

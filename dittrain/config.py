@@ -34,7 +34,7 @@ LOSS_WEIGHTINGS = ("none", "min-snr")  # ddpm
 T_SAMPLINGS = ("logit-normal", "uniform")  # flow: how training draws t
 LATENT_NORMS = ("auto", "none", "channel")  # dittrain.data.latent_norm (auto: resolved to none or channel at the start)
 OPTIMIZERS = ("adamw", "adamw8bit")  # dittrain.train.optim
-LR_SCHEDULES = ("constant", "cosine")  # dittrain.train.optim.lr_at
+LR_SCHEDULES = ("constant", "cosine", "linear")  # dittrain.train.optim.lr_at
 AMP_MODES = ("auto", "bf16", "fp16", "fp32")  # --amp: ditdata.common.devices.PRECISIONS, in --help's order
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # sample / serve --precision: ditdata.common.devices.PRECISIONS
 # --grad-checkpointing (dittrain.model.checkpointing): these, or k >= 1 (every k-th block)
@@ -269,8 +269,10 @@ def setting(default, resume: str, *, learned_if=None, needs: str = "", resolves_
 
 
 def _cosine(recorded: TrainConfig) -> bool:
-    """max_steps is learned under a cosine schedule: it ends at max_steps, so another length bends every later lr."""
-    return recorded.optim.lr_schedule == "cosine"
+    """max_steps is learned under a cosine schedule, or a linear one without --lr-decay-end: it ends at max_steps,
+    so another length bends every later lr."""
+    return recorded.optim.lr_schedule == "cosine" or (recorded.optim.lr_schedule == "linear"
+                                                      and not recorded.optim.lr_decay_end)
 
 
 # ------------------------------------------------------------------------------ TrainConfig
@@ -345,8 +347,11 @@ class OptimSection:
     weight_decay: float = setting(0.0, LEARNED)
     optimizer: str = setting("adamw", FIXED)  # adamw (torch, fp32 state) | adamw8bit (bitsandbytes, 8-bit state)
     warmup_steps: int = setting(0, LEARNED)
-    lr_schedule: str = setting("constant", LEARNED)  # constant | cosine (to min_lr at max_steps)
+    lr_schedule: str = setting("constant", LEARNED)  # constant | cosine (to min_lr at max_steps) | linear (RAE's)
     min_lr: float = setting(0.0, LEARNED)
+    # linear: lr held until this step (or the warmup's end), then linear to min_lr at lr_decay_end (0: max_steps)
+    lr_decay_start: int = setting(0, LEARNED)
+    lr_decay_end: int = setting(0, LEARNED)
     grad_clip: float = setting(1.0, LEARNED)  # max grad norm; 0 disables clipping (the norm is still logged)
     max_steps: int = setting(400_000, SAFE, learned_if=_cosine)
     ema: float = setting(0.9999, LEARNED)

@@ -188,7 +188,8 @@ def test_shipped_settings_files_are_valid_for_their_commands(tmp_path):
     files = sorted(p for p in CONFIGS.glob("*/*.toml") if p.parent.name != "recipes")
     assert {p.parent.name for p in files} == {"imagenet256", "laion_t2i", "demo"}
     assert sorted(p.stem for p in (CONFIGS / "recipes").glob("*.toml")) == ["dit_xl2", "dit_xl2_tread",
-                                                                           "lightningdit_xl1_vavae", "sit_xl2_repa"]
+                                                                           "lightningdit_xl1_vavae", "rae_ditdh_xl",
+                                                                           "sit_xl2_repa"]
     for path in files:
         assert path.stem in STAGE_COMMANDS, path
         r = subprocess.run([*STAGE_COMMANDS[path.stem], "--config", str(path), "--help"], capture_output=True,

@@ -22,6 +22,9 @@ REPA = "sihyun-yu/REPA@67f714503e3892f993844aab088ffc5791c92613"
 LIGHTNING = "hustvl/LightningDiT@2725fed42a14898744433809949834e26957bcdd"
 LIGHTNING_YAML = f"{LIGHTNING} configs/reproductions/lightningdit_xl_vavae_f16d32_64ep_cfg.yaml"
 TREAD = "CompVis/tread@fccf77cc735ae2850162e12e4ed360cbc9a13e68"
+RAE = "bytetriper/RAE@a4d18c4db766419cbe7cb8c02cd9f7ceb0ec9041"
+RAE_YAML = f"{RAE} configs/stage2/training/ImageNet256/DiTDH-XL_DINOv2-B.yaml"
+RAE_EPOCH = 1_281_167 // 1024  # its steps per epoch: ImageNet-1k's train images, drop_last batches of 1024
 
 # {recipe: {command: {(table, key): (value, where the reference says so)}}}; run's tables are its
 # --help sections, the other commands' keys are top-level (table None)
@@ -161,6 +164,53 @@ REFERENCE = {
             (None, "resolution"): (256, f"{LIGHTNING_YAML}:12"),
             (None, "flip"): (True, f"{LIGHTNING} extract_features.py:51-52"),
         },
+    },
+}
+
+
+REFERENCE["rae_ditdh_xl.toml"] = {
+    "run": {
+        ("model", "model"): ("DiTDH-XL/1", f"{RAE_YAML}:18-33 DiTwDDTHead [1152, 2048] x [28, 2], heads [16, 16]"),
+        ("model", "qk-norm"): (False, f"{RAE_YAML}:28"),
+        ("model", "learn-sigma"): (False, f"{RAE} src/stage2/models/DDT.py: out_channels = in_channels"),
+        ("diffusion", "objective"): ("flow", f"{RAE_YAML}:37-38 Linear, velocity"),
+        ("diffusion", "t-sampling"): ("logit-normal", f"{RAE_YAML}:40"),
+        ("diffusion", "t-mean"): (0.0, f"{RAE_YAML}:40 logit-normal_0_1"),
+        ("diffusion", "t-std"): (1.0, f"{RAE_YAML}:40 logit-normal_0_1"),
+        ("diffusion", "t-shift"): ("auto", f"{RAE_YAML}:60-61, src/train.py:137-139 sqrt(dims / 4096)"),
+        ("diffusion", "flow-time-scale"): (1.0, f"{RAE} transport.py training_losses: model(xt, t)"),
+        ("diffusion", "velocity-cosine-weight"): (0.0, f"{RAE} transport.py: the velocity MSE"),
+        ("diffusion", "class-dropout"): (0.1, f"{RAE_YAML}:26"),
+        ("data", "latent-norm"): ("none", f"{RAE_YAML}:12 normalisation inside the RAE's encode"),
+        ("optim", "optimizer"): ("adamw", f"{RAE} src/utils/optim_utils.py"),
+        ("optim", "lr"): (2e-4, f"{RAE_YAML}:82"),
+        ("optim", "adam-betas"): ("0.9,0.95", f"{RAE_YAML}:83"),
+        ("optim", "weight-decay"): (0.0, f"{RAE_YAML}:84"),
+        ("optim", "lr-schedule"): ("linear", f"{RAE_YAML}:86"),
+        ("optim", "warmup-steps"): (0, f"{RAE_YAML}:91 warmup_from_zero false"),
+        ("optim", "lr-decay-start"): (40 * RAE_EPOCH, f"{RAE_YAML}:87 warmup_epochs 40"),
+        ("optim", "lr-decay-end"): (800 * RAE_EPOCH, f"{RAE_YAML}:88 decay_end_epoch 800"),
+        ("optim", "min-lr"): (2e-5, f"{RAE_YAML}:90 final_lr"),
+        ("optim", "grad-clip"): (1.0, f"{RAE_YAML}:79"),
+        ("optim", "batch-size"): (1024, f"{RAE_YAML}:72"),
+        ("optim", "ema"): (0.9995, f"{RAE_YAML}:74"),
+        ("optim", "max-steps"): (1400 * RAE_EPOCH, f"{RAE_YAML}:71 epochs 1400"),
+        ("optim", "seed"): (42, f"{RAE_YAML}:80"),
+        ("performance", "precision"): ("fp32", f"{RAE} src/train.py:95 default fp32"),
+        ("routing", "route"): ("", "no routing"),
+        ("repa", "repa"): ("", "no REPA"),
+    },
+    "sample": {
+        (None, "sampler"): ("euler", f"{RAE} configs/stage2/sampling/ImageNet256/DiTDHXL-DINOv2-B.yaml:44-45"),
+        (None, "steps"): (49, f"{RAE} its num_steps 50 grid points (integrators.py:100)"),
+        (None, "cfg"): (1.0, f"{RAE} its guidance scale 1.0"),
+        (None, "cfg-interval"): ("0.0,1.0", f"{RAE} its t-min 0.0, t-max 1.0"),
+        (None, "n"): (50000, f"{RAE} src/sample_ddp.py:34"),
+    },
+    "encode": {
+        (None, "vae"): ("rae-dinov2-b", f"{RAE_YAML}:2-12 DINOv2-B with registers, ViT-XL decoder"),
+        (None, "resolution"): (256, f"{RAE} src/train.py:94, 252"),
+        (None, "flip"): (True, f"{RAE} src/train.py:253 RandomHorizontalFlip"),
     },
 }
 

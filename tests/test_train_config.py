@@ -90,7 +90,13 @@ def test_optimizers_and_schedules():
     with pytest.raises(OptimizerError, match="choose adamw or adamw8bit"):
         build_optimizer(config.TrainConfig.from_flat(optimizer="sgd"), params, torch.device("cpu"))
     cfg = dict(lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=10)
-    assert [lr_at(5, config.TrainConfig.from_flat(lr_schedule=s, **cfg)) for s in config.LR_SCHEDULES] == [1.0, 0.5]
+    assert [lr_at(5, config.TrainConfig.from_flat(lr_schedule=s, **cfg)) for s in config.LR_SCHEDULES] == [1.0, 0.5, 0.5]
+    # RAE's linear rule (bytetriper/RAE src/utils/optim_utils.py, warmup_from_zero false): held at lr until the
+    # decay's start, linear to min_lr at its end, held after
+    rae = config.TrainConfig.from_flat(lr_schedule="linear", lr=2e-4, min_lr=2e-5, lr_decay_start=40, lr_decay_end=800,
+                                       max_steps=1400)
+    assert [lr_at(s, rae) for s in (0, 39, 40, 800, 1399)] == [2e-4, 2e-4, 2e-4, 2e-5, 2e-5]
+    assert lr_at(420, rae) == pytest.approx(2e-4 - 1.8e-4 * 380 / 760)
 
 
 # ------------------------------------------------------------------------ TrainConfig sections
@@ -154,7 +160,7 @@ def test_flat_and_sectioned_records_read_alike():
 # kept these as name lists): a resume treats every field as it did. A new field is added here too,
 # on purpose, with the class its definition declares.
 LEARNED_SETTINGS = {
-    "lr", "lr_schedule", "min_lr", "warmup_steps", "weight_decay", "ema", "grad_clip", "batch_size",
+    "lr", "lr_schedule", "min_lr", "lr_decay_start", "lr_decay_end", "warmup_steps", "weight_decay", "ema", "grad_clip", "batch_size",
     "accumulation_steps", "seed", "shuffle_window", "bucket_remainder", "loss_weighting", "min_snr_gamma",
     "t_sampling", "t_mean", "t_std", "t_shift", "class_dropout", "caption_dropout", "amp", "tf32", "repa_depth",
     "repa_weight", "route", "route_convention", "adam_betas", "velocity_cosine_weight"}
@@ -185,6 +191,9 @@ def test_the_resume_rules_read_the_declarations():
     assert resume.kind("lr", plain) == "learned" and resume.kind("repa", plain) == "fixed"
     assert resume.kind("save_every", plain) == "safe" and resume.kind("out", plain) == "start"
     assert resume.kind("max_steps", plain) == "safe" and resume.kind("max_steps", cosine) == "learned"
+    linear = config.TrainConfig.from_flat(lr_schedule="linear")  # to min_lr at max_steps: learned too
+    assert resume.kind("max_steps", linear) == "learned"
+    assert resume.kind("max_steps", config.TrainConfig.from_flat(lr_schedule="linear", lr_decay_end=9)) == "safe"
     assert resume.RESOLVED_AUTO == {"latent_norm", "t_shift"} and resume.flag("amp") == "--precision"
     assert resume.flag("repa_depth") == "--repa-depth"
     needing = {f.name: f.metadata["needs"] for f in _all_fields() if f.metadata["needs"]}

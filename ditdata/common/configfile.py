@@ -79,8 +79,10 @@ def _check_one(path: Path, key: str, param: click.Option, value):
         if isinstance(value, bool) or not isinstance(value, int):
             raise _bad(path, key, f"takes an integer, not {value!r}")
     elif isinstance(kind, click.types.FloatParamType):
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise _bad(path, key, f"takes a number, not {value!r}")
+        # a number, or one of the words its type takes besides (`words`: "auto" of --t-shift)
+        if (isinstance(value, bool) or not isinstance(value, int | float)) and value not in getattr(kind, "words", ()):
+            words = "".join(f" or {w!r}" for w in getattr(kind, "words", ()))
+            raise _bad(path, key, f"takes a number{words}, not {value!r}")
     elif isinstance(value, bool | list | dict):
         raise _bad(path, key, f"takes a value such as {param.metavar or 'TEXT'}, not {value!r}")
     elif isinstance(value, int | float):

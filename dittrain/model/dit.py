@@ -719,7 +719,8 @@ def describe(name: str, **overrides) -> dict:
     """One row of `dittrain models`: name, size fields, parameters and GMACs per forward."""
     cfg = get_config(name, **overrides)
     return dict(name=name, depth=cfg.depth, hidden=cfg.hidden_size, heads=cfg.num_heads, patch=cfg.patch_size,
-                tokens=cfg.num_tokens, params=num_params(cfg), gflops=flops_per_forward(cfg) / 1e9)
+                tokens=cfg.num_tokens, params=num_params(cfg), gflops=flops_per_forward(cfg) / 1e9,
+                head=(cfg.head_depth, cfg.head_hidden, cfg.head_heads) if cfg.head_depth else None)
 
 
 def models_table(resolution: int, downsample: int, channels: int, num_classes: int, learn_sigma: bool,
@@ -742,10 +743,15 @@ def models_table(resolution: int, downsample: int, channels: int, num_classes: i
     lines = [f"at {resolution} px: latent {channels}x{size}x{size}, {num_classes} classes, "
              f"learn_sigma={learn_sigma}; GFLOPs = multiply-adds per sample per forward",
              f"{'model':<{width}} {'depth':>5} {'hidden':>6} {'heads':>5} {'tokens':>6} {'params':>9} {'GFLOPs':>9}"]
+    heads = set()
     for name in rows:
         row = describe(name, input_size=size, in_channels=channels, num_classes=num_classes, learn_sigma=learn_sigma)
-        lines.append(f"{name:<{width}} {row['depth']:>5} {row['hidden']:>6} {row['heads']:>5} {row['tokens']:>6} "
+        depth = f"{row['depth']}+{row['head'][0]}" if row["head"] else row["depth"]  # trunk + DDT head blocks
+        heads |= {row["head"]} if row["head"] else set()
+        lines.append(f"{name:<{width}} {depth:>5} {row['hidden']:>6} {row['heads']:>5} {row['tokens']:>6} "
                      f"{row['params'] / 1e6:>8.1f}M {row['gflops']:>9.2f}")
+    lines += [f"depth D+K: a DiT^DH, D trunk blocks then a DDT head of K blocks {w} wide with {h} heads (RAE)"
+              for _, w, h in sorted(heads)]
     return lines
 
 

@@ -519,7 +519,7 @@ def header_lines(plan: Plan) -> list[str]:
                           "recomputation and --compile are not in the records" if plan.pick.rate is not None
                           else "no throughput recorded for this device (--gpu NAME or --probe on the device)"))
     head = f" + a DDT head of {m.head_depth} blocks {m.head_hidden} wide" if m.head_depth else ""
-    return [f"{cfg.model.model}: {params / 1e6:.1f} M parameters, {m.depth} blocks{head} of {m.num_tokens} tokens, "
+    return [f"{cfg.model.model}: {params / 1e6:.1f} M parameters, {m.depth} blocks of {m.num_tokens} tokens{head}, "
             f"{m.in_channels}x{m.input_size}x{m.input_size} latents, {cond}; global batch {cfg.optim.batch_size}, "
             f"{t.precision}" + (f", --route {cfg.routing.route}" if cfg.routing.route else "")
             + "".join(f", {flag}" for term in loss_terms(cfg) if (flag := term.flag(cfg))),

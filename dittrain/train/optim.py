@@ -2,12 +2,16 @@
 
     --optimizer adamw | adamw8bit    build_optimizer: torch's fused AdamW, or bitsandbytes' 8-bit one
     --adam-betas B1,B2               both optimizers' (beta1, beta2)
-    --lr-schedule constant | cosine  lr_at: linear warmup from 0, then constant or cosine to --min-lr
+    --lr-schedule constant | cosine | linear   lr_at: linear warmup from 0, then constant, cosine to --min-lr
+                                     at max_steps, or linear to --min-lr between --lr-decay-start and --lr-decay-end
 
 DiT's recipe is the default: AdamW, lr 1e-4, betas (0.9, 0.999), no weight decay, no warmup.
 LightningDiT's (hustvl/LightningDiT train.py and configs/*.yaml @ 2725fed4): AdamW, lr 2e-4,
 betas (0.9, 0.95) (its `optimizer.beta2`), no weight decay, no warmup, no clipping unless its
-config names `max_grad_norm` (the released ones do not).
+config names `max_grad_norm` (the released ones do not). RAE's (bytetriper/RAE @ a4d18c4
+src/utils/optim_utils.py build_scheduler, type linear, warmup_from_zero false): lr 2e-4 held for its
+"warmup" epochs, then linear to final_lr at decay_end_epoch, held after: --lr-schedule linear with
+--lr-decay-start and --lr-decay-end at those steps, --min-lr its final_lr.
 """
 
 from __future__ import annotations
@@ -37,9 +41,19 @@ def adam_betas(cfg: TrainConfig) -> tuple[float, float]:
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup from 0, then constant or cosine down to min_lr at max_steps."""
+    """Linear warmup from 0, then constant, cosine down to min_lr at max_steps, or linear: lr until
+    lr_decay_start (or the warmup's end, the later), then linearly to min_lr at lr_decay_end (0: max_steps),
+    min_lr after (RAE's rule: progress (step - start) / (end - start))."""
     if cfg.optim.warmup_steps and step < cfg.optim.warmup_steps:
         return cfg.optim.lr * (step + 1) / cfg.optim.warmup_steps
+    if cfg.optim.lr_schedule == "linear":
+        start = max(cfg.optim.warmup_steps, cfg.optim.lr_decay_start)
+        end = max(start, cfg.optim.lr_decay_end or cfg.optim.max_steps)
+        if step < start:
+            return cfg.optim.lr
+        if step >= end:
+            return cfg.optim.min_lr
+        return cfg.optim.lr - (cfg.optim.lr - cfg.optim.min_lr) * (step - start) / max(end - start, 1)
     if cfg.optim.lr_schedule == "cosine":
         span = max(1, cfg.optim.max_steps - cfg.optim.warmup_steps)
         progress = min(1.0, (step - cfg.optim.warmup_steps) / span)
