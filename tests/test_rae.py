@@ -182,9 +182,13 @@ def test_a_dit_dh_takes_token_routing_and_ddpm_refuses_t_shift_auto(rae_store, t
     assert r.exit_code == 0, r.output
     r = dittrain(*run_args(rae_store, tmp_path / "ddpm", "--max-steps", 2, "--t-shift", "auto", model=DDT))
     assert r.exit_code != 0 and "--t-shift auto is a flow option" in one_error_line(r.output)
+    # a latent grid the model cannot take: 4 x 4 tokens do not split into patches of 3
+    r = dittrain(*run_args(rae_store, tmp_path / "p3", "--max-steps", 2, "--objective", "flow",
+                           model=DDT.replace("patch=1", "patch=3")))
+    assert r.exit_code != 0 and "does not fit latents 64x4x4" in one_error_line(r.output)
 
 
-def test_a_dit_dh_exports_to_onnx_fp16_and_int8_and_refuses_diffusers_in_one_line(rae_store, tmp_path):
+def test_a_dit_dh_exports_to_onnx_fp16_and_int8_refuses_diffusers_and_serves(rae_store, tmp_path):
     """onnx (checked against torch by the export itself), fp16 and int8 carry a DiT^DH: they hold whatever
     state dict and graph the model has; a diffusers DiTPipeline has no DDT head, so that format is refused."""
     pytest.importorskip("onnxruntime")
@@ -199,3 +203,20 @@ def test_a_dit_dh_exports_to_onnx_fp16_and_int8_and_refuses_diffusers_in_one_lin
     r = dittrain("export", "--ckpt", run, "--format", "diffusers", "--out", tmp_path / "pipe")
     assert r.exit_code != 0 and "it is a DiT^DH (a DDT head after the trunk)" in one_error_line(r.output)
     assert not (tmp_path / "pipe").exists()
+
+    # serve: the page's generate() decodes through the RAE decoder, and gives the images of the command it shows
+    import shlex
+
+    from dittrain.config import ServeConfig
+    from dittrain.inference.serve import Request, Server
+
+    server = Server(run, ServeConfig(device="cpu", batch_size=2, max_images=4), log=lambda line: None)
+    shown = server.generate(Request(choice="1", n=2, steps=3, seed=5))
+    assert shown.ok and shown.images.shape == (2, 32, 32, 3), shown.message
+    args = shlex.split(shown.command)
+    args[args.index("--out") + 1] = str(tmp_path / "shown.png")
+    assert dittrain(*args[1:]).exit_code == 0
+    from PIL import Image
+
+    singles = [np.asarray(Image.open(p)) for p in sorted((tmp_path / "shown").glob("*.png"))]
+    assert len(singles) == 2 and all(np.array_equal(a, b) for a, b in zip(shown.images, singles, strict=True))
