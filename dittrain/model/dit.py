@@ -26,6 +26,14 @@ apply_rope: no pos_embed at all) on request. The text cross-attention keeps its 
 (norm_cross) and unrotated queries and keys whatever the choices: text tokens have no image
 position.
 
+DiT^DH (RAE, Zheng et al. 2025; DiTConfig.head_depth > 0): the blocks above are the trunk, fed
+c = silu(t + y) (its reference's: the blocks' adaLN applies its own SiLU on top), with Gaussian Fourier time
+features (FourierTimestepEmbedder, time_embed="fourier"); then the DDT head (_build_head, _head): the trunk's
+tokens become a per-token condition s = s_projector(silu(t + tokens)) (N, T, W), the noisy latent is patched
+again at the head's width W (no position table; RoPE at its head dim), head_blocks run on it under s (their
+adaLN, and the final layer's, regressed per token: per_token), and the final layer at width W gives the output.
+bench/ddt_reference.py checks this against the reference's DiTwDDTHead on the same weights.
+
 Any token grid (aspect-ratio buckets, dittrain.data.bucketed): an input (N, C, H, W) gives the
 grid (H/p, W/p) of T = (H/p)(W/p) tokens in row-major order; the position part's table and rotary
 tables are computed for that grid (the added table cached per grid and device), and unpatchify
@@ -434,12 +442,14 @@ class DiT(nn.Module):
 
     @torch.no_grad()
     def initialize_weights(self):
-        """DiT's init (a DiT^DH: its reference's, _init_ddt). Call again after `to_empty()` when the model
-        was built on meta."""
+        """DiT's init; a DiT^DH's is its reference's (DiTwDDTHead.initialize_weights as its model builds it,
+        xavier_uniform_init=False): every linear keeps torch's own init (reset_parameters, so that a model
+        built on meta gets it too) where DiT's are xavier-uniform with zero bias. Then both: the sin-cos
+        table, the patch embeddings (a DiT^DH's two) xavier-uniform as linears, the label table and the time
+        MLP's weights N(0, 0.02), Fourier frequencies N(0, 1), and adaLN-Zero. Call again after `to_empty()`
+        when the model was built on meta."""
         if self.x_embedder.proj.weight.is_meta:  # nothing to fill: a meta model is for counting only
             return
-        if self.config.head_depth:
-            return self._init_ddt()
 
         def _basic_init(module):
             if isinstance(module, nn.Linear):
@@ -451,41 +461,17 @@ class DiT(nn.Module):
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
 
-        self.apply(_basic_init)
+        head_blocks = tuple(getattr(self, "head_blocks", ()))
+        if head_blocks:
+            for module in self.modules():
+                if isinstance(module, (nn.Linear, nn.RMSNorm, nn.LayerNorm)):
+                    module.reset_parameters()
+        else:
+            self.apply(_basic_init)
         if self.position.table is not None:
             self.pos_embed.copy_(self.position.table(self.config.hidden_size, self.square_grid).unsqueeze(0))
         # the patch embedding is a linear map of the flattened patch
-        w = self.x_embedder.proj.weight
-        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
-        nn.init.zeros_(self.x_embedder.proj.bias)
-        if self.config.num_classes:
-            nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
-        # adaLN-Zero: every block starts as the identity and the output is exactly zero
-        for block in self.blocks:
-            nn.init.zeros_(block.adaLN_modulation[-1].weight)
-            nn.init.zeros_(block.adaLN_modulation[-1].bias)
-            if hasattr(block, "cross_attn"):  # cross-attention joins the residual at zero too
-                nn.init.zeros_(block.cross_attn.proj.weight)
-                nn.init.zeros_(block.cross_attn.proj.bias)
-        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].weight)
-        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
-        nn.init.zeros_(self.final_layer.linear.weight)
-        nn.init.zeros_(self.final_layer.linear.bias)
-
-    def _init_ddt(self):
-        """DiTwDDTHead.initialize_weights as its model builds it (xavier_uniform_init=False): every linear
-        keeps torch's own init (reset_parameters: here, so that a model built on meta gets it too), the two
-        patch embeddings xavier-uniform as linears with zero bias, the label table N(0, 0.02), the time
-        MLP's weights N(0, 0.02), the Fourier frequencies N(0, 1), the sin-cos table, and adaLN-Zero:
-        every block's modulation (trunk and head) and the final layer's modulation and linear at zero."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.RMSNorm, nn.LayerNorm)):
-                module.reset_parameters()
-        if self.position.table is not None:
-            self.pos_embed.copy_(self.position.table(self.config.hidden_size, self.square_grid).unsqueeze(0))
-        for embedder in (self.x_embedder, self.head_embedder):
+        for embedder in (self.x_embedder, *([self.head_embedder] if head_blocks else [])):
             w = embedder.proj.weight
             nn.init.xavier_uniform_(w.view(w.shape[0], -1))
             nn.init.zeros_(embedder.proj.bias)
@@ -495,15 +481,17 @@ class DiT(nn.Module):
         nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
         if isinstance(self.t_embedder, FourierTimestepEmbedder):
             nn.init.normal_(self.t_embedder.W, std=1.0)
-        for block in (*self.blocks, *self.head_blocks):
+        # adaLN-Zero: every block starts as the identity and the output is exactly zero
+        for block in (*self.blocks, *head_blocks):
             nn.init.zeros_(block.adaLN_modulation[-1].weight)
             nn.init.zeros_(block.adaLN_modulation[-1].bias)
-            if hasattr(block, "cross_attn"):
+            if hasattr(block, "cross_attn"):  # cross-attention joins the residual at zero too
                 nn.init.zeros_(block.cross_attn.proj.weight)
                 nn.init.zeros_(block.cross_attn.proj.bias)
-        for layer in (self.final_layer.adaLN_modulation[-1], self.final_layer.linear):
-            nn.init.zeros_(layer.weight)
-            nn.init.zeros_(layer.bias)
+        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].weight)
+        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
+        nn.init.zeros_(self.final_layer.linear.weight)
+        nn.init.zeros_(self.final_layer.linear.bias)
 
     def set_grad_checkpointing(self, granularity: str | int) -> None:
         """Change the checkpointing knob of a built model ("none", "every", k, "attn", "mlp" or
