@@ -35,7 +35,7 @@ import shlex
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
@@ -52,6 +52,7 @@ from dittrain.diffusion import DiffusionConfig
 from dittrain.model.dit import DiT
 from dittrain.model.routing import describe as describe_route
 from dittrain.model.routing import route_of
+from dittrain.model.sizes import DiTConfig
 from dittrain.rundir import (
     EMA_EXPORT,
     CheckpointError,
@@ -167,7 +168,10 @@ def _checkpoint_to_resume(run: Run) -> tuple[dict | None, Path | None]:
     if optimizer != cfg.optim.optimizer:
         raise CheckpointError(f"{latest}: made with --optimizer {optimizer}, not {cfg.optim.optimizer} (its optimizer "
                               f"state is {optimizer}'s); resume with --optimizer {optimizer}, or start a new --out")
-    if saved["model"] != run.resolved["model"]:
+    # a field the model config gained since the checkpoint was made (a DDT head's, the time embedding) reads as
+    # its default: what the run was built with then
+    defaults = {f.name: f.default for f in fields(DiTConfig)}
+    if {**defaults, **saved["model"]} != run.resolved["model"]:
         raise CheckpointError(f"{latest}: model config differs from this run's "
                               f"({cfg.model.model} on {cfg.data.latents}); keep the original flags")
     # the loss, timestep and latent-normalisation options it was started with (a config saved
