@@ -477,7 +477,10 @@ def verify(store, cache_dir, cache_limit, quiet):
 @_encode_opt("--flip/--no-flip", field="flip", help="Also store the latent of the horizontally flipped image.")
 @_encode_opt("--posterior", field="posterior", type=click.Choice(POSTERIORS),
              help="Store one posterior sample, or mean and std so training draws fresh samples.")
-@_encode_opt("--dtype", field="dtype", type=click.Choice(DTYPES), help="Storage dtype of latents and text embeddings.")
+@_encode_opt("--dtype", field="dtype", type=click.Choice(DTYPES),
+             help="Storage dtype of latents and text embeddings. int8: latents as int8 codes with a float32 "
+                  "scale per token (half of float16's bytes; dequantized on the training device), text "
+                  "embeddings float16; with --posterior sample only.")
 @_encode_opt("--device", field="device", help="auto, cpu, cuda, cuda:1, ...")
 @_encode_opt("--batch-size", field="batch_size", type=click.IntRange(min=1))
 @_encode_opt("--workers", field="workers", type=click.IntRange(min=0),

@@ -128,7 +128,11 @@ class DedupConfig:
 # ------------------------------------------------------------------------------ encode
 
 POSTERIORS = ("sample", "mean_std")
-DTYPES = ("float16", "bfloat16")
+# --dtype: the latents' storage. int8 keeps a float32 scale per token beside them (the C channels at
+# one position; ditdata.store.quantize): half of float16's bytes, for wide latents such as an RAE's
+# 768 x 16 x 16 (bench/RESULTS.md has what it does to the decoder's output); one latent per image
+# only (--posterior sample), text embeddings then stay float16
+DTYPES = ("float16", "bfloat16", "int8")
 # Far above any DiT recipe (256-1024 px); a mistyped --resolution 100000 would otherwise
 # allocate 30 GB per decoded image before anything could say no.
 MAX_RESOLUTION = 4096
@@ -147,7 +151,7 @@ class EncodeConfig:
     backend: str = DEFAULT_BACKEND  # one of ditdata.store.defaults.BACKENDS
     flip: bool = False
     posterior: str = "sample"  # one of POSTERIORS: one frozen draw, or mean and std (fresh draws in training)
-    dtype: str = "float16"  # one of DTYPES: storage dtype of latents and text embeddings
+    dtype: str = "float16"  # one of DTYPES: storage dtype of latents and text embeddings (float16 with int8)
     device: str = "auto"  # auto: cuda when available
     batch_size: int = 32
     workers: int = 2

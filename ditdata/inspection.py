@@ -38,6 +38,7 @@ def describe(path, **remote) -> str:
             else f"{len(s.shards)} shards"),
         f"latent:       {tuple(lat['shape'])} {lat['dtype']}, stored as {lat['stored']}"
         f"{', with flipped variant' if lat['flip'] else ''}"
+        + (f", codes with a float32 scale per token ({lat['int8']['scale']})" if lat.get("int8") else "")
         + (" (the square or most populated bucket's; all below)" if s.buckets else ""),
         f"autoencoder:  {vae.get('name')} ({vae.get('id')}), scaling {vae.get('scaling_factor')}, "
         f"shift {vae.get('shift_factor')}, {vae.get('latent_channels')} channels, /{vae.get('downsample')}"
@@ -170,12 +171,12 @@ def decode_samples(path, n: int, out, *, vae: str | None = None, device: str = "
     """Decode the first n latents of a store with its own autoencoder; write PNGs by key."""
     from pathlib import Path
 
-    import numpy as np
     import torch
     from PIL import Image
 
     from ditdata.autoencoders.kinds import autoencoder_from_manifest
     from ditdata.common.devices import resolve_device
+    from ditdata.store import LATENT_SCALES, values
 
     s = open_store(path, **remote)
     ae = autoencoder_from_manifest(s.manifest["vae"], device=resolve_device(device), source=vae)
@@ -187,9 +188,11 @@ def decode_samples(path, n: int, out, *, vae: str | None = None, device: str = "
     for store, shard in shards:
         if len(written) >= n:
             break
-        data = store.read(shard, fields=[field, "key"], stop=n - len(written))
+        fields = [field, "key", *([LATENT_SCALES[field]] if LATENT_SCALES.get(field) in store.schema.tensors else [])]
+        data = store.read(shard, fields=fields, stop=n - len(written))
+        latents = values(data, field)  # int8 ones dequantized
         for i in range(0, len(data["key"]), batch_size):
-            z = torch.from_numpy(data[field][i:i + batch_size].astype(np.float32))
+            z = torch.from_numpy(latents[i:i + batch_size])
             images = ae.decode(z).mul(255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
             for key, img in zip(data["key"][i:i + batch_size], images, strict=True):
                 p = out / f"{_filename(key)}.png"

@@ -136,7 +136,7 @@ def test_feature_set_without_flipped_twins_is_refused(tmp_path):
 def test_resident_holds_the_stored_dtype_and_counts_it(roots, dtype):
     plain = ResidentLoader(open_store(roots["sample"]), batch_size=B)
     featured = ResidentLoader(open_store(roots["sample"], features=SETS[dtype]), batch_size=B)
-    held = featured._block.targets
+    held = featured._block.picked
     assert held["feat"].dtype == (torch.int8 if dtype == "int8" else torch.float16)
     assert held["feat"].shape == (N, 2, TOKENS, DIMS)
     per_variant = TOKENS * DIMS * (1 if dtype == "int8" else 2) + (4 * TOKENS if dtype == "int8" else 0)

@@ -61,7 +61,7 @@ from ditdata.framing import COVER_RULE, CROP_RULE, parse_spec
 from ditdata.imageshards import folder as imageshards
 from ditdata.imageshards.batches import ShardImages
 from ditdata.imageshards.scores import score_path
-from ditdata.store import BFLOAT16, LATENT_FIELDS, Schema, StoreWriter, TensorSpec, encode_array
+from ditdata.store import BFLOAT16, LATENT_SCALES, Schema, StoreWriter, TensorSpec, encode_array, quantize
 
 NON_FINITE = "non-finite latent"
 # Ranks wait for each other at the manifest: a rank with more (or slower) shards may take hours.
@@ -72,9 +72,18 @@ GROUP_TIMEOUT = dt.timedelta(hours=12)
 
 
 def _to_numpy(x, dtype: str) -> np.ndarray:
+    """A tensor in a float storage dtype; int8 latents travel as float32 until _ShardOut.add
+    quantizes the samples it keeps (a non-finite one is left out, not refused)."""
     if dtype == "bfloat16":
         return x.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(BFLOAT16)
+    if dtype == "int8":
+        return x.float().cpu().numpy()
     return x.to(torch.float16).cpu().numpy()
+
+
+def _text_dtype(dtype: str) -> str:
+    """Text embeddings are stored in the latents' dtype, float16 beside int8 latents."""
+    return "float16" if dtype == "int8" else dtype
 
 
 class _ShardOut:
@@ -82,7 +91,7 @@ class _ShardOut:
     generator of its posterior draws (seeded by the shard, so the split of the work does
     not change the bytes) and the keys of the samples left out as not finite."""
 
-    def __init__(self, seed: int, name: str, bucket: tuple[int, int] | None = None):
+    def __init__(self, seed: int, name: str, bucket: tuple[int, int] | None = None, int8: bool = False):
         digits = "".join(c for c in name if c.isdigit()) or "0"
         shard_seed = (seed * 1_000_003 + int(digits)) % (2**63)
         if bucket is not None:  # a bucket's draws: seeded by (shard, bucket), not by batch order
@@ -91,6 +100,7 @@ class _ShardOut:
         self.tensors: dict[str, list] = {}
         self.columns: dict[str, list] = {}
         self.nonfinite_keys: list[str] = []
+        self.int8 = int8  # quantize the latents (float32 here) of the samples kept
 
     def add(self, tensors: dict[str, np.ndarray], columns: dict[str, list]) -> int:
         """Keep the batch's samples whose every value is finite as stored; returns how many."""
@@ -99,6 +109,9 @@ class _ShardOut:
             self.nonfinite_keys.extend(k for k, good in zip(columns["key"], ok, strict=True) if not good)
             tensors = {k: v[ok] for k, v in tensors.items()}
             columns = {k: [x for x, good in zip(v, ok, strict=True) if good] for k, v in columns.items()}
+        if self.int8:  # codes and per-token scales (the C channels at each position: axis 1)
+            for name in [k for k in tensors if k in LATENT_SCALES]:
+                tensors[name], tensors[LATENT_SCALES[name]] = quantize(tensors[name], axis=1)
         for k, v in tensors.items():
             self.tensors.setdefault(k, []).append(v)
         for k, v in columns.items():
@@ -205,6 +218,9 @@ def encode(cfg: EncodeConfig) -> dict:
     for flag, value, choices in (("--posterior", cfg.posterior, POSTERIORS), ("--dtype", cfg.dtype, DTYPES)):
         if value not in choices:
             raise DitdataError(f"{flag} must be one of {choices}")
+    if cfg.dtype == "int8" and cfg.posterior != "sample":
+        raise DitdataError("--dtype int8 stores one latent per image (--posterior sample): a per-token scale "
+                           "for mean and for std is not offered; use --dtype float16 with --posterior mean_std")
     if not cfg.text_encoder and (cfg.text_pretrained or cfg.text_config or cfg.text_tokens):
         raise DitdataError("--text-pretrained, --text-config and --text-tokens need --text-encoder NAME")
     if cfg.text_encoder and not cfg.text_pretrained:
@@ -351,7 +367,7 @@ class _Layout:
 
     def bucket_schema(self, size: tuple[int, int]) -> Schema:
         """The schema of bucket `size` (W, H): its latents are (C, H/f, W/f)."""
-        return with_latent_shape(self.schema, self.latent_shape(size[1], size[0]), LATENT_FIELDS)
+        return with_latent_shape(self.schema, self.latent_shape(size[1], size[0]))
 
     def schema_of(self, bucket: tuple[int, int] | None) -> Schema:
         return self.schema if bucket is None else self.bucket_schema(bucket)
@@ -367,6 +383,8 @@ def _store_layout(cfg: EncodeConfig, enc: Encoder, folder: imageshards.ShardFold
     side = cfg.resolution if spec is None else spec.area
     latent_shape = ae.latent_shape(side, side)
     tensors = {n: TensorSpec(latent_shape, cfg.dtype) for n in enc.latent_names()}
+    if cfg.dtype == "int8":  # each int8 latent's scales: one per token (position)
+        tensors |= {LATENT_SCALES[n]: TensorSpec(latent_shape[1:], "float32") for n in enc.latent_names()}
     conditioning: dict = {"type": "none"}
     if info["kind"] == "classes":
         conditioning = {"type": "class", "num_classes": info.get("num_classes"), "class_names": info.get("class_names")}
@@ -375,8 +393,8 @@ def _store_layout(cfg: EncodeConfig, enc: Encoder, folder: imageshards.ShardFold
         text_specs, arrays = {}, {}
         for k, v in enc.captions([""]).items():
             is_mask = v.dtype == torch.bool
-            text_specs[k] = TensorSpec(tuple(v.shape[1:]), "bool" if is_mask else cfg.dtype)
-            arrays[k] = v[0].cpu().numpy() if is_mask else _to_numpy(v[0], cfg.dtype)
+            text_specs[k] = TensorSpec(tuple(v.shape[1:]), "bool" if is_mask else _text_dtype(cfg.dtype))
+            arrays[k] = v[0].cpu().numpy() if is_mask else _to_numpy(v[0], _text_dtype(cfg.dtype))
         empty = {k: encode_array(a) for k, a in arrays.items()}
         tensors |= text_specs
         conditioning = {"type": "text", "text": {
@@ -445,7 +463,7 @@ def _encode_shards(cfg: EncodeConfig, enc: Encoder, layout: _Layout, plan: _Plan
     for batch in loader:
         name, bucket = batch["shard"], batch["bucket"] and tuple(batch["bucket"])  # (the loader makes it a list)
         if (name, bucket) not in pending:
-            pending[name, bucket] = _ShardOut(cfg.seed, name, bucket)
+            pending[name, bucket] = _ShardOut(cfg.seed, name, bucket, int8=cfg.dtype == "int8")
         shard = pending[name, bucket]
         if batch["meta"]:
             encoded += shard.add(*_encode_batch(cfg, enc, layout, batch, shard.gen))
@@ -506,7 +524,7 @@ def _encode_batch(cfg: EncodeConfig, enc: Encoder, layout: _Layout, batch: dict,
         cols["clip_score"] = [table.get(k) for k in cols["key"]]
     if enc.text is not None:
         emb = enc.captions([m.get("caption") or "" for m in metas])
-        out |= {k: (v.cpu().numpy() if k == "text_mask" else _to_numpy(v, cfg.dtype)) for k, v in emb.items()}
+        out |= {k: (v.cpu().numpy() if k == "text_mask" else _to_numpy(v, _text_dtype(cfg.dtype))) for k, v in emb.items()}
     return out, cols
 
 

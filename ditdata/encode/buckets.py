@@ -122,9 +122,11 @@ class BucketWriter:
                                 cropped_beyond_step=cropped, provenance=provenance, skipped_shards=skipped_shards)
 
 
-def with_latent_shape(schema: Schema, shape: tuple[int, ...], fields) -> Schema:
-    """`schema` with the tensors named in `fields` (the latents) of `shape`."""
-    from ditdata.store import TensorSpec
+def with_latent_shape(schema: Schema, shape: tuple[int, ...]) -> Schema:
+    """`schema` with its latents of `shape` (C, h, w), and the per-token scales of int8 ones (h, w)."""
+    from ditdata.store import LATENT_FIELDS, LATENT_SCALES, TensorSpec
 
-    tensors = {k: TensorSpec(shape, v.dtype) if k in fields else v for k, v in schema.tensors.items()}
+    scales = set(LATENT_SCALES.values())
+    tensors = {k: TensorSpec(shape, v.dtype) if k in LATENT_FIELDS else TensorSpec(shape[1:], v.dtype) if k in scales
+               else v for k, v in schema.tensors.items()}
     return Schema(tensors=tensors, columns=dict(schema.columns))

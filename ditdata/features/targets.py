@@ -29,7 +29,7 @@ from ditdata.common.usercode import check_output
 from ditdata.config import FEATURE_COSINE_SAMPLES, PCA_FIT_IMAGES, PCA_TOKENS_PER_IMAGE
 from ditdata.errors import DitdataError
 from ditdata.store import encode_array
-from ditdata.store.features import dequantize, quantize
+from ditdata.store.schema import dequantize, quantize
 
 from . import pca as pca_
 

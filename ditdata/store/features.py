@@ -29,10 +29,8 @@ The feature-set manifest (format_version 1)::
     shards     [{"name", "path", "num_samples", "checksum", "bytes", "files", "store_checksum"}]
     provenance {"tools", "created_at", ...}
 
-int8 is symmetric per token: scale = max |x| / 127 over the token's D values (1 for an
-all-zero token), q = round(x / scale) in [-127, 127], NaN and inf refused (StoreError: int8
-has no code for them); quantize() and dequantize() below are the definition, shared by the
-producer, verify and the trainer's check.
+int8 is symmetric per token (a token: one row's D values), as for int8 latents: schema.py's
+quantize() and dequantize() are the definition, shared by the producer, verify and the trainer.
 """
 
 from __future__ import annotations
@@ -60,29 +58,6 @@ def check_name(name: str) -> str:
         raise StoreError(f"feature set name {name!r}: use 1-64 letters, digits, '_', '-' or '.', "
                          "starting with a letter or digit (e.g. dinov2-b)")
     return name
-
-
-# ------------------------------------------------------------------------ quantization
-def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(..., T, D) float -> (int8 (..., T, D), float32 scale (..., T)): symmetric per token.
-    StoreError on NaN or inf: int8 has no code for them (NaN would round to 0, silently)."""
-    x = np.asarray(x, dtype=np.float32)
-    finite = np.isfinite(x)
-    if not finite.all():
-        nan = int(np.isnan(x).sum())
-        raise StoreError(f"cannot quantize features to int8: {nan} NaN and {x.size - int(finite.sum()) - nan} "
-                         f"inf value(s) of {x.size}; int8 cannot store them")
-    peak = np.abs(x).max(axis=-1)
-    scale = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
-    q = np.clip(np.rint(x / scale[..., None]), -127, 127).astype(np.int8)
-    return q, scale
-
-
-def dequantize(q: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
-    """The float32 features an int8 (with scale) or float feature array stands for."""
-    if scale is None:
-        return np.asarray(q, dtype=np.float32)
-    return q.astype(np.float32) * np.asarray(scale, dtype=np.float32)[..., None]
 
 
 def chunk_samples_for(schema: FeatureSchema) -> int:
@@ -147,12 +122,11 @@ class FeatureWriter(StoreWriter):
                 f"first difference at row {diff}); features must be computed for exactly the store's samples")
         return super().write_shard(name, tensors, columns, source=source, extra=extra)
 
-    def _record(self, name, n, tmp, final, primary, source, extra):
+    def _record(self, name, n, tmp, final, tensors, source, extra):
         # the store shard it was made from: done() tells a stale feature shard by it
-        return {**super()._record(name, n, tmp, final, primary, source, extra), "store_checksum": self.sources[name]}
+        return {**super()._record(name, n, tmp, final, tensors, source, extra), "store_checksum": self.sources[name]}
 
-    @staticmethod
-    def _stats(x: np.ndarray) -> dict:
+    def _stats(self, tensors: dict) -> dict:
         return {}  # per-channel latent statistics have no meaning for features
 
     def finalize(self, names=None, *, provenance: dict | None = None, created_at: str | None = None,
@@ -284,5 +258,4 @@ class FeaturedStore(Store):
 
 
 __all__ = ["FEATURES", "FeatureSet", "FeatureWriter", "FeaturedStore", "check_matches",
-           "check_name", "chunk_samples_for", "dequantize", "feature_sets", "identity", "open_features",
-           "quantize"]
+           "check_name", "chunk_samples_for", "feature_sets", "identity", "open_features"]

@@ -5,7 +5,8 @@ Layout (format_version 1)::
     format_version   1
     backend          "zarr" | "wds"
     num_samples      total over shards
-    latent           {"shape", "dtype", "stored": "sample"|"mean_std", "flip"}
+    latent           {"shape", "dtype", "stored": "sample"|"mean_std", "flip"}, and for int8
+                     latents "int8": {"scale": the field of the per-token scales, ...}
     fields           {"tensors": {name: {"shape", "dtype"}}, "columns": {name: type}}
     vae              {"name", "id", "revision", "weights_sha256", "scaling_factor",
                       "shift_factor", "latent_channels", "downsample", ...}
@@ -49,7 +50,7 @@ from ditdata.common import files
 
 from .defaults import BACKENDS
 from .errors import StoreError
-from .schema import FeatureSchema, Schema, disk_dtype, dtype_name, from_disk, to_disk
+from .schema import LATENT_SCALES, FeatureSchema, Schema, disk_dtype, dtype_name, from_disk, to_disk
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -84,12 +85,16 @@ def decode_array(d: dict) -> np.ndarray:
 
 def latent_description(schema: Schema) -> dict:
     spec = schema.tensors[schema.primary]
-    return {
+    out = {
         "shape": list(spec.shape),
         "dtype": spec.dtype,
         "stored": schema.latent_kind(),
         "flip": schema.flip,
     }
+    if spec.dtype == "int8":  # the values are codes: schema.py's quantize() says what they stand for
+        out["int8"] = {"scale": LATENT_SCALES[schema.primary], "token": "the C channels at one position",
+                       "values": "code * scale[h, w]"}
+    return out
 
 
 def channel_stats(records: list[dict], field: str) -> dict:

@@ -268,17 +268,20 @@ class Store:
 
 
 def _non_finite(shard: Shard, data: dict, schema: Schema) -> list[str]:
-    """A fault per float field holding NaN or inf (training would diverge on it)."""
+    """A fault per float field holding NaN or inf (training would diverge on it), and per
+    int8 scale field holding a scale that is not positive (quantize() never writes one)."""
     faults = []
     for f, spec in schema.tensors.items():
         if spec.dtype == "bool" or not len(data[f]):
             continue
-        bad = ~np.isfinite(data[f].astype(np.float32).reshape(len(data[f]), -1)).all(axis=1)
-        if bad.any():
-            first = int(np.argmax(bad))
-            key = data["key"][first] if "key" in data else first
-            faults.append(f"{shard.path}: field {f!r} holds non-finite values (NaN/inf) in "
-                          f"{int(bad.sum())} sample(s), the first at row {first} (key {key!r})")
+        x = data[f].astype(np.float32).reshape(len(data[f]), -1)
+        for bad, what in ((~np.isfinite(x).all(axis=1), "non-finite values (NaN/inf)"),
+                          ((x <= 0).any(axis=1) if f.endswith("_scale") else None, "int8 scales that are not > 0")):
+            if bad is not None and bad.any():
+                first = int(np.argmax(bad))
+                key = data["key"][first] if "key" in data else first
+                faults.append(f"{shard.path}: field {f!r} holds {what} in "
+                              f"{int(bad.sum())} sample(s), the first at row {first} (key {key!r})")
     return faults
 
 

@@ -3,6 +3,7 @@
 Tensor fields have standard names so that dittrain can find them:
 
     latent, latent_flip            one frozen posterior sample (and its flipped-image twin)
+    latent_scale, latent_flip_scale (h, w) float32, only beside int8 latents: a scale per token
     mean, std, mean_flip, std_flip posterior parameters, so training draws a fresh sample
     text_pooled                    (D,)   pooled text embedding of the caption
     text_tokens, text_mask         (L, D) token embeddings and their (L,) validity mask
@@ -12,6 +13,13 @@ sample (and `feat_scale` (T,) when int8; `feat_flip`, `feat_flip_scale` with fli
 
 Columns are one scalar per sample: `key` (always), `label`, `caption` and any extra
 column from the source (clip_score, width, height, url, ...).
+
+int8 fields (latents, a feature set's feat) are symmetric per token: a token's values x (a
+latent's C channels at one position, a feature's D dims) are stored as q = round(x / s) in
+[-127, 127] with s = max |x| / 127 (1 for an all-zero token) in the field's `_scale`;
+x ~= q * s, within s / 2. quantize() and dequantize() below are the definition, shared by
+the producers, verify and the trainer, which multiplies on its own device (the same float32
+product, so the same bits).
 
 bfloat16 has no NumPy dtype of its own; ml_dtypes provides one, and on disk the values
 are kept as their uint16 bit patterns (npy and zarr know nothing of bfloat16).
@@ -24,6 +32,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from .errors import StoreError
+
 LATENT_FIELDS = ("latent", "latent_flip", "mean", "std", "mean_flip", "std_flip")
 TEXT_FIELDS = ("text_pooled", "text_tokens", "text_mask")
 TENSOR_DTYPES = ("float16", "bfloat16", "float32", "bool", "uint8", "int8", "int32", "int64")
@@ -35,6 +45,39 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 # a latent (C, H, W) has a token per position (its C channels), a feature set's feat (T, D)
 # one per row (its D dims). A token exactly zero in every one of them is suspect (verify).
 TOKEN_AXES = {"latent": 0, "latent_flip": 0, "mean": 0, "mean_flip": 0, "feat": 1, "feat_flip": 1}
+# The latent fields that may be stored int8, and the field of their per-token scales.
+LATENT_SCALES = {"latent": "latent_scale", "latent_flip": "latent_flip_scale"}
+
+
+def quantize(x: np.ndarray, axis: int = -1) -> tuple[np.ndarray, np.ndarray]:
+    """float array -> (int8 codes of its shape, float32 scale without `axis`): symmetric per
+    token, a token being the values along `axis` (the module docstring). StoreError on NaN or
+    inf: int8 has no code for them (NaN would round to 0, silently)."""
+    x = np.asarray(x, dtype=np.float32)
+    finite = np.isfinite(x)
+    if not finite.all():
+        nan = int(np.isnan(x).sum())
+        raise StoreError(f"cannot quantize to int8: {nan} NaN and {x.size - int(finite.sum()) - nan} "
+                         f"inf value(s) of {x.size}; int8 cannot store them")
+    peak = np.abs(x).max(axis=axis)
+    scale = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(x / np.expand_dims(scale, axis)), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def dequantize(q: np.ndarray, scale: np.ndarray | None, axis: int = -1) -> np.ndarray:
+    """The float32 values an int8 array (with its scale, tokens along `axis`) or a float
+    array (scale None) stands for."""
+    if scale is None:
+        return np.asarray(q, dtype=np.float32)
+    return q.astype(np.float32) * np.expand_dims(np.asarray(scale, dtype=np.float32), axis)
+
+
+def values(data: dict[str, np.ndarray], field: str) -> np.ndarray:
+    """The float32 values of `field` in a read() result of n samples: dequantized with its
+    `_scale` when there is one (int8), else as stored."""
+    scale = data.get(f"{field}_scale")
+    return dequantize(data[field], scale, axis=1 + TOKEN_AXES[field] if scale is not None else -1)
 
 
 @dataclass(frozen=True)
@@ -96,6 +139,24 @@ class Schema:
             raise ValueError(f"names used both as tensor and column: {sorted(overlap)}")
         if self.latent_kind() is None:
             raise ValueError("a store schema needs 'latent', or 'mean' and 'std'")
+        self._check_int8_latents()
+
+    def _check_int8_latents(self) -> None:
+        """int8 latents come with their per-token scales (h, w) float32; only one frozen sample
+        per image may be int8 (mean and std are not quantized)."""
+        for name, scale_name in LATENT_SCALES.items():
+            spec, scale = self.tensors.get(name), self.tensors.get(scale_name)
+            if spec is not None and spec.dtype == "int8":
+                want = TensorSpec(spec.shape[1:], "float32")
+                if scale != want:
+                    raise ValueError(f"int8 {name} {list(spec.shape)} needs {scale_name} float32{list(want.shape)}, "
+                                     f"got {scale and scale.to_json()}")
+            elif scale is not None:
+                raise ValueError(f"{scale_name} is only stored beside an int8 {name}")
+        wide = [n for n in ("mean", "std", "mean_flip", "std_flip") if n in self.tensors
+                and self.tensors[n].dtype == "int8"]
+        if wide:
+            raise ValueError(f"{wide} cannot be int8: int8 stores one latent per image ('latent'), not mean and std")
 
     def latent_kind(self) -> str | None:
         if "latent" in self.tensors:

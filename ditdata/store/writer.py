@@ -32,7 +32,7 @@ from . import manifest
 from .backends import get_backend
 from .defaults import CHUNK_SAMPLES, DEFAULT_BACKEND
 from .errors import StoreError
-from .schema import Schema, dtype_name
+from .schema import Schema, dtype_name, values
 
 CONFIG = "config.json"
 SHARDS = "shards"
@@ -151,7 +151,7 @@ class StoreWriter:
             with _writing(final, f"shard {name}"):
                 self.backend.write(tmp, self.schema, tensors, columns, n)
                 files.fsync_tree(tmp)
-            record = self._record(name, n, tmp, final, tensors[self.schema.primary], source, extra)
+            record = self._record(name, n, tmp, final, tensors, source, extra)
             # The record goes first: data under its final name then always has a record.
             _write_json(record_path, record, f"the record of shard {name}")
             with _writing(final, f"shard {name}"):
@@ -163,7 +163,7 @@ class StoreWriter:
             raise
         return record
 
-    def _record(self, name: str, n: int, tmp: Path, final: Path, primary: np.ndarray,
+    def _record(self, name: str, n: int, tmp: Path, final: Path, tensors: dict,
                 source: str | None, extra: dict | None) -> dict:
         described = files.describe_files(tmp, self.root)
         # Record paths as they will be after the rename.
@@ -178,7 +178,7 @@ class StoreWriter:
             "bytes": sum(m["size"] for m in file_table.values()),
             "files": file_table,
             "source": source,
-            "stats": self._stats(primary),
+            "stats": self._stats(tensors),
             "extra": extra or {},
         }
 
@@ -209,9 +209,10 @@ class StoreWriter:
             raise ValueError(f"shard {name}: duplicate keys")
         return n
 
-    @staticmethod
-    def _stats(x: np.ndarray) -> dict:
-        """Per-channel sums (channel = axis 1), in float64, for the manifest's mean/std."""
+    def _stats(self, tensors: dict) -> dict:
+        """Per-channel sums (channel = axis 1) of the primary latent field's values (int8
+        ones dequantized), in float64, for the manifest's mean/std."""
+        x = values(tensors, self.schema.primary)
         if x.ndim < 2 or x.shape[0] == 0:
             c = x.shape[1] if x.ndim >= 2 else 0
             return {"sum": [0.0] * c, "sumsq": [0.0] * c, "count": 0}

@@ -3,9 +3,11 @@ errors, and _Loader (iteration, timing, finishing a batch on the device, state).
 
 A batch is read from the store's fields as a _Spec says: the latents as one block
 (n, V, P, C, h, w) of V variants (the flipped twin) and P parts (a frozen sample, or mean and
-std), the conditioning extras beside them, and, for a store opened with a feature set
-(ditdata.store.FeaturedStore), the REPA targets as a second block (n, V, T, D) in their stored
-dtype (with the int8 scales (n, V, T)), whose row i * V + v is picked with the latent's. A _Loader subclass makes raw batches (`_make`) and
+std), in their stored dtype, the conditioning extras beside them, and the fields held per
+variant whose row i * V + v is picked with the latent's: the per-token scales (n, V, h, w) of
+int8 latents, and, for a store opened with a feature set (ditdata.store.FeaturedStore), the
+REPA targets (n, V, T, D) in their stored dtype (with the int8 scales (n, V, T)). Both int8
+kinds travel as stored and are dequantized on the training device. A _Loader subclass makes raw batches (`_make`) and
 says where batch k starts (`_position`); the rest (the trainer's float32 batch, fresh draws
 from mean/std, state_dict/load_state_dict, the lookahead copy to the GPU) is here.
 """
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 
 from ditdata.common.errors import UserError
-from ditdata.store import BFLOAT16, TEXT_FIELDS, Store, open_store
+from ditdata.store import BFLOAT16, LATENT_SCALES, TEXT_FIELDS, Store, open_store
 
 _TORCH_DTYPES = {
     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -86,7 +88,9 @@ class _Spec:
 
     Latents are held as one block (n, V, P, C, h, w): V variants (1, or 2 with the flipped
     twin), P parts (1: a frozen sample; 2: mean and std). Choosing a variant is then picking
-    row i * V + v of the (n * V, P * C * h * w) view: one index_select per batch.
+    row i * V + v of the (n * V, P * C * h * w) view: one index_select per batch. The fields
+    held per variant beside them (`picked`: int8 latents' scales, REPA targets) are picked by
+    the same rows.
     """
 
     def __init__(self, store: Store):
@@ -109,12 +113,19 @@ class _Spec:
             if name in schema.tensors:
                 t = schema.tensors[name]
                 self.extras.append(_Field(name, name, _TORCH_DTYPES[t.dtype], tuple(t.shape)))
-        self.feat_variants, self.target_fields = self._targets(store)
+        # int8 latents (one frozen sample each): their scales (h, w) per variant
+        scales = [[LATENT_SCALES[v[0]]] for v in self.variants] if self.lat_dtype == torch.int8 else []
+        scale_fields = [_Field("lat_scale", None, torch.float32, self.lat_shape[1:])] if scales else []
+        feat_variants, self.target_fields = self._targets(store)
+        # the fields picked with the latent's row: {chunk field: its store field in each variant}
+        self.picked = scale_fields + self.target_fields
+        self.picked_sources = {f.name: [names[i] for names in variants] for variants, fields in
+                               ((scales, scale_fields), (feat_variants, self.target_fields)) for i, f in enumerate(fields)}
         self.read_fields = ([f for v in self.variants for f in v] + [e.source for e in self.extras]
-                            + [f for v in self.feat_variants for f in v])
+                            + [f for names in self.picked_sources.values() for f in names])
         # what one chunk of a batch carries (the variant already chosen)
         self.chunk_fields = [
-            _Field("lat", None, self.lat_dtype, (self.P, *self.lat_shape)), *self.extras, *self.target_fields,
+            _Field("lat", None, self.lat_dtype, (self.P, *self.lat_shape)), *self.extras, *self.picked,
             _Field("index", None, torch.int64, ()), _Field("flip", None, torch.bool, ()),
         ]
 
@@ -148,22 +159,23 @@ class _Spec:
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes per sample held by the resident loader (the targets included)."""
+        """Bytes per sample held by the resident loader (int8 scales and targets included)."""
         lat = self.V * self.P * math.prod(self.lat_shape) * self.lat_dtype.itemsize
-        return lat + sum(e.nbytes for e in self.extras) + self.target_bytes + 8
+        return lat + sum(e.nbytes for e in self.extras) + self.V * sum(f.nbytes for f in self.picked) + 8
 
 
 class _Block:
-    """n samples in memory: lat (n, V, P, C, h, w), the extras, and global sample indices."""
+    """n samples in memory: lat (n, V, P, C, h, w), the extras, the picked fields (n, V, ...)
+    and global sample indices."""
 
     def __init__(self, spec: _Spec, n: int, device):
         self.spec, self.n = spec, n
         self.lat = torch.empty((n, spec.V, spec.P, *spec.lat_shape), dtype=spec.lat_dtype, device=device)
         self.extras = {e.name: torch.empty((n, *e.shape), dtype=e.dtype, device=device) for e in spec.extras}
         self.index = torch.empty(n, dtype=torch.int64, device=device)
-        # the targets: {"feat": (n, V, T, D), "feat_scale": (n, V, T)}, picked like lat
-        self.targets = {f.name: torch.empty((n, spec.V, *f.shape), dtype=f.dtype, device=device)
-                        for f in spec.target_fields}
+        # {"lat_scale": (n, V, h, w), "feat": (n, V, T, D), "feat_scale": (n, V, T)}, picked like lat
+        self.picked = {f.name: torch.empty((n, spec.V, *f.shape), dtype=f.dtype, device=device)
+                       for f in spec.picked}
 
     @property
     def flat(self) -> torch.Tensor:
@@ -171,13 +183,13 @@ class _Block:
         return self.lat.view(self.n * self.spec.V, -1)
 
     @property
-    def flat_targets(self) -> dict[str, torch.Tensor]:
+    def flat_picked(self) -> dict[str, torch.Tensor]:
         """{name: (n * V, per-sample numel)}: row i * V + v as in `flat`, so the rows that
-        pick the latents pick the same variant's targets."""
-        return {k: t.view(self.n * self.spec.V, -1) for k, t in self.targets.items()}
+        pick the latents pick the same variant's scales and targets."""
+        return {k: t.view(self.n * self.spec.V, -1) for k, t in self.picked.items()}
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.lat, self.index, *self.extras.values(), *self.targets.values()]
+        return [self.lat, self.index, *self.extras.values(), *self.picked.values()]
 
     def fill(self, pos: int, data: dict, global_index: np.ndarray, local: np.ndarray | None = None):
         """Copy one store.read() result (rows `local` of it, or all) to [pos, pos + m)."""
@@ -190,10 +202,10 @@ class _Block:
         for e in self.spec.extras:
             arr = data[e.source] if local is None else data[e.source][local]
             self.extras[e.name][sl].copy_(_as_torch(np.asarray(arr)))
-        for v, names in enumerate(self.spec.feat_variants):
-            for f, name in zip(self.spec.target_fields, names, strict=True):
+        for field, names in self.spec.picked_sources.items():
+            for v, name in enumerate(names):
                 arr = data[name] if local is None else data[name][local]
-                self.targets[f.name][sl, v].copy_(_as_torch(arr))
+                self.picked[field][sl, v].copy_(_as_torch(arr))
         self.index[sl].copy_(torch.from_numpy(np.asarray(global_index, dtype=np.int64)))
 
 
@@ -292,6 +304,8 @@ class _Loader:
         lat = raw["lat"]
         if self.spec.P == 1:
             x = lat[:, 0].float()
+            if "lat_scale" in raw:  # int8 codes x their token's scale (ditdata.store.dequantize, bit for bit)
+                x.mul_(raw["lat_scale"].unsqueeze(1))
         else:
             self._gen.manual_seed(_seed64(self.seed, _EPS, self._stream_rank, epoch, offset))
             mean, std = lat[:, 0].float(), lat[:, 1].float()

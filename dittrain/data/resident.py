@@ -1,9 +1,9 @@
 """ResidentLoader: this rank's part of the store held in memory, a batch one index_select.
 
 The part is a fixed seeded random split of the store (DDP, split="part"); epoch e is a
-permutation of it seeded by (seed, rank, e), drawn with each sample's flip variant; the REPA
-targets of a feature set (when the store has one) are held beside the latents in their stored
-dtype and picked by the same rows.
+permutation of it seeded by (seed, rank, e), drawn with each sample's flip variant; the scales
+of int8 latents and the REPA targets of a feature set (when the store has one) are held beside
+the latents in their stored dtype and picked by the same rows.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class ResidentLoader(_Loader):
             local = None if b - a == shard.num_samples else part[a:b] - shard.offset
             self._block.fill(int(a), data, part[a:b], local)
         self._flat = self._block.flat
-        self._flat_targets = self._block.flat_targets
+        self._flat_picked = self._block.flat_picked
         self._epochs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Data kept in RAM but trained on the GPU: gather into pinned memory, copy ahead.
         self._lookahead = self.device.type == "cuda" and self.resident_device.type != "cuda"
@@ -116,8 +116,8 @@ class ResidentLoader(_Loader):
         one ResidentLoader per bucket and makes its batches through this too."""
         pin = self._lookahead
         raw = {"lat": self._select(self._flat, rows, pin).view(-1, self.spec.P, *self.spec.lat_shape)}
-        for f in self.spec.target_fields:  # the same rows: the targets of the latent's variant
-            raw[f.name] = self._select(self._flat_targets[f.name], rows, pin).view(-1, *f.shape)
+        for f in self.spec.picked:  # the same rows: the scales and targets of the latent's variant
+            raw[f.name] = self._select(self._flat_picked[f.name], rows, pin).view(-1, *f.shape)
         for name, t in self._block.extras.items():
             raw[name] = self._select(t, order, pin)
         if self.with_index:

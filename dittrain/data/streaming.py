@@ -183,7 +183,7 @@ def _job_chunks(store: Store, spec: _Spec, plan: _Plan, job: _Job, piece: int | 
     perm, flips = plan.window_order(job.epoch, job.window, block.n, spec.V == 2)
     perm_t, flips_t = torch.from_numpy(perm), torch.from_numpy(flips)
     rows_t = perm_t * spec.V + flips_t
-    flat, targets = block.flat, block.flat_targets
+    flat, picked = block.flat, block.flat_picked
     for a, b in job.cuts(plan.batch_size):
         lo, hi = a - job.start, b - job.start
         m = b - a
@@ -191,7 +191,7 @@ def _job_chunks(store: Store, spec: _Spec, plan: _Plan, job: _Job, piece: int | 
         def gather(out, lo=lo, hi=hi, m=m):
             samples = perm_t[lo:hi]  # the chunk's samples, as rows of the block
             torch.index_select(flat, 0, rows_t[lo:hi], out=out["lat"][:m].view(m, -1))
-            for name, t in targets.items():  # the latent's rows: the same variant's targets
+            for name, t in picked.items():  # the latent's rows: the same variant's scales and targets
                 torch.index_select(t, 0, rows_t[lo:hi], out=out[name][:m].view(m, -1))
             for name, t in block.extras.items():
                 torch.index_select(t, 0, samples, out=out[name][:m])
