@@ -82,6 +82,16 @@ class _Field:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
+    @property
+    def cpu_dtype(self) -> torch.dtype:
+        """Its dtype in a batch assembled on the CPU for the CPU: float32 for floats and for the
+        latents (int8 codes converted in the copy out of the slot, then scaled in place by
+        _finish: one pass over the batch), the REPA targets ("feat") as stored
+        (dittrain.data.targets dequantizes them in the step)."""
+        if self.name == "lat" or (self.dtype.is_floating_point and self.name != "feat"):
+            return torch.float32
+        return self.dtype
+
 
 class _Spec:
     """The store fields a loader reads and how they become a batch.

@@ -361,14 +361,10 @@ def _read_piece_rows(store: Store, spec: _Spec) -> int | None:
 
 
 def _batch_bytes(fields) -> int:
-    """Bytes per sample of a host batch of these chunk fields: floats as float32 (the CPU path
-    converts while it assembles), others and the REPA targets ("feat") as stored (they are
-    dequantized by dittrain.data.targets in the step, on the training device)."""
-    total = 0
-    for f in fields:
-        n = math.prod(f.shape)
-        total += n * (4 if f.dtype.is_floating_point and f.name != "feat" else f.dtype.itemsize)
-    return total
+    """Bytes per sample of a host batch of these chunk fields as the CPU path assembles them
+    (_Field.cpu_dtype: floats and the latents, int8 ones too, as float32; the REPA targets
+    ("feat") as stored, dequantized by dittrain.data.targets in the step)."""
+    return sum(math.prod(f.shape) * f.cpu_dtype.itemsize for f in fields)
 
 
 def _estimate(spec: _Spec, sizes: list[int], piece: int | None, *, workers: int, window: int,

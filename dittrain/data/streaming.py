@@ -459,8 +459,7 @@ class StreamingLoader(_Loader):
             if self._pin:
                 dst[f.name] = torch.empty((B, *f.shape), dtype=f.dtype, pin_memory=True)
             else:
-                dt = torch.float32 if f.dtype.is_floating_point and f.name != "feat" else f.dtype
-                dst[f.name] = torch.empty((B, *f.shape), dtype=dt)
+                dst[f.name] = torch.empty((B, *f.shape), dtype=f.cpu_dtype)
         filled = 0
         while filled < B:
             epoch, a, m, views, release = self._next_chunk()
