@@ -24,13 +24,23 @@ from scratch import add_device_args, parser  # bench/scratch.py
 WIDTHS = {"rae-dinov2-s": 384, "rae-dinov2-b": 768, "rae-dinov2-l": 1024}
 
 
+def save_random_rae(path: Path, preset: str) -> Path:
+    """A random diffusers AutoencoderRAE of `preset`'s architecture saved at `path` (seed 0)."""
+    from diffusers import AutoencoderRAE
+
+    torch.manual_seed(0)
+    AutoencoderRAE(encoder_type="dinov2", encoder_hidden_size=WIDTHS[preset], encoder_patch_size=14,
+                   encoder_num_hidden_layers=12, decoder_hidden_size=1152, decoder_num_hidden_layers=28,
+                   decoder_num_attention_heads=16, decoder_intermediate_size=4096, patch_size=16,
+                   encoder_input_size=224).save_pretrained(str(path))
+    return path
+
+
 def main():
     ap = parser(__doc__, ("--n", 64, "images"), ("--batch-size", 16, "encode's batch"),
                 ("--workers", 2, "encode's decoding workers"), ("--preset", "rae-dinov2-s", "architecture"))
     add_device_args(ap, threads=False)
     args = ap.parse_args()
-
-    from diffusers import AutoencoderRAE
 
     from ditdata.encode import EncodeConfig, encode
     from ditdata.fetch import fetch
@@ -38,11 +48,7 @@ def main():
     width = WIDTHS[args.preset]
     tmp = Path(tempfile.mkdtemp(prefix="ditkit-rae-bench-"))
     try:
-        torch.manual_seed(0)
-        AutoencoderRAE(encoder_type="dinov2", encoder_hidden_size=width, encoder_patch_size=14,
-                       encoder_num_hidden_layers=12, decoder_hidden_size=1152, decoder_num_hidden_layers=28,
-                       decoder_num_attention_heads=16, decoder_intermediate_size=4096, patch_size=16,
-                       encoder_input_size=224).save_pretrained(str(tmp / "rae"))
+        save_random_rae(tmp / "rae", args.preset)
         make_photos(tmp / "photos", args.n)
         fetch(tmp / "photos", tmp / "shards", samples_per_shard=16, processes=2, progress=False)
         r = encode(EncodeConfig(shards=str(tmp / "shards"), out=str(tmp / "store"), vae=f"rae:{tmp / 'rae'}",

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ditdata.store import BFLOAT16, Schema, StoreWriter, TensorSpec
+from ditdata.store import BFLOAT16, LATENT_SCALES, Schema, StoreWriter, TensorSpec, quantize
 
 CREATED_AT = "2026-01-01T00:00:00+00:00"
 SAMPLE_CLASSES = ["astronaut", "chelsea", "coffee"]
@@ -71,11 +71,15 @@ def schema(dtype: str = "float16", *, kind: str = "sample", flip: bool = True, t
            shape=(4, 8, 8), columns: dict = COLUMNS) -> Schema:
     """Tensors latent (or mean/std), their *_flip twins when `flip`, and text fields:
     text=True is a 16-d pooled embedding with 5x16 tokens and mask, a dict
-    {"pooled": D, "tokens": (L, W) or None} other sizes, False none."""
+    {"pooled": D, "tokens": (L, W) or None} other sizes, False none. dtype "int8": int8
+    latents with their float32 scales (h, w), text fields float16 (as `ditdata encode --dtype int8`)."""
     names = ["latent"] if kind == "sample" else ["mean", "std"]
     if flip:
         names += [f"{n}_flip" for n in names]
     tensors = {n: TensorSpec(shape, dtype) for n in names}
+    if dtype == "int8":
+        tensors |= {LATENT_SCALES[n]: TensorSpec(shape[1:], "float32") for n in names}
+        dtype = "float16"
     if text is True:
         text = {"pooled": 16, "tokens": (5, 16)}
     if text:
@@ -93,13 +97,17 @@ def _cast(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def shard_data(sch: Schema, index: int, n: int) -> tuple[dict, dict]:
-    """Values that depend only on (shard index, n), in the schema's dtypes (COLUMNS)."""
+    """Values that depend only on (shard index, n), in the schema's dtypes (COLUMNS); int8
+    latents quantized per token (their scales beside them)."""
     rng = np.random.default_rng(1000 + index)
     tensors = {}
     for name, spec in sch.tensors.items():
         if spec.dtype == "bool":
             tensors[name] = rng.random((n, *spec.shape)) < 0.5
-        else:
+        elif spec.dtype == "int8":
+            x = rng.standard_normal((n, *spec.shape)).astype(np.float32)
+            tensors[name], tensors[LATENT_SCALES[name]] = quantize(x, axis=1)
+        elif name not in LATENT_SCALES.values():
             tensors[name] = _cast(rng.standard_normal((n, *spec.shape)).astype(np.float32), spec.dtype)
     columns = {
         "key": [f"src/{index}/img.{i}.jpg" for i in range(n)],  # slashes and dots on purpose

@@ -24,7 +24,7 @@ from storeutil import (
 )
 
 import dittrain.data as data
-from ditdata.store import open_store
+from ditdata.store import open_store, values
 from dittrain.data import LoaderConfig, ResidentLoader, StreamingLoader, build_loader, choose_loader
 
 SIZES, B = LOADER_SIZES, LOADER_BATCH  # 54 samples, an empty shard on purpose; batches of 8
@@ -34,10 +34,10 @@ make = partial(new_loader, seed=3)  # make(store, kind, workers=0, **kw): storeu
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
-    """Open stores of SIZES by name: fp16, bf16 and fp16 mean/std latents with flips (zarr),
-    fp16 latents without flips (wds)."""
+    """Open stores of SIZES by name: fp16, bf16, int8 (with per-token scales) and fp16 mean/std
+    latents with flips (zarr), fp16 latents without flips (wds)."""
     root = tmp_path_factory.mktemp("stores")
-    kinds = {"fp16": (schema("float16"), "zarr"), "bf16": (schema("bfloat16"), "zarr"),
+    kinds = {"fp16": (schema("float16"), "zarr"), "bf16": (schema("bfloat16"), "zarr"), "int8": (schema("int8"), "zarr"),
              "meanstd": (schema("float16", kind="mean_std"), "zarr"), "wds": (schema("float16", flip=False), "wds")}
     for name, (sch, backend) in kinds.items():
         write_store(root / name, sch, SIZES, backend, chunk_samples=4)
@@ -127,8 +127,10 @@ def test_workers_do_not_change_the_sequence(stores):
 
 # -- values carried with their samples ---------------------------------------------------
 @pytest.mark.parametrize("kind,workers", LOADERS)
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "int8"])
 def test_values_match_the_store(stores, kind, workers, dtype):
+    """int8: x is the dequantized latent (ditdata.store.values: codes x the token's scale)
+    to the bit, each variant with its own scales."""
     store = stores[dtype]
     ref = all_data(store)
     with make(store, kind, workers) as loader:
@@ -138,7 +140,7 @@ def test_values_match_the_store(stores, kind, workers, dtype):
     assert b0["y"].dtype == torch.int64 and b0["text_mask"].dtype == torch.bool
     assert b0["text_pooled"].dtype == torch.float32 and b0["text_tokens"].shape == (B, 5, 16)
     # by value: every x is exactly one stored latent of its sample, in the chosen variant
-    lat, lat_flip = f32(ref["latent"]), f32(ref["latent_flip"])
+    lat, lat_flip = f32(values(ref, "latent")), f32(values(ref, "latent_flip"))
     for b in batches:
         i, fl = b["index"], b["flip"]
         want = torch.where(fl[:, None, None, None], lat_flip[i], lat[i])
@@ -151,7 +153,9 @@ def test_values_match_the_store(stores, kind, workers, dtype):
     i, fl = int(batches[0]["index"][0]), bool(batches[0]["flip"][0])
     sample = store.sample(i)
     assert sample["key"] == ref["key"][i]
-    assert torch.equal(batches[0]["x"][0], f32(sample["latent_flip" if fl else "latent"]))
+    field = "latent_flip" if fl else "latent"
+    one = {k: np.asarray(v)[None] for k, v in sample.items() if k.startswith(field)}  # a read() of one sample
+    assert torch.equal(batches[0]["x"][0], f32(values(one, field)[0]))
     # flip variants: both appear, and a sample gets both over a few epochs
     flips = stream(batches, "flip")
     assert 0.25 < flips.float().mean() < 0.75
@@ -210,7 +214,7 @@ def test_text_store_has_no_labels(tmp_path):
 # -- exact resume ------------------------------------------------------------------------
 @pytest.mark.parametrize("kind,workers", LOADERS)
 @pytest.mark.parametrize("split", [6, 7])  # batch 6 straddles epochs 0 and 1 (54 = 6 * 8 + 6)
-@pytest.mark.parametrize("name", ["fp16", "meanstd"])
+@pytest.mark.parametrize("name", ["fp16", "meanstd", "int8"])
 def test_exact_resume(stores, kind, workers, split, name):
     straight, again, state = resumed(partial(make, stores[name], kind, workers), 14, split)
     assert state["batches"] == split and state["epoch"] == split * B // N

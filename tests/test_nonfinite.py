@@ -14,7 +14,8 @@ from storeutil import schema, write_store
 from tiny import fetch_tree, real_images
 
 from ditdata.autoencoders import taef2
-from ditdata.store import BACKEND_CLASSES, open_store
+from ditdata.imageshards import folder as imageshards
+from ditdata.store import BACKEND_CLASSES, open_store, quantize, values
 
 # every shard format of the store's table: a new backend is tested too
 BACKENDS = list(BACKEND_CLASSES)
@@ -84,4 +85,63 @@ def test_verify_reports_non_finite_values(tmp_path, backend, monkeypatch):
     assert r.exit_code == 1
     assert "field 'latent' holds non-finite values (NaN/inf) in 1 sample(s), the first at row 2" in r.output
     assert "field 'text_pooled' holds non-finite values (NaN/inf) in 1 sample(s), the first at row 4" in r.output
+    assert "2 fault(s) found" in r.output
+
+
+def test_int8_latents_hold_what_fp16_overflows_and_leave_out_what_is_not_finite(tmp_path):
+    """--dtype int8: the per-token float32 scale stores the overflowing autoencoder's ~1e6 latents
+    that float16 cannot (every sample kept, each within half a step of the float32 encode); a
+    sample that is not finite in float32 is left out and counted before quantization, as ever."""
+    photos = {k: np.ascontiguousarray(v[:64, :64]) for k, v in real_images().items()}
+    (tmp_path / "tree" / "bright").mkdir(parents=True)
+    for i, arr in enumerate(photos.values()):
+        Image.fromarray(arr).save(tmp_path / "tree" / "bright" / f"{i}.png")
+    shards = fetch_tree(tmp_path / "tree", tmp_path / "shards", samples_per_shard=4)
+    vae = overflowing_taef2(tmp_path / "vae", photos["astronaut"])
+    r = cli("encode", shards, "--vae", vae, "--resolution", 64, "--out", tmp_path / "store", "--dtype", "int8",
+            "--workers", 0, "--device", "cpu")
+    assert r.exit_code == 0 and "skipped: none" in r.output, r.output
+    s = open_store(tmp_path / "store", verify=True)
+    data = s.read("00000")
+    z = values(data, "latent")
+    assert len(s) == 4 and np.abs(z).max() > 65504  # beyond float16
+    from ditdata.autoencoders import load_autoencoder
+
+    images = {m.key: np.asarray(m.decode()) for m in imageshards.iter_shard(imageshards.list_shards(shards)[0])}
+    with torch.no_grad():
+        x = torch.stack([torch.from_numpy(images[k]).permute(2, 0, 1) for k in data["key"]]).float() / 255
+        want = load_autoencoder(str(vae)).encode(x)[0].numpy()
+    assert (np.abs(z - want) <= data["latent_scale"][:, None] / 2 * (1 + 1e-3)).all()  # and float32 rounding
+
+    from ditdata.encode import _ShardOut
+
+    out = _ShardOut(0, "00000", int8=True)
+    lat = np.random.default_rng(0).standard_normal((3, 4, 2, 2)).astype(np.float32)
+    lat[1, 2, 0, 1] = np.nan
+    assert out.add({"latent": lat.copy()}, {"key": ["a", "b", "c"]}) == 2
+    assert out.nonfinite_keys == ["b"] and out.columns["key"] == ["a", "c"]
+    q, scale = out.tensors["latent"][0], out.tensors["latent_scale"][0]
+    assert q.dtype == np.int8 and np.array_equal(q, quantize(lat[[0, 2]], axis=1)[0])
+    assert np.array_equal(scale, quantize(lat[[0, 2]], axis=1)[1])
+
+
+def test_verify_reports_int8_scales_that_are_not_finite_or_not_positive(tmp_path, monkeypatch):
+    import storeutil
+
+    clean = storeutil.shard_data
+
+    def poisoned(sch, index, n):
+        t, c = clean(sch, index, n)
+        if index == 1:
+            t["latent_scale"][2, 3, 3] = np.nan
+            t["latent_flip_scale"][4, 0, 1] = -t["latent_flip_scale"][4, 0, 1]
+        return t, c
+
+    monkeypatch.setattr(storeutil, "shard_data", poisoned)
+    with np.errstate(invalid="ignore"):
+        write_store(tmp_path / "s", schema("int8"), [5, 6])
+    r = cli("verify", tmp_path / "s")
+    assert r.exit_code == 1
+    assert "field 'latent_scale' holds non-finite values (NaN/inf) in 1 sample(s), the first at row 2" in r.output
+    assert "field 'latent_flip_scale' holds int8 scales that are not > 0 in 1 sample(s), the first at row 4" in r.output
     assert "2 fault(s) found" in r.output

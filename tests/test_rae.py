@@ -21,7 +21,7 @@ from tiny import class_tree, fetch_tree, save_tiny_kl, save_tiny_rae, tiny_rae
 from ditdata.autoencoders.kinds import PRESETS, autoencoder_from_manifest, load_autoencoder
 from ditdata.framing import center_crop, hflip
 from ditdata.imageshards import folder as imageshards
-from ditdata.store import open_store
+from ditdata.store import open_store, values
 
 pytest.importorskip("diffusers")
 BIN = Path(sys.executable).parent
@@ -48,6 +48,16 @@ def rae_store(shards, rae_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def rae_int8_store(shards, rae_dir, tmp_path_factory) -> Path:
+    """The same images, latents stored int8 with a float32 scale per token (--dtype int8)."""
+    out = tmp_path_factory.mktemp("store8") / "s"
+    r = ditdata("encode", shards, "--vae", f"rae:{rae_dir}", "--resolution", 32, "--flip", "--dtype", "int8",
+                "--out", out, "--workers", 0, "--device", "cpu", "--quiet")
+    assert r.exit_code == 0, r.output
+    return out
+
+
 def _pixels(crops) -> torch.Tensor:
     return torch.stack([torch.from_numpy(np.asarray(c)).permute(2, 0, 1) for c in crops]).float() / 255
 
@@ -69,6 +79,40 @@ def test_encode_stores_what_autoencoder_rae_encode_returns(shards, rae_dir, rae_
     assert not np.allclose(want, flipped, atol=1e-2)  # the flip is a different latent, not a copy
     np.testing.assert_allclose(data["latent"].astype(np.float32), want, rtol=2e-3, atol=2e-3)  # stored fp16
     np.testing.assert_allclose(data["latent_flip"].astype(np.float32), flipped, rtol=2e-3, atol=2e-3)
+
+
+def test_int8_latents_are_autoencoder_rae_encode_within_half_a_step(shards, rae_store, rae_int8_store, tmp_path):
+    """--dtype int8: each stored token (the C channels at a position) is AutoencoderRAE.encode's
+    within half its scale (the rounding; float32 on both sides up to 1e-5), the scale is the token's
+    max |x| / 127, and the decoder's output from int8 latents is close to its output from fp16 ones:
+    PSNR >= 35 dB on this tiny random RAE (bench/RESULTS.md has the released architecture's figure)."""
+    store = open_store(rae_int8_store, verify=True)
+    assert store.manifest["latent"]["dtype"] == "int8" and store.manifest["latent"]["int8"]["scale"] == "latent_scale"
+    assert store.schema.tensors["latent_scale"].shape == (4, 4)
+    model = tiny_rae()
+    data = store.read(0)
+    crops = {s.key: center_crop(s.decode(), 32) for s in imageshards.iter_shard(imageshards.list_shards(shards)[0])}
+    for field, view in (("latent", lambda c: c), ("latent_flip", hflip)):
+        with torch.no_grad():
+            want = model.encode(_pixels([view(crops[k]) for k in data["key"]])).latent.numpy()
+        scale = data[f"{field}_scale"]
+        np.testing.assert_allclose(scale, np.abs(want).max(axis=1) / 127, rtol=1e-4)
+        err = np.abs(values(data, field) - want)
+        assert (err <= scale[:, None] / 2 + 1e-5).all(), err.max()
+    ae = autoencoder_from_manifest(store.manifest["vae"], strict=True)
+    fp16 = open_store(rae_store).read(0)
+    images8 = ae.decode(torch.from_numpy(values(data, "latent")))
+    images16 = ae.decode(torch.from_numpy(values(fp16, "latent")))
+    mse = float(((images8 - images16) ** 2).mean())
+    assert 10 * np.log10(1 / mse) >= 35
+    # inspect --decode draws the dequantized latents
+    r = ditdata("inspect", rae_int8_store, "--decode", 2, "--out", tmp_path / "peek")
+    assert r.exit_code == 0 and len(list((tmp_path / "peek").glob("*.png"))) == 2, r.output
+    # int8 holds one latent per image: mean and std are refused in one line, nothing written
+    r = ditdata("encode", shards, "--vae", f"rae:{rae_int8_store}", "--dtype", "int8", "--posterior", "mean_std",
+                "--out", tmp_path / "ms")
+    assert r.exit_code != 0 and "--dtype int8 stores one latent per image" in one_error_line(r.output)
+    assert not (tmp_path / "ms").exists()
 
 
 def test_decode_is_autoencoder_rae_decode_and_inspect_draws_it(rae_store, tmp_path):
@@ -155,12 +199,16 @@ DDT = ("custom:hidden=32,depth=2,heads=2,patch=1,mlp=swiglu,norm=rms,pos=sincos+
        "head_depth=1,head_hidden=64,head_heads=4")
 
 
-def test_a_dit_dh_run_resumes_exactly_after_sigkill_and_samples_through_the_rae_decoder(rae_store, tmp_path):
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_a_dit_dh_run_resumes_exactly_after_sigkill_and_samples_through_the_rae_decoder(rae_store, rae_int8_store,
+                                                                                       tmp_path, dtype):
     """RAE's recipe on RAE latents: flow, t as the model's input (--flow-time-scale 1), --t-shift auto =
     sqrt(64 x 4 x 4 / 4096) for this store (RAE's 6.93 at 768 x 16 x 16); SIGKILLed at step 20 and resumed,
-    the same loss at every step; then sampled and decoded by the RAE decoder of the manifest."""
+    the same loss at every step; then sampled and decoded by the RAE decoder of the manifest. On the
+    float16 store and on the int8 one (codes and scales streamed, dequantized in the step)."""
     from cliutil import resume_after_sigkill
 
+    rae_store = rae_int8_store if dtype == "int8" else rae_store
     common = ["--model", DDT, "--objective", "flow", "--t-shift", "auto", "--flow-time-scale", 1, "--max-steps", 40,
               "--save-every", 20, "--lr", "1e-3", "--ema", "0.9", "--adam-betas", "0.9,0.95"]
     err = resume_after_sigkill(rae_store, tmp_path, common, steps=40, half=20)

@@ -49,7 +49,7 @@ def _expected_columns(cols: dict) -> dict:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8"])  # int8: latents with their scales
 def test_round_trip(tmp_path, backend, dtype):
     sch = schema(dtype)
     write_store(tmp_path / "s", sch, SIZES, backend, chunk_samples=5)
