@@ -369,3 +369,19 @@ def test_auto_resident_on_gpu(stores):
     assert loader.kind == "resident" and loader.resident_device.type == "cuda"
     assert "free GPU memory" in loader.reason
     assert next(loader)["x"].is_cuda
+
+
+@pytest.mark.parametrize(("given", "want"), [(None, "1"), ("0", "0")])
+def test_dittrain_puts_large_cpu_tensors_on_huge_pages_unless_told_otherwise(given, want):
+    """The dittrain command sets torch's THP_MEM_ALLOC_ENABLE=1 before torch is imported (host
+    batches of wide latents on transparent huge pages: bench/latent_loader.py); a user's own value wins."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"} | (
+        {"THP_MEM_ALLOC_ENABLE": given} if given else {})
+    code = ("import os, sys, dittrain.cli; assert 'torch' not in sys.modules; "
+            "print(os.environ['THP_MEM_ALLOC_ENABLE'])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == want, out.stderr
