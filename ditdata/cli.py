@@ -544,6 +544,7 @@ def encode(shards, out, quiet, **options):
       ditdata encode ./laion-shards --vae sdxl-vae --buckets 512 --flip --out ./store
       ditdata encode ./laion-shards --vae sdxl-vae --select keep.parquet \\
           --text-encoder ViT-B-32 --text-pretrained laion2b_s34b_b79k --out ./store
+      ditdata encode ./imagenet-shards --vae rae-dinov2-b --flip --dtype int8 --out ./rae_store
       torchrun --standalone --nproc_per_node 8 -m ditdata.cli encode ./shards --vae taef2 --out ./store
     """
     from ditdata.encode import encode, report

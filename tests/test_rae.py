@@ -85,7 +85,8 @@ def test_int8_latents_are_autoencoder_rae_encode_within_half_a_step(shards, rae_
     """--dtype int8: each stored token (the C channels at a position) is AutoencoderRAE.encode's
     within half its scale (the rounding; float32 on both sides up to 1e-5), the scale is the token's
     max |x| / 127, and the decoder's output from int8 latents is close to its output from fp16 ones:
-    PSNR >= 35 dB on this tiny random RAE (bench/RESULTS.md has the released architecture's figure)."""
+    PSNR >= 55 dB (measured 61.4-63.0 dB on this tiny random RAE's shards; bench/int8_latents.py: 68.3 dB
+    on a random rae-dinov2-b, 64.3 dB on TAEF2's real weights, bench/RESULTS.md)."""
     store = open_store(rae_int8_store, verify=True)
     assert store.manifest["latent"]["dtype"] == "int8" and store.manifest["latent"]["int8"]["scale"] == "latent_scale"
     assert store.schema.tensors["latent_scale"].shape == (4, 4)
@@ -104,7 +105,7 @@ def test_int8_latents_are_autoencoder_rae_encode_within_half_a_step(shards, rae_
     images8 = ae.decode(torch.from_numpy(values(data, "latent")))
     images16 = ae.decode(torch.from_numpy(values(fp16, "latent")))
     mse = float(((images8 - images16) ** 2).mean())
-    assert 10 * np.log10(1 / mse) >= 35
+    assert 10 * np.log10(1 / mse) >= 55
     # inspect --decode draws the dequantized latents
     r = ditdata("inspect", rae_int8_store, "--decode", 2, "--out", tmp_path / "peek")
     assert r.exit_code == 0 and len(list((tmp_path / "peek").glob("*.png"))) == 2, r.output
