@@ -4,7 +4,7 @@
 
 A store is a directory with `manifest.json` (written last, atomically) and one shard
 per input shard under `shards/`, in the `zarr` or `wds` backend. See manifest.py for
-the manifest's fields, schema.py for what a sample holds, writer.py for how shards are
+the manifest's fields, schema.py for what a sample holds (and the int8 fields' quantization), writer.py for how shards are
 published (defaults.py: its options' defaults), backends.py for the shard
 formats (a table of Backend classes with capability flags), reader.py for reading a local
 store, remote.py for a store at a URL, open.py for opening either, and features.py for the
