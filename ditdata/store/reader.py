@@ -275,9 +275,11 @@ def _non_finite(shard: Shard, data: dict, schema: Schema) -> list[str]:
         if spec.dtype == "bool" or not len(data[f]):
             continue
         x = data[f].astype(np.float32).reshape(len(data[f]), -1)
-        for bad, what in ((~np.isfinite(x).all(axis=1), "non-finite values (NaN/inf)"),
-                          ((x <= 0).any(axis=1) if f.endswith("_scale") else None, "int8 scales that are not > 0")):
-            if bad is not None and bad.any():
+        checks = [(~np.isfinite(x).all(axis=1), "non-finite values (NaN/inf)")]
+        if f.endswith("_scale"):
+            checks.append(((x <= 0).any(axis=1), "int8 scales that are not > 0"))
+        for bad, what in checks:
+            if bad.any():
                 first = int(np.argmax(bad))
                 key = data["key"][first] if "key" in data else first
                 faults.append(f"{shard.path}: field {f!r} holds {what} in "

@@ -77,7 +77,9 @@ def values(data: dict[str, np.ndarray], field: str) -> np.ndarray:
     """The float32 values of `field` in a read() result of n samples: dequantized with its
     `_scale` when there is one (int8), else as stored."""
     scale = data.get(f"{field}_scale")
-    return dequantize(data[field], scale, axis=1 + TOKEN_AXES[field] if scale is not None else -1)
+    if scale is None:
+        return np.asarray(data[field], dtype=np.float32)
+    return dequantize(data[field], scale, axis=1 + TOKEN_AXES[field])
 
 
 @dataclass(frozen=True)

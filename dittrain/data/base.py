@@ -123,14 +123,16 @@ class _Spec:
             if name in schema.tensors:
                 t = schema.tensors[name]
                 self.extras.append(_Field(name, name, _TORCH_DTYPES[t.dtype], tuple(t.shape)))
-        # int8 latents (one frozen sample each): their scales (h, w) per variant
-        scales = [[LATENT_SCALES[v[0]]] for v in self.variants] if self.lat_dtype == torch.int8 else []
-        scale_fields = [_Field("lat_scale", None, torch.float32, self.lat_shape[1:])] if scales else []
+        # the fields picked with the latent's row, and {their name: their store field in each variant}
+        self.picked: list[_Field] = []
+        self.picked_sources: dict[str, list[str]] = {}
+        if self.lat_dtype == torch.int8:  # int8 latents (one frozen sample each): their scales (h, w)
+            self.picked.append(_Field("lat_scale", None, torch.float32, self.lat_shape[1:]))
+            self.picked_sources["lat_scale"] = [LATENT_SCALES[v[0]] for v in self.variants]
         feat_variants, self.target_fields = self._targets(store)
-        # the fields picked with the latent's row: {chunk field: its store field in each variant}
-        self.picked = scale_fields + self.target_fields
-        self.picked_sources = {f.name: [names[i] for names in variants] for variants, fields in
-                               ((scales, scale_fields), (feat_variants, self.target_fields)) for i, f in enumerate(fields)}
+        for i, f in enumerate(self.target_fields):
+            self.picked.append(f)
+            self.picked_sources[f.name] = [names[i] for names in feat_variants]
         self.read_fields = ([f for v in self.variants for f in v] + [e.source for e in self.extras]
                             + [f for names in self.picked_sources.values() for f in names])
         # what one chunk of a batch carries (the variant already chosen)
