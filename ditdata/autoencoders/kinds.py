@@ -451,9 +451,10 @@ def quiet_third_party_imports() -> None:
     logging.getLogger("diffusers.quantizers.torchao.torchao_quantizer").setLevel(logging.ERROR)
 
 
-def _load_kl(model_dir: Path, dtype: torch.dtype, label: str) -> tuple[Any, dict[str, str]]:
-    # the weight files diffusers will load (it prefers safetensors), relative to model_dir,
-    # and whether they are safetensors
+def _load_diffusers(model_dir: Path, dtype: torch.dtype, label: str,
+                    class_name: str = "AutoencoderKL") -> tuple[Any, dict[str, str]]:
+    """diffusers' `class_name` from a local folder, and the sha256 of the weight files it loads
+    (it prefers safetensors; relative to model_dir), each failure one line."""
     weights = saved_weights(model_dir, ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin"))
     if weights is None:
         raise DitdataError(f"no diffusion_pytorch_model.safetensors or .bin weights in {model_dir}")
@@ -461,12 +462,15 @@ def _load_kl(model_dir: Path, dtype: torch.dtype, label: str) -> tuple[Any, dict
     sha = {f: sha256_file(model_dir / f) for f in files}
     quiet_third_party_imports()
     diffusers = require("diffusers", f"autoencoder {label}", "vae", DitdataError)
+    if not hasattr(diffusers, class_name):  # AutoencoderRAE came with diffusers 0.37
+        raise DitdataError(f"autoencoder {label}: this diffusers ({diffusers.__version__}) has no {class_name}; "
+                           "upgrade diffusers (0.37 or later)")
     try:
-        module = diffusers.AutoencoderKL.from_pretrained(
+        module = getattr(diffusers, class_name).from_pretrained(
             str(model_dir), torch_dtype=dtype, use_safetensors=safe, local_files_only=True,
             low_cpu_mem_usage=importlib.util.find_spec("accelerate") is not None)
     except Exception as e:  # corrupt or incompatible files: one line for the CLI
-        raise DitdataError(f"cannot load AutoencoderKL {label} from {model_dir}: {described(e)}") from e
+        raise DitdataError(f"cannot load {class_name} {label} from {model_dir}: {described(e)}") from e
     return module, sha
 
 
@@ -545,7 +549,7 @@ def _pixels(device: Any, dtype: torch.dtype) -> Autoencoder:
 def _kl_from_dir(path: Path, device: Any, dtype: torch.dtype, name: str | None = None,
                  scaling: float | None = None, shift: float | None = None) -> Autoencoder:
     path = path.expanduser().resolve()
-    module, sha = _load_kl(path, dtype, name or str(path))
+    module, sha = _load_diffusers(path, dtype, name or str(path))
     info = _kl_info(name or str(path), str(path), None, None, sha, module, scaling, shift)
     return Autoencoder(module, info).to(device, dtype)
 
@@ -566,7 +570,7 @@ def _kl_from_hub(repo_id: str, subfolder: str | None, device: Any, dtype: torch.
     if cfg.get("_class_name") != "AutoencoderKL":
         raise DitdataError(f"{repo_id}{'/' + subfolder if subfolder else ''} is a "
                            f"{cfg.get('_class_name')}, not an AutoencoderKL")
-    module, sha = _load_kl(model_dir, dtype, name)
+    module, sha = _load_diffusers(model_dir, dtype, name)
     info = _kl_info(name, repo_id, subfolder, snap.name, sha, module, scaling, shift)
     return Autoencoder(module, info).to(device, dtype)
 
@@ -581,22 +585,7 @@ def _rae_from_dir(path: Path, device: Any, dtype: torch.dtype, *, name: str | No
     if cfg is None or cfg.get("_class_name") != RAE_CLASS:
         found = f"a {cfg.get('_class_name')} config" if cfg else "no readable config.json"
         raise DitdataError(f"--vae {label}: {path} is not a diffusers {RAE_CLASS} folder ({found})")
-    weights = saved_weights(path, ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin"))
-    if weights is None:
-        raise DitdataError(f"no diffusion_pytorch_model.safetensors or .bin weights in {path}")
-    files, safe = weights
-    sha = {f: sha256_file(path / f) for f in files}
-    quiet_third_party_imports()
-    diffusers = require("diffusers", f"autoencoder {label}", "vae", DitdataError)
-    if not hasattr(diffusers, RAE_CLASS):
-        raise DitdataError(f"autoencoder {label}: this diffusers ({diffusers.__version__}) has no {RAE_CLASS}; "
-                           "upgrade diffusers (0.37 or later)")
-    try:
-        module = getattr(diffusers, RAE_CLASS).from_pretrained(
-            str(path), torch_dtype=dtype, use_safetensors=safe, local_files_only=True,
-            low_cpu_mem_usage=importlib.util.find_spec("accelerate") is not None)
-    except Exception as e:  # corrupt or incompatible files: one line for the CLI
-        raise DitdataError(f"cannot load {RAE_CLASS} {label} from {path}: {described(e)}") from e
+    module, sha = _load_diffusers(path, dtype, label, RAE_CLASS)
     c = module.config
     info = _info(label, ident or str(path), subfolder=subfolder, revision=revision, sha=sha, scaling=1.0, shift=0.0,
                  channels=c["encoder_hidden_size"], downsample=module.decoder_patch_size, input_range=RANGE_01,
