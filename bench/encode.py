@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import io
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
-from scratch import add_device_args, parser  # bench/scratch.py
+from scratch import add_device_args, parser, scratch_dir  # bench/scratch.py
 
 
 def make_photos(root: Path, n: int, seed: int = 0) -> Path:
@@ -47,6 +46,15 @@ def make_photos(root: Path, n: int, seed: int = 0) -> Path:
         d.mkdir(parents=True, exist_ok=True)
         img.save(d / f"{i:05d}.jpg", quality=90)
     return root
+
+
+def photo_shards(root: Path, n: int, samples_per_shard: int = 16) -> Path:
+    """make_photos' n JPEGs under root/photos, packed by `ditdata fetch` into root/shards."""
+    from ditdata.fetch import fetch
+
+    make_photos(root / "photos", n)
+    fetch(root / "photos", root / "shards", samples_per_shard=samples_per_shard, processes=2, progress=False)
+    return root / "shards"
 
 
 def naive(shards: Path, out: Path, ae, resolution: int, device: str) -> int:
@@ -78,12 +86,9 @@ def main():
 
     from ditdata.autoencoders.kinds import load_autoencoder
     from ditdata.encode import EncodeConfig, encode
-    from ditdata.fetch import fetch
 
-    tmp = Path(tempfile.mkdtemp(prefix="ditkit-encode-bench-"))
-    try:
-        make_photos(tmp / "photos", args.n)
-        fetch(tmp / "photos", tmp / "shards", samples_per_shard=args.samples_per_shard, processes=2, progress=False)
+    with scratch_dir(None, "ditkit-encode-bench-") as tmp:
+        photo_shards(tmp, args.n, args.samples_per_shard)
         ae = load_autoencoder(args.taef2, device=args.device)
         naive(tmp / "shards", tmp / "warm", ae, args.resolution, args.device)  # warm-up (caches, kernels)
         shutil.rmtree(tmp / "warm")
@@ -102,8 +107,6 @@ def main():
         print(f"| naive loop (batch 1, one .npy each) | {naive_rate:.2f} | 1.0x |")
         print(f"| ditdata encode (batch {args.batch_size}, {args.workers} decode workers) | {ours:.2f} | "
               f"{ours / naive_rate:.1f}x |")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -28,16 +28,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from loader_peers import measured_child  # bench/loader_peers.py
+from loader_peers import child_rounds, parse_or_run_child  # bench/loader_peers.py
 from scratch import parser, scratch_dir, synthetic_store  # bench/scratch.py
 
 SHAPE = (4, 32, 32)  # bench/scratch.py's synthetic store
 TOKENS = 256
+KINDS = ("latents", "targets", "dequantize")
 
 
 def write(root: Path, n: int, shard: int, dims: int, dtype: str) -> None:
@@ -96,15 +96,7 @@ def main() -> None:
     ap = parser(__doc__, n=8192, shard_size=1024)
     ap.add_argument("--dims", type=int, default=768, help="target dims (ViT-B/14: 768)")
     ap.add_argument("--dtype", default="int8", choices=["int8", "float16"], help="the targets' storage")
-    ap.add_argument("--batch-size", type=int, default=256, help="samples per batch")
-    ap.add_argument("--workers", type=int, default=2, help="streaming loader processes")
-    ap.add_argument("--budget", default="auto", help="the loader's memory budget (--loader-memory)")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--child", choices=["latents", "targets", "dequantize"], help=argparse_hidden())
-    ap.add_argument("--root", type=Path, help=argparse_hidden())
-    args = ap.parse_args()
-    if args.child:
-        return child(args)
+    args = parse_or_run_child(ap, KINDS, child)
     with scratch_dir(args.dir, "ditkit-feature-loader-") as root:
         t = time.perf_counter()
         write(root, args.n, args.shard_size, args.dims, args.dtype)
@@ -112,30 +104,15 @@ def main() -> None:
         print(f"{args.n:,} latents {SHAPE} fp16 + {args.dtype} targets {TOKENS}x{args.dims} ({per:,} bytes a sample) "
               f"in {args.n // args.shard_size} shards ({time.perf_counter() - t:.0f} s); batch {args.batch_size}, "
               f"{args.workers} workers, budget {args.budget}, {os.cpu_count()} CPUs", flush=True)
-        results = {"latents": [], "targets": [], "dequantize": []}
-        for rnd in range(args.rounds):
-            for kind in results:
-                cmd = [sys.executable, __file__, "--child", kind, "--root", str(root), "--n", str(args.n),
-                       "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--dims", str(args.dims),
-                       "--dtype", args.dtype, "--budget", args.budget]
-                r, rc = measured_child(cmd)
-                if r is None:
-                    sys.exit(f"feature_loader.py: the {kind} child failed (exit {rc})")
-                results[kind].append(r)
-                print(f"round {rnd}: {kind}: {r['rate']:,.0f} samples/s, peak PSS {r['peak'] / 2**30:.2f} GiB, "
-                      f"startup {r['startup']:.1f} s; {r['reason']}", flush=True)
+        results = child_rounds(__file__, KINDS, root, args, ["--dims", str(args.dims), "--dtype", args.dtype],
+                               lambda r: f"{r['rate']:,.0f} samples/s, peak PSS {r['peak'] / 2**30:.2f} GiB, "
+                                         f"startup {r['startup']:.1f} s; {r['reason']}")
         print("\n| stream | samples/s (median) | peak PSS of the tree | startup (s) | the loader's startup line |")
         print("|---|---:|---:|---:|---|")
         for kind, rs in results.items():
             rate = float(np.median([r["rate"] for r in rs]))
             print(f"| {kind} | {rate:,.0f} | {max(r['peak'] for r in rs) / 2**30:.2f} GiB | "
                   f"{np.median([r['startup'] for r in rs]):.1f} | {rs[-1]['reason']} |")
-
-
-def argparse_hidden() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

@@ -24,15 +24,13 @@ not the released DINOv2's, so they show the mechanism, not the released model's 
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
-from encode import make_photos  # bench/encode.py
+from encode import photo_shards  # bench/encode.py
 from rae_encode import save_random_rae  # bench/rae_encode.py
-from scratch import add_device_args, parser  # bench/scratch.py
+from scratch import add_device_args, parser, scratch_dir  # bench/scratch.py
 
 
 def _psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -97,12 +95,8 @@ def main():
     add_device_args(ap, threads=False)
     args = ap.parse_args()
 
-    from ditdata.fetch import fetch
-
-    tmp = Path(tempfile.mkdtemp(prefix="ditkit-int8-bench-"))
-    try:
-        make_photos(tmp / "photos", args.n)
-        fetch(tmp / "photos", tmp / "shards", samples_per_shard=8, processes=2, progress=False)
+    with scratch_dir(None, "ditkit-int8-bench-") as tmp:
+        photo_shards(tmp, args.n, 8)
         rows = []
         if args.taef2:
             rows.append(measure("TAEF2 (real weights)", args.taef2, tmp / "shards", tmp, args))
@@ -116,8 +110,6 @@ def main():
         for r in rows:
             print(f"| {r['name']} | {' x '.join(map(str, r['shape']))} | {r['bytes'][0]:,} | {r['bytes'][1]:,} | "
                   f"{r['snr']:.1f} | {r['psnr_8_16']:.1f} | {r['psnr_photo'][0]:.2f} / {r['psnr_photo'][1]:.2f} |")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -36,16 +36,14 @@ memory inside --loader-memory. The data is freshly written, so reads come from t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from loader_peers import measured_child, tree_pss  # bench/loader_peers.py
+from loader_peers import child_rounds, parse_or_run_child, tree_pss  # bench/loader_peers.py
 from scratch import parser, scratch_dir  # bench/scratch.py
 
 SHAPE = (768, 16, 16)  # rae-dinov2-b at 256 px
@@ -137,18 +135,10 @@ def child(args) -> None:
 
 def main() -> None:
     ap = parser(__doc__, n=8192, shard_size=1024)
-    ap.add_argument("--batch-size", type=int, default=256, help="samples per batch")
-    ap.add_argument("--workers", type=int, default=2, help="streaming loader processes")
-    ap.add_argument("--budget", default="auto", help="the loader's memory budget (--loader-memory)")
-    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--flip", action="store_true", help="store the flipped twins too (ditdata encode --flip)")
     ap.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
                     help="THP_MEM_ALLOC_ENABLE=0 in the children (dittrain's default is 1: dittrain/cli.py)")
-    ap.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
-    ap.add_argument("--root", type=Path, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        return child(args)
+    args = parse_or_run_child(ap, KINDS, child)
     with scratch_dir(args.dir, "ditkit-latent-loader-") as root:
         t = time.perf_counter()
         write(root, args.n, args.shard_size, args.flip)
@@ -160,22 +150,13 @@ def main() -> None:
               f"batch {args.batch_size}, {args.workers} workers, budget {args.budget}, {os.cpu_count()} CPUs, "
               f"huge pages {'on' if args.huge_pages else 'off'}",
               flush=True)
-        results = {k: [] for k in KINDS}
-        for rnd in range(args.rounds):
-            for kind in KINDS:
-                cmd = [sys.executable, __file__, "--child", kind, "--root", str(root), "--n", str(args.n),
-                       "--batch-size", str(args.batch_size), "--workers", str(args.workers),
-                       "--budget", args.budget] + ([] if args.huge_pages else ["--no-huge-pages"])
-                r, rc = measured_child(cmd)
-                if r is None:
-                    sys.exit(f"latent_loader.py: the {kind} child failed (exit {rc})")
-                results[kind].append(r)
-                if "refused" in r:
-                    print(f"round {rnd}: {kind}: refused: {r['refused']}", flush=True)
-                    continue
-                print(f"round {rnd}: {kind}: {r['rate']:,.0f} samples/s, peak PSS {r['peak'] / 2**30:.2f} GiB "
-                      f"({(r['peak'] - r['base']) / 2**30:.2f} GiB over the child before its loader), "
-                      f"startup {r['startup']:.1f} s; {r['reason']}", flush=True)
+        def words(r: dict) -> str:
+            if "refused" in r:
+                return f"refused: {r['refused']}"
+            return (f"{r['rate']:,.0f} samples/s, peak PSS {r['peak'] / 2**30:.2f} GiB ({(r['peak'] - r['base']) / 2**30:.2f} "
+                    f"GiB over the child before its loader), startup {r['startup']:.1f} s; {r['reason']}")
+
+        results = child_rounds(__file__, KINDS, root, args, [] if args.huge_pages else ["--no-huge-pages"], words)
         print("\n| latent | samples/s (median) | peak PSS of the tree (over the child before its loader) | "
               "loader's estimate | budget | startup (s) | peak within budget (tree; over the child) |")
         print("|---|---:|---:|---:|---:|---:|---|")

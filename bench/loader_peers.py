@@ -271,6 +271,43 @@ def measured_child(cmd: list[str]) -> tuple[dict | None, int]:
     return json.loads(line[-1][7:]) | {"peak": peak}, 0
 
 
+def parse_or_run_child(ap, kinds, child):
+    """The streaming benches' command line (bench/feature_loader.py, bench/latent_loader.py): their
+    shared options (--batch-size, --workers, --budget, --rounds, and the children's hidden --child KIND
+    and --root) added to `ap`, parsed: the args; a child process runs child(args) and exits."""
+    import argparse
+
+    ap.add_argument("--batch-size", type=int, default=256, help="samples per batch")
+    ap.add_argument("--workers", type=int, default=2, help="streaming loader processes")
+    ap.add_argument("--budget", default="auto", help="the loader's memory budget (--loader-memory)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--child", choices=list(kinds), help=argparse.SUPPRESS)
+    ap.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        sys.exit(0)
+    return args
+
+
+def child_rounds(script: str, kinds, root: Path, args, extra: list[str], words) -> dict[str, list[dict]]:
+    """args.rounds rounds of one measured child of `script` per kind, interleaved (every kind once
+    a round), with add_child_args' options and `extra`; prints a line per child, words(result) after
+    its kind. {kind: [results]}; exits naming the kind when a child fails."""
+    results: dict[str, list[dict]] = {k: [] for k in kinds}
+    for rnd in range(args.rounds):
+        for kind in kinds:
+            cmd = [sys.executable, script, "--child", kind, "--root", str(root), "--n", str(args.n),
+                   "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--budget", args.budget,
+                   *extra]
+            r, rc = measured_child(cmd)
+            if r is None:
+                sys.exit(f"{Path(script).name}: the {kind} child failed (exit {rc})")
+            results[kind].append(r)
+            print(f"round {rnd}: {kind}: {words(r)}", flush=True)
+    return results
+
+
 def compare(root: Path, args) -> None:
     skipped = write_all(root, args.n, args.shard_size)
     runs = [("dittrain", b) for b in args.budgets.split(",")] + [(p, None) for p in PEERS if p not in skipped]

@@ -13,13 +13,11 @@ Bytes per image are the store's shard files over its images (fp16 latents, no fl
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-from encode import make_photos  # bench/encode.py
-from scratch import add_device_args, parser  # bench/scratch.py
+from encode import photo_shards  # bench/encode.py
+from scratch import add_device_args, parser, scratch_dir  # bench/scratch.py
 
 WIDTHS = {"rae-dinov2-s": 384, "rae-dinov2-b": 768, "rae-dinov2-l": 1024}
 
@@ -43,14 +41,11 @@ def main():
     args = ap.parse_args()
 
     from ditdata.encode import EncodeConfig, encode
-    from ditdata.fetch import fetch
 
     width = WIDTHS[args.preset]
-    tmp = Path(tempfile.mkdtemp(prefix="ditkit-rae-bench-"))
-    try:
+    with scratch_dir(None, "ditkit-rae-bench-") as tmp:
         save_random_rae(tmp / "rae", args.preset)
-        make_photos(tmp / "photos", args.n)
-        fetch(tmp / "photos", tmp / "shards", samples_per_shard=16, processes=2, progress=False)
+        photo_shards(tmp, args.n)
         r = encode(EncodeConfig(shards=str(tmp / "shards"), out=str(tmp / "store"), vae=f"rae:{tmp / 'rae'}",
                                 resolution=256, device=args.device, batch_size=args.batch_size,
                                 workers=args.workers, progress=False))
@@ -61,8 +56,6 @@ def main():
         print(f"| encode images/s (batch {args.batch_size}, {args.workers} decode workers) | {r['images_per_s']:.2f} |")
         print(f"| stored bytes per image (fp16, zarr) | {stored / args.n:,.0f} |")
         print(f"| latent bytes per image (fp16, {width} x 16 x 16) | {width * 256 * 2:,} |")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
