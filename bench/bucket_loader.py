@@ -27,14 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from scratch import (
-    INFO,
-    parse_on_device,
-    parser,
-    scratch_dir,
-    sync,
-    synthetic_store,
-)
+from scratch import INFO, parse_on_device, parser, scratch_dir, sync, synthetic_store
 
 from ditdata.store import Schema, StoreWriter, TensorSpec, finalize_buckets
 from dittrain.data import BucketedLoader, ResidentLoader

@@ -35,14 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from scratch import (  # bench/scratch.py
-    add_device_args,
-    add_options,
-    open_device,
-    parser,
-    scratch_dir,
-    sync,
-)
+from scratch import add_device_args, add_options, open_device, parser, scratch_dir, sync  # bench/scratch.py
 
 from ditdata.store import Schema, StoreWriter, TensorSpec, open_store
 from dittrain.data import ResidentLoader, StreamingLoader

@@ -27,11 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from feature_bytes import photos  # bench/feature_bytes.py
-from scratch import (  # bench/scratch.py
-    parse_on_device,
-    parser,
-    scratch_dir,
-)
+from scratch import parse_on_device, parser, scratch_dir  # bench/scratch.py
 
 SIZES = {"S": (384, 12, 6), "B": (768, 12, 12)}
 

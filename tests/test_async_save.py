@@ -34,13 +34,7 @@ from dittrain.data import LoaderConfig, build_loader
 from dittrain.inference.weights import load_weights
 from dittrain.model.dit import DiT
 from dittrain.model.sizes import get_config
-from dittrain.rundir import (
-    CheckpointError,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    save_checkpoint,
-)
+from dittrain.rundir import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from dittrain.train.checkpoint import CheckpointWriter, RunState
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,12 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dittrain.model.attention import (
-    SDPA_BACKENDS,
-    attention_backend,
-    attention_backends_available,
-    attention_kernel,
-)
+from dittrain.model.attention import SDPA_BACKENDS, attention_backend, attention_backends_available, attention_kernel
 from dittrain.model.dit import Attention
 from dittrain.model.sizes import get_config
 

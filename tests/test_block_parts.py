@@ -17,14 +17,7 @@ from cliutil import dittrain, one_error_line, raises_one_line
 from dittrain.inference.weights import WeightsError, infer_model
 from dittrain.model.dit import DiT, num_params
 from dittrain.model.parts import MLPS, MlpPart, spec_choices
-from dittrain.model.sizes import (
-    DiTConfig,
-    ModelSpecError,
-    architecture,
-    custom_name,
-    flops_per_forward,
-    get_config,
-)
+from dittrain.model.sizes import DiTConfig, ModelSpecError, architecture, custom_name, flops_per_forward, get_config
 from dittrain.plan.footprint import FootprintError, Setting, footprint
 from dittrain.plan.throughput import recompute_flops
 

@@ -10,15 +10,7 @@ import pytest
 from storeutil import CREATED_AT, bucketed_store, make_store
 
 from ditdata.common import files
-from ditdata.store import (
-    Bucket,
-    BucketedStore,
-    StoreError,
-    StoreWriter,
-    finalize_buckets,
-    identity,
-    open_store,
-)
+from ditdata.store import Bucket, BucketedStore, StoreError, StoreWriter, finalize_buckets, identity, open_store
 from ditdata.store.reader import Store
 
 SIZES = {(16, 16): 5, (24, 12): 7, (12, 24): 3}

@@ -14,14 +14,7 @@ import numpy as np
 import pytest
 import torch
 from cliutil import dittrain, ok, one_error_line, raises_one_line, resume_after_sigkill, run_args
-from storeutil import (
-    bucketed_store,
-    class_conditioning,
-    pixels_info,
-    schema,
-    take,
-    write_store,
-)
+from storeutil import bucketed_store, class_conditioning, pixels_info, schema, take, write_store
 from test_sample import read_png
 from test_train import assert_same_state
 

@@ -21,15 +21,7 @@ from test_sample import read_png
 from dittrain.inference.open_run import model_config
 from dittrain.inference.weights import load_weights
 from dittrain.model.dit import DiT, describe, num_params
-from dittrain.model.sizes import (
-    CONFIGS,
-    LIGHTNING,
-    DiTConfig,
-    ModelSpecError,
-    architecture,
-    custom_name,
-    get_config,
-)
+from dittrain.model.sizes import CONFIGS, LIGHTNING, DiTConfig, ModelSpecError, architecture, custom_name, get_config
 from dittrain.rundir import latest_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")

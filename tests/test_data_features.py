@@ -26,16 +26,8 @@ from storeutil import (
 )
 
 from ditdata.store import FeatureSchema, FeatureWriter, dequantize, open_store
-from dittrain.data import (
-    LoaderError,
-    ResidentLoader,
-    StreamingLoader,
-    choose_loader,
-    plan_streaming_memory,
-)
-from dittrain.data import (
-    targets as data_targets,
-)
+from dittrain.data import LoaderError, ResidentLoader, StreamingLoader, choose_loader, plan_streaming_memory
+from dittrain.data import targets as data_targets
 
 SIZES, B = LOADER_SIZES, LOADER_BATCH  # 54 samples, an empty shard on purpose; batches of 8
 N = sum(SIZES)

@@ -33,13 +33,7 @@ from ditdata.imageshards import folder as imageshards
 from ditdata.store import BACKEND_CLASSES, MANIFEST, StoreError, StoreWriter
 from dittrain.cli import main as dittrain_cli
 from dittrain.inference.weights import load_weights
-from dittrain.rundir import (
-    CheckpointError,
-    export_weights,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from dittrain.rundir import CheckpointError, export_weights, latest_checkpoint, load_checkpoint, save_checkpoint
 
 # every shard format of the store's table: a new backend is tested too
 BACKENDS = list(BACKEND_CLASSES)

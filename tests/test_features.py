@@ -18,16 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cliutil import (
-    ditdata,
-    dittrain,
-    kill_when,
-    ok,
-    on_one_and_two_ranks,
-    one_error_line,
-    run_args,
-    torchrun_or_skip,
-)
+from cliutil import ditdata, dittrain, kill_when, ok, on_one_and_two_ranks, one_error_line, run_args, torchrun_or_skip
 
 from ditdata.common.files import state_dict_sha256
 from ditdata.encode import EncodeConfig, encode

@@ -32,13 +32,7 @@ from ditdata.cli import main as cli
 from ditdata.errors import DitdataError
 from ditdata.fetch import fetch
 from ditdata.images import resize_image
-from ditdata.imageshards.folder import (
-    iter_samples,
-    iter_shard,
-    list_shards,
-    read_dataset_info,
-    read_shard_stats,
-)
+from ditdata.imageshards.folder import iter_samples, iter_shard, list_shards, read_dataset_info, read_shard_stats
 
 
 def real_images() -> dict[str, np.ndarray]:

@@ -30,12 +30,7 @@ from ditdata.fetch.state import URL_COPIES
 from ditdata.fetch.state import clear_previous as _clear_previous
 from ditdata.fetch.urllists import _screened_copies
 from ditdata.images import resize_image
-from ditdata.imageshards.folder import (
-    iter_samples,
-    list_shards,
-    read_dataset_info,
-    read_shard_stats,
-)
+from ditdata.imageshards.folder import iter_samples, list_shards, read_dataset_info, read_shard_stats
 
 # ============================================================================ refusal()
 

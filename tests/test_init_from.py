@@ -11,14 +11,7 @@ import pytest
 import torch
 from cliutil import dittrain as cli
 from cliutil import one_error_line, run_args
-from storeutil import (
-    LABELLED,
-    class_conditioning,
-    latent_data,
-    pixels_info,
-    schema,
-    write_store,
-)
+from storeutil import LABELLED, class_conditioning, latent_data, pixels_info, schema, write_store
 
 import dittrain.train.loop as train_mod
 from ditdata.common.files import sha256_file

@@ -16,14 +16,7 @@ from storeutil import LABELLED, latent_data, make_store, schema, write_store
 
 import dittrain.data as data
 from ditdata.store import open_store
-from dittrain.data import (
-    LoaderConfig,
-    LoaderError,
-    LoaderStateError,
-    StreamingLoader,
-    loader_budget,
-    parse_memory,
-)
+from dittrain.data import LoaderConfig, LoaderError, LoaderStateError, StreamingLoader, loader_budget, parse_memory
 from dittrain.rundir import latest_checkpoint, load_checkpoint
 
 MiB, GiB = 2**20, 2**30

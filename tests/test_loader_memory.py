@@ -8,14 +8,7 @@ from storeutil import schema, write_store
 
 import dittrain.data as data
 from ditdata.store import open_store
-from dittrain.data import (
-    LoaderConfig,
-    LoaderError,
-    ResidentLoader,
-    StreamingLoader,
-    build_loader,
-    choose_loader,
-)
+from dittrain.data import LoaderConfig, LoaderError, ResidentLoader, StreamingLoader, build_loader, choose_loader
 
 SIZES = [10, 14]
 B = 4

@@ -14,13 +14,7 @@ from cliutil import assert_has, ditdata, dittrain, one_error_line, run_args
 
 from ditdata.common.cli import OneLineErrors
 from ditdata.common.errors import UserError
-from ditdata.common.memory import (
-    GENERAL_HINT,
-    OutOfGpuMemory,
-    is_out_of_memory,
-    out_of_memory_hint,
-    precision_name,
-)
+from ditdata.common.memory import GENERAL_HINT, OutOfGpuMemory, is_out_of_memory, out_of_memory_hint, precision_name
 
 OOM = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB"
 

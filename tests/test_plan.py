@@ -206,13 +206,7 @@ def test_impossible_requests_are_one_line(args, needles):
 def test_the_table_has_every_block_kind_and_mode():
     from dittrain.model.parts import MLPS, NORMS, POSITIONS
     from dittrain.model.sizes import DiTConfig
-    from dittrain.plan.footprint import (
-        BLOCK_FIXED,
-        BLOCK_SAMPLE,
-        MODES,
-        activation_table,
-        block_kind,
-    )
+    from dittrain.plan.footprint import BLOCK_FIXED, BLOCK_SAMPLE, MODES, activation_table, block_kind
 
     table = activation_table()
     for mlp in MLPS:

@@ -33,13 +33,7 @@ from dittrain.model.dit import DiT
 from dittrain.model.sizes import DiTConfig, get_config
 from dittrain.rundir import latest_checkpoint, load_checkpoint
 from dittrain.train.optim import build_optimizer
-from dittrain.train.repa import (
-    Alignment,
-    Projector,
-    alignment_loss,
-    build_projector,
-    resize_targets,
-)
+from dittrain.train.repa import Alignment, Projector, alignment_loss, build_projector, resize_targets
 from dittrain.train.step import TrainStep
 
 pytestmark = pytest.mark.usefixtures("one_thread")

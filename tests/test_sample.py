@@ -20,13 +20,7 @@ from ditdata.store import encode_array, open_store
 from dittrain.config import SampleConfig
 from dittrain.diffusion import DiffusionConfig
 from dittrain.inference.open_run import SampleError, open_run_store
-from dittrain.inference.sample import (
-    make_grid,
-    output_paths,
-    parse_classes,
-    sample_images,
-    write_training_grid,
-)
+from dittrain.inference.sample import make_grid, output_paths, parse_classes, sample_images, write_training_grid
 from dittrain.inference.weights import load_weights
 from dittrain.model.dit import DiT
 from dittrain.model.sizes import get_config

@@ -16,13 +16,7 @@ from test_sample import make_run
 from ditdata.store import open_store
 from dittrain.cli import main as dittrain_cli
 from dittrain.config import SampleConfig
-from dittrain.inference.open_run import (
-    SampleError,
-    class_names,
-    load_model,
-    model_config,
-    store_mismatches,
-)
+from dittrain.inference.open_run import SampleError, class_names, load_model, model_config, store_mismatches
 from dittrain.inference.open_run import sampling_device as resolve_device
 from dittrain.inference.sample import plan_samples, run_plan, sample_images
 from dittrain.inference.weights import load_weights

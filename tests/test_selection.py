@@ -16,13 +16,7 @@ from ditdata.errors import DitdataError
 from ditdata.imageshards import folder as imageshards
 from ditdata.imageshards.scores import FORMAT, VERSION, score_path, write_scores
 from ditdata.imageshards.selections import load_selection
-from ditdata.scoring.filter import (
-    apply_rule,
-    filter_shards,
-    histogram,
-    resolve_threshold,
-    top_fraction_count,
-)
+from ditdata.scoring.filter import apply_rule, filter_shards, histogram, resolve_threshold, top_fraction_count
 
 # key: (clip_score, status, stored w, h, original w, h, caption length)
 TABLE = [

@@ -14,15 +14,7 @@ from cliutil import child_env, kill_when, loaded_after
 from cliutil import ditdata as _cli
 from storeutil import INFO, schema, shard_data, write_store
 
-from ditdata.store import (
-    BACKEND_CLASSES,
-    BFLOAT16,
-    FORMAT_VERSION,
-    Store,
-    StoreError,
-    StoreWriter,
-    open_store,
-)
+from ditdata.store import BACKEND_CLASSES, BFLOAT16, FORMAT_VERSION, Store, StoreError, StoreWriter, open_store
 from ditdata.store.manifest import decode_array, encode_array, identity
 
 SIZES = [7, 0, 12]  # an empty shard (every image failed) is still a shard

@@ -14,15 +14,7 @@ import pytest
 from cliutil import http_server
 from storeutil import CREATED_AT, add_features, feature_data, make_store
 
-from ditdata.store import (
-    FeatureSchema,
-    FeatureWriter,
-    StoreError,
-    dequantize,
-    open_features,
-    open_store,
-    quantize,
-)
+from ditdata.store import FeatureSchema, FeatureWriter, StoreError, dequantize, open_features, open_store, quantize
 from ditdata.store.writer import StoreWriter
 
 

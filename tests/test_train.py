@@ -10,14 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cliutil import (
-    assert_close_checkpoints,
-    losses,
-    one_and_two_ranks,
-    resume_after_sigkill,
-    run_args,
-    spawn,
-)
+from cliutil import assert_close_checkpoints, losses, one_and_two_ranks, resume_after_sigkill, run_args, spawn
 from cliutil import dittrain as cli
 from storeutil import make_store
 

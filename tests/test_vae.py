@@ -17,12 +17,7 @@ import torch
 from cliutil import raises_one_line
 from tiny import ldm_state_dict, save_ldm, tiny_kl, tiny_ldm_kl
 
-from ditdata.autoencoders.kinds import (
-    PRESETS,
-    Autoencoder,
-    autoencoder_from_manifest,
-    load_autoencoder,
-)
+from ditdata.autoencoders.kinds import PRESETS, Autoencoder, autoencoder_from_manifest, load_autoencoder
 from ditdata.errors import DitdataError
 
 diffusers = pytest.importorskip("diffusers")

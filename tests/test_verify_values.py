@@ -8,15 +8,7 @@ import numpy as np
 import pytest
 from cliutil import ditdata as cli
 from cliutil import raises_one_line
-from storeutil import (
-    LABELLED,
-    add_features,
-    bucketed_store,
-    make_store,
-    schema,
-    tiny_data,
-    write_store,
-)
+from storeutil import LABELLED, add_features, bucketed_store, make_store, schema, tiny_data, write_store
 
 from ditdata.store import StoreError, open_features, open_store, quantize
 

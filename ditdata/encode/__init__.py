@@ -61,15 +61,7 @@ from ditdata.framing import COVER_RULE, CROP_RULE, parse_spec
 from ditdata.imageshards import folder as imageshards
 from ditdata.imageshards.batches import ShardImages
 from ditdata.imageshards.scores import score_path
-from ditdata.store import (
-    BFLOAT16,
-    LATENT_SCALES,
-    Schema,
-    StoreWriter,
-    TensorSpec,
-    encode_array,
-    quantize,
-)
+from ditdata.store import BFLOAT16, LATENT_SCALES, Schema, StoreWriter, TensorSpec, encode_array, quantize
 
 NON_FINITE = "non-finite latent"
 # Ranks wait for each other at the manifest: a rank with more (or slower) shards may take hours.

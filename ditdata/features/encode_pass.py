@@ -28,14 +28,7 @@ from ditdata.store import FeatureSchema, FeatureWriter, Store, open_store
 from ditdata.store.features import check_name
 
 from .encoders import default_feature_set_name, load_encoder
-from .passes import (
-    ShardRows,
-    complete,
-    features_dir,
-    recorded_config,
-    resolve_storage,
-    storing_targets,
-)
+from .passes import ShardRows, complete, features_dir, recorded_config, resolve_storage, storing_targets
 from .targets import Targets, storage_notes
 
 

@@ -35,13 +35,7 @@ from ditdata.config import DEFAULT_URL_IMAGE_SIZE, DISTRIBUTORS, ENCODE_FORMATS,
 from ditdata.errors import DitdataError
 from ditdata.fetch.folders import fetch_folder, is_image, pack_file, pack_shard, scan_folder, walk
 from ditdata.fetch.state import PackOptions, clear_previous, pack_options
-from ditdata.fetch.urllists import (
-    CAPTION_COLUMNS,
-    URL_COLUMNS,
-    URL_LIST_FORMATS,
-    fetch_urls,
-    url_format,
-)
+from ditdata.fetch.urllists import CAPTION_COLUMNS, URL_COLUMNS, URL_LIST_FORMATS, fetch_urls, url_format
 from ditdata.images import IMAGE_EXTENSIONS, RESIZE_MODES
 from ditdata.imageshards import folder as shards
 

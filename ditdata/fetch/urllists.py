@@ -35,14 +35,7 @@ from ditdata.common.extras import missing_extra
 from ditdata.common.files import read_json
 from ditdata.config import FetchConfig
 from ditdata.errors import DitdataError
-from ditdata.fetch.state import (
-    RETRY_RECORD,
-    URL_COPIES,
-    PackOptions,
-    check_state,
-    jsonable,
-    write_dataset_info,
-)
+from ditdata.fetch.state import RETRY_RECORD, URL_COPIES, PackOptions, check_state, jsonable, write_dataset_info
 from ditdata.imageshards import folder as shards
 
 URL_LIST_FORMATS = ("parquet", "csv", "tsv", "jsonl", "json", "txt")  # (+ .gz except parquet)

@@ -57,11 +57,7 @@ from pathlib import Path
 from ditdata.common.files import TMP_MARK, is_tmp, read_json, tmp_name  # noqa: F401  (the store's temporaries: one scheme)
 from ditdata.config import KINDS
 from ditdata.errors import DitdataError
-from ditdata.images import (  # noqa: F401  (re-exported: readers need only this module)
-    DEFAULT_MAX_PIXELS,
-    BadImageError,
-    decode_rgb,
-)
+from ditdata.images import DEFAULT_MAX_PIXELS, BadImageError, decode_rgb  # noqa: F401  (re-exported: readers need only this module)
 from ditdata.jsondocs import check_format, load_json
 
 FORMAT = "ditdata-images"

@@ -60,13 +60,7 @@ import numpy as np
 
 from ditdata.common.errors import UserError, one_line
 from ditdata.common.extras import missing_extra
-from dittrain.config import (
-    CFG_EVERYWHERE,
-    SampleConfig,
-    ServeConfig,
-    format_cfg_interval,
-    parse_cfg_interval,
-)
+from dittrain.config import CFG_EVERYWHERE, SampleConfig, ServeConfig, format_cfg_interval, parse_cfg_interval
 from dittrain.diffusion import SAMPLERS
 from dittrain.inference.open_run import (
     SampleError,
@@ -78,14 +72,7 @@ from dittrain.inference.open_run import (
     load_text_encoder,
     model_config,
 )
-from dittrain.inference.sample import (
-    MAX_CFG_SCALE,
-    NonFiniteSamples,
-    default_size,
-    plan_samples,
-    run_plan,
-    run_sizes,
-)
+from dittrain.inference.sample import MAX_CFG_SCALE, NonFiniteSamples, default_size, plan_samples, run_plan, run_sizes
 
 _S, _SERVE = SampleConfig(), ServeConfig()
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes any int up to 2**64 - 1; the CLI any int

@@ -70,13 +70,7 @@ from dittrain.model.sizes import (
     architecture,
     custom_name,
 )
-from dittrain.rundir import (
-    EMA_EXPORT,
-    INT8_FORMAT,
-    CheckpointError,
-    latest_checkpoint,
-    load_checkpoint,
-)
+from dittrain.rundir import EMA_EXPORT, INT8_FORMAT, CheckpointError, latest_checkpoint, load_checkpoint
 
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile, DistributedDataParallel
 LABEL_TABLE = "y_embedder.embedding_table.weight"
@@ -369,9 +363,7 @@ def _load_autoencoder(vae: str, in_channels: int):
     """The autoencoder `vae` on the CPU, through ditdata's loading path (presets such as
     sd-vae-ft-ema from the local hub cache, diffusers folders, the TAEF2 folder), checked to
     make the model's latents."""
-    from ditdata.autoencoders.kinds import (
-        load_autoencoder,  # imported when needed, as Store.autoencoder does
-    )
+    from ditdata.autoencoders.kinds import load_autoencoder  # imported when needed, as Store.autoencoder does
 
     try:
         ae = load_autoencoder(vae, "cpu")

@@ -17,11 +17,7 @@ from __future__ import annotations
 import inspect
 
 import torch
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ditdata.common.errors import UserError
 from dittrain.config import CHECKPOINT_BRANCHES, CHECKPOINT_SELECTIVE

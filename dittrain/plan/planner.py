@@ -34,15 +34,7 @@ from dittrain.config import EvalSampleConfig, TrainConfig
 from dittrain.model.routing import block_tokens, route_of
 from dittrain.model.routing import check as check_route
 from dittrain.model.sizes import DiTConfig, flops_per_forward
-from dittrain.plan.footprint import (
-    Footprint,
-    FootprintError,
-    Setting,
-    block_modes,
-    footprint,
-    loss_kind,
-    term_costs,
-)
+from dittrain.plan.footprint import Footprint, FootprintError, Setting, block_modes, footprint, loss_kind, term_costs
 from dittrain.plan.probe import ProbeResult
 from dittrain.plan.throughput import RECORD_SOURCE, RECORDS, Rate, rate, step_flops
 from dittrain.train.losses import Cost, feature_set

@@ -20,13 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dittrain.rundir import (
-    EMA_EXPORT,
-    CheckpointError,
-    checkpoint_path,
-    export_weights,
-    save_checkpoint,
-)
+from dittrain.rundir import EMA_EXPORT, CheckpointError, checkpoint_path, export_weights, save_checkpoint
 
 # --------------------------------------------------------------------------- what a checkpoint holds
 
