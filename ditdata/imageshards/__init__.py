@@ -2,6 +2,8 @@
 
     folder.py      SHARDS_DIR as `ditdata fetch` writes it: NNNNN.tar + _stats.json, dataset.json; readers, writers
     scores.py      NNNNN.clip.parquet (`ditdata score` writes it; filter, dedup and encode read it)
+    captionsets.py NNNNN.captions.SET.parquet: caption sets (`ditdata caption` writes them; score, filter,
+                   encode's text encoders read them; "alt" is the shards' own captions)
     selections.py  selection files (`ditdata filter` and `dedup` write them; encode --select reads them)
     batches.py     decoded, cropped image batches of whole shards (encode's reader, and `ditdata features`')
 
