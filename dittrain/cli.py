@@ -335,6 +335,13 @@ def _opt(*names, field, **kw):
       help="EMA sample grid every N steps and at the end (0: never).")
 @_opt("--sample-steps", field="sample_steps", type=click.IntRange(min=1))
 @_opt("--sample-cfg", field="sample_cfg", type=_CFG_RANGE)
+@_opt("--sample-classes", field="sample_classes", metavar="LIST",
+      help="Class runs: the classes the EMA grids show, one sample each, the same noise every grid "
+           "(indices or the store's class names, comma-separated, e.g. 1,207,360; default: 16 drawn with --seed).")
+@_opt("--sample-prompts", field="sample_prompts", metavar="FILE",
+      help="Text runs: a UTF-8 file, one prompt a line (blank lines and lines starting with # skipped), for the "
+           "EMA grids, one sample each, the same noise every grid. Embedded once at startup with the store's "
+           "text encoder (its weights must be here); default: the store's first 16 captions' embeddings.")
 @_opt("--logger", field="logger", metavar="NAMES",
       help="Where metrics and sample grids go, comma-separated: tensorboard, wandb, jsonl (metrics.jsonl, "
            "always on). wandb needs the wandb extra, honours WANDB_MODE=offline|disabled and never stops a run.")

@@ -378,6 +378,10 @@ class LoggingSection:
     sample_every: int = setting(5000, SAFE)  # EMA sample grid every N steps and at the end (0: never)
     sample_steps: int = setting(SampleConfig.steps, SAFE)
     sample_cfg: float = setting(SampleConfig.cfg_scale, SAFE)
+    # what the grids show, the same every grid: class indices or names, comma-separated ("": SampleConfig.n
+    # classes drawn with the seed); a text file, one prompt a line ("": the store's first SampleConfig.n captions)
+    sample_classes: str = setting("", SAFE)
+    sample_prompts: str = setting("", SAFE)
     logger: str = setting("tensorboard,jsonl", SAFE)  # comma-separated: jsonl, tensorboard, wandb
     wandb_project: str = setting("", SAFE)  # "": $WANDB_PROJECT, else "ditkit" (dittrain.train.loggers)
     wandb_name: str = setting("", SAFE)  # "": $WANDB_NAME, else the run directory's name

@@ -700,11 +700,13 @@ def store_text(store, n: int) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(np.asarray(v, dtype=bool if k == TEXT_MASK else np.float32)) for k, v in data.items()}
 
 
-def write_training_grid(model, config: dict, store, path, settings: SampleConfig = _S, *, device=None) -> Path:
-    """The trainer's EMA sample grid: settings.n samples, always the same conditions and noise
-    (the seed's), so grids of successive steps are comparable. Class models: n classes drawn
-    with the seed; text models: the embeddings of the store's first n captions (no text
-    encoder needed); unconditional: n samples. settings: SampleConfig (the trainer's: its
+def write_training_grid(model, config: dict, store, path, settings: SampleConfig = _S, *, device=None,
+                        labels: list[int] | None = None, text: dict | None = None) -> Path:
+    """The trainer's EMA sample grid: always the same conditions and noise (the seed's), so grids
+    of successive steps differ only by training. Class models: `labels` (--sample-classes), else
+    settings.n classes drawn with the seed; text models: `text`, embeddings {field: (N, ...)} of
+    --sample-prompts, else those of the store's first settings.n captions (no text encoder
+    needed); unconditional: settings.n samples. settings: SampleConfig (the trainer's: its
     --sample-steps, --sample-cfg and --seed). The store's autoencoder is loaded once per store
     and device (`device`, default the model's) and kept. Writes an (about) square PNG grid at
     `path` and returns it."""
@@ -712,10 +714,15 @@ def write_training_grid(model, config: dict, store, path, settings: SampleConfig
     dev = next(model.parameters()).device if device is None else sampling_device(device)
     kind = conditioning_kind(cfg)
     n = settings.n
-    labels = pick_labels(n, cfg.num_classes, settings.seed) if kind == "class" else None
-    text = store_text(store, n) if kind == "text" else None
-    images = sample_images(model, config, store, settings, labels=labels, text=text,
-                           autoencoder=kept_autoencoder(store, dev))
+    if kind == "class" and labels is None:
+        labels = pick_labels(n, cfg.num_classes, settings.seed)
+    if kind == "text" and text is None:
+        text = store_text(store, n)
+    if kind == "class" or kind == "text":  # one sample per watched condition
+        n = len(labels) if kind == "class" else len(next(iter(text.values())))
+        settings = replace(settings, n=n)
+    images = sample_images(model, config, store, settings, labels=labels if kind == "class" else None,
+                           text=text if kind == "text" else None, autoencoder=kept_autoencoder(store, dev))
     return save_png(make_grid(images, nrow=_square(len(images))), path)
 
 

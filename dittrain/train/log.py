@@ -10,6 +10,7 @@ FID evaluations during training; and what running out of GPU memory says.
                                                  shapes: the micro-batches' (B, C, H, W), logged as
                                                  batch_shape on a bucketed store's run)
         log.skipped()                            after a step skipped for a non-finite loss
+    watched(run)                                 what the grids show (--sample-classes, --sample-prompts)
     sample_grid(run, ema, step, log)             an EMA grid in RUN/samples/ (never stops a run)
     evaluate(run, state, step, log)              FID of the EMA model (never stops a run)
     with training_memory_hint(run): ...          out of GPU memory -> one line: model, batch, precision,
@@ -41,7 +42,7 @@ from dittrain.model.sizes import flops_per_forward
 from dittrain.train.checkpoint import RunState
 from dittrain.train.loggers import open_loggers
 from dittrain.train.losses import shown
-from dittrain.train.setup import Run, text_token_count
+from dittrain.train.setup import Run, TrainError, text_token_count
 
 
 class Log:
@@ -198,11 +199,59 @@ def sample_grid(run: Run, ema: DiT, step: int, log: Log) -> None:
     cfg = run.cfg
     settings = SampleConfig(steps=cfg.logging.sample_steps, cfg_scale=cfg.logging.sample_cfg, seed=cfg.optim.seed)
     try:
-        write_training_grid(ema, run.resolved, run.store, path, settings, device=run.device)
+        write_training_grid(ema, run.resolved, run.store, path, settings, device=run.device, **(run.watch or {}))
     except Exception as e:  # samples are a convenience: never kill a run over them
         print(f"dittrain: no sample grid at {path.name} ({type(e).__name__}: {e})", file=sys.stderr)
         return
     log.grid(step, path)
+
+
+def watched(run: Run) -> dict:
+    """What every EMA grid shows, resolved once before the run writes anything: {"labels": [...]}
+    (--sample-classes), {"text": {field: (N, ...)}} (--sample-prompts, embedded on rank 0 with the
+    store's text encoder, rounded to the store's dtype as training sees it, then the encoder let
+    go), or {} for the defaults (the seed's classes, the store's first captions). A list or file
+    that is bad or does not fit the model's conditioning is a one-line TrainError on every rank."""
+    from dittrain.inference.open_run import SampleError, conditioning_kind
+    from dittrain.inference.sample import parse_classes
+
+    cfg, kind = run.cfg.logging, conditioning_kind(run.model_cfg)
+    if cfg.sample_classes.strip():
+        if kind != "class":
+            raise TrainError(f"--sample-classes: this is a {kind}-conditioned run (its store has no classes)"
+                             + ("; give --sample-prompts FILE" if kind == "text" else ""))
+        try:
+            labels = parse_classes([cfg.sample_classes], run.model_cfg.num_classes,
+                                   list(run.store.conditioning.class_names or ()))
+        except SampleError as e:
+            raise TrainError(f"--sample-classes: {e}") from None
+        if not labels:
+            raise TrainError(f"--sample-classes {cfg.sample_classes!r} names no class")
+        return {"labels": labels}
+    if not cfg.sample_prompts:
+        return {}
+    if kind != "text":
+        raise TrainError(f"--sample-prompts: this is a {kind}-conditioned run (its store has no text embeddings)"
+                         + ("; give --sample-classes LIST" if kind == "class" else ""))
+    path = Path(cfg.sample_prompts)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TrainError(f"--sample-prompts {path}: cannot read it ({described(e)})") from None
+    prompts = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not prompts:
+        raise TrainError(f"--sample-prompts {path}: no prompts in it (one a line; blank lines and # lines are skipped)")
+    if not run.master:  # only rank 0 draws grids
+        return {}
+    from dittrain.inference.sample import embed_prompts
+
+    try:
+        text = embed_prompts(run.store, prompts, tokens=bool(run.model_cfg.text_token_dim), device=run.device)
+    except SampleError as e:  # the encoder's weights missing: the line says how to get them
+        raise TrainError(f"--sample-prompts: {e}") from None
+    if run.device.type == "cuda":
+        torch.cuda.empty_cache()  # the encoder is gone; its memory goes back before the model is built
+    return {"text": text}
 
 
 def training_memory_hint(run: Run):
@@ -232,4 +281,4 @@ def plan_hint(cfg, device) -> str:
             f"{cfg.optim.batch_size} --device {device}` lists the settings that fit this GPU")
 
 
-__all__ = ["Log", "evaluate", "note", "sample_grid", "training_memory_hint"]
+__all__ = ["Log", "evaluate", "note", "sample_grid", "training_memory_hint", "watched"]

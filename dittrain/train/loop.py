@@ -63,7 +63,7 @@ from dittrain.rundir import (
 )
 from dittrain.train import losses
 from dittrain.train.checkpoint import CheckpointWriter, RunState
-from dittrain.train.log import Log, evaluate, note, sample_grid, training_memory_hint
+from dittrain.train.log import Log, evaluate, note, sample_grid, training_memory_hint, watched
 from dittrain.train.optim import build_optimizer, build_schedule
 from dittrain.train.resume import Resumption
 from dittrain.train.setup import Run, TrainError, setup
@@ -290,6 +290,7 @@ def _train(cfg: TrainConfig, resumption: Resumption | None, progress: bool = Tru
     run = setup(cfg)  # a group it joins, the run also leaves (one the caller made, not: run.created_group)
     run.resumption = resumption
     run.evaluator = _evaluator(cfg, run.store)
+    run.watch = watched(run)  # --sample-classes / --sample-prompts: checked (and embedded) before anything is written
     ckpt, latest = _checkpoint_to_resume(run)
     state = _build(run, ckpt)
     try:

@@ -138,6 +138,7 @@ class Run:
     resumption: Resumption | None = None  # a resume of a recorded run: what it changes (dittrain.train.resume)
     latent_norm: str = ""  # the startup line's words for the latent normalisation (dittrain.data.latent_norm.choose)
     t_shift: str = ""  # the startup line's words for --t-shift auto (resolve_t_shift); "" when given
+    watch: dict | None = None  # what the EMA grids show: {"labels": [...]} or {"text": {...}} (log.watched)
 
     @property
     def master(self) -> bool:
