@@ -12,6 +12,12 @@ wds   a tar file `NAME.tar` in WebDataset layout for sequential streaming (objec
       like the zarr backend. Block names are indices, so any source key (slashes, dots) is
       safe; the real keys are in the columns.
 
+Ragged fields (schema.py: unpadded text tokens) are one array per shard in zarr, all its
+samples' tokens one after the other, chunked along the token axis, beside their (n,) length
+field; in wds each block holds its samples' tokens the same way (`000003.text_tokens.npy`
+(tokens of the block, W)) beside the block's lengths. Either way, a read of rows [start, stop)
+returns the tokens of those rows, sample after sample, and their length field with them.
+
 Each backend writes a complete shard to a path it is given (the writer handles
 temporary names) and reads a field subset over a sample range as stacked arrays; what
 reading costs is in its capability flags (see Backend), which the readers plan by.
@@ -33,7 +39,19 @@ import numpy as np
 from ditdata.common import files
 
 from .defaults import BACKENDS, CHUNK_SAMPLES
-from .schema import Schema, disk_dtype, from_disk, to_disk
+from .schema import Schema, disk_dtype, from_disk, offsets_of, to_disk
+
+RAGGED_CHUNK_TOKENS = 1 << 16  # tokens per zarr chunk of a ragged field (64 Ki tokens: 512 MiB at W 4096 fp16
+# would be too large a chunk to hold whole, but readers take row ranges of it, not chunks)
+
+
+def _with_lengths(schema: Schema, fields) -> list[str]:
+    """fields, plus the length field of every ragged field among them (a ragged read needs it)."""
+    out = list(fields)
+    for f in list(out):
+        if f in schema.ragged and schema.ragged[f].length not in out:
+            out.append(schema.ragged[f].length)
+    return out
 
 COLUMNS_FILE = "columns.parquet"
 
@@ -120,10 +138,29 @@ class ZarrBackend(_Chunked):
             )
             if n:
                 z[...] = arr
+        for name, spec in schema.ragged.items():  # all the shard's tokens, sample after sample
+            arr = to_disk(tensors[name], spec.dtype)
+            z = group.create_array(name, shape=arr.shape, dtype=arr.dtype,
+                                   chunks=(max(1, min(RAGGED_CHUNK_TOKENS, len(arr))), *spec.shape),
+                                   compressors=None, fill_value=0,
+                                   attributes={"dtype": spec.dtype, "length": spec.length})
+            if len(arr):
+                z[...] = arr
         table = pa.table(
             {c: pa.array(list(columns[c]), type=_arrow_type(k)) for c, k in schema.columns.items()}
         )
         pq.write_table(table, path / COLUMNS_FILE)
+
+    def _offsets(self, path: Path, length_field: str, rows) -> np.ndarray:
+        """The token offsets (n + 1,) of a shard's ragged fields, from its whole length field
+        (read once per shard: 4 bytes a sample)."""
+        meta = path / length_field / "zarr.json"
+        st = meta.stat()
+        key = ("offsets", str(meta), st.st_ino, st.st_mtime_ns)
+        if key not in self._meta:
+            n = int(files.read_json(meta)["shape"][0])
+            self._meta[key] = offsets_of(rows(length_field, 0, n))
+        return self._meta[key]
 
     def read(self, path: Path, schema: Schema, fields, start: int, stop: int) -> dict:
         import pyarrow.parquet as pq
@@ -131,12 +168,22 @@ class ZarrBackend(_Chunked):
 
         out = {}
         group = None
-        for f in (f for f in fields if f in schema.tensors):
-            arr = _read_plain_chunks(path / f, start, stop, self._meta)
+        fields = _with_lengths(schema, fields)
+
+        def rows(f, a, b):
+            nonlocal group
+            arr = _read_plain_chunks(path / f, a, b, self._meta)
             if arr is None:  # not the plain layout we write: let zarr decode it
                 group = group or zarr.open_group(str(path), mode="r", zarr_format=3)
-                arr = group[f][start:stop]
-            out[f] = from_disk(arr, schema.tensors[f].dtype)
+                arr = group[f][a:b]
+            return arr
+
+        for f in (f for f in fields if f in schema.tensors):
+            out[f] = from_disk(rows(f, start, stop), schema.tensors[f].dtype)
+        for f in (f for f in fields if f in schema.ragged):
+            spec = schema.ragged[f]
+            off = self._offsets(path, spec.length, rows)
+            out[f] = from_disk(rows(f, int(off[start]), int(off[stop])), spec.dtype)
         cols = [f for f in fields if f in schema.columns]
         if cols:
             file = path / COLUMNS_FILE
@@ -223,6 +270,12 @@ class WdsBackend(_Chunked):
                         buf = io.BytesIO()
                         np.save(buf, np.ascontiguousarray(to_disk(tensors[name][sl], spec.dtype)))
                         block[f"{name}.npy"] = buf.getvalue()
+                    for name, spec in schema.ragged.items():  # the block's samples' tokens
+                        off = offsets_of(tensors[spec.length])
+                        buf = io.BytesIO()
+                        np.save(buf, np.ascontiguousarray(to_disk(tensors[name][off[sl.start]:off[sl.stop]],
+                                                                  spec.dtype)))
+                        block[f"{name}.npy"] = buf.getvalue()
                     rows = {c: [_json_value(v) for v in list(columns[c])[sl]] for c in schema.columns}
                     block["columns.json"] = json.dumps(rows, ensure_ascii=False).encode()
                     writer.write(block)
@@ -239,9 +292,11 @@ class WdsBackend(_Chunked):
     def read(self, path: Path, schema: Schema, fields, start: int, stop: int) -> dict:
         from webdataset.tariterators import group_by_keys, tar_file_expander
 
+        fields = _with_lengths(schema, fields)
         tensor_fields = [f for f in fields if f in schema.tensors]
+        ragged = [f for f in fields if f in schema.ragged]
         cols = [f for f in fields if f in schema.columns]
-        parts = {f: [] for f in tensor_fields + cols}
+        parts = {f: [] for f in tensor_fields + ragged + cols}
         first = 0  # index of the current block's first sample
         with open(path, "rb") as f:
             for block in group_by_keys(tar_file_expander([{"stream": f, "url": str(path)}])):
@@ -251,8 +306,12 @@ class WdsBackend(_Chunked):
                 size = len(rows["key"])
                 lo, hi = max(start - first, 0), min(stop - first, size)
                 if lo < hi:
+                    loaded = {name: np.load(io.BytesIO(block[f"{name}.npy"])) for name in tensor_fields}
                     for name in tensor_fields:
-                        parts[name].append(np.load(io.BytesIO(block[f"{name}.npy"]))[lo:hi])
+                        parts[name].append(loaded[name][lo:hi])
+                    for name in ragged:
+                        off = offsets_of(loaded[schema.ragged[name].length])
+                        parts[name].append(np.load(io.BytesIO(block[f"{name}.npy"]))[off[lo]:off[hi]])
                     for c in cols:
                         parts[c].extend(rows[c][lo:hi])
                 first += size
@@ -264,6 +323,11 @@ class WdsBackend(_Chunked):
                 if parts[name]
                 else np.zeros((0, *spec.shape), dtype=disk_dtype(spec.dtype))
             )
+            result[name] = from_disk(stacked, spec.dtype)
+        for name in ragged:
+            spec = schema.ragged[name]
+            stacked = (np.concatenate(parts[name]) if parts[name]
+                       else np.zeros((0, *spec.shape), dtype=disk_dtype(spec.dtype)))
             result[name] = from_disk(stacked, spec.dtype)
         for c in cols:
             result[c] = _column_array(parts[c], schema.columns[c])

@@ -20,7 +20,7 @@ from ditdata.common import files
 from . import manifest
 from .backends import get_backend
 from .errors import StoreError
-from .schema import FeatureSchema, Schema
+from .schema import FeatureSchema, Schema, ragged_rows
 
 
 @dataclass(frozen=True)
@@ -182,11 +182,14 @@ class Store:
     def read(self, shard, fields=None, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
         """Bulk read: the given fields (default all) of samples [start, stop) of one shard.
 
-        Tensors come back as (n, *shape) arrays, columns as (n,) arrays (object for strings).
+        Tensors come back as (n, *shape) arrays, columns as (n,) arrays (object for strings),
+        a ragged field as (tokens of the n samples, *token shape), sample after sample, with its
+        (n,) length field beside it (schema.py).
         """
         s = self.shard(shard)
-        fields = list(self.schema.tensors) + list(self.schema.columns) if fields is None else list(fields)
-        unknown = [f for f in fields if f not in self.schema.tensors and f not in self.schema.columns]
+        known = [*self.schema.tensors, *self.schema.ragged, *self.schema.columns]
+        fields = known if fields is None else list(fields)
+        unknown = [f for f in fields if f not in known]
         if unknown:
             raise KeyError(f"{self.root}: no fields {unknown}; it has {self.tensor_fields + self.columns}")
         stop = s.num_samples if stop is None else min(stop, s.num_samples)
@@ -210,8 +213,10 @@ class Store:
             if self._cache is None or self._cache[0] != shard.index:
                 self._cache = (shard.index, self.read(shard))
             data = self._cache[1]
-            return {k: v[local] for k, v in data.items()}
-        return {k: v[0] for k, v in self.read(shard, start=local, stop=local + 1).items()}
+            return {k: ragged_rows(v, data[self.schema.ragged[k].length], [local]) if k in self.schema.ragged
+                    else v[local] for k, v in data.items()}
+        data = self.read(shard, start=local, stop=local + 1)
+        return {k: v if k in self.schema.ragged else v[0] for k, v in data.items()}
 
     # -- integrity -------------------------------------------------------------------
     def _check_files(self, shard: Shard, digests: bool) -> None:
@@ -257,6 +262,7 @@ class Store:
                 for c in self.schema.columns:
                     if len(data[c]) != shard.num_samples:
                         faults.append(f"{shard.path}: column {c!r} has {len(data[c])} values, expected {shard.num_samples}")
+                faults += _ragged_faults(shard, data, self.schema)
                 faults += _non_finite(shard, data, self.schema)
                 if warnings is not None:
                     warnings += _zero_tokens(shard, data, self.schema)
@@ -265,6 +271,29 @@ class Store:
             except Exception as e:  # an unreadable shard is a fault to report, not a crash
                 faults.append(f"{shard.path}: unreadable ({type(e).__name__}: {e})")
         return faults
+
+
+def _ragged_faults(shard: Shard, data: dict, schema: Schema) -> list[str]:
+    """Each ragged field's lengths (>= 1: every caption has at least its end token; their sum
+    the field's token count), its values finite and, for an int8 field's scales, > 0."""
+    faults = []
+    for f, spec in schema.ragged.items():
+        lengths = np.asarray(data[spec.length], dtype=np.int64)
+        x = data[f]
+        if len(lengths) and lengths.min() < 1:
+            first = int(np.argmin(lengths))
+            faults.append(f"{shard.path}: field {spec.length!r} holds a length < 1 at row {first} "
+                          f"(key {data['key'][first]!r}); every caption has at least one token")
+        if int(lengths.sum()) != len(x) or x.shape[1:] != spec.shape:
+            faults.append(f"{shard.path}: ragged field {f!r} is {list(x.shape)}: {spec.length!r} sums to "
+                          f"{int(lengths.sum())} tokens of shape {list(spec.shape)}")
+            continue
+        v = x.astype(np.float32).reshape(len(x), -1)
+        if not np.isfinite(v).all():
+            faults.append(f"{shard.path}: ragged field {f!r} holds non-finite values (NaN/inf)")
+        if f.endswith("_scale") and (v <= 0).any():
+            faults.append(f"{shard.path}: ragged field {f!r} holds int8 scales that are not > 0")
+    return faults
 
 
 def _non_finite(shard: Shard, data: dict, schema: Schema) -> list[str]:

@@ -6,7 +6,23 @@ Tensor fields have standard names so that dittrain can find them:
     latent_scale, latent_flip_scale (h, w) float32, only beside int8 latents: a scale per token
     mean, std, mean_flip, std_flip posterior parameters, so training draws a fresh sample
     text_pooled                    (D,)   pooled text embedding of the caption
-    text_tokens, text_mask         (L, D) token embeddings and their (L,) validity mask
+    text_tokens, text_mask         (L, D) token embeddings and their (L,) validity mask (padded:
+                                   open_clip encoders, every caption at the context length L)
+
+RAGGED fields hold a different number of tokens per sample (unpadded text embeddings of the
+transformers text encoders, ditdata.textencoders). Schema.ragged names them with their
+per-token shape; each has a LENGTH field, an ordinary (n,) int32 tensor field, that says how
+many of its tokens each sample has:
+
+    text_tokens       ragged (W,)  float16/bfloat16, or int8 with
+    text_tokens_scale ragged ()    float32, a scale per token (the int8 rule below)
+    text_length       ()   int32   the caption's token count (>= 1, <= the encoder's max tokens)
+
+A shard holds a ragged field as ONE array of all its samples' tokens, sample after sample
+(sample i's are rows offsets[i]:offsets[i] + length[i], offsets the running sum of the
+lengths); a writer takes and a reader returns that layout for any row range (ragged_rows,
+pad_ragged below). A second caption set (a later `--captions NAME`) is another ragged group
+with its own length field (text_tokens.NAME, text_length.NAME): RaggedSpec.length says which.
 
 A feature set (features.py) has a schema of its own, FeatureSchema: `feat` (T, D) per
 sample (and `feat_scale` (T,) when int8; `feat_flip`, `feat_flip_scale` with flips).
@@ -27,7 +43,7 @@ are kept as their uint16 bit patterns (npy and zarr know nothing of bfloat16).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ml_dtypes
 import numpy as np
@@ -36,6 +52,9 @@ from .errors import StoreError
 
 LATENT_FIELDS = ("latent", "latent_flip", "mean", "std", "mean_flip", "std_flip")
 TEXT_FIELDS = ("text_pooled", "text_tokens", "text_mask")
+# The unpadded text fields (ragged) and the length field of the default caption set.
+TEXT_RAGGED = ("text_tokens", "text_tokens_scale")
+TEXT_LENGTH = "text_length"
 TENSOR_DTYPES = ("float16", "bfloat16", "float32", "bool", "uint8", "int8", "int32", "int64")
 COLUMN_TYPES = ("string", "int64", "float64", "bool")
 
@@ -102,6 +121,62 @@ class TensorSpec:
         return cls(tuple(d["shape"]), d["dtype"])
 
 
+@dataclass(frozen=True)
+class RaggedSpec:
+    """One ragged field: the shape of ONE token (without the token axis), its storage dtype,
+    and the (n,) int32 tensor field that holds each sample's token count."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    length: str
+
+    def __post_init__(self):
+        if self.dtype not in TENSOR_DTYPES:
+            raise ValueError(f"unsupported tensor dtype {self.dtype!r}; use one of {TENSOR_DTYPES}")
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+
+    def to_json(self) -> dict:
+        return {"shape": list(self.shape), "dtype": self.dtype, "length": self.length}
+
+    @classmethod
+    def from_json(cls, d: dict) -> RaggedSpec:
+        return cls(tuple(d["shape"]), d["dtype"], d["length"])
+
+
+def offsets_of(lengths: np.ndarray) -> np.ndarray:
+    """(n + 1,) int64 running sum of (n,) lengths: sample i's tokens are rows offsets[i]:offsets[i + 1]."""
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(lengths, dtype=np.int64), out=out[1:])
+    return out
+
+
+def ragged_rows(flat: np.ndarray, lengths: np.ndarray, rows) -> np.ndarray:
+    """The tokens of samples `rows` (any order) of a ragged array `flat` with per-sample
+    `lengths`, sample after sample (their lengths are lengths[rows])."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    rows = np.asarray(rows, dtype=np.int64)
+    off = offsets_of(lengths)
+    take = lengths[rows]
+    if len(rows) and (rows == np.arange(rows[0], rows[0] + len(rows))).all():  # a run: one slice
+        return flat[off[rows[0]]:off[rows[-1] + 1]]
+    idx = np.repeat(off[rows] - offsets_of(take)[:-1], take) + np.arange(int(take.sum()))
+    return flat[idx]
+
+
+def pad_ragged(flat: np.ndarray, lengths: np.ndarray, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(n, L, *token) zero-padded array and (n, L) bool mask (True = a real token) of a ragged
+    array; L = `length` (at least the longest sample's), else the longest sample's."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    longest = int(lengths.max(initial=0))
+    L = longest if length is None else int(length)
+    if L < longest:
+        raise ValueError(f"pad_ragged: length {L} is shorter than the longest sample ({longest})")
+    mask = np.arange(L)[None, :] < lengths[:, None]
+    out = np.zeros((len(lengths), L, *flat.shape[1:]), dtype=flat.dtype)
+    out[mask] = flat[:int(lengths.sum())]
+    return out, mask
+
+
 def numpy_dtype(name: str) -> np.dtype:
     return BFLOAT16 if name == "bfloat16" else np.dtype(name)
 
@@ -129,8 +204,10 @@ class Schema:
 
     tensors: dict[str, TensorSpec]
     columns: dict[str, str]
+    ragged: dict[str, RaggedSpec] = field(default_factory=dict)
 
     def __post_init__(self):
+        self._check_ragged()
         if "key" not in self.columns or self.columns["key"] != "string":
             raise ValueError("a store schema needs a 'key' column of type 'string'")
         for name, kind in self.columns.items():
@@ -160,6 +237,24 @@ class Schema:
         if wide:
             raise ValueError(f"{wide} cannot be int8: int8 stores one latent per image ('latent'), not mean and std")
 
+    def _check_ragged(self) -> None:
+        """Each ragged field's length field is an (n,) int32 tensor field; an int8 ragged field
+        comes with its per-token float32 `_scale` (ragged, the same length field)."""
+        for name, spec in self.ragged.items():
+            if name in self.tensors or name in self.columns:
+                raise ValueError(f"{name!r} is both a ragged field and a tensor or column")
+            if self.tensors.get(spec.length) != TensorSpec((), "int32"):
+                raise ValueError(f"ragged field {name!r} needs its length field {spec.length!r} int32[]")
+            if spec.dtype == "int8":
+                want = RaggedSpec(spec.shape[:-1], "float32", spec.length)
+                if self.ragged.get(f"{name}_scale") != want:
+                    raise ValueError(f"int8 {name} needs {name}_scale {want.to_json()}")
+
+    @property
+    def lengths(self) -> dict[str, str]:
+        """{ragged field: its length field}."""
+        return {k: v.length for k, v in self.ragged.items()}
+
     def latent_kind(self) -> str | None:
         if "latent" in self.tensors:
             return "sample"
@@ -183,16 +278,20 @@ class Schema:
         return {f: axis for f, axis in TOKEN_AXES.items() if f in self.tensors}
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "tensors": {k: v.to_json() for k, v in self.tensors.items()},
             "columns": dict(self.columns),
         }
+        if self.ragged:  # absent in stores without ragged fields: their config is as before
+            out["ragged"] = {k: v.to_json() for k, v in self.ragged.items()}
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> Schema:
         return cls(
             tensors={k: TensorSpec.from_json(v) for k, v in d["tensors"].items()},
             columns=dict(d["columns"]),
+            ragged={k: RaggedSpec.from_json(v) for k, v in (d.get("ragged") or {}).items()},
         )
 
 

@@ -184,8 +184,8 @@ class StoreWriter:
 
     def _validate(self, name: str, tensors: dict, columns: dict) -> int:
         s = self.schema
-        if set(tensors) != set(s.tensors):
-            raise ValueError(f"shard {name}: tensors {sorted(tensors)} != schema {sorted(s.tensors)}")
+        if set(tensors) != set(s.tensors) | set(s.ragged):
+            raise ValueError(f"shard {name}: tensors {sorted(tensors)} != schema {sorted([*s.tensors, *s.ragged])}")
         if set(columns) != set(s.columns):
             raise ValueError(f"shard {name}: columns {sorted(columns)} != schema {sorted(s.columns)}")
         n = len(columns["key"])
@@ -198,6 +198,14 @@ class StoreWriter:
                     f"shard {name}: {f!r} is {dtype_name(arr)}{list(arr.shape)}, "
                     f"expected {spec.dtype}{[n, *spec.shape]}"
                 )
+        for f, spec in s.ragged.items():  # all the samples' tokens, as many as their lengths say
+            arr, lengths = tensors[f], tensors[spec.length]
+            total = int(np.asarray(lengths, dtype=np.int64).sum())
+            if not isinstance(arr, np.ndarray) or arr.shape != (total, *spec.shape) or dtype_name(arr) != spec.dtype:
+                raise ValueError(f"shard {name}: ragged {f!r} is {getattr(arr, 'shape', None)}, expected "
+                                 f"{spec.dtype}{[total, *spec.shape]} ({spec.length!r} sums to {total})")
+            if n and int(np.min(lengths)) < 0:
+                raise ValueError(f"shard {name}: {spec.length!r} holds a negative length")
         for c, kind in s.columns.items():
             if len(columns[c]) != n:
                 raise ValueError(f"shard {name}: column {c!r} has {len(columns[c])} values, expected {n}")
