@@ -116,3 +116,96 @@ def test_a_recipe_file_gives_each_command_its_own_table(tmp_path):
     r = ditdata("encode", tmp_path / "shards", "-o", tmp_path / "store", "--config", recipe, "--workers", 0, "-q")
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "store" / "manifest.json").read_text())["latent"]["shape"] == [3, 16, 16]
+
+
+# ------------------------------------------------------------------ YAML, JSON, --SECTION.KEY, -v
+
+
+def _printed(*args) -> str:
+    """`dittrain run ... --print-config`: the resolved settings as TOML (nothing runs)."""
+    r = dittrain("run", *args, "--print-config")
+    assert r.exit_code == 0, r.output
+    return r.output
+
+
+RUN_TOML = ('[optim]\nlr = 1e-4\nbatch-size = 64\nema = 0.999\n[performance]\ntf32 = false\n'
+            '[logging]\nsample-classes = "1,2"\n')
+
+
+def test_yaml_and_json_files_mean_what_the_toml_file_means(tmp_path):
+    toml = _printed("--config", _toml(tmp_path / "run.toml", RUN_TOML))
+    assert 'lr = 0.0001' in toml and "batch-size = 64" in toml and "tf32 = false" in toml
+    yaml_text = ("optim:\n  lr: 1e-4        # YAML 1.1 would read a string here\n  batch-size: 64\n  ema: 0.999\n"
+                 "performance: {tf32: false}\nlogging:\n  sample-classes: \"1,2\"\n  sample-every: ~\n")
+    for name in ("run.yaml", "run.yml"):
+        assert _printed("--config", _toml(tmp_path / name, yaml_text)) == toml
+    as_json = {"optim": {"lr": 1e-4, "batch_size": 64, "ema": 0.999}, "performance": {"tf32": False},
+               "logging": {"sample-classes": "1,2", "log-every": None}}
+    assert _printed("--config", _toml(tmp_path / "run.json", json.dumps(as_json))) == toml
+    # a recipe file in YAML: [run] with its sections
+    recipe = "recipe: {name: toy}\nrun:\n  optim: {lr: 1e-4, batch-size: 64, ema: 0.999}\n  performance: {tf32: false}\n" \
+             "  logging: {sample-classes: '1,2'}\n"
+    assert _printed("--config", _toml(tmp_path / "recipe.yaml", recipe)) == toml
+
+
+@pytest.mark.parametrize("name, text, needle", [
+    ("bad.yaml", "optim: [lr: 1\n", "not valid YAML"),
+    ("bad.json", '{"optim": {"lr": 1e-4,}}', "not valid JSON"),
+    ("list.yaml", "- lr\n- 1e-4\n", "must be a table of keys"),
+    ("run.ini", "[optim]\nlr = 1\n", "is .toml, .yaml, .yml or .json"),
+    ("type.yaml", "optim: {lr: fast}\n", "[optim] lr: takes a number"),
+    ("where.json", '{"model": {"lr": 0.1}}', "belongs in the [optim] table"),
+])
+def test_a_bad_yaml_or_json_file_is_one_line(tmp_path, name, text, needle):
+    r = dittrain("run", "--config", _toml(tmp_path / name, text), "--print-config")
+    line = one_error_line(r.output)
+    assert r.exit_code == 2 and needle in line and name in line, line
+
+
+def test_dotted_flags_are_the_files_keys(tmp_path):
+    plain = _printed("--lr", "1e-4", "--batch-size", "64", "--ema", "0.999", "--no-tf32", "--sample-classes", "1,2")
+    assert _printed("--optim.lr", "1e-4", "--optim.batch-size=64", "--optim.ema", "0.999", "--performance.tf32",
+                    "false", "--logging.sample_classes", "1,2") == plain
+    assert _printed("--optim.lr=1e-4", "--optim.batch_size", "64", "--optim.ema=0.999", "--performance.no-tf32",
+                    "--logging.sample-classes=1,2") == plain
+    assert _printed("--config", _toml(tmp_path / "run.toml", RUN_TOML)) == plain
+    # the command line wins over the file, dotted or not
+    assert "lr = 0.002" in _printed("--config", tmp_path / "run.toml", "--optim.lr", "2e-3")
+    assert "tf32 = true" in _printed("--config", tmp_path / "run.toml", "--performance.tf32")
+    assert "tf32 = true" in _printed("--config", tmp_path / "run.toml", "--performance.tf32=on")
+    # dittrain plan takes them too (its own section: plan)
+    r = dittrain("plan", "--plan.gpu-memory", "24GiB", "--model.model", "DiT-B/2", "--plan.latent-shape", "4x32x32",
+                 "--plan.classes", "10")
+    assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--optim.lrr", "1"), "--optim.lrr: no such key in the optim section (did you mean --optim.lr?)"),
+    (("--model.lr", "1"), "--model.lr: no such key in the model section (--lr is in the optim section)"),
+    (("--opt.lr", "1"), "--opt.lr: no section 'opt'; the sections are data, model"),
+    (("--performance.tf32=maybe",), "--performance.tf32: takes true or false, not 'maybe'"),
+])
+def test_a_bad_dotted_flag_is_one_line(args, needle):
+    r = dittrain("run", *args, "--print-config")
+    assert r.exit_code == 2 and needle in one_error_line(r.output), r.output
+
+
+def test_verbose_is_the_spelling_of_ditkit_debug(tmp_path, monkeypatch):
+    from ditdata.common.cli import DEBUG_ENV
+    from ditdata.store.errors import StoreError
+
+    monkeypatch.setenv(DEBUG_ENV, "0")  # restored after the test, whatever -v sets
+    r = dittrain("run", "--latents", tmp_path / "nowhere", "--out", tmp_path / "run")
+    assert "no such directory" in one_error_line(r.output)
+    for flag in ("-v", "--verbose"):
+        monkeypatch.setenv(DEBUG_ENV, "0")
+        r = dittrain("run", "--latents", tmp_path / "nowhere", "--out", tmp_path / "run", flag)
+        assert isinstance(r.exception, StoreError), r.output  # the traceback, not one line
+        r = ditdata("inspect", tmp_path / "nowhere", flag)
+        assert r.exception is not None and not isinstance(r.exception, SystemExit), r.output
+    from ditdata.cli import main as data
+    from dittrain.cli import main as train
+
+    for group in (data, train):
+        for name, command in group.commands.items():
+            assert "--verbose" in [o for p in command.params for o in p.opts], name

@@ -6,7 +6,7 @@
     lock.py     one writer per output directory
     devices.py  device and precision choice
     cli.py      one-line errors for both command groups, FiniteFloat, -q/--quiet
-    configfile.py  --config FILE.toml (options from a file, under the command line's), TOML out
+    configfile.py  --config FILE (TOML/YAML/JSON options, under the command line's), --SECTION.KEY, TOML out
     progress.py    progress bars on a terminal, plain lines in a log file
     memory.py   out of GPU memory as one line that says what ran and what lowers it
     bytesize.py byte sizes written by people ("2GiB"), and shown to them

@@ -6,7 +6,7 @@ busy output, ...) and operating-system errors (disk full, permission denied) pri
 message; click's usage errors print theirs with a pointer to --help instead of the usage
 block; running out of GPU memory says so (ditdata.common.memory: a command that names what
 it ran says more); anything else is a bug, reported in one line that says how to get the
-traceback (DITKIT_DEBUG=1, which also shows tracebacks for the expected failures). A
+traceback (DITKIT_DEBUG=1 or -v/--verbose, which also show tracebacks for the expected failures). A
 progress bar still drawn when a command fails is closed first, so the `Error:` line starts
 a line of its own (ditdata.common.progress).
 """
@@ -32,9 +32,24 @@ def os_error_message(e: OSError) -> str:
     return f"{where}: {what}" if where else what
 
 
+def _verbose(ctx: click.Context, param, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        os.environ[DEBUG_ENV] = "1"  # the environment, so loader workers and torchrun's ranks see it too
+
+
+# -v/--verbose: the spelling of DITKIT_DEBUG=1 on every command of both groups (OneLineErrors.add_command)
+verbose_option = click.Option(["--verbose", "-v"], is_flag=True, expose_value=False, is_eager=True, callback=_verbose,
+                              help=f"Tracebacks instead of one-line errors (the same as {DEBUG_ENV}=1).")
+
+
 class OneLineErrors(click.Group):
     """A click group whose failures are one line each (module docstring): a UserError's
-    message is meant for the user as it is."""
+    message is meant for the user as it is. Every command added to it takes -v/--verbose."""
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        if not any(p.name == "verbose" for p in cmd.params):
+            cmd.params.append(verbose_option)
+        super().add_command(cmd, name)
 
     def invoke(self, ctx):
         try:
@@ -89,6 +104,14 @@ class SectionedCommand(click.Command):
 
     def sections(self) -> list[str]:
         return []
+
+    def parse_args(self, ctx, args):
+        # --SECTION.KEY VALUE: the key of the config file's [SECTION] table (ditdata.common.configfile.undotted)
+        if sections := [s for s in self.sections() if s != "config"]:
+            from ditdata.common.configfile import undotted
+
+            args = undotted(self, list(args), self.section_of, sections, ctx)
+        return super().parse_args(ctx, args)
 
     def format_options(self, ctx, formatter):
         groups: dict[str, list] = {}

@@ -1,4 +1,4 @@
-"""`--config FILE.toml`: a command's options from a TOML file (stdlib tomllib), and back.
+"""`--config FILE`: a command's options from a TOML, YAML or JSON file, and back (TOML).
 
 The keys are the commands' own flag names without the dashes (`batch-size = 256`,
 `flip = true` for `--flip/--no-flip`; `batch_size` is read too). A command whose options
@@ -14,6 +14,17 @@ top-level table is one command's settings, named after it (`[encode]`, `[feature
 with `[run.model]`, `[run.optim]`, ..., `[sample]`). Each command reads its own table and
 leaves the others alone, so one file gives a published recipe from the pixels to the FID
 samples (pipelines/configs/recipes/).
+
+The file's kind is its suffix: `.toml` (stdlib tomllib), `.yaml`/`.yml` (PyYAML's safe loader,
+with YAML 1.2's numbers: `1e-4` is a float, as in TOML and JSON, not the string YAML 1.1 makes
+of it) or `.json`; the same keys and tables in each. A null (YAML `~`, JSON `null`) is a key left
+at its default.
+
+On the command line of a sectioned command, `--SECTION.KEY VALUE` (or `=VALUE`) is the same as
+the key in the file's [SECTION] table (torchtitan's and LightningCLI's spelling: `dittrain run
+--optim.lr 1e-4` is `--lr 1e-4`); an on/off flag takes `--SECTION.KEY`, `--SECTION.KEY true` or
+`false`. A section or key that does not exist, or a key in another section, is one line
+(`undotted`).
 
 `to_toml` writes such a file back (`dittrain run --print-config`), and `given` says which
 options were set by the user (on the command line or in the file) rather than defaulted:
@@ -93,18 +104,70 @@ def _check_one(path: Path, key: str, param: click.Option, value):
         raise _bad(path, key, e.message) from None
 
 
-def read(path: str | Path) -> dict:
-    """The TOML file, parsed; a missing or malformed file is one line."""
-    import tomllib
+SUFFIXES = (".toml", ".yaml", ".yml", ".json")  # what --config reads, by suffix
 
+
+def read(path: str | Path) -> dict:
+    """The config file (TOML, YAML or JSON by its suffix), parsed; a missing or malformed file,
+    or one whose top level is not a table of keys, is one line."""
     path = Path(path)
+    kind = path.suffix.lower()
+    if kind not in SUFFIXES:
+        raise click.BadParameter(f"{path}: a config file is .toml, .yaml, .yml or .json, not {kind or 'no suffix'!r}",
+                                 param_hint="'--config'")
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
+        raw = path.read_bytes()
     except OSError as e:
         raise click.BadParameter(f"{path}: {e.strerror or e}", param_hint="'--config'") from None
-    except tomllib.TOMLDecodeError as e:
-        raise click.BadParameter(f"{path}: not valid TOML ({e})", param_hint="'--config'") from None
+    try:
+        data = _parse(kind, raw)
+    except ValueError as e:  # tomllib's, json's and yaml's errors (YAMLError is wrapped in _parse)
+        what = {".yml": "YAML", ".yaml": "YAML"}.get(kind, kind[1:].upper())
+        raise click.BadParameter(f"{path}: not valid {what} ({' '.join(str(e).split())})",
+                                 param_hint="'--config'") from None
+    if not isinstance(data, dict):
+        raise click.BadParameter(f"{path}: the file must be a table of keys (KEY = VALUE, KEY: VALUE or "
+                                 f"{{\"KEY\": VALUE}}), not a {type(data).__name__}", param_hint="'--config'")
+    return data
+
+
+def _parse(kind: str, raw: bytes):
+    if kind == ".toml":
+        import tomllib
+
+        return tomllib.loads(raw.decode("utf-8", errors="strict"))
+    if kind == ".json":
+        import json
+
+        return json.loads(raw)
+    import yaml
+
+    try:
+        return yaml.load(raw, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as e:
+        raise ValueError(str(e)) from None
+
+
+def _yaml_loader():
+    """PyYAML's SafeLoader with YAML 1.2's floats: `1e-4` and `3E5` are numbers (YAML 1.1, which
+    PyYAML follows, wants a dot and a signed exponent and reads them as strings), so a learning
+    rate written as in TOML or JSON means the same."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    float_12 = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                              |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                              |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                              |[-+]?\.(?:inf|Inf|INF)
+                              |\.(?:nan|NaN|NAN))$""", re.X)
+    Loader.yaml_implicit_resolvers = {k: [r for r in v if r[0] != "tag:yaml.org,2002:float"]
+                                      for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", float_12, list("-+0123456789."))
+    return Loader
 
 
 RECIPE = "recipe"  # the top-level table that marks a recipe file (module docstring)
@@ -133,6 +196,8 @@ def defaults_from(command: click.Command, path: str | Path, data: Mapping,
     path, options, values = Path(path), _options(command), {}
     tables = sorted(set(sections.values())) if sections else []
     for where, key, value in _entries(path, data, tables):
+        if value is None:  # YAML ~ / JSON null: the key at its default (TOML has no null)
+            continue
         param = options.get(key)
         if param is None:
             names = sorted({key_of(p) for p in options.values()})
@@ -182,11 +247,60 @@ def option(sections: Callable[[], Mapping[str, str]] | None = None, cli_only: tu
         return value
 
     return click.option("--config", CONFIG_OPTION, type=click.Path(dir_okay=False, path_type=str),
-                        default=None, is_eager=True, expose_value=False, callback=load, metavar="FILE.toml",
-                        help="Read the options from this TOML file (keys: the flag names without dashes"
-                             + (", in tables named after the sections below" if sections else "")
+                        default=None, is_eager=True, expose_value=False, callback=load, metavar="FILE",
+                        help="Read the options from this TOML, YAML or JSON file (keys: the flag names without dashes"
+                             + (", in tables named after the sections below; on the command line --SECTION.KEY "
+                                "VALUE is the same as KEY in [SECTION]" if sections else "")
                              + "; a recipe file: its table named after this command); flags given here win "
                              "over it.")
+
+
+_BOOLS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False, "on": True, "off": False}
+
+
+def undotted(command: click.Command, args: list[str], section_of: Callable[[str], str | None],
+             sections: list[str], ctx: click.Context | None = None) -> list[str]:
+    """The command line with every `--SECTION.KEY[=VALUE]` turned into the option's own flag
+    (module docstring); a bad section or key, or a key of another section, is a one-line
+    click.UsageError. Arguments after `--` are left as they are."""
+    options, out, i = _options(command), [], 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if arg == "--":
+            out += args[i - 1:]
+            break
+        name, eq, value = arg.partition("=")
+        if not name.startswith("--") or "." not in name:
+            out.append(arg)
+            continue
+        section, _, key = name[2:].partition(".")
+        param = options.get(key)
+        if key.startswith("no-") or key.startswith("no_"):  # --SECTION.no-KEY: the off side of a flag
+            on = options.get(key[3:])
+            if on is not None and on.secondary_opts:
+                param, eq, value = on, "=", "false"
+        if section not in sections:
+            raise click.UsageError(f"{name}: no section {section!r}; the sections are {', '.join(sections)}", ctx)
+        if param is None or section_of(param.name) != section:
+            mine = sorted({key_of(p) for p in options.values() if section_of(p.name) == section})
+            if param is not None:
+                why = f"--{key_of(param)} is in the {section_of(param.name) or 'other'} section"
+            else:
+                close = difflib.get_close_matches(key.replace("_", "-"), mine, n=1)
+                why = f"did you mean --{section}.{close[0]}?" if close else f"its keys: {', '.join(mine)}"
+            raise click.UsageError(f"{name}: no such key in the {section} section ({why})", ctx)
+        flag = next(o for o in param.opts if o.startswith("--"))
+        if param.is_flag and param.secondary_opts:  # on/off: bare, =BOOL or a following BOOL
+            if not eq and i < len(args) and args[i].lower() in _BOOLS:
+                value, eq = args[i], "="
+                i += 1
+            if eq and value.lower() not in _BOOLS:
+                raise click.UsageError(f"{name}: takes true or false, not {value!r}", ctx)
+            out.append(flag if not eq or _BOOLS[value.lower()] else param.secondary_opts[0])
+        else:
+            out.append(f"{flag}={value}" if eq else flag)
+    return out
 
 
 def given(ctx: click.Context) -> set[str]:
@@ -231,5 +345,5 @@ def to_toml(tables: Mapping[str, Mapping], header: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["CONFIG_OPTION", "RECIPE", "command_table", "defaults_from", "given", "key_of", "option", "read",
-           "to_toml"]
+__all__ = ["CONFIG_OPTION", "RECIPE", "SUFFIXES", "command_table", "defaults_from", "given", "key_of", "option",
+           "read", "to_toml", "undotted"]
