@@ -3,6 +3,7 @@ command parses and checks its options, hands them to one module and prints what 
 module reports (its `report`, `describe` or list of faults):
 
     fetch -> ditdata.fetch    score -> ditdata.scoring.score    filter -> ditdata.scoring.filter
+    caption -> ditdata.captions
     dedup -> ditdata.scoring.dedup
     encode -> ditdata.encode  features -> ditdata.features  inspect, verify -> ditdata.inspection
 
@@ -38,6 +39,8 @@ from ditdata.config import (
     PCA_TOKENS_PER_IMAGE,
     POSTERIORS,
     RESIZE_MODES,
+    TEXT_DTYPES,
+    CaptionConfig,
     DedupConfig,
     EncodeConfig,
     FeaturesConfig,
@@ -61,6 +64,7 @@ _encode_opt = partial(_opt, EncodeConfig)
 _features_opt = partial(_opt, FeaturesConfig)
 _dedup_opt = partial(_opt, DedupConfig)
 _score_opt = partial(_opt, ScoreConfig)
+_caption_opt = partial(_opt, CaptionConfig)
 _quiet = quiet_option
 
 
@@ -79,6 +83,7 @@ def main():
     Pipeline (pixels are processed once, latents reused by every experiment):
       ditdata fetch   SOURCE --out SHARDS        URL list / ImageNet / folder -> image shards
       ditdata score   SHARDS --clip ViT-B-32     CLIP score per image-caption pair
+      ditdata caption SHARDS --captioner NAME --out-name SET   recaption with a VLM (a named caption set)
       ditdata filter  SHARDS --min-clip-score X  -> a selection of keys
       ditdata dedup   SHARDS --threshold 0.95    near-duplicates out -> a selection
       ditdata encode  SHARDS --vae NAME --out STORE
@@ -259,6 +264,66 @@ def score(shards, clip_name, pretrained, clip_config, device, batch_size, worker
                                     skip_bad_shards=skip_bad_shards, save_embeddings=save_embeddings,
                                     aesthetic=aesthetic, progress=not quiet))
     click.echo(f"{shards}: {report(summary)}")
+
+
+@main.command()
+@configfile.option()
+@click.argument("shards", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("--captioner", required=True,
+              help="A preset (florence2-base, florence2-large, smolvlm-256m, smolvlm-500m, smolvlm2-2.2b, "
+                   "qwen2.5-vl-3b, qwen2.5-vl-7b) from the local Hugging Face cache, a local save_pretrained "
+                   "directory, a cached hub id, or python:MODULE:FUNCTION.")
+@click.option("--out-name", required=True,
+              help="The caption set's name (letters, digits, _ and -): NNNNN.captions.NAME.parquet beside each "
+                   "shard. 'alt' is reserved for the shards' own captions.")
+@_caption_opt("--prompt", field="prompt",
+              help="The instruction. Default: <MORE_DETAILED_CAPTION> for Florence-2 (a task token: <CAPTION>, "
+                   "<DETAILED_CAPTION>, ...), 'Describe this image in detail.' for chat models.")
+@_caption_opt("--max-new-tokens", field="max_new_tokens", type=click.IntRange(min=1),
+              help="Generation stops here; a caption cut there is flagged truncated.")
+@_caption_opt("--num-beams", field="num_beams", type=click.IntRange(min=1),
+              help="Beam search width (deterministic either way). Default: the model's generation config "
+                   "(Florence-2: 3, as its card; the others: greedy).")
+@_caption_opt("--batch-size", field="batch_size", type=click.IntRange(min=1), help="Images per generate call.")
+@_caption_opt("--device", field="device", help="auto, cpu, cuda, cuda:1, ... (bf16 weights on CUDA, fp32 on CPU).")
+@_caption_opt("--limit", field="limit", type=click.IntRange(min=1),
+              help="Caption at most this many more shards in this run (rerun to go on).")
+@click.option("--overwrite", is_flag=True,
+              help="Caption every shard again, replacing a set made with another captioner or settings.")
+@click.option("--skip-bad-shards", is_flag=True,
+              help=_skip_bad_shards_help("they get no caption file and are reported"))
+@_quiet
+def caption(shards, captioner, out_name, prompt, max_new_tokens, num_beams, batch_size, device, limit, overwrite,
+            skip_bad_shards, quiet):
+    """Recaption every image of the image SHARDS folder with a vision-language model.
+
+    Writes the caption set OUT_NAME: NNNNN.captions.OUT_NAME.parquet beside each NNNNN.tar
+    (key, caption, status, tokens; one row per sample in stored order). Greedy decoding, so
+    a rerun gives the same text. Each file is published atomically; rerun to resume (shards
+    done with the same captioner and settings are skipped; a set made with others is refused
+    unless --overwrite). Captions that come back empty, looping (the same words over and
+    over) or cut at --max-new-tokens are counted and flagged in the status column; images
+    that cannot be decoded get a null caption and the reason. Under torchrun the ranks share
+    the shards. Nothing is downloaded: a model not in the local Hugging Face cache fails at
+    once with the `hf download` command that fetches it.
+    Then `ditdata score --captions OUT_NAME` scores the set with CLIP.
+
+    \b
+    Examples:
+      ditdata caption ./laion_shards --captioner florence2-large --out-name florence
+      ditdata caption ./laion_shards --captioner qwen2.5-vl-7b --out-name qwen \\
+          --prompt "Describe this image in one detailed paragraph." --max-new-tokens 300 --batch-size 16
+      ditdata caption ./shards --captioner ./my_vlm --out-name mine --device cpu --limit 1
+    """
+    from ditdata.captions import caption as run_caption
+    from ditdata.captions import report
+
+    summary = run_caption(CaptionConfig(shards=shards, captioner=captioner, out_name=out_name, prompt=prompt,
+                                        max_new_tokens=max_new_tokens, num_beams=num_beams, batch_size=batch_size,
+                                        device=device, limit=limit, overwrite=overwrite,
+                                        skip_bad_shards=skip_bad_shards, progress=not quiet))
+    if summary["rank"] == 0:
+        click.echo(f"{shards}: {report(summary)}")
 
 
 @main.command(name="filter")
@@ -487,13 +552,24 @@ def verify(store, cache_dir, cache_limit, quiet):
              help="Image decoding processes (each takes whole shards).")
 @_encode_opt("--select", field="select", type=click.Path(exists=True, dir_okay=False, path_type=str),
              help="A selection written by `ditdata filter`: encode only those keys.")
-@_encode_opt("--text-encoder", field="text_encoder", help="open_clip model for caption embeddings, e.g. ViT-B-32.")
+@_encode_opt("--text-encoder", field="text_encoder",
+             help="Caption embeddings: an open_clip model (ViT-B-32, with --text-pretrained; tokens padded to 77), "
+                  "or a transformers encoder whose tokens are stored unpadded: t5-v1_1-xxl, flan-t5-xl (PixArt's "
+                  "convention), gemma-2-2b (SANA's), a folder saved with save_pretrained, or a cached hub id.")
 @_encode_opt("--text-pretrained", field="text_pretrained",
              help="Its pretrained tag (from the local cache) or a weights file.")
 @_encode_opt("--text-config", field="text_config", type=click.Path(exists=True, dir_okay=False, path_type=str),
              help="An open_clip model-config JSON for a custom text encoder.")
 @_encode_opt("--text-tokens/--no-text-tokens", field="text_tokens",
-             help="Also store per-token text embeddings and mask (for cross-attention).")
+             help="Also store per-token text embeddings and mask (for cross-attention; open_clip encoders).")
+@_encode_opt("--text-max-tokens", field="text_max_tokens", type=click.IntRange(min=1),
+             help="Transformers encoders: tokens kept per caption (default the reference's: T5 120 as "
+                  "PixArt-alpha, 300 for PixArt-Sigma; Gemma-2 300 as SANA).")
+@_encode_opt("--text-dtype", field="text_dtype", type=click.Choice(TEXT_DTYPES),
+             help="Transformers encoders: storage of the unpadded tokens; int8 keeps a float32 scale per token "
+                  "(the latents' int8 rule), dequantized on the training device.")
+@_encode_opt("--text-instruction", field="text_instruction", type=click.Choice(("reference", "none")),
+             help="Gemma-2: SANA's complex human instruction before each caption (reference) or none.")
 @_encode_opt("--features", field="features", metavar="ENCODER",
              help="Also compute a feature set (representation targets for REPA) with this encoder, as "
                   "`ditdata features --encoder` takes it, in the same pass (see below).")

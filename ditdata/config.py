@@ -1,4 +1,4 @@
-"""The settings of `ditdata fetch`, `score`, `filter`, `dedup`, `encode` and `features`: every
+"""The settings of `ditdata fetch`, `score`, `caption`, `filter`, `dedup`, `encode` and `features`: every
 option with its default and its choices, in one place. The command line builds its options
 from these dataclasses (ditdata/cli.py), and the Python API takes them
 (`fetch(source, out, FetchConfig(...))`, `score(ScoreConfig(...))`, `filter_shards(FilterConfig(...))`,
@@ -77,6 +77,34 @@ class ScoreConfig:
     skip_bad_shards: bool = False  # leave out (and record) image shards that are damaged
     save_embeddings: bool = False  # keep each image's CLIP embedding too (for `ditdata dedup`)
     aesthetic: str | None = None  # the LAION aesthetic predictor's state-dict file; None: no aesthetic scores
+    captions: str = "alt"  # the caption set scored: "alt", the shards' own, or a `ditdata caption` set
+    progress: bool = True
+
+
+# ------------------------------------------------------------------------------- caption
+
+CAPTION_BATCH_SIZE = 8
+CAPTION_MAX_NEW_TOKENS = 256
+
+
+@dataclass
+class CaptionConfig:
+    """`ditdata caption`: a named caption set of an image-shard folder written by a
+    vision-language model (ditdata.captions). Resume rule of each field: "fixed" ones are
+    recorded in every shard's caption file, and a rerun with another value refuses to mix
+    the two (--overwrite replaces them); "safe" ones may change between runs."""
+
+    shards: str  # the image-shard folder (`ditdata fetch --out`)
+    captioner: str  # fixed: a preset, directory, cached hub id or python:MODULE:FUNCTION (ditdata.captions.captioners)
+    out_name: str  # the caption set's name (letters, digits, _ and -; "alt" is the shards' own captions)
+    prompt: str | None = None  # fixed: the instruction; None: the captioner family's default
+    max_new_tokens: int = CAPTION_MAX_NEW_TOKENS  # fixed: generation stops here (the caption is flagged truncated)
+    num_beams: int | None = None  # fixed: None: the model's generation config (greedy for most; Florence-2: 3)
+    batch_size: int = CAPTION_BATCH_SIZE  # safe: images per generate call (within one shard)
+    device: str = "auto"  # safe: auto: cuda when available (bf16 weights there, fp32 on the CPU)
+    limit: int | None = None  # safe: caption at most this many more shards in this run (None: all)
+    overwrite: bool = False  # caption every shard again, replacing a set made with other settings
+    skip_bad_shards: bool = False  # safe: leave out damaged image shards instead of stopping
     progress: bool = True
 
 
@@ -99,6 +127,7 @@ class FilterConfig:
     min_aesthetic: float | None = None  # aesthetic >= A (`ditdata score --aesthetic`)
     top_aesthetic_fraction: float | None = None  # the top F by aesthetic score
     select: str | None = None  # only the samples of an earlier selection (e.g. `ditdata dedup`'s)
+    captions: str = "alt"  # whose CLIP scores the rules read: the shards' own captions or a caption set's
 
 # ------------------------------------------------------------------------------- dedup
 
@@ -133,6 +162,9 @@ POSTERIORS = ("sample", "mean_std")
 # 768 x 16 x 16 (bench/RESULTS.md has what it does to the decoder's output); one latent per image
 # only (--posterior sample), text embeddings then stay float16
 DTYPES = ("float16", "bfloat16", "int8")
+# --text-dtype: the unpadded token embeddings of a transformers text encoder (int8: codes with a float32
+# scale per token, the latents' rule, ditdata.store.quantize)
+TEXT_DTYPES = ("float16", "bfloat16", "int8")
 # Far above any DiT recipe (256-1024 px); a mistyped --resolution 100000 would otherwise
 # allocate 30 GB per decoded image before anything could say no.
 MAX_RESOLUTION = 4096
@@ -156,10 +188,14 @@ class EncodeConfig:
     batch_size: int = 32
     workers: int = 2
     select: str | None = None
-    text_encoder: str | None = None  # open_clip model name
-    text_pretrained: str | None = None  # its pretrained tag or weights file
+    text_encoder: str | None = None  # an open_clip model name, or a transformers encoder (ditdata.textencoders)
+    text_pretrained: str | None = None  # its pretrained tag or weights file (open_clip)
     text_config: str | None = None  # an open_clip model-config JSON for custom models
-    text_tokens: bool = False  # also store per-token embeddings and mask
+    text_tokens: bool = False  # also store per-token embeddings and mask (open_clip; transformers ones always do)
+    # transformers encoders (T5, Gemma-2): tokens stored unpadded (each caption its own length)
+    text_max_tokens: int | None = None  # None: the reference's (T5 120 as PixArt-alpha, Gemma-2 300 as SANA)
+    text_dtype: str = "float16"  # one of TEXT_DTYPES: their storage (int8: a float32 scale per token)
+    text_instruction: str = "reference"  # one of ditdata.textencoders.INSTRUCTIONS (SANA's for Gemma-2, or none)
     seed: int = 0
     chunk_samples: int = CHUNK_SAMPLES
     skip_bad_shards: bool = False  # leave out (and record) image shards that are damaged

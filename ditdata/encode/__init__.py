@@ -54,7 +54,7 @@ from ditdata.common.dist import join, launch_env, leave
 from ditdata.common.lock import DirLock
 from ditdata.common.memory import halved, out_of_memory_hint
 from ditdata.common.progress import progress_bar
-from ditdata.config import DTYPES, MAX_RESOLUTION, POSTERIORS, EncodeConfig  # noqa: F401  (EncodeConfig: re-exported)
+from ditdata.config import DTYPES, MAX_RESOLUTION, POSTERIORS, TEXT_DTYPES, EncodeConfig  # noqa: F401  (EncodeConfig: re-exported)
 from ditdata.encode.buckets import BucketWriter, with_latent_shape
 from ditdata.errors import DitdataError
 from ditdata.framing import COVER_RULE, CROP_RULE, parse_spec
@@ -62,6 +62,7 @@ from ditdata.imageshards import folder as imageshards
 from ditdata.imageshards.batches import ShardImages
 from ditdata.imageshards.scores import score_path
 from ditdata.store import BFLOAT16, LATENT_SCALES, Schema, StoreWriter, TensorSpec, encode_array, quantize
+from ditdata.store.schema import TEXT_LENGTH, RaggedSpec, dequantize, offsets_of
 
 NON_FINITE = "non-finite latent"
 # Ranks wait for each other at the manifest: a rank with more (or slower) shards may take hours.
@@ -91,7 +92,8 @@ class _ShardOut:
     generator of its posterior draws (seeded by the shard, so the split of the work does
     not change the bytes) and the keys of the samples left out as not finite."""
 
-    def __init__(self, seed: int, name: str, bucket: tuple[int, int] | None = None, int8: bool = False):
+    def __init__(self, seed: int, name: str, bucket: tuple[int, int] | None = None, int8: bool = False,
+                 text_int8: bool = False):
         digits = "".join(c for c in name if c.isdigit()) or "0"
         shard_seed = (seed * 1_000_003 + int(digits)) % (2**63)
         if bucket is not None:  # a bucket's draws: seeded by (shard, bucket), not by batch order
@@ -101,14 +103,28 @@ class _ShardOut:
         self.columns: dict[str, list] = {}
         self.nonfinite_keys: list[str] = []
         self.int8 = int8  # quantize the latents (float32 here) of the samples kept
+        self.text_int8 = text_int8  # quantize the unpadded text tokens (float32 here) of the samples kept
 
     def add(self, tensors: dict[str, np.ndarray], columns: dict[str, list]) -> int:
         """Keep the batch's samples whose every value is finite as stored; returns how many."""
+        # unpadded text tokens (all the batch's, caption after caption) are checked per caption
+        tokens = tensors.pop("text_tokens") if TEXT_LENGTH in tensors else None
         ok = _finite_rows(tensors)
+        if tokens is not None:
+            lengths = tensors[TEXT_LENGTH].astype(np.int64)
+            finite = np.isfinite(tokens.astype(np.float32)).all(axis=1)
+            ok &= np.add.reduceat(~finite, offsets_of(lengths)[:-1]) == 0 if len(finite) else ok
         if not ok.all():  # never store NaN/inf: count the samples and leave them out
             self.nonfinite_keys.extend(k for k, good in zip(columns["key"], ok, strict=True) if not good)
+            if tokens is not None:
+                tokens = tokens[np.repeat(ok, tensors[TEXT_LENGTH])]
             tensors = {k: v[ok] for k, v in tensors.items()}
             columns = {k: [x for x, good in zip(v, ok, strict=True) if good] for k, v in columns.items()}
+        if tokens is not None:
+            if self.text_int8:  # codes and a scale per token (its W values)
+                tensors["text_tokens"], tensors["text_tokens_scale"] = quantize(tokens, axis=1)
+            else:
+                tensors["text_tokens"] = tokens
         if self.int8:  # codes and per-token scales (the C channels at each position: axis 1)
             for name in [k for k in tensors if k in LATENT_SCALES]:
                 tensors[name], tensors[LATENT_SCALES[name]] = quantize(tensors[name], axis=1)
@@ -120,7 +136,7 @@ class _ShardOut:
 
     def result(self, schema: Schema):
         tensors = {}
-        for name, spec in schema.tensors.items():
+        for name, spec in (*schema.tensors.items(), *schema.ragged.items()):
             parts = self.tensors.get(name)
             dt_ = BFLOAT16 if spec.dtype == "bfloat16" else np.dtype(spec.dtype)
             tensors[name] = np.concatenate(parts) if parts else np.zeros((0, *spec.shape), dt_)
@@ -153,10 +169,14 @@ class Encoder:
                 "deterministic (use --posterior sample)"
             )
         self.text = None
+        self.ragged = False  # a transformers encoder: its tokens stored unpadded
         if cfg.text_encoder:
-            from ditdata.clip import load_clip
+            from ditdata.textencoders import is_transformers_encoder, load_text_encoder
 
-            self.text = load_clip(cfg.text_encoder, cfg.text_pretrained, device=device, config=cfg.text_config)
+            self.ragged = is_transformers_encoder(cfg.text_encoder)
+            self.text = load_text_encoder(cfg.text_encoder, device, max_tokens=cfg.text_max_tokens,
+                                          instruction=cfg.text_instruction, pretrained=cfg.text_pretrained,
+                                          config=cfg.text_config)
         cuda = device.type == "cuda"
         # Convolutions run faster in channels-last layout (oneDNN on this CPU: TAEF2 at 256 px
         # 3.6 vs 2.6 images/s; tensor cores on GPUs). On the CPU, one image at a time keeps
@@ -198,6 +218,9 @@ class Encoder:
         return out
 
     def captions(self, captions: list[str]) -> dict:
+        if self.ragged:  # {"text_tokens": (sum L_i, W) float32, "text_length": (B,)}: unpadded
+            flat, lengths = self.text.embed_ragged(captions)
+            return {"text_tokens": flat, TEXT_LENGTH: lengths}
         with torch.inference_mode(), autocast(self.device, self.amp):
             emb = self.text.embed_text(captions, tokens=self.cfg.text_tokens)
         return {k: v if v.dtype == torch.bool else v.float() for k, v in emb.items()}
@@ -223,7 +246,8 @@ def encode(cfg: EncodeConfig) -> dict:
                            "for mean and for std is not offered; use --dtype float16 with --posterior mean_std")
     if not cfg.text_encoder and (cfg.text_pretrained or cfg.text_config or cfg.text_tokens):
         raise DitdataError("--text-pretrained, --text-config and --text-tokens need --text-encoder NAME")
-    if cfg.text_encoder and not cfg.text_pretrained:
+    _check_text_options(cfg)
+    if cfg.text_encoder and not cfg.text_pretrained and not _transformers_text(cfg):
         raise DitdataError(f"--text-encoder {cfg.text_encoder} needs --text-pretrained TAG_OR_FILE "
                            "(the weights that embed the captions)")
     if not 0 < cfg.resolution <= MAX_RESOLUTION:
@@ -355,6 +379,47 @@ def _memory_hint(cfg: EncodeConfig, device: torch.device):
 # ------------------------------------------------------------------- the steps of a run
 
 
+def _transformers_text(cfg: EncodeConfig) -> bool:
+    from ditdata.textencoders import is_transformers_encoder
+
+    return bool(cfg.text_encoder) and is_transformers_encoder(cfg.text_encoder)
+
+
+def _check_text_options(cfg: EncodeConfig) -> None:
+    """The options of the unpadded (transformers) text encoders, refused with any other."""
+    if cfg.text_dtype not in TEXT_DTYPES:
+        raise DitdataError(f"--text-dtype must be one of {TEXT_DTYPES}")
+    given = [f for f, v in (("--text-max-tokens", cfg.text_max_tokens is not None),
+                            ("--text-dtype", cfg.text_dtype != "float16"),
+                            ("--text-instruction", cfg.text_instruction != "reference")) if v]
+    if given and not _transformers_text(cfg):
+        raise DitdataError(f"{', '.join(given)} apply to a transformers text encoder (--text-encoder t5-v1_1-xxl, "
+                           "gemma-2-2b, a folder or a hub id), not to an open_clip one")
+    if _transformers_text(cfg) and (cfg.text_pretrained or cfg.text_config):
+        raise DitdataError(f"--text-pretrained / --text-config are open_clip options; {cfg.text_encoder} is a "
+                           "transformers encoder (its folder or hub id holds the weights)")
+
+
+def _ragged_text(cfg: EncodeConfig, enc: Encoder) -> tuple[dict, dict, dict]:
+    """The schema entries (tensors, ragged) of unpadded text tokens and the manifest's
+    conditioning, with the empty caption's embedding as the store keeps the others."""
+    info = enc.text.info
+    width, dtype = info["token_dim"], cfg.text_dtype
+    tensors = {TEXT_LENGTH: TensorSpec((), "int32")}
+    ragged = {"text_tokens": RaggedSpec((width,), dtype, TEXT_LENGTH)}
+    if dtype == "int8":
+        ragged["text_tokens_scale"] = RaggedSpec((), "float32", TEXT_LENGTH)
+    flat, _ = enc.text.empty_caption()
+    x = flat.float().numpy()
+    # the unconditional input as training sees the others: rounded to the storage (int8: its codes x scales)
+    x = dequantize(*quantize(x, axis=1), axis=1) if dtype == "int8" else _to_numpy(torch.from_numpy(x), dtype)
+    empty = {"text_tokens": encode_array(x), "text_mask": encode_array(np.ones(len(x), dtype=bool))}
+    text = {**info, "layout": "ragged", "storage": dtype, "tokens_shape": [info["max_tokens"], width],
+            "length_field": TEXT_LENGTH, "empty": empty}
+    return tensors, ragged, {"type": "text", "text": text}
+
+
+
 @dataclass
 class _Layout:
     """What every store shard of the run holds, and where its values come from."""
@@ -386,8 +451,12 @@ def _store_layout(cfg: EncodeConfig, enc: Encoder, folder: imageshards.ShardFold
     if cfg.dtype == "int8":  # each int8 latent's scales: one per token (position)
         tensors |= {LATENT_SCALES[n]: TensorSpec(latent_shape[1:], "float32") for n in enc.latent_names()}
     conditioning: dict = {"type": "none"}
+    ragged: dict = {}
     if info["kind"] == "classes":
         conditioning = {"type": "class", "num_classes": info.get("num_classes"), "class_names": info.get("class_names")}
+    elif enc.text is not None and enc.ragged:
+        text_tensors, ragged, conditioning = _ragged_text(cfg, enc)
+        tensors |= text_tensors
     elif enc.text is not None:
         # the text fields' tensor specs, and the empty-caption embedding for the manifest
         text_specs, arrays = {}, {}
@@ -413,7 +482,7 @@ def _store_layout(cfg: EncodeConfig, enc: Encoder, folder: imageshards.ShardFold
         columns["clip_score"] = "float64"
     if spec is not None:
         columns["crop"] = "int64"  # pixels the cover crop cut off (ditdata.framing.crop_pixels)
-    return _Layout(Schema(tensors=tensors, columns=columns), conditioning, scores, ae.latent_shape,
+    return _Layout(Schema(tensors=tensors, columns=columns, ragged=ragged), conditioning, scores, ae.latent_shape,
                    None if spec is None else tuple(spec.sizes()))
 
 
@@ -463,7 +532,8 @@ def _encode_shards(cfg: EncodeConfig, enc: Encoder, layout: _Layout, plan: _Plan
     for batch in loader:
         name, bucket = batch["shard"], batch["bucket"] and tuple(batch["bucket"])  # (the loader makes it a list)
         if (name, bucket) not in pending:
-            pending[name, bucket] = _ShardOut(cfg.seed, name, bucket, int8=cfg.dtype == "int8")
+            pending[name, bucket] = _ShardOut(cfg.seed, name, bucket, int8=cfg.dtype == "int8",
+                                              text_int8=enc.ragged and cfg.text_dtype == "int8")
         shard = pending[name, bucket]
         if batch["meta"]:
             encoded += shard.add(*_encode_batch(cfg, enc, layout, batch, shard.gen))
@@ -524,6 +594,11 @@ def _encode_batch(cfg: EncodeConfig, enc: Encoder, layout: _Layout, batch: dict,
         cols["clip_score"] = [table.get(k) for k in cols["key"]]
     if enc.text is not None:
         emb = enc.captions([m.get("caption") or "" for m in metas])
+        if enc.ragged:  # float32 until _ShardOut.add has kept the finite captions (int8: then quantized)
+            out["text_tokens"] = emb["text_tokens"].numpy() if cfg.text_dtype == "int8" else \
+                _to_numpy(emb["text_tokens"], cfg.text_dtype)
+            out[TEXT_LENGTH] = emb[TEXT_LENGTH].numpy().astype(np.int32)
+            return out, cols
         out |= {k: (v.cpu().numpy() if k == "text_mask" else _to_numpy(v, _text_dtype(cfg.dtype))) for k, v in emb.items()}
     return out, cols
 

@@ -129,4 +129,4 @@ def with_latent_shape(schema: Schema, shape: tuple[int, ...]) -> Schema:
     scales = set(LATENT_SCALES.values())
     tensors = {k: TensorSpec(shape, v.dtype) if k in LATENT_FIELDS else TensorSpec(shape[1:], v.dtype) if k in scales
                else v for k, v in schema.tensors.items()}
-    return Schema(tensors=tensors, columns=dict(schema.columns))
+    return Schema(tensors=tensors, columns=dict(schema.columns), ragged=dict(schema.ragged))

@@ -178,7 +178,7 @@ class StoreWriter:
             "bytes": sum(m["size"] for m in file_table.values()),
             "files": file_table,
             "source": source,
-            "stats": self._stats(tensors),
+            "stats": self._stats(tensors) | self._length_counts(tensors),
             "extra": extra or {},
         }
 
@@ -216,6 +216,14 @@ class StoreWriter:
         if len(set(keys)) != n:
             raise ValueError(f"shard {name}: duplicate keys")
         return n
+
+    def _length_counts(self, tensors: dict) -> dict:
+        """{"lengths": {length field: counts of each length (bincount)}} of the ragged fields, for
+        the manifest's length statistics; {} without ragged fields."""
+        fields = sorted(set(self.schema.lengths.values()))
+        if not fields:
+            return {}
+        return {"lengths": {f: np.bincount(np.asarray(tensors[f], dtype=np.int64)).tolist() for f in fields}}
 
     def _stats(self, tensors: dict) -> dict:
         """Per-channel sums (channel = axis 1) of the primary latent field's values (int8
@@ -265,6 +273,9 @@ class StoreWriter:
             "shards": [{k: v for k, v in r.items() if k != "stats"} for r in records],
             "provenance": provenance_of(provenance, created_at),
         }
+        if self.schema.ragged:  # each caption set's token counts: mean, min, p50, p95, max
+            m["ragged"] = {f: length_summary([r["stats"].get("lengths", {}).get(f, []) for r in records])
+                           for f in sorted(set(self.schema.lengths.values()))}
         if skipped_shards:
             m["skipped_shards"] = list(skipped_shards)
         path = self.root / manifest.MANIFEST
@@ -273,6 +284,21 @@ class StoreWriter:
             return old  # nothing changed (e.g. a rerun that found every shard done): keep it
         _write_json(path, m, "the manifest")
         return m
+
+
+def length_summary(counts: list[list[int]]) -> dict:
+    """The token-count statistics of bincounts (one per shard) merged."""
+    total = np.zeros(max((len(c) for c in counts), default=0), dtype=np.int64)
+    for c in counts:
+        total[:len(c)] += np.asarray(c, dtype=np.int64)
+    n = int(total.sum())
+    if not n:
+        return {"count": 0}
+    cum = np.cumsum(total)
+    lengths = np.arange(len(total))
+    return {"count": n, "mean": round(float((lengths * total).sum() / n), 2), "min": int(np.argmax(total > 0)),
+            "p50": int(np.searchsorted(cum, 0.5 * n)), "p95": int(np.searchsorted(cum, 0.95 * n)),
+            "max": int(len(total) - 1), "tokens": int((lengths * total).sum())}
 
 
 @contextmanager
