@@ -24,6 +24,7 @@ import torch
 
 from ditdata.common.errors import UserError
 from ditdata.store import BFLOAT16, LATENT_SCALES, TEXT_FIELDS, Store, open_store
+from ditdata.store.schema import TEXT_LENGTH, ragged_rows
 
 _TORCH_DTYPES = {
     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -119,6 +120,8 @@ class _Spec:
         self.extras: list[_Field] = []
         if store.conditioning.kind == "class" and "label" in schema.columns:
             self.extras.append(_Field("y", "label", torch.int64, ()))
+        self.ragged_text = "text_tokens" in schema.ragged  # unpadded text tokens (_RaggedText)
+        self.text = _RaggedText(store) if self.ragged_text else None
         for name in TEXT_FIELDS:
             if name in schema.tensors:
                 t = schema.tensors[name]
@@ -134,11 +137,14 @@ class _Spec:
             self.picked.append(f)
             self.picked_sources[f.name] = [names[i] for names in feat_variants]
         self.read_fields = ([f for v in self.variants for f in v] + [e.source for e in self.extras]
-                            + [f for names in self.picked_sources.values() for f in names])
-        # what one chunk of a batch carries (the variant already chosen)
+                            + [f for names in self.picked_sources.values() for f in names]
+                            + (self.text.read_fields if self.text else []))
+        # what one chunk of a batch carries (the variant already chosen); unpadded text tokens
+        # travel packed, (m, L_chunk, W) at the start of room for (m, L_max, W) (streaming.py)
         self.chunk_fields = [
             _Field("lat", None, self.lat_dtype, (self.P, *self.lat_shape)), *self.extras, *self.picked,
             _Field("index", None, torch.int64, ()), _Field("flip", None, torch.bool, ()),
+            *(self.text.chunk_fields if self.text else []),
         ]
 
     def _targets(self, store: Store) -> tuple[list[list[str]], list[_Field]]:
@@ -171,9 +177,60 @@ class _Spec:
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes per sample held by the resident loader (int8 scales and targets included)."""
+        """Bytes per sample held by the resident loader (int8 scales and targets included;
+        unpadded text tokens at the store's mean caption length)."""
         lat = self.V * self.P * math.prod(self.lat_shape) * self.lat_dtype.itemsize
-        return lat + sum(e.nbytes for e in self.extras) + self.V * sum(f.nbytes for f in self.picked) + 8
+        text = self.text.bytes_per_sample if self.text else 0
+        return lat + sum(e.nbytes for e in self.extras) + self.V * sum(f.nbytes for f in self.picked) + 8 + text
+
+    @property
+    def text_bytes(self) -> int:
+        """Bytes per sample of the unpadded text tokens as held (0 without them): a block holds
+        them twice for a moment while its pieces are joined (_Block.seal)."""
+        return self.text.bytes_per_sample if self.text else 0
+
+
+class _RaggedText:
+    """Unpadded text tokens (ditdata.store.schema's ragged fields) in a loader: held as one pool
+    of tokens per block (every sample's, one after the other, and a zero row for the padding),
+    each sample's start and length; a batch gathers (B, L_batch, W) with L_batch its longest
+    caption, and its mask (True = a real token). int8 tokens travel with their per-token float32
+    scales and are dequantized on the training device, as latents are."""
+
+    def __init__(self, store: Store):
+        schema = store.schema
+        spec = schema.ragged["text_tokens"]
+        self.length_field = spec.length
+        self.width = spec.shape[0]
+        self.dtype = _TORCH_DTYPES[spec.dtype]
+        self.int8 = spec.dtype == "int8"
+        shape = (store.conditioning.tokens_shape or (None,))[0]
+        stats = (store.manifest.get("ragged") or {}).get(spec.length) or {}
+        self.max_len = int(shape or stats.get("max") or 1)
+        self.mean_len = float(stats.get("mean") or self.max_len)
+        self.token_bytes = self.width * self.dtype.itemsize + (4 if self.int8 else 0)
+        self.read_fields = ["text_tokens", *(["text_tokens_scale"] if self.int8 else []), spec.length]
+        self.chunk_fields = [_Field("text_tokens", None, self.dtype, (self.max_len, self.width)),
+                             *([_Field("text_tokens_scale", None, torch.float32, (self.max_len,))] if self.int8 else []),
+                             _Field(TEXT_LENGTH, None, torch.int64, ())]
+
+    @property
+    def bytes_per_sample(self) -> int:
+        return int(math.ceil(self.mean_len * self.token_bytes)) + 16  # + its start and length
+
+
+def text_mask(lengths: torch.Tensor, L: int) -> torch.Tensor:
+    """(n, L) bool: True for the first lengths[i] positions of row i."""
+    return torch.arange(L, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def finish_text(raw: dict, out: dict) -> None:
+    """The trainer's text fields from a raw batch's unpadded ones: text_tokens float32 (int8:
+    codes x their token's scale, ditdata.store.dequantize's product) and text_mask."""
+    x = raw["text_tokens"].float()
+    if "text_tokens_scale" in raw:
+        x.mul_(raw["text_tokens_scale"].unsqueeze(-1))
+    out["text_tokens"], out["text_mask"] = x, raw["text_mask"]
 
 
 class _Block:
@@ -188,6 +245,12 @@ class _Block:
         # {"lat_scale": (n, V, h, w), "feat": (n, V, T, D), "feat_scale": (n, V, T)}, picked like lat
         self.picked = {f.name: torch.empty((n, spec.V, *f.shape), dtype=f.dtype, device=device)
                        for f in spec.picked}
+        self.device = device
+        if spec.text is not None:  # unpadded text tokens: pieces until seal() joins them into one pool
+            self.text_parts: list = []
+            self.text_lengths = torch.zeros(n, dtype=torch.int64, device=device)
+            self.text_pool: dict[str, torch.Tensor] = {}
+            self.text_starts = None
 
     @property
     def flat(self) -> torch.Tensor:
@@ -201,7 +264,48 @@ class _Block:
         return {k: t.view(self.n * self.spec.V, -1) for k, t in self.picked.items()}
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.lat, self.index, *self.extras.values(), *self.picked.values()]
+        text = [*self.text_pool.values(), self.text_lengths, self.text_starts] if self.spec.text else []
+        return [self.lat, self.index, *self.extras.values(), *self.picked.values(),
+                *(t for t in text if t is not None)]
+
+    def seal(self) -> None:
+        """Join the text pieces into one pool per field (tokens, int8 scales), each with a zero
+        row at the end that padding positions point at; the samples' starts follow the lengths."""
+        if self.spec.text is None:
+            return
+        parts = sorted(self.text_parts, key=lambda p: p[0])
+        for name in parts[0][1] if parts else self.spec.text.read_fields[:-1]:
+            pieces = [p[1][name] for p in parts]
+            shape = pieces[0].shape[1:] if pieces else ((self.spec.text.width,) if name == "text_tokens" else ())
+            zero = torch.zeros((1, *shape), dtype=pieces[0].dtype if pieces else self.spec.text.dtype)
+            self.text_pool[name] = torch.cat([*pieces, zero]).to(self.device)
+            del pieces
+        self.text_parts = []
+        starts = torch.zeros_like(self.text_lengths)
+        starts[1:] = torch.cumsum(self.text_lengths, 0)[:-1]
+        self.text_starts = starts
+
+    def gather_text(self, order: torch.Tensor, out: dict | None = None, m: int | None = None) -> dict:
+        """Samples `order`'s tokens as (B, L, W) in the stored dtype (int8: their scales (B, L)),
+        L the longest of them, padding rows zero, with lengths (B,). With `out` (a slot's views,
+        room for (m, L_max, W)), written packed at the start of its text fields' memory instead."""
+        lengths = self.text_lengths.index_select(0, order)
+        L = int(lengths.max()) if len(lengths) else 0
+        ar = torch.arange(L, device=lengths.device)
+        idx = self.text_starts.index_select(0, order)[:, None] + ar
+        pad = len(self.text_pool["text_tokens"]) - 1
+        idx = torch.where(ar[None, :] < lengths[:, None], idx, pad).reshape(-1)
+        res = {TEXT_LENGTH: lengths}
+        for name, pool in self.text_pool.items():
+            if out is None:
+                res[name] = pool.index_select(0, idx).view(len(order), L, *pool.shape[1:])
+            else:
+                n = len(order) * L * math.prod(pool.shape[1:])
+                dst = out[name].view(-1)[:n].view(len(order) * L, *pool.shape[1:])
+                torch.index_select(pool, 0, idx, out=dst)
+        if out is not None:
+            out[TEXT_LENGTH][:m].copy_(lengths)
+        return res
 
     def fill(self, pos: int, data: dict, global_index: np.ndarray, local: np.ndarray | None = None):
         """Copy one store.read() result (rows `local` of it, or all) to [pos, pos + m)."""
@@ -219,6 +323,15 @@ class _Block:
                 arr = data[name] if local is None else data[name][local]
                 self.picked[field][sl, v].copy_(_as_torch(arr))
         self.index[sl].copy_(torch.from_numpy(np.asarray(global_index, dtype=np.int64)))
+        if self.spec.text is not None:
+            lengths = np.asarray(data[self.spec.text.length_field], dtype=np.int64)
+            names = self.spec.text.read_fields[:-1]
+            flat = {k: data[k] for k in names}
+            if local is not None:
+                flat = {k: ragged_rows(v, lengths, local) for k, v in flat.items()}
+                lengths = lengths[local]
+            self.text_parts.append((pos, {k: _as_torch(v) for k, v in flat.items()}))
+            self.text_lengths[sl].copy_(torch.from_numpy(lengths))
 
 
 
@@ -336,6 +449,8 @@ class _Loader:
         for e in self.spec.extras:
             t = raw[e.name]
             out[e.name] = t.float() if t.is_floating_point() else t
+        if self.spec.text is not None:
+            finish_text(raw, out)
         if self.with_index:
             out["index"], out["flip"] = raw["index"], raw["flip"]
         return out

@@ -180,7 +180,7 @@ def choose_loader(store, *, kind: str = "auto", rank: int = 0, world_size: int =
     spec = _Spec(store)
     # this rank's part: the first len % world_size ranks hold one sample more
     n = (len(store) // world_size + (1 if rank < len(store) % world_size else 0)) if split == "part" else len(store)
-    need = n * spec.resident_bytes
+    need = n * (spec.resident_bytes + spec.text_bytes)  # unpadded text: its pieces and pool at once, while loading
     held = f"{_gib(need)} as stored" + (f", of it REPA targets {_gib(n * spec.target_bytes)}" if spec.target_bytes else "")
     what = (f"this rank's part ({n:,} samples, {held})" if split == "part"
             else f"the whole store for this rank (split='batch': {n:,} samples, {held})")
@@ -372,9 +372,11 @@ def _estimate(spec: _Spec, sizes: list[int], piece: int | None, *, workers: int,
     """The streaming loader's own peak memory, by part (bytes): each reader's window (the
     largest `window` units of the store) and the piece of a shard being read into it, the
     shared-memory slots, the main process's batches and each worker process's overhead.
-    The REPA targets are inside each (resident_bytes, the slot layout, the chunk fields)."""
+    The REPA targets are inside each (resident_bytes, the slot layout, the chunk fields), and so
+    are unpadded text tokens: at the store's mean caption length in a window (twice while its
+    pieces are joined: text_bytes), at the longest (L_max) in the slots and batches."""
     biggest = sorted(sizes, reverse=True)
-    win = sum(biggest[:window]) * (spec.resident_bytes + _ORDER_BYTES)
+    win = sum(biggest[:window]) * (spec.resident_bytes + spec.text_bytes + _ORDER_BYTES)
     read = min(biggest[0], piece or biggest[0]) * (spec.resident_bytes - 8)
     read += biggest[0] * _COLUMN_BYTES if spec.extras else 0
     readers = max(1, workers)

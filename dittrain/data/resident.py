@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import _EPOCH, _PART, _Block, _epoch_cached, _Loader, _open, _order_and_rows, _rng
+from .base import _EPOCH, _PART, TEXT_LENGTH, _Block, _epoch_cached, _Loader, _open, _order_and_rows, _rng, text_mask
 
 
 def _rank_part(n: int, seed: int, rank: int, world_size: int) -> np.ndarray:
@@ -62,6 +62,7 @@ class ResidentLoader(_Loader):
             data = store.read(shard, fields=self.spec.read_fields)
             local = None if b - a == shard.num_samples else part[a:b] - shard.offset
             self._block.fill(int(a), data, part[a:b], local)
+        self._block.seal()
         self._flat = self._block.flat
         self._flat_picked = self._block.flat_picked
         self._epochs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -120,6 +121,12 @@ class ResidentLoader(_Loader):
             raw[f.name] = self._select(self._flat_picked[f.name], rows, pin).view(-1, *f.shape)
         for name, t in self._block.extras.items():
             raw[name] = self._select(t, order, pin)
+        if self.spec.text is not None:  # unpadded tokens: (B, L_batch, W), L_batch the batch's longest caption
+            text = self._block.gather_text(order)
+            raw["text_tokens"] = text["text_tokens"]
+            if "text_tokens_scale" in text:
+                raw["text_tokens_scale"] = text["text_tokens_scale"]
+            raw["text_mask"] = text_mask(text[TEXT_LENGTH], raw["text_tokens"].shape[1])
         if self.with_index:
             raw["index"] = self._select(self._block.index, order, pin)
             raw["flip"] = (rows % self.spec.V).bool()

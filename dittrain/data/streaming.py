@@ -19,6 +19,7 @@ Its memory (window, prefetch, the estimate of its peak) is planned in budget.py.
 from __future__ import annotations
 
 import gc
+import math
 import multiprocessing
 import queue
 import signal
@@ -31,7 +32,7 @@ import torch
 
 from ditdata.store import Store, open_store
 
-from .base import _UNITS, _WINDOW, _Block, _Field, _Loader, _open, _rng, _Spec
+from .base import _UNITS, _WINDOW, TEXT_LENGTH, _Block, _Field, _Loader, _open, _rng, _Spec, text_mask
 from .budget import _gib, _read_piece_rows, loader_budget, plan_streaming_memory
 
 
@@ -161,6 +162,7 @@ def _read_window(store: Store, spec: _Spec, plan: _Plan, job: _Job, piece: int |
                 probe()
             del data  # before the next piece is read
             pos += b - a
+    block.seal()
     return block
 
 
@@ -197,6 +199,8 @@ def _job_chunks(store: Store, spec: _Spec, plan: _Plan, job: _Job, piece: int | 
                 torch.index_select(t, 0, samples, out=out[name][:m])
             torch.index_select(block.index, 0, samples, out=out["index"][:m])
             out["flip"][:m].copy_(flips_t[lo:hi])
+            if block.spec.text is not None:  # packed (m, L_chunk, W) at the start of the slot's room
+                block.gather_text(samples, out, m)
 
         yield a, m, b == job.end, gather
 
@@ -454,8 +458,11 @@ class StreamingLoader(_Loader):
         # The host batch: pinned in the stored dtypes when bound for the GPU (half the bytes
         # over PCIe, converted there); on the CPU, straight into float32 (one pass), except
         # the REPA targets, which stay as stored (targets() converts them where they are used).
-        dst = {}
+        dst, text = {}, self.spec.text
+        pieces = []  # unpadded text: (row, m, {field: (m, L_chunk, ...)}) of each chunk
         for f in self.spec.chunk_fields:
+            if text is not None and f in text.chunk_fields:
+                continue
             if self._pin:
                 dst[f.name] = torch.empty((B, *f.shape), dtype=f.dtype, pin_memory=True)
             else:
@@ -469,14 +476,51 @@ class StreamingLoader(_Loader):
                                    f"at {self._cursor} with {filled}/{B} filled")
             for name, t in dst.items():
                 t[filled:filled + m].copy_(views[name][:m])
+            if text is not None:
+                pieces.append((filled, m, self._text_piece(views, m, whole=m == B)))
             release()  # the slot is free for the worker again
             filled += m
             self._cursor = self.plan.advance(epoch, a, m)
+        if text is not None:
+            dst |= self._join_text(pieces, B)
         if not self.with_index:
             del dst["index"], dst["flip"]
         if self.split == "batch":  # this rank's rows of the one-process batch
             dst = {k: v[self._my_rows] for k, v in dst.items()}
         return self._finish(self._to_device(dst), e0, o0)
+
+    def _text_piece(self, views: dict, m: int, whole: bool) -> dict:
+        """A chunk's unpadded text fields out of its slot, (m, L_chunk, ...) in the stored dtype:
+        copied once into the batch (pinned when bound for the GPU) when the chunk is the whole
+        batch, else cloned to be joined with the batch's other chunks (_join_text)."""
+        lengths = views[TEXT_LENGTH][:m].clone()
+        L = int(lengths.max()) if m else 0
+        out = {TEXT_LENGTH: lengths}
+        for f in self.spec.text.chunk_fields:
+            if f.name == TEXT_LENGTH:
+                continue
+            shape = (m, L, *f.shape[1:])
+            src = views[f.name].view(-1)[:math.prod(shape)].view(shape)
+            dst = torch.empty(shape, dtype=f.dtype, pin_memory=self._pin and whole)
+            out[f.name] = dst.copy_(src)
+        return out
+
+    def _join_text(self, pieces: list, B: int) -> dict:
+        """The batch's text fields, (B, L_batch, ...) with L_batch its longest caption, and its mask."""
+        if len(pieces) == 1:
+            t = dict(pieces[0][2])
+        else:
+            L = max(p[2]["text_tokens"].shape[1] for p in pieces)
+            t = {TEXT_LENGTH: torch.cat([p[2][TEXT_LENGTH] for p in pieces])}
+            for name in (n for n in pieces[0][2] if n != TEXT_LENGTH):
+                first = pieces[0][2][name]
+                joined = torch.zeros((B, L, *first.shape[2:]), dtype=first.dtype, pin_memory=self._pin)
+                for row, m, piece in pieces:
+                    joined[row:row + m, :piece[name].shape[1]] = piece[name]
+                t[name] = joined
+        lengths = t.pop(TEXT_LENGTH)
+        t["text_mask"] = text_mask(lengths, t["text_tokens"].shape[1])
+        return t
 
     # -- lifetime --------------------------------------------------------------------
     def _reset(self) -> None:

@@ -213,7 +213,13 @@ def drop_text_conditioning(text, empty, drop):
     unconditional input and the sampler must use exactly the same one (the manifest's).
 
     text, empty: dicts with any of text_pooled (N, Dp) / (Dp,), text_tokens (N, L, Dt) /
-    (L, Dt), text_mask (N, L) / (L,). Returns a new dict for the keys of `text`."""
+    (L, Dt), text_mask (N, L) / (L,). Returns a new dict for the keys of `text`. Unpadded
+    stores' batches are as long as their longest caption and the empty caption has a length of
+    its own: the shorter of the two is padded (zero tokens, mask False) to the other's length."""
+    L_text, L_empty = _text_len(text), _text_len(empty)
+    if L_text is not None and L_empty is not None and L_text != L_empty:
+        L = max(L_text, L_empty)
+        text, empty = _pad_text(text, L), _pad_text(empty, L)
     out = {}
     for key, value in text.items():
         if value is None:
@@ -222,6 +228,28 @@ def drop_text_conditioning(text, empty, drop):
         e = empty[key].to(device=value.device, dtype=value.dtype).expand_as(value)
         m = drop.to(value.device).view(-1, *([1] * (value.dim() - 1)))
         out[key] = torch.where(m, e, value)
+    return out
+
+
+def _text_len(text: dict) -> int | None:
+    """L of text_tokens (N, L, Dt) / (L, Dt), None without tokens."""
+    t = text.get("text_tokens")
+    return None if t is None else t.shape[-2]
+
+
+def _pad_text(text: dict, L: int) -> dict:
+    """text_tokens and text_mask padded along L to `L` (zeros, False); the rest as is."""
+    out = dict(text)
+    for key in ("text_tokens", "text_mask"):
+        t = text.get(key)
+        if t is None:
+            continue
+        axis = t.dim() - 2 if key == "text_tokens" else t.dim() - 1
+        short = L - t.shape[axis]
+        if short > 0:
+            pad = list(t.shape)
+            pad[axis] = short
+            out[key] = torch.cat([t, torch.zeros(pad, dtype=t.dtype, device=t.device)], dim=axis)
     return out
 
 
