@@ -48,6 +48,20 @@ diffusers  DIR/: a diffusers DiTPipeline folder (model_index.json, transformer/,
                         clip_sample=False, "trailing" spacing (steps start at T - 1).
            id2label     the store's class names (register_to_config), when it has them.
 
+           PixArt      a PixArt run (adaln=single: the PixArt-* presets, a run --init-from a diffusers PixArt)
+                        is a PixArtAlphaPipeline folder instead: transformer/ a PixArtTransformer2DModel
+                        (dittrain.model.pixart's names; its outputs equal ours, checked after reloading),
+                        vae/ the store's AutoencoderKL, scheduler/ DPMSolverMultistepScheduler (dpmsolver++,
+                        order 2: PixArt's pipeline) of the run's linear betas, epsilon; text_encoder/ and
+                        tokenizer/ the store's encoder when it is a local transformers T5 folder, else none
+                        (null in model_index.json; the export says so in one line): pass
+                        text_encoder=T5EncoderModel..., tokenizer=... to from_pretrained, or call the
+                        pipeline with prompt_embeds / prompt_attention_mask and the negative ones (the
+                        store's empty caption: what dittrain's guidance uses, and diffusers' for "").
+                        PixArtSigmaPipeline.from_pretrained loads the same folder (a non-micro-conditioned
+                        model). Refused: flow runs, QK-norm, other blocks, a micro-conditioned model whose
+                        factor is not the autoencoder's downsample, the KL conditions above.
+
 A refused export (unknown format, output exists without --overwrite, output inside a latent
 store, a missing extra, a run the format cannot hold) is an ExportError: one line, nothing
 written. Files are written to a temporary name and renamed when complete.
@@ -262,8 +276,11 @@ def export_int8(dit: DiT, config: dict, out, record: dict, *, log=print) -> Path
 
 
 def diffusers_refusal(config: dict, store=None) -> str | None:
-    """Why a run cannot be a DiTPipeline (None: it can); with `store`, its autoencoder too."""
+    """Why a run cannot be a DiTPipeline (a PixArt run: a PixArtAlphaPipeline) (None: it can); with `store`, its
+    autoencoder too."""
     cfg, d = model_config(config), diffusion_config(config)
+    if cfg.adaln == "single":
+        return pixart_refusal(config, store)
     if cfg.head_depth:
         return ("it is a DiT^DH (a DDT head after the trunk) and no diffusers pipeline has one "
                 "(DiTTransformer2DModel is DiT's blocks alone); export it as onnx, fp16 or int8")
@@ -289,16 +306,49 @@ def diffusers_refusal(config: dict, store=None) -> str | None:
         return "it uses QK-norm, which DiTTransformer2DModel does not have"
     if cfg.mlp_ratio != 4 or cfg.frequency_embedding_size != 256:
         return "DiTTransformer2DModel has MLP ratio 4 and 256 timestep features, this model does not"
-    if store is not None:
-        vae = store.manifest["vae"]
-        if vae.get("kind") != "autoencoder_kl":
-            return (f"its store's autoencoder is {vae.get('name')!r} ({vae.get('kind')}); DiTPipeline decodes with a "
-                    "diffusers AutoencoderKL, so only runs on a store encoded with one (sd-vae-ft-ema, sdxl-vae, a "
-                    "diffusers folder) export to diffusers")
-        if float(vae.get("shift_factor") or 0.0):
-            return (f"its store's autoencoder has shift_factor {vae['shift_factor']}, which DiTPipeline's decode "
-                    "(latents / scaling_factor) ignores")
+    return _kl_refusal(store, "DiTPipeline")
+
+
+def _kl_refusal(store, pipeline: str) -> str | None:
+    """Why the store's autoencoder cannot be the pipeline's vae (None: it can, or no store yet)."""
+    if store is None:
+        return None
+    vae = store.manifest["vae"]
+    if vae.get("kind") != "autoencoder_kl":
+        return (f"its store's autoencoder is {vae.get('name')!r} ({vae.get('kind')}); {pipeline} decodes with a "
+                "diffusers AutoencoderKL, so only runs on a store encoded with one (sd-vae-ft-ema, sdxl-vae, a "
+                "diffusers folder) export to diffusers")
+    if float(vae.get("shift_factor") or 0.0):
+        return (f"its store's autoencoder has shift_factor {vae['shift_factor']}, which {pipeline}'s decode "
+                "(latents / scaling_factor) ignores")
     return None
+
+
+def pixart_refusal(config: dict, store=None) -> str | None:
+    """Why a PixArt run (adaln=single) cannot be a PixArtAlphaPipeline folder (None: it can)."""
+    cfg, d = model_config(config), diffusion_config(config)
+    if not cfg.text_token_dim or cfg.num_classes:
+        return ("it is a PixArt model without text tokens (or with class labels) and PixArtTransformer2DModel "
+                "cross-attends to caption tokens alone; export it as onnx, fp16 or int8")
+    blocks = [f"{k}={getattr(cfg, k)}" for k in BLOCK_FIELDS if getattr(cfg, k) != getattr(DiTConfig, k)]
+    if blocks or cfg.mlp_ratio != 4 or cfg.frequency_embedding_size != 256 or cfg.time_embed != "sinusoid":
+        return (f"its blocks are not PixArt's ({', '.join(blocks) or 'MLP ratio, timestep features'}) and "
+                "PixArtTransformer2DModel has only those; export it as onnx, fp16 or int8")
+    if not cfg.pos_interpolation:
+        return ("its sin-cos positions are DiT's (pos_interpolation 0) and PixArtTransformer2DModel's are PixArt's "
+                "(an interpolation scale); export it as onnx, fp16 or int8")
+    if d.objective != "ddpm":
+        return (f"its objective is {d.objective} (velocity) and PixArtAlphaPipeline samples DDPM eps-prediction "
+                "models (a DPM-Solver scheduler); export it as onnx, fp16 or int8")
+    if (config.get("latents") or {}).get("norm", "none") != "none":
+        return ("it was trained on per-channel standardised latents (--latent-norm channel) and PixArtAlphaPipeline "
+                "decodes latents / scaling_factor only; export it as onnx, fp16 or int8")
+    if store is not None and cfg.micro_conditions:
+        down = int(store.manifest["vae"].get("downsample") or 0)
+        if down != cfg.micro_conditions:
+            return (f"its micro-conditions take {cfg.micro_conditions} pixels a latent pixel but the store's "
+                    f"autoencoder downsamples by {down}, the size PixArtAlphaPipeline passes")
+    return _kl_refusal(store, "PixArtAlphaPipeline")
 
 
 def diffusers_state_dict(state: dict, cfg: DiTConfig) -> dict:
@@ -378,6 +428,8 @@ def export_diffusers(dit: DiT, config: dict, store, out, record: dict, *, vae: s
     refusal = diffusers_refusal(config, store)
     if refusal:
         raise ExportError(f"cannot export to diffusers: {refusal}")
+    if dit.config.adaln == "single":
+        return export_pixart(dit, config, store, out, record, vae=vae, log=log)
     ae = load_autoencoder(store, "cpu", vae)
     if ae.kind != "autoencoder_kl":
         raise ExportError(f"cannot export to diffusers: --vae {vae} is a {ae.kind} autoencoder, not a diffusers "
@@ -407,6 +459,124 @@ def export_diffusers(dit: DiT, config: dict, store, out, record: dict, *, vae: s
         log(f"note: DiTPipeline's null class is {DIFFUSERS_NULL}: the class table has {DIFFUSERS_NULL + 1} rows, this "
             f"run's {K} classes then the null embedding, so guidance_scale > 1 works")
     return out
+
+
+def pixart_transformer(dit: DiT):
+    """The PixArtTransformer2DModel holding `dit`'s weights (dittrain.model.pixart's names), in eval mode."""
+    from diffusers import PixArtTransformer2DModel
+
+    from dittrain.model.pixart import diffusers_config, to_diffusers
+
+    transformer = PixArtTransformer2DModel(**diffusers_config(dit.config))
+    transformer.load_state_dict(to_diffusers(dit.state_dict(), dit.config.depth), strict=True)
+    return transformer.eval()
+
+
+def pixart_versus(transformer, dit: DiT, inputs: dict) -> float:
+    """max |transformer - dit| on the same inputs (x, t, text_tokens, text_mask; diffusers' micro-conditions from
+    the latent's size, as its pipeline passes them)."""
+    x, cfg = inputs["x"], dit.config
+    added = None
+    if cfg.micro_conditions:
+        N, (H, W) = x.shape[0], (s * cfg.micro_conditions for s in x.shape[-2:])
+        added = {"resolution": torch.tensor([[float(H), float(W)]]).repeat(N, 1),
+                 "aspect_ratio": torch.tensor([[H / W]]).repeat(N, 1)}
+    with torch.no_grad():
+        ref = dit(**inputs)
+        got = transformer(x, encoder_hidden_states=inputs["text_tokens"], timestep=inputs["t"],
+                          encoder_attention_mask=inputs["text_mask"].float(), added_cond_kwargs=added).sample
+    return float((got - ref).abs().max())
+
+
+def _t5_folder(store) -> tuple[Path | None, str]:
+    """(the store's text encoder folder when it is a local transformers T5 with its tokenizer, else None; what it
+    is, for the note)."""
+    text = (store.manifest.get("conditioning") or {}).get("text") or {}
+    for key in ("pretrained", "model", "encoder"):
+        value = text.get(key)
+        if not value or not Path(str(value)).is_dir():
+            continue
+        folder = Path(str(value))
+        try:
+            kind = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+        except (OSError, ValueError):
+            continue
+        if kind in ("t5", "umt5") and any((folder / f).is_file() for f in ("tokenizer.json", "spiece.model",
+                                                                         "tokenizer_config.json")):
+            return folder, f"the T5 folder {folder}"
+    return None, repr(text.get("model") or text.get("encoder") or "unknown")
+
+
+def export_pixart(dit: DiT, config: dict, store, out, record: dict, *, vae: str | None = None, log=print) -> Path:
+    """A PixArtAlphaPipeline folder at `out` (module docstring: PixArt), reloaded with from_pretrained and its
+    transformer checked against `dit` before it is published."""
+    from diffusers import DPMSolverMultistepScheduler, PixArtAlphaPipeline, PixArtTransformer2DModel
+
+    from dittrain.inference.onnx import random_inputs
+
+    ae = load_autoencoder(store, "cpu", vae)
+    if ae.kind != "autoencoder_kl":
+        raise ExportError(f"cannot export to diffusers: --vae {vae} is a {ae.kind} autoencoder, not a diffusers "
+                          "AutoencoderKL")
+    ae.module.register_to_config(scaling_factor=float(store.manifest["vae"]["scaling_factor"]))
+    d = diffusion_config(config)
+    t5, encoder = _t5_folder(store)
+    text_encoder = tokenizer = None
+    with _quiet_diffusers():
+        if t5 is not None:
+            from transformers import AutoTokenizer, T5EncoderModel
+
+            text_encoder = T5EncoderModel.from_pretrained(str(t5), local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(str(t5), local_files_only=True)
+        # PixArt's pipeline scheduler: DPM-Solver++ of order 2 over the training betas, eps prediction
+        scheduler = DPMSolverMultistepScheduler(num_train_timesteps=d.num_timesteps, beta_start=d.beta_start,
+                                                beta_end=d.beta_end, beta_schedule="linear",
+                                                prediction_type="epsilon", algorithm_type="dpmsolver++",
+                                                solver_order=2)
+        transformer = pixart_transformer(dit)
+        pipe = PixArtAlphaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=ae.module,
+                                   transformer=transformer, scheduler=scheduler)
+        inputs = random_inputs(dit.config, 3, torch.Generator().manual_seed(3))
+        inputs = {k: inputs[k] for k in ("x", "t", "text_tokens", "text_mask")}
+        # every caption keeps a real token: diffusers' -10000 bias attends uniformly over an all-padding caption,
+        # ours adds nothing (dittrain.model.dit.CrossAttention); T5 captions always have their EOS token
+        inputs["text_mask"][:, 0] = True
+        out = Path(out)
+        with atomic_path(out) as tmp:
+            pipe.save_pretrained(str(tmp), safe_serialization=True)
+            (tmp / DIFFUSERS_RECORD).write_text(json.dumps(
+                {"export": record, "config": config, "text_encoder": None if t5 is None else str(t5),
+                 "notes": _pixart_notes(dit.config, t5 is not None)}, indent=1, ensure_ascii=False) + "\n",
+                encoding="utf-8")
+            loaded = PixArtTransformer2DModel.from_pretrained(str(tmp / "transformer"), local_files_only=True)
+            diff = pixart_versus(loaded, dit, inputs)
+            if not diff <= 1e-4:
+                raise ExportError(f"diffusers check failed: the reloaded transformer differs from the DiT by "
+                                  f"{diff:.1e}; nothing written")
+    log(f"check: PixArtTransformer2DModel.from_pretrained(local_files_only=True) loads its transformer/; vs the DiT "
+        f"on random inputs: max abs diff {diff:.1e}")
+    if t5 is None:
+        log(f"note: no text_encoder/ or tokenizer/: the store's text encoder {encoder} is not a local transformers "
+            "T5 folder; pass text_encoder= and tokenizer= to PixArtAlphaPipeline.from_pretrained, or call the "
+            "pipeline with prompt_embeds, prompt_attention_mask and the negative ones")
+    return out
+
+
+def _pixart_notes(cfg: DiTConfig, has_text_encoder: bool) -> dict:
+    """What dittrain_export.json says a user of a PixArt folder must know."""
+    return {
+        "guidance": "dittrain's unconditional pass uses the store's empty-caption embedding; diffusers' pipeline "
+                    "embeds negative_prompt='' with its text encoder: the same input when the encoder is the store's",
+        "text_encoder": None if has_text_encoder else
+        "not included (the store's encoder is not a local transformers T5): pass text_encoder= and tokenizer= to "
+        "from_pretrained, or prompt_embeds and prompt_attention_mask (and negative_*) to the pipeline",
+        "micro_conditions": "the pipeline passes the image's height, width and aspect ratio, as dittrain derives "
+                            "them from the latent" if cfg.micro_conditions else None,
+        "learned_sigma": "out_channels = 2 x in_channels: the pipeline drops the variance channels"
+                         if cfg.learn_sigma else None,
+        "resolution_binning": "call the pipeline with use_resolution_binning=False for sizes outside PixArt's "
+                              "aspect-ratio bins (sample_size 128, 64, 32 and 16 have bins)",
+    }
 
 
 def _pipeline(dit: DiT, config: dict, ae, names: list[str] | None):
@@ -448,5 +618,6 @@ def _diffusers_notes(cfg: DiTConfig) -> dict:
 
 __all__ = [
     "FORMATS", "ExportError", "check_request", "diffusers_refusal", "diffusers_state_dict", "export",
-    "export_diffusers", "export_fp16", "export_int8", "file_size", "match_dit_timesteps",
+    "export_diffusers", "export_fp16", "export_int8", "export_pixart", "file_size", "match_dit_timesteps",
+    "pixart_refusal", "pixart_transformer", "pixart_versus",
 ]

@@ -26,6 +26,12 @@ What the shapes say (facebookresearch/DiT's key names, which our DiT keeps):
     text_pooled_embedder.mlp.0.weight   (D, Dp)       present: pooled text embeddings of width Dp
     text_token_embedder.mlp.0.weight    (D, Dt)       present: cross-attention to tokens of width Dt
 
+--init-from also reads a diffusers PixArtTransformer2DModel folder (config.json and
+diffusion_pytorch_model.safetensors, or its sharded .index.json; a PixArtAlphaPipeline or PixArtSigmaPipeline
+folder: its transformer/): its config must be the run's model (--model PixArt-XL/2 or a custom spec with
+adaln=single), its in_channels the store's latent channels and its caption_channels the width of the store's text
+tokens, each refused in one line naming both sides; the names are mapped by dittrain.model.pixart.
+
 A RoPE model (pos=rope) has no pos_embed, so its input size is not in the shapes: its plain
 state dict is refused; its run, checkpoints and EMA exports record it. Whether q and k are rotated
 is not in the shapes either: pos_embed says the position part has a table (sincos, or
@@ -447,16 +453,125 @@ def _classes(shape: tuple[int, ...] | None) -> int:
     return shape[0] - 1 if shape else 0
 
 
+PIXART_CLASS = "PixArtTransformer2DModel"
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+def pixart_folder(path) -> Path | None:
+    """The diffusers PixArtTransformer2DModel folder at `path`: the folder itself, or the transformer/ of a
+    pipeline folder; None when it is neither (a run directory's config.json names no diffusers class)."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    for folder in (path, path / "transformer"):
+        try:
+            config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(config, dict) and config.get("_class_name") == PIXART_CLASS:
+            return folder
+    return None
+
+
+def read_pixart(folder: Path, where) -> tuple[dict, dict, list[Path]]:
+    """(config.json, diffusers' state dict, the files read) of a PixArtTransformer2DModel folder: its
+    safetensors, one file or shards listed by the .index.json (never a pickled .bin)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    single, index = folder / DIFFUSERS_WEIGHTS, folder / f"{DIFFUSERS_WEIGHTS}.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        try:
+            files = [folder / name for name in sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))]
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise WeightsError(f"{where}: unreadable {index.name} ({type(e).__name__}: {e})") from e
+    else:
+        raise WeightsError(f"{where}: a {PIXART_CLASS} folder without {DIFFUSERS_WEIGHTS} (nor its .index.json); "
+                           "save it with save_pretrained(safe_serialization=True): .bin files are not read")
+    state = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:
+            raise WeightsError(f"{where}: unreadable {f.name} ({type(e).__name__}: {e})") from e
+    return config, state, files
+
+
+def _pixart_spec(fields: dict) -> str:
+    """The --model that builds the PixArt of `fields`: a preset when one has these sizes, else a custom spec."""
+    arch = {k: fields[k] for k in ("hidden_size", "depth", "num_heads", "patch_size", "adaln", "pos_interpolation",
+                                   "micro_conditions")}
+    for name, spec in CONFIGS.items():
+        if all(spec.get(k, getattr(DiTConfig, k)) == v for k, v in arch.items()):
+            return name
+    return custom_name(arch["hidden_size"], arch["depth"], arch["num_heads"], arch["patch_size"], adaln="single",
+                       pos_interpolation=arch["pos_interpolation"], micro_conditions=arch["micro_conditions"])
+
+
+def init_pixart(model: DiT, source, folder: Path) -> tuple[dict, list[str]]:
+    """--init-from a diffusers PixArtTransformer2DModel folder: its config checked against the run's model (one
+    line naming both sides: the model, the store's latent channels, the store's text width), its weights mapped
+    (dittrain.model.pixart.from_diffusers) and loaded strictly; pos_embed stays the model's own (diffusers saves
+    none). A sample size other than the store's is a note: the positions follow the run's grid, as PixArt's own
+    training at a new resolution rebuilds them."""
+    from dittrain.model.pixart import PixArtConfigError, from_diffusers, pixart_fields
+
+    where = f"--init-from {source}"
+    config, theirs, files = read_pixart(folder, where)
+    try:
+        fields = pixart_fields(config)
+    except PixArtConfigError as e:
+        raise WeightsError(f"{where}: a {PIXART_CLASS} our PixArt blocks cannot hold: {e}") from None
+    cfg, notes = model.config, []
+    spec = _pixart_spec(fields)
+    if cfg.adaln != "single" or not cfg.text_token_dim:
+        raise WeightsError(f"{where} is a diffusers {PIXART_CLASS}; this run's model is not a PixArt "
+                           f"(adaln={cfg.adaln}{', no text tokens' if not cfg.text_token_dim else ''}): run it with "
+                           f"--model {spec} on a store with text tokens")
+    checks = (("in_channels", fields["in_channels"], "the store's latent channels", cfg.in_channels),
+              ("caption_channels", fields["text_token_dim"], "the store's text token width", cfg.text_token_dim),
+              ("out_channels", f"{2 * fields['in_channels'] if fields['learn_sigma'] else fields['in_channels']}",
+               "the run's (--learn-sigma, --objective ddpm for PixArt's)", f"{cfg.out_channels}"))
+    for name, have, what, want in checks:
+        if have != want:
+            raise WeightsError(f"{where}: its {name} is {have} but {what} is {want}")
+    arch = ("hidden_size", "depth", "num_heads", "patch_size", "pos_interpolation", "micro_conditions")
+    differ = [f"{k} {fields[k]:g} vs {getattr(cfg, k):g}" for k in arch if fields[k] != getattr(cfg, k)]
+    if differ:
+        raise WeightsError(f"{where}: its architecture is not this run's model ({', '.join(differ)}: the folder's "
+                           f"first); run it with --model {spec}")
+    if fields["input_size"] != cfg.input_size:
+        notes.append(f"note: {where} was made for {fields['input_size']}x{fields['input_size']} latents, this store's "
+                     f"are {cfg.input_size}x{cfg.input_size}: the sin-cos positions follow this run's grid")
+    own = model.state_dict()
+    state = from_diffusers(theirs, cfg.depth)
+    state["pos_embed"] = own["pos_embed"]  # computed from the run's config (diffusers saves none)
+    problem = mismatch(state, own)
+    if problem:
+        raise WeightsError(f"{where} does not fit this run's model: {problem}")
+    model.load_state_dict(state, strict=True)
+    record = {"from": str(Path(source).resolve()), "file": str(files[0].resolve()), "kind": "diffusers-pixart",
+              "sha256": sha256_file(files[0]) if len(files) == 1 else {f.name: sha256_file(f) for f in files},
+              "step": None, "model": spec, "store_identity": None, "label_embedder": "none",
+              "diffusers_config": {k: v for k, v in config.items() if not k.startswith("_")}}
+    return record, notes
+
+
 def init_model(model: DiT, source) -> tuple[dict, list[str]]:
     """Load the weights of `source` into `model`, a freshly built DiT, to fine-tune it:
     a plain state dict file, an EMA export, a run directory (its EMA) or a checkpoint .pt
-    (its EMA). Shapes must fit, except the label embedder: another number of classes (or
+    (its EMA), or a diffusers PixArtTransformer2DModel folder (init_pixart). Shapes must fit, except the label embedder: another number of classes (or
     none) keeps the model's own freshly initialised table, with a note; any other
     difference is a WeightsError naming the first key and both shapes (or the missing
     and unexpected keys). Returns (the record for the run config, notes to print)."""
     path = Path(source)
     if not path.exists():
         raise WeightsError(f"--init-from {source}: no such file or run directory")
+    folder = pixart_folder(path)
+    if folder is not None:  # a diffusers PixArtTransformer2DModel (or a PixArt pipeline's transformer/)
+        return init_pixart(model, source, folder)
     w = full_weights(path, WeightsError, f"--init-from {source}: fine-tune from the run it was exported from, "
                      "or its fp32/fp16 weights")
     state, own, notes = dict(w.state), model.state_dict(), []
@@ -481,6 +596,6 @@ def init_model(model: DiT, source) -> tuple[dict, list[str]]:
 
 
 __all__ = [
-    "LABEL_TABLE", "StandInStore", "Weights", "WeightsError", "describe", "infer_model", "infer_run_config",
+    "LABEL_TABLE", "PIXART_CLASS", "StandInStore", "init_pixart", "pixart_folder", "read_pixart", "Weights", "WeightsError", "describe", "infer_model", "infer_run_config",
     "full_weights", "init_model", "load_weights", "mismatch", "read_weights", "stand_in_store", "strip_prefixes", "weights_file",
 ]

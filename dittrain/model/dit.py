@@ -34,6 +34,18 @@ again at the head's width W (no position table; RoPE at its head dim), head_bloc
 adaLN, and the final layer's, regressed per token: per_token), and the final layer at width W gives the output.
 bench/ddt_reference.py checks this against the reference's DiTwDDTHead on the same weights.
 
+PixArt-alpha / PixArt-Sigma (Chen et al. 2023, 2024; DiTConfig.adaln = "single", the PixArt-* presets): the same
+network under adaLN-single, which fits as config fields rather than a sibling class because every other part is
+DiT's own (patch embedding, sin-cos table, timestep MLP, GELU MLP, affine-free LayerNorm, learned sigma, the text
+token MLP that is PixArt's caption projection) and the trainer, sampler, EMA, checkpoints and plan then need no
+second code path. What changes (reference: PixArt-alpha/PixArt-alpha @ 0f55e92 diffusion/model/nets/PixArt.py and
+diffusers' PixArtTransformer2DModel, whose key names dittrain.inference.weights maps): c (N, D) is regressed ONCE,
+t0 = t_block(c) (N, 6D), and block i takes (shift, scale, gate) x 2 = scale_shift_table_i (6, D) + t0 reshaped
+(N, 6, D); a block's cross-attention has no norm before it (PixArt's block); the final layer's (shift, scale) =
+its scale_shift_table (2, D) + c. The sin-cos positions are PixArt's (pos_interpolation: i * base / n / s), and
+micro_conditions adds PixArt-alpha 1024's embedded image size and aspect ratio to c.
+tests/test_pixart.py loads the same random weights into diffusers' class and into this one and compares outputs.
+
 Any token grid (aspect-ratio buckets, dittrain.data.bucketed): an input (N, C, H, W) gives the
 grid (H/p, W/p) of T = (H/p)(W/p) tokens in row-major order; the position part's table and rotary
 tables are computed for that grid (the added table cached per grid and device), and unpatchify
@@ -69,14 +81,7 @@ from dittrain.model.checkpointing import (
     checkpoint_every,
     selective_checkpoint_context,
 )
-from dittrain.model.layers import (
-    Mlp,
-    SwiGLU,
-    apply_rope,
-    rope_rows,
-    rope_table,
-    sincos_pos_embed_2d,
-)
+from dittrain.model.layers import Mlp, SwiGLU, apply_rope, rope_rows, rope_table, sincos_pos_embed_2d
 from dittrain.model.parts import MLPS, NORMS, POSITIONS
 from dittrain.model.routing import TokenRoute, gather_tokens, rejoin_tokens
 from dittrain.model.sizes import CONFIGS, DiTConfig, architecture, flops_per_forward, get_config
@@ -341,17 +346,23 @@ class DiTBlock(nn.Module):
 
     def __init__(
         self, hidden_size: int, num_heads: int, mlp_hidden: int, qk_norm: bool, cross: bool,
-        mlp: str = "gelu", norm: str = "layer",
+        mlp: str = "gelu", norm: str = "layer", adaln: str = "zero",
     ):
         super().__init__()
         self.norm1 = NORMS[norm].module(hidden_size)
         self.attn = Attention(hidden_size, num_heads, qk_norm=qk_norm)
+        self.adaln_single = adaln == "single"
         if cross:
-            self.norm_cross = nn.LayerNorm(hidden_size, eps=1e-6)
+            # PixArt's block feeds x itself to its cross-attention (no norm, no parameters)
+            self.norm_cross = nn.Identity() if self.adaln_single else nn.LayerNorm(hidden_size, eps=1e-6)
             self.cross_attn = CrossAttention(hidden_size, num_heads, qk_norm=qk_norm)
         self.norm2 = NORMS[norm].module(hidden_size)
         self.mlp = MLPS[mlp].module(hidden_size, mlp_hidden)
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+        if self.adaln_single:
+            # adaLN-single: this block's learned offsets of the shared t0 (N, 6D); filled by initialize_weights
+            self.scale_shift_table = nn.Parameter(torch.empty(6, hidden_size))
+        else:
+            self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
         # recompute="selective" also recomputes matmul outputs this wide (None: keep them all);
         # bench/activation_memory.py sets it to the MLP width to measure that variant
         self.selective_recompute_width: int | None = None
@@ -369,10 +380,7 @@ class DiTBlock(nn.Module):
             context_fn = partial(selective_checkpoint_context, self.selective_recompute_width)
             return checkpoint(self.forward, x, c, context, context_mask, use_reentrant=False,
                               context_fn=context_fn, rope=rope, **SAC_HOOKS)
-        # (N, D) each, or (N, T, D) each in a DDT head (c per token)
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(
-            c
-        ).chunk(6, dim=-1)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.modulation(c)
         attn_args = (x, shift_msa, scale_msa, gate_msa, context, context_mask, rope)
         if recompute == "attn":
             x = checkpoint(self._attention, *attn_args, use_reentrant=False)
@@ -381,6 +389,15 @@ class DiTBlock(nn.Module):
         if recompute == "mlp":
             return checkpoint(self._mlp, x, shift_mlp, scale_mlp, gate_mlp, use_reentrant=False)
         return self._mlp(x, shift_mlp, scale_mlp, gate_mlp)
+
+    def modulation(self, c):
+        """The six (shift, scale, gate) of attention and MLP: (N, D) each from c (N, D) (adaLN-Zero), (N, T, D)
+        each in a DDT head (c per token), or (N, 1, D) each under adaLN-single, where c is the shared t0 (N, 6D)
+        and each is scale_shift_table[j] + t0[:, jD:(j+1)D] (PixArt's t2i_modulate inputs)."""
+        if self.adaln_single:
+            N, D = c.shape[0], self.scale_shift_table.shape[1]
+            return (self.scale_shift_table[None] + c.reshape(N, 6, D)).chunk(6, dim=1)
+        return self.adaLN_modulation(c).chunk(6, dim=-1)
 
     def _attention(self, x, shift, scale, gate, context, context_mask, rope):
         # the attention branch with its residuals: self-attention, then (text) cross-attention
@@ -396,15 +413,22 @@ class DiTBlock(nn.Module):
 class FinalLayer(nn.Module):
     """adaLN, then a linear map of each token back to a p x p x out_channels patch."""
 
-    def __init__(self, hidden_size: int, patch_size: int, out_channels: int, norm: str = "layer"):
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int, norm: str = "layer",
+                 adaln: str = "zero"):
         super().__init__()
         self.norm_final = NORMS[norm].module(hidden_size)
         self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
+        if adaln == "single":  # PixArt's T2IFinalLayer: (shift, scale) = its table (2, D) + c, no regression
+            self.scale_shift_table = nn.Parameter(torch.empty(2, hidden_size))
+        else:
+            self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
 
     def forward(self, x, c):
         # c (N, D), or per token (N, T, D) in a DDT head
-        shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
+        if hasattr(self, "scale_shift_table"):
+            shift, scale = (self.scale_shift_table[None] + c[:, None]).chunk(2, dim=1)  # (N, 1, D) each
+        else:
+            shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
         return self.linear(modulate(self.norm_final(x), shift, scale))
 
 
@@ -428,7 +452,7 @@ class DiT(nn.Module):
             self.t_embedder = TimestepEmbedder(D, cfg.frequency_embedding_size)
         if cfg.num_classes:
             self.y_embedder = LabelEmbedder(cfg.num_classes, D, cfg.class_dropout_prob)
-        if cfg.text_pooled_dim:
+        if cfg.text_pooled_dim and cfg.adaln != "single":  # PixArt conditions on the tokens alone
             self.text_pooled_embedder = TextEmbedder(cfg.text_pooled_dim, D, nn.SiLU())
         if cfg.text_token_dim:
             self.text_token_embedder = TextEmbedder(cfg.text_token_dim, D, nn.GELU(approximate="tanh"))
@@ -442,15 +466,22 @@ class DiT(nn.Module):
         # (grid h, grid w, device, dtype) -> (1, T, D): the tables of the other grids (buckets),
         # made once each; not state (a pure function of the grid), never saved
         self._pos_tables: dict[tuple, torch.Tensor] = {}
+        if cfg.micro_conditions:
+            # PixArt-alpha 1024's size embedders (PixArtMS's csize_embedder and ar_embedder; diffusers'
+            # resolution_embedder, aspect_ratio_embedder): the timestep's sinusoid of a size, then a MLP to D/3
+            self.resolution_embedder = TimestepEmbedder(D // 3, cfg.frequency_embedding_size)
+            self.aspect_ratio_embedder = TimestepEmbedder(D // 3, cfg.frequency_embedding_size)
+        if cfg.adaln == "single":  # adaLN-single: the ONE regression of every block's modulation, t0 (N, 6D)
+            self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(D, 6 * D))
         self.blocks = nn.ModuleList(
             DiTBlock(D, cfg.num_heads, cfg.mlp_hidden, cfg.qk_norm, cross=bool(cfg.text_token_dim),
-                     mlp=cfg.mlp, norm=cfg.norm)
+                     mlp=cfg.mlp, norm=cfg.norm, adaln=cfg.adaln)
             for _ in range(cfg.depth)
         )
         if cfg.head_depth:  # DiT^DH: the DDT head, and the final layer at its width
             self._build_head()
         else:
-            self.final_layer = FinalLayer(D, cfg.patch_size, cfg.out_channels, norm=cfg.norm)
+            self.final_layer = FinalLayer(D, cfg.patch_size, cfg.out_channels, norm=cfg.norm, adaln=cfg.adaln)
         self.initialize_weights()
 
     def _build_head(self):
@@ -497,7 +528,7 @@ class DiT(nn.Module):
         else:
             self.apply(_basic_init)
         if self.position.table is not None:
-            self.pos_embed.copy_(self.position.table(self.config.hidden_size, self.square_grid).unsqueeze(0))
+            self.pos_embed.copy_(self._table(self.square_grid).unsqueeze(0))
         # the patch embedding is a linear map of the flattened patch
         for embedder in (self.x_embedder, *([self.head_embedder] if head_blocks else [])):
             w = embedder.proj.weight
@@ -509,6 +540,9 @@ class DiT(nn.Module):
         nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
         if isinstance(self.t_embedder, FourierTimestepEmbedder):
             nn.init.normal_(self.t_embedder.W, std=1.0)
+        if self.config.adaln == "single":
+            self._init_pixart()
+            return
         # adaLN-Zero: every block starts as the identity and the output is exactly zero
         for block in (*self.blocks, *head_blocks):
             nn.init.zeros_(block.adaLN_modulation[-1].weight)
@@ -520,6 +554,39 @@ class DiT(nn.Module):
         nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
         nn.init.zeros_(self.final_layer.linear.weight)
         nn.init.zeros_(self.final_layer.linear.bias)
+
+    def _init_pixart(self):
+        """The rest of PixArt's initialize_weights (PixArt.py, PixArtMS.py), after the DiT's common part: t_block,
+        the caption projection and the size embedders N(0, 0.02); each cross-attention's output projection and the
+        final linear zero; the scale_shift_tables randn / sqrt(D) (as their __init__ draws them). No adaLN-Zero:
+        the shared t_block is not zeroed, so the gates do not start at zero (the reference's choice)."""
+        D = self.config.hidden_size
+        nn.init.normal_(self.t_block[1].weight, std=0.02)
+        if self.config.text_token_dim:
+            nn.init.normal_(self.text_token_embedder.mlp[0].weight, std=0.02)
+            nn.init.normal_(self.text_token_embedder.mlp[2].weight, std=0.02)
+        if self.config.micro_conditions:
+            for embedder in (self.resolution_embedder, self.aspect_ratio_embedder):
+                nn.init.normal_(embedder.mlp[0].weight, std=0.02)
+                nn.init.normal_(embedder.mlp[2].weight, std=0.02)
+        for block in self.blocks:
+            nn.init.normal_(block.scale_shift_table, std=D**-0.5)
+            if hasattr(block, "cross_attn"):
+                nn.init.zeros_(block.cross_attn.proj.weight)
+                nn.init.zeros_(block.cross_attn.proj.bias)
+        nn.init.normal_(self.final_layer.scale_shift_table, std=D**-0.5)
+        nn.init.zeros_(self.final_layer.linear.weight)
+        nn.init.zeros_(self.final_layer.linear.bias)
+
+    def _table(self, grid: tuple[int, int]) -> torch.Tensor:
+        """The position part's table (T, D) of a grid (h, w); with pos_interpolation s > 0, PixArt's positions:
+        token i of a side of n at i * base / n / s, base = the configured side (diffusers' get_2d_sincos_pos_embed
+        with base_size and interpolation_scale)."""
+        s = self.config.pos_interpolation
+        if not s:
+            return self.position.table(self.config.hidden_size, grid)
+        base = self.square_grid[0]
+        return self.position.table(self.config.hidden_size, grid, scale=(base / grid[0] / s, base / grid[1] / s))
 
     def set_grad_checkpointing(self, granularity: str | int) -> None:
         """Change the checkpointing knob of a built model ("none", "every", k, "attn", "mlp" or
@@ -572,7 +639,7 @@ class DiT(nn.Module):
             return self.pos_embed
         key = (*grid, like.device, self.pos_embed.dtype)
         if key not in self._pos_tables:
-            table = self.position.table(self.config.hidden_size, grid).unsqueeze(0)
+            table = self._table(grid).unsqueeze(0)
             self._pos_tables[key] = table.to(device=like.device, dtype=self.pos_embed.dtype)
         return self._pos_tables[key]
 
@@ -615,9 +682,14 @@ class DiT(nn.Module):
         if self.position.rotary is not None:
             rope = self.position.rotary(cfg.head_dim, grid, device=x.device)
         t_emb = self.t_embedder(t)  # (N, D)
+        if cfg.micro_conditions:  # PixArt-alpha 1024: + the embedded image size and aspect ratio (N, D)
+            t_emb = t_emb + self._micro_conditions(grid, t_emb)
         c, context = self._conditioning(t_emb, y, text_pooled, text_tokens, force_drop_ids)
         if cfg.head_depth:  # DiT^DH: c = silu(t + y) (the blocks' adaLN applies its own SiLU on top)
             c = F.silu(c)
+        # what the blocks regress from: c itself (adaLN-Zero: each block its own), or adaLN-single's shared
+        # t0 = t_block(c) (N, 6D), to which each block adds its scale_shift_table; the final layer takes c
+        mod = self.t_block(c) if cfg.adaln == "single" else c
 
         training = self.training and torch.is_grad_enabled()
         k = checkpoint_every(cfg.grad_checkpointing) if training else 0
@@ -631,13 +703,13 @@ class DiT(nn.Module):
                 x_all, rope_all = x, rope
                 x, rope = gather_tokens(x, route.idx), None if rope is None else rope_rows(rope, route.idx)
             if full_next:
-                x = self._full_precision(block, k and i % k == 0, x, c, context, text_mask, recompute, rope)
+                x = self._full_precision(block, k and i % k == 0, x, mod, context, text_mask, recompute, rope)
                 full_next = False
             elif k and i % k == 0:
                 # recompute this block's activations in backward: memory for ~1/3 more compute
-                x = checkpoint(block, x, c, context, text_mask, use_reentrant=False, rope=rope)
+                x = checkpoint(block, x, mod, context, text_mask, use_reentrant=False, rope=rope)
             else:
-                x = block(x, c, context, text_mask, recompute=recompute, rope=rope)  # (N, T, D)
+                x = block(x, mod, context, text_mask, recompute=recompute, rope=rope)  # (N, T, D)
             if i + 1 == return_hidden:
                 hidden = x  # (N, T, D) after block k; (N, K, D) when it is routed
             if route is not None and i == route.end:  # and rejoin after the last routed block: (N, T, D)
@@ -684,6 +756,18 @@ class DiT(nn.Module):
                 return checkpoint(block, x, c, context, text_mask, use_reentrant=False, rope=rope)
             return block(x, c, context, text_mask, recompute=recompute, rope=rope)
 
+    def _micro_conditions(self, grid, like):
+        """PixArt-alpha 1024's micro-conditions (N, D) (diffusers' PixArtAlphaCombinedTimestepSizeEmbeddings): the
+        image's (height, width) in pixels, each embedded to D/3, and its aspect ratio height / width, to D/3,
+        concatenated. The image is the latent grid x patch x micro_conditions pixels a side: the size diffusers'
+        pipeline passes for the image it makes (PixArt's training passed each bucket's)."""
+        N, f = like.shape[0], self.patch_size * self.config.micro_conditions
+        height, width = grid[0] * f, grid[1] * f
+        size = torch.tensor([height, width], dtype=torch.float32, device=like.device).repeat(N)  # (2N,): h, w, h, w..
+        ratio = torch.full((N,), height / width, dtype=torch.float32, device=like.device)
+        size_emb = self.resolution_embedder(size).reshape(N, -1)  # (N, 2D/3)
+        return torch.cat([size_emb, self.aspect_ratio_embedder(ratio)], dim=1).to(like.dtype)  # (N, D)
+
     def _conditioning(self, t_emb, y, text_pooled, text_tokens, force_drop_ids):
         """c (N, D), the sum of the timestep embedding t_emb (N, D), the class and pooled-text embeddings,
         and the text tokens each block cross-attends to, (N, L, D) (None without text tokens)."""
@@ -695,7 +779,7 @@ class DiT(nn.Module):
                     "this model is class-conditional: pass y (use num_classes for the null class)"
                 )
             c = c + self.y_embedder(y, self.training, force_drop_ids)
-        if cfg.text_pooled_dim:
+        if cfg.text_pooled_dim and cfg.adaln != "single":  # PixArt's c is t alone: a pooled embedding is not read
             if text_pooled is None:
                 raise ValueError("this model takes a pooled text embedding: pass text_pooled")
             c = c + self.text_pooled_embedder(text_pooled.to(c.dtype))

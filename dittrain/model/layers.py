@@ -79,14 +79,18 @@ def _grid_positions(grid: int | tuple[int, int], device=None) -> tuple[torch.Ten
                           torch.arange(w, dtype=torch.float64, device=device), indexing="ij")
 
 
-def sincos_pos_embed_2d(dim: int, grid: int | tuple[int, int]) -> torch.Tensor:
+def sincos_pos_embed_2d(dim: int, grid: int | tuple[int, int], scale: tuple[float, float] | None = None) -> torch.Tensor:
     """(h * w, dim) for a grid of h rows and w columns (an int: square): the first half of the
     channels encodes the column, the second the row, each as [sin, cos] of the position times
     frequencies 1 / 10000^(i / (dim/4)). This is the MAE/DiT layout (tokens in row-major
-    order), computed in float64; a non-square grid is the same formula at its positions."""
+    order), computed in float64; a non-square grid is the same formula at its positions.
+    scale (sh, sw): the positions of rows and columns multiplied by them (PixArt's interpolation:
+    DiTConfig.pos_interpolation); None: 1."""
     assert dim % 4 == 0
     omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4))  # (D/4,)
     rows, cols = _grid_positions(grid)  # (h, w) each; token index = row * w + col
+    if scale is not None:
+        rows, cols = rows * scale[0], cols * scale[1]
 
     def emb_1d(p):
         out = p.reshape(-1)[:, None] * omega[None]  # (M, D/4)

@@ -63,6 +63,19 @@ class DiTConfig:
     head_depth: int = 0
     head_hidden: int = 0
     head_heads: int = 0
+    # the adaLN, one of ADALN: "zero" (DiT's adaLN-Zero: every block regresses its 6 D modulation from c) or
+    # "single" (PixArt-alpha's adaLN-single, Chen et al. 2023, sec. 2.3: ONE regression t0 = t_block(c) (N, 6 D)
+    # shared by all blocks, each adding its own learned scale_shift_table (6, D); PixArt's block: no norm before
+    # the cross-attention; the final layer's shift and scale are its table (2, D) plus c itself)
+    adaln: str = "zero"
+    # the sin-cos table's positions: 0 = DiT's (token i of a side at position i); s > 0 = PixArt's (diffusers'
+    # interpolation_scale s: position i * (base / n) / s on a side of n tokens, base = input_size / patch, so
+    # every grid spans the configured one; the 512 px PixArt checkpoints 1, the 1024 px ones 2)
+    pos_interpolation: float = 0.0
+    # PixArt-alpha 1024's micro-conditions (diffusers' use_additional_conditions): the image's height, width and
+    # aspect ratio, embedded and added to the timestep embedding. 0 = none; f > 0 = on, the image being the
+    # latent x f pixels per side (f: the autoencoder's downsample, 8), as diffusers' pipeline passes its size
+    micro_conditions: int = 0
 
     def __post_init__(self):
         assert self.input_size % self.patch_size == 0, "input_size must be a multiple of patch_size"
@@ -79,6 +92,15 @@ class DiTConfig:
             if POSITIONS[self.pos].rotary is not None:  # the head rotates its q and k too (no table)
                 problem = POSITIONS["rope"].check(self.head_hidden, self.head_heads)
                 assert problem is None, f"the DDT head: {problem}"
+        assert self.adaln in ADALN, f"adaln must be one of {', '.join(ADALN)}"
+        if self.adaln == "single":
+            assert not self.head_depth, "adaln=single (PixArt's) has no DDT head"
+        assert self.pos_interpolation >= 0, "pos_interpolation must be >= 0 (0: DiT's positions)"
+        if self.pos_interpolation:
+            assert POSITIONS[self.pos].table is not None, "pos_interpolation scales a table: pos must have one"
+        if self.micro_conditions:
+            assert self.adaln == "single", "micro_conditions are PixArt's: they need adaln=single"
+            assert self.hidden_size % 3 == 0, "micro_conditions need a hidden size divisible by 3 (D/3 per size)"
 
     @property
     def out_channels(self) -> int:
@@ -144,6 +166,17 @@ _LIGHTNING_SIZES = {"B": (1, 2), "XL": (1, 2)}
 DDT_HEAD = dict(head_depth=2, head_hidden=2048, head_heads=16, time_embed="fourier")
 _DDT_SIZES = ("S", "B", "L", "XL")
 
+# PixArt-alpha / PixArt-Sigma (Chen et al. 2023, 2024; PixArt-alpha/PixArt-alpha @ 0f55e92 diffusion/model/nets/
+# PixArt.py, PixArtMS.py; diffusers' PixArtTransformer2DModel): DiT-XL/2's size and blocks (GELU MLP, affine-free
+# LayerNorm eps 1e-6, sin-cos table) under adaLN-single, cross-attention to T5 tokens through the caption projection
+# (our text_token_embedder: Linear, tanh-GELU, Linear), learned sigma. The data give the text width (4096 for T5-XXL).
+# "PixArt-XL/2": the 256/512 px checkpoints (interpolation scale 1: PixArt-XL-2-512x512, PixArt-Sigma-XL-2-512-MS);
+# "PixArt-XL/2-1024": PixArt-XL-2-1024-MS (scale 2 and the size micro-conditions of an 8x autoencoder);
+# "PixArt-Sigma-XL/2-1024": PixArt-Sigma-XL-2-1024-MS (scale 2, no micro-conditions)
+PIXART = dict(adaln="single", pos_interpolation=1.0)
+_PIXART = {"PixArt-XL/2": PIXART, "PixArt-XL/2-1024": dict(PIXART, pos_interpolation=2.0, micro_conditions=8),
+           "PixArt-Sigma-XL/2-1024": dict(PIXART, pos_interpolation=2.0)}
+
 # The one registry: "DiT-XL/2" -> the architecture fields of DiTConfig. Data-dependent
 # fields (input_size, in_channels, num_classes, text dims) come from the latent store.
 CONFIGS: dict[str, dict] = {
@@ -151,6 +184,7 @@ CONFIGS: dict[str, dict] = {
     **{f"LightningDiT-{size}/{p}": dict(_SIZES[size], patch_size=p, **LIGHTNING)
        for size, patches in _LIGHTNING_SIZES.items() for p in patches},
     **{f"DiTDH-{size}/1": dict(_SIZES[size], patch_size=1, **LIGHTNING, **DDT_HEAD) for size in _DDT_SIZES},
+    **{name: dict(_SIZES["XL"], patch_size=2, **arch) for name, arch in _PIXART.items()},
 }
 # the paper's spelling, accepted wherever a name is (a caret is awkward in some shells: zsh's extended glob)
 ALIASES = {f"DiT^DH-{size}/1": f"DiTDH-{size}/1" for size in _DDT_SIZES}
@@ -163,8 +197,11 @@ CUSTOM_PREFIX = "custom:"
 _CUSTOM_FIELDS = {"hidden": "hidden_size", "depth": "depth", "heads": "num_heads", "patch": "patch_size",
                   "mlp_ratio": "mlp_ratio", "mlp": "mlp", "norm": "norm", "pos": "pos", "qk_norm": "qk_norm",
                   "time": "time_embed", "head_depth": "head_depth", "head_hidden": "head_hidden",
-                  "head_heads": "head_heads"}
+                  "head_heads": "head_heads", "adaln": "adaln", "pos_interp": "pos_interpolation",
+                  "micro": "micro_conditions"}
 TIME_EMBEDDINGS = ("sinusoid", "fourier")
+ADALN = ("zero", "single")  # DiT's adaLN-Zero, PixArt's adaLN-single
+_PIXART_FIELDS = ("adaln", "pos_interpolation", "micro_conditions")  # a custom spec's ",adaln=single,pos_interp=S,micro=F"
 _HEAD_FIELDS = ("head_depth", "head_hidden", "head_heads")  # all three or none
 _CUSTOM_REQUIRED = ("hidden", "depth", "heads", "patch")
 BLOCK_FIELDS = (*(parts.field for parts in BLOCK_PARTS), "qk_norm")  # DiTConfig's block choices, in custom-spec order
@@ -172,7 +209,7 @@ BLOCK_FIELDS = (*(parts.field for parts in BLOCK_PARTS), "qk_norm")  # DiTConfig
 # and the run's flags. A run's record keeps them resolved, so a resume builds what it trained even where a
 # preset's meaning has changed since (dittrain.train.setup.model_config_for)
 NAMED_FIELDS = ("hidden_size", "depth", "num_heads", "patch_size", "mlp_ratio", *BLOCK_FIELDS, "time_embed",
-                *_HEAD_FIELDS)
+                *_HEAD_FIELDS, *_PIXART_FIELDS)
 CUSTOM_SPEC = "custom:hidden=H,depth=D,heads=N,patch=P"  # the grammar, for messages
 
 
@@ -180,7 +217,7 @@ def _custom_choices() -> dict[str, dict]:
     """The optional keys that name a choice, key -> {spelling: value}: the block parts registered
     now (a part registered at run time is spelled like the built-in ones), and QK-norm."""
     return {**{parts.field: {name: name for name in parts} for parts in BLOCK_PARTS}, "qk_norm": {"0": False, "1": True},
-            "time": {name: name for name in TIME_EMBEDDINGS}}
+            "time": {name: name for name in TIME_EMBEDDINGS}, "adaln": {name: name for name in ADALN}}
 
 
 class ModelSpecError(UserError, ValueError):
@@ -196,6 +233,7 @@ def parse_custom(spec: str) -> dict:
     valid = (f"valid keys: {', '.join(_CUSTOM_REQUIRED)} (positive integers, required), mlp_ratio "
              f"(optional, default {DiTConfig.mlp_ratio:g}), {choices} (optional, DiT's first), "
              "head_depth, head_hidden, head_heads (a DDT head: all three or none), "
+             "pos_interp (a positive number), micro (a positive integer) (PixArt's, with adaln=single), "
              "e.g. custom:hidden=512,depth=8,heads=8,patch=2")
 
     def fail(why: str):
@@ -225,12 +263,13 @@ def parse_custom(spec: str) -> dict:
                 fail(f"{key}={value} is none of {'|'.join(named[key])}")
             arch[_CUSTOM_FIELDS[key]] = named[key][value]
             continue
+        real = key in ("mlp_ratio", "pos_interp")
         try:
-            number = float(value) if key == "mlp_ratio" else int(value)
+            number = float(value) if real else int(value)
         except ValueError:
             number = None
         if number is None or not math.isfinite(number) or number <= 0:
-            fail(f"{key}={value} is not a positive {'number' if key == 'mlp_ratio' else 'integer'}")
+            fail(f"{key}={value} is not a positive {'number' if real else 'integer'}")
         arch[_CUSTOM_FIELDS[key]] = number
     D, H = arch["hidden_size"], arch["num_heads"]
     if D % H:
@@ -240,7 +279,13 @@ def parse_custom(spec: str) -> dict:
         fail(problem)
     if MLPS[arch.get("mlp", DiTConfig.mlp)].width(int(D * arch.get("mlp_ratio", DiTConfig.mlp_ratio))) < 1:
         fail(f"mlp_ratio {arch['mlp_ratio']} leaves the MLP no hidden units")
+    if arch.get("adaln") != "single" and ("pos_interpolation" in arch or "micro_conditions" in arch):
+        fail("pos_interp and micro are PixArt's: they need adaln=single")
+    if arch.get("micro_conditions") and D % 3:
+        fail(f"micro needs a hidden size divisible by 3, not {D}")
     if "head_depth" in arch:
+        if arch.get("adaln") == "single":
+            fail("adaln=single (PixArt's) has no DDT head")
         if arch["head_hidden"] % arch["head_heads"]:
             fail(f"head_hidden {arch['head_hidden']} is not divisible by head_heads {arch['head_heads']}")
         if POSITIONS[arch.get("pos", DiTConfig.pos)].rotary is not None:  # the head rotates q and k too
@@ -257,12 +302,19 @@ def custom_name(hidden_size: int, depth: int, num_heads: int | str, patch_size: 
     ratio = f",mlp_ratio={mlp_ratio:g}" if mlp_ratio != DiTConfig.mlp_ratio else ""
     named = _custom_choices()
     spelled = {key: next(s for s, v in named["time" if key == "time_embed" else key].items() if v == value)
-               for key, value in blocks.items() if key not in _HEAD_FIELDS and value != getattr(DiTConfig, key)}
+               for key, value in blocks.items()
+               if key not in (*_HEAD_FIELDS, *_PIXART_FIELDS) and value != getattr(DiTConfig, key)}
     choices = "".join(f",{key}={spelled[key]}" for key in BLOCK_FIELDS if key in spelled)
     if "time_embed" in spelled:
         choices += f",time={spelled['time_embed']}"
     if blocks.get("head_depth"):
         choices += "".join(f",{key}={blocks[key]}" for key in _HEAD_FIELDS)
+    if blocks.get("adaln", DiTConfig.adaln) != DiTConfig.adaln:
+        choices += f",adaln={blocks['adaln']}"
+        if blocks.get("pos_interpolation"):
+            choices += f",pos_interp={blocks['pos_interpolation']:g}"
+        if blocks.get("micro_conditions"):
+            choices += f",micro={blocks['micro_conditions']}"
     return (f"{CUSTOM_PREFIX}hidden={hidden_size},depth={depth},heads={num_heads},patch={patch_size}{ratio}"
             f"{choices}")
 
@@ -307,9 +359,13 @@ def flops_per_forward(config: DiTConfig, text_tokens: int = 0, tokens: list[int]
         total += T * config.in_channels * p * p * Dh  # the head's patch embedding of x_t
         total += T * D * Dh if D != Dh else 0  # s_projector: the trunk's tokens to the head's width
         total += T * 2 * Dh * Dh + T * Dh * p * p * config.out_channels  # final adaLN (per token) + linear
+    elif config.adaln == "single":  # the one t_block regression (N, 6D); the final layer's table is added, no matmul
+        total += 6 * D * D + T * D * p * p * config.out_channels
+        if config.micro_conditions:  # 3 size embedders (height, width, aspect ratio): 256 -> D/3 -> D/3 each
+            total += 3 * (config.frequency_embedding_size * (D // 3) + (D // 3) ** 2)
     else:
         total += 2 * D * D + T * D * p * p * config.out_channels  # final adaLN + linear
-    if config.text_pooled_dim:
+    if config.text_pooled_dim and config.adaln != "single":  # PixArt reads no pooled embedding
         total += config.text_pooled_dim * D + D * D
     if L:
         total += L * (config.text_token_dim * D + D * D)
@@ -328,13 +384,14 @@ def block_flops(config: DiTConfig, tokens: int, text_tokens: int = 0, head: bool
     # D -> 2H' as two, fc2 H' -> D)
     per_block = T * (3 * D * D + D * D + MLPS[config.mlp].matmuls * D * H)
     per_block += 2 * T * T * D  # QK^T and AV, all heads together
-    per_block += 6 * D * D * (T if head else 1)  # adaLN modulation, once per sample (a head's: per token)
+    if config.adaln != "single" or head:  # adaLN-single: the blocks add their table to the shared t0, no matmul
+        per_block += 6 * D * D * (T if head else 1)  # adaLN modulation, once per sample (a head's: per token)
     if L:
         per_block += T * D * D + L * 2 * D * D + T * D * D  # q, kv, proj
         per_block += 2 * T * L * D  # QK^T and AV
     return per_block
 
 
-__all__ = ["ALIASES", "BLOCK_FIELDS", "CONFIGS", "DDT_HEAD", "TIME_EMBEDDINGS", "NAMED_FIELDS", "CUSTOM_PREFIX", "CUSTOM_SPEC", "LIGHTNING", "DiTConfig",
+__all__ = ["ADALN", "PIXART", "ALIASES", "BLOCK_FIELDS", "CONFIGS", "DDT_HEAD", "TIME_EMBEDDINGS", "NAMED_FIELDS", "CUSTOM_PREFIX", "CUSTOM_SPEC", "LIGHTNING", "DiTConfig",
            "ModelSpecError", "architecture", "block_flops", "custom_name", "flops_per_forward", "get_config",
            "parse_custom"]
