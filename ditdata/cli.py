@@ -235,9 +235,12 @@ def fetch(source, out, retry_failed, quiet, **options):
 @click.option("--aesthetic", type=click.Path(dir_okay=False, path_type=str), default=None, metavar="FILE",
               help="Also score each image with the LAION aesthetic predictor in this local state-dict file "
                    "(the MLP or the linear head; made for ViT-L-14 embeddings): column aesthetic.")
+@_score_opt("--captions", field="captions", metavar="SET",
+            help="Score this caption set (`ditdata caption --out-name SET`) instead of the shards' own captions "
+                 "(alt): NNNNN.clip.SET.parquet, row for row with NNNNN.clip.parquet.")
 @_quiet
 def score(shards, clip_name, pretrained, clip_config, device, batch_size, workers, overwrite,
-          skip_bad_shards, save_embeddings, aesthetic, quiet):
+          skip_bad_shards, save_embeddings, aesthetic, captions, quiet):
     """CLIP-score every image-caption pair of the image SHARDS folder (from `ditdata fetch`).
 
     Writes NNNNN.clip.parquet beside each NNNNN.tar: key, clip_score (cosine similarity
@@ -255,6 +258,7 @@ def score(shards, clip_name, pretrained, clip_config, device, batch_size, worker
       ditdata score ./shards --clip ViT-B-32 --pretrained ./open_clip_pytorch_model.bin --device cpu
       ditdata score ./laion_shards --clip ViT-L-14 --pretrained openai --save-embeddings \\
           --aesthetic ./sac+logos+ava1-l14-linearMSE.pth
+      ditdata score ./laion_shards --clip ViT-B-32 --pretrained laion2b_s34b_b79k --captions florence
     """
     from ditdata.scoring.score import report
     from ditdata.scoring.score import score as run_score
@@ -262,7 +266,7 @@ def score(shards, clip_name, pretrained, clip_config, device, batch_size, worker
     summary = run_score(ScoreConfig(shards=shards, pretrained=pretrained, clip=clip_name, clip_config=clip_config,
                                     device=device, batch_size=batch_size, workers=workers, overwrite=overwrite,
                                     skip_bad_shards=skip_bad_shards, save_embeddings=save_embeddings,
-                                    aesthetic=aesthetic, progress=not quiet))
+                                    aesthetic=aesthetic, captions=captions, progress=not quiet))
     click.echo(f"{shards}: {report(summary)}")
 
 
@@ -348,10 +352,13 @@ def caption(shards, captioner, out_name, prompt, max_new_tokens, num_beams, batc
               metavar="SELECTION",
               help="Only samples of this earlier selection (e.g. `ditdata dedup`'s); top fractions are "
                    "then of its samples.")
+@click.option("--captions", default="alt", show_default=True, metavar="SET",
+              help="Whose CLIP scores and caption lengths the rules read: the shards' own captions (alt) or a "
+                   "caption set scored with `ditdata score --captions SET`.")
 @click.option("--out", "-o", required=True, type=click.Path(dir_okay=False, path_type=str),
               help="Selection file to write: parquet, or JSON if the name ends in .json.")
 def filter_(shards, min_clip_score, top_fraction, min_width, min_height, max_aspect_ratio, min_caption_length,
-            min_aesthetic, top_aesthetic_fraction, select, out):
+            min_aesthetic, top_aesthetic_fraction, select, captions, out):
     """Select samples of a scored SHARDS folder by CLIP score, aesthetic score, size and
     caption, and write their keys to --out.
 
@@ -373,6 +380,7 @@ def filter_(shards, min_clip_score, top_fraction, min_width, min_height, max_asp
           --max-aspect-ratio 2 --min-caption-length 5 --out keep.parquet
       ditdata filter ./laion_shards --min-clip-score 0.28 --min-aesthetic 5 --out keep.parquet
       ditdata filter ./laion_shards --top-aesthetic-fraction 0.2 --select dedup.parquet --out keep.parquet
+      ditdata filter ./laion_shards --min-clip-score 0.3 --captions florence --out keep.parquet
     """
     for a, b, flags in ((min_clip_score, top_fraction, "--min-clip-score X and --top-fraction F"),
                         (min_aesthetic, top_aesthetic_fraction, "--min-aesthetic A and --top-aesthetic-fraction F")):
@@ -387,7 +395,7 @@ def filter_(shards, min_clip_score, top_fraction, min_width, min_height, max_asp
                                             top_fraction=top_fraction, min_width=min_width, min_height=min_height,
                                             max_aspect_ratio=max_aspect_ratio, min_caption_length=min_caption_length,
                                             min_aesthetic=min_aesthetic, top_aesthetic_fraction=top_aesthetic_fraction,
-                                            select=select))
+                                            select=select, captions=captions))
     click.echo(f"{shards}: {report(summary)}")
 
 
@@ -461,7 +469,9 @@ def inspect(store, decode_n, out, vae, device, cache_dir, cache_limit):
     """Print a readable summary of a latent STORE: samples, shards, latent shape and dtype,
     autoencoder, conditioning, per-channel statistics, feature sets and size on disk; for a
     bucketed store (encode --buckets) the histogram of its buckets (size, latent shape,
-    samples, share, a bar).
+    samples, share, a bar). Given an image-shard folder instead: its caption sets (shards
+    covered; ok, empty, repeated, truncated and undecodable counts; the captioner) and
+    which sets have CLIP scores.
 
     With --decode N --out DIR, decode the first N latents back to images so you can
     eyeball the cache.
@@ -470,6 +480,7 @@ def inspect(store, decode_n, out, vae, device, cache_dir, cache_limit):
     Examples:
       ditdata inspect ./store
       ditdata inspect ./store --decode 16 --out ./peek
+      ditdata inspect ./laion_shards
     """
     from ditdata.inspection import describe
 
@@ -497,15 +508,18 @@ def verify(store, cache_dir, cache_limit, quiet):
     same for each of its feature sets, which must match the store row for row. Exits
     non-zero, naming each faulty file, if anything is wrong. Tokens exactly zero in every
     dimension (a latent position, a feature token) are counted per shard and shown as
-    WARNING lines, which do not change the exit status.
+    WARNING lines, which do not change the exit status. Given an image-shard folder instead:
+    each caption-set file must be complete, made for its shard as it is, hold the shard's keys
+    in stored order and statuses that agree with its captions and counts.
 
     \b
-    Example:
+    Examples:
       ditdata verify ./store
+      ditdata verify ./laion_shards
     """
     from ditdata.inspection import verify_all
 
-    faults, n, sets, warnings = verify_all(store, progress=not quiet, **_cache(cache_dir, cache_limit))
+    faults, n, sets, warnings, captions = verify_all(store, progress=not quiet, **_cache(cache_dir, cache_limit))
     for w in warnings:
         click.echo(f"WARNING {w}", err=True)
     for f in faults:
@@ -513,6 +527,7 @@ def verify(store, cache_dir, cache_limit, quiet):
     if faults:
         raise click.ClickException(f"{store}: {len(faults)} fault(s) found")
     click.echo(f"{store}: OK ({n} samples verified" + (f"; feature sets {', '.join(sets)}" if sets else "")
+               + (f"; caption sets {', '.join(captions)}" if captions else "")
                + (f"; {len(warnings)} warning(s)" if warnings else "") + ")")
 
 

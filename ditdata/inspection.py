@@ -1,7 +1,9 @@
 """Human-readable reports on a latent store: `ditdata inspect` and `ditdata verify`, which
 cover the store's feature sets too (ditdata.store.features) and a bucketed store's buckets
 (ditdata.store.buckets: inspect shows their histogram); a plain store without feature sets
-reads as it always did."""
+reads as it always did. Given an image-shard folder instead, they report its caption sets
+(ditdata.imageshards.captionsets): inspect their coverage and counts, verify each file (complete,
+made for the shard as it is, its rows the shard's keys in order, statuses and counts that agree)."""
 
 from __future__ import annotations
 
@@ -11,21 +13,42 @@ from ditdata.common.bytesize import format_size
 from ditdata.store import open_store
 
 
-def _conditioning(cond) -> list[str]:
-    """The store's typed conditioning (ditdata.store.Conditioning) as report lines."""
+def _conditioning(cond, lengths: dict | None = None) -> list[str]:
+    """The store's typed conditioning (ditdata.store.Conditioning) as report lines; `lengths`:
+    the manifest's caption length statistics of unpadded text tokens."""
     if cond.kind == "class":
         names = cond.class_names or ()
         shown = ", ".join(map(str, names[:5])) + (", ..." if len(names) > 5 else "")
         return [f"conditioning: class, {cond.num_classes} classes ({shown})"]
     if cond.kind == "text":
         t = cond.text or {}
+        if t.get("layout") == "ragged":  # a transformers encoder: tokens unpadded (ditdata.textencoders)
+            ln = (lengths or {}).get(t.get("length_field") or "text_length") or {}
+            per = (f"; caption tokens mean {ln['mean']}, p50 {ln['p50']}, p95 {ln['p95']}, max {ln['max']}"
+                   if ln.get("count") else "")
+            return [f"conditioning: text, encoder {t.get('encoder')} ({t.get('model_type')}, {t.get('id')}, "
+                    f"revision {t.get('revision')})",
+                    f"  tokens unpadded, up to {t.get('max_tokens')} x {t.get('token_dim')} in {t.get('storage')}"
+                    f"{per}; empty prompt {len(cond.empty.get('text_tokens', ()))} token(s)",
+                    f"  convention: {t.get('convention')}"]
         tokens = list(cond.tokens_shape) if cond.tokens_shape else "not stored"
         return [f"conditioning: text, encoder {t.get('encoder')} ({t.get('pretrained')})",
                 f"  pooled dim {cond.pooled_dim}, tokens {tokens}"]
     return [f"conditioning: {cond.kind}"]
 
 
+def is_image_shard_folder(path) -> bool:
+    """A local folder of image shards (NNNNN.tar, `ditdata fetch`'s or another tool's) and not a
+    latent store: inspect and verify then report its caption sets."""
+    from pathlib import Path
+
+    p = Path(str(path))
+    return p.is_dir() and not (p / "manifest.json").exists() and any(p.glob("*.tar"))
+
+
 def describe(path, **remote) -> str:
+    if not remote and is_image_shard_folder(path):
+        return describe_shards(path)
     s = open_store(path, **remote)
     m = s.manifest
     lat = m["latent"]
@@ -45,7 +68,7 @@ def describe(path, **remote) -> str:
         + ("; no published scaling: `dittrain run` standardises it per channel (--latent-norm auto)"
            if vae.get("latent_norm") == "channel" else ""),
         f"image:        {m['image'].get('resolution')} px, crop {m['image'].get('crop')}",
-        *_conditioning(s.conditioning),
+        *_conditioning(s.conditioning, m.get("ragged")),
         f"filter:       {m['filter'] if m['filter'] else 'none'}",
         "fields:       " + ", ".join(
             f"{k} {v['dtype']}{v['shape']}" for k, v in m["fields"]["tensors"].items()
@@ -130,12 +153,14 @@ def verify_store(path, *, progress: bool = True, **remote) -> tuple[list[str], i
 
 class Verified(NamedTuple):
     """What verify_all found: faults (one line each, naming the file), the samples verified,
-    the names of the feature sets verified, and warnings (one line each: suspect, no fault)."""
+    the names of the feature sets verified, and warnings (one line each: suspect, no fault);
+    for an image-shard folder, the caption sets verified."""
 
     faults: list[str]
     samples: int
     feature_sets: list[str]
     warnings: list[str]
+    caption_sets: list[str] = []
 
 
 def verify_all(path, *, progress: bool = True, **remote) -> Verified:
@@ -147,6 +172,8 @@ def verify_all(path, *, progress: bool = True, **remote) -> Verified:
     from ditdata.common.progress import progress_bar
     from ditdata.store import feature_sets
 
+    if not remote and is_image_shard_folder(path):
+        return verify_shards(path, progress=progress)
     s = open_store(path, **remote)
     warnings: list[str] = []
     faults = s.verify(progress=lambda xs: progress_bar(xs, desc="verify", unit="shard", enabled=progress, leave=False),
@@ -199,3 +226,113 @@ def decode_samples(path, n: int, out, *, vae: str | None = None, device: str = "
                 Image.fromarray(img).save(p)
                 written.append(p)
     return written
+
+
+# --------------------------------------------------------------------------- image-shard folders
+
+
+def _caption_set_line(d, name: str) -> str:
+    from ditdata.imageshards.captionsets import FLAGS, OK, set_coverage
+
+    cov = set_coverage(d, name)
+    c = cov["counts"]
+    undecodable = sum(v for k, v in c.items() if k != OK and k not in FLAGS)
+    parts = [f"{cov['complete']} of {cov['shards']} shards, {sum(c.values())} samples: ok {c.get(OK, 0)}, "
+             + ", ".join(f"{f} {c.get(f, 0)}" for f in FLAGS) + f", undecodable {undecodable}"]
+    if cov["stale"]:
+        parts.append(f"{len(cov['stale'])} stale (made for another version of the shard)")
+    caps = cov["captioners"]
+    if len(caps) == 1 and caps[0]:
+        parts.append(f"by {caps[0].get('name')}")
+    elif len(caps) > 1:
+        parts.append(f"by {len(caps)} different captioners")
+    return f"  {name:<12} " + "; ".join(parts)
+
+
+def describe_shards(path) -> str:
+    """`ditdata inspect SHARDS`: the folder, its caption sets (coverage, ok / flagged /
+    undecodable counts, the captioner) and which sets have CLIP scores."""
+    from ditdata.imageshards import folder as shards
+    from ditdata.imageshards.captionsets import ALT, list_caption_sets
+    from ditdata.imageshards.scores import read_score_meta, score_path
+
+    f = shards.read_folder(path)
+    n = f.info.get("num_samples")
+    lines = [f"image shards: {f.path} ({len(f.shards)} shards, {'?' if n is None else n} samples, "
+             f"kind {f.info.get('kind')}{', written by another tool' if f.foreign else ''})"]
+    sets = list_caption_sets(f.path)
+    lines.append("caption sets:" if sets else "caption sets: none")
+    for name in sets:
+        if name == ALT:
+            lines.append(f"  {ALT:<12} the shards' own captions (the alt-text in each tar)")
+        else:
+            lines.append(_caption_set_line(f.path, name))
+    scored = []
+    for name in sets:
+        k = sum(read_score_meta(score_path(t, name)) is not None for t in f.shards)
+        if k:
+            scored.append(f"{name} ({k} of {len(f.shards)} shards)")
+    lines.append("clip scores:  " + (", ".join(scored) if scored else "none"))
+    return "\n".join(lines)
+
+
+def verify_shards(path, *, progress: bool = True) -> Verified:
+    """`ditdata verify SHARDS`: every caption-set file of the folder (module docstring). A set
+    that does not cover every shard yet is a warning, not a fault."""
+    from collections import Counter
+
+    from ditdata.common.progress import progress_bar
+    from ditdata.imageshards import folder as shards
+    from ditdata.imageshards.captionsets import (
+        ALT,
+        FLAGS,
+        OK,
+        caption_set_path,
+        list_caption_sets,
+        read_caption_meta,
+        read_caption_table,
+    )
+
+    f = shards.read_folder(path)
+    sets = [n for n in list_caption_sets(f.path) if n != ALT]
+    faults, warnings, samples = [], [], 0
+    for tar in progress_bar(f.shards, desc="verify", unit="shard", enabled=progress, leave=False):
+        present = [n for n in sets if caption_set_path(tar, n).exists()]
+        if not present:
+            continue
+        try:
+            keys = [s.key for s in shards.iter_shard(tar)]
+        except Exception as e:  # a damaged tar: its sets cannot be checked against it
+            faults.append(f"{tar}: unreadable ({e}); its caption sets cannot be checked")
+            continue
+        samples += len(keys)
+        for name in present:
+            p = caption_set_path(tar, name)
+            meta = read_caption_meta(p)
+            if meta is None:
+                faults.append(f"{p}: incomplete or not a caption-set file; delete it and rerun `ditdata caption "
+                              f"{f.path} --out-name {name}` with its captioner")
+                continue
+            if meta.get("shard_bytes") != tar.stat().st_size:
+                faults.append(f"{p}: made for a different version of {tar.name}; rerun `ditdata caption` with "
+                              "--overwrite")
+                continue
+            t, _ = read_caption_table(tar, name)
+            rows = t.to_pylist()
+            if [r["key"] for r in rows] != keys:
+                faults.append(f"{p}: its rows are not {tar.name}'s keys in stored order")
+                continue
+            bad = [r["key"] for r in rows if not r["status"] or (r["caption"] is None) != (
+                r["status"] not in (OK, *FLAGS) or r["status"] == "empty")]
+            if bad:
+                faults.append(f"{p}: {len(bad)} row(s) whose caption and status disagree (first key {bad[0]!r})")
+            if dict(Counter(r["status"] for r in rows)) != meta.get("counts"):
+                faults.append(f"{p}: its statuses do not add up to the counts its metadata records")
+    for name in sets:
+        missing = [t.name for t in f.shards if read_caption_meta(caption_set_path(t, name)) is None
+                   and not caption_set_path(t, name).exists()]
+        if missing:
+            warnings.append(f"caption set {name!r} covers {len(f.shards) - len(missing)} of {len(f.shards)} shards "
+                            f"(first missing: {missing[0]}); rerun `ditdata caption` to complete it")
+    alt = [ALT] if ALT in list_caption_sets(f.path) else []
+    return Verified(faults, samples, [], warnings, alt + sets)

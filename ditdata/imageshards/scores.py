@@ -34,6 +34,13 @@ version, shard, shard_bytes, num_samples, model, pretrained, weights_sha256, cou
 created_at}, plus embeddings = {dim, dtype, normalized} (the CLIP model is the file's) and
 aesthetic = {file, sha256, kind, widths} when those columns are there. `ditdata filter` reads only these files, never the images again.
 
+Caption sets (`ditdata score --captions SET`, ditdata.imageshards.captionsets): the scores of
+set SET's captions go to NNNNN.clip.SET.parquet beside the shard, in the same format, row for row
+with the shard and with its caption file (so the scores of several sets can be compared per
+sample: the SANA-style pick of the best caption), caption_length being the set's caption's;
+their metadata adds captions = {set, sha256 of the caption file scored}. A score file without
+"captions" scored the shard's own captions ("alt"), as does NNNNN.clip.parquet.
+
 Writing is atomic (ditdata.imageshards.folder.write_parquet_atomic); read_score_meta trusts
 only a complete file of this format and version. read_scores gathers a whole folder's files,
 refusing a folder scored by several models or missing what the reader needs.
@@ -47,6 +54,7 @@ from pathlib import Path
 from ditdata.common.files import read_json
 from ditdata.errors import DitdataError
 from ditdata.imageshards import folder as shards
+from ditdata.imageshards.captionsets import ALT, check_set_name
 
 FORMAT = "ditdata-clip-scores"
 VERSION = 1
@@ -58,9 +66,30 @@ OK = "ok"
 NO_CAPTION = "no caption"
 
 
-def score_path(shard_tar) -> Path:
-    """NNNNN.tar -> NNNNN.clip.parquet beside it."""
-    return shards.beside(shard_tar, SUFFIX)
+def score_path(shard_tar, captions: str = ALT) -> Path:
+    """NNNNN.tar -> NNNNN.clip.parquet beside it: the scores of the shard's own captions; for
+    the caption set `captions` (ditdata.imageshards.captionsets) NNNNN.clip.SET.parquet, the
+    same format, its metadata's "captions" naming the set and the caption file it scored."""
+    if captions == ALT:
+        return shards.beside(shard_tar, SUFFIX)
+    check_set_name(captions)
+    return shards.beside(shard_tar, f".clip.{captions}.parquet")
+
+
+def captions_record(shard_tar, captions: str) -> dict:
+    """What a score file of caption set `captions` records of the captions it scored: {set,
+    sha256 of the shard's caption file} ({set: "alt"} for the shard's own)."""
+    if captions == ALT:
+        return {"set": ALT}
+    from ditdata.common.files import sha256_file
+    from ditdata.imageshards.captionsets import caption_set_path
+
+    return {"set": captions, "sha256": sha256_file(caption_set_path(shard_tar, captions))}
+
+
+def scored_captions(meta: dict) -> dict:
+    """The "captions" record of a score file's metadata (files from before caption sets: alt)."""
+    return meta.get("captions") or {"set": ALT}
 
 
 def skipped_path(shard_tar) -> Path:
@@ -169,13 +198,14 @@ NEEDS = {  # what a reader may need beyond COLUMNS: (score file metadata key, th
 }
 
 
-def read_scores(shards_dir, needs: tuple[str, ...] = ()):
+def read_scores(shards_dir, needs: tuple[str, ...] = (), captions: str = ALT):
     """All score files of a scored image-shard folder as one pyarrow Table (COLUMNS plus
     `shard`, and the aesthetic column when "aesthetic" is in `needs`), and the shared
     {model, pretrained, weights_sha256, aesthetic, embeddings, tars}. DitdataError when a
     finished shard has no (or a stale) score file, shards were scored by different models
     or predictors, or a shard lacks what `needs` names ("aesthetic", "embeddings": the one
-    line says which `ditdata score` flag to rerun with)."""
+    line says which `ditdata score` flag to rerun with). `captions`: the scores of that caption
+    set (NNNNN.clip.SET.parquet; stale when its caption file changed since)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -185,8 +215,9 @@ def read_scores(shards_dir, needs: tuple[str, ...] = ()):
         raise DitdataError(f"{d}: no image shards")
     missing, stale, idents, skipped = [], [], {}, []
     metas: dict[str, dict] = {}
+    flag = "" if captions == ALT else f" --captions {captions}"
     for tar in tars:
-        sp = score_path(tar)
+        sp = score_path(tar, captions)
         meta = read_score_meta(sp)
         if meta is None:
             rec = read_skipped(tar)  # left out by `ditdata score --skip-bad-shards`
@@ -195,7 +226,7 @@ def read_scores(shards_dir, needs: tuple[str, ...] = ()):
             else:
                 missing.append(tar.name)
             continue
-        if meta.get("shard_bytes") != tar.stat().st_size:
+        if meta.get("shard_bytes") != tar.stat().st_size or not _captions_current(tar, captions, meta):
             stale.append(tar.name)
             continue
         ident = (meta.get("model"), meta.get("pretrained"), meta.get("weights_sha256"))
@@ -204,12 +235,12 @@ def read_scores(shards_dir, needs: tuple[str, ...] = ()):
     if missing:
         raise DitdataError(
             f"{d}: {len(missing)} of {len(tars)} shards have no complete CLIP scores (first: {missing[0]}); "
-            f"run `ditdata score {d} --clip MODEL --pretrained TAG_OR_FILE` first"
+            f"run `ditdata score {d} --clip MODEL --pretrained TAG_OR_FILE{flag}` first"
         )
     if stale:
         raise DitdataError(
             f"{d}: the scores of {len(stale)} shard(s) (first: {stale[0]}) were made for a different "
-            f"version of the shard; rerun `ditdata score` on the folder"
+            f"version of the shard or of its captions; rerun `ditdata score{flag}` on the folder"
         )
     if len(idents) > 1:
         desc = "; ".join(f"{m} / {p} ({len(v)} shards)" for (m, p, _), v in idents.items())
@@ -219,13 +250,25 @@ def read_scores(shards_dir, needs: tuple[str, ...] = ()):
     predictor = _check_needs(d, metas, needs)
     tables = []
     for name in metas:
-        t = pq.read_table(score_path(d / name), columns=list(COLUMNS) + (["aesthetic"] if "aesthetic" in needs else []))
+        t = pq.read_table(score_path(d / name, captions), columns=list(COLUMNS) + (["aesthetic"] if "aesthetic" in needs else []))
         tables.append(t.append_column("shard", pa.array([name] * t.num_rows, pa.string())))
     (model, pretrained, sha), = idents
     first = next(iter(metas.values()))
     return pa.concat_tables(tables), {"model": model, "pretrained": pretrained, "weights_sha256": sha,
                                       "skipped_shards": skipped, "aesthetic": predictor,
-                                      "embeddings": first.get("embeddings"), "metas": metas}
+                                      "embeddings": first.get("embeddings"), "metas": metas,
+                                      "captions": captions}
+
+
+def _captions_current(tar: Path, captions: str, meta: dict) -> bool:
+    """Whether a score file scored the captions the shard has now (always, for "alt": they
+    are in the tar, whose size is checked)."""
+    if captions == ALT:
+        return True
+    try:
+        return scored_captions(meta) == captions_record(tar, captions)
+    except OSError:  # the caption file is gone
+        return False
 
 
 def _check_needs(d: Path, metas: dict[str, dict], needs: tuple[str, ...]) -> dict | None:

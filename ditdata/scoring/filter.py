@@ -19,6 +19,9 @@ The rule is global over every shard of the folder, and every condition must hold
                             the top F by aesthetic score, the same rule as --top-fraction
     --select SELECTION      only samples of an earlier selection (e.g. `ditdata dedup`'s):
                             the other rules, top fractions included, apply among its samples
+    --captions SET          the CLIP scores (and caption lengths) of caption set SET
+                            (`ditdata score --captions SET`) instead of the shards' own
+                            captions ("alt"); the rule records captions = SET
 
 Any combination works, at least one rule given: every condition must hold. Each top
 fraction is resolved on its own score over the candidates (all samples, or those of
@@ -194,7 +197,7 @@ def filter_shards(cfg: FilterConfig) -> tuple[Selection, dict]:
                            "--top-aesthetic-fraction F or --select SELECTION")
     if cfg.max_aspect_ratio is not None and not cfg.max_aspect_ratio >= 1:
         raise DitdataError(f"--max-aspect-ratio must be >= 1, got {cfg.max_aspect_ratio}")
-    table, ident = read_scores(shards_dir, needs=("aesthetic",) if aesthetic_rule else ())
+    table, ident = read_scores(shards_dir, needs=("aesthetic",) if aesthetic_rule else (), captions=cfg.captions)
     keys = unique_keys(table, shards_dir)
     cols = rule_columns(table)
     candidates, picked = candidates_of(cfg.select, keys)
@@ -255,9 +258,13 @@ def publish(out, table, keys: list[str], scores, keep, rule: dict) -> Selection:
 
 
 def clip_rule(ident: dict) -> dict:
-    """The CLIP model a selection's scores come from, as its rule records it."""
-    return {"clip_model": ident["model"], "clip_pretrained": ident["pretrained"],
+    """The CLIP model a selection's scores come from, as its rule records it (and the caption
+    set scored, when it is not the shards' own captions)."""
+    rule = {"clip_model": ident["model"], "clip_pretrained": ident["pretrained"],
             "clip_weights_sha256": ident["weights_sha256"]}
+    if ident.get("captions", "alt") != "alt":
+        rule["captions"] = ident["captions"]
+    return rule
 
 
 def folder_rule(shards_dir, table) -> dict:
@@ -361,7 +368,8 @@ def report(summary: dict) -> str:
     if r["threshold"] is not None:
         how = (f"top {100 * r['top_fraction']:g}% of {r['scored']} scored -> threshold {r['threshold']:.4f}"
                if r["top_fraction"] is not None else f"clip_score >= {r['threshold']:g}")
-        lines.append(f"  rule: {how} ({r['clip_model']} / {r['clip_pretrained']})")
+        of = f", captions of set {r['captions']!r}" if r.get("captions") else ""
+        lines.append(f"  rule: {how} ({r['clip_model']} / {r['clip_pretrained']}{of})")
     if r.get("aesthetic_threshold") is not None:
         how = (f"top {100 * r['top_aesthetic_fraction']:g}% -> threshold {r['aesthetic_threshold']:.3f}"
                if r["top_aesthetic_fraction"] is not None else f"aesthetic >= {r['aesthetic_threshold']:g}")

@@ -52,46 +52,53 @@ from ditdata.imageshards.scores import (
     OK,
     SKIPPED_FORMAT,
     VERSION,
+    captions_record,
     embedding_column,
     read_score_meta,
     schema,
     score_path,
+    scored_captions,
     skipped_path,
     write_scores,
 )
 
 DEFAULT_MODEL = CLIP_MODEL
-_TMP_RE = re.compile(r"^\.\d{5,}\.clip\.parquet" + re.escape(shards.TMP_MARK))
+_TMP_RE = re.compile(r"^\.\d{5,}\.clip(\.[A-Za-z0-9_-]+)?\.parquet" + re.escape(shards.TMP_MARK))
 
 
 # ----------------------------------------------------------------------------- scoring
 
 
-def _prepare(sample, prepare_image):
-    """Decode + prepare one sample in a worker thread: (prepared image or None, status, w, h)."""
+def _prepare(sample, prepare_image, captions=None):
+    """Decode + prepare one sample in a worker thread: (prepared image or None, status, w, h).
+    `captions`: {key: caption} of a caption set (None: the sample's own caption)."""
     try:
         img = sample.decode()
     except shards.BadImageError as e:
         return None, e.reason, None, None
     w, h = img.size
-    caption = (sample.caption or "").strip()
+    caption = (_caption_of(sample, captions) or "").strip()
     if not caption:
         return None, NO_CAPTION, w, h
     return prepare_image(img), OK, w, h
 
 
-def prepared_samples(samples, prepare_image, workers: int, ahead: int) -> Iterator[tuple]:
+def _caption_of(sample, captions) -> str | None:
+    return sample.caption if captions is None else captions.get(sample.key)
+
+
+def prepared_samples(samples, prepare_image, workers: int, ahead: int, captions=None) -> Iterator[tuple]:
     """(sample, prepared image, status, w, h) in stored order; up to `ahead` samples are
     decoded and resized by `workers` threads while the model runs (PIL releases the GIL;
     ClipModel.prepare_image runs no torch op on the usual transforms, see there)."""
     if workers <= 0:
         for s in samples:
-            yield (s, *_prepare(s, prepare_image))
+            yield (s, *_prepare(s, prepare_image, captions))
         return
     with ThreadPoolExecutor(workers, thread_name_prefix="ditdata-decode") as pool:
         q: deque = deque()
         for s in samples:
-            q.append((s, pool.submit(_prepare, s, prepare_image)))
+            q.append((s, pool.submit(_prepare, s, prepare_image, captions)))
             if len(q) >= ahead:
                 s0, fut = q.popleft()
                 yield (s0, *fut.result())
@@ -101,13 +108,18 @@ def prepared_samples(samples, prepare_image, workers: int, ahead: int) -> Iterat
 
 
 def score_shard(clip, shard_tar, *, batch_size: int = SCORE_BATCH_SIZE, workers: int = 4, progress=None,
-                save_embeddings: bool = False, aesthetic=None) -> dict:
+                save_embeddings: bool = False, aesthetic=None, captions: str = "alt") -> dict:
     """Score one shard and write its score file; returns the file's metadata. With
     `save_embeddings` the image embeddings are kept; with `aesthetic` (an
-    ditdata.scoring.aesthetic.AestheticPredictor) they are also scored by it."""
+    ditdata.scoring.aesthetic.AestheticPredictor) they are also scored by it. `captions`: the
+    caption set scored (ditdata.imageshards.captionsets; "alt": the shard's own captions)."""
     import numpy as np
 
+    from ditdata.imageshards.captionsets import ALT
+
     tar = Path(shard_tar)
+    record = captions_record(tar, captions)  # before the captions are read: a file changed meanwhile is stale
+    texts = None if captions == ALT else _set_captions(tar, captions)
     info = clip.info
     rows = {f.name: [] for f in schema(aesthetic=aesthetic is not None)}
     embedded: dict[int, np.ndarray] = {}  # row -> float16 embedding
@@ -134,9 +146,10 @@ def score_shard(clip, shard_tar, *, batch_size: int = SCORE_BATCH_SIZE, workers:
         batch_cap.clear()
 
     samples = shards.iter_shard(tar)
-    for i, (s, px, status, w, h) in enumerate(prepared_samples(samples, clip.prepare_image, workers, 2 * batch_size)):
+    ahead = 2 * batch_size
+    for i, (s, px, status, w, h) in enumerate(prepared_samples(samples, clip.prepare_image, workers, ahead, texts)):
         # the sample's row, its scores null until its batch is scored
-        caption = (s.caption or "").strip()
+        caption = (_caption_of(s, texts) or "").strip()
         for name, v in (("key", s.key), ("clip_score", None), (AESTHETIC, None), ("status", status), ("width", w),
                         ("height", h), ("original_width", _int_or_none(s.meta.get("original_width"))),
                         ("original_height", _int_or_none(s.meta.get("original_height"))),
@@ -153,6 +166,9 @@ def score_shard(clip, shard_tar, *, batch_size: int = SCORE_BATCH_SIZE, workers:
         elif progress is not None:
             progress.update(1)
     flush()
+    if texts is not None and rows["key"] != list(texts):
+        raise DitdataError(f"{tar}: caption set {captions!r} does not hold this shard's keys in its order; "
+                           f"rerun `ditdata caption` with --overwrite for it")
     n = len(rows["key"])
     rows["model"] = [info["model"]] * n
     rows["pretrained"] = [info["pretrained"]] * n
@@ -168,13 +184,23 @@ def score_shard(clip, shard_tar, *, batch_size: int = SCORE_BATCH_SIZE, workers:
         "counts": dict(sorted(counts.items())),
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
+    if captions != ALT:  # files of the shards' own captions stay as they were before caption sets
+        meta["captions"] = record
     if save_embeddings:
         rows[EMBEDDING] = embedding_column(embedded, n, info["embed_dim"])
         meta["embeddings"] = {"dim": info["embed_dim"], "dtype": EMBEDDING_DTYPE, "normalized": True}
     if aesthetic is not None:
         meta["aesthetic"] = aesthetic.record()
-    write_scores(score_path(tar), rows, meta)
+    write_scores(score_path(tar, captions), rows, meta)
     return meta
+
+
+def _set_captions(tar: Path, captions: str) -> dict:
+    """{key: caption} of the shard's caption set (DitdataError when its file is missing or
+    incomplete); score_shard checks that its keys are the shard's, in order."""
+    from ditdata.imageshards.captionsets import read_caption_set
+
+    return read_caption_set(tar, captions)
 
 
 def _int_or_none(v):
@@ -218,8 +244,10 @@ def score(cfg: ScoreConfig) -> dict:
             from ditdata.scoring.aesthetic import load_predictor
 
             predictor = load_predictor(cfg.aesthetic)
-        done = _already_scored(folder, ident, cfg.overwrite, cfg.save_embeddings, predictor)
-        todo, skipped = _leave_out_bad(folder, [t for t in tars if t.name not in done], cfg.skip_bad_shards)
+        done = _already_scored(folder, ident, cfg.overwrite, cfg.save_embeddings, predictor, cfg.captions)
+        todo, skipped = _leave_out_bad(folder, [t for t in tars if t.name not in done], cfg.skip_bad_shards,
+                                       cfg.captions)
+        _check_caption_set(d, todo, cfg.captions)
         metas = dict(done)
         t0 = time.perf_counter()
         n_new = 0
@@ -237,7 +265,8 @@ def score(cfg: ScoreConfig) -> dict:
                                   desc="clip score") as bar:
                     for tar in todo:
                         m = score_shard(model, tar, batch_size=cfg.batch_size, workers=workers, progress=bar,
-                                        save_embeddings=cfg.save_embeddings, aesthetic=predictor)
+                                        save_embeddings=cfg.save_embeddings, aesthetic=predictor,
+                                        captions=cfg.captions)
                         skipped_path(tar).unlink(missing_ok=True)  # a refetched shard is whole again
                         metas[tar.name] = m
                         n_new += m["num_samples"]
@@ -247,6 +276,7 @@ def score(cfg: ScoreConfig) -> dict:
             counts.update(m.get("counts", {}))
         return {
             "shards_dir": str(d),
+            "captions": cfg.captions,
             "model": ident["model"],
             "pretrained": ident["pretrained"],
             "weights_sha256": ident["weights_sha256"],
@@ -278,7 +308,7 @@ def _memory_hint(model: str, batch_size: int, device):
 
 
 def _already_scored(folder, ident: dict, overwrite: bool, save_embeddings: bool = False,
-                    predictor=None) -> dict[str, dict]:
+                    predictor=None, captions: str = "alt") -> dict[str, dict]:
     """{shard name: score metadata} of the shards whose scores are complete, for this shard
     as it is, made with these weights and holding what this run asks for (embeddings,
     this predictor's aesthetic scores; a shard without them is scored again). Scores made
@@ -286,7 +316,7 @@ def _already_scored(folder, ident: dict, overwrite: bool, save_embeddings: bool 
     `overwrite`): the two are never mixed."""
     done, other, other_aesthetic = {}, {}, {}
     for tar in folder.shards:
-        meta = read_score_meta(score_path(tar))
+        meta = read_score_meta(score_path(tar, captions))
         if meta is None:
             continue
         rec = meta.get("aesthetic")
@@ -297,7 +327,8 @@ def _already_scored(folder, ident: dict, overwrite: bool, save_embeddings: bool 
         elif predictor is not None and rec and rec.get("sha256") != predictor.sha256:
             other_aesthetic[tar.name] = rec
         elif (meta.get("shard_bytes") == tar.stat().st_size and not overwrite
-              and (not save_embeddings or "embeddings" in meta) and (predictor is None or rec)):
+              and (not save_embeddings or "embeddings" in meta) and (predictor is None or rec)
+              and _same_captions(tar, captions, meta)):
             done[tar.name] = meta
     refusals = (  # (shards, what they hold instead): the weights first
         (other, lambda m: f"were already scored with {m.get('model')} / {m.get('pretrained')} (weights sha256 "
@@ -314,7 +345,33 @@ def _already_scored(folder, ident: dict, overwrite: bool, save_embeddings: bool 
     return done
 
 
-def _leave_out_bad(folder, todo: list[Path], skip_bad_shards: bool) -> tuple[list[Path], list[dict]]:
+def _same_captions(tar: Path, captions: str, meta: dict) -> bool:
+    """Whether a score file scored the captions the shard's set holds now (a caption set
+    rewritten since, e.g. by `ditdata caption --overwrite`, is scored again)."""
+    if captions == "alt":
+        return scored_captions(meta).get("set") == "alt"
+    try:
+        return scored_captions(meta) == captions_record(tar, captions)
+    except OSError:
+        return False
+
+
+def _check_caption_set(d: Path, todo: list[Path], captions: str) -> None:
+    """Before the model is loaded: every shard to score has its caption set complete."""
+    if captions == "alt" or not todo:
+        return
+    from ditdata.imageshards.captionsets import caption_set_path, check_set_name, read_caption_meta
+
+    check_set_name(captions)
+    missing = [t.name for t in todo if read_caption_meta(caption_set_path(t, captions)) is None]
+    if missing:
+        raise DitdataError(f"{d}: {len(missing)} of {len(todo)} shards to score have no complete caption set "
+                           f"{captions!r} (first: {missing[0]}); run `ditdata caption {d} --captioner NAME "
+                           f"--out-name {captions}` first")
+
+
+def _leave_out_bad(folder, todo: list[Path], skip_bad_shards: bool,
+                   captions: str = "alt") -> tuple[list[Path], list[dict]]:
     """Damaged shards are found before the model is loaded: stop now, or (skip_bad_shards)
     leave them out, each with a skip record in place of its scores. Returns the shards to
     score and the records."""
@@ -328,7 +385,7 @@ def _leave_out_bad(folder, todo: list[Path], skip_bad_shards: bool) -> tuple[lis
             rec = {"format": SKIPPED_FORMAT, "shard": t.name, "shard_bytes": t.stat().st_size,
                    "reason": bad[t.name], "samples_lost": folder.expected[t.name]}
             shards.write_json_atomic(skipped_path(t), rec)
-            score_path(t).unlink(missing_ok=True)
+            score_path(t, captions).unlink(missing_ok=True)
             skipped.append(rec)
     return [t for t in todo if t.name not in bad], skipped
 
@@ -337,7 +394,8 @@ def report(summary: dict) -> str:
     """The end-of-run lines printed by `ditdata score`."""
     s = summary
     pre = s["pretrained"] if s["pretrained"] is not None else "random init"
-    lines = [f"{s['model']} / {pre}: {s['samples']} samples in {s['shards']} shards"]
+    lines = [f"{s['model']} / {pre}: {s['samples']} samples in {s['shards']} shards"
+             + (f", captions of set {s['captions']!r}" if s.get("captions", "alt") != "alt" else "")]
     if s["scored_shards"]:
         rate = f" at {s['samples_per_s']:.1f} samples/s" if s["samples_per_s"] else ""
         lines.append(f"  scored {s['scored_shards']} shard(s), {s['new_samples']} samples in {s['seconds']:.1f} s{rate}")
