@@ -171,7 +171,7 @@ def store_mismatches(store, cfg: DiTConfig) -> list[str]:
     for field, dim in ((TEXT_POOLED, cfg.text_pooled_dim), (TEXT_TOKENS, cfg.text_token_dim)):
         if not dim:
             continue
-        spec = tensors.get(field)
+        spec = tensors.get(field) or store.schema.ragged.get(field)  # unpadded tokens: a ragged field
         if spec is None:
             problems.append(f"the model takes {field} (width {dim}) but the store has none")
         elif spec.shape[-1] != dim:
@@ -295,17 +295,21 @@ def load_autoencoder(store, device="cpu", vae: str | None = None):
 
 
 def load_text_encoder(store, device="cpu", pretrained: str | None = None, *, how: str = "pass"):
-    """The store's text encoder (its weights at `pretrained`, if given), with a one-line
-    SampleError whose hint begins with `how` (serve: "restart serve with")."""
+    """The store's text encoder (its weights at `pretrained`, if given), through the registry
+    ditdata.textencoders (an open_clip tower, or the T5 / Gemma-2 encoder its manifest names,
+    with its recorded max tokens and instruction), with a one-line SampleError whose hint
+    begins with `how` (serve: "restart serve with")."""
+    ragged = (store.conditioning.text or {}).get("layout") == "ragged"
     try:
-        from ditdata.clip import store_text_encoder
+        from ditdata.textencoders import store_text_encoder
 
         return store_text_encoder(store, device, pretrained=pretrained)
     except ImportError as e:
         raise SampleError(f"cannot embed prompts: the text encoder module is not available ({one_line(e)})") from e
     except Exception as e:  # DitdataError / StoreError: the model is not on this machine
+        where = "FOLDER (the encoder saved with save_pretrained)" if ragged else "FILE_OR_TAG"
         raise SampleError(f"cannot load the store's text encoder: {one_line(e)} "
-                          f"({how} --text-pretrained FILE_OR_TAG to say where its weights are)") from e
+                          f"({how} --text-pretrained {where} to say where its weights are)") from e
 
 
 # -----------------------------------------------------------------------------

@@ -209,8 +209,13 @@ def embed_prompts(store, prompts: list[str], *, tokens: bool, device="cpu", text
     for k, v in emb.items():
         v = torch.as_tensor(v)
         if v.dtype != torch.bool:
-            spec = store.schema.tensors.get(k)  # the field as the store holds it
+            # the field as the store holds it (unpadded text tokens: a ragged field; int8: codes x scales)
+            spec = store.schema.tensors.get(k) or store.schema.ragged.get(k)
             dt = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(spec.dtype) if spec else None
+            if spec is not None and spec.dtype == "int8":
+                from ditdata.store import dequantize, quantize
+
+                v = torch.from_numpy(dequantize(*quantize(v.float().numpy(), axis=-1), axis=-1))
             v = v.float() if dt is None else v.to(dt).float()
         out[k] = v.cpu()
     return out
