@@ -40,7 +40,7 @@ LAYERS = {
         ["imageshards"],  # the image shards and what stages hand each other beside them
         ["clip", "autoencoders", "pixels"],  # the models ditdata runs; dittrain's pixel surface
         ["features"],  # feature sets: `ditdata features`, and encode --features in encode's pass
-        ["fetch", "scoring", "encode"],  # the stages
+        ["fetch", "scoring", "encode", "captions"],  # the stages
         ["inspection"],
         ["cli"],
         ["__main__"],

@@ -23,8 +23,10 @@ A flagged caption ("repeated", "truncated") keeps its text: the status says what
 with it and readers choose (read_caption_set(..., only_ok=True) gives None for them).
 
 The parquet's schema metadata holds b"ditdata" = JSON {format: "ditdata-captions",
-version, set, shard, shard_bytes, num_samples, captioner {name, kind, source,
-weights_sha256}, prompt, max_new_tokens, counts (status -> n), created_at}.
+version, set, shard, shard_bytes, num_samples, captioner {name, kind, source, model_class,
+weights_sha256}, prompt, max_new_tokens, num_beams, counts (status -> n)}. It records no
+time on purpose: a shard captioned again with the same settings, e.g. by a run resumed after
+a kill, gives the same bytes as in a clean run.
 
 Writing is atomic (ditdata.imageshards.folder.write_parquet_atomic); read_caption_meta
 trusts only a complete file of this format and version, so a killed writer never leaves a
