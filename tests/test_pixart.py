@@ -261,3 +261,39 @@ def test_export_refuses_a_flow_pixart_in_one_line(tmp_path):
     line = one_error_line(dittrain("export", "--ckpt", tmp_path / "run", "--format", "diffusers",
                                    "--out", tmp_path / "p").output)
     assert "objective is flow" in line and "PixArtAlphaPipeline" in line and not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("mode", ["every", "selective", "attn"])
+def test_grad_checkpointing_and_autocast(mode):
+    """Checkpointed PixArt blocks give the plain forward's loss and gradients; under autocast the modulated
+    activations stay in the autocast dtype (the table added in t0's dtype), as adaLN-Zero's do."""
+    torch.manual_seed(0)
+    cfg = get_config(SPEC, input_size=8, in_channels=4, num_classes=0, text_token_dim=CAPTION)
+    plain = DiT(cfg)
+    for p in plain.parameters():
+        p.data.normal_(0, 0.1) if p.requires_grad else None
+    ckpt = DiT(cfg)
+    ckpt.load_state_dict(plain.state_dict())
+    ckpt.set_grad_checkpointing(mode)
+    inp = _inputs(3, 8, 8)
+    losses = []
+    for model in (plain, ckpt):
+        model.train()
+        loss = model(**inp).square().mean()
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(losses[0], losses[1])
+    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters(), strict=True):
+        if a.requires_grad:
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
+    # under autocast the MLP's input and the blocks' outputs have the dtypes adaLN-Zero's have
+    zero = DiT(get_config(custom_name(24, LAYERS, HEADS, 2), input_size=8, in_channels=4, num_classes=0,
+                          text_token_dim=CAPTION))
+    seen = {}
+    for model in (plain, zero):
+        model.blocks[0].mlp.register_forward_hook(lambda m, i, o, model=model: seen.setdefault(id(model), []).append(
+            i[0].dtype))
+        model.blocks[0].register_forward_hook(lambda m, i, o, model=model: seen[id(model)].append(o.dtype))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            model.eval()(**inp)
+    assert seen[id(plain)] == seen[id(zero)], seen
