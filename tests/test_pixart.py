@@ -297,3 +297,47 @@ def test_grad_checkpointing_and_autocast(mode):
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             model.eval()(**inp)
     assert seen[id(plain)] == seen[id(zero)], seen
+
+
+def _save_tiny_t5(path: Path) -> Path:
+    """A random 1-layer T5EncoderModel of width CAPTION and a word-level tokenizer, saved as a folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+    words = ["<pad>", "</s>", "<unk>", "a", "red", "fox", "cat"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(str(path))
+    torch.manual_seed(0)
+    T5EncoderModel(T5Config(vocab_size=len(words), d_model=CAPTION, d_kv=8, d_ff=32, num_layers=1,
+                            num_heads=2)).save_pretrained(str(path))
+    return path
+
+
+def test_export_with_the_stores_t5_runs_the_pipeline_from_prompts(tmp_path):
+    """A store whose text encoder is a local T5 folder (the manifest's text entry as ditdata.textencoders writes
+    it): the export carries text_encoder/ and tokenizer/, and the pipeline samples from a prompt, offline."""
+    from diffusers import PixArtAlphaPipeline
+    from test_sample import make_run
+
+    from ditdata.autoencoders.kinds import load_autoencoder
+
+    t5 = _save_tiny_t5(tmp_path / "t5")
+    kl = save_tiny_kl(tmp_path / "kl", scaling_factor=0.5)
+    empty = {"text_pooled": np.zeros(16, np.float16), "text_tokens": np.zeros((6, CAPTION), np.float16),
+             "text_mask": np.ones(6, bool)}
+    text = {"encoder": str(t5), "kind": "transformers", "model_type": "t5", "path": str(t5), "pooled_dim": 16,
+            "tokens_shape": [6, CAPTION], "empty": {k: encode_array(v) for k, v in empty.items()}}
+    store = tiny_store(tmp_path / "store", shape=(4, 8, 8), vae=load_autoencoder(str(kl)).info,
+                       conditioning={"type": "text", "text": text}, text={"pooled": 16, "tokens": (6, CAPTION)})
+    run = make_run(tmp_path / "run", store, model=SPEC, text_token_dim=CAPTION)
+    r = dittrain("export", "--ckpt", run, "--format", "diffusers", "--out", tmp_path / "pipe")
+    assert r.exit_code == 0, r.output
+    assert "no text_encoder/" not in r.output
+    index = json.loads((tmp_path / "pipe" / "model_index.json").read_text())
+    assert index["text_encoder"][1] == "T5EncoderModel" and index["tokenizer"][1] is not None
+    pipe = PixArtAlphaPipeline.from_pretrained(str(tmp_path / "pipe"), local_files_only=True)
+    images = pipe("a red fox", num_inference_steps=2, guidance_scale=4.5, height=16, width=16, clean_caption=False,
+                  use_resolution_binning=False, output_type="np", generator=torch.Generator().manual_seed(0)).images
+    assert images.shape == (1, 16, 16, 3) and np.isfinite(images).all()

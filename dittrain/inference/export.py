@@ -489,22 +489,38 @@ def pixart_versus(transformer, dit: DiT, inputs: dict) -> float:
 
 
 def _t5_folder(store) -> tuple[Path | None, str]:
-    """(the store's text encoder folder when it is a local transformers T5 with its tokenizer, else None; what it
-    is, for the note)."""
+    """(the store's text encoder as a local transformers T5 folder with its tokenizer, else None; what is missing,
+    for the note). The manifest's text entry names it by a folder (path, pretrained, model) or a hub id (id), looked
+    up in the local Hugging Face cache only (ditdata.textencoders' rule: nothing is downloaded)."""
     text = (store.manifest.get("conditioning") or {}).get("text") or {}
-    for key in ("pretrained", "model", "encoder"):
+    name = text.get("encoder") or text.get("model") or text.get("id") or "unknown"
+    for key in ("path", "pretrained", "model", "encoder"):
         value = text.get(key)
-        if not value or not Path(str(value)).is_dir():
-            continue
-        folder = Path(str(value))
+        if value and Path(str(value)).is_dir() and _is_t5(Path(str(value))):
+            return Path(str(value)), ""
+    if text.get("model_type") in ("t5", "umt5") and text.get("id"):
+        from ditdata.common.hub import download_command, hub_cache_dir
+
         try:
-            kind = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
-        except (OSError, ValueError):
-            continue
-        if kind in ("t5", "umt5") and any((folder / f).is_file() for f in ("tokenizer.json", "spiece.model",
-                                                                         "tokenizer_config.json")):
-            return folder, f"the T5 folder {folder}"
-    return None, repr(text.get("model") or text.get("encoder") or "unknown")
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(text["id"], revision=text.get("revision"), cache_dir=str(hub_cache_dir()),
+                                            local_files_only=True))
+        except Exception:
+            folder = None
+        if folder is not None and _is_t5(folder):
+            return folder, ""
+        return None, (f"the store's T5 text encoder {text['id']} is not in the local Hugging Face cache "
+                      f"({download_command(text['id'])} adds it)")
+    return None, f"the store's text encoder {name!r} is not a local transformers T5 folder"
+
+
+def _is_t5(folder: Path) -> bool:
+    try:
+        kind = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return kind in ("t5", "umt5") and any((folder / f).is_file() for f in ("tokenizer.json", "spiece.model"))
 
 
 def export_pixart(dit: DiT, config: dict, store, out, record: dict, *, vae: str | None = None, log=print) -> Path:
@@ -556,9 +572,9 @@ def export_pixart(dit: DiT, config: dict, store, out, record: dict, *, vae: str 
     log(f"check: PixArtTransformer2DModel.from_pretrained(local_files_only=True) loads its transformer/; vs the DiT "
         f"on random inputs: max abs diff {diff:.1e}")
     if t5 is None:
-        log(f"note: no text_encoder/ or tokenizer/: the store's text encoder {encoder} is not a local transformers "
-            "T5 folder; pass text_encoder= and tokenizer= to PixArtAlphaPipeline.from_pretrained, or call the "
-            "pipeline with prompt_embeds, prompt_attention_mask and the negative ones")
+        log(f"note: no text_encoder/ or tokenizer/: {encoder}; pass text_encoder= and tokenizer= to "
+            "PixArtAlphaPipeline.from_pretrained, or call the pipeline with prompt_embeds, prompt_attention_mask "
+            "and the negative ones")
     return out
 
 

@@ -5,6 +5,7 @@
                       matmul count and place in the memory model; no torch, so the CLI can read the names
     layers.py         the block parts' torch code: GELU MLP, SwiGLU, the norms, sin-cos table, 2-D RoPE
     sizes.py          DiTConfig, the one registry of named sizes, custom sizes, FLOPs
+    pixart.py         PixArt (adaln=single) in diffusers' PixArtTransformer2DModel layout: config, names both ways
     routing.py        TREAD token routing inside the forward (--route)
     attention.py      which attention kernel SDPA runs (flash, memory-efficient, math)
     checkpointing.py  the --grad-checkpointing modes (what the backward recomputes)
