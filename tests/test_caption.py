@@ -172,6 +172,20 @@ def test_a_killed_run_resumes_to_the_same_bytes(tmp_path, captioner_py, monkeypa
     assert file_bytes(killed, "py") == file_bytes(clean, "py")  # bitwise those of the clean run
 
 
+def test_torchrun_ranks_share_the_shards(tmp_path, captioner_py):
+    from cliutil import on_one_and_two_ranks, torchrun_or_skip
+
+    torchrun_or_skip()
+    one = photo_shards(tmp_path / "one")
+    two = tmp_path / "two"
+    shutil.copytree(one, two)
+    args = ["--captioner", captioner_py, "--out-name", "py", "--device", "cpu", "--batch-size", 2, "-q"]
+    multi = on_one_and_two_ranks("ditdata", ["caption", one, *args], ["caption", two, *args], timeout=120)
+    assert multi.stdout.count("caption set 'py'") == 1  # rank 0 reports the whole set
+    assert "10 samples in 3 of 3 shards" in multi.stdout and "(this rank of 2)" in multi.stdout
+    assert file_bytes(two, "py") == file_bytes(one, "py") and len(file_bytes(one, "py")) == 3
+
+
 def test_other_settings_are_refused_and_limit(tmp_path, captioner_py):
     d = photo_shards(tmp_path / "s")
     first = caption(cfg(d, captioner_py, limit=1))
@@ -295,6 +309,77 @@ def test_a_transformers_vlm_equals_transformers_and_is_deterministic(tmp_path, q
     # rerun: every shard skipped
     ok(run_cli("caption", a, "--captioner", qwen_dir, "--out-name", "qwen", "--max-new-tokens", 6,
                "--batch-size", 3, "--device", "cpu", "-q"), "skipped 3 shard(s) already captioned")
+
+
+def tiny_florence2(folder: Path) -> Path:
+    """A tiny random Florence-2 (transformers' native Florence2ForConditionalGeneration: a DaViT
+    vision tower, a BART encoder-decoder) and its processor, saved; its generation config
+    suppresses the end-of-sequence token so that the random decoder writes to the token limit."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import (
+        CLIPImageProcessor,
+        Florence2Config,
+        Florence2ForConditionalGeneration,
+        Florence2Processor,
+        PreTrainedTokenizerFast,
+    )
+
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<image>"]
+    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                              merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(specials)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  unk_token="<unk>", extra_special_tokens={"image_token": "<image>"})
+    ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
+    # 64 px -> an 8 x 8 grid after the two stages, plus the pooled token: 65 image tokens
+    images = CLIPImageProcessor(size={"height": 64, "width": 64}, do_center_crop=False, image_seq_length=65)
+    processor = Florence2Processor(image_processor=images, tokenizer=tok)
+    config = Florence2Config(
+        vision_config=dict(depths=[1, 1], patch_size=[7, 3], patch_stride=[4, 2], patch_padding=[3, 1],
+                           patch_prenorm=[False, True], embed_dim=[16, 32], num_heads=[2, 2], num_groups=[2, 2],
+                           window_size=4, projection_dim=32, drop_path_rate=0.0, max_position_embeddings=16),
+        text_config=dict(model_type="bart", vocab_size=len(tok), d_model=32, encoder_layers=1, decoder_layers=1,
+                         encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                         decoder_ffn_dim=64, max_position_embeddings=128, bos_token_id=ids["<s>"],
+                         eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"], decoder_start_token_id=ids["</s>"]),
+        image_token_id=ids["<image>"])
+    torch.manual_seed(0)
+    model = Florence2ForConditionalGeneration(config).eval()
+    model.generation_config.suppress_tokens = [ids["</s>"], ids["<pad>"]]  # the random decoder would stop at once
+    model.generation_config.eos_token_id = ids["</s>"]
+    model.generation_config.pad_token_id = ids["<pad>"]
+    model.generation_config.decoder_start_token_id = ids["</s>"]
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def test_florence2_is_asked_with_its_task_token(tmp_path):
+    d = photo_shards(tmp_path / "s")
+    model_dir = tiny_florence2(tmp_path / "florence")
+    ok(run_cli("caption", d, "--captioner", model_dir, "--out-name", "flo", "--max-new-tokens", 5,
+               "--batch-size", 4, "--device", "cpu", "-q"), "prompt '<MORE_DETAILED_CAPTION>'")
+    tars = imageshards.read_folder(d).shards
+    meta = cs.read_caption_meta(cs.caption_set_path(tars[0], "flo"))
+    assert meta["captioner"]["model_class"] == "Florence2ForConditionalGeneration"
+    processor = transformers.AutoProcessor.from_pretrained(model_dir)
+    model = transformers.Florence2ForConditionalGeneration.from_pretrained(model_dir).eval()
+    tar = tars[0]
+    samples = list(imageshards.iter_shard(tar))
+    inputs = processor(text=["<MORE_DETAILED_CAPTION>"] * len(samples), images=[s.decode() for s in samples],
+                       return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=5, do_sample=False)
+    want = [t.strip() for t in processor.batch_decode(out[:, 1:], skip_special_tokens=True)]  # after the start
+    rows = cs.read_caption_table(tar, "flo")[0].to_pylist()
+    assert [r["caption"] for r in rows] == [w or None for w in want] and any(want)
+    assert all(r["tokens"] == 5 and r["status"] in ("truncated", "repeated") for r in rows)
+    # text beside a task token is refused by Florence-2's processor: one line
+    r = run_cli("caption", d, "--captioner", model_dir, "--out-name", "flo2", "--prompt", "<CAPTION> of a cat",
+                "--device", "cpu", "-q")
+    assert r.exit_code != 0 and "refused the prompt" in r.output and len(r.output.strip().splitlines()) == 1
 
 
 # --------------------------------------------------------------------------- score, filter, inspect, verify

@@ -1,0 +1,121 @@
+"""Captioner throughput of `ditdata caption` (images/s), speed only.
+
+    PYTHONPATH=bench python bench/caption.py [--n 32] [--batch-sizes 1,4,8] [--max-new-tokens 32]
+                                             [--hidden 256] [--layers 4] [--device cpu] [--threads T]
+                                             [--dir DIR]
+
+Builds a small random Qwen2.5-VL (transformers' Qwen2_5_VLForConditionalGeneration: a text
+decoder of --layers layers of width --hidden, a vision tower of 4 blocks of width 128, patch 14,
+2x2 merge; a byte-level tokenizer built offline; images resized by its processor to at most
+16 x 16 patches, i.e. 64 image tokens), saves it with save_pretrained, and times
+ditdata.captions.caption() over N real photographs (bench/score.py's crops) for each batch size:
+tar reading, JPEG decoding, the processor, generate() and the parquet writing (model loading
+excluded: the rate is the summary's). A random model never emits its end-of-sequence token, so
+every caption runs to --max-new-tokens: the rate is that of N x max_new_tokens generated tokens.
+The weights are random: the speed is that of this architecture, the text means nothing, and a
+real 3B/7B VLM is far slower. fp32 on the CPU, bf16 weights on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+from pathlib import Path
+
+from score import make_shards  # bench/score.py
+from scratch import parser, scratch_dir  # bench/scratch.py
+
+
+def small_qwen_vl(folder: Path, hidden: int, layers: int) -> Path:
+    """A random Qwen2.5-VL of the given text width and depth, with its processor, saved."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+    )
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|image_pad|>", "<|video_pad|>"]
+    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                              merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(specials)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}"
+                "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}"
+                "{% endif %}{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                "{% endif %}")
+    processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=28 * 28 * 4,
+                                                                          max_pixels=28 * 28 * 64),
+                                    tokenizer=tok, video_processor=Qwen2VLVideoProcessor(), chat_template=template)
+    heads = max(1, hidden // 64)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         max_position_embeddings=4096,
+                         rope_parameters={"rope_type": "default", "mrope_section": [8, 12, 12], "rope_theta": 1e6},
+                         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                         pad_token_id=ids["<|endoftext|>"]),
+        vision_config=dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=hidden,
+                           window_size=112, fullatt_block_indexes=[3]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def main() -> None:
+    ap = parser(__doc__, scratch=True)
+    ap.add_argument("--n", type=int, default=32)
+    ap.add_argument("--batch-sizes", default="1,4,8")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    args = ap.parse_args()
+
+    import torch
+    import transformers
+
+    from ditdata.captions import caption
+    from ditdata.config import CaptionConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with scratch_dir(args.dir, "ditkit-bench-caption-") as root:
+        model_dir = small_qwen_vl(root / "model", args.hidden, args.layers)
+        shutil.rmtree(root / "shards", ignore_errors=True)
+        folder = make_shards(root / "shards", args.n, per_shard=max(8, args.n // 4))
+        params = sum(p.numel() for p in transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            model_dir).parameters())
+        print(f"# random Qwen2.5-VL, {params / 1e6:.1f} M parameters (text {args.layers} x {args.hidden}), "
+              f"{args.n} real-image crops, {args.max_new_tokens} new tokens each, device {args.device}, "
+              f"torch {torch.__version__}, transformers {transformers.__version__}, threads "
+              f"{torch.get_num_threads()}, {os.cpu_count()} CPUs ({platform.processor() or platform.machine()})")
+        print("| batch | images/s | generated tokens/s | truncated (of N) |")
+        print("|---|---:|---:|---:|")
+        for bs in [int(b) for b in args.batch_sizes.split(",")]:
+            s = caption(CaptionConfig(shards=str(folder), captioner=str(model_dir), out_name=f"b{bs}",
+                                      max_new_tokens=args.max_new_tokens, batch_size=bs, device=args.device,
+                                      progress=False))
+            rate = s["images_per_s"]
+            print(f"| {bs} | {rate:.2f} | {rate * args.max_new_tokens:.0f} | {s['counts'].get('truncated', 0)} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
