@@ -455,3 +455,8 @@ def test_inspect_and_verify_show_the_sets(tmp_path, captioner_py):
     assert r.exit_code != 0
     assert "FAULT" in r.output and "00001.captions.py.parquet" in r.output and "incomplete" in r.output
     assert "00000.captions.short.parquet" in r.output and "order" in r.output
+    # a damaged shard is a fault of its own
+    tar = d / "00002.tar"
+    tar.write_bytes(tar.read_bytes()[:1000])
+    r = run_cli("verify", d, "-q")
+    assert r.exit_code != 0 and "00002.tar: damaged tar" in r.output
