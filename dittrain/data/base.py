@@ -225,12 +225,17 @@ def text_mask(lengths: torch.Tensor, L: int) -> torch.Tensor:
 
 
 def finish_text(raw: dict, out: dict) -> None:
-    """The trainer's text fields from a raw batch's unpadded ones: text_tokens float32 (int8:
-    codes x their token's scale, ditdata.store.dequantize's product) and text_mask."""
-    x = raw["text_tokens"].float()
+    """The trainer's text fields from a raw batch's unpadded ones (text_tokens (T, W) of all its
+    captions, one after the other, text_mask (B, L) with L the longest): text_tokens (B, L, W)
+    float32, zero at padding (int8: codes x their token's scale, ditdata.store.dequantize's
+    product), padded here, on the training device, and text_mask."""
+    mask = raw["text_mask"]
+    flat = raw["text_tokens"].float()
     if "text_tokens_scale" in raw:
-        x.mul_(raw["text_tokens_scale"].unsqueeze(-1))
-    out["text_tokens"], out["text_mask"] = x, raw["text_mask"]
+        flat.mul_(raw["text_tokens_scale"].unsqueeze(-1))
+    x = torch.zeros((*mask.shape, flat.shape[-1]), dtype=torch.float32, device=flat.device)
+    x[mask] = flat
+    out["text_tokens"], out["text_mask"] = x, mask
 
 
 class _Block:
@@ -286,23 +291,23 @@ class _Block:
         self.text_starts = starts
 
     def gather_text(self, order: torch.Tensor, out: dict | None = None, m: int | None = None) -> dict:
-        """Samples `order`'s tokens as (B, L, W) in the stored dtype (int8: their scales (B, L)),
-        L the longest of them, padding rows zero, with lengths (B,). With `out` (a slot's views,
-        room for (m, L_max, W)), written packed at the start of its text fields' memory instead."""
+        """Samples `order`'s tokens, unpadded and one after the other, (sum of their lengths, W) in
+        the stored dtype (int8: their scales too), and their lengths (B,). With `out` (a slot's views),
+        written at the start of its text fields' memory (room for m x L_max tokens) instead."""
         lengths = self.text_lengths.index_select(0, order)
-        L = int(lengths.max()) if len(lengths) else 0
-        ar = torch.arange(L, device=lengths.device)
-        idx = self.text_starts.index_select(0, order)[:, None] + ar
-        pad = len(self.text_pool["text_tokens"]) - 1
-        idx = torch.where(ar[None, :] < lengths[:, None], idx, pad).reshape(-1)
+        starts = self.text_starts.index_select(0, order)
+        total = int(lengths.sum())
+        # token i of the result is token (i - its sample's first result row) of its sample
+        first = torch.cumsum(lengths, 0) - lengths
+        idx = torch.repeat_interleave(starts - first, lengths, output_size=total) + torch.arange(
+            total, device=lengths.device)
         res = {TEXT_LENGTH: lengths}
         for name, pool in self.text_pool.items():
             if out is None:
-                res[name] = pool.index_select(0, idx).view(len(order), L, *pool.shape[1:])
+                res[name] = pool.index_select(0, idx)
             else:
-                n = len(order) * L * math.prod(pool.shape[1:])
-                dst = out[name].view(-1)[:n].view(len(order) * L, *pool.shape[1:])
-                torch.index_select(pool, 0, idx, out=dst)
+                n = total * math.prod(pool.shape[1:])
+                torch.index_select(pool, 0, idx, out=out[name].view(-1)[:n].view(total, *pool.shape[1:]))
         if out is not None:
             out[TEXT_LENGTH][:m].copy_(lengths)
         return res

@@ -121,12 +121,13 @@ class ResidentLoader(_Loader):
             raw[f.name] = self._select(self._flat_picked[f.name], rows, pin).view(-1, *f.shape)
         for name, t in self._block.extras.items():
             raw[name] = self._select(t, order, pin)
-        if self.spec.text is not None:  # unpadded tokens: (B, L_batch, W), L_batch the batch's longest caption
+        if self.spec.text is not None:  # unpadded tokens, padded to the batch's longest caption by _finish
             text = self._block.gather_text(order)
             raw["text_tokens"] = text["text_tokens"]
             if "text_tokens_scale" in text:
                 raw["text_tokens_scale"] = text["text_tokens_scale"]
-            raw["text_mask"] = text_mask(text[TEXT_LENGTH], raw["text_tokens"].shape[1])
+            lengths = text[TEXT_LENGTH]
+            raw["text_mask"] = text_mask(lengths, int(lengths.max()) if len(lengths) else 0)
         if self.with_index:
             raw["index"] = self._select(self._block.index, order, pin)
             raw["flip"] = (rows % self.spec.V).bool()

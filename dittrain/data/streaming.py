@@ -481,46 +481,47 @@ class StreamingLoader(_Loader):
             release()  # the slot is free for the worker again
             filled += m
             self._cursor = self.plan.advance(epoch, a, m)
-        if text is not None:
-            dst |= self._join_text(pieces, B)
         if not self.with_index:
             del dst["index"], dst["flip"]
-        if self.split == "batch":  # this rank's rows of the one-process batch
-            dst = {k: v[self._my_rows] for k, v in dst.items()}
+        batch_rows = self._my_rows if self.split == "batch" else None
+        if batch_rows is not None:  # this rank's rows of the one-process batch
+            dst = {k: v[batch_rows] for k, v in dst.items()}
+        if text is not None:  # unpadded; padded to the batch's longest caption on the device (_finish)
+            joined = self._join_text(pieces)
+            dst |= self._text_batch(joined, int(joined[TEXT_LENGTH].max()), batch_rows)
         return self._finish(self._to_device(dst), e0, o0)
 
     def _text_piece(self, views: dict, m: int, whole: bool) -> dict:
-        """A chunk's unpadded text fields out of its slot, (m, L_chunk, ...) in the stored dtype:
-        copied once into the batch (pinned when bound for the GPU) when the chunk is the whole
-        batch, else cloned to be joined with the batch's other chunks (_join_text)."""
+        """A chunk's unpadded text fields out of its slot (its tokens one after the other, their
+        lengths) in the stored dtype, copied (pinned when bound for the GPU and the chunk is the
+        whole batch, else joined with the batch's other chunks by _join_text)."""
         lengths = views[TEXT_LENGTH][:m].clone()
-        L = int(lengths.max()) if m else 0
+        total = int(lengths.sum())
         out = {TEXT_LENGTH: lengths}
         for f in self.spec.text.chunk_fields:
             if f.name == TEXT_LENGTH:
                 continue
-            shape = (m, L, *f.shape[1:])
+            shape = (total, *f.shape[1:])
             src = views[f.name].view(-1)[:math.prod(shape)].view(shape)
-            dst = torch.empty(shape, dtype=f.dtype, pin_memory=self._pin and whole)
-            out[f.name] = dst.copy_(src)
+            out[f.name] = torch.empty(shape, dtype=f.dtype, pin_memory=self._pin and whole).copy_(src)
         return out
 
-    def _join_text(self, pieces: list, B: int) -> dict:
-        """The batch's text fields, (B, L_batch, ...) with L_batch its longest caption, and its mask."""
+    def _join_text(self, pieces: list) -> dict:
+        """The batch's text fields: every caption's tokens one after the other and their lengths."""
         if len(pieces) == 1:
-            t = dict(pieces[0][2])
-        else:
-            L = max(p[2]["text_tokens"].shape[1] for p in pieces)
-            t = {TEXT_LENGTH: torch.cat([p[2][TEXT_LENGTH] for p in pieces])}
-            for name in (n for n in pieces[0][2] if n != TEXT_LENGTH):
-                first = pieces[0][2][name]
-                joined = torch.zeros((B, L, *first.shape[2:]), dtype=first.dtype, pin_memory=self._pin)
-                for row, m, piece in pieces:
-                    joined[row:row + m, :piece[name].shape[1]] = piece[name]
-                t[name] = joined
+            return dict(pieces[0][2])
+        return {name: torch.cat([p[2][name] for p in pieces]) for name in pieces[0][2]}
+
+    def _text_batch(self, t: dict, L: int, rows: slice | None) -> dict:
+        """raw's text fields: the unpadded tokens (of `rows` of the batch, split="batch") and the
+        (n, L) mask, L the whole batch's longest caption (the same on every rank)."""
         lengths = t.pop(TEXT_LENGTH)
-        t["text_mask"] = text_mask(lengths, t["text_tokens"].shape[1])
-        return t
+        if rows is not None:
+            off = torch.cumsum(lengths, 0) - lengths
+            lo = int(off[rows.start]) if rows.start < len(lengths) else int(lengths.sum())
+            hi = lo + int(lengths[rows].sum())
+            t, lengths = {k: v[lo:hi] for k, v in t.items()}, lengths[rows]
+        return t | {"text_mask": text_mask(lengths, L)}
 
     # -- lifetime --------------------------------------------------------------------
     def _reset(self) -> None:
