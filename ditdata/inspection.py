@@ -71,7 +71,9 @@ def describe(path, **remote) -> str:
         *_conditioning(s.conditioning, m.get("ragged")),
         f"filter:       {m['filter'] if m['filter'] else 'none'}",
         "fields:       " + ", ".join(
-            f"{k} {v['dtype']}{v['shape']}" for k, v in m["fields"]["tensors"].items()
+            [f"{k} {v['dtype']}{v['shape']}" for k, v in m["fields"]["tensors"].items()]
+            + [f"{k} {v['dtype']}[{v['length']} x {v['shape']}] (unpadded)"
+               for k, v in (m["fields"].get("ragged") or {}).items()]
         ),
         "columns:      " + ", ".join(f"{k} ({v})" for k, v in m["fields"]["columns"].items()),
     ]
