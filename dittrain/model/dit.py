@@ -38,7 +38,7 @@ PixArt-alpha / PixArt-Sigma (Chen et al. 2023, 2024; DiTConfig.adaln = "single",
 network under adaLN-single, which fits as config fields rather than a sibling class because every other part is
 DiT's own (patch embedding, sin-cos table, timestep MLP, GELU MLP, affine-free LayerNorm, learned sigma, the text
 token MLP that is PixArt's caption projection) and the trainer, sampler, EMA, checkpoints and plan then need no
-second code path. What changes (reference: PixArt-alpha/PixArt-alpha @ 0f55e92 diffusion/model/nets/PixArt.py and
+second code path. What changes (reference: PixArt-alpha/PixArt-alpha @ cac2fd3 diffusion/model/nets/PixArt.py and
 diffusers' PixArtTransformer2DModel, whose key names dittrain.inference.weights maps): c (N, D) is regressed ONCE,
 t0 = t_block(c) (N, 6D), and block i takes (shift, scale, gate) x 2 = scale_shift_table_i (6, D) + t0 reshaped
 (N, 6, D); a block's cross-attention has no norm before it (PixArt's block); the final layer's (shift, scale) =

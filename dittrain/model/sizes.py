@@ -166,7 +166,7 @@ _LIGHTNING_SIZES = {"B": (1, 2), "XL": (1, 2)}
 DDT_HEAD = dict(head_depth=2, head_hidden=2048, head_heads=16, time_embed="fourier")
 _DDT_SIZES = ("S", "B", "L", "XL")
 
-# PixArt-alpha / PixArt-Sigma (Chen et al. 2023, 2024; PixArt-alpha/PixArt-alpha @ 0f55e92 diffusion/model/nets/
+# PixArt-alpha / PixArt-Sigma (Chen et al. 2023, 2024; PixArt-alpha/PixArt-alpha @ cac2fd3 diffusion/model/nets/
 # PixArt.py, PixArtMS.py; diffusers' PixArtTransformer2DModel): DiT-XL/2's size and blocks (GELU MLP, affine-free
 # LayerNorm eps 1e-6, sin-cos table) under adaLN-single, cross-attention to T5 tokens through the caption projection
 # (our text_token_embedder: Linear, tanh-GELU, Linear), learned sigma. The data give the text width (4096 for T5-XXL).
