@@ -101,6 +101,16 @@ def test_init_from_a_diffusers_folder_gives_diffusers_outputs(tmp_path, micro):
     changed["text_tokens"][1, 4] += 5.0
     with torch.no_grad():
         assert torch.equal(dit(**inp), dit(**changed))
+    # a batch as long as its longest caption (unpadded stores): the same captions padded further give the same
+    # outputs, and a caption alone at its own length gives its row of the batch
+    longer = dict(inp, text_tokens=torch.cat([inp["text_tokens"], torch.zeros(3, 4, CAPTION)], dim=1),
+                  text_mask=torch.cat([inp["text_mask"], torch.zeros(3, 4, dtype=torch.bool)], dim=1))
+    alone = {"x": inp["x"][2:], "t": inp["t"][2:], "text_tokens": inp["text_tokens"][2:, :1],
+             "text_mask": inp["text_mask"][2:, :1]}
+    with torch.no_grad():
+        batch = dit(**inp)
+        torch.testing.assert_close(dit(**longer), batch, rtol=0, atol=1e-5)
+        torch.testing.assert_close(dit(**alone), batch[2:], rtol=0, atol=1e-5)
     # a pipeline folder: its transformer/
     pipe = tmp_path / "pipe"
     pipe.mkdir()
