@@ -1,8 +1,8 @@
 """Captioner throughput of `ditdata caption` (images/s), speed only.
 
     PYTHONPATH=bench python bench/caption.py [--n 32] [--batch-sizes 1,4,8] [--max-new-tokens 32]
-                                             [--hidden 256] [--layers 4] [--device cpu] [--threads T]
-                                             [--dir DIR]
+                                             [--repeats 3] [--hidden 256] [--layers 4] [--device cpu]
+                                             [--threads T] [--dir DIR]
 
 Builds a small random Qwen2.5-VL (transformers' Qwen2_5_VLForConditionalGeneration: a text
 decoder of --layers layers of width --hidden, a vision tower of 4 blocks of width 128, patch 14,
@@ -10,7 +10,8 @@ decoder of --layers layers of width --hidden, a vision tower of 4 blocks of widt
 16 x 16 patches, i.e. 64 image tokens), saves it with save_pretrained, and times
 ditdata.captions.caption() over N real photographs (bench/score.py's crops) for each batch size:
 tar reading, JPEG decoding, the processor, generate() and the parquet writing (model loading
-excluded: the rate is the summary's). A random model never emits its end-of-sequence token, so
+excluded: the rate is the summary's), --repeats times (the median, each run's rate and the load
+average after them are printed: on a shared machine the other load moves these figures a lot). A random model never emits its end-of-sequence token, so
 every caption runs to --max-new-tokens: the rate is that of N x max_new_tokens generated tokens.
 The weights are random: the speed is that of this architecture, the text means nothing, and a
 real 3B/7B VLM is far slower. fp32 on the CPU, bf16 weights on CUDA.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import statistics
 from pathlib import Path
 
 from score import make_shards  # bench/score.py
@@ -84,6 +86,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per batch size (the median is reported)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = ap.parse_args()
@@ -106,15 +109,18 @@ def main() -> None:
               f"{args.n} real-image crops, {args.max_new_tokens} new tokens each, device {args.device}, "
               f"torch {torch.__version__}, transformers {transformers.__version__}, threads "
               f"{torch.get_num_threads()}, {os.cpu_count()} CPUs ({platform.processor() or platform.machine()})")
-        print("| batch | images/s | generated tokens/s | truncated (of N) |")
-        print("|---|---:|---:|---:|")
+        print("| batch | images/s, median (runs) | generated tokens/s (median) | truncated (of N) | load average |")
+        print("|---|---:|---:|---:|---:|")
         for bs in [int(b) for b in args.batch_sizes.split(",")]:
-            s = caption(CaptionConfig(shards=str(folder), captioner=str(model_dir), out_name=f"b{bs}",
-                                      max_new_tokens=args.max_new_tokens, batch_size=bs, device=args.device,
-                                      progress=False))
-            rate = s["images_per_s"]
-            print(f"| {bs} | {rate:.2f} | {rate * args.max_new_tokens:.0f} | {s['counts'].get('truncated', 0)} |",
-                  flush=True)
+            rates = []
+            for r in range(args.repeats):  # a fresh set each time; the machine's other load shows in the spread
+                s = caption(CaptionConfig(shards=str(folder), captioner=str(model_dir), out_name=f"b{bs}-{r}",
+                                          max_new_tokens=args.max_new_tokens, batch_size=bs, device=args.device,
+                                          progress=False))
+                rates.append(s["images_per_s"])
+            rate = statistics.median(rates)
+            print(f"| {bs} | {rate:.2f} ({', '.join(f'{x:.2f}' for x in rates)}) | {rate * args.max_new_tokens:.0f} | "
+                  f"{s['counts'].get('truncated', 0)} | {os.getloadavg()[0]:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ samples of a 4x32x32 float16 latent with alt-text captions at max 120 tokens, fp
 each in a child process whose process tree's PSS is sampled (bench/loader_peers.py): one epoch
 of batches, each asserted to be (B, L_batch, 4096) float32 with L_batch the batch's longest
 caption; the steady rate (median over --rounds), the mean L_batch, the peak PSS against the
-loader's estimate and budget. The data is freshly written, so reads come from the page cache.
+loader's estimate and budget. The -host runs time the same loader without its _finish (the
+unpadded batch: every caption's tokens one after the other and the mask), which is what stays on
+the host when training on a GPU: there the padding and the float32 conversion run on the device. The data is freshly written, so reads come from the page cache.
 Goal: >= 2,000 samples/s on 2 workers here, memory inside the budget.
 """
 
@@ -44,6 +46,9 @@ from scratch import parser, scratch_dir  # bench/scratch.py
 WIDTH = 4096  # T5 v1.1 XXL d_model
 LATENT = (4, 32, 32)
 KINDS = ("float16", "int8")
+# the loader children: each storage as the CPU trainer gets it (the (B, L_batch, 4096) float32 batch padded on
+# the host), and its host part alone (the batch before _finish, which a GPU run does on the device)
+RUNS = (*KINDS, *(f"{k}-host" for k in KINDS))
 INFO = {"vae": {"name": "bench", "latent_channels": 4, "downsample": 8}, "image": {"resolution": 256},
         "conditioning": {"type": "text", "text": {"pooled_dim": None, "tokens_shape": [120, WIDTH]}}}
 
@@ -155,14 +160,20 @@ def child(args) -> None:
     from dittrain.data import StreamingLoader
 
     torch.set_num_threads(1)
-    store = open_store(args.root / args.child)
+    kind, host = args.child.split("-")[0], args.child.endswith("-host")
+    store = open_store(args.root / kind)
     B = args.batch_size
     base = tree_pss(os.getpid())
     t0 = time.perf_counter()
     loader = StreamingLoader(store, batch_size=B, workers=args.workers, memory=args.budget)
+    if host:  # the raw batch: what a GPU run copies to the device before _finish pads it there
+        loader._finish = lambda raw, epoch, offset: raw
 
     def check(b):
         t, mask = b["text_tokens"], b["text_mask"]
+        if host:
+            assert t.shape == (int(mask.sum()), WIDTH) and t.dtype == getattr(torch, kind), (t.shape, t.dtype)
+            return mask.shape[1]
         assert t.dtype == torch.float32 and t.shape[0] == B and t.shape[2] == WIDTH, t.shape
         assert t.shape[1] == int(mask.sum(1).max()), (t.shape, mask.sum(1).max())
         return t.shape[1]
@@ -182,7 +193,7 @@ def child(args) -> None:
 def main() -> None:
     ap = parser(__doc__, n=8192, shard_size=1024)
     ap.add_argument("--sizes-only", action="store_true", help="part 1 only")
-    args = parse_or_run_child(ap, KINDS, child)
+    args = parse_or_run_child(ap, RUNS, child)
     with scratch_dir(args.dir, "ditkit-text-tokens-") as root:
         sizes(root)
         if args.sizes_only:
@@ -201,8 +212,8 @@ def main() -> None:
                     f"{r['peak'] / 2**30:.2f} GiB ({(r['peak'] - r['base']) / 2**30:.2f} over the child before its "
                     f"loader), startup {r['startup']:.1f} s; {r['reason']}")
 
-        results = child_rounds(__file__, KINDS, root, args, [], words)
-        print("\n| text tokens | samples/s (median) | mean L_batch (max 120) | peak PSS of the tree (over the child "
+        results = child_rounds(__file__, RUNS, root, args, [], words)
+        print("\n| text tokens (-host: the batch before the padding, what a GPU run keeps on the host) | samples/s (median) | mean L_batch (max 120) | peak PSS of the tree (over the child "
               "before its loader) | loader's estimate | budget | peak within budget (tree; over the child) |")
         print("|---|---:|---:|---:|---:|---:|---|")
         for kind, rs in results.items():

@@ -286,8 +286,8 @@ def score(shards, clip_name, pretrained, clip_config, device, batch_size, worker
 @_caption_opt("--max-new-tokens", field="max_new_tokens", type=click.IntRange(min=1),
               help="Generation stops here; a caption cut there is flagged truncated.")
 @_caption_opt("--num-beams", field="num_beams", type=click.IntRange(min=1),
-              help="Beam search width (deterministic either way). Default: the model's generation config "
-                   "(Florence-2: 3, as its card; the others: greedy).")
+              help="Beam search width (deterministic either way). Default: what the model's generation config "
+                   "sets (greedy without num_beams there; Florence-2's card calls it with 3).")
 @_caption_opt("--batch-size", field="batch_size", type=click.IntRange(min=1), help="Images per generate call.")
 @_caption_opt("--device", field="device", help="auto, cpu, cuda, cuda:1, ... (bf16 weights on CUDA, fp32 on CPU).")
 @_caption_opt("--limit", field="limit", type=click.IntRange(min=1),

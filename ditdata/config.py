@@ -99,7 +99,7 @@ class CaptionConfig:
     out_name: str  # the caption set's name (letters, digits, _ and -; "alt" is the shards' own captions)
     prompt: str | None = None  # fixed: the instruction; None: the captioner family's default
     max_new_tokens: int = CAPTION_MAX_NEW_TOKENS  # fixed: generation stops here (the caption is flagged truncated)
-    num_beams: int | None = None  # fixed: None: the model's generation config (greedy for most; Florence-2: 3)
+    num_beams: int | None = None  # fixed: None: what the model's generation config sets (greedy when none)
     batch_size: int = CAPTION_BATCH_SIZE  # safe: images per generate call (within one shard)
     device: str = "auto"  # safe: auto: cuda when available (bf16 weights there, fp32 on the CPU)
     limit: int | None = None  # safe: caption at most this many more shards in this run (None: all)

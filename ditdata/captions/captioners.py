@@ -30,8 +30,8 @@ transformers' docs show these calls):
   the processor's chat template with the generation prompt; decoder-only, left-padded.
 
 Generation: greedy (do_sample=False) so that a rerun gives the same text, at most
-max_new_tokens new tokens, num_beams None = the model's generation config (Florence-2's ships
-3 beams, as its card calls it; the others 1). fp32 on the CPU; on CUDA the weights are loaded in
+max_new_tokens new tokens, num_beams None = what the model's generation config sets (greedy
+when it sets none; Florence-2's card calls it with num_beams=3: pass --num-beams 3 to follow it). fp32 on the CPU; on CUDA the weights are loaded in
 bf16 (the models' cards run them so; a 7B model in fp32 would not fit a 24 GB card). A caption
 is "truncated" when its row holds no end-of-sequence token (generation_config.eos_token_id)
 and reached max_new_tokens; `tokens` counts the generated tokens before the end-of-sequence
