@@ -585,6 +585,9 @@ def verify(store, cache_dir, cache_limit, quiet):
                   "(the latents' int8 rule), dequantized on the training device.")
 @_encode_opt("--text-instruction", field="text_instruction", type=click.Choice(("reference", "none")),
              help="Gemma-2: SANA's complex human instruction before each caption (reference) or none.")
+@_encode_opt("--captions", field="captions", metavar="SET",
+             help="Embed the caption set SET (`ditdata caption --out-name SET`, beside the shards) instead of "
+                  "the alt text; `caption` in the store is then the set's. Default: the alt text.")
 @_encode_opt("--features", field="features", metavar="ENCODER",
              help="Also compute a feature set (representation targets for REPA) with this encoder, as "
                   "`ditdata features --encoder` takes it, in the same pass (see below).")

@@ -196,6 +196,7 @@ class EncodeConfig:
     text_max_tokens: int | None = None  # None: the reference's (T5 120 as PixArt-alpha, Gemma-2 300 as SANA)
     text_dtype: str = "float16"  # one of TEXT_DTYPES: their storage (int8: a float32 scale per token)
     text_instruction: str = "reference"  # one of ditdata.textencoders.INSTRUCTIONS (SANA's for Gemma-2, or none)
+    captions: str | None = None  # a caption set (ditdata.imageshards.captionsets) embedded instead of the alt text
     seed: int = 0
     chunk_samples: int = CHUNK_SAMPLES
     skip_bad_shards: bool = False  # leave out (and record) image shards that are damaged

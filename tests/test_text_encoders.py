@@ -11,7 +11,8 @@ saved with save_pretrained and loaded through the real path.
 - the loaders' batches are (B, L_batch, W) with L_batch the batch's longest caption, the mask
   right, values to the bit, exact resume;
 - a tiny DiT trains on a T5 store, resumes after SIGKILL to the same losses, and
-  `dittrain sample --prompt` embeds with the store's encoder.
+  `dittrain sample --prompt` embeds with the store's encoder;
+- `encode --captions SET` embeds a caption set instead of the alt text.
 """
 
 from __future__ import annotations
@@ -236,3 +237,41 @@ def test_text_options_need_a_transformers_encoder(shards, tmp_path):
     assert r.exit_code != 0 and "transformers text encoder" in r.output
     assert len(r.output.strip().splitlines()) == 1, r.output
 
+
+
+def test_encode_a_caption_set(shards, folders, tmp_path):
+    """--captions SET embeds the set's captions (stored as `caption`, recorded in the manifest)
+    instead of the alt text; a shard without the set stops the run before any work, in one line."""
+    from ditdata.imageshards import captionsets as cs
+    from ditdata.imageshards import folder as imageshards
+
+    d = tmp_path / "shards"
+    shutil.copytree(shards, d)
+    tars = imageshards.list_shards(d)
+    for tar in tars[:1]:
+        keys = [s.key for s in imageshards.iter_shard(tar)]
+        rows = {"key": keys, "caption": [f"a blue house {i}" if i % 2 else None for i in range(len(keys))],
+                "status": ["ok"] * len(keys), "tokens": [3] * len(keys)}
+        cs.write_caption_set(cs.caption_set_path(tar, "recap"), rows,
+                             {"format": cs.FORMAT, "version": cs.VERSION, "set": "recap", "shard": tar.name,
+                              "shard_bytes": tar.stat().st_size, "num_samples": len(keys)})
+    with pytest.raises(DitdataError, match="no complete caption set 'recap'"):
+        _encode(d, tmp_path / "bad", folders["t5"], captions="recap")
+    for tar in tars[1:]:
+        keys = [s.key for s in imageshards.iter_shard(tar)]
+        rows = {"key": keys, "caption": ["a red mat"] * len(keys), "status": ["ok"] * len(keys),
+                "tokens": [3] * len(keys)}
+        cs.write_caption_set(cs.caption_set_path(tar, "recap"), rows,
+                             {"format": cs.FORMAT, "version": cs.VERSION, "set": "recap", "shard": tar.name,
+                              "shard_bytes": tar.stat().st_size, "num_samples": len(keys)})
+    _encode(d, tmp_path / "s", folders["t5"], captions="recap")
+    store = open_store(tmp_path / "s")
+    assert store.manifest["conditioning"]["text"]["caption_set"] == "recap"
+    enc = load_text_encoder(str(folders["t5"]))
+    for shard in store.shards:
+        data = store.read(shard)
+        want = cs.read_caption_set(Path(shard.record["source"]), "recap")
+        assert list(data["caption"]) == [want[k] or "" for k in data["key"]]
+        flat, lengths = enc.embed_ragged(list(data["caption"]))
+        assert data["text_length"].tolist() == lengths.tolist()
+        np.testing.assert_allclose(data["text_tokens"].astype(np.float32), flat.numpy(), rtol=1e-3, atol=1e-3)

@@ -41,7 +41,7 @@ import datetime as dt
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -247,6 +247,8 @@ def encode(cfg: EncodeConfig) -> dict:
     if not cfg.text_encoder and (cfg.text_pretrained or cfg.text_config or cfg.text_tokens):
         raise DitdataError("--text-pretrained, --text-config and --text-tokens need --text-encoder NAME")
     _check_text_options(cfg)
+    if cfg.captions and not cfg.text_encoder:
+        raise DitdataError(f"--captions {cfg.captions} needs --text-encoder NAME (the captions it embeds)")
     if cfg.text_encoder and not cfg.text_pretrained and not _transformers_text(cfg):
         raise DitdataError(f"--text-encoder {cfg.text_encoder} needs --text-pretrained TAG_OR_FILE "
                            "(the weights that embed the captions)")
@@ -429,6 +431,24 @@ class _Layout:
     scores: dict[str, dict | None]  # image shard file name -> {key: clip_score}, None: not scored
     latent_shape: object = None  # (H, W) pixels -> the autoencoder's latent shape (C, h, w)
     buckets: tuple | None = None  # the bucket sizes (W, H) of --buckets
+    caption_set: str | None = None  # --captions SET: the caption set embedded instead of the alt text
+    tars: dict = field(default_factory=dict)  # store shard name -> its image shard (for --captions)
+    _captions: tuple = (None, {})  # (shard name, {key: caption}) of the last shard read
+
+    def captions_of(self, shard: str, keys: list[str]) -> list[str]:
+        """The captions of `keys` in shard `shard`: the caption set's (--captions; "" where it has
+        none, as a sample without alt text), read once per shard."""
+        from ditdata.imageshards.captionsets import read_caption_set
+
+        if self._captions[0] != shard:
+            self._captions = (shard, read_caption_set(self.tars[shard], self.caption_set))
+        table = self._captions[1]
+        missing = [k for k in keys if k not in table]
+        if missing:
+            raise DitdataError(f"{self.tars[shard]}: caption set {self.caption_set!r} has no row for key "
+                               f"{missing[0]!r}; caption the shard again (ditdata caption --out-name "
+                               f"{self.caption_set})")
+        return [table[k] or "" for k in keys]
 
     def bucket_schema(self, size: tuple[int, int]) -> Schema:
         """The schema of bucket `size` (W, H): its latents are (C, H/f, W/f)."""
@@ -482,8 +502,11 @@ def _store_layout(cfg: EncodeConfig, enc: Encoder, folder: imageshards.ShardFold
         columns["clip_score"] = "float64"
     if spec is not None:
         columns["crop"] = "int64"  # pixels the cover crop cut off (ditdata.framing.crop_pixels)
+    if cfg.captions and conditioning.get("type") == "text":  # what the embeddings are of
+        conditioning["text"]["caption_set"] = cfg.captions
     return _Layout(Schema(tensors=tensors, columns=columns, ragged=ragged), conditioning, scores, ae.latent_shape,
-                   None if spec is None else tuple(spec.sizes()))
+                   None if spec is None else tuple(spec.sizes()), caption_set=cfg.captions,
+                   tars={p.name[:-len(".tar")]: p for p in folder.shards})
 
 
 @dataclass
@@ -518,6 +541,11 @@ def _encode_shards(cfg: EncodeConfig, enc: Encoder, layout: _Layout, plan: _Plan
     batch is in (and its feature shard right after, with its keys, when `feats`:
     ditdata.features.encode_pass). Returns what the run did."""
     todo = plan.todo
+    if layout.caption_set:  # --captions SET: every shard to encode has it, checked before any work
+        from ditdata.imageshards.captionsets import read_caption_set
+
+        for _, path, _ in todo:
+            read_caption_set(path, layout.caption_set)
     workers = min(cfg.workers, len(todo))
     loader = torch.utils.data.DataLoader(
         ShardImages(todo, cfg.resolution, cfg.batch_size, keep, layout.buckets), batch_size=None,
@@ -589,11 +617,13 @@ def _encode_batch(cfg: EncodeConfig, enc: Encoder, layout: _Layout, batch: dict,
     for k in ("label", "caption", "crop"):
         if k in layout.schema.columns:
             cols[k] = [m.get(k) for m in metas]
+    if layout.caption_set:  # --captions SET: the set's captions are embedded, and stored as `caption`
+        cols["caption"] = layout.captions_of(batch["shard"], cols["key"])
     if "clip_score" in layout.schema.columns:
         table = layout.scores.get(batch["shard"] + ".tar") or {}
         cols["clip_score"] = [table.get(k) for k in cols["key"]]
     if enc.text is not None:
-        emb = enc.captions([m.get("caption") or "" for m in metas])
+        emb = enc.captions([c or "" for c in cols["caption"]])
         if enc.ragged:  # float32 until _ShardOut.add has kept the finite captions (int8: then quantized)
             out["text_tokens"] = emb["text_tokens"].numpy() if cfg.text_dtype == "int8" else \
                 _to_numpy(emb["text_tokens"], cfg.text_dtype)
