@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cliutil import dittrain, one_error_line, resume_after_sigkill
+from cliutil import dittrain, one_error_line, resume_after_sigkill, run_args
 from storeutil import tiny_store
 from test_sample import read_png
 from tiny import save_tiny_kl
@@ -350,4 +350,39 @@ def test_export_with_the_stores_t5_runs_the_pipeline_from_prompts(tmp_path):
     pipe = PixArtAlphaPipeline.from_pretrained(str(tmp_path / "pipe"), local_files_only=True)
     images = pipe("a red fox", num_inference_steps=2, guidance_scale=4.5, height=16, width=16, clean_caption=False,
                   use_resolution_binning=False, output_type="np", generator=torch.Generator().manual_seed(0)).images
+    assert images.shape == (1, 16, 16, 3) and np.isfinite(images).all()
+
+
+def test_a_t5_store_finetunes_samples_and_exports_with_its_encoder(tmp_path):
+    """The whole path on a store encoded with a T5 (ditdata encode --text-encoder DIR: unpadded tokens, PixArt's
+    convention): --init-from a diffusers PixArt of the T5's width, a few steps, sample --prompt through the
+    store's encoder, and the export carries that T5: diffusers' pipeline samples from a prompt, offline."""
+    from diffusers import PixArtAlphaPipeline
+    from test_score import caption_shards
+    from textenc_util import save_text_encoder
+
+    from ditdata.encode import EncodeConfig, encode
+
+    t5 = save_text_encoder(tmp_path / "t5", "t5", width=CAPTION)
+    kl = save_tiny_kl(tmp_path / "kl", scaling_factor=0.5)
+    encode(EncodeConfig(shards=str(caption_shards(tmp_path / "shards")), out=str(tmp_path / "store"), vae=str(kl),
+                        resolution=16, text_encoder=str(t5), workers=0, progress=False, device="cpu",
+                        chunk_samples=2))
+    folder = save_tiny_pixart(tmp_path / "pixart")
+    r = dittrain(*run_args(tmp_path / "store", tmp_path / "run", "--init-from", folder, "--max-steps", 3,
+                           "--batch-size", 4, "--objective", "ddpm", model=SPEC))
+    assert r.exit_code == 0, r.output
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["init"]["kind"] == "diffusers-pixart" and config["model"]["text_token_dim"] == CAPTION
+    r = dittrain("sample", "--ckpt", tmp_path / "run", "--out", tmp_path / "s.png", "--prompt", "a photo of the cat",
+                 "--steps", 2, "--cfg", 4.5, "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    r = dittrain("export", "--ckpt", tmp_path / "run", "--format", "diffusers", "--out", tmp_path / "pipe")
+    assert r.exit_code == 0, r.output
+    index = json.loads((tmp_path / "pipe" / "model_index.json").read_text())
+    assert index["text_encoder"][1] == "T5EncoderModel" and index["tokenizer"][1] is not None
+    pipe = PixArtAlphaPipeline.from_pretrained(str(tmp_path / "pipe"), local_files_only=True)
+    images = pipe("a photo of the cat", num_inference_steps=2, guidance_scale=4.5, height=16, width=16,
+                  clean_caption=False, use_resolution_binning=False, output_type="np",
+                  generator=torch.Generator().manual_seed(0)).images
     assert images.shape == (1, 16, 16, 3) and np.isfinite(images).all()
