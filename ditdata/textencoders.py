@@ -122,6 +122,9 @@ def load_text_encoder(name: str, device="cpu", *, max_tokens: int | None = None,
     """The encoder --text-encoder NAME names: a TransformersTextEncoder, or for an open_clip
     model name ditdata.clip.load_clip(name, pretrained, config=config) (module docstring)."""
     if not is_transformers_encoder(name):
+        if name.startswith(("/", ".", "~")):  # a folder that is not there, not an open_clip name
+            raise DitdataError(f"text encoder folder {name} not found (a folder saved with save_pretrained, a "
+                               f"preset: {', '.join(TEXT_ENCODERS)}, a cached hub id, or an open_clip model)")
         from ditdata.clip import load_clip
 
         return load_clip(name, pretrained, device=device, config=config)
@@ -151,7 +154,8 @@ def store_text_encoder(store, device="cpu", *, pretrained: str | None = None):
         return clip_encoder(store, device, pretrained=pretrained)
     name = pretrained or text.get("path") or text.get("id") or text["encoder"]
     if not pretrained and text.get("path") and not Path(text["path"]).is_dir():
-        name = text.get("id") or text["encoder"]  # the folder is gone: its hub id in the cache
+        raise DitdataError(f"the store's text encoder {text['path']} is not there (moved, or the store was made on "
+                           "another machine)")
     enc = load_text_encoder(name, device, max_tokens=text.get("max_tokens"),
                             instruction="reference" if text.get("instruction") else "none")
     want = text.get("token_dim")

@@ -134,6 +134,15 @@ def test_unpadded_store_round_trip(shards, folders, tmp_path, backend, dtype):
     assert m["ragged"]["text_length"]["count"] == len(store)
     empty = store.empty_caption()
     assert empty["text_tokens"].shape == (1, 32) and empty["text_mask"].tolist() == [True]
+    # the trainer's sample grids without a text encoder: the store's first captions, padded to the longest
+    from dittrain.inference.sample import store_text
+
+    first = store.read(0, start=0, stop=3)
+    grid = store_text(store, 3)
+    L = int(first["text_length"].max())
+    assert grid["text_tokens"].shape == (3, L, 32) and grid["text_mask"].sum(1).tolist() == first["text_length"].tolist()
+    vals = dequantize(first["text_tokens"], first.get("text_tokens_scale"), axis=-1)
+    assert torch.equal(grid["text_tokens"][grid["text_mask"]], torch.from_numpy(vals))
     r = ditdata("inspect", tmp_path / "s")
     assert r.exit_code == 0, r.output
     assert "unpadded" in r.output and "t5" in r.output

@@ -698,6 +698,15 @@ def kept_autoencoder(store, device: torch.device):
 def store_text(store, n: int) -> dict[str, torch.Tensor]:
     """The text embeddings of the store's first n samples (for grids without a text encoder)."""
     store = max(store.buckets, key=lambda b: b.num_samples).store if store.buckets else store  # its largest bucket
+    if "text_tokens" in store.schema.ragged and store.shards:  # unpadded tokens: padded to the longest of them
+        from ditdata.store import dequantize
+        from ditdata.store.schema import pad_ragged
+
+        names = ["text_tokens", *(["text_tokens_scale"] if "text_tokens_scale" in store.schema.ragged else [])]
+        data = store.read(store.shards[0], fields=names, start=0, stop=n)
+        flat = dequantize(data["text_tokens"], data.get("text_tokens_scale"), axis=-1)
+        tokens, mask = pad_ragged(flat, data[store.schema.ragged["text_tokens"].length])
+        return {"text_tokens": torch.from_numpy(tokens), TEXT_MASK: torch.from_numpy(mask)}
     fields_ = [f for f in TEXT_FIELDS if f in store.schema.tensors]
     if not fields_ or not store.shards:
         raise SampleError(f"{store.root}: the store holds no text embeddings")
