@@ -170,6 +170,68 @@ def test_startup_errors_are_one_line(class_run, tmp_path):
 
 
 # -----------------------------------------------------------------------------
+# a `dittrain serve` process, stopped by a signal
+
+# a child that starts with SIGINT ignored, as every process of a background job `cmd &` of a
+# non-interactive shell does (a CI script's `pytest ... &`): Python then installs no KeyboardInterrupt
+IGNORING_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
+def serve_process(run: Path, port: int, tmp_path: Path, *options: str, ignore_sigint: bool = False):
+    """`dittrain serve` of `run` on 127.0.0.1:`port`, on the CPU, its stdout and stderr in one pipe; run
+    with -X faulthandler, so that SIGABRT prints every thread's stack (stop_server, when it hangs)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRADIO_TEMP_DIR": str(tmp_path / "gradio")}
+    args = ["-X", "faulthandler", "-m", "dittrain.cli", "serve", "--ckpt", str(run), "--port", str(port),
+            "--device", "cpu", *options]
+    return subprocess.Popen([sys.executable, *(["-c", IGNORING_SIGINT] if ignore_sigint else []), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def stop_server(proc, sig: signal.Signals, timeout: float = 60) -> str:
+    """Send `sig` to the server and wait for it to exit: the rest of its output. A server still
+    there after `timeout` s fails the test with all it said, its signal masks (/proc: SigIgn,
+    SigCgt) and every thread's stack (SIGABRT to its faulthandler), not with a bare timeout."""
+    proc.send_signal(sig)
+    try:  # a few seconds: gradio's close joins its server thread (5 s at most)
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        pass
+    try:  # how the server treats `sig`: ignored, caught (a handler), blocked, or the default action
+        status = dict(line.split(":\t") for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+                     if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+        how = [w for k, w in (("SigIgn", "ignored"), ("SigCgt", "caught"), ("SigBlk", "blocked"))
+               if int(status[k], 16) >> (sig - 1) & 1] or ["default action"]
+        masks = f"{sig.name} {', '.join(how)} there; " + " ".join(f"{k} {v}" for k, v in status.items())
+    except (OSError, KeyError, ValueError):
+        masks = "no /proc status"
+    proc.send_signal(signal.SIGABRT)  # -X faulthandler: every thread's stack on stderr, then it ends
+    try:
+        rest = proc.communicate(timeout=20)[0]  # with what the first communicate() read
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rest = proc.communicate()[0]
+    pytest.fail(f"the server did not exit within {timeout:g} s of {sig.name} ({masks}); the rest of its "
+                f"output, then its threads' stacks:\n{rest}")
+
+
+def test_ctrl_c_stops_a_server_that_started_with_sigint_ignored(class_run, tmp_path):
+    """serve catches SIGINT itself: Ctrl-C stops it even where it started ignored (the browser
+    test's server hung there: SIGINT did nothing)."""
+    pytest.importorskip("gradio")
+    proc = serve_process(class_run, free_port(), tmp_path, ignore_sigint=True)
+    try:
+        assert proc.stdout.readline().startswith("serving DiT-T/4")
+        assert proc.stdout.readline().startswith("open http://127.0.0.1:")
+        rest = stop_server(proc, signal.SIGINT, timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and rest.rstrip().endswith("stopped") and "Traceback" not in rest, rest
+
+
+# -----------------------------------------------------------------------------
 # a real browser
 
 
@@ -196,10 +258,7 @@ def test_browser_generates_the_commands_images(class_run, tmp_path, monkeypatch)
     browser = _browser()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRADIO_TEMP_DIR": str(tmp_path / "gradio")}
-    proc = subprocess.Popen([sys.executable, "-m", "dittrain.cli", "serve", "--ckpt", str(class_run), "--port",
-                             str(port), "--device", "cpu", "--batch-size", "3"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    proc = serve_process(class_run, port, tmp_path, "--batch-size", "3")
     watchdog = threading.Timer(180, proc.kill)  # a hung server fails the test instead of hanging it
     watchdog.start()
     try:
@@ -242,12 +301,8 @@ def test_browser_generates_the_commands_images(class_run, tmp_path, monkeypatch)
         assert fetched and all(u.startswith((url + "/", "data:", "blob:")) for u in fetched), fetched
     finally:
         browser.quit()
-        proc.send_signal(signal.SIGINT)  # Ctrl-C
-        try:  # gradio's close joins its server thread (5 s) and worker pool: slower on a loaded CI machine
-            rest, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        try:
+            rest = stop_server(proc, signal.SIGINT)  # Ctrl-C
         finally:
             watchdog.cancel()
     assert proc.returncode == 0 and rest.rstrip().endswith("stopped"), rest

@@ -458,19 +458,42 @@ def serve(ckpt, settings: ServeConfig = _SERVE, *, log=print) -> None:
     except OSError as e:
         raise SampleError(f"cannot listen on {host}:{port}: {one_line(e, 200)}") from e
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
-    log(f"serving {server.describe()}")
+    stopping: list[int] = []  # the stop signals received (see _catch_stop_signals)
+    previous = _catch_stop_signals(stopping) if threading.current_thread() is threading.main_thread() else {}
+    log(f"serving {server.describe()}")  # after the handlers: a signal once this line is out stops the server
     log(f"open {url}  (Ctrl-C stops)")
-    stop = threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        while not stop.wait(0.5):
-            pass
-    except KeyboardInterrupt:
-        pass
+        while not stopping:
+            time.sleep(0.2)
     finally:
-        demo.close()
+        demo.close()  # joins uvicorn's thread for at most 5 s; the others are daemon threads
+        for sig, handler in previous.items():
+            if handler is not None:  # None: a handler not set from Python, which cannot be put back
+                signal.signal(sig, handler)
     log("stopped")
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _catch_stop_signals(stopping: list) -> dict:
+    """Make SIGINT (Ctrl-C) and SIGTERM append their number to `stopping`, whatever they did
+    before; the handlers they had (to put back). Why not Python's KeyboardInterrupt: a process
+    that starts with SIGINT ignored (a background job `cmd &` of a non-interactive shell, and
+    every child of one, such as this server under a test run started that way) never gets a
+    KeyboardInterrupt handler, so Ctrl-C did nothing and the server never stopped (the test's
+    server hung in its wait loop, SIGINT in /proc/PID/status SigIgn). Why a list, not a
+    threading.Event: the handler runs in the main thread between two bytecodes, possibly inside
+    Event.wait() while it holds the Event's lock, and Event.set() would then wait for it forever.
+    The first signal puts back the default actions: a second Ctrl-C while gradio closes (it may
+    take seconds) ends the process at once, without the "stopped" line."""
+
+    def handle(signum, frame):
+        for sig in _STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        stopping.append(signum)
+
+    return {sig: signal.signal(sig, handle) for sig in _STOP_SIGNALS}
 
 
 __all__ = ["Generated", "Request", "Server", "build_app", "serve"]
