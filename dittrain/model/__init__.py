@@ -9,6 +9,7 @@
     routing.py        TREAD token routing inside the forward (--route)
     attention.py      which attention kernel SDPA runs (flash, memory-efficient, math)
     checkpointing.py  the --grad-checkpointing modes (what the backward recomputes)
+    lora.py           LoRA through peft (--lora): target linears by pattern, the adapter put in, its state, the merge
 
 The package itself imports nothing.
 """
