@@ -362,7 +362,8 @@ def _opt(*names, field, **kw):
       help="Sampling steps of an evaluation (0: the FID protocol: 250 ddpm, 50 Euler for flow).")
 @_opt("--eval-cfg", field="eval_cfg", type=_CFG_RANGE, help="Guidance scale of an evaluation.")
 @_opt("--eval-sampler", field="eval_sampler", type=click.Choice(config.SAMPLERS),
-      help="Sampler of an evaluation (default: ddpm for ddpm runs, euler for flow; sde: REPA's FID protocol).")
+      help="Sampler of an evaluation (default: ddpm for ddpm runs, euler for flow; sde: REPA's FID protocol; "
+           "dpm++, unipc: either objective, fewer steps).")
 @_opt("--eval-cfg-interval", field="eval_cfg_interval", type=CfgInterval(as_text=True),
       help="Guidance interval of an evaluation (as `dittrain sample --cfg-interval`).")
 @_opt("--eval-time-shift", field="eval_time_shift", type=FiniteFloat(min=0, min_open=True),
@@ -544,7 +545,9 @@ plan_cmd.params[:0] = [aliased(p, "--steps") if p.name == "max_steps" else p for
 @click.option("--sampler", type=click.Choice(config.SAMPLERS), default=None,
               help="Default: ddpm for the ddpm objective, euler for flow (dittrain.diffusion.SAMPLER_TABLE). Flow "
                    "runs: euler, heun, or sde: SiT's and REPA's Euler-Maruyama (diffusion w(t) = 2t, steps-1 "
-                   "stochastic steps from t=1 to 0.04, then the mean step to 0); ddpm and sde draw noise batch "
+                   "stochastic steps from t=1 to 0.04, then the mean step to 0). Either objective: dpm++ "
+                   "(DPM-Solver++(2M)) or unipc (UniPC), diffusers' multistep schedulers, about 20 steps for "
+                   "what ddpm needs 250 for (bench/RESULTS.md). ddpm and sde draw noise batch "
                    "after batch, so --batch-size is part of what decides their images.")
 @click.option("--time-shift", default=None, type=FiniteFloat(min=0, min_open=True), metavar="S", help=_SHIFT_HELP)
 @click.option("--seed", default=_SAMPLE.seed, show_default=True, type=int)

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field, fields
 # value use the same tuples (tests/test_train_config.py checks both).
 
 OBJECTIVES = ("ddpm", "flow")  # ddpm: epsilon (DiT); flow: rectified flow, velocity (dittrain.diffusion)
-# dittrain sample --sampler: ddpm/ddim for ddpm runs, euler/heun/sde for flow (dittrain.diffusion.SAMPLER_TABLE)
-SAMPLERS = ("ddpm", "ddim", "euler", "heun", "sde")
+# dittrain sample --sampler: ddpm/ddim for ddpm runs, euler/heun/sde for flow, dpm++/unipc (diffusers'
+# multistep schedulers) for both (dittrain.diffusion.SAMPLER_TABLE)
+SAMPLERS = ("ddpm", "ddim", "euler", "heun", "sde", "dpm++", "unipc")
 LOSS_WEIGHTINGS = ("none", "min-snr")  # ddpm
 T_SAMPLINGS = ("logit-normal", "uniform")  # flow: how training draws t
 LATENT_NORMS = ("auto", "none", "channel")  # dittrain.data.latent_norm (auto: resolved to none or channel at the start)

@@ -25,9 +25,32 @@ flow  rectified flow: x_t = (1 - t) x0 + t eps, t in [0, 1], the model predicts 
       time near the noise end; 1: none).
 
 Samplers: "ddpm" (ancestral) and "ddim" (eta) for ddpm, "euler", "heun" and "sde" for flow,
-one entry each of SAMPLER_TABLE (name -> the objective, the chain it walks, its time grid, its
-step); SAMPLERS is objective -> the names that fit it. Everything random takes a
-torch.Generator, so a seed fixes samples and losses.
+"dpm++" and "unipc" for both, one entry each of SAMPLER_TABLE (name -> the objectives it serves,
+the chain it walks, its time grid, its step); SAMPLERS is objective -> the names that fit it.
+Everything random takes a torch.Generator, so a seed fixes samples and losses.
+
+"dpm++" and "unipc" are diffusers' multistep solvers, run as they are (their own state, grid and
+updates; nothing reimplemented): DPMSolverMultistepScheduler with algorithm_type "dpmsolver++"
+(Lu et al. 2022, DPM-Solver++(2M): solver_order 2, "midpoint", a first-order last step to sigma 0)
+and UniPCMultistepScheduler (Zhao et al. 2023, UniPC: its predictor and corrector, B(h) "bh2",
+order 2, data prediction). Order 2 and bh2 are what both papers and diffusers recommend for guided
+sampling. `steps` is the number of model evaluations (the corrector reuses the next evaluation).
+  ddpm: epsilon prediction on our linear betas (beta_start..beta_end over num_timesteps), the
+        variance half of a learn_sigma model dropped (an ODE solver has no use for it; diffusers'
+        DiTPipeline drops it the same way); timestep_spacing "linspace": `steps` integer timesteps
+        from T-1 down, rounded from linspace(0, T-1, steps + 1) without its 0, the spacing of
+        diffusers' DiT-lineage configs (PixArt-alpha/Sigma, SANA) and, on a 1000-step discrete
+        schedule, DPM-Solver's "time uniform" grid (the DPM-Solver++ paper's choice for guided
+        sampling). The model sees the integer timestep, as in training. At most T - 1 steps (T
+        would repeat a rounded timestep).
+  flow: use_flow_sigmas with prediction_type "flow_prediction": diffusers' flow sigma is our t and
+        its flow_prediction (x0 = x_t - sigma v) is our velocity eps - x0 exactly; flow_shift is the
+        sampling time shift S (the run's t_shift unless time_shift is given), diffusers' map
+        S s / (1 + (S - 1) s) being our shift_t. The grids are diffusers' own: dpm++ from
+        shift_t(1 - 1/1000), unipc from shift_t(1) less 1e-6 (both avoid log(alpha = 0)), down to 0.
+        The model sees flow_time_scale x sigma_i (float32), the time the solver assumes; diffusers'
+        pipelines hand the model `timesteps` (1000 sigma_i cast to int64), up to 1/1000 off in t.
+The guidance interval's t is timestep / T (ddpm) or sigma_i (flow), as for the other chains.
 
 "sde" is the Euler-Maruyama sampler of SiT and REPA (REPA's samplers.py euler_maruyama_sampler,
 sihyun-yu/REPA@67f7145; SiT's transport Sampler.sample_sde with its defaults, willisma/SiT@947f95b).
@@ -385,9 +408,13 @@ class Diffusion:
     def flow_time_grid(self, steps: int, sampler: str = "euler", shift: float | None = None) -> list[float]:
         """The times a flow sampler steps through, from 1 (noise) to 0 (data): its grid
         (euler, heun: `steps` uniform intervals; sde: linspace(1, 0.04, steps), then 0), each
-        time shifted by `shift` (None: the run's t_shift)."""
-        ts = SAMPLER_TABLE[sampler].grid(steps)
-        return shift_t(ts, self.config.t_shift if shift is None else shift).tolist()
+        time shifted by `shift` (None: the run's t_shift); dpm++, unipc: the diffusers
+        scheduler's sigmas, shifted by it (flow_shift), ending at 0."""
+        shift = self.config.t_shift if shift is None else shift
+        method = SAMPLER_TABLE[sampler]
+        if method.chain == "scheduler":
+            return self._scheduler(method, steps, shift).sigmas.double().tolist()
+        return shift_t(method.grid(steps), shift).tolist()
 
     def q_sample(self, x0, t, noise):
         """x_t from x0: ddpm sqrt(abar_t) x0 + sqrt(1 - abar_t) noise (t int);
@@ -502,20 +529,24 @@ class Diffusion:
             uncond_kwargs (e.g. DiT.unconditional_kwargs(model_kwargs, empty_text)).
         sampler: "ddpm" (ancestral) or "ddim" (eta: 0 deterministic, 1 ~ ancestral) for
             the ddpm objective; "euler", "heun" (2 evaluations per step) or "sde" (SiT/REPA's
-            Euler-Maruyama, `steps` evaluations) for flow.
+            Euler-Maruyama, `steps` evaluations) for flow; "dpm++" or "unipc" (diffusers'
+            multistep solvers, `steps` evaluations) for either.
         cfg_interval: (LO, HI): guidance only where LO <= t <= HI (t in [0, 1], 1 the noise;
             ddpm: timestep / T); None: everywhere (module docstring).
         time_shift: flow: the grid's shift S (None: the run's t_shift).
         generator: the only source of randomness (initial noise, ancestral and SDE noise)."""
         sampler = sampler or self.config.default_sampler
         method = SAMPLER_TABLE.get(sampler)
-        if method is None or method.objective != self.config.objective:
+        if method is None or self.config.objective not in method.objectives:
             raise ValueError(
                 f"sampler {sampler!r} does not fit objective {self.config.objective!r}; "
                 f"choose one of {SAMPLERS[self.config.objective]}"
             )
         if steps < method.min_steps:
             raise ValueError(f"{sampler} sampling needs at least {method.min_steps} steps, got {steps}")
+        most = method.max_steps(self.config)
+        if most is not None and steps > most:
+            raise ValueError(f"{sampler} sampling takes at most {most} steps on this schedule, got {steps}")
         if time_shift is not None and not (self.config.objective == "flow" and 0 < time_shift < math.inf):
             raise ValueError(f"time_shift is a finite number > 0 for the flow objective, got {time_shift}")
         if cfg_interval is not None and not 0.0 <= cfg_interval[0] <= cfg_interval[1] <= 1.0:
@@ -533,6 +564,8 @@ class Diffusion:
         x = noise.to(device) if noise is not None else _randn(tuple(shape), generator, device)
         if method.chain == "ddpm":
             return self._ddpm_chain(fn, x, steps, method.update, generator=generator, eta=eta)
+        if method.chain == "scheduler":
+            return self._scheduler_chain(fn, x, steps, method, shift=time_shift)
         return self._flow_chain(fn, x, steps, method, sampler, generator=generator, shift=time_shift)
 
     def _ddpm_chain(self, fn, x, steps, update, *, generator, eta: float):
@@ -567,6 +600,41 @@ class Diffusion:
         for t, t_next in zip(ts[:-1], ts[1:], strict=True):
             x = method.update(v, x, t, t_next, generator=generator)
         return x.to(dtype)
+
+    def _scheduler(self, method, steps: int, shift: float | None):
+        """A fresh diffusers scheduler for `method` (dpm++, unipc) on this objective, its grid set
+        for `steps` evaluations (module docstring: the settings and why)."""
+        c = self.config
+        if c.objective == "flow":
+            kind = dict(use_flow_sigmas=True, prediction_type="flow_prediction",
+                        flow_shift=float(c.t_shift if shift is None else shift))
+        else:
+            kind = dict(beta_start=c.beta_start, beta_end=c.beta_end, beta_schedule="linear",
+                        prediction_type="epsilon")
+        scheduler = method.update(num_train_timesteps=c.num_timesteps, timestep_spacing="linspace",
+                                  final_sigmas_type="zero", lower_order_final=True, solver_order=2, **kind)
+        scheduler.set_timesteps(steps)
+        return scheduler
+
+    def _scheduler_chain(self, fn, x, steps, method, *, shift=None):
+        """diffusers' own denoising loop around its scheduler: at each of its timesteps one model
+        evaluation (guided or not by the interval, at timestep / T or sigma_i), the first C channels
+        (eps or velocity) handed to scheduler.step. Deterministic: nothing is drawn."""
+        scheduler = self._scheduler(method, steps, shift)
+        scheduler.set_begin_index(0)  # step i is index i, even where flow's int64 timesteps repeat
+        n, C, dtype = x.shape[0], x.shape[1], x.dtype
+        flow = self.config.objective == "flow"
+        for i, step_t in enumerate(scheduler.timesteps):
+            if flow:  # the solver's own sigma_i, not the timestep rounded down to an integer
+                level = float(scheduler.sigmas[i])
+                t = torch.full((n,), level * self.config.flow_time_scale, device=x.device)
+            else:
+                level = float(step_t) / self.config.num_timesteps
+                t = torch.full((n,), float(step_t), device=x.device)
+            out = fn(x, t, level).to(dtype)
+            self._check_channels(out, C)
+            x = scheduler.step(out[:, :C], step_t, x).prev_sample.to(dtype)
+        return x
 
 
 # -----------------------------------------------------------------------------
@@ -654,37 +722,67 @@ def _euler_maruyama_step(v, x, t: float, t_next: float, *, generator=None):
     return mean + math.sqrt(w) * math.sqrt(-dt) * z
 
 
+def _diffusers_scheduler(name: str) -> Callable:
+    """A diffusers scheduler class by name, imported when a sampler is built (diffusers is an
+    extra: `--help` and the other samplers never import it)."""
+
+    def make(**config):
+        try:
+            import diffusers
+        except ModuleNotFoundError:
+            raise ModuleNotFoundError(f"this sampler runs diffusers' {name}: pip install diffusers "
+                                      "(it comes with ditkit's vae, data and export extras)") from None
+        return getattr(diffusers, name)(**config)
+
+    make.__name__ = name
+    return make
+
+
 @dataclass(frozen=True)
 class Sampler:
-    """A sampling method: the objective it serves, the chain it walks ("ddpm": the respaced
-    posterior chain; "flow": a time grid of the velocity field), its step, and for a flow
-    chain its grid (steps -> float64 times from 1 to 0, before the time shift) and the dtype
-    its state is kept in (None: the noise's)."""
+    """A sampling method: the objectives it serves, the chain it walks ("ddpm": the respaced
+    posterior chain; "flow": a time grid of the velocity field; "scheduler": a diffusers
+    multistep scheduler's own loop, for either objective), its step (for "scheduler": the
+    scheduler's constructor), and for a flow chain its grid (steps -> float64 times from 1 to 0,
+    before the time shift) and the dtype its state is kept in (None: the noise's); `needs`: the
+    module it imports (None: torch alone)."""
 
-    objective: str
+    objectives: tuple[str, ...]
     chain: str
     update: Callable
     about: str
     grid: Callable | None = None
     state_dtype: torch.dtype | None = None
+    needs: str | None = None
 
     @property
     def min_steps(self) -> int:
         """The respaced posterior chain needs a previous step to step to; an ODE grid does not."""
         return 2 if self.chain == "ddpm" else 1
 
+    def max_steps(self, config: DiffusionConfig) -> int | None:
+        """The most steps on `config`'s schedule (None: no limit): T for the respaced chain; T - 1
+        for a scheduler on the ddpm objective (its linspace spacing repeats a rounded timestep at T)."""
+        if config.objective != "ddpm":
+            return None
+        return config.num_timesteps - (self.chain == "scheduler")
+
 
 SAMPLER_TABLE: dict[str, Sampler] = {
-    "ddpm": Sampler("ddpm", "ddpm", _ancestral_step, "ancestral DDPM (DiT's)"),
-    "ddim": Sampler("ddpm", "ddpm", _ddim_step, "DDIM (eta: 0 deterministic, 1 ~ ancestral)"),
-    "euler": Sampler("flow", "flow", _euler_step, "Euler steps of the flow ODE", _uniform_grid),
-    "heun": Sampler("flow", "flow", _heun_step, "Heun's method (2 evaluations per step)", _uniform_grid),
-    "sde": Sampler("flow", "flow", _euler_maruyama_step,
+    "ddpm": Sampler(("ddpm",), "ddpm", _ancestral_step, "ancestral DDPM (DiT's)"),
+    "ddim": Sampler(("ddpm",), "ddpm", _ddim_step, "DDIM (eta: 0 deterministic, 1 ~ ancestral)"),
+    "euler": Sampler(("flow",), "flow", _euler_step, "Euler steps of the flow ODE", _uniform_grid),
+    "heun": Sampler(("flow",), "flow", _heun_step, "Heun's method (2 evaluations per step)", _uniform_grid),
+    "sde": Sampler(("flow",), "flow", _euler_maruyama_step,
                    "Euler-Maruyama of the reverse SDE, w(t) = 2t, last step the mean (SiT's, REPA's)",
                    _sde_grid, torch.float64),
+    "dpm++": Sampler(OBJECTIVES, "scheduler", _diffusers_scheduler("DPMSolverMultistepScheduler"),
+                     "DPM-Solver++(2M), diffusers' DPMSolverMultistepScheduler (dpmsolver++)", needs="diffusers"),
+    "unipc": Sampler(OBJECTIVES, "scheduler", _diffusers_scheduler("UniPCMultistepScheduler"),
+                     "UniPC (bh2, order 2), diffusers' UniPCMultistepScheduler", needs="diffusers"),
 }
 # objective -> the names of its samplers, in table order
-SAMPLERS = {o: tuple(n for n, m in SAMPLER_TABLE.items() if m.objective == o) for o in OBJECTIVES}
+SAMPLERS = {o: tuple(n for n, m in SAMPLER_TABLE.items() if o in m.objectives) for o in OBJECTIVES}
 
 
 __all__ = ["LOSS_WEIGHTINGS", "OBJECTIVES", "SAMPLERS", "SAMPLER_TABLE", "SDE_LAST_STEP", "T_SAMPLINGS", "Diffusion",

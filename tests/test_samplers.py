@@ -507,3 +507,158 @@ def test_run_refuses_an_eval_sampler_that_does_not_fit_before_the_first_step(tmp
     err = one_error_line(dittrain(*run_args(store, tmp_path / "c", *eval_, "--eval-cfg-interval", "0.5,0.1")).output)
     assert "--eval-cfg-interval" in err, err
     assert not (tmp_path / "a" / "checkpoints").exists()
+
+
+# -----------------------------------------------------------------------------
+# dpm++ and unipc: diffusers' multistep schedulers, for both objectives
+
+SCHEDULERS = {"dpm++": ("DPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++", "solver_type": "midpoint"}),
+              "unipc": ("UniPCMultistepScheduler", {"solver_type": "bh2", "predict_x0": True})}
+
+
+def diffusers_loop(name: str, objective: str, model, x, y, y_null, *, steps: int, cfg: float, shift: float = 1.0):
+    """diffusers' own loop, as DiTPipeline writes it: the scheduler configured as dittrain/diffusion.py's
+    docstring says, set_timesteps(steps), one guided pass of the doubled batch per timestep, the eps (or
+    velocity) half handed to scheduler.step. Flow: the model sees 1000 x the scheduler's sigma_i."""
+    diffusers = pytest.importorskip("diffusers")
+    cls, extra = SCHEDULERS[name]
+    common = dict(num_train_timesteps=1000, solver_order=2, lower_order_final=True, final_sigmas_type="zero",
+                  timestep_spacing="linspace")
+    if objective == "flow":
+        kind = dict(use_flow_sigmas=True, prediction_type="flow_prediction", flow_shift=shift)
+    else:
+        kind = dict(beta_start=1e-4, beta_end=0.02, beta_schedule="linear", prediction_type="epsilon")
+    scheduler = getattr(diffusers, cls)(**common, **kind, **extra)
+    scheduler.set_timesteps(steps)
+    C = x.shape[1]
+    for i, t in enumerate(scheduler.timesteps):
+        time = float(scheduler.sigmas[i]) * 1000 if objective == "flow" else float(t)
+        out = model(torch.cat([x, x]), torch.full((2 * len(x),), time), y=torch.cat([y, y_null]))
+        cond, uncond = out[: len(x), :C], out[len(x):, :C]
+        x = scheduler.step(uncond + cfg * (cond - uncond), t, x).prev_sample
+    return x
+
+
+@pytest.mark.parametrize("name, objective, t_shift, time_shift", [
+    ("dpm++", "ddpm", 1.0, None), ("unipc", "ddpm", 1.0, None),
+    ("dpm++", "flow", 3.0, None), ("unipc", "flow", 3.0, None), ("unipc", "flow", 3.0, 0.5)])
+def test_dpmpp_and_unipc_give_diffusers_own_loop_exactly(name, objective, t_shift, time_shift):
+    """A tiny DiT (ddpm: with a learned variance, whose half is ignored), CFG 2.5: our sample equals
+    diffusers' loop bit for bit; flow: the run's t_shift is diffusers' flow_shift unless a time shift is given."""
+    from test_diffusion import tiny_dit
+
+    learn_sigma = objective == "ddpm"
+    model = tiny_dit(learn_sigma=learn_sigma)
+    d = Diffusion(objective=objective, learn_sigma=learn_sigma, t_shift=t_shift)
+    y = torch.tensor([1, 5, 2])
+    x_T = torch.randn(3, 4, 8, 8, generator=seeded(4))
+    ours = d.sample(model, x_T.shape, steps=7, sampler=name, noise=x_T, cfg_scale=2.5, model_kwargs={"y": y},
+                    uncond_kwargs=model.unconditional_kwargs({"y": y}), time_shift=time_shift)
+    with torch.no_grad():
+        theirs = diffusers_loop(name, objective, model, x_T, y, model.unconditional_kwargs({"y": y})["y"], steps=7,
+                                cfg=2.5, shift=t_shift if time_shift is None else time_shift)
+    assert torch.equal(ours, theirs)
+    # seeded: the noise drawn from the generator is all there is
+    a = d.sample(model, x_T.shape, steps=3, sampler=name, generator=seeded(0), model_kwargs={"y": y})
+    assert torch.equal(a, d.sample(model, x_T.shape, steps=3, sampler=name, generator=seeded(0), model_kwargs={"y": y}))
+
+
+def test_dpmpp_and_unipc_grids_guidance_interval_and_step_limits():
+    y = torch.tensor([1])
+    for name in ("dpm++", "unipc"):
+        # flow: the model sees the scheduler's sigmas (the run's shift), guided where LO <= sigma <= HI
+        d = Diffusion(objective="flow", learn_sigma=False, t_shift=2.0)
+        grid = d.flow_time_grid(6, name)
+        assert grid[-1] == 0.0 and all(a > b for a, b in zip(grid[:-1], grid[1:], strict=True))
+        assert grid[1:-1] == pytest.approx([2 * u / (1 + u) for u in grid_before_shift(name, 6)[1:]], abs=1e-6)
+        calls: list = []
+        d.sample(recording(calls), (1, 1, 2, 2), steps=6, sampler=name, model_kwargs={"y": y},
+                 uncond_kwargs={"y": torch.full_like(y, NULL)}, cfg_scale=3.0, cfg_interval=(0.2, 0.8),
+                 generator=seeded(0))
+        assert [t for t, _ in calls] == pytest.approx(grid[:-1], abs=1e-6)
+        assert [g for _, g in calls] == [0.2 <= t <= 0.8 for t in grid[:-1]]
+        # ddpm: diffusers' linspace timesteps, the interval in timestep / 1000; at most T - 1 steps
+        d = Diffusion(objective="ddpm", learn_sigma=False)
+        seen: list = []
+
+        def model(x, t, y, seen=seen):
+            seen.append((int(t[0]), bool((y == NULL).any())))
+            return torch.zeros_like(x)
+
+        d.sample(model, (1, 1, 2, 2), steps=5, sampler=name, model_kwargs={"y": y},
+                 uncond_kwargs={"y": torch.full_like(y, NULL)}, cfg_scale=2.0, cfg_interval=(0.25, 0.5))
+        assert seen == [(999, False), (799, False), (599, False), (400, True), (200, False)]
+        with pytest.raises(ValueError, match="at most 999 steps"):
+            d.sample(model, (1, 1, 2, 2), steps=1000, sampler=name)
+
+
+def grid_before_shift(name: str, steps: int) -> list[float]:
+    """diffusers' unshifted flow sigmas: dpm++ 1 - linspace(1, 1/1000, steps + 1) reversed, unipc
+    linspace(1, 1/1000, steps + 1), each without its last value."""
+    u = np.linspace(1, 1 / 1000, steps + 1)
+    return list((1 - u)[::-1][:-1] if name == "dpm++" else u[:-1])
+
+
+DPM = ["--sampler", "dpm++", "--steps", 5, "--cfg", 3.0, "--cfg-interval", "0,0.7", "--time-shift", 2.0,
+       "--class", "0,1,2", "--n", 3, "--device", "cpu", "--seed", 5]
+
+
+def test_sample_and_npz_take_dpmpp_and_unipc_for_both_objectives(pixel_run, flow_run, tmp_path, monkeypatch):
+    r = ok(dittrain("sample", "--ckpt", flow_run, "--out", tmp_path / "a", *DPM), "dpm++, 5 steps, time shift 2")
+    index = json.loads((tmp_path / "a" / "samples" / "samples.json").read_text())
+    assert (index["sampler"], index["steps"], index["time_shift"]) == ("dpm++", 5, 2.0), r.output
+    ok(dittrain("sample", "--ckpt", flow_run, "--out", tmp_path / "b", *DPM))
+    assert all(np.array_equal(x, y) for x, y in zip(singles(tmp_path / "a"), singles(tmp_path / "b"), strict=True))
+    unipc = [a if a != "dpm++" else "unipc" for a in DPM]
+    ok(dittrain("sample", "--ckpt", flow_run, "--out", tmp_path / "u", *unipc), "unipc, 5 steps")
+    assert any(not np.array_equal(x, y) for x, y in zip(singles(tmp_path / "a"), singles(tmp_path / "u"), strict=True))
+    # a ddpm run: --npz with unipc, recorded; --steps 1000 refused in one line
+    ddpm_run, _ = pixel_run
+    job = ["--n", 2, "--chunk-size", 2, "--device", "cpu", "--seed", 1, "--sampler", "unipc", "--steps", 4]
+    ok(dittrain("sample", "--ckpt", ddpm_run, "--npz", tmp_path / "s.npz", *job), "unipc, 4 steps")
+    assert json.loads((tmp_path / "s.npz.json").read_text())["sampler"] == "unipc"
+    base = ["--n", 1, "--device", "cpu", "--out", tmp_path / "x.png", "--sampler", "dpm++"]
+    err = one_error_line(dittrain("sample", "--ckpt", ddpm_run, *base, "--steps", 1000).output)
+    assert "at most 999 steps" in err, err
+    # without diffusers: one line naming it, before any work
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "diffusers" else real(name, *a))
+    err = one_error_line(dittrain("sample", "--ckpt", ddpm_run, *base, "--steps", 4).output)
+    assert "DPMSolverMultistepScheduler" in err and "pip install diffusers" in err, err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_serve_and_the_trainers_evaluation_take_dpmpp_and_unipc(flow_run, pixel_run, tmp_path):
+    from test_serve import run_shown_command
+
+    from dittrain.config import ServeConfig
+    from dittrain.diffusion import DiffusionConfig
+    from dittrain.inference.sample import check_sampler
+    from dittrain.inference.serve import Request, Server
+
+    server = Server(flow_run, ServeConfig(device="cpu", batch_size=2), log=lambda line: None)
+    assert {"dpm++", "unipc"} <= set(server.samplers)
+    out = server.generate(Request(choice="1", n=2, steps=4, cfg_scale=3.0, sampler="unipc", seed=4, time_shift=2.0))
+    assert out.ok, out.message
+    args = shlex.split(out.command)
+    assert args[args.index("--sampler") + 1] == "unipc"
+    assert all(np.array_equal(a, b) for a, b in zip(out.images, run_shown_command(out.command, tmp_path), strict=True))
+    ddpm = Server(pixel_run[0], ServeConfig(device="cpu"), log=lambda line: None)
+    assert ddpm.generate(Request(choice="1", steps=3, sampler="dpm++")).ok
+    # --eval-sampler goes through check_sampler (dittrain/train/fid.py), for either objective
+    for objective in ("ddpm", "flow"):
+        for name in ("dpm++", "unipc"):
+            assert check_sampler(DiffusionConfig(objective=objective, learn_sigma=False), name, 20) == name
+
+
+def test_the_onnx_engine_samples_dpmpp_like_torch(flow_run, tmp_path):
+    pytest.importorskip("onnxruntime")
+    f = tmp_path / "dit.onnx"
+    ok(dittrain("export", "--ckpt", flow_run, "--format", "onnx", "--out", f))
+    ok(dittrain("sample", "--ckpt", flow_run, "--out", tmp_path / "t", *DPM))
+    ok(dittrain("sample", "--engine", "onnx", "--onnx", f, "--out", tmp_path / "o", *DPM), "engine: onnxruntime")
+    t, o = singles(tmp_path / "t"), singles(tmp_path / "o")
+    assert max(int(np.abs(a - b).max()) for a, b in zip(t, o, strict=True)) <= 1
+    assert json.loads((tmp_path / "o" / "samples" / "samples.json").read_text())["sampler"] == "dpm++"

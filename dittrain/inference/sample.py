@@ -39,6 +39,7 @@ Public API:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -262,9 +263,17 @@ def check_sampler(config: DiffusionConfig, sampler: str | None, steps: int) -> s
                           f"choose one of {', '.join(SAMPLERS[config.objective])}")
     if config.objective == "ddpm" and steps > config.num_timesteps:
         raise SampleError(f"steps must be in 1..{config.num_timesteps} for the ddpm objective, got {steps}")
-    least = SAMPLER_TABLE[sampler].min_steps  # a respaced posterior chain needs 2 steps
+    method = SAMPLER_TABLE[sampler]
+    least = method.min_steps  # a respaced posterior chain needs 2 steps
     if steps < least:
         raise SampleError(f"the {sampler} sampler needs at least {least} steps, got {steps}")
+    most = method.max_steps(config)  # a scheduler's linspace grid on ddpm: T - 1
+    if most is not None and steps > most:
+        raise SampleError(f"the {sampler} sampler takes at most {most} steps on this {config.objective} schedule, "
+                          f"got {steps}")
+    if method.needs and importlib.util.find_spec(method.needs) is None:  # before any work
+        raise SampleError(f"the {sampler} sampler runs {method.needs}' {method.update.__name__}: pip install {method.needs} "
+                          "(it comes with ditkit's vae, data and export extras)")
     return sampler
 
 
