@@ -96,13 +96,80 @@ def test_img2dataset_has_an_upper_bound_the_tested_release_meets():
     assert req.specifier.contains(installed), (str(req), installed)
 
 
-def test_huggingface_hub_is_declared_where_it_is_imported():
-    # ditdata/clip.py (score, text encoders: the data extra) and ditdata/autoencoders/kinds.py (hub
-    # autoencoders: `require(..., "vae")`) import it; the core's paths never do.
-    for path, extra in (("ditdata/clip.py", "data"), ("ditdata/autoencoders/kinds.py", "vae")):
-        assert "huggingface_hub" in (REPO / path).read_text(), path
-        assert "huggingface-hub" in _names(EXTRAS[extra]), extra
-    assert "huggingface-hub" not in _names(CORE)
+# An import name -> its distribution, for the names that differ (the rest are the same, canonicalized).
+DISTRIBUTION = {"PIL": "pillow", "yaml": "pyyaml", "open_clip": "open-clip-torch", "faiss": "faiss-cpu",
+                "torch_fidelity": "torch-fidelity", "sklearn": "scikit-learn"}
+# Declared, never imported by our code: each is what a package we call loads at run time.
+LOADED_FOR_US = {
+    "onnxscript": "torch.onnx.export(dynamo=True) imports it (dittrain/inference/onnx.py)",
+    "onnx": "torch's ONNX exporter writes and checks the model with it",
+    "aiohttp": "fsspec's http(s):// filesystem (--latents https://)",
+    "s3fs": "fsspec's s3:// filesystem",
+    "gcsfs": "fsspec's gs:// filesystem",
+    "tensorboard": "torch.utils.tensorboard's SummaryWriter (--logger tensorboard)",
+    "scikit-learn": "the demo's images (pipelines/digits.py)",
+    "torchvision": "transformers' Qwen2.5-VL and SmolVLM processors (the captions extra)",
+}
+
+
+def _third_party_imports() -> dict[str, set[str]]:
+    """{distribution: the extras named where it is imported} over ditdata/ and dittrain/: a plain
+    import gives the empty set (any declaration serves), `require("module", what, "extra")` (the one
+    way an optional import reports its extra, ditdata.common.extras) gives that extra."""
+    found: dict[str, set[str]] = {}
+    for path in sorted([*(REPO / "ditdata").rglob("*.py"), *(REPO / "dittrain").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                mods, extra = [a.name for a in node.names], None
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                mods, extra = [node.module], None
+            elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "require" and len(node.args) >= 3
+                  and all(isinstance(a, ast.Constant) for a in (node.args[0], node.args[2]))):
+                mods, extra = [node.args[0].value], node.args[2].value
+            else:
+                continue
+            for m in mods:
+                top = m.split(".")[0]
+                if top in sys.stdlib_module_names or top in ("ditdata", "dittrain"):
+                    continue
+                extras = found.setdefault(canonicalize_name(DISTRIBUTION.get(top, top)), set())
+                if extra is not None:
+                    extras.add(extra)
+    return found
+
+
+def test_every_import_is_declared_where_its_users_look():
+    """What ditdata and dittrain import is in the core or an extra; where the code says which extra
+    brings it (require(..., "EXTRA")), that extra does: the error's `pip install 'ditkit[EXTRA]'` works."""
+    core, declared = _names(CORE), set().union(*(_expanded(e)[0] for e in EXTRAS if e != "test"))
+    imports = _third_party_imports()
+    assert {"torch", "diffusers", "transformers", "torchvision"} <= set(imports)  # the scan sees imports
+    undeclared = sorted(d for d in imports if d not in core | declared)
+    assert not undeclared, f"imported, declared by no extra: {undeclared}"
+    for dist, extras in imports.items():
+        for extra in extras:
+            assert extra in EXTRAS, f"require(...) names the extra {extra!r}, which pyproject.toml lacks"
+            assert dist in core | _expanded(extra)[0], f"require({dist!r}, ..., {extra!r}): {extra} lacks it"
+
+
+def test_every_declared_package_is_imported_or_loaded_for_us():
+    """Nothing rides in an extra unused: each package is imported somewhere or is in LOADED_FOR_US with
+    the library that loads it; torchvision only where an image transform needs it (not in vae)."""
+    imports = _third_party_imports()
+    for extra in [None, *EXTRAS]:
+        if extra in ("test", "all"):
+            continue
+        names = _names(CORE) if extra is None else _names(r for r in EXTRAS[extra] if r.name != "ditkit")
+        unused = sorted(n for n in names if n not in imports and n not in LOADED_FOR_US)
+        assert not unused, f"{extra or 'the core'} declares what nothing imports: {unused}"
+    assert "torchvision" not in _names(EXTRAS["vae"])
+    assert "pyyaml" in _names(CORE)  # --config FILE.yaml and LDM configs, everywhere
+
+
+def test_the_torch_floor_is_the_tested_release():
+    (req,) = [r for r in CORE if r.name == "torch"]
+    assert str(req.specifier) == ">=2.14"  # .ci/run tests 2.14.1; older releases are not tested
+    assert req.specifier.contains(md.version("torch").split("+")[0])
 
 
 # --------------------------------------------------------------------------- python -m
