@@ -369,6 +369,16 @@ def _opt(*names, field, **kw):
 @_opt("--eval-time-shift", field="eval_time_shift", type=FiniteFloat(min=0, min_open=True),
       help="Flow runs: the sampling grid's shift of an evaluation (default: the run's --t-shift).")
 @_opt("--eval-batch-size", field="eval_batch_size", type=click.IntRange(min=1))
+@_opt("--val-fraction", field="val_fraction", type=FiniteFloat(0, 1, max_open=True), metavar="F",
+      help="Hold out this share of the store's rows (drawn with the validation's own seed: the same rows for "
+           "every run on the store), never trained on, and log their loss (val/loss, val/loss_t<T>) every "
+           "--val-every steps: the live weights' MSE at 10 fixed t with fixed noise, the same numbers for the "
+           "same weights. 0: none. Fixed for the run (--resume keeps it).")
+@_opt("--val-latents", field="val_latents", metavar="STORE",
+      help="Validate on all the rows of this second store instead (same latent shape, conditioning and "
+           "autoencoder as --latents); training keeps every row of --latents.")
+@_opt("--val-every", field="val_every", type=click.IntRange(min=1),
+      help="Steps between validation losses (also at the start and the last step).")
 @_opt("--max-nonfinite", field="max_nonfinite", type=click.IntRange(min=1),
       help="Consecutive NaN/inf losses (each step skipped) before the run stops.")
 @_opt("--resume/--no-resume", field="resume",

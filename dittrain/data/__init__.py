@@ -56,6 +56,11 @@ store keeps mean and std, x = mean + std * eps with eps drawn on `device` from a
 seeded by (seed, rank, epoch, offset) of the batch: fresh every epoch, identical at resume
 (on the same device type: CPU and CUDA generators differ).
 
+HELD-OUT ROWS. `exclude` (build_loader's, every loader's) names store rows that are never
+yielded: the resident loaders never hold them (the rank partition is drawn over the rows kept, the
+same partition as before when nothing is excluded), the streaming loader reads its windows whole
+and drops them as it fills the window, so an epoch is every kept sample once.
+
 STATE. `state_dict()` = {"kind", "batches", "epoch", "offset", "seed", "batch_size", "rank",
 "world_size", "split", "num_samples", ...}. The position is a function of `batches` alone, so the
 state saved by rank 0 resumes every rank exactly (each recomputes its own epoch and offset).
@@ -112,7 +117,7 @@ _DEFAULTS = LoaderConfig()
 
 
 def build_loader(store, settings: LoaderConfig = _DEFAULTS, *, batch_size: int, seed: int = 0, rank: int = 0,
-                 world_size: int = 1, device="cpu", local_world_size: int | None = None):
+                 world_size: int = 1, device="cpu", local_world_size: int | None = None, exclude=None):
     """A ResidentLoader, StreamingLoader or BucketedLoader over `store` (a Store or its path).
 
     settings: how the store is read (dittrain.config.LoaderConfig: kind auto | resident |
@@ -122,7 +127,9 @@ def build_loader(store, settings: LoaderConfig = _DEFAULTS, *, batch_size: int, 
     decides the order, rank / world_size / local_world_size place this process (None: torchrun's
     LOCAL_WORLD_SIZE), device is where batches go. The choice and its reason are in
     loader.kind and loader.reason. A bucketed store (ditdata encode --buckets) gets a
-    BucketedLoader whatever settings.kind says but streaming (refused: LoaderError).
+    BucketedLoader whatever settings.kind says but streaming (refused: LoaderError). exclude: rows of
+    the store never yielded, by any loader kind (a held-out validation split, dittrain.train.validation;
+    a bucketed store's rows count its buckets one after the other, bucketed.py).
     """
     s = settings
     store = _open(store)
@@ -131,12 +138,12 @@ def build_loader(store, settings: LoaderConfig = _DEFAULTS, *, batch_size: int, 
                                  local_world_size=local_world_size)
         return BucketedLoader(store, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size,
                               device=device, resident_device=s.resident_device, with_index=s.with_index,
-                              reason=reason, remainder=s.remainder)
+                              reason=reason, remainder=s.remainder, exclude=exclude)
     kind, rdev, reason = choose_loader(store, kind=s.kind, rank=rank, world_size=world_size,
                                        resident_device=s.resident_device, memory_fraction=s.memory_fraction,
                                        local_world_size=local_world_size, split=s.split)
     common = dict(batch_size=batch_size, seed=seed, rank=rank, world_size=world_size, device=device,
-                  with_index=s.with_index, reason=reason, split=s.split)
+                  with_index=s.with_index, reason=reason, split=s.split, exclude=exclude)
     if kind == "resident":
         return ResidentLoader(store, resident_device=rdev, **common)
     return StreamingLoader(store, workers=s.workers, shuffle_window=s.shuffle_window, prefetch=s.prefetch,

@@ -69,6 +69,25 @@ def _open(store) -> Store:
     return store if isinstance(store, Store) else open_store(store if isinstance(store, str) else Path(store))
 
 
+def excluded_rows(exclude, n: int) -> np.ndarray | None:
+    """`exclude` (rows of a store of n, any order) as the loaders hold it: sorted, unique, int64;
+    None when there is none. ValueError for a row outside [0, n)."""
+    if exclude is None:
+        return None
+    rows = np.unique(np.asarray(exclude, dtype=np.int64))
+    if not len(rows):
+        return None
+    if rows[0] < 0 or rows[-1] >= n:
+        raise ValueError(f"excluded rows must lie in [0, {n}); got {int(rows[0])}..{int(rows[-1])}")
+    return rows
+
+
+def kept_rows(n: int, exclude: np.ndarray | None) -> np.ndarray:
+    """The rows [0, n) without `exclude` (excluded_rows'), ascending."""
+    rows = np.arange(n, dtype=np.int64)
+    return rows if exclude is None else np.setdiff1d(rows, exclude, assume_unique=True)
+
+
 # ---------------------------------------------------------------------------------------
 # What a batch is made of
 # ---------------------------------------------------------------------------------------
@@ -368,7 +387,7 @@ class _Loader:
     kind = ""
 
     def __init__(self, store: Store, *, batch_size: int, seed: int, rank: int, world_size: int,
-                 device, with_index: bool, reason: str, split: str):
+                 device, with_index: bool, reason: str, split: str, exclude=None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         if not 0 <= rank < world_size:
@@ -377,8 +396,11 @@ class _Loader:
             raise ValueError(f"seed must be >= 0, got {seed}")
         if split not in ("part", "batch"):
             raise ValueError(f"unknown split {split!r}; use 'part' or 'batch'")
-        if len(store) < world_size:
-            raise ValueError(f"{store.root}: {len(store)} samples cannot be split over {world_size} ranks")
+        # rows never yielded (a held-out validation split, dittrain.train.validation): sorted, or None
+        self.exclude = excluded_rows(exclude, len(store))
+        trained = len(store) - (0 if self.exclude is None else len(self.exclude))
+        if trained < world_size:
+            raise ValueError(f"{store.root}: {trained} samples cannot be split over {world_size} ranks")
         self.store = store
         self.spec = _Spec(store)
         self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
@@ -467,8 +489,11 @@ class _Loader:
 
     # -- state -----------------------------------------------------------------------
     def _identity(self) -> dict:
-        return {"kind": self.kind, "seed": self.seed, "batch_size": self.batch_size,
-                "world_size": self.world_size, "split": self.split, "num_samples": len(self.store)}
+        ident = {"kind": self.kind, "seed": self.seed, "batch_size": self.batch_size,
+                 "world_size": self.world_size, "split": self.split, "num_samples": len(self.store)}
+        if self.exclude is not None:  # only then: the states saved before exclusions existed still match
+            ident["excluded"] = len(self.exclude)
+        return ident
 
     def state_dict(self) -> dict:
         e, o = self._position(self.batches)

@@ -27,6 +27,9 @@ own disjoint rows [r*B, (r+1)*B) of the one-process batch of B*W samples (the pl
 split="batch"), so W ranks see exactly what one process with B*W would; each rank holds the
 whole store. Streaming a bucketed store is not supported (build_loader refuses it in one line).
 With index (with_index=True), "index" is the sample's index within its bucket's store.
+
+exclude (rows never yielded: a held-out validation split) numbers the samples of every bucket one
+after the other, the buckets in the store's order (by name): row i of bucket b is sum(n_<b) + i.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class BucketedLoader(_Loader):
 
     def __init__(self, store, *, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
                  device="cpu", resident_device="cpu", with_index: bool = False, reason: str = "",
-                 remainder: str = REMAINDERS[0]):
+                 remainder: str = REMAINDERS[0], exclude=None):
         store = _open(store)
         if not store.buckets:
             raise ValueError(f"{store.root}: not a bucketed store (ditdata encode --buckets)")
@@ -60,11 +63,16 @@ class BucketedLoader(_Loader):
         # one stream for all ranks, each keeping its rows (split="batch"): the same bucket everywhere
         super().__init__(store, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size,
                          device=device, with_index=with_index, reason=reason,
-                         split="batch" if world_size > 1 else "part")
+                         split="batch" if world_size > 1 else "part", exclude=exclude)
         self.remainder = remainder
         self.buckets = tuple(store.buckets)
+        starts = np.cumsum([0] + [b.num_samples for b in self.buckets])
+        held = self.exclude if self.exclude is not None else np.zeros(0, dtype=np.int64)
+        # each bucket's excluded rows, as rows of its own store
+        local = [held[(held >= a) & (held < b)] - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
         self.parts = [ResidentLoader(b.store, batch_size=batch_size, device=device, resident_device=resident_device,
-                                     with_index=with_index, reason=reason) for b in self.buckets]
+                                     with_index=with_index, reason=reason, exclude=x)
+                      for b, x in zip(self.buckets, local, strict=True)]
         self.device = self.parts[0].device
         self._lookahead = self.parts[0]._lookahead
         self.resident_device = self.parts[0].resident_device

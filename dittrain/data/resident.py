@@ -11,15 +11,29 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import _EPOCH, _PART, TEXT_LENGTH, _Block, _epoch_cached, _Loader, _open, _order_and_rows, _rng, text_mask
+from .base import (
+    _EPOCH,
+    _PART,
+    TEXT_LENGTH,
+    _Block,
+    _epoch_cached,
+    _Loader,
+    _open,
+    _order_and_rows,
+    _rng,
+    kept_rows,
+    text_mask,
+)
 
 
-def _rank_part(n: int, seed: int, rank: int, world_size: int) -> np.ndarray:
-    """The global indices this rank holds (sorted): a fixed seeded random split of [0, n)."""
+def _rank_part(n: int, seed: int, rank: int, world_size: int, exclude: np.ndarray | None = None) -> np.ndarray:
+    """The global indices this rank holds (sorted): a fixed seeded random split of [0, n) less the
+    `exclude`d rows (with none, the split is the one before exclusions existed)."""
+    keep = kept_rows(n, exclude)
     if world_size == 1:
-        return np.arange(n, dtype=np.int64)
-    perm = _rng(seed, _PART, world_size).permutation(n)
-    return np.sort(perm[rank::world_size])
+        return keep
+    perm = _rng(seed, _PART, world_size).permutation(len(keep))
+    return np.sort(keep[perm[rank::world_size]])
 
 
 def _upload(arr: np.ndarray, device) -> torch.Tensor:
@@ -37,22 +51,23 @@ class ResidentLoader(_Loader):
     Epoch e is a permutation of the part seeded by (seed, rank, e), with the flip variant of
     each sample drawn alongside; a batch is an index_select from the block, converted to
     float32 on `device`. State: the number of batches consumed (epoch, offset follow).
+    exclude: store rows it never holds nor yields (a held-out validation split).
     """
 
     kind = "resident"
 
     def __init__(self, store, *, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
                  device="cpu", resident_device="cpu", with_index: bool = False, reason: str = "",
-                 split: str = "part"):
+                 split: str = "part", exclude=None):
         store = _open(store)
         super().__init__(store, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size,
-                         device=device, with_index=with_index, reason=reason, split=split)
+                         device=device, with_index=with_index, reason=reason, split=split, exclude=exclude)
         self.resident_device = torch.device(resident_device)
         if self.resident_device.type == "cuda" and self.device.type != "cuda":
             raise ValueError("--resident-device cuda needs --device cuda (the store would live on the GPU)")
         if self.resident_device.type == "cuda":
             self.device = self.resident_device
-        part = _rank_part(len(store), seed, self._stream_rank, self._stream_world)
+        part = _rank_part(len(store), seed, self._stream_rank, self._stream_world, self.exclude)
         self.n = len(part)
         self._block = _Block(self.spec, self.n, self.resident_device)
         for shard in store.shards:
@@ -132,6 +147,13 @@ class ResidentLoader(_Loader):
             raw["index"] = self._select(self._block.index, order, pin)
             raw["flip"] = (rows % self.spec.V).bool()
         return self._to_device(raw)
+
+    def fixed_batch(self, positions: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        """(the trainer's batch of block positions `positions`, on the resident device, each sample's
+        unflipped variant; their raw latents (n, P, C, h, w) as stored): a batch of no epoch, for a
+        fixed set of rows (dittrain.train.validation, which draws a mean/std store's sample itself)."""
+        raw = self.gather(positions, positions * self.spec.V)
+        return self._finish(raw, 0, 0), raw["lat"]
 
     @staticmethod
     def _select(t: torch.Tensor, idx: torch.Tensor, pin: bool) -> torch.Tensor:

@@ -75,16 +75,22 @@ class _Plan:
     """Everything about the streaming order that is a pure function of the settings."""
 
     def __init__(self, store: Store, *, seed: int, rank: int, world_size: int, window: int,
-                 batch_size: int):
+                 batch_size: int, exclude: np.ndarray | None = None):
         if window < 1:
             raise ValueError(f"shuffle_window must be >= 1, got {window}")
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.window, self.batch_size = window, batch_size
-        self.units = _units(store, world_size)
+        self.exclude = exclude  # rows never yielded (sorted; base.excluded_rows), or None
+        units = _units(store, world_size)
+        offsets = [store.shards[s].offset for s, _, _ in units]
+        # a unit's size is the rows it yields: its rows less the excluded ones; a unit left empty is dropped
+        sizes = [b - a - self._excluded_in(o + a, o + b) for (_, a, b), o in zip(units, offsets, strict=True)]
+        keep = [i for i, n in enumerate(sizes) if n > 0]
+        self.units = [units[i] for i in keep]
         if len(self.units) < world_size:
             raise ValueError(f"{store.root}: too few samples to give each of {world_size} ranks a part")
-        self.offsets = [store.shards[s].offset for s, _, _ in self.units]
-        self.sizes = [b - a for _, a, b in self.units]
+        self.offsets = [offsets[i] for i in keep]
+        self.sizes = [sizes[i] for i in keep]
         self._memo = (0, 0, 0)  # (samples, epoch, offset): a known position
         self._windows: dict[int, tuple[tuple[int, ...], ...]] = {}
 
@@ -98,6 +104,21 @@ class _Plan:
             self._windows[epoch] = tuple(tuple(mine[i:i + self.window])
                                          for i in range(0, len(mine), self.window))
         return self._windows[epoch]
+
+    def _excluded_in(self, lo: int, hi: int) -> int:
+        """How many excluded rows lie in [lo, hi)."""
+        if self.exclude is None:
+            return 0
+        return int(np.searchsorted(self.exclude, hi) - np.searchsorted(self.exclude, lo))
+
+    def kept(self, first: int, n: int) -> np.ndarray | None:
+        """Of the rows first..first+n-1, the positions (0..n-1) not excluded; None when all are kept."""
+        if not self._excluded_in(first, first + n):
+            return None
+        ex = self.exclude[np.searchsorted(self.exclude, first):np.searchsorted(self.exclude, first + n)]
+        mask = np.ones(n, dtype=bool)
+        mask[ex - first] = False
+        return np.flatnonzero(mask)
 
     def window_size(self, units) -> int:
         return sum(self.sizes[u] for u in units)
@@ -157,11 +178,16 @@ def _read_window(store: Store, spec: _Spec, plan: _Plan, job: _Job, piece: int |
             b = min(hi, a + step)
             data = store.read(s, fields=spec.read_fields, start=a, stop=b)
             first = plan.offsets[u] + a
-            block.fill(pos, data, np.arange(first, first + b - a))
+            rows = np.arange(first, first + b - a)
+            local = plan.kept(first, b - a)  # None: every row of the piece (nothing excluded in it)
+            if local is None:
+                block.fill(pos, data, rows)
+            elif len(local):
+                block.fill(pos, data, rows[local], local)
             if probe is not None and b == hi and i == len(job.units) - 1:
                 probe()
             del data  # before the next piece is read
-            pos += b - a
+            pos += b - a if local is None else len(local)
     block.seal()
     return block
 
@@ -246,7 +272,7 @@ def _worker_main(wid: int, nworkers: int, cfg: dict, slots: torch.Tensor, free_q
         store = open_store(**cfg["store"])
         spec = _Spec(store)
         plan = _Plan(store, seed=cfg["seed"], rank=cfg["rank"], world_size=cfg["world_size"],
-                     window=cfg["window"], batch_size=cfg["batch_size"])
+                     window=cfg["window"], batch_size=cfg["batch_size"], exclude=cfg["exclude"])
         layout, _ = _slot_layout(spec, plan.batch_size)
         views = [_slot_views(slots[s], layout, plan.batch_size) for s in range(len(slots))]
 
@@ -301,10 +327,10 @@ class StreamingLoader(_Loader):
     def __init__(self, store, *, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
                  device="cpu", workers: int = 4, shuffle_window: int | None = None,
                  prefetch: int | None = None, with_index: bool = False, reason: str = "", split: str = "part",
-                 mp_context: str | None = None, memory=None, local_world_size: int | None = None):
+                 mp_context: str | None = None, memory=None, local_world_size: int | None = None, exclude=None):
         store = _open(store)
         super().__init__(store, batch_size=batch_size, seed=seed, rank=rank, world_size=world_size,
-                         device=device, with_index=with_index, reason=reason, split=split)
+                         device=device, with_index=with_index, reason=reason, split=split, exclude=exclude)
         self.workers = max(0, workers)
         self._layout, self._slot_bytes = _slot_layout(self.spec, self._stream_batch)
         self._piece = _read_piece_rows(store, self.spec)
@@ -319,7 +345,7 @@ class StreamingLoader(_Loader):
             batch_size=self._stream_batch, budget=budget, source=source)
         self.shuffle_window, self.prefetch = self.memory_plan.window, self.memory_plan.prefetch
         self.plan = _Plan(store, seed=seed, rank=self._stream_rank, world_size=self._stream_world,
-                          window=self.shuffle_window, batch_size=self._stream_batch)
+                          window=self.shuffle_window, batch_size=self._stream_batch, exclude=self.exclude)
         self.reason += f"; window {self.shuffle_window}, prefetch {self.prefetch}, {self.memory_plan.describe()}"
         self._ctx = torch.multiprocessing.get_context(
             mp_context or ("fork" if "fork" in torch.multiprocessing.get_all_start_methods() else None))
@@ -383,7 +409,8 @@ class StreamingLoader(_Loader):
         else:
             cfg = {"store": self.store.open_args(), "seed": self.seed, "rank": self._stream_rank,
                    "world_size": self._stream_world, "window": self.shuffle_window,
-                   "batch_size": self._stream_batch, "epoch": e, "offset": o, "piece": self._piece}
+                   "batch_size": self._stream_batch, "epoch": e, "offset": o, "piece": self._piece,
+                   "exclude": self.exclude}
             ctx = self._ctx
             self._stop = ctx.Event()
             # Objects of this process that exist at the fork are moved out of the collector's

@@ -11,6 +11,7 @@
     log.py         what a run reports: metric records, the progress bar, sample grids, FID calls
     loggers.py     where the records go: metrics.jsonl, TensorBoard, W&B
     fid.py         FID of the EMA model during training (--eval-every)
+    validation.py  a held-out validation loss at fixed t and noise (--val-fraction, --val-latents, --val-every)
     runs.py        `dittrain runs`: a table of run directories and their loss curves
 
 The package itself imports nothing.

@@ -109,6 +109,14 @@ class Log:
         self.bar.write(f"dittrain: step {rec['step']}: FID-{rec['eval_n']} {rec['fid']:.3f}, sFID {rec['sfid']:.3f}, "
                        f"IS {rec['inception_score']:.2f} ({rec['eval_seconds']:.0f} s)", file=sys.stderr)
 
+    def validation(self, rec: dict) -> None:
+        """A validation loss' record {"step", "loss", "loss_t<T>", ..., "rows", "seconds"}
+        (dittrain.train.validation): to the loggers as val/* (metrics.jsonl: val_loss, ...), and a line."""
+        self._scalars("val", rec)
+        self.status("")
+        self.bar.write(f"dittrain: step {rec['step']}: val loss {rec['loss']:.5f} ({rec['rows']} rows, "
+                       f"{rec['seconds']:.1f} s)", file=sys.stderr)
+
     def grid(self, step: int, path: Path) -> None:
         """An EMA sample grid written at `path` (a PNG): to the loggers that show images."""
         from PIL import Image

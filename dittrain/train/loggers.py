@@ -7,15 +7,15 @@ is opened by its class's `start` (None, after a note, where it cannot start here
 same three calls, made by rank 0 only (dittrain.train.log.Log):
 
     Logger.start(out, config=, resumed=, project=, name=, note=)   the run directory `out`
-    scalars(step, {"train/loss": 0.12, ...})   tags are GROUP/NAME (train/*, eval/*)
+    scalars(step, {"train/loss": 0.12, ...})   tags are GROUP/NAME (train/*, eval/*, val/*)
     image(step, tag, uint8 array (H, W, 3))     the EMA sample grids
     close()
 
 metrics.jsonl is the run's own record (`dittrain runs` and the resume logic read it), so it
 is kept whatever --logger says; its lines are flat ({"step": 3, "loss": ...}: the group is
-dropped). Weights & Biases is a convenience that never stops or stalls a run: a short init
-timeout, and a failed init or log call is one note, after which the run goes on without it.
-It honours WANDB_MODE (offline: everything stays under RUN/wandb/, `wandb sync` uploads it
+dropped, except val/*'s: val_loss, ..., KEEP_GROUP). Weights & Biases is a convenience that
+never stops or stalls a run: a short init timeout, and a failed init or log call is one
+note, after which the run goes on without it. It honours WANDB_MODE (offline: everything stays under RUN/wandb/, `wandb sync` uploads it
 later; disabled: nothing) and W&B's own variables: a --wandb-project / --wandb-name flag wins,
 else WANDB_PROJECT / WANDB_NAME, else ditkit's defaults (project "ditkit", the run folder's
 name); WANDB_DIR, WANDB_RUN_ID and WANDB_RESUME, where set, replace RUN/, the kept id and
@@ -73,6 +73,17 @@ def open_loggers(spec: str, out: Path, *, config: dict, resumed: bool, wandb_pro
     return [logger for logger in opened if logger is not None]
 
 
+# groups whose metrics.jsonl names keep the group ("val/loss" -> "val_loss"): a validation record's loss must not
+# read as a training record's ("loss" is what makes a record a training one: dittrain.train.runs)
+KEEP_GROUP = ("val",)
+
+
+def _flat(tag: str) -> str:
+    """A tag's name in metrics.jsonl: GROUP/NAME -> NAME, or GROUP_NAME for the KEEP_GROUP groups."""
+    group, _, name = tag.rpartition("/")
+    return f"{group}_{name}" if group in KEEP_GROUP else name
+
+
 class JsonlLogger:
     """metrics.jsonl: one flat JSON record per scalars() call (tags lose their group)."""
 
@@ -84,7 +95,7 @@ class JsonlLogger:
         return cls(out / "metrics.jsonl")
 
     def scalars(self, step: int, values: dict) -> None:
-        rec = {"step": step, **{tag.split("/", 1)[-1]: v for tag, v in values.items()}}
+        rec = {"step": step, **{_flat(tag): v for tag, v in values.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
 

@@ -68,6 +68,8 @@ from dittrain.train.optim import build_optimizer, build_schedule
 from dittrain.train.resume import Resumption
 from dittrain.train.setup import Run, TrainError, setup
 from dittrain.train.step import Attempt, TrainStep, compile_model, compile_target, empty_text_on
+from dittrain.train.validation import build as build_validation
+from dittrain.train.validation import validate
 
 # --------------------------------------------------------------------------- setup (dittrain.train.setup) and FID
 
@@ -134,8 +136,10 @@ def _build(run: Run, ckpt: dict | None) -> RunState:
         d = cfg.data
         settings = LoaderConfig(kind=kind, resident_device=d.resident_device, workers=d.workers, shuffle_window=window,
                                 memory=d.loader_memory, remainder=d.bucket_remainder)
+        # --val-fraction: the held-out rows are never in a training batch
+        held_out = run.validation.exclude if run.validation is not None else None
         loader = build_loader(run.store, settings, batch_size=run.per_rank, seed=cfg.optim.seed, rank=run.rank,
-                              world_size=run.world, device=device)
+                              world_size=run.world, device=device, exclude=held_out)
     except ValueError as e:  # LoaderError (does not fit) or settings the loader refuses
         raise TrainError(str(e)) from e
     if ckpt is not None and kind != cfg.data.loader:  # not what the user asked now: the checkpoint's
@@ -291,6 +295,9 @@ def _train(cfg: TrainConfig, resumption: Resumption | None, progress: bool = Tru
     run.resumption = resumption
     run.evaluator = _evaluator(cfg, run.store)
     run.watch = watched(run)  # --sample-classes / --sample-prompts: checked (and embedded) before anything is written
+    run.validation = build_validation(run)  # --val-fraction / --val-latents: the rows read, before anything is written
+    if run.validation is not None:
+        run.resolved["validation"] = run.validation.record
     ckpt, latest = _checkpoint_to_resume(run)
     state = _build(run, ckpt)
     try:
@@ -322,9 +329,13 @@ def _train(cfg: TrainConfig, resumption: Resumption | None, progress: bool = Tru
                 print(f"dittrain: {line}", file=sys.stderr)
             if (route := route_of(cfg.routing)) is not None:
                 print(f"dittrain: {describe_route(route, run.model_cfg.depth, run.model_cfg.num_tokens)}", file=sys.stderr)
+            if run.validation is not None:
+                print(f"dittrain: {run.validation.describe()}", file=sys.stderr)
         # (the bar closes on errors too; out of GPU memory is one line naming the model, batch, precision)
         with (_Stop() as stop, Log(run, state, resumed=ckpt is not None, progress=progress) as log,
               training_memory_hint(run)):
+            if run.validation is not None and ckpt is None:  # the curve's first point: the weights it starts from
+                validate(run, state, 0, log)
             stopped = _loop(run, state, train_model, log, stop, terms)
             step = state.step
             if run.master and step == cfg.optim.max_steps and cfg.logging.sample_every > 0 and step % cfg.logging.sample_every:
@@ -410,7 +421,8 @@ def _loop(run: Run, state: RunState, train_model, log: Log, stop: _Stop, terms: 
         if not (stopping or compiling
                 or nxt % cfg.logging.log_every == 0 or nxt % cfg.checkpointing.save_every == 0
                 or nxt == cfg.optim.max_steps or bool(cfg.logging.sample_every and nxt % cfg.logging.sample_every == 0)
-                or (run.evaluator is not None and nxt % cfg.eval.eval_every == 0)):
+                or (run.evaluator is not None and nxt % cfg.eval.eval_every == 0)
+                or (run.validation is not None and nxt % cfg.eval.val_every == 0)):
             continue
         stepped, stop_now = books.settle(pending)
         pending, stopping = None, stopping or stop_now
@@ -428,6 +440,8 @@ def _loop(run: Run, state: RunState, train_model, log: Log, stop: _Stop, terms: 
             sample_grid(run, state.ema, n, log)
         if stepped and run.evaluator is not None and (n % cfg.eval.eval_every == 0 or n == cfg.optim.max_steps):
             evaluate(run, state, n, log)
+        if stepped and run.validation is not None and (n % cfg.eval.val_every == 0 or n == cfg.optim.max_steps):
+            validate(run, state, n, log)
         if stopping:
             if run.saver is not None:  # "checkpoint saved" is said once it is on disk
                 run.saver.wait()

@@ -4,7 +4,8 @@ What a run directory holds (dittrain.train.loop) and what is read from it:
 
     config.json      {"train": {"model", "max_steps", ...}, "store": {"path", ...}, ...}
     metrics.jsonl    one record a line: training records {"step", "loss", "images_per_s",
-                     "data_wait_frac", ...}; evaluation records {"step", "fid", ...} (no "loss")
+                     "data_wait_frac", ...}; evaluation records {"step", "fid", ...} (no "loss");
+                     validation records {"step", "val_loss", "val_loss_t<T>", ...}
     checkpoints/     step_N.pt: the status (finished once one is at max_steps)
 
 Nothing is written to the runs. A line of metrics.jsonl that does not parse (torn by a
@@ -13,7 +14,7 @@ is reported as not a run. RunsError (one line) when none of the directories is a
 
     summaries = [summarize(d) for d in dirs]      RunSummary: the row, the loss curve, notes
     print(format_table(summaries))
-    plot_losses(summaries, "loss.png")            log-scale loss, EMA-smoothed over faint raw
+    plot_losses(summaries, "loss.png")            log-scale loss, EMA-smoothed over faint raw; val dashed
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class RunSummary:
     checkpoint_step: int | None = None
     status: str = ""  # finished | has checkpoint (step N) | no checkpoint | empty | not a run (...)
     curve: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) of every training record
+    val_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, val_loss) of every validation record
     skipped_lines: int = 0
 
 
@@ -114,14 +116,18 @@ def summarize(path) -> RunSummary:
     records, s.skipped_lines = read_metrics(path / "metrics.jsonl")
     by_step: dict[int, dict] = {}
     evals: list[tuple[float, int]] = []
+    val: dict[int, float] = {}
     for rec in records:
         if "loss" in rec:
             by_step[rec["step"]] = rec  # a step logged twice (an old resume): the later record
+        if (v := _number(rec.get("val_loss"))) is not None:  # --val-fraction / --val-latents
+            val[rec["step"]] = v
         fid = _number(rec.get("fid"))
         if fid is not None and math.isfinite(fid):
             evals.append((fid, rec["step"]))
     training = [by_step[k] for k in sorted(by_step)]
     s.curve = [(r["step"], loss) for r in training if (loss := _number(r["loss"])) is not None]
+    s.val_curve = sorted(val.items())
     if training:
         s.step, s.loss = training[-1]["step"], _number(training[-1]["loss"])
         last = training[-LAST_RECORDS:]
@@ -200,10 +206,15 @@ def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
 
 def plot_losses(rows: list[RunSummary], out, *, weight: float = SMOOTHING) -> Path:
     """The loss curves of the runs in one PNG at `out`, written atomically: log-scale y,
-    each run's raw records faint and their EMA in the same colour, a legend of run names.
+    each run's raw records faint and their EMA in the same colour, a legend of run names; a run
+    with a validation loss (--val-fraction, --val-latents) has it beside, dashed with markers in
+    the same colour, unsmoothed (its numbers are not noisy: fixed t and noise).
     RunsError when no run has a positive loss to draw."""
-    curves = [(r.name, [(x, y) for x, y in r.curve if math.isfinite(y) and y > 0]) for r in rows if r.run]
-    curves = [(name, c) for name, c in curves if c]
+    def positive(curve):
+        return [(x, y) for x, y in curve if math.isfinite(y) and y > 0]
+
+    curves = [(r.name, positive(r.curve), positive(r.val_curve)) for r in rows if r.run]
+    curves = [(name, c, v) for name, c, v in curves if c or v]
     if not curves:
         raise RunsError("no run has training losses to plot (metrics.jsonl is missing or empty)")
     matplotlib = require("matplotlib", "--plot", "train", RunsError)
@@ -215,14 +226,19 @@ def plot_losses(rows: list[RunSummary], out, *, weight: float = SMOOTHING) -> Pa
     out = Path(out)
     fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
     try:
-        for i, (name, curve) in enumerate(curves):
-            steps, losses = zip(*curve, strict=True)
+        for i, (name, curve, val) in enumerate(curves):
             color = f"C{i % 10}"
-            ax.plot(steps, losses, color=color, alpha=0.25, linewidth=1)
-            ax.plot(steps, smooth(list(losses), weight), color=color, linewidth=2, label=name)
+            if curve:
+                steps, losses = zip(*curve, strict=True)
+                ax.plot(steps, losses, color=color, alpha=0.25, linewidth=1)
+                ax.plot(steps, smooth(list(losses), weight), color=color, linewidth=2, label=name)
+            if val:
+                steps, losses = zip(*val, strict=True)
+                ax.plot(steps, losses, color=color, linewidth=1.5, linestyle="--", marker="o", markersize=3,
+                        label=f"{name} (val)")
         ax.set_yscale("log")
         ax.set_xlabel("step")
-        ax.set_ylabel("training loss")
+        ax.set_ylabel("training loss" + (", validation loss (dashed)" if any(v for _, _, v in curves) else ""))
         ax.set_title(f"loss (EMA {weight:g} over the raw records)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()

@@ -139,6 +139,7 @@ class Run:
     latent_norm: str = ""  # the startup line's words for the latent normalisation (dittrain.data.latent_norm.choose)
     t_shift: str = ""  # the startup line's words for --t-shift auto (resolve_t_shift); "" when given
     watch: dict | None = None  # what the EMA grids show: {"labels": [...]} or {"text": {...}} (log.watched)
+    validation: object | None = None  # --val-fraction / --val-latents: dittrain.train.validation.Validation
 
     @property
     def master(self) -> bool:

@@ -1,0 +1,187 @@
+"""--val-fraction / --val-latents (dittrain.train.validation): held-out rows never in a training batch
+(every loader kind), the same val numbers for the same weights (two evaluations, another batch size, a
+resume), per-t keys in every logger's record, a second store, one-line errors, a config file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cliutil import assert_has, ok, one_error_line, run_args
+from cliutil import dittrain as cli
+from storeutil import (
+    LABELLED,
+    LOADER_SIZES,
+    bucketed_store,
+    class_conditioning,
+    latent_data,
+    make_store,
+    new_loader,
+    pixels_info,
+    resumed,
+    schema,
+    take,
+    write_store,
+)
+
+from dittrain.config import VAL_TIMESTEPS, LoaderConfig, TrainConfig
+from dittrain.data import build_loader
+from dittrain.train.validation import held_out, t_label, t_values
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MODEL = "custom:hidden=32,depth=2,heads=2,patch=2"
+HELD = [0, 3, 7, 8, 20, 21, 22, 23, 24, 30, 53]  # of LOADER_SIZES' 54 rows: a whole shard (20..24) among them
+
+
+@pytest.fixture(scope="module")
+def loader_store(tmp_path_factory) -> Path:
+    """LOADER_SIZES' shards (an empty one on purpose) of 3x4x4 latents with flips, labels a, b, c."""
+    root = tmp_path_factory.mktemp("loader") / "s"
+    write_store(root, schema(shape=(3, 4, 4), flip=True, text=False, columns=LABELLED), LOADER_SIZES,
+                info=pixels_info(4, class_conditioning(["a", "b", "c"])), data=latent_data(0))
+    return root
+
+
+@pytest.mark.parametrize("kind, workers", [("resident", 0), ("streaming", 0), ("streaming", 2)])
+def test_held_out_rows_are_never_in_a_training_batch(loader_store, kind, workers):
+    kept = sorted(set(range(54)) - set(HELD))
+    with new_loader(loader_store, kind, workers, seed=1, exclude=HELD) as loader:
+        seen = [int(i) for batch in take(loader, 12) for i in batch["index"]]
+    assert not set(seen) & set(HELD)
+    assert sorted(seen[:len(kept)]) == kept  # an epoch is every kept row once
+    # and the order still resumes exactly
+    straight, split, state = resumed(lambda: new_loader(loader_store, kind, workers, seed=1, exclude=HELD), 9, 4,
+                                     keep=lambda b: b["index"].tolist())
+    assert straight == split and state["excluded"] == len(HELD)
+
+
+def test_two_ranks_share_the_kept_rows(loader_store):
+    parts = []
+    for rank in range(2):
+        with new_loader(loader_store, "resident", seed=1, exclude=HELD, rank=rank, world_size=2) as loader:
+            parts.append({int(i) for b in take(loader, 3) for i in b["index"]})
+    assert not parts[0] & parts[1] and parts[0] | parts[1] == set(range(54)) - set(HELD)
+
+
+def test_a_bucketed_store_skips_its_held_out_rows(tmp_path):
+    store = bucketed_store(tmp_path / "b", {(8, 8): 10, (8, 4): 7})  # buckets by name: 8x4 (rows 0..6), 8x8 (7..16)
+    loader = build_loader(store, LoaderConfig(with_index=True), batch_size=4, exclude=[0, 1, 12])
+    seen = {(loader.bucket_of(k), int(i)) for k in range(12) for i in next(loader)["index"]}
+    assert seen == {(0, i) for i in range(2, 7)} | {(1, i) for i in range(10) if i != 5}
+
+
+def test_the_split_is_seeded_stratified_and_refuses_too_few_rows():
+    a, again = held_out([100, 7, 40], 0.1), held_out([100, 7, 40], 0.1)
+    assert [len(r) for r in a] == [10, 1, 4] and all(np.array_equal(x, y) for x, y in zip(a, again, strict=True))
+    assert [len(r) for r in held_out([3, 1], 0.01)] == [1, 0]  # at least one row, every part keeps one to train on
+    with pytest.raises(ValueError, match="too few"):
+        held_out([1], 0.5)
+    assert t_values("ddpm") == [50, 150, 250, 350, 450, 550, 650, 750, 850, 950]
+    assert [t_label(t) for t in t_values("flow")][:2] == ["t0.05", "t0.15"] and len(t_values("flow")) == VAL_TIMESTEPS
+
+
+def _records(out: Path, key: str) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if key in r}
+
+
+def test_val_loss_is_logged_per_t_and_the_same_after_a_resume(tmp_path):
+    store = make_store(tmp_path / "s")
+    args = ["--model", MODEL, "--val-fraction", "0.25", "--val-every", "2", "--save-every", "2", "--lr", "1e-3",
+            "--logger", "jsonl,tensorboard"]
+    ok(cli(*run_args(store, tmp_path / "straight", "--max-steps", "4", *args)))
+    ok(cli(*run_args(store, tmp_path / "two", "--max-steps", "2", *args)))
+    ok(cli("run", "--resume", "--out", tmp_path / "two", "--max-steps", "4"), "finished at step 4")
+    straight, two = _records(tmp_path / "straight", "val_loss"), _records(tmp_path / "two", "val_loss")
+    assert sorted(straight) == [0, 2, 4] == sorted(two)
+    keys = {f"val_loss_{t_label(t)}" for t in t_values("ddpm")}
+    for step in straight:
+        assert keys <= straight[step].keys()
+        assert {k: straight[step][k] for k in ("val_loss", *keys)} == {k: two[step][k] for k in ("val_loss", *keys)}
+    assert straight[4]["val_loss"] != straight[0]["val_loss"]  # the weights moved
+    record = json.loads((tmp_path / "straight" / "config.json").read_text())
+    assert record["train"]["eval"]["val_fraction"] == 0.25
+    assert record["validation"] | {"t": None} == {"fraction": 0.25, "held_out": 12, "rows": 12, "t": None,
+                                                   "weights": "live", "loss": "mse", "seed": record["validation"]["seed"]}
+    # TensorBoard has the per-t curves
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "straight" / "tensorboard"))
+    events.Reload()
+    assert {"val/loss", "val/loss_t50", "val/loss_t950"} <= set(events.Tags()["scalars"])
+    # the split is fixed, how often it is measured is not
+    bad = cli("run", "--resume", "--out", tmp_path / "two", "--max-steps", "6", "--val-fraction", "0.5")
+    assert "--val-fraction" in one_error_line(bad.output)
+    ok(cli("run", "--resume", "--out", tmp_path / "two", "--max-steps", "5", "--val-every", "5"), "finished at step 5")
+    from dittrain.train.runs import plot_losses, summarize
+
+    summary = summarize(tmp_path / "two")
+    assert [s for s, _ in summary.val_curve] == [0, 2, 4, 5]
+    assert plot_losses([summary], tmp_path / "loss.png").stat().st_size > 0
+
+
+def test_two_evaluations_of_the_same_weights_agree_whatever_the_batch(tmp_path):
+    import torch
+
+    from dittrain.model.dit import DiT
+    from dittrain.train.setup import setup
+    from dittrain.train.validation import build
+
+    store = make_store(tmp_path / "s", flip=False)
+    results = []
+    for batch in (64, 5):
+        cfg = TrainConfig.from_flat(latents=str(store), model=MODEL, val_fraction=0.25, eval_batch_size=batch,
+                                    device="cpu", out=str(tmp_path / "r"))
+        run = setup(cfg)
+        val = build(run)
+        torch.manual_seed(0)
+        model = DiT(run.model_cfg)
+        results += [val.evaluate(model), val.evaluate(model)]
+    first = {k: v for k, v in results[0].items() if k != "seconds"}
+    for rec in results[1:]:
+        assert rec.keys() == results[0].keys()
+        for k, v in first.items():
+            assert rec[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
+    assert {k: v for k, v in results[1].items() if k != "seconds"} == first  # the same batch: bit for bit
+
+
+def test_a_second_store_validates_and_training_is_untouched(tmp_path):
+    store, other = make_store(tmp_path / "s"), make_store(tmp_path / "v", n=12, shards=1, seed=5)
+    common = ["--model", MODEL, "--max-steps", "3", "--lr", "1e-3", "--logger", "jsonl"]
+    ok(cli(*run_args(store, tmp_path / "plain", *common)))
+    r = ok(cli(*run_args(store, tmp_path / "val", *common, "--val-latents", other, "--val-every", "2")))
+    assert_has(r.output, f"12 rows of {other}")
+    def training(out):
+        return {step: (r["loss"], r["grad_norm"]) for step, r in _records(out, "loss").items()}
+
+    assert training(tmp_path / "plain") == training(tmp_path / "val")  # the same training, bit for bit
+    assert sorted(_records(tmp_path / "val", "val_loss")) == [0, 2, 3]
+    record = json.loads((tmp_path / "val" / "config.json").read_text())["validation"]
+    assert record["rows"] == 12 and record["store"]["path"] == str(other.resolve())
+
+
+def test_bad_values_are_one_line(tmp_path):
+    store = make_store(tmp_path / "s", n=6, shards=1)
+    other = make_store(tmp_path / "o", n=6, shards=1, shape=(3, 16, 16))
+    cases = [
+        (["--val-fraction", "1.5"], "--val-fraction"),
+        (["--val-fraction", "0.1", "--val-latents", other], "give one"),
+        (["--val-latents", tmp_path / "nowhere"], "--val-latents"),
+        (["--val-latents", other], "does not fit the model"),
+        (["--val-every", "0"], "--val-every"),
+    ]
+    for extra, needle in cases:
+        r = cli(*run_args(store, tmp_path / "r", "--model", MODEL, "--max-steps", "1", *extra))
+        assert r.exit_code != 0 and needle in one_error_line(r.output), r.output
+        assert not (tmp_path / "r").exists()  # refused before anything is written
+
+
+def test_a_config_file_and_dotted_flags_set_it(tmp_path):
+    (tmp_path / "run.toml").write_text("[eval]\nval_fraction = 0.2\nval_every = 7\n")
+    r = ok(cli("run", "--config", tmp_path / "run.toml", "--eval.val-every", "9", "--print-config"))
+    assert_has(r.output, "val-fraction = 0.2", "val-every = 9")
+    r = ok(cli("run", "--eval.val_latents", "elsewhere", "--print-config"))
+    assert_has(r.output, 'val-latents = "elsewhere"')
