@@ -4,6 +4,7 @@
     dittrain export --ckpt RUN --format int8      --out dit-int8.pt
     dittrain export --ckpt RUN --format onnx      --out dit.onnx         (dittrain.inference.onnx)
     dittrain export --ckpt RUN --format diffusers --out dit-pipeline/
+    dittrain export --ckpt LORA_RUN --merge-lora  --out dit-lora/     (export_lora: merged + peft adapter)
 
 The source is anything `dittrain sample --ckpt` reads (a run directory: its EMA; an EMA
 export, fp32 or fp16; a checkpoint .pt: its EMA; a plain state dict, its model inferred from
@@ -22,6 +23,10 @@ int8       FILE.pt: {"format": "dittrain-int8", "config", "state_dict", "export"
            load_model assigns them; torchao must be installed. On the CPU it is not faster.
 onnx       FILE.onnx: the DiT forward with a dynamic batch, checked against PyTorch; see
            dittrain.inference.onnx. `dittrain sample --engine onnx --onnx FILE` samples it.
+--merge-lora  DIR/: a --lora run's EMA adapter merged into its frozen base (DIR/ema.safetensors, an EMA
+           export every reader takes) and the adapter itself as peft saves one (adapter_model.safetensors,
+           adapter_config.json). A LoRA run needs no merging to be read: every format above, sampling and
+           serving apply its adapter to its base as they load it (dittrain.inference.weights.with_base).
 diffusers  DIR/: a diffusers DiTPipeline folder (model_index.json, transformer/, vae/,
            scheduler/, and dittrain_export.json), which DiTPipeline.from_pretrained(DIR,
            local_files_only=True) loads offline. Class-conditional ddpm runs on a store
@@ -78,6 +83,7 @@ import importlib.util
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -100,7 +106,7 @@ from dittrain.inference.open_run import (
 from dittrain.inference.weights import full_weights, infer_run_config, read_weights
 from dittrain.model.dit import DiT
 from dittrain.model.sizes import BLOCK_FIELDS, DiTConfig
-from dittrain.rundir import INT8_FORMAT, export_weights
+from dittrain.rundir import INT8_FORMAT, CheckpointError, export_weights, load_checkpoint
 
 FORMATS = ("onnx", "diffusers", "fp16", "int8")
 SUFFIX = {"fp16": ".safetensors", "int8": ".pt", "onnx": ".onnx", "diffusers": None}
@@ -211,6 +217,70 @@ def export(ckpt, fmt: str, out, *, overwrite: bool = False, latents=None, vae: s
             for part in sorted(f.iterdir()):
                 log(f"  {part.name}{'/' if part.is_dir() else ''}  {format_size(file_size(part), decimal=True, smallest='kB')}")
     return {"format": fmt, "files": files, "sizes": sizes}
+
+
+# -----------------------------------------------------------------------------
+# --merge-lora: a LoRA run's weights merged, and its adapter as peft saves one
+
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # peft's file names
+PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's names in its saved keys
+
+
+def export_lora(ckpt, out, *, overwrite: bool = False, log=print) -> dict:
+    """`dittrain export --merge-lora`: the EMA adapter of a --lora run (its run directory, ema.safetensors or a
+    checkpoint) into the folder `out`:
+
+        OUT/ema.safetensors            the merged weights (W + (alpha / r) B A on the frozen base), an EMA export
+                                       with the run config: `dittrain sample/serve/export --ckpt OUT` take it
+                                       (no base needed any more)
+        OUT/adapter_model.safetensors  the adapter as peft saves it (keys base_model.model.NAME.lora_A.weight)
+        OUT/adapter_config.json        its LoraConfig (r, lora_alpha, lora_dropout, the targeted modules' full
+                                       names): PeftModel.from_pretrained(our DiT holding the base, OUT) loads it
+
+    Checked: the merged weights, reloaded, give the adapted model's outputs. Returns {"files", "sizes"}."""
+    from safetensors.torch import save_file
+
+    from dittrain.inference.weights import adapted_model, load_weights, strip_prefixes, weights_file
+    from dittrain.model import lora
+    from dittrain.rundir import EMA_EXPORT
+
+    out = Path(out)
+    if out.is_file():
+        raise ExportError(f"--out {out} is a file; --merge-lora writes a folder")
+    check_new_output(out, "--out", ExportError, overwrite=overwrite)
+    file = weights_file(ckpt)
+    try:
+        state, config = load_weights(file)
+    except CheckpointError as e:
+        raise ExportError(f"--merge-lora: not a --lora run's weights ({e})") from None
+    state = strip_prefixes(state)
+    if not lora.is_adapter(state):
+        raise ExportError(f"--merge-lora: {file} holds no LoRA adapter (not a --lora run); export it with --format")
+    settings = lora.settings_of(config["train"]["lora"])
+    model = adapted_model(state, config, file)
+    names = [n for n, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    merged = lora.merged_state(model)
+    source = SimpleNamespace(file=file, kind="export" if file.suffix == ".safetensors" else "checkpoint",
+                             step=None if file.suffix == ".safetensors" else load_checkpoint(file).get("step"))
+    record = {**_record("merge-lora", source), "base": (config.get("init") or {}).get("file")}
+    out.mkdir(parents=True, exist_ok=True)
+    weights = export_weights(out / EMA_EXPORT, merged, config, metadata={EXPORT_KEY: json.dumps(record)})
+    adapter = out / ADAPTER_WEIGHTS
+    save_file({PEFT_PREFIX + k: v.detach().contiguous().cpu() for k, v in state.items()}, str(adapter),
+              metadata={"format": "pt"})
+    peft = lora.peft_config(settings, names)
+    peft.base_model_name_or_path = (config.get("init") or {}).get("from")
+    peft.save_pretrained(str(out))
+    inputs = _probe(model.config)
+    with torch.no_grad():
+        ref = model(**inputs)
+    log(f"check: {weights.name} (merged) against the adapter on its base, forward on random inputs: at most "
+        f"{_reload_diff(weights, inputs, ref):.1e} apart (outputs up to {float(ref.abs().max()):.2f})")
+    files = [weights, adapter, out / ADAPTER_CONFIG]
+    sizes = {str(f): file_size(f) for f in files}
+    for f in files:
+        log(f"wrote {f} ({format_size(sizes[str(f)], decimal=True, smallest='kB')})")
+    return {"format": "merge-lora", "files": files, "sizes": sizes}
 
 
 # -----------------------------------------------------------------------------

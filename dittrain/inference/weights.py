@@ -174,13 +174,14 @@ def read_weights(path) -> Weights:
     file = weights_file(path)
     if file.suffix == ".safetensors":
         state, config = load_weights(file)
-        return Weights(strip_prefixes(state), config, file, "export")
+        return Weights(with_base(strip_prefixes(state), config, file), config, file, "export")
     with torch.serialization.safe_globals([argparse.Namespace]):  # DiT training checkpoints' "args"
         obj = load_checkpoint(file, mmap=True)
     if isinstance(obj, dict) and obj.get("format") == INT8_FORMAT:
         return Weights(strip_prefixes(obj["state_dict"]), obj["config"], file, "int8")
     if isinstance(obj, dict) and "ema" in obj and "config" in obj:
-        return Weights(strip_prefixes(obj["ema"]), obj["config"], file, "checkpoint", obj.get("step"))
+        return Weights(with_base(strip_prefixes(obj["ema"]), obj["config"], file), obj["config"], file, "checkpoint",
+                       obj.get("step"))
     state = obj
     if isinstance(obj, dict):
         state = obj.get("ema", obj.get("model", obj))
@@ -189,6 +190,47 @@ def read_weights(path) -> Weights:
         raise WeightsError(f"{file}: neither a dittrain checkpoint nor a state dict of tensors "
                            "(nor one under 'ema' or 'model')")
     return Weights(strip_prefixes(state), None, file, "plain")
+
+
+def with_base(state: dict, config: dict, file) -> dict:
+    """`state` as a plain DiT state dict: itself, unless it is a --lora run's adapter (its EMA export or a
+    checkpoint's "ema": the adapter's tensors alone), which is applied to the run's frozen base and merged
+    (adapted_model; dittrain.model.lora.merged_state: W + (alpha / r) B A, peft's delta). So every reader of
+    a run (sample, serve, export, --init-from) takes a LoRA run as it takes any other."""
+    from dittrain.model import lora
+
+    if not lora.is_adapter(state):
+        return state
+    return lora.merged_state(adapted_model(state, config, file))
+
+
+def adapted_model(state: dict, config: dict, file) -> DiT:
+    """A --lora run's adapter `state` on its frozen base: the DiT of its run config, the base loaded from its
+    "init" record (the --init-from weights, checked to be the same bytes), peft's LoRA layers put in and the
+    adapter loaded; float32 on the CPU. WeightsError (one line) when the base is gone or has changed."""
+    from dittrain.model import lora
+
+    settings = lora.settings_of((config.get("train") or {}).get("lora") or {})
+    init = config.get("init") or {}
+    if settings is None or not init.get("from"):
+        raise WeightsError(f"{file}: a LoRA adapter whose run config records no --lora or no base weights (init)")
+    source = init["from"]
+    if not Path(source).exists():
+        raise WeightsError(f"{file} is a LoRA adapter of the base {source}, which is gone: put it back, or use the "
+                           "weights `dittrain export --merge-lora` wrote from the run")
+    known = set(DiTConfig.__dataclass_fields__)
+    with torch.random.fork_rng(devices=[]):  # building and injecting draw random numbers: not the caller's
+        model = DiT(DiTConfig(**{k: v for k, v in config["model"].items() if k in known}))
+        record, _ = init_model(model, source)
+        if record["sha256"] != init.get("sha256"):
+            raise WeightsError(f"{file} is a LoRA adapter of {record['file']}, which has changed since the run "
+                               "started (another sha256): the adapter was trained on the old one; restore it")
+        lora.inject(model, settings)
+    try:
+        lora.load_adapter(model, state)
+    except lora.LoraError as e:
+        raise WeightsError(f"{file}: {e}") from None
+    return model.eval()
 
 
 # --------------------------------------------------------------------------- what the shapes imply
@@ -597,5 +639,5 @@ def init_model(model: DiT, source) -> tuple[dict, list[str]]:
 
 __all__ = [
     "LABEL_TABLE", "PIXART_CLASS", "StandInStore", "init_pixart", "pixart_folder", "read_pixart", "Weights", "WeightsError", "describe", "infer_model", "infer_run_config",
-    "full_weights", "init_model", "load_weights", "mismatch", "read_weights", "stand_in_store", "strip_prefixes", "weights_file",
+    "full_weights", "init_model", "load_weights", "mismatch", "read_weights", "stand_in_store", "strip_prefixes", "weights_file", "with_base", "adapted_model",
 ]

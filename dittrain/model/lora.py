@@ -138,9 +138,30 @@ def check_rank(model, settings: LoraSettings, names: list[str]) -> None:
                         f"{layer.in_features}, at most {most}); choose --lora <= {most} or other --lora-targets")
 
 
+def import_peft():
+    """peft, imported quietly: its import brings transformers and bitsandbytes, whose optional-kernel and
+    pytree notes (torchao's enums) are noise for a run; LoraError naming the extra when it is missing."""
+    import logging
+
+    quiet = [logging.getLogger(n) for n in ("torch.utils._pytree", "bitsandbytes.backends.cpu.ops", "kernels")]
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.ERROR)
+    try:
+        import peft
+    except ImportError as e:
+        from ditdata.common.extras import missing_extra
+
+        raise missing_extra("--lora", "train", e, LoraError) from e
+    finally:
+        for log, level in zip(quiet, levels, strict=True):
+            log.setLevel(level)
+    return peft
+
+
 def peft_config(settings: LoraSettings, names: list[str]):
     """peft's LoraConfig of `settings` on the modules `names` (full names: nothing else matches)."""
-    from peft import LoraConfig
+    LoraConfig = import_peft().LoraConfig  # noqa: N806 - peft's class
 
     return LoraConfig(r=settings.rank, lora_alpha=settings.scale_alpha, lora_dropout=settings.dropout,
                       target_modules=list(names), bias="none", init_lora_weights=True)
@@ -150,7 +171,7 @@ def inject(model, settings: LoraSettings) -> list[str]:
     """Put peft's LoRA layers on the targeted linears of `model` (in place, on their device: A
     drawn from torch's generator as peft initialises it, B zero, so the model starts as its base);
     every other parameter frozen. Returns the targeted names."""
-    from peft import inject_adapter_in_model
+    inject_adapter_in_model = import_peft().inject_adapter_in_model
 
     check(settings)
     names = target_names(model, settings.targets)
@@ -196,7 +217,7 @@ def load_adapter(model, state: dict) -> None:
 def merged_state(model) -> dict:
     """The plain state dict of the DiT under the adapter: each LoRA layer's base weight plus peft's
     delta (get_delta_weight: scale x B A), under the DiT's own names; every other tensor as it is."""
-    from peft.tuners.lora import LoraLayer
+    LoraLayer = import_peft().tuners.lora.LoraLayer  # noqa: N806 - peft's class
 
     state = {}
     layers = {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
@@ -230,5 +251,5 @@ def counts(model, names: list[str], rank: int) -> tuple[int, int]:
 
 
 __all__ = ["ADAPTER", "DEFAULT_TARGETS", "LoraError", "LoraSettings", "adapter_state", "check", "check_rank",
-           "counts", "describe", "inject", "is_adapter", "is_adapter_key", "load_adapter", "merged_state", "peft_config",
+           "counts", "describe", "import_peft", "inject", "is_adapter", "is_adapter_key", "load_adapter", "merged_state", "peft_config",
            "settings_of", "target_names"]

@@ -10,6 +10,10 @@ The terms, each from what the trainer builds (dittrain.train.loop._build, dittra
                the loss terms' modules, --repa's projector (ModelParts: the real model counted on
                the meta device; a term's Cost, dittrain.train.losses)
   ema          the EMA copy of the DiT (a term's module has none)
+  --lora       (Setting.lora) the base frozen: weights are the base's plus the adapter's A and B, the
+               EMA, the optimizer state and the gradients the adapter's alone (the final layer has
+               none); activations and autocast copies as a full run's (the frozen linears' inputs are
+               still kept: their input gradient needs the weights, and the adapter's A needs the input)
   optimizer    the state of the real optimizer class (optimizer_state_bytes: one step of
                dittrain.train.optim.build_optimizer's optimizer on probe tensors of every size)
   gradients    fp32 gradients of the trainable parameters, those alive at the peak
@@ -166,16 +170,24 @@ class ModelParts:
     outside_linear: int  # linear and convolution parameters outside the blocks (a DDT head's blocks too)
     head_block: int = 0  # a DiT^DH: trainable parameters of one DDT head block
     head_block_linear: tuple[int, int] = (0, 0)  # ... and its linear parameters, as block_linear
+    # --lora: the EMA holds the adapter alone (its frozen base is the model's own tensors) and the final layer
+    # is frozen (no gradient); a full run: the EMA is a copy of every parameter, the final layer trains
+    ema: int | None = None  # parameters the EMA holds (None: total)
+    final_trainable: bool = True
 
 
 @lru_cache(maxsize=64)
-def model_parts(config: DiTConfig) -> ModelParts:
+def model_parts(config: DiTConfig, lora: tuple[int, str] | None = None) -> ModelParts:
+    """lora: (rank, targets) of --lora: the base frozen, the adapter's A (r x in) and B (out x r) of each
+    targeted linear trainable (dittrain.model.lora's target_names on this model)."""
     import torch
 
     from dittrain.model.dit import DiT
 
     with torch.device("meta"):
         model = DiT(replace(config, grad_checkpointing="none"))
+    if lora is not None:
+        return _lora_parts(model, config, *lora)
 
     def linear(block) -> tuple[int, int]:
         groups = {"attn": 0, "mlp": 0, "adaLN_modulation": 0}
@@ -194,6 +206,25 @@ def model_parts(config: DiTConfig) -> ModelParts:
                       block_linear=linear(model.blocks[0]), outside_linear=outside,
                       head_block=sum(p.numel() for p in heads[0].parameters() if p.requires_grad) if heads else 0,
                       head_block_linear=linear(heads[0]) if heads else (0, 0))
+
+
+def _lora_parts(model, config: DiTConfig, rank: int, targets: str) -> ModelParts:
+    """ModelParts of --lora RANK on `targets`: trainable are the adapters' A and B (r (in + out) per linear),
+    the EMA holds them alone; the weights, the activations and the autocast copies are the base's (the
+    adapter's own activations, r per token and linear, are left out: r / D of a linear's input)."""
+    from dittrain.model.lora import target_names
+
+    full = model_parts(config)
+    names = target_names(model, targets)
+    pairs = {n: (rank * model.get_submodule(n).in_features, model.get_submodule(n).out_features * rank) for n in names}
+    trainable = tuple(x for pair in pairs.values() for x in pair)
+
+    def in_block(prefix: str) -> int:
+        return sum(sum(pair) for n, pair in pairs.items() if n.startswith(prefix))
+
+    return replace(full, total=full.total + sum(trainable), trainable=trainable, block=in_block("blocks.0."),
+                   head_block=in_block("head_blocks.0.") if config.head_depth else 0, ema=sum(trainable),
+                   final_trainable=False)
 
 
 def _in_linear(module, name: str) -> bool:
@@ -278,6 +309,7 @@ class Setting:
     # plans, named after it (its planned(); None: off): term_costs reads them through the entry
     repa: tuple[int, int, int] | None = None  # --repa: (block, projector width, target dims)
     resident_bytes: int = 0  # a store held on this device (--resident-device cuda)
+    lora: tuple[int, str] | None = None  # --lora: (rank, targets); None: a full run
 
     @property
     def dtype(self) -> str:
@@ -332,7 +364,7 @@ class _Blocks:
 
     def __init__(self, s: Setting):
         cfg = s.config
-        self.s, self.cfg, self.parts = s, cfg, model_parts(cfg)
+        self.s, self.cfg, self.parts = s, cfg, model_parts(cfg, s.lora)
         rows = _row(activation_table().BLOCK, f"{block_kind(cfg)}/{s.dtype}/{s.kernel}", f"{block_kind(cfg)} blocks")
         # the trunk's blocks, then a DiT^DH's head blocks (the same kind at the head's width; the knob counts
         # over both, as DiT.forward does; a route only ever covers trunk blocks)
@@ -420,7 +452,7 @@ def _cast_cache(s: Setting, blocks: _Blocks) -> float:
 
 def footprint(s: Setting) -> Footprint:
     """The predicted peak of one training step of setting `s` (module docstring)."""
-    cfg, parts, blocks, costs = s.config, model_parts(s.config), _Blocks(s), term_costs(s)
+    cfg, parts, blocks, costs = s.config, model_parts(s.config, s.lora), _Blocks(s), term_costs(s)
     extra = tuple(n for c in costs for n in c.params)  # the terms' modules: trained beside the model
     trainable = (*parts.trainable, *extra)
     grads = 4 * sum(trainable)
@@ -437,7 +469,7 @@ def footprint(s: Setting) -> Footprint:
     # the final layer's parameters: its adaLN modulation (D -> 2D) and its linear (D -> p^2 x C_out); D is a
     # DiT^DH's head width
     D, pp = cfg.head_hidden if cfg.head_depth else cfg.hidden_size, cfg.patch_size ** 2
-    final_layer = 2 * D * D + 2 * D + (D + 1) * pp * cfg.out_channels
+    final_layer = 2 * D * D + 2 * D + (D + 1) * pp * cfg.out_channels if parts.final_trainable else 0
     # gradients alive: from the second micro-batch of an accumulation on, all of them; else the
     # backward allocates them block by block, from the final layer down to the first block
     accumulating = s.accumulation > 1
@@ -452,8 +484,9 @@ def footprint(s: Setting) -> Footprint:
     }
     moment, (g, a, w, d) = max(moments.items(), key=lambda kv: sum(kv[1]))
     weights, optimizer = 4 * (parts.total + sum(extra)), int(optimizer_state_bytes(s.optimizer, trainable))
-    state = weights + 4 * parts.total + optimizer + s.resident_bytes
-    return Footprint(weights=weights, ema=4 * parts.total, optimizer=optimizer, gradients=int(g), activations=int(a),
+    ema = 4 * (parts.total if parts.ema is None else parts.ema)  # --lora: the adapter's EMA alone
+    state = weights + ema + optimizer + s.resident_bytes
+    return Footprint(weights=weights, ema=ema, optimizer=optimizer, gradients=int(g), activations=int(a),
                      workspace=int(w), data=int(d) + s.resident_bytes, moment=moment,
                      moments={name: int(state + sum(parts_)) for name, parts_ in moments.items()})
 

@@ -338,7 +338,7 @@ def make_plan(req: PlanRequest, *, log=None) -> Plan:
         resident = resident_bytes(req, store, target)
         cfg, choices = req.cfg, _choices(req, model, target)
         common = dict(precision=target.precision, kernel=target.kernel, loss=loss_kind(cfg.diffusion.objective,
-                      model.learn_sigma), route=route, resident_bytes=resident, **planned)
+                      model.learn_sigma), route=route, resident_bytes=resident, lora=lora_of(cfg, model), **planned)
         candidates = []
         for mode in choices["mode"]:
             for optimizer in choices["optimizer"]:
@@ -374,6 +374,27 @@ def make_plan(req: PlanRequest, *, log=None) -> Plan:
         return plan
     except FootprintError as e:
         raise PlanError(str(e)) from None
+
+
+def lora_of(cfg, model) -> tuple[int, str] | None:
+    """--lora as footprint's Setting holds it, (rank, targets), checked on the model (PlanError: one line).
+    Its speed is planned as a full run's: the frozen weights' gradients it skips are not taken off."""
+    import torch
+
+    from dittrain.model import lora
+    from dittrain.model.dit import DiT
+
+    settings = lora.settings_of(cfg.lora)
+    if settings is None:
+        return None
+    try:
+        lora.check(settings)
+        with torch.device("meta"):
+            dit = DiT(model)
+        lora.check_rank(dit, settings, lora.target_names(dit, settings.targets))
+    except UserError as e:
+        raise PlanError(str(e)) from None
+    return settings.rank, settings.targets
 
 
 def probe_device_of(req: PlanRequest):
@@ -505,6 +526,7 @@ def header_lines(plan: Plan) -> list[str]:
     from dittrain.plan.footprint import model_parts
 
     m, t, cfg = plan.model, plan.target, plan.request.cfg
+    adapter = lora_of(cfg, m)
     params = sum(model_parts(m).trainable)
     cond = f"{m.num_classes} classes" if m.num_classes else "unconditional"
     speed = ("speed: " + (f"{t.gpu.name}: {plan.pick.rate.source}; {RECORD_SOURCE}; selective's element-wise "
@@ -514,7 +536,9 @@ def header_lines(plan: Plan) -> list[str]:
     return [f"{cfg.model.model}: {params / 1e6:.1f} M parameters, {m.depth} blocks of {m.num_tokens} tokens{head}, "
             f"{m.in_channels}x{m.input_size}x{m.input_size} latents, {cond}; global batch {cfg.optim.batch_size}, "
             f"{t.precision}" + (f", --route {cfg.routing.route}" if cfg.routing.route else "")
-            + "".join(f", {flag}" for term in loss_terms(cfg) if (flag := term.flag(cfg))),
+            + "".join(f", {flag}" for term in loss_terms(cfg) if (flag := term.flag(cfg)))
+            + (f", --lora {adapter[0]}: {sum(model_parts(m, adapter).trainable) / 1e6:.2f} M trainable (the adapter), "
+               "the base frozen" if adapter else ""),
             f"memory: {format_size(t.capacity)} for the step ({t.source}); a setting fits when its peak + "
             f"{MARGIN:.0%} does", speed]
 

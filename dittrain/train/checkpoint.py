@@ -34,7 +34,8 @@ class RunState:
         {"step", "nonfinite_total", "model", "ema", "optimizer", "lr_schedule", "scaler",
          ["projector",] "ranks": [{"loader", "rng", "noise_gen"} of rank r, ...], "config"}
 
-    ("config": the resolved run config, checked before a resume, never loaded; "projector":
+    (a --lora run's "model" and "ema": the adapter's tensors alone, dittrain.model.lora.adapter_state;
+    "config": the resolved run config, checked before a resume, never loaded; "projector":
     one of term_modules, the modules of the loss terms on (dittrain.train.losses), each under its
     entry's state_key, here --repa's: trained and restored, never exported).
     """
@@ -43,8 +44,9 @@ class RunState:
 
     def __init__(self, *, model, ema, optimizer, lr_schedule, scaler, loader, noise_gen: torch.Generator,
                  config: dict, device: torch.device, rank: int = 0, world: int = 1,
-                 term_modules: dict | None = None):
+                 term_modules: dict | None = None, adapter_only: bool = False):
         self.model, self.ema, self.optimizer, self.lr_schedule = model, ema, optimizer, lr_schedule
+        self.adapter_only = adapter_only  # --lora: "model" and "ema" hold the adapter alone (the base is frozen)
         self.term_modules = term_modules or {}  # {state_key: module}: train beside the model, not in the EMA
         self.scaler, self.loader, self.noise_gen = scaler, loader, noise_gen
         self.config, self.device, self.rank, self.world = config, device, rank, world
@@ -52,7 +54,8 @@ class RunState:
         self.nonfinite_total = 0  # steps skipped for a NaN/inf loss
 
     def _shared(self) -> dict:
-        parts = {"model": self.model, "ema": self.ema, "optimizer": self.optimizer,
+        model, ema = (_Adapter(self.model), _Adapter(self.ema)) if self.adapter_only else (self.model, self.ema)
+        parts = {"model": model, "ema": ema, "optimizer": self.optimizer,
                  "lr_schedule": self.lr_schedule, "scaler": self.scaler}
         return {**parts, **self.term_modules}
 
@@ -91,6 +94,24 @@ class RunState:
                 part.load_state_dict(mine[k])
         for k in self.COUNTERS:
             setattr(self, k, state.get(k, 0))
+
+
+class _Adapter:
+    """A --lora model as a stateful part: its adapter's tensors alone (dittrain.model.lora), so a
+    checkpoint holds no copy of the frozen base, which the run's "init" record rebuilds."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def state_dict(self) -> dict:
+        from dittrain.model.lora import adapter_state
+
+        return adapter_state(self.model)
+
+    def load_state_dict(self, state: dict) -> None:
+        from dittrain.model.lora import load_adapter
+
+        load_adapter(self.model, state)
 
 
 class _GlobalRNG:
