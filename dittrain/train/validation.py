@@ -194,6 +194,10 @@ def build(run: Run) -> Validation | None:
     if e.val_fraction and e.val_latents:
         raise TrainError(f"--val-fraction {e.val_fraction:g} and --val-latents {e.val_latents}: give one (hold out "
                          "rows of --latents, or validate on another store)")
+    if e.val_fraction and len(getattr(run, "stores", None) or ()) > 1:
+        # a mixture's loaders read every store whole: a held-out share of one would be trained on
+        raise TrainError(f"--val-fraction {e.val_fraction:g} holds out rows of one store, not of several --latents; "
+                         "validate a mixture on another store: --val-latents STORE")
     if not 0 <= e.val_fraction < 1:
         raise TrainError(f"--val-fraction {e.val_fraction!r}: a share of the store's rows, 0 <= F < 1")
     B = run.cfg.eval.eval_batch_size
