@@ -165,6 +165,7 @@ def test_plan_counts_the_adapter_alone():
     r = cli("plan", "--model", "DiT-XL/2", "--latent-shape", "4x32x32", "--classes", 1000, "--gpu", "RTX 4090",
             "--batch-size", 256, "--lora", 16)
     assert r.exit_code == 0 and "--lora 16: 8.26 M trainable (the adapter)" in r.output, r.output
+    assert "--lora 16 --init-from WEIGHTS --out RUN" in r.output  # the pick's command: the base to fill in
 
 
 def test_bad_settings_are_one_line(store, base, runs, tmp_path):

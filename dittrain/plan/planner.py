@@ -601,7 +601,7 @@ def store_read_rate(store, seconds: float = 1.0) -> float | None:
 
 
 def run_command(plan: Plan) -> str:
-    """The pick as a `dittrain run` command line (STORE and RUN to fill in where not known)."""
+    """The pick as a `dittrain run` command line (STORE, RUN and a --lora run's WEIGHTS to fill in where not known)."""
     import shlex
 
     from dittrain.train.resume import flag
@@ -615,7 +615,9 @@ def run_command(plan: Plan) -> str:
         else:
             on = flag(name)
             words += [on, str(value) if value != "" or name != "latents" else "STORE"]
-    return " ".join(shlex.quote(w) if w != "STORE" else w for w in [*words, "--out", "RUN"])
+    if plan.request.cfg.lora.lora:  # --lora adapts pretrained weights (plan does not take them): to fill in
+        words += ["--init-from", "WEIGHTS"]
+    return " ".join(shlex.quote(w) if w not in ("STORE", "WEIGHTS") else w for w in [*words, "--out", "RUN"])
 
 
 def report(plan: Plan) -> list[str]:
