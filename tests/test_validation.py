@@ -12,6 +12,7 @@ import pytest
 from cliutil import assert_has, ok, one_error_line, run_args
 from cliutil import dittrain as cli
 from storeutil import (
+    CAPTIONED,
     LABELLED,
     LOADER_SIZES,
     bucketed_store,
@@ -22,7 +23,9 @@ from storeutil import (
     pixels_info,
     resumed,
     schema,
+    shard_data,
     take,
+    text_conditioning,
     write_store,
 )
 
@@ -123,16 +126,29 @@ def test_val_loss_is_logged_per_t_and_the_same_after_a_resume(tmp_path):
     assert plot_losses([summary], tmp_path / "loss.png").stat().st_size > 0
 
 
-def test_two_evaluations_of_the_same_weights_agree_whatever_the_batch(tmp_path):
+def _captioned(sch, index: int, n: int) -> tuple[dict, dict]:
+    tensors, columns = shard_data(sch, index, n)
+    return tensors, {k: columns[k] for k in CAPTIONED}
+
+
+def _mean_std_text_store(root: Path) -> Path:
+    """Posterior mean and std (a fresh draw per step in training), flips, pooled and token text embeddings."""
+    write_store(root, schema(kind="mean_std", shape=(3, 8, 8), text={"pooled": 16, "tokens": (5, 16)}, columns=CAPTIONED),
+                [10, 10], info=pixels_info(8, text_conditioning(16, (5, 16))), data=_captioned)
+    return root
+
+
+@pytest.mark.parametrize("kind", ["class", "mean_std_text"])
+def test_two_evaluations_of_the_same_weights_agree_whatever_the_batch(tmp_path, kind):
     import torch
 
     from dittrain.model.dit import DiT
     from dittrain.train.setup import setup
     from dittrain.train.validation import build
 
-    store = make_store(tmp_path / "s", flip=False)
+    store = make_store(tmp_path / "s", flip=False) if kind == "class" else _mean_std_text_store(tmp_path / "s")
     results = []
-    for batch in (64, 5):
+    for batch in (64, 3):
         cfg = TrainConfig.from_flat(latents=str(store), model=MODEL, val_fraction=0.25, eval_batch_size=batch,
                                     device="cpu", out=str(tmp_path / "r"))
         run = setup(cfg)
@@ -185,3 +201,13 @@ def test_a_config_file_and_dotted_flags_set_it(tmp_path):
     assert_has(r.output, "val-fraction = 0.2", "val-every = 9")
     r = ok(cli("run", "--eval.val_latents", "elsewhere", "--print-config"))
     assert_has(r.output, 'val-latents = "elsewhere"')
+
+
+def test_a_bucketed_flow_run_validates_every_bucket(tmp_path):
+    store = bucketed_store(tmp_path / "b", {(8, 8): 12, (8, 4): 8})
+    r = ok(cli(*run_args(store, tmp_path / "r", "--model", MODEL, "--objective", "flow", "--max-steps", "2",
+                         "--val-fraction", "0.25", "--val-every", "2", "--logger", "jsonl")))
+    assert_has(r.output, "5 held-out rows")  # 3 of 8x8's 12 and 2 of 8x4's 8
+    recs = _records(tmp_path / "r", "val_loss")
+    assert sorted(recs) == [0, 2]
+    assert {f"val_loss_{t_label(t)}" for t in t_values("flow")} <= recs[2].keys() and "val_loss_t0.05" in recs[2]
