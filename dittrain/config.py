@@ -413,7 +413,7 @@ class EvalSection:
     val_fraction: float = setting(0.0, FIXED)
     val_latents: str = setting("", SAFE)  # or a second store to validate on, all its rows (training keeps every row)
     # 1000: at DiT's batch of 256, one evaluation of 1% of ImageNet (12.8K rows x 10 t, forwards only) costs about
-    # 17% of the 1000 steps' compute; the curve still gets 400 points over 400K steps
+    # 14% of the 1000 steps' compute (bench/RESULTS.md), 0.2% of it 3%; the curve still gets 400 points over 400K steps
     val_every: int = setting(1000, SAFE)
 
 
