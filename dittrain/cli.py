@@ -221,9 +221,11 @@ def _opt(*names, field, **kw):
 @click.option("--allow-changes", is_flag=True,
               help="--resume: apply flags that change what is learned (lr, schedule, EMA, batch, loss, "
                    "precision, ...) instead of refusing them; each change goes into config.json's history.")
-@click.option("--latents", default="", type=click.Path(file_okay=False, path_type=str),
+@click.option("--latents", cls=configfile.OneOrMany, multiple=True, metavar="STORE[:R]",
               help="The latent store written by `ditdata encode`, or its URL in object storage "
-                   "(s3://, gs://, http(s)://; pip install 'ditkit[remote]'), read through --cache-dir.")
+                   "(s3://, gs://, http(s)://; pip install 'ditkit[remote]'), read through --cache-dir. Repeat it "
+                   "to mix stores (same latent shape, autoencoder and conditioning): STORE:R takes each of its "
+                   "samples R times per epoch (kohya's repeats; 0.3: 30% of the store per epoch; default 1).")
 @_opt("--cache-dir", field="cache_dir", help="URL stores: the local cache of verified shards "
       "(default $XDG_CACHE_HOME/ditkit/stores, else ~/.cache/ditkit/stores); shared by runs and workers.")
 @_opt("--cache-limit", field="cache_limit", help="URL stores: the cache's size limit, e.g. 20GiB (default "
@@ -428,6 +430,7 @@ def run_cmd(print_config, allow_changes, quiet, **options):
     if options.pop("no_compile"):
         options["compile"] = "off"
         chosen.add("compile")
+    options["latents"] = config.latents_value(options["latents"])  # one store: its string, as before mixtures
     cfg, resumption = settle(options, chosen, allow_changes=allow_changes)
     if print_config:
         from dittrain.train.resume import config_toml
@@ -476,6 +479,10 @@ def plan_cmd(write_config, **options):
     from dittrain.plan.planner import make_plan, report, request_from, write_config_file
 
     run = {p.name for p in main.commands["run"].params}
+    options["latents"] = config.latents_value(options["latents"])
+    if isinstance(options["latents"], list):
+        raise click.UsageError("dittrain plan takes one --latents store (a mixture's stores share its latent shape: "
+                               "plan with the first)")
     req = request_from({k: v for k, v in options.items() if k in run}, configfile.given(click.get_current_context()),
                        **{k: v for k, v in options.items() if k not in run})
     plan = make_plan(req, log=_say)

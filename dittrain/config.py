@@ -129,6 +129,63 @@ def format_cfg_interval(interval) -> str:
     return f"{float(lo)!r},{float(hi)!r}"
 
 
+# --latents: one store, or several mixed (dittrain.data.mixture). Each entry is "PATH" or "PATH:R", R > 0 its
+# repeats per epoch (kohya's num_repeats, any positive number: 0.3 is 30% of the store per epoch, 3 is every
+# sample three times); one store is recorded as the plain string runs recorded before mixtures, several as a list.
+def latent_sources(value) -> list[tuple[str, float | None]]:
+    """--latents as given ("PATH", "PATH:R", or a list of them) -> [(PATH, R or None where no :R is given)];
+    ValueError (one line) for an R that is not a positive finite number. The split is at the last ":" when what
+    follows reads as a number, so URLs (s3://b/store, http://host:8080/store) stay whole."""
+    import math
+
+    specs = [value] if isinstance(value, str) else list(value or ())
+    out = []
+    for spec in specs:
+        spec = str(spec)
+        head, sep, tail = spec.rpartition(":")
+        try:
+            repeats = float(tail) if sep and head and "/" not in tail else None
+        except ValueError:
+            repeats = None
+        if repeats is None:
+            out.append((spec, None))
+            continue
+        if not (math.isfinite(repeats) and repeats > 0):
+            raise ValueError(f"--latents {spec}: the repeats after ':' must be a positive number (1: each sample "
+                             "once per epoch, 0.3: 30% of the store, 3: each sample three times)")
+        out.append((head, repeats))
+    return [s for s in out if s[0]]
+
+
+def latents_value(given) -> str | list[str]:
+    """The data.latents field of the --latents given (click's tuple of a repeatable option, a config file's
+    string or list): "" for none, the string itself for one store (as runs recorded it before mixtures), a
+    list for several."""
+    specs = [given] if isinstance(given, str) else [str(g) for g in given or ()]
+    specs = [s for s in specs if s]
+    return "" if not specs else specs[0] if len(specs) == 1 else specs
+
+
+def latents_of_record(store: dict) -> str | list[str]:
+    """The --latents a bare resume continues with, from the run record's "store" section: the mixture's
+    stores where the run found them, with their repeats (a list), else the one store's path."""
+    mixture = store.get("mixture")
+    if not mixture:
+        return store["path"]
+    return [m["path"] if float(m["repeats"]) == 1 else f"{m['path']}:{float(m['repeats'])!r}" for m in mixture]
+
+
+def _repeats_changed(old, new) -> bool:
+    """--latents is learned on a resume when the same number of mixed stores take other repeats (what each
+    store contributes per epoch); another path alone (a store moved) is safe, and another list of stores is
+    refused by the checkpoint's store identities (dittrain.data.mixture.check_resume)."""
+    try:
+        a, b = latent_sources(old), latent_sources(new)
+    except ValueError:
+        return False
+    return len(a) == len(b) > 1 and [r or 1.0 for _, r in a] != [r or 1.0 for _, r in b]
+
+
 @dataclass(frozen=True)
 class SampleConfig:
     """Sampling settings and their defaults: `dittrain sample` and the trainer's EMA grids."""
@@ -258,19 +315,21 @@ _DEFAULT = object()  # setting(absent=): none given, a record without the field 
 
 
 def setting(default, resume: str, *, learned_if=None, needs: str = "", resolves_auto: bool = False, flag: str = "",
-            absent=_DEFAULT):
+            absent=_DEFAULT, learned_when=None):
     """A TrainConfig field: its default, and what a resume does with a change of it (RESUME_CLASSES).
     learned_if(recorded TrainConfig) -> True: a SAFE change that is LEARNED for this run (--max-steps
     under a cosine schedule, which ends at max_steps); needs: the field without which this one means
     nothing (--repa-depth without --repa is refused); resolves_auto: the start resolves "auto" and
     records the result, so "auto" on a resume means the recorded value; flag: the flag when it is not
     --field-name; absent: what a run record without the field means, when not the default (a field that
-    came later to say how an older field reads: --route-convention)."""
+    came later to say how an older field reads: --route-convention); learned_when(recorded value, new value)
+    -> True: a SAFE change that is LEARNED (--latents: other repeats of the mixed stores)."""
     if resume not in RESUME_CLASSES:
         raise ValueError(f"resume class {resume!r}: one of {', '.join(RESUME_CLASSES)}")
     return field(default=default, metadata={"resume": resume, "learned_if": learned_if, "needs": needs,
                                             "resolves_auto": resolves_auto, "flag": flag,
-                                            "absent": default if absent is _DEFAULT else absent})
+                                            "absent": default if absent is _DEFAULT else absent,
+                                            "learned_when": learned_when})
 
 
 def _cosine(recorded: TrainConfig) -> bool:
@@ -290,7 +349,11 @@ def _cosine(recorded: TrainConfig) -> bool:
 class DataSection:
     """The latent store and how it is read (dittrain.data)."""
 
-    latents: str = setting("", SAFE)  # the latent store (ditdata encode --out), or its URL (s3://, gs://, http(s)://)
+    # the latent store (ditdata encode --out), or its URL (s3://, gs://, http(s)://); several stores mixed
+    # ("PATH:R" each, R its repeats per epoch; dittrain.data.mixture) are a list: their paths may move (safe),
+    # other repeats change what is learned, another list of stores is refused by the checkpoint's identities
+    latents: str | list[str] = setting("", SAFE, learned_when=_repeats_changed)
+
     cache_dir: str = setting("", SAFE)  # a URL store's local cache ("": $XDG_CACHE_HOME/ditkit/stores, ditdata.store.remote)
     cache_limit: str = setting("", SAFE)  # its size limit ("": 50 GiB, remote.DEFAULT_CACHE_LIMIT); LRU shards are removed
     # auto (channel where the store's autoencoder publishes no scaling factor, e.g. VA-VAE; else none) |

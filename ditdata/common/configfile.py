@@ -65,11 +65,18 @@ def _bad(path: Path, key: str, why: str) -> click.BadParameter:
     return click.BadParameter(f"{path}: {key}: {why}", param_hint="'--config'")
 
 
+class OneOrMany(click.Option):
+    """A repeatable option whose key in a file takes one value or a list of them (`dittrain run`'s
+    --latents: `latents = "STORE"`, as files wrote it before stores could be mixed, or a list)."""
+
+
 def _check_type(path: Path, key: str, param: click.Option, value):
     """The TOML value, as what the option takes (a list of them for a repeatable option)."""
     if isinstance(value, dict):
         raise _bad(path, key, "a table where a value belongs")
     if param.multiple:
+        if not isinstance(value, list) and isinstance(param, OneOrMany) and not isinstance(value, dict | bool):
+            value = [value]
         if not isinstance(value, list):
             raise _bad(path, key, f"takes a list, e.g. {key} = [\"a\", \"b\"], not {value!r}")
         return [_check_one(path, key, param, v) for v in value]
@@ -345,5 +352,5 @@ def to_toml(tables: Mapping[str, Mapping], header: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["CONFIG_OPTION", "RECIPE", "SUFFIXES", "command_table", "defaults_from", "given", "key_of", "option",
+__all__ = ["CONFIG_OPTION", "RECIPE", "SUFFIXES", "OneOrMany", "command_table", "defaults_from", "given", "key_of", "option",
            "read", "to_toml", "undotted"]

@@ -74,7 +74,8 @@ errors, _Loader). resident.py: ResidentLoader. streaming.py: StreamingLoader, it
 workers and shared-memory slots. budget.py: the memory available (RAM, a container's limit, a
 GPU), choose_loader, and the streaming loader's memory budget. bucketed.py: BucketedLoader.
 latent_norm.py: --latent-norm, what the model sees of the latents and its inverse (the
-training step and the samplers both use it). build_loader is here.
+training step and the samplers both use it). mixture.py: MixtureLoader, several stores mixed
+(`--latents A --latents B:0.3`), each read by its own loader, and build_mixture. build_loader is here.
 """
 
 from __future__ import annotations
@@ -96,17 +97,19 @@ from .budget import (
     available_memory,
     choose_bucketed,
     choose_loader,
+    choose_mixture,
     gpu_memory,
     loader_budget,
     parse_memory,
     plan_streaming_memory,
 )
+from .mixture import MixtureLoader, build_mixture
 from .resident import ResidentLoader
 from .streaming import StreamingLoader
 
 __all__ = [
     "BucketedLoader", "LoaderConfig", "LoaderError", "LoaderStateError", "REMAINDERS", "ResidentLoader", "StreamingLoader", "available_memory",
-    "build_loader", "choose_bucketed", "choose_loader", "gpu_memory", "loader_budget", "parse_memory", "targets",
+    "build_loader", "build_mixture", "choose_bucketed", "choose_loader", "choose_mixture", "MixtureLoader", "gpu_memory", "loader_budget", "parse_memory", "targets",
     # the streaming loader's memory plan and the budget's settings (budget.py)
     "StreamingMemory", "plan_streaming_memory", "RESIDENT_MAX_FRACTION", "LOADER_MEMORY_FRACTION",
     "LOADER_MEMORY_CAP", "AUTO_MAX_WINDOW", "AUTO_MAX_PREFETCH", "AUTO_MIN_PREFETCH",

@@ -1,7 +1,7 @@
 """The memory a loader may use: what is available (RAM, the memory limit of a container's or a
 scheduler job's cgroup, a GPU), the choice between the resident and the streaming loader, and
 the streaming loader's budget, which sizes its shuffle window and prefetch depth
-(StreamingMemory, plan_streaming_memory).
+(StreamingMemory, plan_streaming_memory). The stores of a mixture share that memory (choose_mixture).
 
 Sizes in messages are MiB below 1 GiB and GiB above (_gib). The memory probes
 (available_memory, gpu_memory) are called through this module's globals, so replacing them here
@@ -228,6 +228,57 @@ def choose_bucketed(store, *, kind: str = "auto", world_size: int = 1, resident_
     fit = _check_resident_fits(torch.device(resident_device), need, _local_ranks(local_world_size, world_size), what)
     return (f"bucketed: resident (a bucketed store is held in memory; streaming one is not supported); "
             f"{what}{fit}; every batch from one bucket")
+
+
+def choose_mixture(stores, *, kind: str = "auto", rank: int = 0, world_size: int = 1, resident_device="cpu",
+                   memory_fraction: float = LoaderConfig.memory_fraction, local_world_size: int | None = None,
+                   split: str = "part", memory=None, kinds: list[str] | None = None) -> tuple[list, str]:
+    """choose_loader for the stores of a mixture (dittrain.data.mixture), which share one memory:
+    ([(kind, resident_device, streaming budget) per store], reason). resident: every store held, refused
+    (LoaderError) unless they fit TOGETHER; auto: the smallest stores resident while together they fit under
+    memory_fraction of the memory (as one store does in choose_loader), the rest streaming; streaming: all
+    streaming; kinds: given per store (a resume keeps its checkpoint's). The streaming stores share the loader
+    budget (`memory`, as loader_budget reads it; None: no budget) in equal parts, so the mixture's readers
+    together stay within what one store's would use."""
+    stores = [_open(s) for s in stores]
+    if kind not in ("auto", "resident", "streaming"):
+        raise ValueError(f"unknown loader kind {kind!r}; use auto, resident or streaming")
+    needs = []
+    for store in stores:
+        spec = _Spec(store)
+        n = (len(store) // world_size + (1 if rank < len(store) % world_size else 0)) if split == "part" else len(store)
+        needs.append(n * (spec.resident_bytes + spec.text_bytes))
+    rdev, local = torch.device(resident_device), _local_ranks(local_world_size, world_size)
+    what = f"the {len(stores)} stores for this rank ({_gib(sum(needs))} as stored)"
+    if kinds is not None:
+        resident = {i for i, k in enumerate(kinds) if k == "resident"}
+        why = "the checkpoint's loaders, so the data order continues"
+    elif kind == "resident":
+        fit = _check_resident_fits(rdev, sum(needs), local, what)
+        resident, why = set(range(len(stores))), f"requested (loader='resident'), {what}{fit}"
+    elif kind == "streaming":
+        resident, why = set(), "requested (loader='streaming')"
+    else:
+        if rdev.type == "cuda":
+            (avail, source), per = gpu_memory(rdev), 1
+        else:
+            (avail, source), per = available_memory(), local
+        resident, total = set(), 0
+        for i in sorted(range(len(stores)), key=lambda i: needs[i]):  # the smallest first: the most stores held
+            if avail is not None and (total + needs[i]) * per <= memory_fraction * avail:
+                resident.add(i)
+                total += needs[i]
+        room = f"{_gib(avail)}, {source}" if avail is not None else "available memory unknown"
+        why = (f"auto: {len(resident)} of {len(stores)} stores held, together {_gib(total * per)} of the memory "
+               f"({room}; limit {memory_fraction:.0%})")
+    streaming = [i for i in range(len(stores)) if i not in resident]
+    budget = None
+    if streaming and memory is not None:
+        whole, source = loader_budget(memory, world_size=world_size, local_world_size=local_world_size)
+        budget = max(1, whole // len(streaming))
+        why += f"; {len(streaming)} streaming store(s) share the loader budget {_gib(whole)} ({source})"
+    return [("resident", str(rdev), None) if i in resident else ("streaming", "cpu", budget)
+            for i in range(len(stores))], why
 
 
 def _local_ranks(local_world_size: int | None, world_size: int) -> int:

@@ -284,7 +284,11 @@ def training_memory_hint(run: Run):
 def plan_hint(cfg, device) -> str:
     """Where an out-of-memory run is sent: `dittrain plan` with the run's model, store and batch
     lists the settings that fit this GPU and picks the fastest."""
-    store = shlex.quote(cfg.data.latents) if cfg.data.latents else "STORE"
+    from dittrain.config import latent_sources
+
+    # several --latents: the first store's path (plan takes one store; the others share its latent shape)
+    first = cfg.data.latents if isinstance(cfg.data.latents, str) else latent_sources(cfg.data.latents)[0][0]
+    store = shlex.quote(first) if first else "STORE"
     return (f"`dittrain plan --model {shlex.quote(cfg.model.model)} --latents {store} --batch-size "
             f"{cfg.optim.batch_size} --device {device}` lists the settings that fit this GPU")
 

@@ -45,9 +45,10 @@ from ditdata.common import dist, files
 from ditdata.common.extras import missing_extra
 from ditdata.common.lock import DirLock
 from ditdata.store import Store, refuse_inside_store
-from dittrain.config import LoaderConfig, TrainConfig
-from dittrain.data import LoaderStateError, build_loader
+from dittrain.config import LoaderConfig, TrainConfig, latent_sources
+from dittrain.data import LoaderStateError, build_loader, build_mixture
 from dittrain.data.latent_norm import LatentNorm
+from dittrain.data.mixture import check_resume as check_mixture_resume
 from dittrain.diffusion import DiffusionConfig
 from dittrain.model.dit import DiT
 from dittrain.model.routing import describe as describe_route
@@ -138,8 +139,21 @@ def _build(run: Run, ckpt: dict | None) -> RunState:
                                 memory=d.loader_memory, remainder=d.bucket_remainder)
         # --val-fraction: the held-out rows are never in a training batch
         held_out = run.validation.exclude if run.validation is not None else None
-        loader = build_loader(run.store, settings, batch_size=run.per_rank, seed=cfg.optim.seed, rank=run.rank,
-                              world_size=run.world, device=device, exclude=held_out)
+        if run.stores is not None:  # several --latents: one loader per store, mixed (dittrain.data.mixture)
+            if held_out is not None:
+                raise TrainError("--val-fraction holds out rows of one store; with several --latents, give the "
+                                 "held-out store as --val-latents")
+            saved = ckpt["ranks"][run.rank]["loader"] if ckpt is not None else None
+            settings = LoaderConfig(kind=cfg.data.loader, resident_device=d.resident_device, workers=d.workers,
+                                    shuffle_window=d.shuffle_window or None, memory=d.loader_memory)
+            loader = build_mixture(run.stores, run.repeats, settings, batch_size=run.per_rank, seed=cfg.optim.seed,
+                                   rank=run.rank, world_size=run.world, device=device,
+                                   names=[path for path, _ in latent_sources(cfg.data.latents)],
+                                   saved=saved if saved is not None and saved.get("kind") == "mixture" else None)
+            kind = cfg.data.loader
+        else:
+            loader = build_loader(run.store, settings, batch_size=run.per_rank, seed=cfg.optim.seed, rank=run.rank,
+                                  world_size=run.world, device=device, exclude=held_out)
     except ValueError as e:  # LoaderError (does not fit) or settings the loader refuses
         raise TrainError(str(e)) from e
     if ckpt is not None and kind != cfg.data.loader:  # not what the user asked now: the checkpoint's
@@ -162,6 +176,9 @@ def _checkpoint_to_resume(run: Run) -> tuple[dict | None, Path | None]:
         return None, None
     ckpt = load_checkpoint(latest)
     saved, identity = ckpt["config"], run.store.identity
+    if (why := check_mixture_resume(saved, run.resolved)) is not None:  # several --latents: every store, in order
+        raise CheckpointError(f"{latest}: {why}; resume with the stores it was trained on (their repeats may "
+                              "change with --allow-changes), or start a new --out with --init-from")
     if saved["store"]["identity"] != identity:
         raise CheckpointError(
             f"{latest}: made with another latent store ({saved['store']['path']}, "
@@ -211,7 +228,7 @@ def _checkpoint_to_resume(run: Run) -> tuple[dict | None, Path | None]:
 # TrainConfig's names of the diffusion options whose DiffusionConfig names differ
 _DIFFUSION_NAME = {"t_mean": "logit_normal_mean", "t_std": "logit_normal_std"}
 # Changes (let through by --allow-changes) after which the data order cannot continue exactly
-_ORDER = frozenset({"batch_size", "accumulation_steps", "seed", "shuffle_window", "bucket_remainder"})
+_ORDER = frozenset({"batch_size", "accumulation_steps", "seed", "shuffle_window", "bucket_remainder", "latents"})
 
 
 def _resume(run: Run, state: RunState, ckpt: dict, path: Path) -> None:
@@ -323,6 +340,8 @@ def _train(cfg: TrainConfig, resumption: Resumption | None, progress: bool = Tru
                   f"{run.latent_norm}; {origin}", file=sys.stderr)
             if run.t_shift:
                 print(f"dittrain: {run.t_shift}", file=sys.stderr)
+            if (mixture := getattr(state.loader, "describe_mixture", None)) is not None:
+                print(f"dittrain: mixture: {mixture()}", file=sys.stderr)  # what each store gives per epoch
             if (buckets := getattr(state.loader, "describe_buckets", None)) is not None:
                 print(f"dittrain: aspect-ratio buckets: {buckets()}", file=sys.stderr)
             for line in losses.describe(cfg, run.model_cfg, run.resolved, state.term_modules):  # --repa's

@@ -8,7 +8,7 @@ it was started. A setting that differs from the record is one of three kinds:
 - safe: it does not change what is learned (how long, how often to save, log, sample or
   evaluate, where logs go, loader processes, compilation, the device): applied;
 - learned: the optimisation itself (lr and its schedule, EMA, clipping, batch, accumulation,
-  the seed, data window and bucket remainder, loss and timestep options, CFG dropout, precision, REPA's block
+  the seed, data window and bucket remainder, the repeats of mixed stores, loss and timestep options, CFG dropout, precision, REPA's block
   and weight, token routing): refused with the list of differences unless --allow-changes says so;
 - fixed: what the weights or the optimizer state are made of (the model, the objective, the
   optimizer, latent normalisation, REPA's feature set and projector width, which make the
@@ -94,14 +94,17 @@ def config_toml(cfg: TrainConfig) -> str:
     return configfile.to_toml(tables, header="dittrain run --config FILE: the settings of one run, by section")
 
 
-def kind(name: str, recorded: TrainConfig) -> str:
+def kind(name: str, recorded: TrainConfig, value=None) -> str:
     """safe | learned | fixed | start (module docstring): the class the field's definition
-    declares, learned where its learned_if rule holds for the recorded run."""
+    declares, learned where its learned_if rule holds for the recorded run, or its learned_when
+    rule for the recorded value and `value`, the new one (--latents: other repeats of mixed stores)."""
     meta = _meta(name)
     resume = meta.get("resume")
     if resume is None:
         raise TypeError(f"TrainConfig.{name} declares no resume class (dittrain.config.setting)")
-    rule = meta.get("learned_if")
+    rule, when = meta.get("learned_if"), meta.get("learned_when")
+    if resume == config.SAFE and when is not None and value is not None and when(recorded.flat()[name], value):
+        return config.LEARNED
     return config.LEARNED if resume == config.SAFE and rule is not None and rule(recorded) else resume
 
 
@@ -134,11 +137,11 @@ def settle(options: dict, chosen: set[str], *, allow_changes: bool = False) -> t
     values["resume"], values["out"] = True, options["out"]
     if "latents" not in chosen and (record.get("store") or {}).get("path"):
         # the store where the run found it (absolute, or its URL): a resume from another
-        # directory than the start's finds it too
-        values["latents"] = record["store"]["path"]
+        # directory than the start's finds it too (several mixed: each, with its repeats)
+        values["latents"] = config.latents_of_record(record["store"])
     changes = {n: (base.flat()[n], values[n]) for n in chosen & set(SECTION_OF) - IGNORED
                if base.flat()[n] != values[n]}
-    by_kind = {k: sorted(n for n in changes if kind(n, base) == k) for k in ("fixed", "learned")}
+    by_kind = {k: sorted(n for n in changes if kind(n, base, values[n]) == k) for k in ("fixed", "learned")}
     if by_kind["fixed"]:
         raise RecordError(f"{options['out']}: {_listed(changes, by_kind['fixed'])} cannot change on a resume (the "
                           "checkpoint's weights and optimizer state are made for the recorded value); leave "

@@ -19,8 +19,9 @@ from ditdata.common import dist
 from ditdata.common.devices import amp_dtype, resolve_device
 from ditdata.common.errors import UserError
 from ditdata.store import Store, open_store
-from dittrain.config import TrainConfig
+from dittrain.config import TrainConfig, latent_sources
 from dittrain.data.latent_norm import choose, latent_record
+from dittrain.data.mixture import check_stores, mixture_record, pooled_latent_record
 from dittrain.diffusion import SHIFT_BASE_DIMS, Diffusion, DiffusionConfig, dimension_shift
 from dittrain.model.routing import check as check_route
 from dittrain.model.routing import route_of
@@ -139,6 +140,8 @@ class Run:
     latent_norm: str = ""  # the startup line's words for the latent normalisation (dittrain.data.latent_norm.choose)
     t_shift: str = ""  # the startup line's words for --t-shift auto (resolve_t_shift); "" when given
     watch: dict | None = None  # what the EMA grids show: {"labels": [...]} or {"text": {...}} (log.watched)
+    stores: list | None = None  # several --latents: every store, `store` first (dittrain.data.mixture); else None
+    repeats: list | None = None  # and each one's repeats per epoch
     validation: object | None = None  # --val-fraction / --val-latents: dittrain.train.validation.Validation
 
     @property
@@ -163,8 +166,15 @@ def setup(cfg: TrainConfig) -> Run:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     # the store with the feature set a loss term reads (--repa; a missing or stale set is a one-line StoreError)
-    store = open_store(cfg.data.latents, cache_dir=cfg.data.cache_dir or None, cache_limit=cfg.data.cache_limit,
-                       features=feature_set(cfg))
+    sources = mixed_sources(cfg)
+    store = open_store(sources[0][0] if sources else cfg.data.latents, cache_dir=cfg.data.cache_dir or None,
+                       cache_limit=cfg.data.cache_limit, features=feature_set(cfg))
+    # several --latents: the first store is the run's (its autoencoder, conditioning and shape; the one sampling
+    # opens), the others must match it (dittrain.data.mixture.check_stores: one line naming the one that differs)
+    stores = [store] + [open_store(path, cache_dir=cfg.data.cache_dir or None, cache_limit=cfg.data.cache_limit)
+                        for path, _ in sources[1:]]
+    if sources:
+        check_stores(stores, [path for path, _ in sources])
     model_cfg = model_config_for(cfg, store, recorded_model(cfg))
     buckets = check_buckets(cfg, store, model_cfg)
     # --latent-norm auto becomes what it picks for this store, in the record too: a resume and
@@ -178,6 +188,8 @@ def setup(cfg: TrainConfig) -> Run:
     check_route(route_of(cfg.routing), model_cfg.depth, cfg.model.model)  # RouteError: one line
     shift_words = resolve_t_shift(cfg, store)
     diff_cfg, latents = diffusion_config(cfg, model_cfg, store)
+    if sources and latents["norm"] == "channel":  # the stats of all the mixed stores' latents together
+        latents = pooled_latent_record(stores, cfg.data.latent_norm)
     resolved = {
         "train": asdict(cfg),
         "model": asdict(model_cfg),
@@ -189,6 +201,8 @@ def setup(cfg: TrainConfig) -> Run:
     resolved["store"] |= terms
     if buckets is not None:  # the sizes `dittrain sample --size` and serve offer
         resolved["store"]["buckets"] = buckets
+    if sources:  # the mixed stores, their identities (a resume refuses others) and repeats
+        resolved["store"]["mixture"] = mixture_record(stores, [r or 1.0 for _, r in sources])
     per_rank, rem = divmod(cfg.optim.batch_size, world * cfg.optim.accumulation_steps)
     if rem or per_rank == 0:
         raise TrainError(f"--batch-size {cfg.optim.batch_size} must be a multiple of ranks ({world}) x "
@@ -198,7 +212,33 @@ def setup(cfg: TrainConfig) -> Run:
     compile_model(None, "off", cfg.performance.compile_mode)  # validates the mode before anything is written
     # auto: bf16 on GPUs that have it, else fp16 (with a grad scaler); fp32 on the CPU
     return Run(cfg, rank, world, device, amp_dtype(device, cfg.performance.amp), store, model_cfg,
-               Diffusion(diff_cfg), resolved, per_rank, created_group, latent_norm=latent_words, t_shift=shift_words)
+               Diffusion(diff_cfg), resolved, per_rank, created_group, latent_norm=latent_words, t_shift=shift_words,
+               stores=stores if sources else None, repeats=[r or 1.0 for _, r in sources] or None)
+
+
+def mixed_sources(cfg: TrainConfig) -> list[tuple[str, float | None]]:
+    """[(path, repeats)] of several --latents (dittrain.config.latent_sources), [] for one store (opened as
+    given, as before mixtures); TrainError (one line) for a bad repeats, or a setting that reads one store."""
+    if isinstance(cfg.data.latents, str):  # one store, opened as given; "STORE:R" alone names no store
+        spec = cfg.data.latents
+        try:
+            alone = "://" not in spec and not Path(spec).exists() and latent_sources(spec)[0][1] is not None
+        except (ValueError, IndexError):
+            alone = False
+        if alone:
+            raise TrainError(f"--latents {spec}: repeats (:R) mean something between several stores only; "
+                             "give the one store without them")
+        return []
+    try:
+        sources = latent_sources(cfg.data.latents)
+    except ValueError as e:
+        raise TrainError(str(e)) from e
+    if len(sources) < 2:
+        raise TrainError(f"--latents {cfg.data.latents}: repeats (:R) mean something between several stores only; "
+                         "give the one store without them")
+    if feature_set(cfg):
+        raise TrainError("--repa reads one store's feature set; it does not take several --latents yet")
+    return sources
 
 
 def resolve_t_shift(cfg: TrainConfig, store: Store) -> str:
@@ -228,5 +268,5 @@ def diffusion_config(cfg: TrainConfig, model_cfg: DiTConfig, store: Store) -> tu
     return diff_cfg, latent_record(store, cfg.data.latent_norm)  # LatentNormError: a user error already
 
 
-__all__ = ["Run", "TrainError", "check_buckets", "diffusion_config", "model_config_for", "recorded_model", "setup",
+__all__ = ["Run", "TrainError", "check_buckets", "diffusion_config", "mixed_sources", "model_config_for", "recorded_model", "setup",
            "text_token_count", "training_device"]
