@@ -31,7 +31,7 @@ import dittrain.data as data
 from dittrain import config
 from dittrain.config import LoaderConfig
 from dittrain.data import LoaderError, build_mixture
-from dittrain.data.mixture import _join, per_epoch, pooled_latent_record
+from dittrain.data.mixture import per_epoch, pooled_latent_record
 from dittrain.rundir import latest_checkpoint, load_checkpoint
 from dittrain.train import resume
 
@@ -58,28 +58,27 @@ def pairs(batches) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("kind,workers", LOADERS)
 def test_each_store_gives_its_share_and_resumes_exactly(two, kind, workers):
-    """Epoch by epoch, a gives its 30 samples once and b half of its 12, every sample of b within two
-    epochs; a mixture stopped at batch 7 (inside epoch 1) and resumed gives the same next batches.
-    (Batches of 6: a batch's rows are grouped by store, so epochs are compared in whole batches.)"""
-    M = sum(per_epoch([30, 12], REPEATS))
-    assert per_epoch([30, 12], REPEATS) == [30, 6] and M == 36
-    straight, again, state = resumed(partial(mixture, two, kind, workers, batch_size=6), 2 * M // 6, 7)
+    """Batches of 6: an epoch is 5 batches of a (its 30 samples once) and 1 of b (half of its 12), in a
+    seeded order, every batch one store's next batch; every sample of b within two epochs; a mixture
+    stopped at batch 7 (inside epoch 1) and resumed gives the same next batches."""
+    assert per_epoch([30, 12], REPEATS, 6) == [5, 1]
+    straight, again, state = resumed(partial(mixture, two, kind, workers, batch_size=6), 12, 7)
     assert state["batches"] == 7 and state["kind"] == "mixture" and (state["epoch"], state["offset"]) == (1, 6)
     for want, got in zip(straight, again, strict=True):
         assert want.keys() == got.keys() == {"x", "y", "index", "flip", "store"}
         assert all(torch.equal(want[k], got[k]) for k in want)
+    assert all(len(set(b["store"].tolist())) == 1 for b in straight)  # one store per batch
     seen = pairs(straight)
     for e in range(2):
-        epoch = seen[e * M:(e + 1) * M]
+        epoch = seen[e * 36:(e + 1) * 36]
         assert sorted(i for s, i in epoch if s == 0) == list(range(30))  # a: every sample once
         assert sum(1 for s, _ in epoch if s == 1) == 6
-    assert sorted(i for s, i in seen[:2 * M] if s == 1) == list(range(12))  # b: all of it in two epochs
-    # each sample's latent is its own store's row (x read back by (store, index))
-    stores = [data.ResidentLoader(s, batch_size=1) for s in two]
-    b0 = straight[0]
-    for row, (s, i) in enumerate(pairs([b0])):
-        lat = stores[s]._block.lat[i, int(b0["flip"][row]), 0].float()
-        assert torch.equal(b0["x"][row], lat)
+    assert sorted(i for s, i in seen if s == 1) == list(range(12))  # b: all of it in two epochs
+    # each batch is its store's own loader's next batch (x, flips and all)
+    with mixture(two, kind, workers, batch_size=6) as fresh:
+        for i, own in enumerate(fresh.parts):
+            mine = [b for b in straight if int(b["store"][0]) == i]
+            assert all(torch.equal(b["x"], o["x"]) for b, o in zip(mine, take(own, len(mine)), strict=True))
 
 
 def test_ranks_resume_each_other_and_split_batch_is_one_process(two):
@@ -130,7 +129,7 @@ def test_stores_that_cannot_be_mixed_are_named_in_one_line(two, tmp_path):
 
 def test_the_stores_share_the_memory(two, monkeypatch):
     """auto holds the smallest stores while they fit TOGETHER, streams the rest; an explicit resident
-    mixture that does not fit together is refused; streaming stores split the budget and the workers."""
+    mixture that does not fit together is refused; streaming stores split the memory budget."""
     a, b = (data.base._open(s) for s in two)
     need = [len(s) * data.base._Spec(s).resident_bytes for s in (a, b)]
     monkeypatch.setattr(data.budget, "available_memory", lambda: (int(sum(need) / 1.05), "fake"))  # b alone fits
@@ -140,22 +139,19 @@ def test_the_stores_share_the_memory(two, monkeypatch):
         data.choose_mixture([a, b], kind="resident")
     choices, why = data.choose_mixture([a, b], kind="streaming", memory="64MiB")
     assert [c[2] for c in choices] == [32 * 2**20] * 2 and "share the loader budget" in why
-    with mixture(two, "streaming", 4) as m:
-        assert [p.workers for p in m.parts] == [2, 2]
 
 
-def test_unpadded_captions_are_padded_to_the_longest_and_latent_stats_pool(two):
-    short = {"text_tokens": torch.ones(2, 3, 4), "text_mask": torch.ones(2, 3, dtype=torch.bool)}
-    long = {"text_tokens": torch.ones(1, 5, 4), "text_mask": torch.ones(1, 5, dtype=torch.bool)}
-    joined = _join([short, long])
-    assert joined["text_tokens"].shape == (3, 5, 4) and joined["text_mask"].sum(1).tolist() == [3, 3, 5]
-    assert joined["text_tokens"][:2, 3:].abs().sum() == 0
+def test_latent_stats_pool_over_the_stores(two):
     stores = [data.base._open(s) for s in two]
     pooled = pooled_latent_record(stores, "channel")  # by each store's count, whatever the repeats
     counts = [s.manifest["stats"]["count"] for s in stores]
     means = np.array([s.manifest["stats"]["mean"] for s in stores])
+    stds = np.array([s.manifest["stats"]["std"] for s in stores])
     assert pooled["stats_count"] == sum(counts)
-    np.testing.assert_allclose(pooled["mean"], (counts[0] * means[0] + counts[1] * means[1]) / sum(counts))
+    w = np.array(counts) / sum(counts)
+    mean = w @ means
+    np.testing.assert_allclose(pooled["mean"], mean)
+    np.testing.assert_allclose(pooled["std"], np.sqrt(w @ (stds**2 + means**2) - mean**2))
     assert pooled_latent_record(stores, "none") == {"norm": "none"}
 
 
@@ -181,7 +177,7 @@ def test_a_mixed_run_records_resumes_exactly_and_keeps_its_stores(two, tmp_path)
     common = ["--max-steps", 4, "--save-every", 2, "--loader", "resident", "--lr", "1e-3"]
     r = dittrain(*run_args(a, tmp_path / "straight", "--latents", f"{b}:0.5", *common))
     assert r.exit_code == 0, r.output
-    assert "mixture: 2 stores, 36 samples per epoch" in r.output and "x0.5 = 6, 17%" in r.output
+    assert "mixture: 2 stores, 5 batches of 8 (40 samples) per epoch" in r.output and "x0.5: 1 batches = 8" in r.output
     record = json.loads((tmp_path / "straight" / "config.json").read_text())
     assert record["train"]["data"]["latents"] == [str(a), f"{b}:0.5"]
     assert [(m["path"], m["repeats"]) for m in record["store"]["mixture"]] == [(str(a), 1.0), (str(b), 0.5)]

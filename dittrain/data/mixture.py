@@ -3,36 +3,38 @@
 loader (chosen together, so they share the memory: budget.choose_mixture).
 
     R_i       store i's repeats, "PATH:R" (default 1): kohya's num_repeats, any positive number
-    m_i       its samples per epoch of the mixture: round(R_i x N_i / W), at least 1 (N_i its
-              samples, W the ranks the stores are split over; 1 for split="batch")
-    epoch e   M = m_0 + m_1 + ... positions; which store each position takes is a permutation of
-              m_0 zeros, m_1 ones, ..., seeded by (seed, rank, e); a position takes the NEXT sample
-              of its store's own stream
-    store i   its loader's own infinite sample stream (its epochs, order, flips and fresh draws,
-              seeded by (seed, i)): R_i = 3 runs through it three times per mixture epoch, each time
-              in a new order; R_i = 0.3 takes the next 30% of it, so every sample comes within about
-              1 / 0.3 epochs, and each sample of B is drawn 0.3 times as often as each of A
-    batch k   stream positions [kB, (k+1)B): for each store, the rows its positions take, store by
-              store (a store's rows adjacent: the order inside a batch does not matter to the loss,
-              and one slice per store costs less than a gather)
+    k_i       its batches per epoch of the mixture: round(R_i x N_i / (W x B)), at least 1 (N_i
+              its samples, W the ranks the stores are split over, 1 for split="batch"; B the batch
+              of the stream); it gives k_i x B samples an epoch
+    epoch e   K = k_0 + k_1 + ... batches; which store each takes is a permutation of k_0 zeros,
+              k_1 ones, ..., seeded by (seed, rank, e): a store's batches spread over the epoch in
+              proportion to its share
+    store i   its loader's own infinite stream of batches (its epochs, order, flips and fresh
+              draws, seeded by (seed, i)): R_i = 3 runs through it three times per mixture epoch,
+              each time in a new order; R_i = 0.3 takes the next 30% of it, so every sample comes
+              within about 1 / 0.3 epochs, and each sample of B is drawn 0.3 times as often as
+              each of A
+    batch k   batch k mod K of epoch k div K: the NEXT batch of its store's loader, handed on as it
+              is (no copy: measured, a copy per batch would halve a resident loader's rate,
+              bench/mixed_loader.py)
 
-So the repeats are per-sample weights: store i's share of an epoch is m_i / M (the startup line,
-describe_mixture). The mixture is a pure function of (seed, rank, the stores' sizes and repeats,
-the batch size), and store i's position after batch k is the count of i among the first kB
-positions, so the state is the batch count alone and a resume is exact, as the loaders' contract
-says (dittrain.data). One store is never a mixture: build_loader, as before.
+Every batch is from one store, as kohya's sd-scripts (a dataset group's batches each come from one
+dataset's bucket, its images repeated num_repeats times per epoch) and SimpleTuner (a data backend
+per step) mix datasets; the repeats are per-sample weights, and store i's share of an epoch is
+k_i / K (the startup line, describe_mixture). The mixture is a pure function of (seed, rank, the
+stores' sizes and repeats, the batch size), and store i's batch count after mixture batch k is the
+count of i among the first k, so the state is the batch count alone and a resume is exact, as the
+loaders' contract says (dittrain.data). One store is never a mixture: build_loader, as before.
 
 DDP: split="part", each rank's stores are its parts of them (each store's loader split as one
 store's is), its own mixture order seeded by its rank; split="batch", every rank makes the
-one-process batch of B x W and keeps its rows. The batch holds the fields every store's loader
-gives: the conditioning must agree (check_stores), and unpadded caption tokens, each store's batch
-padded to its own longest, are padded to the longest of the batch. With with_index, "index" is the
-sample's row in its own store and "store" which store (its --latents position).
+one-process batch of B x W and keeps its rows. The conditioning must agree (check_stores), so every
+store's batch has the same fields. With with_index, "index" is the sample's row in its own store
+and "store" which store (its --latents position).
 """
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
@@ -49,8 +51,6 @@ from .streaming import StreamingLoader
 
 # Tags of this module's seeded streams (base.py's are 1..5, bucketed.py's 6 and 7)
 _MIX_EPOCH, _MIX_STORE = 8, 9
-# batch fields of unpadded text that a store's loader pads to its own batch's longest caption
-_PADDED = ("text_tokens", "text_mask")
 
 
 def store_seed(seed: int, i: int) -> int:
@@ -58,9 +58,9 @@ def store_seed(seed: int, i: int) -> int:
     return int(np.random.SeedSequence([int(seed), _MIX_STORE, int(i)]).generate_state(1, np.uint32)[0]) >> 1
 
 
-def per_epoch(sizes: list[int], repeats: list[float], ranks: int = 1) -> list[int]:
-    """m_i: each store's samples in one mixture epoch of one rank (the module's docstring)."""
-    return [max(1, round(r * n / ranks)) for n, r in zip(sizes, repeats, strict=True)]
+def per_epoch(sizes: list[int], repeats: list[float], batch: int, ranks: int = 1) -> list[int]:
+    """k_i: each store's batches in one mixture epoch of one rank (the module's docstring)."""
+    return [max(1, round(r * n / (ranks * batch))) for n, r in zip(sizes, repeats, strict=True)]
 
 
 class MixtureLoader:
@@ -85,8 +85,9 @@ class MixtureLoader:
             if p.batch_size != self._stream_batch:
                 raise ValueError(f"a mixture's stores need loaders of batch {self._stream_batch}, got {p.batch_size}")
         self.sizes = [len(p.store) for p in self.parts]
-        self.per_epoch = per_epoch(self.sizes, self.repeats, world_size if split == "part" else 1)
-        self.samples_per_epoch = sum(self.per_epoch)
+        self.per_epoch = per_epoch(self.sizes, self.repeats, self._stream_batch, world_size if split == "part" else 1)
+        self.batches_per_epoch = sum(self.per_epoch)
+        self.samples_per_epoch = self.batches_per_epoch * self._stream_batch
         self.device = self.parts[0].device
         self.reason = reason or f"{len(parts)} stores mixed"
         self.batches = 0  # batches handed to the consumer
@@ -96,31 +97,37 @@ class MixtureLoader:
 
     # -- the plan --------------------------------------------------------------------
     def _which(self, e: int) -> np.ndarray:
-        """Epoch e: the store of each of its M positions."""
+        """Epoch e: the store of each of its K batches."""
         def make(e):
             stores = np.repeat(np.arange(len(self.parts), dtype=np.int16), self.per_epoch)
             return _rng(self.seed, _MIX_EPOCH, self._stream_rank, e).permutation(stores)
 
         return _epoch_cached(self._epochs, e, make)
 
-    def _consumed_at(self, p: int) -> np.ndarray:
-        """Samples each store's stream has given before stream position p."""
-        e, o = divmod(p, self.samples_per_epoch)
-        return e * np.asarray(self.per_epoch, dtype=np.int64) + np.bincount(self._which(e)[:o],
-                                                                            minlength=len(self.parts))
+    def _position(self, k: int) -> tuple[int, int]:
+        """(store, which of its loader's batches) of mixture batch k."""
+        e, j = divmod(k, self.batches_per_epoch)
+        which = self._which(e)
+        i = int(which[j])
+        return i, e * self.per_epoch[i] + int(np.count_nonzero(which[:j] == i))
 
     @property
     def epoch(self) -> int:
-        """The mixture epoch of the next batch's first sample."""
-        return self.batches * self._stream_batch // self.samples_per_epoch
+        """The mixture epoch of the next batch."""
+        return self.batches // self.batches_per_epoch
+
+    def store_of(self, k: int) -> int:
+        """The store (its --latents position) batch k comes from."""
+        return self._position(k)[0]
 
     def describe_mixture(self) -> str:
         """The startup line's words: what each store gives per epoch (of this rank)."""
-        M = self.samples_per_epoch
-        rows = [f"{name} ({n:,} samples x{r:g} = {m:,}, {m / M:.0%})"
-                for name, n, r, m in zip(self.names, self.sizes, self.repeats, self.per_epoch, strict=True)]
+        B, K = self._stream_batch, self.batches_per_epoch
+        rows = [f"{name} ({n:,} samples x{r:g}: {k:,} batches = {k * B:,} samples, {k / K:.0%})"
+                for name, n, r, k in zip(self.names, self.sizes, self.repeats, self.per_epoch, strict=True)]
         per = " per rank" if self.split == "part" and self.world_size > 1 else ""
-        return f"{len(self.parts)} stores, {M:,} samples per epoch{per}: " + ", ".join(rows)
+        return (f"{len(self.parts)} stores, {K:,} batches of {B} ({self.samples_per_epoch:,} samples) per epoch{per}, "
+                "each batch from one store: " + ", ".join(rows))
 
     # -- iteration -------------------------------------------------------------------
     def __iter__(self):
@@ -136,51 +143,15 @@ class MixtureLoader:
             self.wait_seconds += time.perf_counter() - t0
 
     def _make(self, k: int) -> dict:
-        B, M, S = self._stream_batch, self.samples_per_epoch, len(self.parts)
-        p = k * B
-        if p != self._pos:  # a resume, or a jump: count again from the plan
-            self._consumed, self._pos = self._consumed_at(p), p
-        counts, need = np.zeros(S, dtype=np.int64), B
-        while need:
-            e, o = divmod(p, M)
-            take = min(need, M - o)
-            counts += np.bincount(self._which(e)[o:o + take], minlength=S)
-            p, need = p + take, need - take
-        pieces = []
-        for i in range(S):
-            if counts[i]:
-                pieces += self._rows(i, int(self._consumed[i]), int(counts[i]))
-        self._consumed += counts
-        self._pos = p
-        batch = _join(pieces)
-        if self._my_rows is not None:  # this rank's rows of the one-process batch
-            batch = {name: t[self._my_rows] for name, t in batch.items()}
-        return batch
-
-    def _rows(self, i: int, start: int, count: int) -> list[dict]:
-        """Samples [start, start + count) of store i's stream: slices of its loader's batches."""
-        B, out = self._stream_batch, []
-        while count:
-            j, a = divmod(start, B)
-            batch = self._part_batch(i, j)
-            take = min(count, B - a)
-            piece = batch if take == B else {name: t[a:a + take] for name, t in batch.items()}
-            if self.parts[i].with_index:
-                piece = {**piece, "store": torch.full((take,), i, dtype=torch.int64, device=piece["x"].device)}
-            out.append(piece)
-            start, count = start + take, count - take
-        return out
-
-    def _part_batch(self, i: int, j: int) -> dict:
-        """Batch j of store i's loader (the one most recently made is kept: the next rows come from it)."""
-        held = self._held[i]
-        if held is not None and held[0] == j:
-            return held[1]
+        i, j = self._position(k)
         part = self.parts[i]
-        if part.batches != j:  # a resume: that loader continues from its batch j
+        if part.batches != j:  # a resume, or a jump: that store's loader continues from its batch j
             part.load_state_dict({**part.state_dict(), "batches": j})
         batch = next(part)
-        self._held[i] = (j, batch)
+        if part.with_index:
+            batch["store"] = torch.full((len(batch["x"]),), i, dtype=torch.int64, device=batch["x"].device)
+        if self._my_rows is not None:  # this rank's rows of the one-process batch
+            batch = {name: t[self._my_rows] for name, t in batch.items()}
         return batch
 
     # -- state -----------------------------------------------------------------------
@@ -192,11 +163,12 @@ class MixtureLoader:
                 entry["shuffle_window"] = p.shuffle_window
             stores.append(entry)
         return {"kind": self.kind, "seed": self.seed, "batch_size": self.batch_size, "world_size": self.world_size,
-                "split": self.split, "num_samples": self.samples_per_epoch, "stores": stores}
+                "split": self.split, "num_batches": self.batches_per_epoch, "stores": stores}
 
     def state_dict(self) -> dict:
-        e, o = divmod(self.batches * self._stream_batch, self.samples_per_epoch)
-        return {**self._identity(), "batches": self.batches, "epoch": e, "offset": o, "rank": self.rank}
+        e, j = divmod(self.batches, self.batches_per_epoch)
+        return {**self._identity(), "batches": self.batches, "epoch": e, "offset": j * self._stream_batch,
+                "rank": self.rank}
 
     def load_state_dict(self, state: dict, *, strict: bool = True) -> None:
         """Continue after state["batches"] batches (any rank's state resumes every rank). strict: refuse a
@@ -214,9 +186,7 @@ class MixtureLoader:
         self.batches = int(state["batches"])
 
     def _reset(self) -> None:
-        self._pos = -1  # the stream position the counts below are at (-1: none yet)
-        self._consumed = np.zeros(len(self.parts), dtype=np.int64)
-        self._held: list[tuple[int, dict] | None] = [None] * len(self.parts)
+        pass  # the stores' loaders keep their own positions; _make moves one that is elsewhere
 
     # -- memory and lifetime ---------------------------------------------------------
     def describe_measured(self) -> str | None:
@@ -226,7 +196,6 @@ class MixtureLoader:
         return "; ".join(lines) or None
 
     def close(self) -> None:
-        self._reset()
         for p in self.parts:
             p.close()
 
@@ -239,20 +208,6 @@ class MixtureLoader:
     def __repr__(self):
         return (f"MixtureLoader({len(self.parts)} stores, batch_size={self.batch_size}, "
                 f"rank={self.rank}/{self.world_size}, batches={self.batches}; {self.reason})")
-
-
-def _join(pieces: list[dict]) -> dict:
-    """One batch of the pieces' rows, in order; unpadded text padded to the longest of the pieces."""
-    if len(pieces) == 1:
-        return dict(pieces[0])
-    out = {}
-    for name in pieces[0]:
-        parts = [p[name] for p in pieces]
-        if name in _PADDED and len({t.shape[1] for t in parts}) > 1:
-            L = max(t.shape[1] for t in parts)
-            parts = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, L - t.shape[1])) for t in parts]
-        out[name] = torch.cat(parts)
-    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -312,8 +267,8 @@ def build_mixture(stores, repeats: list[float], settings: LoaderConfig = LoaderC
                   local_world_size: int | None = None, names: list[str] | None = None,
                   saved: dict | None = None) -> MixtureLoader:
     """A MixtureLoader over `stores` (Stores or paths) with each store's repeats. settings: as build_loader's
-    (kind applies to the stores together, budget.choose_mixture; the streaming stores share the workers and the
-    memory budget). saved: a checkpoint's mixture state, whose loader kinds and windows are kept (the data
+    (kind applies to the stores together, budget.choose_mixture; each streaming store runs settings.workers
+    processes, and the streaming stores share the memory budget). saved: a checkpoint's mixture state, whose loader kinds and windows are kept (the data
     order continues; --shuffle-window, when given in settings, wins for the window)."""
     stores = [_open(s) for s in stores]
     names = list(names or [s.location for s in stores])
@@ -328,8 +283,11 @@ def build_mixture(stores, repeats: list[float], settings: LoaderConfig = LoaderC
     choices, why = choose_mixture(stores, kind=s.kind, rank=rank, world_size=world_size,
                                   resident_device=s.resident_device, memory_fraction=s.memory_fraction,
                                   local_world_size=local_world_size, split=s.split, memory=s.memory, kinds=kinds)
-    streaming = sum(1 for kind, _, _ in choices if kind == "streaming")
-    workers = 0 if s.workers == 0 else max(1, math.ceil(s.workers / max(1, streaming)))  # shared, not multiplied
+    # Each streaming store runs --workers processes of its own: a store's loader is only as fast as its
+    # workers, and with the workers shared out (1 each of 2) the mixture read at 69% of one store's rate,
+    # with them all at 110% (bench/mixed_loader.py). A worker whose slots are full sleeps, so idle ones cost
+    # no CPU, and their memory is inside the budget the streaming stores share (choose_mixture).
+    workers = s.workers
     parts = []
     try:
         for i, (store, (kind, rdev, budget)) in enumerate(zip(stores, choices, strict=True)):
