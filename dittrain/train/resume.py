@@ -9,10 +9,10 @@ it was started. A setting that differs from the record is one of three kinds:
   evaluate, where logs go, loader processes, compilation, the device): applied;
 - learned: the optimisation itself (lr and its schedule, EMA, clipping, batch, accumulation,
   the seed, data window and bucket remainder, the repeats of mixed stores, loss and timestep options, CFG dropout, precision, REPA's block
-  and weight, token routing): refused with the list of differences unless --allow-changes says so;
+  and weight, token routing, LoRA's alpha and dropout): refused with the list of differences unless --allow-changes says so;
 - fixed: what the weights or the optimizer state are made of (the model, the objective, the
   optimizer, latent normalisation, REPA's feature set and projector width, which make the
-  projector's tensors): never, a new run is the way (--init-from RUN);
+  projector's tensors, LoRA's rank and targets, which make the adapter's): never, a new run is the way (--init-from RUN);
 - start: how this command starts (--out, --resume, --init-from), not a setting of the run.
 
 Each field declares its class where it is defined (dittrain.config.setting; a field without one
@@ -171,7 +171,8 @@ def _needs_given(cfg: TrainConfig, chosen: set[str]) -> TrainConfig:
 
 
 # what the one line says to do when an option comes without the field it needs
-NEEDS_HINT = {"repa": "name the feature set to align to (--repa SET, from `ditdata features`)"}
+NEEDS_HINT = {"repa": "name the feature set to align to (--repa SET, from `ditdata features`)",
+              "lora": "give the adapter's rank (--lora RANK, with --init-from the weights to adapt)"}
 
 
 def _listed(changes: dict, names: list[str]) -> str:
