@@ -18,9 +18,9 @@ loader (chosen together, so they share the memory: budget.choose_mixture).
               is (no copy: measured, a copy per batch would halve a resident loader's rate,
               bench/mixed_loader.py)
 
-Every batch is from one store, as kohya's sd-scripts (a dataset group's batches each come from one
-dataset's bucket, its images repeated num_repeats times per epoch) and SimpleTuner (a data backend
-per step) mix datasets; the repeats are per-sample weights, and store i's share of an epoch is
+Every batch is from one store, as kohya's sd-scripts mixes datasets (read in kohya-ss/sd-scripts'
+library/train_util.py: DatasetGroup is a ConcatDataset whose items are whole bucket batches of one
+dataset, each image registered num_repeats times per epoch); the repeats are per-sample weights, and store i's share of an epoch is
 k_i / K (the startup line, describe_mixture). The mixture is a pure function of (seed, rank, the
 stores' sizes and repeats, the batch size), and store i's batch count after mixture batch k is the
 count of i among the first k, so the state is the batch count alone and a resume is exact, as the
