@@ -162,6 +162,13 @@ def test_plan_counts_the_adapter_alone():
     assert sum(model_parts(cfg, (16, LORA_TARGETS)).trainable) == 28 * 16 * (4 * 1152 + 2 * 1152 + 2 * (1152 + 4608))
     assert lora.activations == full.activations and lora.weights > full.weights  # the base, and the adapter beside it
     assert lora.optimizer * 50 < full.optimizer and lora.ema * 50 < full.ema and lora.peak < full.peak
+    # --probe builds the run's step as the loop does: the adapter alone in the optimizer, its EMA alone
+    from dittrain.config import TrainConfig
+    from dittrain.plan.probe import build
+
+    tiny = get_config("DiT-T/4", input_size=8, in_channels=3, num_classes=3)
+    step, _, _ = build(TrainConfig.from_flat(model="DiT-T/4", batch_size=2, lora=RANK), tiny, torch.device("cpu"))
+    assert sum(p.numel() for p in step.params) == sum(p.numel() for p in step.ema_params) == 6 * RANK * 3072
     r = cli("plan", "--model", "DiT-XL/2", "--latent-shape", "4x32x32", "--classes", 1000, "--gpu", "RTX 4090",
             "--batch-size", 256, "--lora", 16)
     assert r.exit_code == 0 and "--lora 16: 8.26 M trainable (the adapter)" in r.output, r.output

@@ -13,7 +13,9 @@ The terms, each from what the trainer builds (dittrain.train.loop._build, dittra
   --lora       (Setting.lora) the base frozen: weights are the base's plus the adapter's A and B, the
                EMA, the optimizer state and the gradients the adapter's alone (the final layer has
                none); activations and autocast copies as a full run's (the frozen linears' inputs are
-               still kept: their input gradient needs the weights, and the adapter's A needs the input)
+               still kept: their input gradient needs the weights, and the adapter's A needs the input).
+               A bound: the frozen conditioning path (embedders, adaLN) keeps less than the table, which
+               full runs measured: 5-11% above the CPU allocator's peak on S/2 and B/2 (bench/lora_memory.py)
   optimizer    the state of the real optimizer class (optimizer_state_bytes: one step of
                dittrain.train.optim.build_optimizer's optimizer on probe tensors of every size)
   gradients    fp32 gradients of the trainable parameters, those alive at the peak

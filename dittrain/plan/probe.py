@@ -16,6 +16,7 @@ timed apart from the steady steps.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import os
 import sys
@@ -28,6 +29,7 @@ from ditdata.common.devices import amp_dtype
 from dittrain.config import TrainConfig
 from dittrain.diffusion import Diffusion, DiffusionConfig
 from dittrain.model.dit import DiT
+from dittrain.model.lora import inject, settings_of
 from dittrain.model.sizes import DiTConfig
 from dittrain.train import losses
 from dittrain.train.optim import build_optimizer, build_schedule
@@ -90,10 +92,17 @@ def build(cfg: TrainConfig, model_cfg: DiTConfig, device: torch.device, *, targe
     on the device itself (their values do not change speed or memory; an XL model made on the
     host takes seconds)."""
     torch.manual_seed(cfg.optim.seed)
+    adapter = settings_of(cfg.lora)
     with device:
         model = DiT(model_cfg)
-        ema = DiT(model_cfg).requires_grad_(False)
-    ema.load_state_dict(model.state_dict())
+        if adapter is None:
+            ema = DiT(model_cfg).requires_grad_(False)
+    if adapter is not None:  # --lora: the adapter on the frozen base, an EMA of the adapter alone (as the loop)
+        inject(model, adapter)
+        ema = copy.deepcopy(model, {id(p): p for p in model.parameters() if not p.requires_grad})
+        ema.requires_grad_(False)
+    else:
+        ema.load_state_dict(model.state_dict())
     ema.eval()
     # the run config's store section as dittrain.train.setup would record the synthetic feature set
     side = model_cfg.input_size // model_cfg.patch_size
