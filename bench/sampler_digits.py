@@ -15,9 +15,11 @@ against DiT's 250 ancestral DDPM steps (a ddpm run) and 50 Euler steps (a flow r
    8 x 8, 0..16 (bench/latent_norm.py's digit_scores does the same), then
    - FD: the Frechet distance (dittrain.eval.metrics, ADM's formula) between the 64-d pixel
      vectors of the samples and of all 1,797 real digits: a digits FID without Inception;
+   - FD to the reference: the same distance to the images of the run's reference sampler (ddpm 250
+     steps, Euler 50 steps), the sampler's own error whatever the model's;
    - the share of samples whose nearest real digit (1-NN) is the class asked for.
-   The floor row is --n real digits drawn at random against all of them: the FD that sampling
-   noise alone gives at this n.
+   The floor row is --n real digits drawn at random against all of them (FD) and against another
+   --n of them (FD to the reference): what sampling noise alone gives at this n.
 
 Prints one table (markdown) and writes DIR/results.json.
 """
@@ -38,9 +40,9 @@ from scratch import parser, scratch_dir  # bench/scratch.py
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# objective -> (sampler, steps), the reference first
+# objective -> (sampler, steps), the reference first; dpm++ 100: where the ODE solvers converge to
 SETTINGS = {
-    "ddpm": [("ddpm", 250), ("dpm++", 20), ("unipc", 20), ("ddpm", 20), ("ddim", 20), ("dpm++", 10)],
+    "ddpm": [("ddpm", 250), ("dpm++", 20), ("unipc", 20), ("ddpm", 20), ("ddim", 20), ("dpm++", 10), ("dpm++", 100)],
     "flow": [("euler", 50), ("dpm++", 20), ("unipc", 20), ("euler", 20), ("dpm++", 10)],
 }
 
@@ -61,11 +63,12 @@ def as_digits(images: np.ndarray) -> np.ndarray:
     return np.stack(out).reshape(len(images), -1) * 16 / 255
 
 
-def judge(feats: np.ndarray, labels: np.ndarray | None, real: np.ndarray, real_labels: np.ndarray) -> dict:
+def judge(feats: np.ndarray, labels: np.ndarray | None, real: np.ndarray, real_labels: np.ndarray,
+          ref: np.ndarray) -> dict:
     from dittrain.eval.metrics import feature_stats, fid
 
-    fd = fid(*feature_stats(feats), *feature_stats(real))
-    row = {"fd": fd}
+    row = {"fd": fid(*feature_stats(feats), *feature_stats(real)), "fd_ref": fid(*feature_stats(feats),
+                                                                                  *feature_stats(ref))}
     if labels is not None:
         nearest = ((feats[:, None, :] - real[None, :, :]) ** 2).sum(-1).argmin(1)
         row["nn_accuracy"] = float((real_labels[nearest] == labels).mean())
@@ -96,30 +99,37 @@ def main() -> None:
     rows = []
     with scratch_dir(args.dir, "sampler_digits_") as root:
         store = build_store(root, env)
-        floor = judge(real[np.random.default_rng(0).choice(len(real), args.n, replace=False)], None, real,
-                      real_labels)
+        pick = np.random.default_rng(0).permutation(len(real))
+        floor = judge(real[pick[:args.n]], None, real, real_labels, real[pick[args.n:2 * args.n]])
         rows.append({"objective": "-", "sampler": f"{args.n} real digits", "steps": 0, "seconds": 0.0, **floor})
         for objective, settings in SETTINGS.items():
             ckpt = train(store, root, objective, args.train_steps, env)
+            ref = None  # the reference sampler's images: the first of settings
             for sampler, steps in settings:
                 npz = root / f"{objective}_{sampler}_{steps}.npz"
-                t0 = time.perf_counter()
+                timed = root / f"{npz.name}.seconds"  # the wall time of the command, kept for a rerun
                 if not npz.is_file():
+                    t0 = time.perf_counter()
                     sh(BIN / "dittrain", "sample", "--ckpt", ckpt, "--npz", npz, "--n", args.n, "--chunk-size",
                        args.n, "--batch-size", args.n, "--cfg", args.cfg, "--sampler", sampler, "--steps", steps,
                        "--seed", 0, "--device", "cpu", env=env, log=root / "sample.log")
-                seconds = time.perf_counter() - t0
+                    timed.write_text(f"{time.perf_counter() - t0:.1f}")
+                seconds = float(timed.read_text()) if timed.is_file() else float("nan")
                 with np.load(npz) as z:
-                    row = judge(as_digits(z["arr_0"]), z["arr_1"], real, real_labels)
+                    feats = as_digits(z["arr_0"])
+                    ref = feats if ref is None else ref
+                    row = judge(feats, z["arr_1"], real, real_labels, ref)
                 rows.append({"objective": objective, "sampler": sampler, "steps": steps, "seconds": seconds, **row})
                 print(json.dumps(rows[-1]), flush=True)
         (root / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    print("\n| run | sampler | steps (model evaluations) | FD on 8x8 pixels | 1-NN digit accuracy | sampling s |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("\n| run | sampler | steps (model evaluations) | FD to the real digits | FD to the reference sampler "
+          "| 1-NN digit accuracy | sampling s |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         acc = f"{r['nn_accuracy']:.3f}" if "nn_accuracy" in r else "-"
         secs = f"{r['seconds']:.1f}" if r["steps"] else "-"
-        print(f"| {r['objective']} | {r['sampler']} | {r['steps'] or '-'} | {r['fd']:.2f} | {acc} | {secs} |")
+        print(f"| {r['objective']} | {r['sampler']} | {r['steps'] or '-'} | {r['fd']:.2f} | {r['fd_ref']:.2f} | "
+              f"{acc} | {secs} |")
 
 
 if __name__ == "__main__":
