@@ -105,7 +105,7 @@ def test_class_page_offers_the_manifest_names(server):
     by_id = {c.get("props", {}).get("elem_id"): c for c in demo.config["components"]}
     choices = [c[0] for c in by_id["class"]["props"]["choices"]]
     assert choices[:3] == ["0: astronaut", "1: chelsea", "2: coffee"] and choices[3].startswith("random")
-    assert [c[1] for c in by_id["sampler"]["props"]["choices"]] == ["ddpm", "ddim"]
+    assert [c[1] for c in by_id["sampler"]["props"]["choices"]] == ["ddpm", "ddim", "dpm++", "unipc"]
     assert by_id["gallery"]["props"]["format"] == "png"  # lossless: the PNGs the command writes
     assert "prompt" not in by_id
 
