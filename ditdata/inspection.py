@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 from ditdata.common.bytesize import format_size
 from ditdata.store import open_store
+from ditdata.store.captions import caption_set_faults, describe_caption_sets
 
 
 def _conditioning(cond, lengths: dict | None = None) -> list[str]:
@@ -69,6 +70,7 @@ def describe(path, **remote) -> str:
            if vae.get("latent_norm") == "channel" else ""),
         f"image:        {m['image'].get('resolution')} px, crop {m['image'].get('crop')}",
         *_conditioning(s.conditioning, m.get("ragged")),
+        *describe_caption_sets(s),
         f"filter:       {m['filter'] if m['filter'] else 'none'}",
         "fields:       " + ", ".join(
             [f"{k} {v['dtype']}{v['shape']}" for k, v in m["fields"]["tensors"].items()]
@@ -180,6 +182,7 @@ def verify_all(path, *, progress: bool = True, **remote) -> Verified:
     warnings: list[str] = []
     faults = s.verify(progress=lambda xs: progress_bar(xs, desc="verify", unit="shard", enabled=progress, leave=False),
                       warnings=warnings)
+    faults += caption_set_faults(s)  # the caption sets the manifest lists, against the fields
     for name, fs, error in _each_feature_set(s):
         if error is not None:
             faults.append(str(error))

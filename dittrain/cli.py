@@ -324,6 +324,12 @@ def _opt(*names, field, **kw):
            "auto (25% of the available RAM, split over this machine's ranks, at most 4 GiB) or a size such "
            "as 2GiB or 512MiB. The window and prefetch depth are sized to fit it; an explicit "
            "--shuffle-window or --workers that cannot fit is refused. The estimate is in the startup line.")
+@_opt("--caption-mix", field="caption_mix", metavar="SET=W,...|clip-score[:temperature=T,threshold=S]",
+      help="A store with several caption sets (ditdata encode --captions alt,SET,...): each sample's caption "
+           "set, drawn per sample per step from the seed: SET=W,... in these proportions (alt=0.2,recap=0.8), or "
+           "clip-score: SANA's rule, weights = CLIP score ** (1/T) over the sets scoring at least S (defaults "
+           "T=0.1, S=0.25, SANA's 0.1 and 25 on its 100 x cosine scale), the best-scored set when none does. "
+           "Default: the store's first set.")
 @_opt("--seed", field="seed", type=int)
 @_opt("--save-every", field="save_every", type=click.IntRange(min=1))
 @_opt("--keep", field="keep", type=click.IntRange(min=1), help="Checkpoints kept.")
@@ -405,6 +411,15 @@ def _opt(*names, field, **kw):
       "without autocast, as its code), e.g. 0.5:2:24 on DiT-XL/2 (i = 2, j = depth - 4), 0.5:2:8 on B/2.")
 @_opt("--route-convention", field="route_convention", type=click.Choice(config.ROUTE_CONVENTIONS),
       help="tread, or half-open (START <= i < END, no fp32 block): runs recorded before this option, kept on --resume.")
+@_opt("--lora", field="lora", type=int, metavar="RANK", help="LoRA fine-tuning (through peft): the --init-from "
+      "weights stay frozen, a rank-RANK adapter on the --lora-targets linears trains; only it is in the optimizer, "
+      "the EMA and the checkpoints. 0: off (a full fine-tune).")
+@_opt("--lora-targets", field="lora_targets", metavar="PATTERNS", help="The linears to adapt, comma-separated: "
+      "names (a module so named, or ending in .NAME: attn.qkv, mlp.fc1) or regular expressions of the full name "
+      "(blocks\\.2[0-7]\\.attn\\.qkv). Default: every block's attention (self and cross) and MLP.")
+@_opt("--lora-alpha", field="lora_alpha", type=FiniteFloat(min=0), help="The adapter's scale is alpha / rank; "
+      "0: the rank (scale 1, as diffusers' LoRA scripts).")
+@_opt("--lora-dropout", field="lora_dropout", type=FiniteFloat(0, 1), help="Dropout on the adapter's input.")
 @quiet_option
 def run_cmd(print_config, allow_changes, quiet, **options):
     """Train a DiT on a latent store.
@@ -701,11 +716,14 @@ def _sample_toml(ctx: click.Context) -> str:
 @click.option("--ckpt", required=True, type=click.Path(exists=True, path_type=str),
               help="What `dittrain sample --ckpt` takes: a run directory (its EMA), an EMA export, a checkpoint or "
                    "a plain state dict (not an int8 export).")
-@click.option("--format", "fmt", required=True, type=click.Choice(["onnx", "diffusers", "fp16", "int8"]),
+@click.option("--format", "fmt", default=None, type=click.Choice(["onnx", "diffusers", "fp16", "int8"]),
               help="onnx: FILE.onnx (the forward, dynamic batch); diffusers: a DiTPipeline folder; fp16: "
-                   "FILE.safetensors; int8: FILE.pt (torchao weight-only).")
+                   "FILE.safetensors; int8: FILE.pt (torchao weight-only). Required, except with --merge-lora.")
+@click.option("--merge-lora", is_flag=True, help="A --lora run: write the folder --out with its EMA adapter merged "
+              "into the base (ema.safetensors, which every command takes) and the adapter as peft saves it "
+              "(adapter_model.safetensors, adapter_config.json).")
 @click.option("--out", "-o", required=True, type=click.Path(path_type=str),
-              help="FILE.onnx, a folder (diffusers), FILE.safetensors (fp16) or FILE.pt (int8).")
+              help="FILE.onnx, a folder (diffusers, --merge-lora), FILE.safetensors (fp16) or FILE.pt (int8).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out.")
 @click.option("--latents", type=click.Path(file_okay=False, path_type=str), default=None,
               help="The run's latent store, if not at the path it recorded (diffusers: its autoencoder and "
@@ -719,7 +737,7 @@ def _sample_toml(ctx: click.Context) -> str:
 @click.option("--max-batch", default=_ONNX.max_batch, show_default=True, type=click.IntRange(min=2),
               help="onnx: the largest batch of the dynamic axis (guidance doubles the sampling batch).")
 @click.option("--opset", default=_ONNX.opset, type=click.IntRange(min=17), help="onnx: the opset (default: the exporter's).")
-def export_cmd(ckpt, fmt, out, overwrite, latents, vae, model, tolerance, max_batch, opset):
+def export_cmd(ckpt, fmt, merge_lora, out, overwrite, latents, vae, model, tolerance, max_batch, opset):
     """Export a run's EMA weights for other tools: ONNX (TensorRT, onnxruntime), a diffusers
     DiTPipeline, or fp16 / int8 files that `dittrain sample` and `dittrain serve` load.
 
@@ -745,7 +763,17 @@ def export_cmd(ckpt, fmt, out, overwrite, latents, vae, model, tolerance, max_ba
       dittrain export --ckpt runs/exp1 --format diffusers --out dit-pipeline
       dittrain export --ckpt runs/exp1 --format fp16 --out dit-fp16.safetensors
       dittrain sample --ckpt dit-fp16.safetensors --class 207 --out grid.png
+      dittrain export --ckpt runs/lora1 --merge-lora --out dit-lora   merged weights + peft adapter
     """
+    if merge_lora:
+        if fmt is not None:
+            raise click.UsageError(f"--merge-lora writes its own folder; export that folder with --format {fmt} after")
+        from dittrain.inference.export import export_lora
+
+        export_lora(ckpt, out, overwrite=overwrite, log=_say)
+        return
+    if fmt is None:
+        raise click.UsageError("Missing option '--format' (or --merge-lora for a --lora run)")
     from dittrain.inference.export import export
 
     export(ckpt, fmt, out, overwrite=overwrite, latents=latents, vae=vae, model=model,

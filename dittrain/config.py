@@ -1,7 +1,7 @@
 """Run configuration: every training knob with its default, in one place.
 
 `TrainConfig` is what a user sets, in sections (data, model, diffusion, optim,
-checkpointing, logging, eval, performance, repa, routing); the `dittrain run` flags map 1:1 onto its
+checkpointing, logging, eval, performance, repa, routing, lora); the `dittrain run` flags map 1:1 onto its
 field names. The resolved config saved in config.json, in every checkpoint and in the EMA
 export adds what is DERIVED from the latent store (never set by hand):
 
@@ -353,7 +353,6 @@ class DataSection:
     # ("PATH:R" each, R its repeats per epoch; dittrain.data.mixture) are a list: their paths may move (safe),
     # other repeats change what is learned, another list of stores is refused by the checkpoint's identities
     latents: str | list[str] = setting("", SAFE, learned_when=_repeats_changed)
-
     cache_dir: str = setting("", SAFE)  # a URL store's local cache ("": $XDG_CACHE_HOME/ditkit/stores, ditdata.store.remote)
     cache_limit: str = setting("", SAFE)  # its size limit ("": 50 GiB, remote.DEFAULT_CACHE_LIMIT); LRU shards are removed
     # auto (channel where the store's autoencoder publishes no scaling factor, e.g. VA-VAE; else none) |
@@ -367,6 +366,10 @@ class DataSection:
     # streaming: budget for the loader's own memory (windows, slots, batches): auto (25% of the
     # available RAM over this machine's ranks, at most 4 GiB) or a size such as 2GiB, 512MiB
     loader_memory: str = setting("auto", SAFE)
+    # a store with several caption sets (ditdata encode --captions alt,SET,...): which one each sample's text
+    # is, drawn per sample per step (dittrain.train.captionmix): "" the store's first set only; SET=W,... fixed
+    # proportions; clip-score[:temperature=T,threshold=S] SANA's rule over the sets' CLIP scores
+    caption_mix: str = setting("", LEARNED)
 
 
 @dataclass
@@ -522,15 +525,37 @@ class RoutingSection:
     route_convention: str = setting(ROUTE_CONVENTIONS[0], LEARNED, needs="route", absent="half-open")
 
 
+# --lora-targets' default: every block's attention (self and cross) and MLP linears (dittrain.model.lora says why)
+LORA_TARGETS = "attn.qkv,attn.proj,cross_attn.q,cross_attn.kv,cross_attn.proj,mlp.fc1,mlp.fc2"
+
+
+@dataclass
+class LoraSection:
+    """LoRA fine-tuning (Hu et al., 2021; dittrain.model.lora, through peft): the --init-from weights stay
+    frozen and a rank-r adapter B A (scaled alpha / r) beside each targeted linear trains; only the adapter
+    is in the optimizer, the EMA and the checkpoints, the frozen base is rebuilt from the run's "init"
+    record. Off unless lora gives a rank. Rank and targets make the adapter's tensors (fixed); alpha and
+    dropout change no tensor, only how the adapter acts and learns (alpha scales its output, dropout
+    regularises its input), so a resume may change them like the lr (learned)."""
+
+    lora: int = setting(0, FIXED)  # the adapter's rank r (0: off, a full fine-tune); needs --init-from
+    # comma-separated linears to adapt: names (a module named so, or ending in .NAME, as peft's target_modules
+    # list) or regular expressions (fully matching the module's name, as peft's target_modules string)
+    lora_targets: str = setting(LORA_TARGETS, FIXED, needs="lora")
+    lora_alpha: float = setting(0.0, LEARNED, needs="lora")  # the scale's numerator (alpha / r); 0: the rank (scale 1)
+    lora_dropout: float = setting(0.0, LEARNED, needs="lora")  # dropout on the adapter's input (peft's lora_dropout)
+
+
 # `dittrain plan` takes these options of `dittrain run` (the same ones): the run it plans
 PLAN_RUN_OPTIONS = ("latents", "cache_dir", "cache_limit", "model", "objective", "learn_sigma", "qk_norm", "batch_size",
                     "accumulation_steps", "optimizer", "max_steps", "amp", "grad_checkpointing", "compile", "loader",
-                    "resident_device", "workers", "device", "repa", "repa_depth", "repa_projector_dim", "route",
+                    "resident_device", "workers", "device", "repa", "repa_depth", "repa_projector_dim", "route", "lora",
+                    "lora_targets",
                     "eval_steps", "eval_cfg", "eval_batch_size")
 
 SECTIONS = {"data": DataSection, "model": ModelSection, "diffusion": DiffusionSection, "optim": OptimSection,
             "checkpointing": CheckpointingSection, "logging": LoggingSection, "eval": EvalSection,
-            "performance": PerformanceSection, "repa": RepaSection, "routing": RoutingSection}
+            "performance": PerformanceSection, "repa": RepaSection, "routing": RoutingSection, "lora": LoraSection}
 # field name -> its section: every flag of `dittrain run` is the name of one field
 SECTION_OF = {f.name: section for section, cls in SECTIONS.items() for f in fields(cls)}
 # field name -> what a run record without it means, for the fields whose absence is not their default
@@ -552,6 +577,7 @@ class TrainConfig:
     performance: PerformanceSection = field(default_factory=PerformanceSection)
     repa: RepaSection = field(default_factory=RepaSection)
     routing: RoutingSection = field(default_factory=RoutingSection)
+    lora: LoraSection = field(default_factory=LoraSection)
 
     @classmethod
     def from_flat(cls, **values) -> TrainConfig:

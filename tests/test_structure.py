@@ -29,7 +29,8 @@ RUNAWAY_MODULE_LINES = 1000
 RUNAWAY_FUNCTION_LINES = 150
 # ditdata's public surface for the trainer: the store and the toolkit, autoencoders (decoding
 # samples), the caption encoder (prompts) and pixels (reference images for FID: ditdata.pixels).
-DITTRAIN_MAY_IMPORT = ("ditdata.store", "ditdata.common", "ditdata.autoencoders", "ditdata.clip", "ditdata.pixels")
+DITTRAIN_MAY_IMPORT = ("ditdata.store", "ditdata.common", "ditdata.autoencoders", "ditdata.clip", "ditdata.pixels",
+                       "ditdata.textencoders")  # a T5 / Gemma-2 store's prompts are embedded as encode did
 # The rooms (a top-level module or package of ditdata / dittrain) by layer, lowest first.
 LAYERS = {
     "ditdata": [
@@ -39,7 +40,7 @@ LAYERS = {
         ["config", "jsondocs", "images", "framing"],  # settings, JSON documents, one image's pixels
         ["imageshards"],  # the image shards and what stages hand each other beside them
         ["clip", "autoencoders", "pixels"],  # the models ditdata runs; dittrain's pixel surface
-        ["features"],  # feature sets: `ditdata features`, and encode --features in encode's pass
+        ["features", "textencoders"],  # feature sets; the text-encoder registry (open_clip towers via clip)
         ["fetch", "scoring", "encode", "captions"],  # the stages
         ["inspection"],
         ["cli"],

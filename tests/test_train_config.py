@@ -107,7 +107,7 @@ def test_every_run_flag_is_one_field_of_one_section():
 
     from ditdata.common.configfile import key_of
 
-    invocation = {"no_compile", "help", "config", "print_config", "allow_changes", "quiet"}  # not settings of the run
+    invocation = {"no_compile", "help", "config", "print_config", "allow_changes", "quiet", "verbose"}  # not settings
     params = {p.name: p for p in cli.commands["run"].params if p.name not in invocation}
     assert set(params) == set(config.SECTION_OF)  # the flags map 1:1 onto the sections' fields
     # no field name in two sections (a flat name says which section it lives in)
@@ -163,10 +163,12 @@ LEARNED_SETTINGS = {
     "lr", "lr_schedule", "min_lr", "lr_decay_start", "lr_decay_end", "warmup_steps", "weight_decay", "ema", "grad_clip", "batch_size",
     "accumulation_steps", "seed", "shuffle_window", "bucket_remainder", "loss_weighting", "min_snr_gamma",
     "t_sampling", "t_mean", "t_std", "t_shift", "class_dropout", "caption_dropout", "amp", "tf32", "repa_depth",
-    "repa_weight", "route", "route_convention", "adam_betas", "velocity_cosine_weight"}
+    "repa_weight", "route", "route_convention", "adam_betas", "velocity_cosine_weight",
+    "lora_alpha", "lora_dropout", "caption_mix"}  # LoRA's: no tensor changes, how the adapter acts and learns does
 FIXED_SETTINGS = {"model", "learn_sigma", "qk_norm", "objective", "optimizer", "latent_norm", "repa",
                   "flow_time_scale",
-                  "repa_projector_dim"}
+                  "repa_projector_dim", "val_fraction",  # which samples are held out must not move
+                  "lora", "lora_targets"}  # LoRA's rank and targets make the adapter's tensors
 START_SETTINGS = {"resume", "out", "init_from"}
 
 
@@ -198,7 +200,8 @@ def test_the_resume_rules_read_the_declarations():
     assert resume.flag("repa_depth") == "--repa-depth"
     needing = {f.name: f.metadata["needs"] for f in _all_fields() if f.metadata["needs"]}
     assert needing == {"repa_depth": "repa", "repa_weight": "repa", "repa_projector_dim": "repa",
-                       "repa_min_cosine": "repa", "route_convention": "route"}
+                       "repa_min_cosine": "repa", "route_convention": "route",
+                       "lora_targets": "lora", "lora_alpha": "lora", "lora_dropout": "lora"}
 
 
 def test_a_setting_without_a_known_class_is_refused():

@@ -19,6 +19,12 @@ hold one bucket each, and every input shard becomes at most one shard per bucket
 then its record (buckets.py, BucketWriter, which also makes reruns skip finished input shards
 and discard what a killed run left of the others); the top manifest is written last.
 
+With `captions` (--captions alt,SET,...) every named caption set is embedded, one text-encoder
+pass per set: the first keeps the store's plain text fields, each further set NAME gets its own
+(text_tokens.NAME, text_length.NAME, caption.NAME, clip_score.NAME where its score files exist:
+ditdata.store.captions), and the manifest lists them (conditioning.text.caption_sets). Every
+shard still to encode must have every set, checked before any work.
+
 With `features` (--features NAME) a feature set is made in the same pass: each batch's
 cropped images also go through the feature encoder, and each feature shard is written right
 after its latent shard, with exactly its keys (ditdata.features.encode_pass); once the store's
@@ -38,6 +44,7 @@ dtype (fp16 overflow in an autoencoder happens), which are never written.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import sys
 import time
 from collections import Counter
@@ -60,9 +67,10 @@ from ditdata.errors import DitdataError
 from ditdata.framing import COVER_RULE, CROP_RULE, parse_spec
 from ditdata.imageshards import folder as imageshards
 from ditdata.imageshards.batches import ShardImages
-from ditdata.imageshards.scores import score_path
+from ditdata.imageshards.scores import read_score_meta, score_file_current, score_path
 from ditdata.store import BFLOAT16, LATENT_SCALES, Schema, StoreWriter, TensorSpec, encode_array, quantize
-from ditdata.store.schema import TEXT_LENGTH, RaggedSpec, dequantize, offsets_of
+from ditdata.store.captions import set_field, set_fields
+from ditdata.store.schema import TEXT_LENGTH, RaggedSpec, dequantize, offsets_of, scale_field
 
 NON_FINITE = "non-finite latent"
 # Ranks wait for each other at the manifest: a rank with more (or slower) shards may take hours.
@@ -93,7 +101,7 @@ class _ShardOut:
     not change the bytes) and the keys of the samples left out as not finite."""
 
     def __init__(self, seed: int, name: str, bucket: tuple[int, int] | None = None, int8: bool = False,
-                 text_int8: bool = False):
+                 text_int8: bool = False, text_groups: tuple = (("text_tokens", TEXT_LENGTH),)):
         digits = "".join(c for c in name if c.isdigit()) or "0"
         shard_seed = (seed * 1_000_003 + int(digits)) % (2**63)
         if bucket is not None:  # a bucket's draws: seeded by (shard, bucket), not by batch order
@@ -104,27 +112,29 @@ class _ShardOut:
         self.nonfinite_keys: list[str] = []
         self.int8 = int8  # quantize the latents (float32 here) of the samples kept
         self.text_int8 = text_int8  # quantize the unpadded text tokens (float32 here) of the samples kept
+        self.text_groups = text_groups  # (tokens field, length field) of each caption set's unpadded tokens
 
     def add(self, tensors: dict[str, np.ndarray], columns: dict[str, list]) -> int:
         """Keep the batch's samples whose every value is finite as stored; returns how many."""
-        # unpadded text tokens (all the batch's, caption after caption) are checked per caption
-        tokens = tensors.pop("text_tokens") if TEXT_LENGTH in tensors else None
+        # unpadded text tokens (all the batch's, caption after caption; each caption set's) are
+        # checked per caption: a sample is kept when every one of its captions is finite
+        groups = [(t, n) for t, n in self.text_groups if t in tensors and n in tensors]  # (not open_clip's padded)
+        tokens = {t: tensors.pop(t) for t, _ in groups}
         ok = _finite_rows(tensors)
-        if tokens is not None:
-            lengths = tensors[TEXT_LENGTH].astype(np.int64)
-            finite = np.isfinite(tokens.astype(np.float32)).all(axis=1)
-            ok &= np.add.reduceat(~finite, offsets_of(lengths)[:-1]) == 0 if len(finite) else ok
+        for t, n in groups:
+            finite = np.isfinite(tokens[t].astype(np.float32)).all(axis=1)
+            if len(finite):
+                ok &= np.add.reduceat(~finite, offsets_of(tensors[n].astype(np.int64))[:-1]) == 0
         if not ok.all():  # never store NaN/inf: count the samples and leave them out
             self.nonfinite_keys.extend(k for k, good in zip(columns["key"], ok, strict=True) if not good)
-            if tokens is not None:
-                tokens = tokens[np.repeat(ok, tensors[TEXT_LENGTH])]
+            tokens = {t: tokens[t][np.repeat(ok, tensors[n])] for t, n in groups}
             tensors = {k: v[ok] for k, v in tensors.items()}
             columns = {k: [x for x, good in zip(v, ok, strict=True) if good] for k, v in columns.items()}
-        if tokens is not None:
+        for t, _ in groups:
             if self.text_int8:  # codes and a scale per token (its W values)
-                tensors["text_tokens"], tensors["text_tokens_scale"] = quantize(tokens, axis=1)
+                tensors[t], tensors[scale_field(t)] = quantize(tokens[t], axis=1)
             else:
-                tensors["text_tokens"] = tokens
+                tensors[t] = tokens[t]
         if self.int8:  # codes and per-token scales (the C channels at each position: axis 1)
             for name in [k for k in tensors if k in LATENT_SCALES]:
                 tensors[name], tensors[LATENT_SCALES[name]] = quantize(tensors[name], axis=1)
@@ -226,14 +236,26 @@ class Encoder:
         return {k: v if v.dtype == torch.bool else v.float() for k, v in emb.items()}
 
 
-def _load_scores(path: Path) -> dict[str, float | None] | None:
-    score_file = score_path(path)
+def _load_scores(path: Path, captions: str = "alt") -> tuple[dict[str, float | None] | None, dict | None]:
+    """({key: clip_score}, the CLIP model that made them {model, pretrained, weights_sha256}) of caption
+    set `captions` of image shard `path` (NNNNN.clip.parquet, NNNNN.clip.SET.parquet), or (None, None)
+    without a score file; DitdataError for one that is incomplete, or made for another version of the
+    shard or of the set's captions (its scores would be of other captions)."""
+    score_file = score_path(path, captions)
     if not score_file.is_file():
-        return None
+        return None, None
     import pyarrow.parquet as pq
 
+    meta = read_score_meta(score_file)
+    flag = "" if captions == "alt" else f" --captions {captions}"
+    if meta is None:
+        raise DitdataError(f"{score_file}: incomplete or not a score file; rerun `ditdata score {path.parent}{flag}`")
+    if not score_file_current(path, captions, meta):
+        raise DitdataError(f"{score_file}: made for a different version of {path.name} or of its captions; rerun "
+                           f"`ditdata score {path.parent}{flag}` (it rescores what changed)")
     t = pq.read_table(score_file, columns=["key", "clip_score"])
-    return dict(zip(t.column("key").to_pylist(), t.column("clip_score").to_pylist(), strict=True))
+    clip = {k: meta.get(k) for k in ("model", "pretrained", "weights_sha256")}
+    return dict(zip(t.column("key").to_pylist(), t.column("clip_score").to_pylist(), strict=True)), clip
 
 
 def encode(cfg: EncodeConfig) -> dict:
@@ -247,8 +269,13 @@ def encode(cfg: EncodeConfig) -> dict:
     if not cfg.text_encoder and (cfg.text_pretrained or cfg.text_config or cfg.text_tokens):
         raise DitdataError("--text-pretrained, --text-config and --text-tokens need --text-encoder NAME")
     _check_text_options(cfg)
-    if cfg.captions and not cfg.text_encoder:
-        raise DitdataError(f"--captions {cfg.captions} needs --text-encoder NAME (the captions it embeds)")
+    sets = caption_set_names(cfg.captions)
+    if sets and not cfg.text_encoder:
+        raise DitdataError(f"--captions {','.join(sets)} needs --text-encoder NAME (the captions it embeds)")
+    if len(sets) > 1 and not _transformers_text(cfg):
+        raise DitdataError(f"--captions {','.join(sets)}: several caption sets are stored as unpadded tokens, which "
+                           "the transformers text encoders give (t5-v1_1-xxl, gemma-2-2b, a folder, a hub id), not "
+                           f"{cfg.text_encoder}")
     if cfg.text_encoder and not cfg.text_pretrained and not _transformers_text(cfg):
         raise DitdataError(f"--text-encoder {cfg.text_encoder} needs --text-pretrained TAG_OR_FILE "
                            "(the weights that embed the captions)")
@@ -381,6 +408,22 @@ def _memory_hint(cfg: EncodeConfig, device: torch.device):
 # ------------------------------------------------------------------- the steps of a run
 
 
+def caption_set_names(value) -> tuple[str, ...]:
+    """--captions as given ("alt,recap", a config file's list, None) -> the caption set names in
+    order (the first is the store's plain text fields'); DitdataError for a name that is not one
+    (ditdata.imageshards.captionsets.check_set_name) or is named twice."""
+    from ditdata.imageshards.captionsets import check_set_name
+
+    if not value:
+        return ()
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    names = tuple(check_set_name(str(part).strip()) for part in parts)
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise DitdataError(f"--captions {','.join(names)}: {', '.join(twice)} named twice; name each set once")
+    return names
+
+
 def _transformers_text(cfg: EncodeConfig) -> bool:
     from ditdata.textencoders import is_transformers_encoder
 
@@ -411,6 +454,12 @@ def _ragged_text(cfg: EncodeConfig, enc: Encoder) -> tuple[dict, dict, dict]:
     ragged = {"text_tokens": RaggedSpec((width,), dtype, TEXT_LENGTH)}
     if dtype == "int8":
         ragged["text_tokens_scale"] = RaggedSpec((), "float32", TEXT_LENGTH)
+    for name in caption_set_names(cfg.captions)[1:]:  # each further caption set: its own ragged group
+        tokens, length = set_field("text_tokens", name, False), set_field(TEXT_LENGTH, name, False)
+        tensors[length] = TensorSpec((), "int32")
+        ragged[tokens] = RaggedSpec((width,), dtype, length)
+        if dtype == "int8":
+            ragged[scale_field(tokens)] = RaggedSpec((), "float32", length)
     flat, _ = enc.text.empty_caption()
     x = flat.float().numpy()
     # the unconditional input as training sees the others: rounded to the storage (int8: its codes x scales)
@@ -431,23 +480,34 @@ class _Layout:
     scores: dict[str, dict | None]  # image shard file name -> {key: clip_score}, None: not scored
     latent_shape: object = None  # (H, W) pixels -> the autoencoder's latent shape (C, h, w)
     buckets: tuple | None = None  # the bucket sizes (W, H) of --buckets
-    caption_set: str | None = None  # --captions SET: the caption set embedded instead of the alt text
+    caption_sets: tuple[str, ...] = ()  # --captions alt,SET,...: the caption sets embedded (none: the alt text)
     tars: dict = field(default_factory=dict)  # store shard name -> its image shard (for --captions)
-    _captions: tuple = (None, {})  # (shard name, {key: caption}) of the last shard read
+    set_scores: dict = field(default_factory=dict)  # caption set -> {image shard file name: {key: score} or None}
+    _captions: dict = field(default_factory=dict)  # caption set -> (shard name, {key: caption}) of the last shard read
 
-    def captions_of(self, shard: str, keys: list[str]) -> list[str]:
-        """The captions of `keys` in shard `shard`: the caption set's (--captions; "" where it has
-        none, as a sample without alt text), read once per shard."""
+    @property
+    def sets(self) -> tuple[str, ...]:
+        """The caption sets embedded, the first the store's plain fields' ("alt" without --captions)."""
+        return self.caption_sets or ("alt",)
+
+    @property
+    def text_groups(self) -> tuple[tuple[str, str], ...]:
+        """(tokens field, length field) of each caption set's unpadded tokens."""
+        return tuple((set_field("text_tokens", n, i == 0), set_field(TEXT_LENGTH, n, i == 0))
+                     for i, n in enumerate(self.sets))
+
+    def captions_of(self, shard: str, keys: list[str], name: str) -> list[str]:
+        """The captions of `keys` in shard `shard` of caption set `name` ("" where it has none, as a
+        sample without alt text), read once per shard."""
         from ditdata.imageshards.captionsets import read_caption_set
 
-        if self._captions[0] != shard:
-            self._captions = (shard, read_caption_set(self.tars[shard], self.caption_set))
-        table = self._captions[1]
+        if self._captions.get(name, (None,))[0] != shard:
+            self._captions[name] = (shard, read_caption_set(self.tars[shard], name))
+        table = self._captions[name][1]
         missing = [k for k in keys if k not in table]
         if missing:
-            raise DitdataError(f"{self.tars[shard]}: caption set {self.caption_set!r} has no row for key "
-                               f"{missing[0]!r}; caption the shard again (ditdata caption --out-name "
-                               f"{self.caption_set})")
+            raise DitdataError(f"{self.tars[shard]}: caption set {name!r} has no row for key "
+                               f"{missing[0]!r}; caption the shard again (ditdata caption --out-name {name})")
         return [table[k] or "" for k in keys]
 
     def bucket_schema(self, size: tuple[int, int]) -> Schema:
@@ -495,18 +555,50 @@ def _store_layout(cfg: EncodeConfig, enc: Encoder, folder: imageshards.ShardFold
             "tokens_shape": list(text_specs["text_tokens"].shape) if "text_tokens" in text_specs else None,
             "empty": empty,
         }}
-    scores = {p.name: _load_scores(p) for p in folder.shards}
+    names = caption_set_names(cfg.captions) if enc.text is not None else ()
+    # each caption set's CLIP scores where its score files exist (the first set's: the clip_score
+    # column; without --captions, the alt text's, as before), and the CLIP models that made them
+    set_scores, clips = {}, {}
+    for name in names or ("alt",):
+        loaded = {p.name: _load_scores(p, name) for p in folder.shards}
+        set_scores[name] = {k: v[0] for k, v in loaded.items()}
+        clips[name] = [c for _, c in loaded.values() if c is not None]
+    scores = set_scores[(names or ("alt",))[0]]
     columns = {"key": "string", **({"label": "int64"} if info["kind"] == "classes" else {"caption": "string"}),
                "source": "string", "original_width": "int64", "original_height": "int64"}
     if any(v is not None for v in scores.values()):
         columns["clip_score"] = "float64"
+    for name in names[1:]:  # each further set's captions and, where scored, its CLIP scores
+        columns[set_field("caption", name, False)] = "string"
+        if any(v is not None for v in set_scores[name].values()):
+            columns[set_field("clip_score", name, False)] = "float64"
     if spec is not None:
         columns["crop"] = "int64"  # pixels the cover crop cut off (ditdata.framing.crop_pixels)
-    if cfg.captions and conditioning.get("type") == "text":  # what the embeddings are of
-        conditioning["text"]["caption_set"] = cfg.captions
+    if names and conditioning.get("type") == "text":  # what the embeddings are of
+        conditioning["text"]["caption_set"] = names[0]
+        if enc.ragged:
+            conditioning["text"]["caption_sets"] = _caption_set_records(names, clips, cfg.text_dtype == "int8",
+                                                                        columns)
     return _Layout(Schema(tensors=tensors, columns=columns, ragged=ragged), conditioning, scores, ae.latent_shape,
-                   None if spec is None else tuple(spec.sizes()), caption_set=cfg.captions,
-                   tars={p.name[:-len(".tar")]: p for p in folder.shards})
+                   None if spec is None else tuple(spec.sizes()), caption_sets=names,
+                   tars={p.name[:-len(".tar")]: p for p in folder.shards}, set_scores=set_scores)
+
+
+def _caption_set_records(names: tuple[str, ...], clips: dict, int8: bool, columns: dict) -> list[dict]:
+    """The manifest's conditioning.text.caption_sets (ditdata.store.captions): each set's fields, the
+    CLIP model of its scores and how many image shards had them; DitdataError when one set's shards
+    were scored by different CLIP models (their scores would not compare)."""
+    out = []
+    for i, name in enumerate(names):
+        rec = set_fields(name, i == 0, int8=int8, scored=set_field("clip_score", name, i == 0) in columns)
+        models = {json.dumps(c, sort_keys=True) for c in clips[name]}
+        if len(models) > 1:
+            flag = "" if name == "alt" else f" --captions {name}"
+            raise DitdataError(f"caption set {name!r}: its shards were scored by different CLIP models "
+                               f"({'; '.join(sorted(models))}); rescore them with one (ditdata score{flag} --overwrite)")
+        out.append({**rec, "clip": json.loads(next(iter(models))) if models else None,
+                    "scored_shards": len(clips[name])})
+    return out
 
 
 @dataclass
@@ -526,12 +618,38 @@ def _plan_shards(cfg: EncodeConfig, folder, writer: StoreWriter | BucketWriter, 
     names = [p.name[: -len(".tar")] for p in inputs]
     mine = [(n, p) for i, (n, p) in enumerate(zip(names, inputs, strict=True)) if i % world == rank]
     todo = [(n, p, folder.expected[p.name]) for n, p in mine if not writer.done(n)]
+    # --captions: every shard still to encode (every rank's, so all stop alike) has every set
+    _check_caption_sets([p for n, p in zip(names, inputs, strict=True) if not writer.done(n)],
+                        caption_set_names(cfg.captions) if cfg.text_encoder else ())
     # Every shard to encode is checked before any work: a damaged one stops the run now,
     # not hours in (or, with --skip-bad-shards, is left out and recorded).
     problems = {n: imageshards.check_shard(p, e) for n, p, e in todo}
     bad = _gather_lists([_bad_shard(n, p, e, problems[n]) for n, p, e in todo if problems[n]], world)
     _refuse_bad_shards(bad, cfg)
     return _Plan(names, [t for t in todo if not problems[t[0]]], bad, len(mine) - len(todo), rank, world)
+
+
+def _check_caption_sets(tars: list[Path], names: tuple[str, ...]) -> None:
+    """DitdataError, one line, when an image shard of `tars` lacks a complete caption set of `names`
+    made for it as it is now (ditdata.imageshards.captionsets): each set missing somewhere, with how
+    many shards and the first of them."""
+    from ditdata.common.errors import first_names
+    from ditdata.imageshards.captionsets import ALT, caption_set_path, read_caption_meta
+
+    lacking = {}
+    for name in names:
+        if name == ALT:  # the shards' own captions: in the tars
+            continue
+        bad = [t.name for t in tars if (meta := read_caption_meta(caption_set_path(t, name))) is None
+               or (t.is_file() and meta.get("shard_bytes") != t.stat().st_size)]
+        if bad:
+            lacking[name] = bad
+    if lacking:
+        what = "; ".join(f"no complete caption set {n!r} for {len(b)} of {len(tars)} shards ({first_names(b, 3)})"
+                         for n, b in lacking.items())
+        raise DitdataError(f"--captions {','.join(names)}: {what}; run `ditdata caption {tars[0].parent} --captioner "
+                           f"NAME --out-name SET` for each (a set made for another version of a shard counts as "
+                           "missing)")
 
 
 def _encode_shards(cfg: EncodeConfig, enc: Encoder, layout: _Layout, plan: _Plan, keep: set | None,
@@ -541,11 +659,6 @@ def _encode_shards(cfg: EncodeConfig, enc: Encoder, layout: _Layout, plan: _Plan
     batch is in (and its feature shard right after, with its keys, when `feats`:
     ditdata.features.encode_pass). Returns what the run did."""
     todo = plan.todo
-    if layout.caption_set:  # --captions SET: every shard to encode has it, checked before any work
-        from ditdata.imageshards.captionsets import read_caption_set
-
-        for _, path, _ in todo:
-            read_caption_set(path, layout.caption_set)
     workers = min(cfg.workers, len(todo))
     loader = torch.utils.data.DataLoader(
         ShardImages(todo, cfg.resolution, cfg.batch_size, keep, layout.buckets), batch_size=None,
@@ -561,7 +674,8 @@ def _encode_shards(cfg: EncodeConfig, enc: Encoder, layout: _Layout, plan: _Plan
         name, bucket = batch["shard"], batch["bucket"] and tuple(batch["bucket"])  # (the loader makes it a list)
         if (name, bucket) not in pending:
             pending[name, bucket] = _ShardOut(cfg.seed, name, bucket, int8=cfg.dtype == "int8",
-                                              text_int8=enc.ragged and cfg.text_dtype == "int8")
+                                              text_int8=enc.ragged and cfg.text_dtype == "int8",
+                                              text_groups=layout.text_groups)
         shard = pending[name, bucket]
         if batch["meta"]:
             encoded += shard.add(*_encode_batch(cfg, enc, layout, batch, shard.gen))
@@ -617,18 +731,28 @@ def _encode_batch(cfg: EncodeConfig, enc: Encoder, layout: _Layout, batch: dict,
     for k in ("label", "caption", "crop"):
         if k in layout.schema.columns:
             cols[k] = [m.get(k) for m in metas]
-    if layout.caption_set:  # --captions SET: the set's captions are embedded, and stored as `caption`
-        cols["caption"] = layout.captions_of(batch["shard"], cols["key"])
-    if "clip_score" in layout.schema.columns:
-        table = layout.scores.get(batch["shard"] + ".tar") or {}
-        cols["clip_score"] = [table.get(k) for k in cols["key"]]
+    # --captions alt,SET,...: each set's captions (the first stored as `caption`, the others as caption.SET)
+    # and, where scored, its CLIP scores (clip_score, clip_score.SET)
+    alt = [m.get("caption") for m in metas]  # the tar's own captions
+    captions = {name: alt if name == "alt" else layout.captions_of(batch["shard"], cols["key"], name)
+                for name in layout.caption_sets}
+    for i, name in enumerate(layout.caption_sets):
+        cols[set_field("caption", name, i == 0)] = captions[name]
+    for i, name in enumerate(layout.sets):
+        column = set_field("clip_score", name, i == 0)
+        if column in layout.schema.columns:
+            table = (layout.set_scores.get(name) or {}).get(batch["shard"] + ".tar") or {}
+            cols[column] = [table.get(k) for k in cols["key"]]
+    if enc.text is not None and enc.ragged:  # one text-encoder pass per caption set
+        for (tokens, length), name in zip(layout.text_groups, layout.sets, strict=True):
+            emb = enc.captions([c or "" for c in captions.get(name, alt)])
+            # float32 until _ShardOut.add has kept the finite captions (int8: then quantized)
+            out[tokens] = emb["text_tokens"].numpy() if cfg.text_dtype == "int8" else \
+                _to_numpy(emb["text_tokens"], cfg.text_dtype)
+            out[length] = emb[TEXT_LENGTH].numpy().astype(np.int32)
+        return out, cols
     if enc.text is not None:
         emb = enc.captions([c or "" for c in cols["caption"]])
-        if enc.ragged:  # float32 until _ShardOut.add has kept the finite captions (int8: then quantized)
-            out["text_tokens"] = emb["text_tokens"].numpy() if cfg.text_dtype == "int8" else \
-                _to_numpy(emb["text_tokens"], cfg.text_dtype)
-            out[TEXT_LENGTH] = emb[TEXT_LENGTH].numpy().astype(np.int32)
-            return out, cols
         out |= {k: (v.cpu().numpy() if k == "text_mask" else _to_numpy(v, _text_dtype(cfg.dtype))) for k, v in emb.items()}
     return out, cols
 

@@ -260,6 +260,12 @@ def read_scores(shards_dir, needs: tuple[str, ...] = (), captions: str = ALT):
                                       "captions": captions}
 
 
+def score_file_current(tar: Path, captions: str, meta: dict) -> bool:
+    """Whether a score file (its metadata `meta`) of caption set `captions` was made for shard `tar`
+    as it is now and for the captions the set holds now (what read_scores calls not stale)."""
+    return meta.get("shard_bytes") == Path(tar).stat().st_size and _captions_current(Path(tar), captions, meta)
+
+
 def _captions_current(tar: Path, captions: str, meta: dict) -> bool:
     """Whether a score file scored the captions the shard has now (always, for "alt": they
     are in the tar, whose size is checked)."""

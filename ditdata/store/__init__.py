@@ -7,9 +7,10 @@ per input shard under `shards/`, in the `zarr` or `wds` backend. See manifest.py
 the manifest's fields, schema.py for what a sample holds (and the int8 fields' quantization), writer.py for how shards are
 published (defaults.py: its options' defaults), backends.py for the shard
 formats (a table of Backend classes with capability flags), reader.py for reading a local
-store, remote.py for a store at a URL, open.py for opening either, and features.py for the
-feature sets (representation targets, row for row) a store can hold beside its latents;
-errors.py has StoreError.
+store, remote.py for a store at a URL, open.py for opening either, features.py for the
+feature sets (representation targets, row for row) a store can hold beside its latents, and
+captions.py for its caption sets (several captions per image, each embedded, and a store read
+with several of them joined); errors.py has StoreError.
 
 A bucketed store (`ditdata encode --buckets`, aspect-ratio buckets) is a directory of plain
 stores, one per bucket size, under a top manifest (buckets.py):
@@ -48,6 +49,7 @@ _EXPORTS = {
     "RemoteStore": "remote", "parse_size": "remote",
     "Bucket": "buckets", "BucketedStore": "buckets", "finalize_buckets": "buckets", "bucket_name": "buckets",
     "parse_bucket_name": "buckets",
+    "CaptionSet": "captions", "CaptionsView": "captions", "caption_sets": "captions",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -233,7 +233,7 @@ class FeaturedStore(Store):
         from .schema import Schema
 
         self.schema = Schema(tensors={**base.schema.tensors, **self.feature_set.schema.tensors},
-                             columns=dict(base.schema.columns))
+                             columns=dict(base.schema.columns), ragged=dict(base.schema.ragged))
 
     @property
     def location(self) -> str:

@@ -13,16 +13,21 @@ def is_url(root) -> bool:
     return isinstance(root, str) and "://" in root and not root.startswith("file://")
 
 
-def open_store(root, *, verify: bool = False, features: str | None = None, **remote) -> Store:
+def open_store(root, *, verify: bool = False, features: str | None = None, captions=None, **remote) -> Store:
     """The store at `root`: a directory (a bucketed one: buckets.BucketedStore), or a URL (s3://, gs://, http(s)://, ...) read through
     a local cache (remote.RemoteStore; `remote` holds its cache_dir, cache_limit, storage_options).
-    features: the name of one of its feature sets, read with it (features.FeaturedStore)."""
+    features: the name of one of its feature sets, read with it (features.FeaturedStore). captions: names
+    of its caption sets, read joined per sample (captions.CaptionsView)."""
     if is_url(root):
         from .remote import RemoteStore  # (fsspec and the cache, only for URLs)
 
         store = RemoteStore(root, verify=verify, **remote)
     else:
         store = open_local(root, verify=verify)
+    if captions:
+        from .captions import CaptionsView
+
+        store = CaptionsView(store, captions)
     if features:
         from .features import FeaturedStore, open_features
 

@@ -20,7 +20,7 @@ from ditdata.common import files
 from . import manifest
 from .backends import get_backend
 from .errors import StoreError
-from .schema import FeatureSchema, Schema, ragged_rows
+from .schema import FeatureSchema, Schema, is_scale_field, ragged_rows
 
 
 @dataclass(frozen=True)
@@ -291,7 +291,7 @@ def _ragged_faults(shard: Shard, data: dict, schema: Schema) -> list[str]:
         v = x.astype(np.float32).reshape(len(x), -1)
         if not np.isfinite(v).all():
             faults.append(f"{shard.path}: ragged field {f!r} holds non-finite values (NaN/inf)")
-        if f.endswith("_scale") and (v <= 0).any():
+        if is_scale_field(f) and (v <= 0).any():
             faults.append(f"{shard.path}: ragged field {f!r} holds int8 scales that are not > 0")
     return faults
 

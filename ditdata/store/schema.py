@@ -21,8 +21,10 @@ many of its tokens each sample has:
 A shard holds a ragged field as ONE array of all its samples' tokens, sample after sample
 (sample i's are rows offsets[i]:offsets[i] + length[i], offsets the running sum of the
 lengths); a writer takes and a reader returns that layout for any row range (ragged_rows,
-pad_ragged below). A second caption set (a later `--captions NAME`) is another ragged group
-with its own length field (text_tokens.NAME, text_length.NAME): RaggedSpec.length says which.
+pad_ragged below). Each further caption set NAME of a store (`ditdata encode --captions
+alt,NAME,...`) is another ragged group with its own length field (text_tokens.NAME,
+text_tokens_scale.NAME, text_length.NAME: RaggedSpec.length says which; captions.py lists them).
+An int8 ragged field's scales are its name with "_scale" before any ".NAME" (scale_field).
 
 A feature set (features.py) has a schema of its own, FeatureSchema: `feat` (T, D) per
 sample (and `feat_scale` (T,) when int8; `feat_flip`, `feat_flip_scale` with flips).
@@ -66,6 +68,19 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 TOKEN_AXES = {"latent": 0, "latent_flip": 0, "mean": 0, "mean_flip": 0, "feat": 1, "feat_flip": 1}
 # The latent fields that may be stored int8, and the field of their per-token scales.
 LATENT_SCALES = {"latent": "latent_scale", "latent_flip": "latent_flip_scale"}
+
+
+def scale_field(name: str) -> str:
+    """The field of an int8 field's per-token scales: "_scale" added to its name, before the
+    ".NAME" of a further caption set (text_tokens -> text_tokens_scale, text_tokens.recap ->
+    text_tokens_scale.recap)."""
+    base, dot, suffix = name.partition(".")
+    return f"{base}_scale{dot}{suffix}"
+
+
+def is_scale_field(name: str) -> bool:
+    """Whether `name` is an int8 field's per-token scales (scale_field's names)."""
+    return name.partition(".")[0].endswith("_scale")
 
 
 def quantize(x: np.ndarray, axis: int = -1) -> tuple[np.ndarray, np.ndarray]:
@@ -247,8 +262,8 @@ class Schema:
                 raise ValueError(f"ragged field {name!r} needs its length field {spec.length!r} int32[]")
             if spec.dtype == "int8":
                 want = RaggedSpec(spec.shape[:-1], "float32", spec.length)
-                if self.ragged.get(f"{name}_scale") != want:
-                    raise ValueError(f"int8 {name} needs {name}_scale {want.to_json()}")
+                if self.ragged.get(scale_field(name)) != want:
+                    raise ValueError(f"int8 {name} needs {scale_field(name)} {want.to_json()}")
 
     @property
     def lengths(self) -> dict[str, str]:

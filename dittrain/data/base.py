@@ -24,6 +24,7 @@ import torch
 
 from ditdata.common.errors import UserError
 from ditdata.store import BFLOAT16, LATENT_SCALES, TEXT_FIELDS, Store, open_store
+from ditdata.store.captions import MIX_FIELDS
 from ditdata.store.schema import TEXT_LENGTH, ragged_rows
 
 _TORCH_DTYPES = {
@@ -141,7 +142,7 @@ class _Spec:
             self.extras.append(_Field("y", "label", torch.int64, ()))
         self.ragged_text = "text_tokens" in schema.ragged  # unpadded text tokens (_RaggedText)
         self.text = _RaggedText(store) if self.ragged_text else None
-        for name in TEXT_FIELDS:
+        for name in (*TEXT_FIELDS, *MIX_FIELDS):  # (MIX_FIELDS: a store read with caption sets joined)
             if name in schema.tensors:
                 t = schema.tensors[name]
                 self.extras.append(_Field(name, name, _TORCH_DTYPES[t.dtype], tuple(t.shape)))

@@ -6,6 +6,7 @@
     optim.py       AdamW / 8-bit AdamW and the LR schedule
     losses.py      the loss terms beside the diffusion loss: LOSS_TERMS, one entry each (REPA's, the velocity cosine)
     repa.py        --repa: the projector and the alignment loss
+    captionmix.py  --caption-mix: which caption set each sample's text is, drawn in the step (SANA's rules)
     checkpoint.py  RunState (every stateful part) and its atomic and background saves
     resume.py      the run record (config.json) and its resume rules: safe / learned / fixed
     log.py         what a run reports: metric records, the progress bar, sample grids, FID calls

@@ -30,6 +30,7 @@ of the run changes (the model, its checkpoints and exports are a plain run's).
 
 from __future__ import annotations
 
+import copy
 import json
 import shlex
 import signal
@@ -50,7 +51,9 @@ from dittrain.data import LoaderStateError, build_loader, build_mixture
 from dittrain.data.latent_norm import LatentNorm
 from dittrain.data.mixture import check_resume as check_mixture_resume
 from dittrain.diffusion import DiffusionConfig
-from dittrain.model.dit import DiT
+from dittrain.model.dit import DiT, num_params
+from dittrain.model.lora import describe as describe_lora
+from dittrain.model.lora import inject, settings_of
 from dittrain.model.routing import describe as describe_route
 from dittrain.model.routing import route_of
 from dittrain.model.sizes import DiTConfig
@@ -105,6 +108,7 @@ def _build(run: Run, ckpt: dict | None) -> RunState:
     cfg, device = run.cfg, run.device
     torch.manual_seed(cfg.optim.seed)
     model = DiT(run.model_cfg).to(device)
+    adapter = settings_of(cfg.lora)  # --lora: the adapter's settings, else None
     if cfg.model.init_from and ckpt is None:
         # --init-from: a fresh run whose model (and so its EMA) starts from outside weights
         # (dittrain.inference.weights.init_model); recorded as the run config's "init"
@@ -114,9 +118,21 @@ def _build(run: Run, ckpt: dict | None) -> RunState:
         run.resolved["init"] = record
         for line in notes if run.master else ():
             print(line, file=sys.stderr)
-    ema = DiT(run.model_cfg).to(device).requires_grad_(False)
-    ema.load_state_dict(model.state_dict())
-    ema.eval()
+        _check_lora_base(cfg, record)
+    elif adapter is not None:  # a LoRA run's resume: its checkpoints hold the adapter, the base is rebuilt
+        _lora_base(run, model)
+    if adapter is not None:
+        # peft's LoRA layers on the targeted linears (A drawn from the seeded generator, B zero: the model
+        # starts as its base); every other parameter frozen. The EMA is of the adapter only: it shares the
+        # frozen base's tensors with the model (they never change, so their average is themselves) and
+        # averages its own copy of the adapter's A and B (an adapter still, which peft loads and merges).
+        run.lora_names = inject(model, adapter)
+        ema = copy.deepcopy(model, {id(p): p for p in model.parameters() if not p.requires_grad})
+        ema.requires_grad_(False).eval()
+    else:
+        ema = DiT(run.model_cfg).to(device).requires_grad_(False)
+        ema.load_state_dict(model.state_dict())
+        ema.eval()
     # the loss terms' modules (--repa's projector: its own seeded init, so the model starts as a
     # plain run's does); their parameters after the model's: one optimizer, one lr, one clipping norm
     term_modules = losses.modules(cfg, run.model_cfg, run.resolved, device)
@@ -146,13 +162,13 @@ def _build(run: Run, ckpt: dict | None) -> RunState:
             saved = ckpt["ranks"][run.rank]["loader"] if ckpt is not None else None
             settings = LoaderConfig(kind=cfg.data.loader, resident_device=d.resident_device, workers=d.workers,
                                     shuffle_window=d.shuffle_window or None, memory=d.loader_memory)
-            loader = build_mixture(run.stores, run.repeats, settings, batch_size=run.per_rank, seed=cfg.optim.seed,
+            loader = build_mixture([_read(run, s) for s in run.stores], run.repeats, settings, batch_size=run.per_rank, seed=cfg.optim.seed,
                                    rank=run.rank, world_size=run.world, device=device,
                                    names=[path for path, _ in latent_sources(cfg.data.latents)],
                                    saved=saved if saved is not None and saved.get("kind") == "mixture" else None)
             kind = cfg.data.loader
         else:
-            loader = build_loader(run.store, settings, batch_size=run.per_rank, seed=cfg.optim.seed, rank=run.rank,
+            loader = build_loader(_read(run, run.store), settings, batch_size=run.per_rank, seed=cfg.optim.seed, rank=run.rank,
                                   world_size=run.world, device=device, exclude=held_out)
     except ValueError as e:  # LoaderError (does not fit) or settings the loader refuses
         raise TrainError(str(e)) from e
@@ -160,7 +176,41 @@ def _build(run: Run, ckpt: dict | None) -> RunState:
         loader.reason = f"{kind}: the checkpoint's, so its data order continues; " + loader.reason.split("; ", 1)[-1]
     return RunState(model=model, ema=ema, optimizer=opt, lr_schedule=sched, scaler=scaler, loader=loader,
                     noise_gen=noise_gen, config=run.resolved, device=device, rank=run.rank, world=run.world,
-                    term_modules=term_modules)
+                    term_modules=term_modules, adapter_only=adapter is not None)
+
+
+def _check_lora_base(cfg: TrainConfig, record: dict) -> None:
+    """--lora freezes every base weight: a label embedder --init-from could not fill (another class
+    count) would stay random, so it is refused."""
+    if cfg.lora.lora and record.get("label_embedder") == "fresh":
+        raise TrainError(f"--lora {cfg.lora.lora} keeps every weight of --init-from {cfg.model.init_from} frozen, but "
+                         "its class count is not this store's, so the label embedder would stay random; fine-tune "
+                         "it fully (without --lora), or use weights with this store's classes")
+
+
+def _lora_base(run: Run, model: DiT) -> None:
+    """A LoRA run's resume: the frozen base loaded again from what the run started from (its "init"
+    record), refused in one line when that file is gone or no longer the same bytes."""
+    from dittrain.inference.weights import init_model
+
+    init = run.resolved.get("init") or {}
+    source = init.get("from")
+    if not source:
+        raise TrainError(f"{run.out}: a --lora run whose record names no base weights (\"init\"); start a new --out")
+    if not Path(source).exists():
+        raise TrainError(f"{run.out}: its frozen base --init-from {source} is gone; put it back to resume (its "
+                         "checkpoints hold the adapter only)")
+    record, _ = init_model(model, source)
+    if record["sha256"] != init.get("sha256"):
+        raise TrainError(f"{run.out}: its frozen base {record['file']} has changed since the run started (sha256 "
+                         f"{str(record['sha256'])[:12]}..., recorded {str(init.get('sha256'))[:12]}...); the adapter "
+                         "was trained on the old one: restore it, or start a new --out")
+
+
+def _read(run: Run, store: Store) -> Store:
+    """A store as the loader reads it: with --caption-mix, its caption sets joined per sample
+    (dittrain.train.captionmix; the step draws each sample's set)."""
+    return store if run.caption_mix is None else run.caption_mix.view(store)
 
 
 def _checkpoint_to_resume(run: Run) -> tuple[dict | None, Path | None]:
@@ -216,7 +266,10 @@ def _checkpoint_to_resume(run: Run) -> tuple[dict | None, Path | None]:
     # A resume continues the run's own weights: --init-from is ignored (with a note) and the
     # record of what the run started from (`first`) is kept.
     first = recorded.model.init_from
-    if cfg.model.init_from and run.master:
+    if recorded.lora.lora and run.master:  # the base is what the record names, whatever --init-from says now
+        print(f"note: resuming {run.out}: a --lora run, its frozen base loaded again from {first} (the checkpoints "
+              "hold the adapter)", file=sys.stderr)
+    elif cfg.model.init_from and run.master:
         print(f"note: resuming {run.out}: --init-from {cfg.model.init_from} is ignored (the run continues its "
               f"own weights{'; it started from ' + first if first else ''})", file=sys.stderr)
     run.resolved["train"]["model"]["init_from"] = first
@@ -273,7 +326,7 @@ def _save(run: Run, state: RunState) -> None:
         run.saver.submit(run.out, state.step, ckpt, keep=run.cfg.checkpointing.keep, ema_state=ckpt["ema"], config=state.config)
     elif run.master:
         save_checkpoint(run.out, state.step, ckpt, keep=run.cfg.checkpointing.keep)
-        export_weights(run.out / EMA_EXPORT, state.ema.state_dict(), state.config)
+        export_weights(run.out / EMA_EXPORT, ckpt["ema"], state.config)  # a LoRA run's: the EMA adapter
     if run.world > 1 and not run.cfg.checkpointing.async_save:
         dist.barrier()
 
@@ -333,7 +386,9 @@ def _train(cfg: TrainConfig, resumption: Resumption | None, progress: bool = Tru
             # how the run starts: resumed, from outside weights (--init-from) or from scratch
             origin = (f"resuming at step {state.step}" if ckpt is not None
                       else f"initialised from {cfg.model.init_from}" if cfg.model.init_from else "from scratch")
-            print(f"dittrain: {cfg.model.model} ({state.model.num_params() / 1e6:.1f} M params) on {run.device}, "
+            # (a --lora run's model: its base's count, the adapter's is on the LoRA line)
+            params = num_params(run.model_cfg) if run.lora_names else state.model.num_params()
+            print(f"dittrain: {cfg.model.model} ({params / 1e6:.1f} M params) on {run.device}, "
                   f"{len(run.store)} latents {tuple(run.store.latent_shape)} from {cfg.data.latents}; loader "
                   f"{state.loader.kind} ({state.loader.reason}); global batch {cfg.optim.batch_size} = {run.world} "
                   f"rank(s) x {cfg.optim.accumulation_steps} accumulation x {run.per_rank}; latent norm "
@@ -346,6 +401,10 @@ def _train(cfg: TrainConfig, resumption: Resumption | None, progress: bool = Tru
                 print(f"dittrain: aspect-ratio buckets: {buckets()}", file=sys.stderr)
             for line in losses.describe(cfg, run.model_cfg, run.resolved, state.term_modules):  # --repa's
                 print(f"dittrain: {line}", file=sys.stderr)
+            if run.caption_mix is not None:
+                print(f"dittrain: {run.caption_mix.describe()}", file=sys.stderr)
+            if run.lora_names:
+                print(f"dittrain: {describe_lora(settings_of(cfg.lora), run.lora_names, state.model)}", file=sys.stderr)
             if (route := route_of(cfg.routing)) is not None:
                 print(f"dittrain: {describe_route(route, run.model_cfg.depth, run.model_cfg.num_tokens)}", file=sys.stderr)
             if run.validation is not None:
@@ -424,7 +483,8 @@ def _loop(run: Run, state: RunState, train_model, log: Log, stop: _Stop, terms: 
     step = TrainStep(model=state.model, train_model=train_model, ema=state.ema, optimizer=state.optimizer,
                      scaler=state.scaler, diffusion=run.diffusion, cfg=cfg, gen=state.noise_gen, device=run.device,
                      amp_dtype=run.amp_dtype, norm=LatentNorm.from_config(run.resolved),
-                     empty_text=empty_text_on(run.store, run.device), rank=run.rank, world=world, terms=terms)
+                     empty_text=empty_text_on(run.store, run.device), rank=run.rank, world=world, terms=terms,
+                     captions=run.caption_mix)
     books = _Books(run, state, step, log)
     pending = None
     compiling, t0 = compile_target(cfg.performance.compile, run.device) != "off", time.perf_counter()

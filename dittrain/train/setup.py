@@ -26,6 +26,7 @@ from dittrain.diffusion import SHIFT_BASE_DIMS, Diffusion, DiffusionConfig, dime
 from dittrain.model.routing import check as check_route
 from dittrain.model.routing import route_of
 from dittrain.model.sizes import NAMED_FIELDS, DiTConfig, get_config
+from dittrain.train.captionmix import resolve as resolve_caption_mix
 from dittrain.train.checkpoint import CheckpointWriter
 from dittrain.train.loggers import parse_loggers
 from dittrain.train.losses import feature_set
@@ -113,6 +114,29 @@ def check_buckets(cfg: TrainConfig, store: Store, model_cfg: DiTConfig) -> list[
 
 
 
+def check_lora(cfg: TrainConfig, model_cfg: DiTConfig) -> None:
+    """--lora: a one-line TrainError (or LoraError) for a run without --init-from (an adapter on random
+    weights adapts nothing), without peft, or for a rank or targets that do not fit the model (checked on
+    a meta-device DiT: nothing is allocated)."""
+    from dittrain.model import lora
+
+    settings = lora.settings_of(cfg.lora)
+    if settings is None:
+        if cfg.lora.lora < 0:
+            lora.check(lora.LoraSettings(cfg.lora.lora))
+        return
+    lora.check(settings)
+    if not cfg.model.init_from:
+        raise TrainError(f"--lora {settings.rank} needs --init-from WEIGHTS: the pretrained model the adapter "
+                         "fine-tunes (frozen)")
+    lora.import_peft()  # the train extra's: missing, one line before anything is built
+    from dittrain.model.dit import DiT
+
+    with torch.device("meta"):
+        model = DiT(model_cfg)
+    lora.check_rank(model, settings, lora.target_names(model, settings.targets))
+
+
 def text_token_count(store: Store) -> int:
     """Caption tokens per sample the model cross-attends to (0 for a store without them)."""
     shape = store.conditioning.tokens_shape
@@ -143,6 +167,8 @@ class Run:
     stores: list | None = None  # several --latents: every store, `store` first (dittrain.data.mixture); else None
     repeats: list | None = None  # and each one's repeats per epoch
     validation: object | None = None  # --val-fraction / --val-latents: dittrain.train.validation.Validation
+    lora_names: list | None = None  # --lora: the linears its adapter is on (dittrain.model.lora.inject)
+    caption_mix: object | None = None  # --caption-mix: dittrain.train.captionmix.CaptionMix, else None
 
     @property
     def master(self) -> bool:
@@ -186,6 +212,7 @@ def setup(cfg: TrainConfig) -> Run:
     for term in loss_terms(cfg):
         terms |= term.record(cfg, store, model_cfg)
     check_route(route_of(cfg.routing), model_cfg.depth, cfg.model.model)  # RouteError: one line
+    check_lora(cfg, model_cfg)  # --lora: its rank and targets on this model, before anything is built
     shift_words = resolve_t_shift(cfg, store)
     diff_cfg, latents = diffusion_config(cfg, model_cfg, store)
     if sources and latents["norm"] == "channel":  # the stats of all the mixed stores' latents together
@@ -199,6 +226,10 @@ def setup(cfg: TrainConfig) -> Run:
                   "num_samples": len(store)},
     }
     resolved["store"] |= terms
+    # --caption-mix: the caption sets each sample's text is drawn from, held by every store read (one line if not)
+    caption_mix = resolve_caption_mix(cfg, store, stores[1:])
+    if caption_mix is not None:
+        resolved["store"]["caption_mix"] = caption_mix.record
     if buckets is not None:  # the sizes `dittrain sample --size` and serve offer
         resolved["store"]["buckets"] = buckets
     if sources:  # the mixed stores, their identities (a resume refuses others) and repeats
@@ -213,7 +244,8 @@ def setup(cfg: TrainConfig) -> Run:
     # auto: bf16 on GPUs that have it, else fp16 (with a grad scaler); fp32 on the CPU
     return Run(cfg, rank, world, device, amp_dtype(device, cfg.performance.amp), store, model_cfg,
                Diffusion(diff_cfg), resolved, per_rank, created_group, latent_norm=latent_words, t_shift=shift_words,
-               stores=stores if sources else None, repeats=[r or 1.0 for _, r in sources] or None)
+               stores=stores if sources else None, repeats=[r or 1.0 for _, r in sources] or None,
+               caption_mix=caption_mix)
 
 
 def mixed_sources(cfg: TrainConfig) -> list[tuple[str, float | None]]:
@@ -268,5 +300,5 @@ def diffusion_config(cfg: TrainConfig, model_cfg: DiTConfig, store: Store) -> tu
     return diff_cfg, latent_record(store, cfg.data.latent_norm)  # LatentNormError: a user error already
 
 
-__all__ = ["Run", "TrainError", "check_buckets", "diffusion_config", "mixed_sources", "model_config_for", "recorded_model", "setup",
+__all__ = ["Run", "TrainError", "check_buckets", "check_lora", "diffusion_config", "mixed_sources", "model_config_for", "recorded_model", "setup",
            "text_token_count", "training_device"]

@@ -107,22 +107,27 @@ class TrainStep:
     and dropout of the GLOBAL micro-batch from `gen` and keeps its slice, so N ranks compute
     what one process would. terms: the loss terms as the step calls them (dittrain.train.losses.build;
     their modules train with the model). --route (cfg.routing, dittrain.model.routing): each
-    micro-batch's kept tokens, drawn from `gen` too.
+    micro-batch's kept tokens, drawn from `gen` too. captions: --caption-mix
+    (dittrain.train.captionmix.CaptionMix): the loader brings every mixed caption set's tokens, and
+    each sample's set is drawn here, seeded by the loader's batch index (not from `gen`).
     """
 
     def __init__(self, *, model, train_model, ema, optimizer, scaler, diffusion: Diffusion, cfg: TrainConfig,
                  gen: torch.Generator, device: torch.device, amp_dtype: torch.dtype | None,
                  norm: LatentNorm | None = None, empty_text: dict | None = None, rank: int = 0, world: int = 1,
-                 terms: Sequence = ()):
+                 terms: Sequence = (), captions=None):
         self.train_model, self.optimizer, self.scaler, self.diffusion = train_model, optimizer, scaler, diffusion
         self.cfg, self.gen, self.device, self.amp_dtype = cfg, gen, device, amp_dtype
         self.norm, self.empty_text, self.world, self.terms = norm, empty_text or {}, world, tuple(terms)
+        self.captions = captions  # --caption-mix (dittrain.train.captionmix.CaptionMix): each sample's set, or None
         self.hidden = hidden_block(self.terms)  # the block whose tokens the forward returns for them, or None
         self.route, self.patch = route_of(cfg.routing), model.config.patch_size  # --route, or None
         # clipped together: one total norm over the model's and the terms' modules' gradients
         self.params = [p for p in model.parameters() if p.requires_grad] + [
             p for term in self.terms if term.module is not None for p in term.module.parameters() if p.requires_grad]
-        self.ema_params, self.model_params = list(ema.parameters()), list(model.parameters())
+        # the EMA follows the trained parameters (a frozen one, pos_embed or a --lora run's base, is its own average)
+        pairs = [(e, p) for e, p in zip(ema.parameters(), model.parameters(), strict=True) if p.requires_grad]
+        self.ema_params, self.model_params = [e for e, _ in pairs], [p for _, p in pairs]
         self.per_rank = cfg.optim.batch_size // (world * cfg.optim.accumulation_steps)
         self.mine = slice(rank * self.per_rank, (rank + 1) * self.per_rank)
         self.max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
@@ -138,6 +143,8 @@ class TrainStep:
         shapes = []
         for micro in range(cfg.optim.accumulation_steps):
             batch = next(loader)
+            if self.captions is not None:  # each sample's caption set, drawn for the loader's batch index
+                batch = self.captions.pick(batch, loader.batches - 1, global_micro, self.mine)
             x0 = batch["x"] if self.norm is None else self.norm.normalize(batch["x"])  # on the device
             shapes.append(tuple(x0.shape))
             noise = torch.randn((global_micro, *x0.shape[1:]), generator=gen, device=device)[self.mine]
