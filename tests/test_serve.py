@@ -147,7 +147,7 @@ def test_text_run_shows_a_prompt_box_and_reports_a_missing_encoder(tmp_path):
 def test_unconditional_flow_run_and_changed_weights(tmp_path):
     run = make_run(tmp_path / "run", tiny_store(tmp_path / "store", conditioning={"type": "none"}), objective="flow")
     served = Server(run, ServeConfig(device="cpu", max_steps=20), log=lambda line: None)
-    assert served.samplers == ("euler", "heun", "sde") and served.max_steps == 20
+    assert served.samplers == ("euler", "heun", "sde", "dpm++", "unipc") and served.max_steps == 20
     out = served.generate(Request(n=2, steps=3, sampler="heun", seed=4))
     assert out.ok and "--cfg" not in out.command and "--class" not in out.command and out.labels is None
     assert all(np.array_equal(a, b) for a, b in zip(out.images, run_shown_command(out.command, tmp_path), strict=True))

@@ -166,7 +166,7 @@ def test_a_run_recorded_before_the_sections_resumes_and_samples(store, tmp_path)
     ckpt = load_checkpoint(ckpt_file)
     sectioned = ckpt["config"]["train"]
     assert set(sectioned) == {"data", "model", "diffusion", "optim", "checkpointing", "logging", "eval",
-                              "performance", "repa", "routing"}
+                              "performance", "repa", "routing", "lora"}
     flat = {k: v for section in sectioned.values() for k, v in section.items()}
     ckpt["config"]["train"] = flat
     torch.save(ckpt, ckpt_file)
