@@ -211,3 +211,23 @@ def test_a_bucketed_flow_run_validates_every_bucket(tmp_path):
     recs = _records(tmp_path / "r", "val_loss")
     assert sorted(recs) == [0, 2]
     assert {f"val_loss_{t_label(t)}" for t in t_values("flow")} <= recs[2].keys() and "val_loss_t0.05" in recs[2]
+
+
+def test_two_ranks_share_the_evaluation_and_log_what_one_process_does(tmp_path):
+    """12 held-out rows in batches of 4 over 2 ranks (rank 0 takes batches 1 and 3, rank 1 batch 2): the
+    all-reduced val loss rank 0 logs is one process's, at the start (the same weights) and after 2 steps."""
+    from cliutil import one_and_two_ranks, torchrun_or_skip
+
+    torchrun_or_skip()
+    store = make_store(tmp_path / "s")
+    one_and_two_ranks(store, tmp_path, ["--model", MODEL, "--val-fraction", "0.25", "--val-every", "2",
+                                        "--eval-batch-size", "4", "--max-steps", "2", "--lr", "1e-3",
+                                        "--loader", "resident"])
+    one, two = _records(tmp_path / "one", "val_loss"), _records(tmp_path / "two", "val_loss")
+    assert sorted(one) == sorted(two) == [0, 2]
+    keys = ["val_loss", *(f"val_loss_{t_label(t)}" for t in t_values("ddpm"))]
+    for k in keys:  # the same weights: only the float64 sums' order differs
+        assert two[0][k] == pytest.approx(one[0][k], rel=1e-7), k
+    for k in keys:  # after 2 steps: Adam's first updates (about lr x sign(g)) carry DDP's rounding of g
+        assert two[2][k] == pytest.approx(one[2][k], rel=1e-3), k
+    assert one[2]["val_loss"] != one[0]["val_loss"]
