@@ -23,6 +23,7 @@ import os
 import platform
 import shutil
 import statistics
+import sys
 from pathlib import Path
 
 from score import make_shards  # bench/score.py
@@ -30,53 +31,17 @@ from scratch import parser, scratch_dir  # bench/scratch.py
 
 
 def small_qwen_vl(folder: Path, hidden: int, layers: int) -> Path:
-    """A random Qwen2.5-VL of the given text width and depth, with its processor, saved."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (
-        PreTrainedTokenizerFast,
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2_5_VLProcessor,
-        Qwen2VLImageProcessor,
-    )
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    """A random Qwen2.5-VL of the given text width and depth, with its processor, saved (tests/vlm_util.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from vlm_util import random_qwen_vl
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                "<|image_pad|>", "<|video_pad|>"]
-    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
-                              merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(specials)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}"
-                "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}"
-                "{% endif %}{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                "{% endif %}")
-    processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=28 * 28 * 4,
-                                                                          max_pixels=28 * 28 * 64),
-                                    tokenizer=tok, video_processor=Qwen2VLVideoProcessor(), chat_template=template)
     heads = max(1, hidden // 64)
-    config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                         max_position_embeddings=4096,
-                         rope_parameters={"rope_type": "default", "mrope_section": [8, 12, 12], "rope_theta": 1e6},
-                         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                         pad_token_id=ids["<|endoftext|>"]),
-        vision_config=dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=hidden,
-                           window_size=112, fullatt_block_indexes=[3]),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
-    torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    model.generation_config.eos_token_id = ids["<|im_end|>"]
-    model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.save_pretrained(folder)
-    processor.save_pretrained(folder)
-    return folder
+    return random_qwen_vl(folder, max_patches=64, text=dict(
+        hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=heads, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "mrope_section": [8, 12, 12], "rope_theta": 1e6}),
+        vision=dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=hidden,
+                    window_size=112, fullatt_block_indexes=[3]))
 
 
 def main() -> None:

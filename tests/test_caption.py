@@ -215,51 +215,16 @@ def test_cli_errors_are_one_line(tmp_path, captioner_py, monkeypatch):
 
 
 def tiny_qwen_vl(folder: Path) -> Path:
-    """A tiny random Qwen2.5-VL saved with save_pretrained: the model, its processor (image and
-    video processors, a byte-level BPE tokenizer built offline, a chat template of Qwen's form)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (
-        PreTrainedTokenizerFast,
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2_5_VLProcessor,
-        Qwen2VLImageProcessor,
-    )
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    """A tiny random Qwen2.5-VL saved with save_pretrained (tests/vlm_util.py): a 2-layer text decoder
+    of width 64, a 2-block vision tower of width 32, images at most 16 patches."""
+    from vlm_util import random_qwen_vl
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                "<|image_pad|>", "<|video_pad|>"]
-    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
-                              merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(specials)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}"
-                "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}"
-                "{% endif %}{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                "{% endif %}")
-    image_processor = Qwen2VLImageProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
-    processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tok,
-                                    video_processor=Qwen2VLVideoProcessor(), chat_template=template)
-    config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 4], "rope_theta": 1e4},
-                         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                         pad_token_id=ids["<|endoftext|>"]),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                           window_size=56, fullatt_block_indexes=[1]),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
-    torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    model.generation_config.eos_token_id = ids["<|im_end|>"]
-    model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.save_pretrained(folder)
-    processor.save_pretrained(folder)
-    return folder
+    return random_qwen_vl(folder, max_patches=16, text=dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024, rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 4],
+                                                       "rope_theta": 1e4}),
+        vision=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                    window_size=56, fullatt_block_indexes=[1]))
 
 
 @pytest.fixture(scope="module")

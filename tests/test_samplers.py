@@ -451,15 +451,21 @@ def test_serve_refuses_a_time_shift_on_a_ddpm_run(pixel_run):
     assert out.ok and "--cfg-interval 0.0,0.5" in out.command
 
 
-def test_the_onnx_engine_samples_the_sde_with_interval_and_shift_like_torch(flow_run, tmp_path):
+def onnx_like_torch(run: Path, tmp_path: Path, args: list) -> dict:
+    """`dittrain sample ARGS` with torch and with the run's ONNX export: the same pixels (within one
+    level); the ONNX samples' index."""
     pytest.importorskip("onnxruntime")
     f = tmp_path / "dit.onnx"
-    ok(dittrain("export", "--ckpt", flow_run, "--format", "onnx", "--out", f))
-    ok(dittrain("sample", "--ckpt", flow_run, "--out", tmp_path / "t", *SDE))
-    ok(dittrain("sample", "--engine", "onnx", "--onnx", f, "--out", tmp_path / "o", *SDE), "engine: onnxruntime")
+    ok(dittrain("export", "--ckpt", run, "--format", "onnx", "--out", f))
+    ok(dittrain("sample", "--ckpt", run, "--out", tmp_path / "t", *args))
+    ok(dittrain("sample", "--engine", "onnx", "--onnx", f, "--out", tmp_path / "o", *args), "engine: onnxruntime")
     t, o = singles(tmp_path / "t"), singles(tmp_path / "o")
     assert max(int(np.abs(a - b).max()) for a, b in zip(t, o, strict=True)) <= 1
-    index = json.loads((tmp_path / "o" / "samples" / "samples.json").read_text())
+    return json.loads((tmp_path / "o" / "samples" / "samples.json").read_text())
+
+
+def test_the_onnx_engine_samples_the_sde_with_interval_and_shift_like_torch(flow_run, tmp_path):
+    index = onnx_like_torch(flow_run, tmp_path, SDE)
     assert (index["engine"], index["sampler"], index["cfg_interval"], index["time_shift"]) == (
         "onnx", "sde", [0.0, 0.5], 2.0)
 
@@ -654,11 +660,4 @@ def test_serve_and_the_trainers_evaluation_take_dpmpp_and_unipc(flow_run, pixel_
 
 
 def test_the_onnx_engine_samples_dpmpp_like_torch(flow_run, tmp_path):
-    pytest.importorskip("onnxruntime")
-    f = tmp_path / "dit.onnx"
-    ok(dittrain("export", "--ckpt", flow_run, "--format", "onnx", "--out", f))
-    ok(dittrain("sample", "--ckpt", flow_run, "--out", tmp_path / "t", *DPM))
-    ok(dittrain("sample", "--engine", "onnx", "--onnx", f, "--out", tmp_path / "o", *DPM), "engine: onnxruntime")
-    t, o = singles(tmp_path / "t"), singles(tmp_path / "o")
-    assert max(int(np.abs(a - b).max()) for a, b in zip(t, o, strict=True)) <= 1
-    assert json.loads((tmp_path / "o" / "samples" / "samples.json").read_text())["sampler"] == "dpm++"
+    assert onnx_like_torch(flow_run, tmp_path, DPM)["sampler"] == "dpm++"
