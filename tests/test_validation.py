@@ -123,6 +123,10 @@ def test_val_loss_is_logged_per_t_and_the_same_after_a_resume(tmp_path):
 
     summary = summarize(tmp_path / "two")
     assert [s for s, _ in summary.val_curve] == [0, 2, 4, 5]
+    from dittrain.train.runs import format_table
+
+    header, row = format_table([summary]).splitlines()
+    assert "val loss" in header and f"{summary.val_curve[-1][1]:.4f} @5" in row  # the latest, where it was taken
     assert plot_losses([summary], tmp_path / "loss.png").stat().st_size > 0
 
 

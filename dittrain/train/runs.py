@@ -165,7 +165,7 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
-COLUMNS = ("run", "model", "store", "steps", "loss", "img/s", "wait", "best FID", "status")
+COLUMNS = ("run", "model", "store", "steps", "loss", "val loss", "img/s", "wait", "best FID", "status")
 
 
 def table_rows(rows: list[RunSummary]) -> list[list[str]]:
@@ -177,7 +177,8 @@ def table_rows(rows: list[RunSummary]) -> list[list[str]]:
         steps = f"{r.step or 0}/{'?' if r.max_steps is None else r.max_steps}"
         fid = "-" if r.best_fid is None else f"{r.best_fid:.2f} @{r.best_fid_step}"
         status = r.status + (f", {r.skipped_lines} unreadable metrics line(s)" if r.skipped_lines else "")
-        out.append([r.name, r.model or "-", r.store or "-", steps, _fmt(r.loss, ".4f"),
+        val = "-" if not r.val_curve else f"{r.val_curve[-1][1]:.4f} @{r.val_curve[-1][0]}"  # the latest
+        out.append([r.name, r.model or "-", r.store or "-", steps, _fmt(r.loss, ".4f"), val,
                     _fmt(r.images_per_s, ".1f"), _fmt(None if r.data_wait is None else 100 * r.data_wait, ".0f", "%"),
                     fid, status])
     return out
@@ -187,7 +188,7 @@ def format_table(rows: list[RunSummary]) -> str:
     """The rows as an aligned text table (numbers right-aligned)."""
     cells = [list(COLUMNS), *table_rows(rows)]
     widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
-    right = {"steps", "loss", "img/s", "wait", "best FID"}
+    right = {"steps", "loss", "val loss", "img/s", "wait", "best FID"}
     lines = []
     for row in cells:
         parts = [c.rjust(w) if COLUMNS[i] in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
