@@ -235,3 +235,53 @@ def test_two_ranks_share_the_evaluation_and_log_what_one_process_does(tmp_path):
     for k in keys:  # after 2 steps: Adam's first updates (about lr x sign(g)) carry DDP's rounding of g
         assert two[2][k] == pytest.approx(one[2][k], rel=1e-3), k
     assert one[2]["val_loss"] != one[0]["val_loss"]
+
+
+FAILING_RANK = """
+import sys, torch, torch.distributed as dist
+from dittrain.config import TrainConfig
+from dittrain.model.dit import DiT
+from dittrain.train.setup import setup
+from dittrain.train.validation import build
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+run = setup(TrainConfig.from_flat(latents=sys.argv[1], model=sys.argv[2], val_fraction=0.25, eval_batch_size=4,
+                                  device="cpu", out=sys.argv[3]))
+val = build(run)
+if rank == 1:  # a rank-local failure (an OOM on one card, say)
+    def boom(*a, **k):
+        raise MemoryError("out of memory on rank 1")
+    val._sum = boom
+torch.manual_seed(0)
+try:
+    val.evaluate(DiT(run.model_cfg), rank=rank, world=2)
+    print(f"rank {rank}: no error")
+except Exception as e:
+    print(f"rank {rank}: {type(e).__name__}: {e}")
+x = torch.ones(3) * (rank + 1)  # the next collective pairs up on both ranks
+dist.all_reduce(x)
+print(f"rank {rank}: next {x.tolist()}")
+dist.destroy_process_group()
+"""
+
+
+def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
+    """Rank 1's validation fails: both ranks raise (neither waits in the other's all-reduce) and the
+    next collective still pairs up, so the run's note is printed on each and training goes on."""
+    import os
+    import subprocess
+    import sys
+
+    from cliutil import torchrun_or_skip
+
+    torchrun = torchrun_or_skip()
+    store = make_store(tmp_path / "s")
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING_RANK)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", script, store, MODEL, tmp_path / "r"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "rank 1: MemoryError: out of memory on rank 1" in r.stdout
+    assert "rank 0: RuntimeError: it failed on 1 other rank(s)" in r.stdout
+    assert "rank 0: next [3.0, 3.0, 3.0]" in r.stdout and "rank 1: next [3.0, 3.0, 3.0]" in r.stdout

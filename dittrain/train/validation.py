@@ -142,11 +142,33 @@ class Validation:
     @torch.no_grad()
     def evaluate(self, model, *, rank: int = 0, world: int = 1) -> dict:
         """The validation loss of `model`: {"loss", "loss_t<T>" per t, "rows", "seconds"}; each rank
-        takes every world-th batch, the sums meet in one all-reduce (float64)."""
-        run, device = self.run, self.run.device
+        takes every world-th batch, the sums meet in one all-reduce (float64). A failure on any rank
+        is raised on every rank, after that all-reduce: no rank is left waiting in it."""
+        device = self.run.device
         t0 = time.perf_counter()
         sums = torch.zeros(len(self.t), dtype=torch.float64, device=device)
         count = torch.zeros((), dtype=torch.float64, device=device)
+        failed = None
+        try:
+            self._sum(model, sums, count, rank, world)
+        except Exception as e:  # every rank must still meet the all-reduce below (a rank-local OOM, say)
+            if world == 1:
+                raise
+            failed = e
+        if world > 1:
+            both = torch.cat([sums, count.view(1), torch.ones(1, dtype=sums.dtype, device=device) * (failed is not None)])
+            torch_dist.all_reduce(both)
+            sums, count = both[:-2], both[-2]
+            if both[-1] > 0:  # all ranks give up together, so their next collectives still pair up
+                raise failed or RuntimeError(f"it failed on {int(both[-1])} other rank(s)")
+        per_t = (sums / count).tolist()
+        rec = {"loss": sum(per_t) / len(per_t)}
+        rec |= {f"loss_{t_label(t)}": v for t, v in zip(self.t, per_t, strict=True)}
+        return rec | {"rows": self.rows, "seconds": time.perf_counter() - t0}
+
+    def _sum(self, model, sums: torch.Tensor, count: torch.Tensor, rank: int, world: int) -> None:
+        """Adds this rank's share (every world-th batch) into sums (per t) and count, in place."""
+        run, device = self.run, self.run.device
         k = 0
         for part in self.parts:
             loader, n, B = part.loader, len(part.rows), part.batch
@@ -175,14 +197,6 @@ class Validation:
                                                           return_terms=True)["mse"]
                     sums[j] += mse[:hi - lo].double().sum()
                 count += hi - lo
-        if world > 1:
-            both = torch.cat([sums, count.view(1)])
-            torch_dist.all_reduce(both)
-            sums, count = both[:-1], both[-1]
-        per_t = (sums / count).tolist()
-        rec = {"loss": sum(per_t) / len(per_t)}
-        rec |= {f"loss_{t_label(t)}": v for t, v in zip(self.t, per_t, strict=True)}
-        return rec | {"rows": self.rows, "seconds": time.perf_counter() - t0}
 
 
 def build(run: Run) -> Validation | None:
