@@ -261,7 +261,12 @@ except Exception as e:
 x = torch.ones(3) * (rank + 1)  # the next collective pairs up on both ranks
 dist.all_reduce(x)
 print(f"rank {rank}: next {x.tolist()}")
+dist.barrier()
 dist.destroy_process_group()
+# torch 2.14 can abort at interpreter exit after this point (about 1 run in 15 on 2 busy cores,
+# after the group is destroyed): what is tested is done, so skip the teardown
+sys.stdout.flush()
+import os; os._exit(0)
 """
 
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ditdata.common.errors import UserError
+from ditdata.common.errors import UserError, described
 from dittrain.config import EvalSection, format_cfg_interval, parse_cfg_interval
 from dittrain.eval import (
     FEATURES,
@@ -101,12 +101,46 @@ class TrainingEval:
     def __call__(self, model, config: dict, store, *, rank: int = 0, world: int = 1) -> dict | None:
         """{"fid", "sfid", "inception_score", "eval_n", ...} of `model` (the EMA DiT, on its
         device; put back in its mode afterwards) sampled with the run's store, on rank 0 (None
-        on the others). With world > 1 every rank must call it."""
+        on the others). With world > 1 every rank must call it. A failure on any rank (an OOM on
+        one card, say) is raised after the gather, on that rank and on rank 0, which names it: no
+        rank is left waiting in a collective the failed one never reaches."""
+        t0 = time.time()
+        failed = None
+        try:
+            mine, settings = self._my_chunks(model, config, store, rank, world)
+        except Exception as e:  # every rank must still meet the gather below
+            if world == 1:
+                raise
+            failed, mine, settings = e, {}, None
+        chunks = mine  # every rank's {chunk: features} merged on rank 0 ({} elsewhere)
+        if world > 1:
+            import torch.distributed as dist
+
+            parts = [None] * world if rank == 0 else None
+            dist.gather_object({"chunks": mine, "failed": None if failed is None else described(failed)}, parts, dst=0)
+            if failed is not None:
+                raise failed
+            if rank != 0:
+                return None
+            others = [f"rank {r} ({p['failed']})" for r, p in enumerate(parts) if p["failed"] is not None]
+            if others:  # rank 0 alone goes on to the metrics, so the ranks' next collectives still pair up
+                raise RuntimeError(f"it failed on {', '.join(others)}")
+            chunks = {i: f for part in parts for i, f in part["chunks"].items()}
+        feats = {k: np.concatenate([chunks[i][k] for i in sorted(chunks)]) for k in FEATURES}
+        metrics = compute_metrics(feats, self._reference(), with_pr=False)
+        return {"fid": metrics["fid"], "sfid": metrics["sfid"], "inception_score": metrics["inception_score"],
+                "eval_n": self.n, "eval_steps": settings.steps, "eval_cfg": settings.cfg_scale,
+                # text where the loggers take numbers (TensorBoard keeps text out, metrics.jsonl has it)
+                "eval_sampler": settings.sampler, "eval_cfg_interval": format_cfg_interval(settings.cfg_interval),
+                **({} if settings.time_shift is None else {"eval_time_shift": settings.time_shift}),
+                "eval_seconds": round(time.time() - t0, 3)}
+
+    def _my_chunks(self, model, config: dict, store, rank: int, world: int):
+        """({chunk index: Inception features} of the chunks this rank draws, the resolved SampleConfig)."""
         import torch
 
         from dittrain.inference import sample
 
-        t0 = time.time()
         device = next(model.parameters()).device
         if self.inception is None:
             self.inception = load_inception(self.weights, device)
@@ -131,20 +165,4 @@ class TrainingEval:
                 model, config, store, chunk, labels=None if labels is None else labels[start:stop],
                 text=chunk_text, autoencoder=autoencoder)
             mine[i] = image_features(images, self.inception, batch_size=self.batch_size)
-        chunks = mine  # every rank's {chunk: features} merged on rank 0 ({} elsewhere)
-        if world > 1:
-            import torch.distributed as dist
-
-            parts = [None] * world if rank == 0 else None
-            dist.gather_object(mine, parts, dst=0)
-            chunks = {i: f for part in parts for i, f in part.items()} if rank == 0 else {}
-        if rank != 0:
-            return None
-        feats = {k: np.concatenate([chunks[i][k] for i in sorted(chunks)]) for k in FEATURES}
-        metrics = compute_metrics(feats, self._reference(), with_pr=False)
-        return {"fid": metrics["fid"], "sfid": metrics["sfid"], "inception_score": metrics["inception_score"],
-                "eval_n": self.n, "eval_steps": settings.steps, "eval_cfg": settings.cfg_scale,
-                # text where the loggers take numbers (TensorBoard keeps text out, metrics.jsonl has it)
-                "eval_sampler": settings.sampler, "eval_cfg_interval": format_cfg_interval(settings.cfg_interval),
-                **({} if settings.time_shift is None else {"eval_time_shift": settings.time_shift}),
-                "eval_seconds": round(time.time() - t0, 3)}
+        return mine, settings
