@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from score import make_shards  # bench/score.py
-from scratch import parser, scratch_dir  # bench/scratch.py
+from scratch import parse_on_device, parser, row, scratch_dir  # bench/scratch.py
 
 
 def small_qwen_vl(folder: Path, hidden: int, layers: int) -> Path:
@@ -45,16 +45,12 @@ def small_qwen_vl(folder: Path, hidden: int, layers: int) -> Path:
 
 
 def main() -> None:
-    ap = parser(__doc__, scratch=True)
-    ap.add_argument("--n", type=int, default=32)
-    ap.add_argument("--batch-sizes", default="1,4,8")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3, help="runs per batch size (the median is reported)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    args = ap.parse_args()
+    ap = parser(__doc__, ("--n", 32, "photographs captioned"),
+                ("--batch-sizes", "1,4,8", "batch sizes timed, comma-separated"),
+                ("--max-new-tokens", 32, "tokens generated per caption"), ("--hidden", 256, "text decoder width"),
+                ("--layers", 4, "text decoder layers"),
+                ("--repeats", 3, "runs per batch size (the median is reported)"), scratch=True)
+    args, _ = parse_on_device(ap)
 
     import torch
     import transformers
@@ -62,8 +58,6 @@ def main() -> None:
     from ditdata.captions import caption
     from ditdata.config import CaptionConfig
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     with scratch_dir(args.dir, "ditkit-bench-caption-") as root:
         model_dir = small_qwen_vl(root / "model", args.hidden, args.layers)
         shutil.rmtree(root / "shards", ignore_errors=True)
@@ -84,8 +78,8 @@ def main() -> None:
                                           progress=False))
                 rates.append(s["images_per_s"])
             rate = statistics.median(rates)
-            print(f"| {bs} | {rate:.2f} ({', '.join(f'{x:.2f}' for x in rates)}) | {rate * args.max_new_tokens:.0f} | "
-                  f"{s['counts'].get('truncated', 0)} | {os.getloadavg()[0]:.1f} |", flush=True)
+            print(row(bs, f"{rate:.2f} ({', '.join(f'{x:.2f}' for x in rates)})", f"{rate * args.max_new_tokens:.0f}",
+                      s["counts"].get("truncated", 0), f"{os.getloadavg()[0]:.1f}"), flush=True)
 
 
 if __name__ == "__main__":

@@ -43,8 +43,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from loader_peers import child_rounds, parse_or_run_child, tree_pss  # bench/loader_peers.py
-from scratch import parser, scratch_dir  # bench/scratch.py
+from loader_peers import budget_cells, child_rounds, parse_or_run_child, timed_epoch, tree_pss  # bench/loader_peers.py
+from scratch import parser, row, scratch_dir  # bench/scratch.py
 
 SHAPE = (768, 16, 16)  # rae-dinov2-b at 256 px
 KINDS = ("int8", "float16")
@@ -118,19 +118,11 @@ def child(args) -> None:
     except LoaderError as e:  # the budget cannot hold even 1-shard windows: as `dittrain run` refuses
         print("RESULT " + json.dumps({"refused": str(e), "base": base}), flush=True)
         return
-    b = next(loader)
-    startup = time.perf_counter() - t0
-    assert b["x"].dtype == torch.float32 and b["x"].shape == (B, *SHAPE), (b["x"].dtype, b["x"].shape)
-    steps = len(store) // B - 1
-    t1 = time.perf_counter()
-    for _ in range(steps):
-        b = next(loader)
+
+    def check(b):
         assert b["x"].dtype == torch.float32 and b["x"].shape == (B, *SHAPE), (b["x"].dtype, b["x"].shape)
-    rate = steps * B / (time.perf_counter() - t1)
-    plan = loader.memory_plan
-    print("RESULT " + json.dumps({"rate": rate, "startup": startup, "reason": loader.reason,
-                                  "estimate": plan.estimate, "budget": plan.budget, "base": base}), flush=True)
-    loader.close()
+
+    timed_epoch(loader, len(store), t0, base, check)
 
 
 def main() -> None:
@@ -163,16 +155,11 @@ def main() -> None:
         for kind, rs in results.items():
             name = f"{kind} {SHAPE[0]}x{SHAPE[1]}x{SHAPE[2]}{' +flip' if args.flip else ''}"
             if any("refused" in r for r in rs):
-                print(f"| {name} | refused | | | {args.budget} | | {rs[-1]['refused']} |")
+                print(row(name, "refused", "", "", args.budget, "", rs[-1]["refused"]))
                 continue
-            rate = float(np.median([r["rate"] for r in rs]))
-            peak, est, budget = max(r["peak"] for r in rs), rs[-1]["estimate"], rs[-1]["budget"]
-            own = max(r["peak"] - r["base"] for r in rs)
-            within = "no budget" if budget is None else \
-                f"{'yes' if peak <= budget else 'NO'}; {'yes' if own <= budget else 'NO'}"
-            print(f"| {name} | {rate:,.0f} | {peak / 2**30:.2f} GiB ({own / 2**30:.2f} GiB) | {est / 2**30:.2f} GiB | "
-                  f"{'-' if budget is None else f'{budget / 2**30:.2f} GiB'} | "
-                  f"{np.median([r['startup'] for r in rs]):.1f} | {within} |")
+            c = budget_cells(rs)
+            print(row(name, c["rate"], c["peak"], c["estimate"], c["budget"],
+                      f"{np.median([r['startup'] for r in rs]):.1f}", c["within"]))
 
 
 if __name__ == "__main__":

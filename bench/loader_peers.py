@@ -290,6 +290,41 @@ def parse_or_run_child(ap, kinds, child):
     return args
 
 
+def timed_epoch(loader, samples: int, t0: float, base: int, check, keep: str | None = None) -> None:
+    """A streaming bench child's measurement (bench/latent_loader.py, bench/text_tokens.py) once it
+    has built `loader` (t0: the time before it built it; base: its process tree's PSS then):
+    check(batch) on the first batch (the startup) and on each later batch of one epoch of
+    `samples` (timed); then its `RESULT {json}` line (rate, startup, the loader's reason, its
+    memory plan's estimate and budget, base and, with `keep`, what check returned for each timed
+    batch under that name) for child_rounds, and the loader closed."""
+    B = loader.batch_size
+    check(next(loader))
+    startup = time.perf_counter() - t0
+    steps = samples // B - 1
+    t1 = time.perf_counter()
+    checked = [check(next(loader)) for _ in range(steps)]
+    rate = steps * B / (time.perf_counter() - t1)
+    plan = loader.memory_plan
+    print("RESULT " + json.dumps({"rate": rate, "startup": startup, "reason": loader.reason, "estimate": plan.estimate,
+                                  "budget": plan.budget, "base": base} | ({keep: checked} if keep else {})),
+          flush=True)
+    loader.close()
+
+
+def budget_cells(rs: list[dict]) -> dict[str, str]:
+    """One kind's timed_epoch results over the rounds (child_rounds' peak added) as table cells:
+    rate (the median samples/s), peak (of the tree, and over the child before its loader, the
+    highest), estimate and budget (the loader's) and within (whether each peak stayed within it)."""
+    rate = float(np.median([r["rate"] for r in rs]))
+    peak, est, budget = max(r["peak"] for r in rs), rs[-1]["estimate"], rs[-1]["budget"]
+    own = max(r["peak"] - r["base"] for r in rs)
+    within = "no budget" if budget is None else \
+        f"{'yes' if peak <= budget else 'NO'}; {'yes' if own <= budget else 'NO'}"
+    return {"rate": f"{rate:,.0f}", "peak": f"{peak / 2**30:.2f} GiB ({own / 2**30:.2f} GiB)",
+            "estimate": f"{est / 2**30:.2f} GiB", "budget": "-" if budget is None else f"{budget / 2**30:.2f} GiB",
+            "within": within}
+
+
 def child_rounds(script: str, kinds, root: Path, args, extra: list[str], words) -> dict[str, list[dict]]:
     """args.rounds rounds of one measured child of `script` per kind, interleaved (every kind once
     a round), with add_child_args' options and `extra`; prints a line per child, words(result) after

@@ -11,9 +11,8 @@ sigma, AdamW, no checkpointing, fp32 on the CPU (bf16 on CUDA). A markdown table
 
 from __future__ import annotations
 
-import argparse
-
 import torch
+from scratch import add_device_args, open_device, parser, row  # bench/scratch.py
 
 from dittrain.config import LORA_TARGETS, TrainConfig
 from dittrain.model.sizes import get_config
@@ -22,13 +21,11 @@ from dittrain.plan.probe import measured_peak
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="DiT-S/2:8,DiT-B/2:4", help="MODEL:BATCH,...")
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--input-size", type=int, default=16)
-    ap.add_argument("--device", default="cpu")
+    ap = parser(__doc__, ("--models", "DiT-S/2:8,DiT-B/2:4", "MODEL:BATCH,..."), ("--rank", 16, "the --lora rank"),
+                ("--input-size", 16, "latent side"))
+    add_device_args(ap, threads=False)  # one thread: below
     args = ap.parse_args()
-    device = torch.device(args.device)
+    device = open_device(args)
     precision = "bf16" if device.type == "cuda" else "fp32"
     torch.set_num_threads(1)  # the CPU allocator's record is the same on any thread count; one is steadier
     print(f"latents 4x{args.input_size}x{args.input_size}, 1000 classes, ddpm + learned sigma, AdamW, {precision}, "
@@ -45,8 +42,8 @@ def main() -> None:
             lora = (rank, LORA_TARGETS) if rank else None
             predicted = footprint(Setting(model_cfg, micro_batch=n, mode="none", precision=precision, lora=lora)).peak
             measured = measured_peak(cfg, model_cfg, device)
-            print(f"| {model} | {n} | {f'--lora {rank}' if rank else 'full'} | {predicted / 2**20:.1f} | "
-                  f"{measured / 2**20:.1f} | {100 * (predicted / measured - 1):+.1f}% |", flush=True)
+            print(row(model, n, f"--lora {rank}" if rank else "full", f"{predicted / 2**20:.1f}",
+                      f"{measured / 2**20:.1f}", f"{100 * (predicted / measured - 1):+.1f}%"), flush=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 from activation_memory import KeptCounter, autocast, batch  # bench/activation_memory.py
-from scratch import add_options, parse_on_device, parser, sync  # bench/scratch.py
+from scratch import add_options, parse_on_device, parser, row, sync  # bench/scratch.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -61,16 +61,16 @@ def measure(args, name: str, device) -> list[dict]:
         rows.append(dict(model=name, route=str(route) if route else "none", kept=counter.total, times=[]))
         del loss
     for rep in range(args.reps + 1):  # rep 0 warms up; then the routes alternate
-        for route, row in zip(routes, rows, strict=True):
+        for route, entry in zip(routes, rows, strict=True):
             model.zero_grad(set_to_none=False)
             sync(device)
             t0 = time.perf_counter()
             step(model, inputs, route, gen, device).backward()
             sync(device)
             if rep:
-                row["times"].append(time.perf_counter() - t0)
-    for row in rows:
-        row["step_s"] = statistics.median(row.pop("times"))
+                entry["times"].append(time.perf_counter() - t0)
+    for entry in rows:
+        entry["step_s"] = statistics.median(entry.pop("times"))
     return rows
 
 
@@ -90,8 +90,8 @@ def main():
         rows = measure(args, name, device)
         base = rows[0]
         for r in rows:
-            print(f"| {r['model']} | {r['route']} | {r['kept'] / 2**20:.1f} | {r['kept'] / base['kept']:.2f}x | "
-                  f"{r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f}x |", flush=True)
+            print(row(r["model"], r["route"], f"{r['kept'] / 2**20:.1f}", f"{r['kept'] / base['kept']:.2f}x",
+                      f"{r['step_s']:.3f}", f"{r['step_s'] / base['step_s']:.2f}x"), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """What the benchmarks share: their command line (the docstring as --help, --device and
---threads), the torch device and its sync, the scratch directory (--dir DIR, kept and its
-inputs reused when complete, or a temporary directory removed at the end) and the synthetic
-latent store. Imports only the standard library at the top: torch and the store when called."""
+--threads), the torch device and its sync, markdown table rows, the scratch directory (--dir
+DIR, kept and its inputs reused when complete, or a temporary directory removed at the end)
+and the synthetic latent store. Imports only the standard library at the top: torch and the
+store when called."""
 
 from __future__ import annotations
 
@@ -94,6 +95,11 @@ def add_dir_arg(ap) -> None:
     """--dir: the scratch directory (scratch_dir's `path`)."""
     ap.add_argument("--dir", default=None,
                     help="scratch directory, kept and reused when complete (default: a temp dir, removed after)")
+
+
+def row(*cells) -> str:
+    """A markdown table row of `cells`, each as str() writes it: `| a | b | c |`."""
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 SHAPE = (4, 32, 32)  # 256 px through an f8 autoencoder with 4 channels

@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from loader_peers import child_rounds, parse_or_run_child, tree_pss  # bench/loader_peers.py
-from scratch import parser, scratch_dir  # bench/scratch.py
+from loader_peers import budget_cells, child_rounds, parse_or_run_child, timed_epoch, tree_pss  # bench/loader_peers.py
+from scratch import parser, row, scratch_dir  # bench/scratch.py
 
 WIDTH = 4096  # T5 v1.1 XXL d_model
 LATENT = (4, 32, 32)
@@ -178,16 +178,7 @@ def child(args) -> None:
         assert t.shape[1] == int(mask.sum(1).max()), (t.shape, mask.sum(1).max())
         return t.shape[1]
 
-    check(next(loader))
-    startup = time.perf_counter() - t0
-    steps = len(store) // B - 1
-    t1 = time.perf_counter()
-    Ls = [check(next(loader)) for _ in range(steps)]
-    rate = steps * B / (time.perf_counter() - t1)
-    plan = loader.memory_plan
-    print("RESULT " + json.dumps({"rate": rate, "startup": startup, "reason": loader.reason, "L_batch": Ls,
-                                  "estimate": plan.estimate, "budget": plan.budget, "base": base}), flush=True)
-    loader.close()
+    timed_epoch(loader, len(store), t0, base, check, keep="L_batch")
 
 
 def main() -> None:
@@ -217,14 +208,9 @@ def main() -> None:
               "before its loader) | loader's estimate | budget | peak within budget (tree; over the child) |")
         print("|---|---:|---:|---:|---:|---:|---|")
         for kind, rs in results.items():
-            rate = float(np.median([r["rate"] for r in rs]))
-            peak, est, budget = max(r["peak"] for r in rs), rs[-1]["estimate"], rs[-1]["budget"]
-            own = max(r["peak"] - r["base"] for r in rs)
-            within = "no budget" if budget is None else \
-                f"{'yes' if peak <= budget else 'NO'}; {'yes' if own <= budget else 'NO'}"
-            print(f"| {kind} | {rate:,.0f} | {np.mean(rs[-1]['L_batch']):.1f} | {peak / 2**30:.2f} GiB "
-                  f"({own / 2**30:.2f} GiB) | {est / 2**30:.2f} GiB | "
-                  f"{'-' if budget is None else f'{budget / 2**30:.2f} GiB'} | {within} |")
+            c = budget_cells(rs)
+            print(row(kind, c["rate"], f"{np.mean(rs[-1]['L_batch']):.1f}", c["peak"], c["estimate"], c["budget"],
+                      c["within"]))
 
 
 if __name__ == "__main__":

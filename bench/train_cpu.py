@@ -90,16 +90,13 @@ def summarise(rows: list[dict], batch: int) -> dict:
 
 
 def main():
-    ap = parser(__doc__, n=20_000, shard_size=500)
-    ap.add_argument("--model", default="DiT-T/4")
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--log-every", type=int, default=10, help="the first interval is the warm-up, left out")
-    ap.add_argument("--loaders", default="resident,streaming")
-    ap.add_argument("--workers", type=int, default=2, help="streaming loader processes")
-    ap.add_argument("--shuffle-window", type=int, default=2, help="streaming: shards per window")
+    ap = parser(__doc__, ("--model", "DiT-T/4", "DiT size"), ("--batch-size", 16, "samples per step"),
+                ("--steps", 100, "trainer steps per loader"),
+                ("--log-every", 10, "steps per logged interval; the first interval is the warm-up, left out"),
+                ("--loaders", "resident,streaming", "loader kinds, comma-separated"),
+                ("--workers", 2, "streaming loader processes"), ("--shuffle-window", 2, "streaming: shards per window"),
+                ("--target", 0.05, "largest acceptable data-wait fraction"), n=20_000, shard_size=500)
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the trainer (default: torch's)")
-    ap.add_argument("--target", type=float, default=0.05, help="largest acceptable data-wait fraction")
     ap.add_argument("--no-fail", action="store_true", help="exit 0 even when the target is missed")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
