@@ -85,24 +85,7 @@ def schema():
 def read_caption_meta(path) -> dict | None:
     """The metadata of a complete caption-set file, or None when it is missing, unreadable,
     truncated or not ours (a killed or damaged file is never trusted)."""
-    import pyarrow.parquet as pq
-
-    p = Path(path)
-    if not p.is_file():
-        return None
-    try:
-        pf = pq.ParquetFile(p)
-        raw = (pf.schema_arrow.metadata or {}).get(META_KEY)
-        meta = json.loads(raw) if raw else None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
-            return None
-        if pf.metadata.num_rows != meta.get("num_samples"):
-            return None
-        if not set(COLUMNS) <= set(pf.schema_arrow.names):
-            return None
-        return meta
-    except Exception:
-        return None
+    return shards.read_parquet_meta(path, META_KEY, FORMAT, VERSION, COLUMNS)
 
 
 def write_caption_set(path, rows: dict, meta: dict) -> None:

@@ -458,6 +458,31 @@ def write_parquet_atomic(path, table, compression: str = "zstd") -> None:
         raise _write_error(path, "the file", e) from e
 
 
+def read_parquet_meta(path, meta_key: bytes, fmt: str, version: int, columns=()) -> dict | None:
+    """The JSON metadata (schema metadata `meta_key`) of a complete parquet file of format
+    `fmt` and `version` written beside a shard (caption sets, score files), or None when it is
+    missing, unreadable, truncated, not of that format and version, holds another number of rows
+    than its "num_samples", or lacks one of `columns`: a killed or damaged file is never trusted."""
+    import pyarrow.parquet as pq
+
+    p = Path(path)
+    if not p.is_file():
+        return None
+    try:
+        pf = pq.ParquetFile(p)
+        raw = (pf.schema_arrow.metadata or {}).get(meta_key)
+        meta = json.loads(raw) if raw else None
+        if not isinstance(meta, dict) or meta.get("format") != fmt or meta.get("version") != version:
+            return None
+        if pf.metadata.num_rows != meta.get("num_samples"):
+            return None
+        if not set(columns) <= set(pf.schema_arrow.names):
+            return None
+        return meta
+    except Exception:
+        return None
+
+
 def write_shard_stats(shards_dir, index: int, stats: dict) -> None:
     """Publish NNNNN_stats.json (atomically): from then on the shard counts as finished."""
     write_json_atomic(stats_path(shards_dir, index), stats)

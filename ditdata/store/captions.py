@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .errors import StoreError
-from .reader import Conditioning, Store
+from .reader import Store, StoreView
 from .schema import TEXT_LENGTH, RaggedSpec, Schema, TensorSpec, offsets_of, scale_field
 
 TOKENS = "text_tokens"
@@ -134,16 +134,14 @@ def describe_caption_sets(store: Store) -> list[str]:
     return lines
 
 
-class CaptionsView(Store):
+class CaptionsView(StoreView):
     """A store read with caption sets `names` joined per sample (module docstring). The same store
     (shards, identity, conditioning's encoder and empty caption); its schema's text fields are the
     joined ones, and its manifest's caption length statistics and tokens_shape are those of the
     joined tokens (what a loader sizes its memory by). A bucketed store's buckets are viewed alike."""
 
     def __init__(self, base: Store, names):
-        self.__dict__.update(base.__dict__)  # the same store: shards, manifest, caches
-        self.base = base
-        self.url = base.url
+        super().__init__(base)
         have = {s.name: s for s in caption_sets(base)}
         names = tuple(names)
         if not have:
@@ -171,7 +169,7 @@ class CaptionsView(Store):
         rest = {k: v for k, v in base.schema.ragged.items() if v.length not in {s.length for s in have.values()}}
         self.schema = Schema(tensors=tensors, columns=dict(base.schema.columns), ragged={**rest, **ragged})
         self.manifest = self._joined_manifest(base.manifest)
-        self._conditioning = None
+        self._conditioning = None  # the base's decoded one came with its __dict__: decode the joined manifest
         if base.buckets:  # each bucket's plain store, viewed alike
             self.buckets = tuple(replace(b, store=CaptionsView(b.store, names)) for b in base.buckets)
 
@@ -192,16 +190,6 @@ class CaptionsView(Store):
     @property
     def identity(self) -> str:
         return self.base.identity
-
-    @property
-    def location(self) -> str:
-        return self.base.location
-
-    @property
-    def conditioning(self) -> Conditioning:
-        if self._conditioning is None:
-            self._conditioning = Conditioning.from_manifest(self.manifest["conditioning"])
-        return self._conditioning
 
     def open_args(self) -> dict:
         return {**self.base.open_args(), "captions": list(self.caption_names)}
@@ -243,9 +231,6 @@ class CaptionsView(Store):
             out[SCORES] = np.stack([np.asarray(data[s_.clip_score], dtype=np.float64) if s_.clip_score
                                     else np.full(n, np.nan) for s_ in self.sets], axis=1).astype(np.float32)
         return out
-
-    def verify(self, progress=None, warnings: list[str] | None = None) -> list[str]:
-        return self.base.verify(progress, warnings)
 
 
 def _joined_order(lengths: np.ndarray) -> np.ndarray:

@@ -44,7 +44,7 @@ from ditdata.common import files
 
 from . import manifest
 from .errors import StoreError
-from .reader import FeatureSet, Store
+from .reader import FeatureSet, Store, StoreView
 from .schema import FeatureSchema
 from .writer import StoreWriter, provenance_of
 
@@ -218,26 +218,20 @@ def open_features(store: Store, name: str, *, verify: bool = False) -> FeatureSe
     return fs
 
 
-class FeaturedStore(Store):
+class FeaturedStore(StoreView):
     """A store read together with one of its feature sets: the same store (its shards, its
     identity), whose schema also holds the feature set's fields; read() takes latent fields
     from the store and `feat*` fields from the feature set, row for row. What the loaders
     and their worker processes open (open_args carries the set's name)."""
 
     def __init__(self, base: Store, name: str, *, features: FeatureSet | None = None):
-        self.__dict__.update(base.__dict__)  # the same store: shards, manifest, caches
-        self.base = base
-        self.url = base.url
+        super().__init__(base)
         self.feature_set = features if features is not None else open_features(base, name)
         self.features_name = name
         from .schema import Schema
 
         self.schema = Schema(tensors={**base.schema.tensors, **self.feature_set.schema.tensors},
                              columns=dict(base.schema.columns), ragged=dict(base.schema.ragged))
-
-    @property
-    def location(self) -> str:
-        return self.base.location
 
     def open_args(self) -> dict:
         return {**self.base.open_args(), "features": self.features_name}
@@ -254,7 +248,7 @@ class FeaturedStore(Store):
 
     def verify(self, progress=None, warnings: list[str] | None = None) -> list[str]:
         """The store's faults and then its feature set's (Store.verify; warnings appended)."""
-        return self.base.verify(progress, warnings) + self.feature_set.verify(progress, warnings)
+        return super().verify(progress, warnings) + self.feature_set.verify(progress, warnings)
 
 
 __all__ = ["FEATURES", "FeatureSet", "FeatureWriter", "FeaturedStore", "check_matches",

@@ -273,6 +273,24 @@ class Store:
         return faults
 
 
+
+class StoreView(Store):
+    """A store read through another, `base` (features.FeaturedStore, captions.CaptionsView): the
+    same shards, manifest and caches, taken over as they are rather than opened again; a view
+    changes what it reads (its schema, read()) and keeps where the store is and what verify checks."""
+
+    def __init__(self, base: Store):
+        self.__dict__.update(base.__dict__)
+        self.base = base
+        self.url = base.url
+
+    @property
+    def location(self) -> str:
+        return self.base.location
+
+    def verify(self, progress=None, warnings: list[str] | None = None) -> list[str]:
+        return self.base.verify(progress, warnings)
+
 def _ragged_faults(shard: Shard, data: dict, schema: Schema) -> list[str]:
     """Each ragged field's lengths (>= 1: every caption has at least its end token; their sum
     the field's token count), its values finite and, for an int8 field's scales, > 0."""

@@ -117,8 +117,9 @@ def values(data: dict[str, np.ndarray], field: str) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class TensorSpec:
-    """One per-sample array: its shape (without the sample axis) and storage dtype."""
+class _ArraySpec:
+    """What TensorSpec and RaggedSpec share: a shape, normalised to a tuple of ints, and a
+    storage dtype checked against TENSOR_DTYPES."""
 
     shape: tuple[int, ...]
     dtype: str
@@ -127,6 +128,11 @@ class TensorSpec:
         if self.dtype not in TENSOR_DTYPES:
             raise ValueError(f"unsupported tensor dtype {self.dtype!r}; use one of {TENSOR_DTYPES}")
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+
+
+@dataclass(frozen=True)
+class TensorSpec(_ArraySpec):
+    """One per-sample array: its shape (without the sample axis) and storage dtype."""
 
     def to_json(self) -> dict:
         return {"shape": list(self.shape), "dtype": self.dtype}
@@ -137,18 +143,11 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
-class RaggedSpec:
+class RaggedSpec(_ArraySpec):
     """One ragged field: the shape of ONE token (without the token axis), its storage dtype,
     and the (n,) int32 tensor field that holds each sample's token count."""
 
-    shape: tuple[int, ...]
-    dtype: str
     length: str
-
-    def __post_init__(self):
-        if self.dtype not in TENSOR_DTYPES:
-            raise ValueError(f"unsupported tensor dtype {self.dtype!r}; use one of {TENSOR_DTYPES}")
-        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
 
     def to_json(self) -> dict:
         return {"shape": list(self.shape), "dtype": self.dtype, "length": self.length}
