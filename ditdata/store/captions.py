@@ -196,11 +196,7 @@ class CaptionsView(StoreView):
 
     def read(self, shard, fields=None, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
         s = self.base.shard(shard)
-        known = [*self.schema.tensors, *self.schema.ragged, *self.schema.columns]
-        fields = known if fields is None else list(fields)
-        unknown = [f for f in fields if f not in known]
-        if unknown:
-            raise KeyError(f"{self.root}: no fields {unknown}; it has {known}")
+        fields = self._fields(fields)  # checked against the joined schema
         mine = {TOKENS, scale_field(TOKENS), TEXT_LENGTH, LENGTHS, SCORES}
         rest = [f for f in fields if f not in mine]
         want = [f for f in fields if f in mine]

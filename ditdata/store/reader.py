@@ -179,6 +179,15 @@ class Store:
             return self._by_name[ref]
         return self.shards[ref]
 
+    def _fields(self, fields) -> list[str]:
+        """`fields` as a list (None: all of the schema's), each one the schema knows (KeyError naming them)."""
+        known = [*self.schema.tensors, *self.schema.ragged, *self.schema.columns]
+        fields = known if fields is None else list(fields)
+        unknown = [f for f in fields if f not in known]
+        if unknown:
+            raise KeyError(f"{self.root}: no fields {unknown}; it has {known}")
+        return fields
+
     def read(self, shard, fields=None, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
         """Bulk read: the given fields (default all) of samples [start, stop) of one shard.
 
@@ -187,11 +196,7 @@ class Store:
         (n,) length field beside it (schema.py).
         """
         s = self.shard(shard)
-        known = [*self.schema.tensors, *self.schema.ragged, *self.schema.columns]
-        fields = known if fields is None else list(fields)
-        unknown = [f for f in fields if f not in known]
-        if unknown:
-            raise KeyError(f"{self.root}: no fields {unknown}; it has {self.tensor_fields + self.columns}")
+        fields = self._fields(fields)
         stop = s.num_samples if stop is None else min(stop, s.num_samples)
         start = max(0, min(start, stop))
         try:
