@@ -52,8 +52,8 @@ from typing import TYPE_CHECKING
 
 from ditdata.common.errors import described
 from ditdata.common.extras import require
-from ditdata.common.files import read_json, sha256_file
-from ditdata.common.hub import download_command, hub_cache_dir, not_cached_message, saved_weights
+from ditdata.common.files import sha256_file
+from ditdata.common.hub import download_command, hub_cache_dir, not_cached_message, required_weights, saved_model_type
 from ditdata.errors import DitdataError
 
 if TYPE_CHECKING:
@@ -187,21 +187,11 @@ def _from_dir(folder: Path, name: str, ident: str, revision: str | None, device,
 
     from ditdata.common.devices import resolve_device
 
-    try:
-        kind = read_json(folder / "config.json").get("model_type")
-    except (OSError, ValueError, AttributeError):
-        kind = None
-    if kind not in MODEL_TYPES:
-        found = f"model_type {kind!r}" if kind else "no readable config.json"
-        raise DitdataError(f"text encoder {name}: {folder} holds {found}; expected a transformers model of type "
-                           f"{' or '.join(MODEL_TYPES)} saved with save_pretrained (and its tokenizer)")
+    kind = saved_model_type(folder, MODEL_TYPES, f"text encoder {name}", " (and its tokenizer)", DitdataError)
     if preset is not None and preset.model_type != kind:
         raise DitdataError(f"text encoder {name}: {folder} holds a {kind} model, the preset is {preset.model_type}")
-    weights = saved_weights(folder, ("model.safetensors", "pytorch_model.bin"))
-    if weights is None:
-        raise DitdataError(f"{folder}: no model.safetensors or pytorch_model.bin weights (a folder saved with "
-                           "save_pretrained holds config.json, model.safetensors and the tokenizer files)")
-    files, safe = weights
+    files, safe = required_weights(folder, holds="a folder saved with save_pretrained holds config.json, "
+                                   "model.safetensors and the tokenizer files", error=DitdataError)
     cls_name, ref_tokens, ref_instruction = MODEL_TYPES[kind]
     if preset is not None:
         ref_tokens, ref_instruction = preset.max_tokens, preset.instruction

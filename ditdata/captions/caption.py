@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from ditdata.common.progress import Batches
 from ditdata.config import CaptionConfig
 from ditdata.errors import DitdataError
 from ditdata.imageshards import folder as shards
@@ -62,12 +63,8 @@ def caption_shard(captioner, tar, name: str, ident: dict, *, batch_size: int, pr
     tar = Path(tar)
     rows = {"key": [], "caption": [], "status": [], "tokens": []}
     counts: Counter = Counter()
-    batch_idx: list[int] = []
-    batch_img: list = []
 
-    def flush():
-        if not batch_idx:
-            return
+    def caption_batch(batch_idx: list[int], batch_img: list) -> None:
         out = captioner.caption(batch_img, ident["prompt"], ident["max_new_tokens"], ident["num_beams"])
         for i, g in zip(batch_idx, out, strict=True):
             text = g.text.strip()
@@ -76,11 +73,8 @@ def caption_shard(captioner, tar, name: str, ident: dict, *, batch_size: int, pr
             rows["status"][i] = st
             rows["tokens"][i] = g.tokens
             counts[st] += 1
-        if progress is not None:
-            progress.update(len(batch_idx))
-        batch_idx.clear()
-        batch_img.clear()
 
+    batches = Batches(batch_size, caption_batch, progress)
     for i, s in enumerate(shards.iter_shard(tar)):
         rows["key"].append(s.key)
         try:
@@ -94,11 +88,8 @@ def caption_shard(captioner, tar, name: str, ident: dict, *, batch_size: int, pr
             continue
         for k in ("caption", "status", "tokens"):
             rows[k].append(None)  # filled when its batch is captioned
-        batch_idx.append(i)
-        batch_img.append(img)
-        if len(batch_idx) >= batch_size:
-            flush()
-    flush()
+        batches.add(i, img)
+    batches.flush()
     meta = {  # the file's metadata (ditdata.imageshards.captionsets): no time, so reruns give the same bytes
         "format": FORMAT,
         "version": VERSION,
@@ -177,16 +168,13 @@ def caption(cfg: CaptionConfig) -> dict:
     docstring). Returns a summary (report() makes its lines): set, captioner, prompt, shards,
     captioned_shards, skipped_shards, bad_shards, samples, counts (status -> n over the set's
     complete files), new_samples, seconds, images_per_s."""
-    from ditdata.common.dist import launch_env
-    from ditdata.common.lock import DirLock
+    from ditdata.common.lock import rank_zero_lock
 
     _check(cfg)
     folder = shards.read_folder(cfg.shards)  # refuses an unfinished fetch
     if not folder.shards:
         raise DitdataError(f"{folder.path}: no image shards to caption")
-    if launch_env().rank != 0:
-        return _run(cfg, folder)
-    with DirLock(folder.path, "ditdata caption"):
+    with rank_zero_lock(folder.path, "ditdata caption"):
         return _run(cfg, folder)
 
 

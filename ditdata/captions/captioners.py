@@ -42,20 +42,16 @@ Importing this module is cheap: torch and transformers are imported inside the l
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import re
-import sys
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from ditdata.common.errors import described
-from ditdata.common.extras import require
+from ditdata.common.extras import installed_version, require
 from ditdata.common.files import read_json, sha256_file, state_dict_sha256
-from ditdata.common.hub import download_command, hub_cache_dir, not_cached_message, saved_weights
-from ditdata.common.usercode import UserCodeError, user_call
+from ditdata.common.hub import download_command, hub_cache_dir, not_cached_message, required_weights
+from ditdata.common.usercode import UserCodeError, import_user_module, user_call
 from ditdata.errors import DitdataError
 
 PYTHON_PREFIX = "python:"
@@ -126,13 +122,6 @@ class Captioner:
         raise NotImplementedError
 
 
-def _library_version(library: str) -> str | None:
-    try:
-        return metadata.version(library)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 # --------------------------------------------------------------------------- transformers
 
 
@@ -190,11 +179,7 @@ def _from_dir(model_dir: Path, name: str, kind: str, source: str, device, revisi
     except (OSError, ValueError, AttributeError):
         raise DitdataError(f"captioner {name}: {model_dir} has no readable config.json (a directory saved with "
                            "transformers' save_pretrained holds config.json, the weights and the processor)") from None
-    weights = saved_weights(model_dir, ("model.safetensors", "pytorch_model.bin"))
-    if weights is None:
-        raise DitdataError(f"{model_dir}: no model.safetensors or pytorch_model.bin weights (a directory saved "
-                           "with transformers' save_pretrained holds config.json and model.safetensors)")
-    files, safe = weights
+    files, safe = required_weights(model_dir, error=DitdataError)
     sha = {f: sha256_file(model_dir / f) for f in files}
     from ditdata.autoencoders.kinds import quiet_third_party_imports
 
@@ -221,7 +206,7 @@ def _from_dir(model_dir: Path, name: str, kind: str, source: str, device, revisi
             tok.padding_side = "left"  # decoder-only generation continues each row from its end
     info = {"name": name, "kind": kind, "source": source, "revision": revision, "model_type": model_type,
             "model_class": type(model).__name__, "family": family, "weights_sha256": sha,
-            "library": "transformers", "library_version": _library_version("transformers")}
+            "library": "transformers", "library_version": installed_version("transformers")}
     return TransformersCaptioner(model.eval().to(device), processor, info, device)
 
 
@@ -275,30 +260,12 @@ class PythonCaptioner(Captioner):
         return rows
 
 
-def _import(module: str, label: str):
-    try:
-        if module.endswith(".py"):
-            path = Path(module).expanduser().resolve()
-            if not path.is_file():
-                raise DitdataError(f"{label}: no such file {path}")
-            spec = importlib.util.spec_from_file_location(f"ditkit_captioner_{path.stem}", path)
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = mod
-            spec.loader.exec_module(mod)
-            return mod
-        return importlib.import_module(module)
-    except DitdataError:
-        raise
-    except Exception as e:
-        raise DitdataError(f"{label}: cannot import {module} ({described(e)})") from e
-
-
 def _from_python(spec: str, device) -> Captioner:
     label = f"--captioner {spec}"
     module, sep, fn_name = spec[len(PYTHON_PREFIX):].rpartition(":")
     if not sep or not module or not fn_name:
         raise DitdataError(f"{label}: expected python:MODULE:FUNCTION (MODULE a module name or a .py file)")
-    mod = _import(module, label)
+    mod = import_user_module(module, label, "ditkit_captioner", DitdataError)
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
         raise DitdataError(f"{label}: {module} has no function {fn_name}")

@@ -1,8 +1,10 @@
-"""Optional extras in one wording: "X needs the E extra: pip install 'ditkit[E]'"."""
+"""Optional extras in one wording: "X needs the E extra: pip install 'ditkit[E]'"; and the
+installed version of a distribution, as records name the libraries that made them."""
 
 from __future__ import annotations
 
 import importlib
+from importlib import metadata
 
 from ditdata.common.errors import UserError
 
@@ -25,3 +27,11 @@ def require(module: str, what: str, extra: str, error: type[Exception] = UserErr
         return importlib.import_module(module)
     except ImportError as e:
         raise missing_extra(what, extra, e, error) from e
+
+
+def installed_version(dist: str) -> str | None:
+    """The installed version of distribution `dist` (its pip name), None when it is not installed."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None

@@ -1,8 +1,9 @@
 """The local Hugging Face hub cache: the one place ditdata looks for hub models (the
 autoencoders of ditdata/autoencoders/kinds.py, the feature encoders of ditdata/features/encoders.py, the CLIP
 weights of ditdata/clip.py), the command that fills it on a machine with internet
-(download_command) and the one wording of "not in the cache" (not_cached_message); and which
-weight files a save_pretrained folder holds (saved_weights). Nothing here downloads."""
+(download_command) and the one wording of "not in the cache" (not_cached_message); and what a
+save_pretrained folder holds: its weight files (saved_weights, required_weights) and its model
+type (saved_model_type). Nothing here downloads."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import shlex
 from pathlib import Path
 
 from ditdata.common.cache import xdg_cache_home
+from ditdata.common.errors import UserError
 from ditdata.common.files import read_json
 
 
@@ -67,3 +69,33 @@ def saved_weights(model_dir: Path, names: tuple[str, ...]) -> tuple[list[str], b
         if index.is_file():
             return sorted(set(read_json(index)["weight_map"].values())), safe
     return None
+
+
+# the weight files transformers' from_pretrained loads, safetensors first (saved_weights)
+TRANSFORMERS_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+SAVED_DIR_HOLDS = "a directory saved with transformers' save_pretrained holds config.json and model.safetensors"
+
+
+def required_weights(model_dir: Path, names: tuple[str, ...] = TRANSFORMERS_WEIGHTS, holds: str = SAVED_DIR_HOLDS,
+                     error: type[Exception] = UserError) -> tuple[list[str], bool]:
+    """saved_weights, or `error` "MODEL_DIR: no NAME or NAME weights (HOLDS)", `holds` saying
+    what such a folder holds (a loader that also needs e.g. a tokenizer says so)."""
+    weights = saved_weights(model_dir, names)
+    if weights is None:
+        raise error(f"{model_dir}: no {' or '.join(names)} weights ({holds})")
+    return weights
+
+
+def saved_model_type(model_dir: Path, types, subject: str, tail: str = "", error: type[Exception] = UserError) -> str:
+    """config.json's model_type in the transformers folder `model_dir` when it is one of `types`,
+    else `error` "SUBJECT: MODEL_DIR holds model_type 'x' (or: no readable config.json); expected
+    a transformers model of type A or B saved with save_pretrained" and `tail`."""
+    try:
+        kind = read_json(model_dir / "config.json").get("model_type")
+    except (OSError, ValueError, AttributeError):
+        kind = None
+    if kind not in types:
+        found = f"model_type {kind!r}" if kind else "no readable config.json"
+        raise error(f"{subject}: {model_dir} holds {found}; expected a transformers model of type "
+                    f"{' or '.join(types)} saved with save_pretrained{tail}")
+    return kind

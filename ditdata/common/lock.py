@@ -2,6 +2,8 @@
 
     with DirLock(run_dir, "dittrain run"):
         ...  # the only writer of run_dir until the block ends or the process dies
+    with rank_zero_lock(out, "ditdata caption"):
+        ...  # the same, taken by rank 0 alone for every rank of a torchrun job
 
 The lock is flock(2) on DIR/.ditkit.lock: the kernel drops it when the holder exits, is
 killed (SIGKILL included) or closes it, so a dead writer never leaves a stale lock and
@@ -28,9 +30,10 @@ import json
 import os
 import socket
 import time
-from contextlib import suppress
+from contextlib import AbstractContextManager, nullcontext, suppress
 from pathlib import Path
 
+from ditdata.common.dist import launch_env
 from ditdata.common.errors import UserError
 
 LOCK_FILE = ".ditkit.lock"
@@ -135,6 +138,14 @@ class DirLock:
     def __exit__(self, *exc) -> bool:
         self.release()
         return False
+
+
+def rank_zero_lock(directory, what: str) -> AbstractContextManager:
+    """DirLock(directory, what) on rank 0 of a torchrun job (a single process is rank 0), nothing
+    on the other ranks: they write the same output, so one lock stands for the job. Rank 0 takes
+    it before the ranks meet, so the other ranks of a second job wait in the rendezvous (and are
+    stopped with it) instead of writing."""
+    return DirLock(directory, what) if launch_env().rank == 0 else nullcontext()
 
 
 def _read_holder(path: Path) -> dict:

@@ -18,6 +18,9 @@ total is reached, and at close when it moved since the last line (not when the b
 on an error: the error is the last word). The rate of a line is that since the line before;
 the last line's, that of the whole run. `enabled=False` (-q/--quiet) draws nothing either way.
 
+`Batches` gathers samples for a model that runs on batches (a stage's per-shard loop) and
+advances a bar by each batch it runs.
+
 `end_open_bars` closes the tqdm bars still drawn, so that the error line of a failed command
 (ditdata.common.cli) starts at column 0 instead of after a bar. tqdm is imported only when
 a bar is made.
@@ -176,6 +179,36 @@ class Lines:
         self._t_line, self._n_line = now, self.n
 
 
+class Batches:
+    """Samples gathered for a batched call: add(row, *inputs) queues one sample (`row`: its
+    place in the caller's table, where the call's results go); when `size` are queued, and at
+    flush(), run(rows, *columns) gets the rows and one list per input, then `progress` (a bar,
+    or None) advances by the batch, so the bar counts what was run rather than what was read."""
+
+    def __init__(self, size: int, run, progress=None):
+        self.size, self.run, self.progress = size, run, progress
+        self.rows: list = []
+        self.columns: list[list] = []
+
+    def add(self, row, *inputs) -> None:
+        if not self.rows:
+            self.columns = [[] for _ in inputs]
+        self.rows.append(row)
+        for column, x in zip(self.columns, inputs, strict=True):
+            column.append(x)
+        if len(self.rows) >= self.size:
+            self.flush()
+
+    def flush(self) -> None:
+        """Run what is queued (nothing when nothing is)."""
+        if not self.rows:
+            return
+        self.run(self.rows, *self.columns)
+        if self.progress is not None:
+            self.progress.update(len(self.rows))
+        self.rows, self.columns = [], []
+
+
 def end_open_bars() -> None:
     """Close every tqdm bar still drawn (each ends its line), so what is printed next starts
     at column 0. Nothing to do when tqdm was never imported."""
@@ -188,5 +221,5 @@ def end_open_bars() -> None:
             pass
 
 
-__all__ = ["DEFAULT_INTERVAL", "INTERVAL_ENV", "Lines", "end_open_bars", "is_terminal", "line_interval",
+__all__ = ["Batches", "DEFAULT_INTERVAL", "INTERVAL_ENV", "Lines", "end_open_bars", "is_terminal", "line_interval",
            "progress_bar"]

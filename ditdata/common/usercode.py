@@ -7,6 +7,8 @@ hostile input like any file: this is the one place their calls and their outputs
     check_output(out, source="--encoder SPEC", field="feat", keys=keys, shard="00003",
                  shape=(256, 768))               # floating, (N, *shape), every value finite
     check_weights(state_dict, "--aesthetic FILE")   # weights loaded from the user's files: finite
+    mod = import_user_module("enc.py", "--encoder SPEC", "ditkit_encoder", DitdataError)
+                                                 # a module name or a .py file; its failure -> one line
 
 Why a failure inside such code is the user's, not a bug of ours: the message then names the
 code that raised and its exception, where "internal error ... please report it" would send
@@ -24,7 +26,11 @@ Light at import time: torch is only looked at (sys.modules), never imported.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,6 +41,29 @@ from ditdata.common.memory import is_out_of_memory
 
 class UserCodeError(UserError):
     """Code or weights the user supplied failed or gave unusable output; the message names them."""
+
+
+def import_user_module(module: str, label: str, prefix: str, error: type[Exception] = UserError):
+    """The module of a `python:MODULE:FUNCTION` spec: MODULE a dotted name on sys.path, or a path
+    to a .py file, imported as PREFIX_STEM (the prefix keeps two kinds' files of the same name,
+    a captioner's and an encoder's, from replacing each other in sys.modules). Any failure is
+    `error` "LABEL: cannot import MODULE (ExcType: msg)", or "LABEL: no such file PATH"; an
+    `error` the module raises itself passes through."""
+    try:
+        if module.endswith(".py"):
+            path = Path(module).expanduser().resolve()
+            if not path.is_file():
+                raise error(f"{label}: no such file {path}")
+            spec = importlib.util.spec_from_file_location(f"{prefix}_{path.stem}", path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = mod
+            spec.loader.exec_module(mod)
+            return mod
+        return importlib.import_module(module)
+    except error:
+        raise
+    except Exception as e:
+        raise error(f"{label}: cannot import {module} ({described(e)})") from e
 
 
 def user_call(source: str, fn: Callable, *args, what: str = "its forward", **kwargs) -> Any:
@@ -99,4 +128,4 @@ def check_weights(tensors, source: str) -> None:
                             "training run that diverged")
 
 
-__all__ = ["UserCodeError", "check_output", "check_weights", "user_call"]
+__all__ = ["UserCodeError", "check_output", "check_weights", "import_user_module", "user_call"]

@@ -69,8 +69,7 @@ def report(summary: dict) -> str | None:
 def compute_features(cfg: FeaturesConfig) -> dict:
     """Add feature set cfg.out_name (default: from the encoder's name) to the local store
     cfg.store, resuming a killed run. Returns a summary (report() makes its line)."""
-    from ditdata.common.dist import launch_env
-    from ditdata.common.lock import DirLock
+    from ditdata.common.lock import rank_zero_lock
     from ditdata.store import is_url
     from ditdata.store.features import check_name
 
@@ -85,10 +84,8 @@ def compute_features(cfg: FeaturesConfig) -> dict:
     if store.buckets:
         raise DitdataError(f"{cfg.store}: a bucketed store (encode --buckets); feature sets of bucketed stores "
                            "are not supported yet (their targets would need each bucket's crop)")
-    if launch_env().rank != 0:
-        return _compute(cfg, name)
     # one writer per store: the lock `ditdata encode` takes, so neither runs beside the other
-    with DirLock(cfg.store, "ditdata features"):
+    with rank_zero_lock(cfg.store, "ditdata features"):
         return _compute(cfg, name)
 
 

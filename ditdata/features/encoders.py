@@ -60,22 +60,18 @@ Importing this module is cheap: torch and transformers are imported inside the l
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import operator
 import re
-import sys
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from ditdata.common.errors import described
-from ditdata.common.extras import require
-from ditdata.common.files import read_json, sha256_file, state_dict_sha256
-from ditdata.common.hub import download_command, hub_cache_dir, not_cached_message, saved_weights
-from ditdata.common.usercode import UserCodeError, check_weights, user_call
+from ditdata.common.extras import installed_version, require
+from ditdata.common.files import sha256_file, state_dict_sha256
+from ditdata.common.hub import download_command, hub_cache_dir, not_cached_message, required_weights, saved_model_type
+from ditdata.common.usercode import UserCodeError, check_weights, import_user_module, user_call
 from ditdata.config import FEATURE_RESIZES, FEATURE_RESOLUTION_RULE
 from ditdata.errors import DitdataError
 
@@ -209,13 +205,10 @@ class FeatureEncoder:
 def _info(name: str, ident: str, kind: str, sha: dict, resolution: int, patch: int | None,
           grid: tuple[int, int], dim: int, library: str, resize: str, **extra) -> dict[str, Any]:
     """A FeatureEncoder.info (the feature set's "encoder" entry), keys in their recorded order."""
-    try:
-        version = metadata.version(library)
-    except metadata.PackageNotFoundError:
-        version = None
     return {"name": name, "id": ident, "kind": kind, "weights_sha256": sha, "resolution": int(resolution),
             "patch": patch, "grid": [int(grid[0]), int(grid[1])], "tokens": int(grid[0] * grid[1]),
-            "dim": int(dim), **extra, "resize": RESIZES[resize], "library": library, "library_version": version}
+            "dim": int(dim), **extra, "resize": RESIZES[resize], "library": library,
+            "library_version": installed_version(library)}
 
 
 # --------------------------------------------------------------------------- transformers
@@ -262,20 +255,9 @@ def resample_positions(model, grid: tuple[int, int]) -> tuple[int, int]:
 
 def _from_dir(model_dir: Path, name: str, ident: str, store_resolution: int, override: int | None,
               revision: str | None = None, option: str = "--encoder", resize: str = "reference") -> FeatureEncoder:
-    try:
-        kind = read_json(model_dir / "config.json").get("model_type")
-    except (OSError, ValueError, AttributeError):
-        kind = None
-    if kind not in MODEL_TYPES:
-        found = f"model_type {kind!r}" if kind else "no readable config.json"
-        raise DitdataError(f"feature encoder {name}: {model_dir} holds {found}; expected a transformers "
-                           f"model of type {' or '.join(MODEL_TYPES)} saved with save_pretrained")
+    kind = saved_model_type(model_dir, MODEL_TYPES, f"feature encoder {name}", error=DitdataError)
     # the weight files transformers loads (safetensors first), relative to model_dir
-    weights = saved_weights(model_dir, ("model.safetensors", "pytorch_model.bin"))
-    if weights is None:
-        raise DitdataError(f"{model_dir}: no model.safetensors or pytorch_model.bin weights (a directory saved "
-                           "with transformers' save_pretrained holds config.json and model.safetensors)")
-    files, safe = weights
+    files, safe = required_weights(model_dir, error=DitdataError)
     sha = {f: sha256_file(model_dir / f) for f in files}
     from ditdata.autoencoders.kinds import quiet_third_party_imports
 
@@ -328,24 +310,6 @@ def _from_hub(repo_id: str, name: str, store_resolution: int, override: int | No
 # --------------------------------------------------------------------------- python:
 
 
-def _import(module: str, label: str):
-    try:
-        if module.endswith(".py"):
-            path = Path(module).expanduser().resolve()
-            if not path.is_file():
-                raise DitdataError(f"{label}: no such file {path}")
-            loader_spec = importlib.util.spec_from_file_location(f"ditkit_encoder_{path.stem}", path)
-            mod = importlib.util.module_from_spec(loader_spec)
-            sys.modules[loader_spec.name] = mod
-            loader_spec.loader.exec_module(mod)
-            return mod
-        return importlib.import_module(module)
-    except DitdataError:
-        raise
-    except Exception as e:
-        raise DitdataError(f"{label}: cannot import {module} ({described(e)})") from e
-
-
 def _grid(net, tokens: int, label: str) -> tuple[int, int]:
     """The token grid (h, w) of a python: encoder: its `grid` attribute, an int n for a square
     n x n grid or a pair (h, w); without one the tokens must make a square grid."""
@@ -378,7 +342,7 @@ def _from_python(spec: str, store_resolution: int, override: int | None, device,
     module, sep, fn_name = spec[len(PYTHON_PREFIX):].rpartition(":")
     if not sep or not module or not fn_name:
         raise DitdataError(f"{label}: expected python:MODULE:FUNCTION (MODULE a module name or a .py file)")
-    fn = getattr(_import(module, label), fn_name, None)
+    fn = getattr(import_user_module(module, label, "ditkit_encoder", DitdataError), fn_name, None)
     if not callable(fn):
         raise DitdataError(f"{label}: {module} has no function {fn_name}")
     net = user_call(label, fn, what=f"{fn_name}()")

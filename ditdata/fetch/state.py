@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 
+from ditdata.common.extras import installed_version
 from ditdata.common.files import read_json
 from ditdata.common.lock import LOCK_FILE
 from ditdata.config import FetchConfig
@@ -112,14 +113,6 @@ def clear_previous(out: Path) -> None:
 
 def write_dataset_info(out: Path, kind, src: Path, num_shards, summary, options, extra) -> dict:
     """Write dataset.json, last: from then on OUT is a finished image-shard folder."""
-    from importlib import metadata
-
-    def version(pkg):
-        try:
-            return metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            return None
-
     info = {
         "format": shards.FORMAT,
         "version": shards.VERSION,
@@ -130,7 +123,7 @@ def write_dataset_info(out: Path, kind, src: Path, num_shards, summary, options,
         "source": str(src.resolve()),
         "options": jsonable(options),
         "summary": summary,
-        "tools": {p: version(p) for p in ("ditkit", "pillow", "img2dataset")},
+        "tools": {p: installed_version(p) for p in ("ditkit", "pillow", "img2dataset")},
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     shards.write_json_atomic(out / shards.DATASET_INFO, info)

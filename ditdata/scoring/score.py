@@ -39,7 +39,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ditdata.common.memory import halved, out_of_memory_hint
-from ditdata.common.progress import progress_bar
+from ditdata.common.progress import Batches, progress_bar
 from ditdata.config import CLIP_MODEL, SCORE_BATCH_SIZE, ScoreConfig
 from ditdata.errors import DitdataError
 from ditdata.imageshards import folder as shards
@@ -124,13 +124,8 @@ def score_shard(clip, shard_tar, *, batch_size: int = SCORE_BATCH_SIZE, workers:
     rows = {f.name: [] for f in schema(aesthetic=aesthetic is not None)}
     embedded: dict[int, np.ndarray] = {}  # row -> float16 embedding
     counts: Counter = Counter()
-    batch_idx: list[int] = []
-    batch_px: list = []
-    batch_cap: list[str] = []
 
-    def flush():
-        if not batch_idx:
-            return
+    def score_batch(batch_idx: list[int], batch_px: list, batch_cap: list[str]) -> None:
         s, emb = clip.score_and_embed_pixels(clip.pixels(batch_px), batch_cap)
         for i, v in zip(batch_idx, s.tolist(), strict=True):
             rows["clip_score"][i] = float(v)
@@ -139,12 +134,8 @@ def score_shard(clip, shard_tar, *, batch_size: int = SCORE_BATCH_SIZE, workers:
                 rows[AESTHETIC][i] = float(v)
         if save_embeddings:
             embedded.update(zip(batch_idx, emb.numpy().astype(np.float16), strict=True))
-        if progress is not None:
-            progress.update(len(batch_idx))
-        batch_idx.clear()
-        batch_px.clear()
-        batch_cap.clear()
 
+    batches = Batches(batch_size, score_batch, progress)
     samples = shards.iter_shard(tar)
     ahead = 2 * batch_size
     for i, (s, px, status, w, h) in enumerate(prepared_samples(samples, clip.prepare_image, workers, ahead, texts)):
@@ -158,14 +149,10 @@ def score_shard(clip, shard_tar, *, batch_size: int = SCORE_BATCH_SIZE, workers:
                 rows[name].append(v)
         counts[status] += 1
         if status == OK:
-            batch_idx.append(i)
-            batch_px.append(px)
-            batch_cap.append(caption)
-            if len(batch_idx) >= batch_size:
-                flush()
+            batches.add(i, px, caption)
         elif progress is not None:
             progress.update(1)
-    flush()
+    batches.flush()
     if texts is not None and rows["key"] != list(texts):
         raise DitdataError(f"{tar}: caption set {captions!r} does not hold this shard's keys in its order; "
                            f"rerun `ditdata caption` with --overwrite for it")
