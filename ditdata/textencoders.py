@@ -201,12 +201,9 @@ def _from_dir(folder: Path, name: str, ident: str, revision: str | None, device,
     lines = ref_instruction if instruction == "reference" else None
     dev = resolve_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    from ditdata.autoencoders.kinds import quiet_third_party_imports
+    from ditdata.autoencoders.kinds import quiet_transformers
 
-    quiet_third_party_imports()
-    transformers = require("transformers", f"text encoder {name}", "data", DitdataError)
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    transformers = quiet_transformers(f"text encoder {name}", "data")
     try:
         model = getattr(transformers, cls_name).from_pretrained(str(folder), local_files_only=True,
                                                                  use_safetensors=safe, dtype=dtype)

@@ -451,6 +451,16 @@ def quiet_third_party_imports() -> None:
     logging.getLogger("diffusers.quantizers.torchao.torchao_quantizer").setLevel(logging.ERROR)
 
 
+def quiet_transformers(subject: str, extra: str):
+    """transformers imported for `subject` (DitdataError naming `extra` where it is missing), with
+    its per-load progress bars and advice turned off: noise in a command's output."""
+    quiet_third_party_imports()
+    transformers = require("transformers", subject, extra, DitdataError)
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
 def _load_diffusers(model_dir: Path, dtype: torch.dtype, label: str,
                     class_name: str = "AutoencoderKL") -> tuple[Any, dict[str, str]]:
     """diffusers' `class_name` from a local folder, and the sha256 of the weight files it loads

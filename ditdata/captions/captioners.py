@@ -181,14 +181,11 @@ def _from_dir(model_dir: Path, name: str, kind: str, source: str, device, revisi
                            "transformers' save_pretrained holds config.json, the weights and the processor)") from None
     files, safe = required_weights(model_dir, error=DitdataError)
     sha = {f: sha256_file(model_dir / f) for f in files}
-    from ditdata.autoencoders.kinds import quiet_third_party_imports
+    from ditdata.autoencoders.kinds import quiet_transformers
 
-    quiet_third_party_imports()
-    transformers = require("transformers", f"captioner {name}", "captions", DitdataError)
+    transformers = quiet_transformers(f"captioner {name}", "captions")
     import torch
 
-    transformers.utils.logging.set_verbosity_error()  # per-load bars and advice are noise in a command's output
-    transformers.utils.logging.disable_progress_bar()
     class_name, family = FAMILIES.get(model_type, ("AutoModelForImageTextToText", CHAT))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:

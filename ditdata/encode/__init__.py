@@ -58,7 +58,7 @@ import torch.distributed as dist
 from ditdata.autoencoders.kinds import load_autoencoder
 from ditdata.common.devices import amp_dtype, autocast, resolve_device
 from ditdata.common.dist import join, launch_env, leave
-from ditdata.common.lock import DirLock
+from ditdata.common.lock import rank_zero_lock
 from ditdata.common.memory import halved, out_of_memory_hint
 from ditdata.common.progress import progress_bar
 from ditdata.config import DTYPES, MAX_RESOLUTION, POSTERIORS, TEXT_DTYPES, EncodeConfig  # noqa: F401  (EncodeConfig: re-exported)
@@ -298,11 +298,7 @@ def encode(cfg: EncodeConfig) -> dict:
         raise DitdataError("--buckets with --features is not supported yet (feature sets of bucketed stores "
                            "would need each bucket's crop); drop one of them")
     _check_out(Path(cfg.out), Path(cfg.shards), bool(cfg.buckets))
-    if launch_env().rank != 0:
-        return _encode(cfg)
-    # One encode per store: rank 0 takes the lock before the ranks meet, so the other ranks
-    # of a second job wait in the rendezvous (and are stopped with it) instead of writing.
-    with DirLock(cfg.out, "ditdata encode"):
+    with rank_zero_lock(cfg.out, "ditdata encode"):  # one encode per store
         return _encode(cfg)
 
 

@@ -259,13 +259,9 @@ def _from_dir(model_dir: Path, name: str, ident: str, store_resolution: int, ove
     # the weight files transformers loads (safetensors first), relative to model_dir
     files, safe = required_weights(model_dir, error=DitdataError)
     sha = {f: sha256_file(model_dir / f) for f in files}
-    from ditdata.autoencoders.kinds import quiet_third_party_imports
+    from ditdata.autoencoders.kinds import quiet_transformers
 
-    quiet_third_party_imports()
-    transformers = require("transformers", f"feature encoder {name}", "features", DitdataError)
-    # its per-load progress bars and advice are noise in a command's output
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    transformers = quiet_transformers(f"feature encoder {name}", "features")
     try:
         model = getattr(transformers, MODEL_TYPES[kind]).from_pretrained(
             str(model_dir), local_files_only=True, use_safetensors=safe)

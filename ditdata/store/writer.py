@@ -20,13 +20,13 @@ import datetime as dt
 import json
 import platform
 from contextlib import contextmanager
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 
 from ditdata.common import files
 from ditdata.common.errors import first_names
+from ditdata.common.extras import installed_version
 
 from . import manifest
 from .backends import get_backend
@@ -41,10 +41,8 @@ SHARDS = "shards"
 def tool_versions() -> dict:
     out = {"python": platform.python_version()}
     for dist in ("ditkit", "numpy", "zarr", "webdataset", "torch", "diffusers", "open_clip_torch"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
+        if (version := installed_version(dist)) is not None:
+            out[dist] = version
     return out
 
 
