@@ -280,23 +280,12 @@ def tiny_florence2(folder: Path) -> Path:
     """A tiny random Florence-2 (transformers' native Florence2ForConditionalGeneration: a DaViT
     vision tower, a BART encoder-decoder) and its processor, saved; its generation config
     suppresses the end-of-sequence token so that the random decoder writes to the token limit."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (
-        CLIPImageProcessor,
-        Florence2Config,
-        Florence2ForConditionalGeneration,
-        Florence2Processor,
-        PreTrainedTokenizerFast,
-    )
+    from transformers import CLIPImageProcessor, Florence2Config, Florence2ForConditionalGeneration, Florence2Processor
+    from vlm_util import byte_tokenizer, save_random
 
     specials = ["<s>", "<pad>", "</s>", "<unk>", "<image>"]
-    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
-                              merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(specials)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                  unk_token="<unk>", extra_special_tokens={"image_token": "<image>"})
+    tok = byte_tokenizer(specials, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+                         extra_special_tokens={"image_token": "<image>"})
     ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
     # 64 px -> an 8 x 8 grid after the two stages, plus the pooled token: 65 image tokens
     images = CLIPImageProcessor(size={"height": 64, "width": 64}, do_center_crop=False, image_seq_length=65)
@@ -310,15 +299,9 @@ def tiny_florence2(folder: Path) -> Path:
                          decoder_ffn_dim=64, max_position_embeddings=128, bos_token_id=ids["<s>"],
                          eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"], decoder_start_token_id=ids["</s>"]),
         image_token_id=ids["<image>"])
-    torch.manual_seed(0)
-    model = Florence2ForConditionalGeneration(config).eval()
-    model.generation_config.suppress_tokens = [ids["</s>"], ids["<pad>"]]  # the random decoder would stop at once
-    model.generation_config.eos_token_id = ids["</s>"]
-    model.generation_config.pad_token_id = ids["<pad>"]
-    model.generation_config.decoder_start_token_id = ids["</s>"]
-    model.save_pretrained(folder)
-    processor.save_pretrained(folder)
-    return folder
+    return save_random(folder, Florence2ForConditionalGeneration, config, processor,
+                       suppress_tokens=[ids["</s>"], ids["<pad>"]],  # the random decoder would stop at once
+                       eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"], decoder_start_token_id=ids["</s>"])
 
 
 def test_florence2_is_asked_with_its_task_token(tmp_path):

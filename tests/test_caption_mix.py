@@ -26,9 +26,8 @@ import numpy as np
 import pytest
 import torch
 from cliutil import ditdata, dittrain, kill_when, losses, one_error_line, resume_after_sigkill, run_args
-from textenc_util import save_text_encoder
+from textenc_util import encode_with, save_text_encoder
 
-from ditdata.encode import EncodeConfig, encode
 from ditdata.imageshards import captionsets as cs
 from ditdata.imageshards import folder as imageshards
 from ditdata.imageshards.scores import read_scores
@@ -88,17 +87,11 @@ def scored(tmp_path_factory, clip):
     return d
 
 
-def _encode(shards, out, te, **kw):
-    cfg = dict(shards=str(shards), out=str(out), vae="pixels", resolution=16, text_encoder=str(te), workers=0,
-               progress=False, device="cpu", chunk_samples=2)
-    return encode(EncodeConfig(**(cfg | kw)))
-
-
 @pytest.fixture(scope="module")
 def two_sets(scored, t5, tmp_path_factory):
     """A T5 store of alt and recap, both scored (zarr, fp16)."""
     out = tmp_path_factory.mktemp("store") / "s"
-    _encode(scored, out, t5, captions="alt,recap")
+    encode_with(scored, out, t5, captions="alt,recap")
     return out
 
 
@@ -108,9 +101,9 @@ def two_sets(scored, t5, tmp_path_factory):
 @pytest.mark.parametrize("backend,dtype", [("zarr", "float16"), ("wds", "int8")])
 def test_each_set_holds_what_a_store_of_it_alone_holds(scored, t5, tmp_path, backend, dtype):
     kw = dict(backend=backend, text_dtype=dtype)
-    _encode(scored, tmp_path / "both", t5, captions="alt,recap", **kw)
-    _encode(scored, tmp_path / "alt", t5, captions="alt", **kw)
-    _encode(scored, tmp_path / "recap", t5, captions="recap", **kw)
+    encode_with(scored, tmp_path / "both", t5, captions="alt,recap", **kw)
+    encode_with(scored, tmp_path / "alt", t5, captions="alt", **kw)
+    encode_with(scored, tmp_path / "recap", t5, captions="recap", **kw)
     both = open_store(tmp_path / "both", verify=True)
     assert both.verify() == []
     alone = {n: open_store(tmp_path / n) for n in ("alt", "recap")}

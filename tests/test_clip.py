@@ -22,11 +22,14 @@ TINY_CFG = {
 CAPTIONS = ["an astronaut in a white suit", "a cat! sitting", "", "x " * 200]
 
 
-def tiny_clip_files(folder: Path, *, name: str = "tiny-clip", seed: int = 0, custom_text: bool = False):
-    """A tiny open_clip architecture (config JSON) and random weights saved with
-    torch.save(state_dict): (config path, weights path)."""
+def tiny_clip_files(folder: Path, *, name: str = "tiny-clip", seed: int = 0, custom_text: bool = False,
+                    text_width: int = 32):
+    """A tiny open_clip architecture (config JSON; its text tower `text_width` wide) and random
+    weights saved with torch.save(state_dict): (config path, weights path)."""
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = dict(TINY_CFG, custom_text=True) if custom_text else TINY_CFG
+    cfg = dict(TINY_CFG, text_cfg=dict(TINY_CFG["text_cfg"], width=text_width))
+    if custom_text:
+        cfg["custom_text"] = True
     config = folder / f"{name}.json"
     config.write_text(json.dumps(cfg))
     register_config(config)
@@ -35,6 +38,22 @@ def tiny_clip_files(folder: Path, *, name: str = "tiny-clip", seed: int = 0, cus
     weights = folder / f"{name}-seed{seed}.pt"
     torch.save(model.state_dict(), weights)
     return config, weights
+
+
+def tiny_clip_conditioning(folder: Path, *, name: str, text_width: int) -> tuple[dict, Path]:
+    """A store's text conditioning by a tiny_clip_files model (pooled 32, tokens 77 x `text_width`),
+    its empty caption embedded by it: (conditioning, weights path)."""
+    import numpy as np
+
+    from ditdata.store import encode_array
+
+    config, weights = tiny_clip_files(folder, name=name, text_width=text_width)
+    empty = load_clip(name, str(weights), config=str(config)).embed_text([""], tokens=True)
+    text = {"model": name, "pretrained": str(weights), "config": str(config), "encoder": name,
+            "pooled_dim": TINY_CFG["embed_dim"], "tokens_shape": [77, text_width],
+            "empty": {k: encode_array(v[0].numpy().astype(bool if k == "text_mask" else np.float16))
+                      for k, v in empty.items()}}
+    return {"type": "text", "text": text}, weights
 
 
 def real_pil_images():

@@ -14,6 +14,7 @@ import pytest
 import torch
 from cliutil import dittrain as cli
 from cliutil import kill_when, losses, one_error_line, run_args, spawn
+from tiny import nudged
 
 from dittrain.config import LORA_TARGETS
 from dittrain.inference.open_run import load_model
@@ -45,11 +46,7 @@ def base(tmp_path_factory) -> Path:
     """A pretrained stand-in: a plain state dict whose every weight is random (DiT's zero-initialised
     final layer and adaLN too, so outputs are not zero and an adapter changes them)."""
     torch.manual_seed(0)
-    model = tiny_dit()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn_like(p))
+    model = nudged(tiny_dit(), 0.05)
     path = tmp_path_factory.mktemp("base") / "base.pt"
     torch.save(model.state_dict(), path)
     return path

@@ -161,28 +161,13 @@ def test_preset_sizes_params_and_flops():
 def _clip_text_store(root: Path, kl: Path) -> tuple[Path, Path]:
     """A text store of 12 latents 4x8x8 (a tiny diffusers AutoencoderKL, /2) whose text encoder is a tiny
     open_clip (tokens 77 x 24: the width of the tiny PixArt's captions), its empty caption embedded by it."""
-    clip = pytest.importorskip("ditdata.clip")
-    open_clip = pytest.importorskip("open_clip")
+    from test_clip import tiny_clip_conditioning  # skips the test without open_clip
+
     from ditdata.autoencoders.kinds import load_autoencoder
 
-    cfg_path = root / "tiny-clip.json"
-    root.mkdir(parents=True, exist_ok=True)
-    cfg_path.write_text(json.dumps({
-        "embed_dim": 32,
-        "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
-        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": CAPTION, "heads": 2, "layers": 1},
-    }))
-    name = clip.register_config(cfg_path)
-    torch.manual_seed(0)
-    weights = root / "tiny-clip.pt"
-    torch.save(open_clip.create_model(name).state_dict(), weights)
-    empty = clip.load_clip(name, str(weights), config=str(cfg_path)).embed_text([""], tokens=True)
-    text = {"model": name, "pretrained": str(weights), "config": str(cfg_path), "encoder": name,
-            "pooled_dim": 32, "tokens_shape": [77, CAPTION],
-            "empty": {k: encode_array(v[0].numpy().astype(bool if k == "text_mask" else np.float16))
-                      for k, v in empty.items()}}
+    conditioning, weights = tiny_clip_conditioning(root, name="tiny-clip", text_width=CAPTION)
     store = tiny_store(root / "store", shape=(4, 8, 8), vae=load_autoencoder(str(kl)).info,
-                       conditioning={"type": "text", "text": text}, text={"pooled": 32, "tokens": (77, CAPTION)}, n=12)
+                       conditioning=conditioning, text={"pooled": 32, "tokens": (77, CAPTION)}, n=12)
     return store, weights
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from cliutil import ditdata, dittrain, one_error_line, run_args
-from tiny import class_tree, fetch_tree, save_tiny_kl, save_tiny_rae, tiny_rae
+from tiny import save_tiny_kl, save_tiny_rae, tiny_rae
 
 from ditdata.autoencoders.kinds import PRESETS, autoencoder_from_manifest, load_autoencoder
 from ditdata.framing import center_crop, hflip
@@ -29,30 +29,24 @@ WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data")
-    return fetch_tree(class_tree(root / "tree", per_class=2, size=40), root / "shards", samples_per_shard=2)
-
-
-@pytest.fixture(scope="module")
 def rae_dir(tmp_path_factory) -> Path:
     return save_tiny_rae(tmp_path_factory.mktemp("rae") / "tiny-rae")
 
 
 @pytest.fixture(scope="module")
-def rae_store(shards, rae_dir, tmp_path_factory) -> Path:
+def rae_store(class_shards, rae_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("store") / "s"
-    r = ditdata("encode", shards, "--vae", f"rae:{rae_dir}", "--resolution", 32, "--flip", "--out", out,
+    r = ditdata("encode", class_shards, "--vae", f"rae:{rae_dir}", "--resolution", 32, "--flip", "--out", out,
                 "--workers", 0, "--device", "cpu", "--quiet")
     assert r.exit_code == 0, r.output
     return out
 
 
 @pytest.fixture(scope="module")
-def rae_int8_store(shards, rae_dir, tmp_path_factory) -> Path:
+def rae_int8_store(class_shards, rae_dir, tmp_path_factory) -> Path:
     """The same images, latents stored int8 with a float32 scale per token (--dtype int8)."""
     out = tmp_path_factory.mktemp("store8") / "s"
-    r = ditdata("encode", shards, "--vae", f"rae:{rae_dir}", "--resolution", 32, "--flip", "--dtype", "int8",
+    r = ditdata("encode", class_shards, "--vae", f"rae:{rae_dir}", "--resolution", 32, "--flip", "--dtype", "int8",
                 "--out", out, "--workers", 0, "--device", "cpu", "--quiet")
     assert r.exit_code == 0, r.output
     return out
@@ -62,7 +56,7 @@ def _pixels(crops) -> torch.Tensor:
     return torch.stack([torch.from_numpy(np.asarray(c)).permute(2, 0, 1) for c in crops]).float() / 255
 
 
-def test_encode_stores_what_autoencoder_rae_encode_returns(shards, rae_dir, rae_store):
+def test_encode_stores_what_autoencoder_rae_encode_returns(class_shards, rae_dir, rae_store):
     store = open_store(rae_store, verify=True)
     vae = store.manifest["vae"]
     assert vae["kind"] == "autoencoder_rae" and store.latent_shape == (64, 4, 4)
@@ -72,7 +66,8 @@ def test_encode_stores_what_autoencoder_rae_encode_returns(shards, rae_dir, rae_
     assert (vae["scaling_factor"], vae["shift_factor"], vae["input_range"], vae["downsample"]) == (1.0, 0.0, "[0,1]", 8)
     model = tiny_rae()  # the same seed: the same weights as the saved folder
     data = store.read(0)
-    crops = {s.key: center_crop(s.decode(), 32) for s in imageshards.iter_shard(imageshards.list_shards(shards)[0])}
+    first = imageshards.list_shards(class_shards)[0]
+    crops = {s.key: center_crop(s.decode(), 32) for s in imageshards.iter_shard(first)}
     with torch.no_grad():
         want = model.encode(_pixels([crops[k] for k in data["key"]])).latent.numpy()
         flipped = model.encode(_pixels([hflip(crops[k]) for k in data["key"]])).latent.numpy()
@@ -81,7 +76,7 @@ def test_encode_stores_what_autoencoder_rae_encode_returns(shards, rae_dir, rae_
     np.testing.assert_allclose(data["latent_flip"].astype(np.float32), flipped, rtol=2e-3, atol=2e-3)
 
 
-def test_int8_latents_are_autoencoder_rae_encode_within_half_a_step(shards, rae_store, rae_int8_store, tmp_path):
+def test_int8_latents_are_autoencoder_rae_encode_within_half_a_step(class_shards, rae_store, rae_int8_store, tmp_path):
     """--dtype int8: each stored token (the C channels at a position) is AutoencoderRAE.encode's
     within half its scale (the rounding; float32 on both sides up to 1e-5), the scale is the token's
     max |x| / 127, and the decoder's output from int8 latents is close to its output from fp16 ones:
@@ -92,7 +87,8 @@ def test_int8_latents_are_autoencoder_rae_encode_within_half_a_step(shards, rae_
     assert store.schema.tensors["latent_scale"].shape == (4, 4)
     model = tiny_rae()
     data = store.read(0)
-    crops = {s.key: center_crop(s.decode(), 32) for s in imageshards.iter_shard(imageshards.list_shards(shards)[0])}
+    first = imageshards.list_shards(class_shards)[0]
+    crops = {s.key: center_crop(s.decode(), 32) for s in imageshards.iter_shard(first)}
     for field, view in (("latent", lambda c: c), ("latent_flip", hflip)):
         with torch.no_grad():
             want = model.encode(_pixels([view(crops[k]) for k in data["key"]])).latent.numpy()
@@ -110,7 +106,7 @@ def test_int8_latents_are_autoencoder_rae_encode_within_half_a_step(shards, rae_
     r = ditdata("inspect", rae_int8_store, "--decode", 2, "--out", tmp_path / "peek")
     assert r.exit_code == 0 and len(list((tmp_path / "peek").glob("*.png"))) == 2, r.output
     # int8 holds one latent per image: mean and std are refused in one line, nothing written
-    r = ditdata("encode", shards, "--vae", f"rae:{rae_int8_store}", "--dtype", "int8", "--posterior", "mean_std",
+    r = ditdata("encode", class_shards, "--vae", f"rae:{rae_int8_store}", "--dtype", "int8", "--posterior", "mean_std",
                 "--out", tmp_path / "ms")
     assert r.exit_code != 0 and "--dtype int8 stores one latent per image" in one_error_line(r.output)
     assert not (tmp_path / "ms").exists()
@@ -141,28 +137,28 @@ def test_a_run_on_rae_latents_trains_and_samples_through_the_rae_decoder(rae_sto
     assert len(tiles) == 2 and all(np.asarray(Image.open(p)).shape == (32, 32, 3) for p in tiles)
 
 
-def test_sizes_an_rae_cannot_take_are_one_line(shards, rae_dir, tmp_path):
-    r = ditdata("encode", shards, "--vae", f"rae:{rae_dir}", "--resolution", 64, "--out", tmp_path / "a",
+def test_sizes_an_rae_cannot_take_are_one_line(class_shards, rae_dir, tmp_path):
+    r = ditdata("encode", class_shards, "--vae", f"rae:{rae_dir}", "--resolution", 64, "--out", tmp_path / "a",
                 "--workers", 0, "--device", "cpu")
     assert r.exit_code != 0 and "takes 32x32 images only" in one_error_line(r.output), r.output
-    r = ditdata("encode", shards, "--vae", f"rae:{rae_dir}", "--buckets", "32:8", "--out", tmp_path / "b",
+    r = ditdata("encode", class_shards, "--vae", f"rae:{rae_dir}", "--buckets", "32:8", "--out", tmp_path / "b",
                 "--workers", 0, "--device", "cpu")
     assert r.exit_code != 0 and "--buckets: autoencoder" in one_error_line(r.output), r.output
     assert "squashed to the same token grid" in one_error_line(r.output)
     assert not (tmp_path / "a" / "manifest.json").exists() and not (tmp_path / "b" / "manifest.json").exists()
 
 
-def test_folders_that_are_not_an_rae_are_one_line(shards, tmp_path):
+def test_folders_that_are_not_an_rae_are_one_line(class_shards, tmp_path):
     kl = save_tiny_kl(tmp_path / "kl")
     for spec, needle in ((f"rae:{kl}", "is not a diffusers AutoencoderRAE folder (a AutoencoderKL config)"),
                          (f"rae:{tmp_path / 'none'}", "is not a directory"),
                          (f"rae:{tmp_path}", "no readable config.json")):
-        r = ditdata("encode", shards, "--vae", spec, "--out", tmp_path / "s")
+        r = ditdata("encode", class_shards, "--vae", spec, "--out", tmp_path / "s")
         assert r.exit_code != 0 and needle in one_error_line(r.output), (spec, r.output)
     assert load_autoencoder(str(save_tiny_rae(tmp_path / "plain"))).kind == "autoencoder_rae"  # a plain folder too
 
 
-def test_presets_and_a_cached_hub_id(shards, tmp_path, monkeypatch):
+def test_presets_and_a_cached_hub_id(class_shards, tmp_path, monkeypatch):
     names = {n: p.repo_id for n, p in PRESETS.items() if p.kind == "autoencoder_rae"}
     assert names == {"rae-dinov2-b": "nyu-visionx/RAE-dinov2-wReg-base-ViTXL-n08",
                      "rae-dinov2-b-512": "nyu-visionx/RAE-dinov2-wReg-base-ViTXL-n08-i512",
@@ -175,7 +171,7 @@ def test_presets_and_a_cached_hub_id(shards, tmp_path, monkeypatch):
                                                                "rae-siglip2-b": 768, "rae-mae-b": 768}
     # offline and not cached: fails at once with the download command, nothing written
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
-    r = subprocess.run([BIN / "ditdata", "encode", shards, "--vae", "rae-dinov2-b", "--out", tmp_path / "s"],
+    r = subprocess.run([BIN / "ditdata", "encode", class_shards, "--vae", "rae-dinov2-b", "--out", tmp_path / "s"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "hf download nyu-visionx/RAE-dinov2-wReg-base-ViTXL-n08" in r.stderr

@@ -16,7 +16,7 @@ from PIL import Image
 from storeutil import SAMPLE_CLASSES, tiny_store
 from tiny import nudged
 
-from ditdata.store import encode_array, open_store
+from ditdata.store import open_store
 from dittrain.config import SampleConfig
 from dittrain.diffusion import DiffusionConfig
 from dittrain.inference.open_run import SampleError, open_run_store
@@ -297,26 +297,10 @@ def test_taef2_store_end_to_end(taef2_dir, tmp_path):
 
 
 def test_text_model_with_prompts(tmp_path, monkeypatch):
-    clip = pytest.importorskip("ditdata.clip")
-    open_clip = pytest.importorskip("open_clip")
-    cfg_path = tmp_path / "tiny-clip-sample.json"
-    cfg_path.write_text(json.dumps({
-        "embed_dim": 32,
-        "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
-        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 24, "heads": 2, "layers": 1},
-    }))
-    name = clip.register_config(cfg_path)
-    torch.manual_seed(0)
-    weights = tmp_path / "tiny-clip.pt"
-    torch.save(open_clip.create_model(name).state_dict(), weights)
-    enc = clip.load_clip(name, str(weights), config=str(cfg_path))
-    empty = enc.embed_text([""], tokens=True)
-    text = {"model": name, "pretrained": str(weights), "config": str(cfg_path), "encoder": name,
-            "pooled_dim": 32, "tokens_shape": [77, 24],
-            "empty": {k: encode_array(v[0].numpy().astype(bool if k == "text_mask" else np.float16))
-                      for k, v in empty.items()}}
-    store = tiny_store(tmp_path / "store", conditioning={"type": "text", "text": text},
-                             text={"pooled": 32, "tokens": (77, 24)})
+    from test_clip import tiny_clip_conditioning  # skips the test without open_clip
+
+    conditioning, weights = tiny_clip_conditioning(tmp_path, name="tiny-clip-sample", text_width=24)
+    store = tiny_store(tmp_path / "store", conditioning=conditioning, text={"pooled": 32, "tokens": (77, 24)})
     run = make_run(tmp_path / "run", store, text_pooled_dim=32, text_token_dim=24)
     r = cli("--ckpt", run, "--out", tmp_path / "t", "--prompt", "a red fox", "--prompt", "a cat",
             "--n-per-class", 2, "--steps", 2, "--cfg", 3.0, "--device", "cpu")

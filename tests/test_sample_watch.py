@@ -10,11 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from cliutil import dittrain, one_error_line, run_args
 from storeutil import SAMPLE_CLASSES, tiny_store
 
-from ditdata.store import encode_array, open_store
+from ditdata.store import open_store
 from dittrain.config import SampleConfig
 from dittrain.inference.sample import write_training_grid
 from dittrain.inference.weights import load_weights
@@ -28,12 +27,20 @@ def read_png(path) -> np.ndarray:
     return np.asarray(Image.open(path).convert("RGB"))
 
 
-def ema_of(run: Path):
+def ema_grids(run: Path, store: Path):
+    """draw(path, **condition): the grid that run's EMA draws at `path` for `condition` (labels= or
+    text=) over `store` with the trainer's grid settings (2 steps, seed 3), read back as an image."""
     weights, config = load_weights(run)
     keys = ("input_size", "in_channels", "num_classes", "learn_sigma", "text_pooled_dim", "text_token_dim")
     model = DiT(get_config(config["train"]["model"]["model"], **{k: config["model"][k] for k in keys}))
     model.load_state_dict(weights)
-    return model.eval(), config
+    model.eval()
+    st, settings = open_store(store), SampleConfig(steps=2, seed=3)
+
+    def draw(path: Path, **condition) -> np.ndarray:
+        return read_png(write_training_grid(model, config, st, path, settings, device="cpu", **condition))
+
+    return draw
 
 
 def trained(store: Path, out: Path, *extra) -> Path:
@@ -53,13 +60,9 @@ def test_sample_classes_are_what_the_grid_shows(tmp_path):
     assert record["train"]["logging"]["sample_classes"] == f"2,{SAMPLE_CLASSES[0]},2"
     shown = read_png(run / "samples" / "step_00000003.png")
     assert shown.shape == (2 * 18 + 2, 2 * 18 + 2, 3)  # 3 samples, 2 per row
-    ema, config = ema_of(run)
-    st = open_store(store)
-    settings = SampleConfig(steps=2, seed=3)
-    again = write_training_grid(ema, config, st, tmp_path / "a.png", settings, device="cpu", labels=[2, 0, 2])
-    assert np.array_equal(read_png(again), shown)  # those classes, the seed's noise
-    other = write_training_grid(ema, config, st, tmp_path / "b.png", settings, device="cpu", labels=[1, 0, 2])
-    assert not np.array_equal(read_png(other), shown)  # the class is what differs
+    draw = ema_grids(run, store)
+    assert np.array_equal(draw(tmp_path / "a.png", labels=[2, 0, 2]), shown)  # those classes, the seed's noise
+    assert not np.array_equal(draw(tmp_path / "b.png", labels=[1, 0, 2]), shown)  # the class is what differs
 
 
 @pytest.mark.parametrize("flags, needles", [
@@ -80,25 +83,10 @@ def test_a_bad_watch_list_is_one_line_and_nothing_is_written(tmp_path, monkeypat
 
 
 def text_store(tmp_path: Path) -> Path:
-    clip = pytest.importorskip("ditdata.clip")
-    open_clip = pytest.importorskip("open_clip")
-    cfg_path = tmp_path / "tiny-clip-watch.json"
-    cfg_path.write_text(json.dumps({
-        "embed_dim": 32,
-        "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
-        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 24, "heads": 2, "layers": 1},
-    }))
-    name = clip.register_config(cfg_path)
-    torch.manual_seed(0)
-    weights = tmp_path / "tiny-clip.pt"
-    torch.save(open_clip.create_model(name).state_dict(), weights)
-    empty = clip.load_clip(name, str(weights), config=str(cfg_path)).embed_text([""], tokens=True)
-    text = {"model": name, "pretrained": str(weights), "config": str(cfg_path), "encoder": name,
-            "pooled_dim": 32, "tokens_shape": [77, 24],
-            "empty": {k: encode_array(v[0].numpy().astype(bool if k == "text_mask" else np.float16))
-                      for k, v in empty.items()}}
-    return tiny_store(tmp_path / "store", conditioning={"type": "text", "text": text},
-                      text={"pooled": 32, "tokens": (77, 24)}, n=4)
+    from test_clip import tiny_clip_conditioning  # skips the test without open_clip
+
+    conditioning, _ = tiny_clip_conditioning(tmp_path, name="tiny-clip-watch", text_width=24)
+    return tiny_store(tmp_path / "store", conditioning=conditioning, text={"pooled": 32, "tokens": (77, 24)}, n=4)
 
 
 def test_sample_prompts_are_embedded_once_and_shown(tmp_path, monkeypatch):
@@ -109,16 +97,13 @@ def test_sample_prompts_are_embedded_once_and_shown(tmp_path, monkeypatch):
     assert json.loads((run / "config.json").read_text())["train"]["logging"]["sample_prompts"] == str(prompts)
     shown = read_png(run / "samples" / "step_00000003.png")
     assert shown.shape == (2 * 18 + 2, 2 * 18 + 2, 3)  # 3 prompts, 2 per row
-    ema, config = ema_of(run)
-    st = open_store(store)
     from dittrain.inference.sample import embed_prompts
 
-    settings = SampleConfig(steps=2, seed=3)
+    draw, st = ema_grids(run, store), open_store(store)
     for lines, same in ((["a red fox", "a cat on a mat", "a lighthouse at dusk"], True),
                         (["a red fox", "a dog on a mat", "a lighthouse at dusk"], False)):
         text = embed_prompts(st, lines, tokens=True)
-        again = write_training_grid(ema, config, st, tmp_path / "g.png", settings, device="cpu", text=text)
-        assert np.array_equal(read_png(again), shown) is same
+        assert np.array_equal(draw(tmp_path / "g.png", text=text), shown) is same
     # a missing or empty file, or prompts on a text run given as classes: one line, before anything is written
     (tmp_path / "empty.txt").write_text("\n# nothing\n")
     for flags, needle in ((("--sample-prompts", tmp_path / "nowhere.txt"), "cannot read it"),

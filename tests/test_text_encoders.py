@@ -25,9 +25,8 @@ import numpy as np
 import pytest
 import torch
 from cliutil import ditdata, dittrain, resume_after_sigkill
-from textenc_util import save_text_encoder
+from textenc_util import encode_with, save_text_encoder
 
-from ditdata.encode import EncodeConfig, encode
 from ditdata.errors import DitdataError
 from ditdata.store import open_store
 from ditdata.store.schema import dequantize, ragged_rows
@@ -48,12 +47,6 @@ def shards(tmp_path_factory):
     from test_score import caption_shards
 
     return caption_shards(tmp_path_factory.mktemp("caps") / "shards")
-
-
-def _encode(shards, out, te, **kw):
-    cfg = dict(shards=str(shards), out=str(out), vae="pixels", resolution=16, text_encoder=str(te), workers=0,
-               progress=False, device="cpu", chunk_samples=2)
-    return encode(EncodeConfig(**(cfg | kw)))
 
 
 def _padded_reference(kind: str, folder: Path, captions: list[str]):
@@ -108,7 +101,7 @@ def test_max_tokens_truncate_and_missing_hub_model_is_one_line(folders, tmp_path
 def test_unpadded_store_round_trip(shards, folders, tmp_path, backend, dtype):
     """encode stores each caption at its own length: values within fp16 rounding (int8: half a
     step of its token's scale) of the encoder's own, verify clean, manifest and inspect."""
-    _encode(shards, tmp_path / "s", folders["t5"], backend=backend, text_dtype=dtype)
+    encode_with(shards, tmp_path / "s", folders["t5"], backend=backend, text_dtype=dtype)
     store = open_store(tmp_path / "s", verify=True)
     assert store.verify() == []
     enc = load_text_encoder(str(folders["t5"]))
@@ -153,7 +146,7 @@ def test_verify_finds_bad_ragged_fields(shards, folders, tmp_path):
     finite values, int8 scales > 0; each fault names the shard."""
     from ditdata.store.reader import _ragged_faults
 
-    _encode(shards, tmp_path / "s", folders["t5"], text_dtype="int8")
+    encode_with(shards, tmp_path / "s", folders["t5"], text_dtype="int8")
     store = open_store(tmp_path / "s")
     shard = store.shards[0]
     good = store.read(shard)
@@ -182,7 +175,7 @@ def _truth(store) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
 def test_loaders_pack_per_batch_and_resume_exactly(shards, folders, tmp_path, dtype):
-    _encode(shards, tmp_path / "s", folders["t5"], text_dtype=dtype, backend="wds" if dtype == "int8" else "zarr")
+    encode_with(shards, tmp_path / "s", folders["t5"], text_dtype=dtype, backend="wds" if dtype == "int8" else "zarr")
     store = open_store(tmp_path / "s")
     truth = _truth(store)
 
@@ -217,7 +210,7 @@ def test_train_resume_and_sample_with_prompt(shards, folders, tmp_path):
     """A tiny DiT cross-attends to the T5 store's unpadded tokens (caption dropout to the
     stored empty prompt), resumes after SIGKILL with the same losses; sample --prompt embeds
     with the store's text encoder."""
-    _encode(shards, tmp_path / "s", folders["t5"])
+    encode_with(shards, tmp_path / "s", folders["t5"])
     store = tmp_path / "s"
     resume_after_sigkill(store, tmp_path, ["--max-steps", 30, "--save-every", 14, "--caption-dropout", 0.5,
                                            "--batch-size", 4], steps=30, half=14)
@@ -265,7 +258,7 @@ def test_encode_a_caption_set(shards, folders, tmp_path):
                              {"format": cs.FORMAT, "version": cs.VERSION, "set": "recap", "shard": tar.name,
                               "shard_bytes": tar.stat().st_size, "num_samples": len(keys)})
     with pytest.raises(DitdataError, match="no complete caption set 'recap'"):
-        _encode(d, tmp_path / "bad", folders["t5"], captions="recap")
+        encode_with(d, tmp_path / "bad", folders["t5"], captions="recap")
     for tar in tars[1:]:
         keys = [s.key for s in imageshards.iter_shard(tar)]
         rows = {"key": keys, "caption": ["a red mat"] * len(keys), "status": ["ok"] * len(keys),
@@ -273,7 +266,7 @@ def test_encode_a_caption_set(shards, folders, tmp_path):
         cs.write_caption_set(cs.caption_set_path(tar, "recap"), rows,
                              {"format": cs.FORMAT, "version": cs.VERSION, "set": "recap", "shard": tar.name,
                               "shard_bytes": tar.stat().st_size, "num_samples": len(keys)})
-    _encode(d, tmp_path / "s", folders["t5"], captions="recap")
+    encode_with(d, tmp_path / "s", folders["t5"], captions="recap")
     store = open_store(tmp_path / "s")
     assert store.manifest["conditioning"]["text"]["caption_set"] == "recap"
     enc = load_text_encoder(str(folders["t5"]))

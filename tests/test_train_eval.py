@@ -102,12 +102,23 @@ def test_eval_settings_are_checked_before_the_first_step(tmp_path, inception_fil
     assert not (out / "metrics.jsonl").exists()
 
 
-SHARDED = """
-import sys, numpy as np, torch.distributed as dist
+# the rank scripts' imports, and their evaluator of `run` (7 samples in chunks of 2) once run, ref and
+# inception are set
+EVAL_IMPORTS = """
+import sys, numpy as np, torch, torch.distributed as dist
 from dittrain.config import EvalSection
 from dittrain.train import fid as ev
 from dittrain.inference.weights import load_weights
 from dittrain.inference.open_run import load_model, open_run_store
+"""
+EVALUATOR = """
+weights, config = load_weights(run)
+store, _ = open_run_store(config)
+settings = EvalSection(eval_ref=ref, eval_n=7, eval_inception=inception, eval_steps=2, eval_batch_size=2)
+evaluator = ev.TrainingEval(settings, resolution=8, seed=3)
+"""
+
+SHARDED = EVAL_IMPORTS + """
 run, ref, inception, dump = sys.argv[1:5]
 rank, world = 0, 1
 if len(sys.argv) > 5:
@@ -117,10 +128,7 @@ def keep(feats, ref_stats, **kw):  # the features that reach the metrics, instea
     np.savez(dump, **feats)
     return {"fid": 0.0, "sfid": 0.0, "inception_score": 0.0}
 ev.compute_metrics = keep
-weights, config = load_weights(run)
-store, _ = open_run_store(config)
-settings = EvalSection(eval_ref=ref, eval_n=7, eval_inception=inception, eval_steps=2, eval_batch_size=2)
-evaluator = ev.TrainingEval(settings, resolution=8, seed=3)
+""" + EVALUATOR + """
 out = evaluator(load_model(weights, config), config, store, rank=rank, world=world)
 assert (out is None) == (rank != 0), out
 if world > 1:  # leave as the trainer does (ditdata.common.dist.leave): a live gloo group at exit can abort
@@ -156,19 +164,11 @@ def test_ranks_share_an_evaluation_and_rank0_gets_what_one_process_computes(tmp_
         np.testing.assert_array_equal(a[k], b[k])
 
 
-FAILING_RANK = """
-import sys, torch, torch.distributed as dist
-from dittrain.config import EvalSection
-from dittrain.train import fid as ev
-from dittrain.inference.weights import load_weights
-from dittrain.inference.open_run import load_model, open_run_store
+FAILING_RANK = EVAL_IMPORTS + """
 run, ref, inception, failing = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-weights, config = load_weights(run)
-store, _ = open_run_store(config)
-settings = EvalSection(eval_ref=ref, eval_n=7, eval_inception=inception, eval_steps=2, eval_batch_size=2)
-evaluator = ev.TrainingEval(settings, resolution=8, seed=3)
+""" + EVALUATOR + """
 if rank == failing:  # a rank-local failure (an OOM on one card, say)
     def boom(*a, **k):
         raise MemoryError(f"out of memory on rank {rank}")

@@ -1,5 +1,6 @@
 """Tiny random transformers text encoders (T5, Gemma-2) with offline tokenizers, saved with
-save_pretrained into a folder: what `--text-encoder DIR` loads through the real path."""
+save_pretrained into a folder: what `--text-encoder DIR` loads through the real path; and a store
+encoded with one (encode_with)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,14 @@ def save_text_encoder(folder, kind: str = "t5", width: int = 32, seed: int = 0) 
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+def encode_with(shards, out, text_encoder, **config):
+    """`ditdata encode` (ditdata.encode, in-process) of image `shards` into a 16 px pixels store `out`
+    whose captions `text_encoder` (a folder) embeds: one process, on the CPU, chunks of 2 samples;
+    `config`: EncodeConfig's other fields (they override these)."""
+    from ditdata.encode import EncodeConfig, encode
+
+    cfg = dict(shards=str(shards), out=str(out), vae="pixels", resolution=16, text_encoder=str(text_encoder),
+               workers=0, progress=False, device="cpu", chunk_samples=2)
+    return encode(EncodeConfig(**(cfg | config)))
