@@ -70,12 +70,13 @@ window is read again (a shuffle needs all of it) and its consumed part is skippe
 `loader.wait_seconds` is the cumulative time the consumer spent inside `next(loader)`.
 
 THE MODULES. base.py: the loader interface (what a batch is made of, the seeded streams, the
-errors, _Loader). resident.py: ResidentLoader. streaming.py: StreamingLoader, its plan, windows,
-workers and shared-memory slots. budget.py: the memory available (RAM, a container's limit, a
-GPU), choose_loader, and the streaming loader's memory budget. bucketed.py: BucketedLoader.
-latent_norm.py: --latent-norm, what the model sees of the latents and its inverse (the
-training step and the samplers both use it). mixture.py: MixtureLoader, several stores mixed
-(`--latents A --latents B:0.3`), each read by its own loader, and build_mixture. build_loader is here.
+errors, _Stream and _Loader). resident.py: ResidentLoader. streaming.py: StreamingLoader, its
+plan, windows, workers and shared-memory slots. budget.py: the memory available (RAM, a
+container's limit, a GPU), choose_loader, and the streaming loader's memory budget.
+bucketed.py: BucketedLoader. latent_norm.py: --latent-norm, what the model sees of the latents
+and its inverse (the training step and the samplers both use it). mixture.py: MixtureLoader,
+several stores mixed (`--latents A --latents B:0.3`), each read by its own loader, and
+build_mixture. build_loader is here.
 """
 
 from __future__ import annotations

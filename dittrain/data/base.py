@@ -1,5 +1,6 @@
 """The loader interface both loaders share: what a batch is made of, the seeded streams, the
-errors, and _Loader (iteration, timing, finishing a batch on the device, state).
+errors, _Stream (iteration, timing, resume, closing: a MixtureLoader's too) and _Loader
+(finishing a batch on the device, state).
 
 A batch is read from the store's fields as a _Spec says: the latents as one block
 (n, V, P, C, h, w) of V variants (the flipped twin) and P parts (a frozen sample, or mean and
@@ -384,7 +385,45 @@ class LoaderStateError(UserError, ValueError):
 # ---------------------------------------------------------------------------------------
 # The common part: iteration, timing, finishing a batch on the device, state
 # ---------------------------------------------------------------------------------------
-class _Loader:
+class _Stream:
+    """What every loader is as a stream of batches, a MixtureLoader too: an iterator whose time inside
+    next() adds up in wait_seconds, a resume by the batch count alone, a context manager that closes it.
+    A subclass sets batches and wait_seconds, and has _take (the next batch, counted), _identity (what
+    an exact resume needs the same), _reset and close."""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        t0 = time.perf_counter()
+        try:
+            return self._take()
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
+
+    def _take(self) -> dict:
+        raise NotImplementedError
+
+    def _resume(self, state: dict, strict: bool, this: str, same: str) -> None:
+        """Continue after state["batches"] batches; strict: refuse a state whose identity differs, the
+        message naming `this` loader and the `same` things an exact resume needs."""
+        diff = {k: (state.get(k), v) for k, v in self._identity().items() if state.get(k) != v}
+        if diff and strict:
+            raise LoaderStateError(
+                f"loader state does not match {this} (saved, now): "
+                + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in diff.items())
+                + f"; exact resume needs the same {same} (strict=False continues approximately)")
+        self._reset()
+        self.batches = int(state["batches"])
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _Loader(_Stream):
     kind = ""
 
     def __init__(self, store: Store, *, batch_size: int, seed: int, rank: int, world_size: int,
@@ -426,20 +465,13 @@ class _Loader:
         self._gen = torch.Generator(device=self.device) if self.spec.P == 2 else None
 
     # -- iteration -------------------------------------------------------------------
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        t0 = time.perf_counter()
-        try:
-            batch = self._staged if self._staged is not None else self._make(self.batches)
-            self._staged = None
-            self.batches += 1
-            if self._lookahead:  # start the next batch's copy now, so it is there at the next step
-                self._staged = self._make(self.batches)
-            return batch
-        finally:
-            self.wait_seconds += time.perf_counter() - t0
+    def _take(self) -> dict:
+        batch = self._staged if self._staged is not None else self._make(self.batches)
+        self._staged = None
+        self.batches += 1
+        if self._lookahead:  # start the next batch's copy now, so it is there at the next step
+            self._staged = self._make(self.batches)
+        return batch
 
     def _make(self, k: int) -> dict:
         raise NotImplementedError
@@ -506,19 +538,11 @@ class _Loader:
         strict: refuse a state made with another seed, batch size, world size, store size or
         window (the continuation would not be exact); strict=False takes the batch count only.
         """
-        mine = self._identity()
         if state.get("kind") != self.kind:
             raise LoaderStateError(
                 f"loader state is for a {state.get('kind')!r} loader, this one is {self.kind!r}; "
                 f"build the loader with kind={state.get('kind')!r} to resume exactly")
-        diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
-        if diff and strict:
-            raise LoaderStateError(
-                "loader state does not match this loader (saved, now): "
-                + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in diff.items())
-                + "; exact resume needs the same settings (strict=False continues approximately)")
-        self._reset()
-        self.batches = int(state["batches"])
+        self._resume(state, strict, "this loader", "settings")
 
     def _reset(self) -> None:
         self._staged = None
@@ -526,12 +550,6 @@ class _Loader:
     # -- lifetime --------------------------------------------------------------------
     def close(self) -> None:
         self._reset()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __repr__(self):
         return (f"{type(self).__name__}(batch_size={self.batch_size}, rank={self.rank}/{self.world_size}, "

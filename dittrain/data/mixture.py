@@ -35,15 +35,13 @@ and "store" which store (its --latents position).
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
 from ditdata.store import Store
 from dittrain.config import LoaderConfig
 
-from .base import LoaderError, LoaderStateError, _epoch_cached, _open, _rng
+from .base import LoaderError, LoaderStateError, _epoch_cached, _open, _rng, _Stream
 from .budget import choose_mixture
 from .latent_norm import latent_record
 from .resident import ResidentLoader
@@ -63,7 +61,7 @@ def per_epoch(sizes: list[int], repeats: list[float], batch: int, ranks: int = 1
     return [max(1, round(r * n / (ranks * batch))) for n, r in zip(sizes, repeats, strict=True)]
 
 
-class MixtureLoader:
+class MixtureLoader(_Stream):
     """One stream of batches from several stores' loaders (the module's docstring). parts: the stores'
     loaders, made with the stream's rank, world size and batch size (build_mixture makes them)."""
 
@@ -130,17 +128,10 @@ class MixtureLoader:
                 "each batch from one store: " + ", ".join(rows))
 
     # -- iteration -------------------------------------------------------------------
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        t0 = time.perf_counter()
-        try:
-            batch = self._make(self.batches)
-            self.batches += 1
-            return batch
-        finally:
-            self.wait_seconds += time.perf_counter() - t0
+    def _take(self) -> dict:
+        batch = self._make(self.batches)
+        self.batches += 1
+        return batch
 
     def _make(self, k: int) -> dict:
         i, j = self._position(k)
@@ -176,14 +167,7 @@ class MixtureLoader:
         if state.get("kind") != self.kind:
             raise LoaderStateError(f"loader state is for a {state.get('kind')!r} loader, this one is a mixture of "
                                    f"{len(self.parts)} stores; resume with the stores it was saved with")
-        diff = {k: (state.get(k), v) for k, v in self._identity().items() if state.get(k) != v}
-        if diff and strict:
-            raise LoaderStateError(
-                "loader state does not match this mixture (saved, now): "
-                + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in diff.items())
-                + "; exact resume needs the same stores, repeats and settings (strict=False continues approximately)")
-        self._reset()
-        self.batches = int(state["batches"])
+        self._resume(state, strict, "this mixture", "stores, repeats and settings")
 
     def _reset(self) -> None:
         pass  # the stores' loaders keep their own positions; _make moves one that is elsewhere
@@ -198,12 +182,6 @@ class MixtureLoader:
     def close(self) -> None:
         for p in self.parts:
             p.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __repr__(self):
         return (f"MixtureLoader({len(self.parts)} stores, batch_size={self.batch_size}, "

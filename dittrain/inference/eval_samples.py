@@ -56,15 +56,8 @@ from ditdata.common import files as files_api
 from ditdata.common.dist import LaunchEnv, launch_env, process_group
 from ditdata.common.files import json_digest, read_json, state_dict_sha256
 from dittrain.config import CFG_EVERYWHERE, EvalSampleConfig, NpzConfig, SampleConfig
-from dittrain.inference.open_run import (
-    SampleError,
-    check_new_output,
-    class_names,
-    diffusion_config,
-    load_autoencoder,
-    sampling_device,
-    sampling_memory_hint,
-)
+from dittrain.inference import open_run
+from dittrain.inference.open_run import SampleError
 from dittrain.inference.sample import (
     NonFiniteSamples,
     SamplePlan,
@@ -168,7 +161,7 @@ def check_npz_path(path, *, overwrite: bool = False) -> Path:
         raise SampleError(f"--npz {path}: the evaluator's sample file is a .npz; give NAME.npz")
     if path.is_dir():
         raise SampleError(f"--npz {path} is a folder; give NAME.npz")
-    check_new_output(path, "--npz", SampleError, overwrite=overwrite, hint=", or give another --npz")
+    open_run.check_new_output(path, "--npz", SampleError, overwrite=overwrite, hint=", or give another --npz")
     return path
 
 
@@ -179,7 +172,7 @@ def plan_npz(config: dict, store, path, settings: NpzConfig = _N, *, classes=(),
     protocol's steps unless settings.steps); SampleError on the first problem."""
     if settings.chunk_size < 1:
         raise SampleError(f"--chunk-size must be at least 1, got {settings.chunk_size}")
-    sampling = eval_settings(diffusion_config(config).objective, steps=settings.steps, cfg_scale=settings.cfg_scale,
+    sampling = eval_settings(open_run.diffusion_config(config).objective, steps=settings.steps, cfg_scale=settings.cfg_scale,
                              cfg_channels=settings.cfg_channels, cfg_interval=settings.cfg_interval,
                              time_shift=settings.time_shift, sampler=settings.sampler, seed=settings.seed,
                              batch_size=settings.batch_size, precision=settings.precision)
@@ -207,7 +200,7 @@ def job_record(job: NpzJob, *, weights: dict, config: dict, store, classes=(), c
     spec = None  # what decides the labels: the mode, or the chosen indices
     if p.kind == "class":
         mode = class_mode(classes)
-        chosen = [] if mode else parse_classes(classes, p.model.num_classes, class_names(store))
+        chosen = [] if mode else parse_classes(classes, p.model.num_classes, open_run.class_names(store))
         spec = mode or (chosen if chosen else "random")
     return {
         "version": JOB_VERSION,
@@ -389,7 +382,7 @@ def sample_to_npz(
     if preview is not None:
         check_output(preview)
     env = launch_env()
-    dev = sampling_device(device)  # a bare `cuda` under torchrun is cuda:LOCAL_RANK
+    dev = open_run.sampling_device(device)  # a bare `cuda` under torchrun is cuda:LOCAL_RANK
     if env.distributed and dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", env.local_rank)
     if dev.type == "cuda":
@@ -457,11 +450,11 @@ def _draw(job: NpzJob, env: LaunchEnv, engine, store, text_pretrained, progress)
     try:
         if not mine:
             return result
-        with sampling_memory_hint(job.plan):
+        with open_run.sampling_memory_hint(job.plan):
             # the chunks `mine`, drawn and written one by one (the bar counts every rank's)
             plan, config = job.plan, engine.config
             model = engine.network(plan.device)
-            autoencoder = load_autoencoder(store, plan.device, engine.vae)
+            autoencoder = open_run.load_autoencoder(store, plan.device, engine.vae)
             text = None
             if plan.kind == "text":  # the prompts embedded once, gathered per chunk
                 text = embed_prompts(store, list(job.prompts), tokens=bool(plan.model.text_token_dim),

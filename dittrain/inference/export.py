@@ -91,18 +91,9 @@ from ditdata.common.bytesize import format_size
 from ditdata.common.extras import install_hint
 from ditdata.common.files import atomic_file, atomic_path
 from dittrain.config import OnnxConfig, recorded
+from dittrain.inference import open_run
 from dittrain.inference.onnx import export_onnx, random_inputs
-from dittrain.inference.open_run import (
-    ExportError,
-    check_new_output,
-    class_names,
-    diffusion_config,
-    load_autoencoder,
-    load_model,
-    model_config,
-    open_run_store,
-    run_store,
-)
+from dittrain.inference.open_run import ExportError
 from dittrain.inference.weights import full_weights, infer_run_config, read_weights
 from dittrain.model.dit import DiT
 from dittrain.model.sizes import BLOCK_FIELDS, DiTConfig
@@ -139,7 +130,7 @@ def check_request(fmt: str, out, overwrite: bool = False) -> Path:
         raise ExportError(f"--out {out}: a {fmt} export is one {suffix} file; name it NAME{suffix}")
     if suffix is None and out.is_file():
         raise ExportError(f"--out {out} is a file; a diffusers export is a folder")
-    check_new_output(out, "--out", ExportError, overwrite=overwrite)
+    open_run.check_new_output(out, "--out", ExportError, overwrite=overwrite)
     missing = [m for m in NEEDS[fmt] if not _importable(m)]
     if missing:
         raise ExportError(f"--format {fmt} needs {', '.join(missing)}, which is not installed: "
@@ -185,11 +176,11 @@ def export(ckpt, fmt: str, out, *, overwrite: bool = False, latents=None, vae: s
     if fmt == "diffusers":
         refusal = diffusers_refusal(config)  # before the store: a text run's store need not be here
         if not refusal:
-            store = run_store(config, latents, vae, source.file)[0]
+            store = open_run.run_store(config, latents, vae, source.file)[0]
             refusal = diffusers_refusal(config, store)
         if refusal:
             raise ExportError(f"cannot export {source.file} to diffusers: {refusal}")
-    dit = load_model(source.state, config, "cpu")
+    dit = open_run.load_model(source.state, config, "cpu")
     name = recorded(config, "model", "DiT")
     params = sum(p.numel() for k, p in dit.named_parameters() if k != "pos_embed")
     log(f"exporting {source.file} ({name}, {params / 1e6:.2f} M parameters) as {fmt}")
@@ -203,7 +194,7 @@ def export(ckpt, fmt: str, out, *, overwrite: bool = False, latents=None, vae: s
         tokens = None  # the store's text length, for the trtexec shapes (None when it cannot be read)
         if dit.config.text_token_dim:
             try:
-                spec = open_run_store(config, latents)[0].schema.tensors.get("text_tokens")
+                spec = open_run.open_run_store(config, latents)[0].schema.tensors.get("text_tokens")
                 tokens = int(spec.shape[0]) if spec is not None else None
             except Exception:
                 tokens = None
@@ -247,7 +238,7 @@ def export_lora(ckpt, out, *, overwrite: bool = False, log=print) -> dict:
     out = Path(out)
     if out.is_file():
         raise ExportError(f"--out {out} is a file; --merge-lora writes a folder")
-    check_new_output(out, "--out", ExportError, overwrite=overwrite)
+    open_run.check_new_output(out, "--out", ExportError, overwrite=overwrite)
     file = weights_file(ckpt)
     try:
         state, config = load_weights(file)
@@ -295,7 +286,7 @@ def _reload_diff(path: Path, inputs: dict, ref: torch.Tensor) -> float:
     """max |forward of the file, loaded as `dittrain sample --ckpt FILE` loads it - ref|."""
     w = read_weights(path)
     with torch.no_grad():
-        return float((load_model(w.state, w.config, "cpu")(**inputs) - ref).abs().max())
+        return float((open_run.load_model(w.state, w.config, "cpu")(**inputs) - ref).abs().max())
 
 
 def export_fp16(dit: DiT, config: dict, out, record: dict, *, log=print) -> Path:
@@ -348,7 +339,7 @@ def export_int8(dit: DiT, config: dict, out, record: dict, *, log=print) -> Path
 def diffusers_refusal(config: dict, store=None) -> str | None:
     """Why a run cannot be a DiTPipeline (a PixArt run: a PixArtAlphaPipeline) (None: it can); with `store`, its
     autoencoder too."""
-    cfg, d = model_config(config), diffusion_config(config)
+    cfg, d = open_run.model_config(config), open_run.diffusion_config(config)
     if cfg.adaln == "single":
         return pixart_refusal(config, store)
     if cfg.head_depth:
@@ -363,12 +354,8 @@ def diffusers_refusal(config: dict, store=None) -> str | None:
                 "(DiTTransformer2DModel: GELU MLP, LayerNorm, sin-cos positions); export it as onnx, fp16 or int8")
     if not cfg.num_classes:
         return "it is unconditional and DiTPipeline is class-conditional; export it as onnx, fp16 or int8"
-    if d.objective != "ddpm":
-        return (f"its objective is {d.objective} (velocity) and DiTPipeline samples DDPM eps-prediction models "
-                "(a DDIM scheduler); export it as onnx, fp16 or int8")
-    if (config.get("latents") or {}).get("norm", "none") != "none":
-        return ("it was trained on per-channel standardised latents (--latent-norm channel) and DiTPipeline "
-                "decodes latents / scaling_factor only; export it as onnx, fp16 or int8")
+    if (why := _sampling_refusal(config, d, "DiTPipeline", "DDIM")) is not None:
+        return why
     if cfg.num_classes > DIFFUSERS_NULL:
         return (f"it has {cfg.num_classes} classes and DiTPipeline's guidance uses class {DIFFUSERS_NULL} as the null "
                 "class, a real class here")
@@ -377,6 +364,18 @@ def diffusers_refusal(config: dict, store=None) -> str | None:
     if cfg.mlp_ratio != 4 or cfg.frequency_embedding_size != 256:
         return "DiTTransformer2DModel has MLP ratio 4 and 256 timestep features, this model does not"
     return _kl_refusal(store, "DiTPipeline")
+
+
+def _sampling_refusal(config: dict, d, pipeline: str, scheduler: str) -> str | None:
+    """Why the pipeline cannot sample this run (None: it can): its `scheduler` is DDPM eps-prediction's, and it
+    decodes the raw latents. d: the run's resolved diffusion config."""
+    if d.objective != "ddpm":
+        return (f"its objective is {d.objective} (velocity) and {pipeline} samples DDPM eps-prediction models "
+                f"(a {scheduler} scheduler); export it as onnx, fp16 or int8")
+    if (config.get("latents") or {}).get("norm", "none") != "none":
+        return (f"it was trained on per-channel standardised latents (--latent-norm channel) and {pipeline} "
+                "decodes latents / scaling_factor only; export it as onnx, fp16 or int8")
+    return None
 
 
 def _kl_refusal(store, pipeline: str) -> str | None:
@@ -396,7 +395,7 @@ def _kl_refusal(store, pipeline: str) -> str | None:
 
 def pixart_refusal(config: dict, store=None) -> str | None:
     """Why a PixArt run (adaln=single) cannot be a PixArtAlphaPipeline folder (None: it can)."""
-    cfg, d = model_config(config), diffusion_config(config)
+    cfg, d = open_run.model_config(config), open_run.diffusion_config(config)
     if not cfg.text_token_dim or cfg.num_classes:
         return ("it is a PixArt model without text tokens (or with class labels) and PixArtTransformer2DModel "
                 "cross-attends to caption tokens alone; export it as onnx, fp16 or int8")
@@ -407,12 +406,8 @@ def pixart_refusal(config: dict, store=None) -> str | None:
     if not cfg.pos_interpolation:
         return ("its sin-cos positions are DiT's (pos_interpolation 0) and PixArtTransformer2DModel's are PixArt's "
                 "(an interpolation scale); export it as onnx, fp16 or int8")
-    if d.objective != "ddpm":
-        return (f"its objective is {d.objective} (velocity) and PixArtAlphaPipeline samples DDPM eps-prediction "
-                "models (a DPM-Solver scheduler); export it as onnx, fp16 or int8")
-    if (config.get("latents") or {}).get("norm", "none") != "none":
-        return ("it was trained on per-channel standardised latents (--latent-norm channel) and PixArtAlphaPipeline "
-                "decodes latents / scaling_factor only; export it as onnx, fp16 or int8")
+    if (why := _sampling_refusal(config, d, "PixArtAlphaPipeline", "DPM-Solver")) is not None:
+        return why
     if store is not None and cfg.micro_conditions:
         down = int(store.manifest["vae"].get("downsample") or 0)
         if down != cfg.micro_conditions:
@@ -500,28 +495,20 @@ def export_diffusers(dit: DiT, config: dict, store, out, record: dict, *, vae: s
         raise ExportError(f"cannot export to diffusers: {refusal}")
     if dit.config.adaln == "single":
         return export_pixart(dit, config, store, out, record, vae=vae, log=log)
-    ae = load_autoencoder(store, "cpu", vae)
-    if ae.kind != "autoencoder_kl":
-        raise ExportError(f"cannot export to diffusers: --vae {vae} is a {ae.kind} autoencoder, not a diffusers "
-                          "AutoencoderKL")
-    ae.module.register_to_config(scaling_factor=float(store.manifest["vae"]["scaling_factor"]))
-    K, names = dit.config.num_classes, class_names(store)
+    ae = _pipeline_vae(store, vae)
+    K, names = dit.config.num_classes, open_run.class_names(store)
     with _quiet_diffusers():
         pipe = _pipeline(dit, config, ae, names)
         inputs = random_inputs(dit.config, 3, torch.Generator().manual_seed(3))
         out = Path(out)
         with atomic_path(out) as tmp:
-            pipe.save_pretrained(str(tmp), safe_serialization=True)
-            (tmp / DIFFUSERS_RECORD).write_text(json.dumps(
-                {"export": record, "config": config, "num_classes": K, "class_names": names,
-                 "notes": _diffusers_notes(dit.config)}, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+            _save_pipeline(pipe, tmp, {"export": record, "config": config, "num_classes": K, "class_names": names,
+                                       "notes": _diffusers_notes(dit.config)})
             loaded = DiTPipeline.from_pretrained(str(tmp), local_files_only=True)
             as_loaded = _versus(loaded.transformer, dit, inputs)
             match_dit_timesteps(loaded)
             matched = _versus(loaded.transformer, dit, inputs)
-            if not matched <= 1e-4:
-                raise ExportError(f"diffusers check failed: the reloaded transformer differs from the DiT by "
-                                  f"{matched:.1e}; nothing written")
+            _check_reloaded(matched)
     log(f"check: DiTPipeline.from_pretrained(local_files_only=True) loads it; its transformer vs the DiT on random "
         f"inputs: max abs diff {matched:.1e} after match_dit_timesteps(pipe), {as_loaded:.1e} as loaded "
         "(downscale_freq_shift=1: diffusers keeps no config key for it)")
@@ -529,6 +516,30 @@ def export_diffusers(dit: DiT, config: dict, store, out, record: dict, *, vae: s
         log(f"note: DiTPipeline's null class is {DIFFUSERS_NULL}: the class table has {DIFFUSERS_NULL + 1} rows, this "
             f"run's {K} classes then the null embedding, so guidance_scale > 1 works")
     return out
+
+
+def _pipeline_vae(store, vae: str | None):
+    """The store's autoencoder (or --vae's) as the pipeline's vae: a diffusers AutoencoderKL whose config's
+    scaling_factor is the store's, what the pipeline divides the latents by before decoding."""
+    ae = open_run.load_autoencoder(store, "cpu", vae)
+    if ae.kind != "autoencoder_kl":
+        raise ExportError(f"cannot export to diffusers: --vae {vae} is a {ae.kind} autoencoder, not a diffusers "
+                          "AutoencoderKL")
+    ae.module.register_to_config(scaling_factor=float(store.manifest["vae"]["scaling_factor"]))
+    return ae
+
+
+def _save_pipeline(pipe, tmp: Path, record: dict) -> None:
+    """The pipeline saved (safetensors) into the folder `tmp`, with dittrain's `record` beside it."""
+    pipe.save_pretrained(str(tmp), safe_serialization=True)
+    (tmp / DIFFUSERS_RECORD).write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _check_reloaded(diff: float) -> None:
+    """ExportError unless the reloaded transformer matches the DiT (max abs diff `diff`), so nothing is published."""
+    if not diff <= 1e-4:
+        raise ExportError(f"diffusers check failed: the reloaded transformer differs from the DiT by "
+                          f"{diff:.1e}; nothing written")
 
 
 def pixart_transformer(dit: DiT):
@@ -600,12 +611,8 @@ def export_pixart(dit: DiT, config: dict, store, out, record: dict, *, vae: str 
 
     from dittrain.inference.onnx import random_inputs
 
-    ae = load_autoencoder(store, "cpu", vae)
-    if ae.kind != "autoencoder_kl":
-        raise ExportError(f"cannot export to diffusers: --vae {vae} is a {ae.kind} autoencoder, not a diffusers "
-                          "AutoencoderKL")
-    ae.module.register_to_config(scaling_factor=float(store.manifest["vae"]["scaling_factor"]))
-    d = diffusion_config(config)
+    ae = _pipeline_vae(store, vae)
+    d = open_run.diffusion_config(config)
     t5, encoder = _t5_folder(store)
     text_encoder = tokenizer = None
     with _quiet_diffusers():
@@ -629,16 +636,12 @@ def export_pixart(dit: DiT, config: dict, store, out, record: dict, *, vae: str 
         inputs["text_mask"][:, 0] = True
         out = Path(out)
         with atomic_path(out) as tmp:
-            pipe.save_pretrained(str(tmp), safe_serialization=True)
-            (tmp / DIFFUSERS_RECORD).write_text(json.dumps(
-                {"export": record, "config": config, "text_encoder": None if t5 is None else str(t5),
-                 "notes": _pixart_notes(dit.config, t5 is not None)}, indent=1, ensure_ascii=False) + "\n",
-                encoding="utf-8")
+            _save_pipeline(pipe, tmp, {"export": record, "config": config,
+                                       "text_encoder": None if t5 is None else str(t5),
+                                       "notes": _pixart_notes(dit.config, t5 is not None)})
             loaded = PixArtTransformer2DModel.from_pretrained(str(tmp / "transformer"), local_files_only=True)
             diff = pixart_versus(loaded, dit, inputs)
-            if not diff <= 1e-4:
-                raise ExportError(f"diffusers check failed: the reloaded transformer differs from the DiT by "
-                                  f"{diff:.1e}; nothing written")
+            _check_reloaded(diff)
     log(f"check: PixArtTransformer2DModel.from_pretrained(local_files_only=True) loads its transformer/; vs the DiT "
         f"on random inputs: max abs diff {diff:.1e}")
     if t5 is None:
@@ -670,7 +673,7 @@ def _pipeline(dit: DiT, config: dict, ae, names: list[str] | None):
     a DDIM scheduler of the run's schedule; id2label from the store's class names."""
     from diffusers import DDIMScheduler, DiTPipeline, DiTTransformer2DModel
 
-    cfg, d = dit.config, diffusion_config(config)
+    cfg, d = dit.config, open_run.diffusion_config(config)
     transformer = DiTTransformer2DModel(
         num_attention_heads=cfg.num_heads, attention_head_dim=cfg.hidden_size // cfg.num_heads,
         in_channels=cfg.in_channels, out_channels=cfg.out_channels, num_layers=cfg.depth,

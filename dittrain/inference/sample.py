@@ -62,20 +62,8 @@ from dittrain.config import (
 )
 from dittrain.data.latent_norm import LatentNorm
 from dittrain.diffusion import SAMPLER_TABLE, SAMPLERS, Diffusion, DiffusionConfig
-from dittrain.inference import route_guidance
-from dittrain.inference.open_run import (
-    SampleError,
-    class_names,
-    conditioning_kind,
-    diffusion_config,
-    load_autoencoder,
-    load_model,
-    load_text_encoder,
-    model_config,
-    sampling_amp,
-    sampling_device,
-    sampling_memory_hint,
-)
+from dittrain.inference import open_run, route_guidance
+from dittrain.inference.open_run import SampleError
 from dittrain.model.dit import DiT
 from dittrain.model.routing import Route
 from dittrain.model.sizes import DiTConfig
@@ -204,7 +192,7 @@ def embed_prompts(store, prompts: list[str], *, tokens: bool, device="cpu", text
     """Prompts -> {"text_pooled" (N, Dp)[, "text_tokens" (N, L, Dt), "text_mask" (N, L)]} with
     the store's text encoder, rounded to the store's storage dtype (what training saw)."""
     if text_encoder is None:
-        text_encoder = load_text_encoder(store, device, pretrained)
+        text_encoder = open_run.load_text_encoder(store, device, pretrained)
     emb = text_encoder.embed_text(list(prompts), tokens=tokens)
     out = {}
     for k, v in emb.items():
@@ -435,9 +423,9 @@ def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiT
     text: a text model's embeddings {field: (N, ...)}, one sample each, instead of prompts.
     per_class_dir: the singles in a folder per class or prompt in the flat layout too.
     nrow: images per grid row (default: K in rows, else ceil(sqrt(samples))); size: a bucketed run's "WxH"."""
-    cfg = model or model_config(config)
+    cfg = model or open_run.model_config(config)
     bucket, grid = choose_size(config, cfg, size)
-    diffusion, kind = diffusion_config(config), conditioning_kind(cfg)
+    diffusion, kind = open_run.diffusion_config(config), open_run.conditioning_kind(cfg)
     _check_choices(kind, settings, classes=classes, prompts=prompts, text=text, n=n, n_per_class=n_per_class,
                    nrow=nrow)
     settings = replace(check_guidance_times(diffusion, settings),
@@ -455,12 +443,12 @@ def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiT
         if tuple(settings.cfg_interval) != tuple(CFG_EVERYWHERE):  # its passes replace CFG's, at every step
             raise SampleError("--cfg-interval applies to classifier-free guidance; --route-guidance guides at "
                               "every step: give one of them")
-    dev = sampling_device(device)
+    dev = open_run.sampling_device(device)
     count = settings.n if n is None else n
     picks = labels = texts = None
     records: list[dict] = []
     if kind == "class":
-        names = class_names(store)
+        names = open_run.class_names(store)
         mode = class_mode(classes)
         chosen = [] if mode else parse_classes(classes, cfg.num_classes, names)
         # the class of each sample: the chosen ones laid out by _spread (all classes for rows when
@@ -485,7 +473,7 @@ def plan_samples(config: dict, store, settings: SampleConfig = _S, *, model: DiT
     if total < 1:
         raise SampleError("nothing to sample: n must be at least 1")
     return SamplePlan(
-        model=cfg, diffusion=diffusion, settings=settings, device=dev, amp=sampling_amp(dev, settings.precision),
+        model=cfg, diffusion=diffusion, settings=settings, device=dev, amp=open_run.sampling_amp(dev, settings.precision),
         name=recorded(config, "model", "DiT"), kind=kind, total=total,
         labels=_tuple(labels), prompts=_tuple(texts), text=text,
         groups=_tuple(picks) if n_per_class is not None or per_class_dir else None,
@@ -530,7 +518,7 @@ def run_plan(model, plan: SamplePlan, store, *, autoencoder=None, text_encoder=N
     generator = torch.Generator().manual_seed(s.seed)
     noise = torch.randn((plan.total, plan.model.in_channels, *plan.grid), generator=generator)  # all first
     if autoencoder is None:
-        autoencoder = load_autoencoder(store, dev, vae)
+        autoencoder = open_run.load_autoencoder(store, dev, vae)
     diffusion = Diffusion(plan.diffusion)
     norm = LatentNorm(plan.latents)  # --latent-norm channel: back to the store's latents before decoding
     was_training = model.training
@@ -599,7 +587,7 @@ def sample_images(
                         device=device if module is None else next(module.parameters()).device,
                         classes=labels or (), prompts=prompts or (), text=text,
                         n=settings.n if given is None else len(given))
-    model = module if module is not None else load_model(weights, config, plan.device)
+    model = module if module is not None else open_run.load_model(weights, config, plan.device)
     return run_plan(model, plan, store, autoencoder=autoencoder, text_encoder=text_encoder, vae=vae,
                     text_pretrained=text_pretrained)
 
@@ -700,7 +688,7 @@ def kept_autoencoder(store, device: torch.device):
     key = (str(Path(store.root).resolve()), str(device))
     if key not in _AUTOENCODERS:
         _AUTOENCODERS.clear()
-        _AUTOENCODERS[key] = load_autoencoder(store, device)
+        _AUTOENCODERS[key] = open_run.load_autoencoder(store, device)
     return _AUTOENCODERS[key]
 
 
@@ -733,9 +721,9 @@ def write_training_grid(model, config: dict, store, path, settings: SampleConfig
     --sample-steps, --sample-cfg and --seed). The store's autoencoder is loaded once per store
     and device (`device`, default the model's) and kept. Writes an (about) square PNG grid at
     `path` and returns it."""
-    cfg = model.config if isinstance(model, DiT) else model_config(config)
-    dev = next(model.parameters()).device if device is None else sampling_device(device)
-    kind = conditioning_kind(cfg)
+    cfg = model.config if isinstance(model, DiT) else open_run.model_config(config)
+    dev = next(model.parameters()).device if device is None else open_run.sampling_device(device)
+    kind = open_run.conditioning_kind(cfg)
     n = settings.n
     if kind == "class" and labels is None:
         labels = pick_labels(n, cfg.num_classes, settings.seed)
@@ -783,7 +771,7 @@ def sample_to_files(
     if note:
         log(note)
     log(plan.describe())
-    with sampling_memory_hint(plan):
+    with open_run.sampling_memory_hint(plan):
         network = engine.network(plan.device)
         if engine.describe():
             log(engine.describe())

@@ -62,16 +62,8 @@ from ditdata.common.errors import UserError, one_line
 from ditdata.common.extras import missing_extra
 from dittrain.config import CFG_EVERYWHERE, SampleConfig, ServeConfig, format_cfg_interval, parse_cfg_interval
 from dittrain.diffusion import SAMPLERS
-from dittrain.inference.open_run import (
-    SampleError,
-    TorchEngine,
-    class_names,
-    conditioning_kind,
-    diffusion_config,
-    load_autoencoder,
-    load_text_encoder,
-    model_config,
-)
+from dittrain.inference import open_run
+from dittrain.inference.open_run import SampleError
 from dittrain.inference.sample import MAX_CFG_SCALE, NonFiniteSamples, default_size, plan_samples, run_plan, run_sizes
 
 _S, _SERVE = SampleConfig(), ServeConfig()
@@ -173,12 +165,12 @@ class Server:
         self.ckpt, self.latents, self.vae, self.model_name = ckpt, s.latents, s.vae, s.model
         self.text_pretrained, self.log = s.text_pretrained, log
         self._loaded = _fingerprint(ckpt)  # before loading: a change while it loads is seen too
-        engine = TorchEngine(ckpt, latents=s.latents, vae=s.vae, model=s.model)
+        engine = open_run.TorchEngine(ckpt, latents=s.latents, vae=s.vae, model=s.model)
         self.config, self.store, note = engine.open(s.device)
         if note:
             log(note)
-        self.model_cfg, self.diffusion = model_config(self.config), diffusion_config(self.config)
-        self.kind = conditioning_kind(self.model_cfg)
+        self.model_cfg, self.diffusion = open_run.model_config(self.config), open_run.diffusion_config(self.config)
+        self.kind = open_run.conditioning_kind(self.model_cfg)
         probe = plan_samples(self.config, self.store, SampleConfig(steps=2, precision=s.precision,
                                                                    batch_size=s.batch_size),
                              device=s.device, prompts=("probe",) if self.kind == "text" else (), n=1)
@@ -190,13 +182,13 @@ class Server:
         self.max_steps = min(s.max_steps, ddpm_limit)
         self._steps_limit = " (ddpm: the run's timesteps)" if ddpm_limit <= s.max_steps else " (the server's --max-steps)"
         self.samplers = tuple(SAMPLERS[self.diffusion.objective])
-        self.names = class_names(self.store) if self.kind == "class" else None
+        self.names = open_run.class_names(self.store) if self.kind == "class" else None
         # a bucketed run: the page's size dropdown ("WxH" px), its default first chosen
         self.sizes = [b["name"] for b in run_sizes(self.config)]
         self.default_size = default_size(self.config, self.model_cfg)
         self.model = engine.network(self.device)
         del engine  # and its reference to the state dict
-        self.autoencoder = load_autoencoder(self.store, self.device, s.vae)  # what run_plan would load
+        self.autoencoder = open_run.load_autoencoder(self.store, self.device, s.vae)  # what run_plan would load
         self._text_encoder = text_encoder
         self._lock = threading.Lock()
         if self.kind == "text" and text_encoder is None:
@@ -237,7 +229,7 @@ class Server:
 
     def text_encoder(self):
         if self._text_encoder is None:
-            self._text_encoder = load_text_encoder(self.store, self.device, self.text_pretrained,
+            self._text_encoder = open_run.load_text_encoder(self.store, self.device, self.text_pretrained,
                                                    how="restart serve with")
         return self._text_encoder
 

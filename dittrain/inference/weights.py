@@ -590,15 +590,21 @@ def init_pixart(model: DiT, source, folder: Path) -> tuple[dict, list[str]]:
     own = model.state_dict()
     state = from_diffusers(theirs, cfg.depth)
     state["pos_embed"] = own["pos_embed"]  # computed from the run's config (diffusers saves none)
-    problem = mismatch(state, own)
-    if problem:
-        raise WeightsError(f"{where} does not fit this run's model: {problem}")
-    model.load_state_dict(state, strict=True)
+    _load_fitting(model, state, own, where)
     record = {"from": str(Path(source).resolve()), "file": str(files[0].resolve()), "kind": "diffusers-pixart",
               "sha256": sha256_file(files[0]) if len(files) == 1 else {f.name: sha256_file(f) for f in files},
               "step": None, "model": spec, "store_identity": None, "label_embedder": "none",
               "diffusers_config": {k: v for k, v in config.items() if not k.startswith("_")}}
     return record, notes
+
+
+def _load_fitting(model: DiT, state: dict, own: dict, where: str) -> None:
+    """`state` loaded into `model` (whose state dict is `own`), strictly; first a WeightsError naming `where` and
+    the first key or shape that does not fit (mismatch), rather than torch's list of every one."""
+    problem = mismatch(state, own)
+    if problem:
+        raise WeightsError(f"{where} does not fit this run's model: {problem}")
+    model.load_state_dict(state, strict=True)
 
 
 def init_model(model: DiT, source) -> tuple[dict, list[str]]:
@@ -624,10 +630,7 @@ def init_model(model: DiT, source) -> tuple[dict, list[str]]:
             state[LABEL_TABLE] = own[LABEL_TABLE]
         notes.append(f"note: --init-from {source} has {_classes(have)} classes, this run {_classes(want)}: "
                      "the label embedder is initialised afresh, every other weight comes from it")
-    problem = mismatch(state, own)
-    if problem:
-        raise WeightsError(f"--init-from {source} does not fit this run's model: {problem}")
-    model.load_state_dict(state, strict=True)
+    _load_fitting(model, state, own, f"--init-from {source}")
     config = w.config or {}
     record = {"from": str(path.resolve()), "file": str(w.file.resolve()), "kind": w.kind,
               "sha256": sha256_file(w.file), "step": w.step,

@@ -105,15 +105,26 @@ def diffusers_config(cfg) -> dict:
                 activation_fn="gelu-approximate", attention_bias=True, num_embeds_ada_norm=1000)
 
 
+def _renamed(state: dict, out: dict, names: dict[str, str], *, to_ours: bool, theirs_at: str = "",
+             ours_at: str = "") -> set[str]:
+    """The weights and biases of `names` ({diffusers' prefix: ours}, under theirs_at / ours_at) that `state`
+    holds, put in `out` under the other side's names: diffusers' -> ours when to_ours, else ours -> diffusers'.
+    Those a model may lack (the micro-conditions' MLPs) are skipped. Returns the keys of `state` taken."""
+    used = set()
+    for theirs, ours in names.items():
+        src, dst = (theirs_at + theirs, ours_at + ours) if to_ours else (ours_at + ours, theirs_at + theirs)
+        for p in _PARAMS:
+            if src + p in state:
+                out[dst + p] = state[src + p]
+                used.add(src + p)
+    return used
+
+
 def from_diffusers(state: dict, depth: int) -> dict:
     """diffusers' PixArtTransformer2DModel state dict -> ours (keys it has that no mapping names are kept as
     they are, so that a strict load names them)."""
-    out, used = {}, set()
-    for theirs, ours in _TOP.items():
-        for p in _PARAMS:
-            if theirs + p in state:
-                out[ours + p] = state[theirs + p]
-                used.add(theirs + p)
+    out = {}
+    used = _renamed(state, out, _TOP, to_ours=True)
     if "scale_shift_table" in state:
         out["final_layer.scale_shift_table"] = state["scale_shift_table"]
         used.add("scale_shift_table")
@@ -122,11 +133,7 @@ def from_diffusers(state: dict, depth: int) -> dict:
         if t + "scale_shift_table" in state:
             out[o + "scale_shift_table"] = state[t + "scale_shift_table"]
             used.add(t + "scale_shift_table")
-        for theirs, ours in _BLOCK.items():
-            for p in _PARAMS:
-                if t + theirs + p in state:
-                    out[o + ours + p] = state[t + theirs + p]
-                    used.add(t + theirs + p)
+        used |= _renamed(state, out, _BLOCK, to_ours=True, theirs_at=t, ours_at=o)
         for ours, parts in _FUSED.items():
             for p in _PARAMS:
                 keys = [t + part + p for part in parts]
@@ -141,15 +148,12 @@ def to_diffusers(state: dict, depth: int) -> dict:
     """Our adaLN-single DiT's state dict -> PixArtTransformer2DModel's (pos_embed left out: diffusers computes
     its own, not saved)."""
     out = {}
-    for theirs, ours in _TOP.items():
-        for p in _PARAMS:
-            if ours + p in state:
-                out[theirs + p] = state[ours + p]
+    _renamed(state, out, _TOP, to_ours=False)
     out["scale_shift_table"] = state["final_layer.scale_shift_table"]
     for i in range(depth):
         t, o = f"transformer_blocks.{i}.", f"blocks.{i}."
         out[t + "scale_shift_table"] = state[o + "scale_shift_table"]
-        for theirs, ours in _BLOCK.items():
+        for theirs, ours in _BLOCK.items():  # every block of ours has all of them: a missing one fails here
             for p in _PARAMS:
                 out[t + theirs + p] = state[o + ours + p]
         for ours, parts in _FUSED.items():

@@ -139,15 +139,15 @@ class TrainingEval:
         """({chunk index: Inception features} of the chunks this rank draws, the resolved SampleConfig)."""
         import torch
 
-        from dittrain.inference import sample
+        from dittrain.inference import open_run, sample
 
         device = next(model.parameters()).device
         if self.inception is None:
             self.inception = load_inception(self.weights, device)
-        diffusion = sample.diffusion_config(config)  # the sampler and the time shift resolved, for the record
+        diffusion = open_run.diffusion_config(config)  # the sampler and the time shift resolved, for the record
         settings = sample.check_guidance_times(diffusion, self._settings(diffusion.objective))
         settings = replace(settings, sampler=sample.check_sampler(diffusion, settings.sampler, settings.steps))
-        kind = sample.conditioning_kind(model.config)
+        kind = open_run.conditioning_kind(model.config)
         labels = sample.balanced_labels(self.n, model.config.num_classes, self.seed) if kind == "class" else None
         text = sample.store_text(store, self.n) if kind == "text" else None
         autoencoder = sample.kept_autoencoder(store, device)

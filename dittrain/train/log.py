@@ -13,6 +13,8 @@ FID evaluations during training; and what running out of GPU memory says.
     watched(run)                                 what the grids show (--sample-classes, --sample-prompts)
     sample_grid(run, ema, step, log)             an EMA grid in RUN/samples/ (never stops a run)
     evaluate(run, state, step, log)              FID of the EMA model (never stops a run)
+    measure(run, step, log, ...)                 a measurement's status, failure note and report
+                                                 (evaluate's and dittrain.train.validation's)
     with training_memory_hint(run): ...          out of GPU memory -> one line: model, batch, precision,
                                                  the flags that lower it (ditdata.common.memory) and
                                                  the `dittrain plan` command that lists what fits
@@ -27,6 +29,7 @@ from __future__ import annotations
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -104,18 +107,19 @@ class Log:
     def evaluation(self, rec: dict) -> None:
         """An evaluation's record {"step", "fid", "sfid", "inception_score", "eval_n", ...}:
         to the loggers as eval/* (in metrics.jsonl a record without "loss"), and a line."""
-        self._scalars("eval", rec)
-        self.status("")
-        self.bar.write(f"dittrain: step {rec['step']}: FID-{rec['eval_n']} {rec['fid']:.3f}, sFID {rec['sfid']:.3f}, "
-                       f"IS {rec['inception_score']:.2f} ({rec['eval_seconds']:.0f} s)", file=sys.stderr)
+        self._report("eval", rec, f"FID-{rec['eval_n']} {rec['fid']:.3f}, sFID {rec['sfid']:.3f}, "
+                     f"IS {rec['inception_score']:.2f} ({rec['eval_seconds']:.0f} s)")
 
     def validation(self, rec: dict) -> None:
         """A validation loss' record {"step", "loss", "loss_t<T>", ..., "rows", "seconds"}
         (dittrain.train.validation): to the loggers as val/* (metrics.jsonl: val_loss, ...), and a line."""
-        self._scalars("val", rec)
+        self._report("val", rec, f"val loss {rec['loss']:.5f} ({rec['rows']} rows, {rec['seconds']:.1f} s)")
+
+    def _report(self, group: str, rec: dict, line: str) -> None:
+        """A measurement's record to the loggers as GROUP/*, the status cleared, and `line` after its step."""
+        self._scalars(group, rec)
         self.status("")
-        self.bar.write(f"dittrain: step {rec['step']}: val loss {rec['loss']:.5f} ({rec['rows']} rows, "
-                       f"{rec['seconds']:.1f} s)", file=sys.stderr)
+        self.bar.write(f"dittrain: step {rec['step']}: {line}", file=sys.stderr)
 
     def grid(self, step: int, path: Path) -> None:
         """An EMA sample grid written at `path` (a PNG): to the loggers that show images."""
@@ -179,19 +183,28 @@ def note(line: str) -> None:
     tqdm.write(line, file=sys.stderr)
 
 
-def evaluate(run: Run, state: RunState, step: int, log: Log) -> None:
-    """FID of the EMA model, every rank drawing its share, logged by rank 0. A failure is a
-    note: an evaluation never stops the run."""
-    log.status(f"evaluating FID-{run.cfg.eval.eval_n}")
+def measure(run: Run, step: int, log: Log, what: str, doing: str, compute: Callable[[], dict],
+            report: Callable[[dict], None]) -> None:
+    """A measurement during training (`what`: an evaluation, a validation): the bar's status says `doing`
+    while every rank runs `compute`; rank 0 `report`s its record {"step": step, ...}. A failure is a note on
+    the rank it happened on: a measurement never stops the run."""
+    log.status(doing)
     try:
-        rec = run.evaluator(state.ema, run.resolved, run.store, rank=run.rank, world=run.world)
+        rec = compute()
     except Exception as e:
-        print(f"\ndittrain: evaluation at step {step} failed on rank {run.rank} ({described(e)}); "
-              "training goes on", file=sys.stderr)
+        print(f"\ndittrain: {what} at step {step} failed on rank {run.rank} ({described(e)}); training goes on",
+              file=sys.stderr)
         log.status("")
         return
     if run.master:
-        log.evaluation({"step": step, **rec})
+        report({"step": step, **rec})
+
+
+def evaluate(run: Run, state: RunState, step: int, log: Log) -> None:
+    """FID of the EMA model, every rank drawing its share, logged by rank 0. A failure is a
+    note: an evaluation never stops the run."""
+    measure(run, step, log, "evaluation", f"evaluating FID-{run.cfg.eval.eval_n}",
+            lambda: run.evaluator(state.ema, run.resolved, run.store, rank=run.rank, world=run.world), log.evaluation)
 
 
 def sample_grid(run: Run, ema: DiT, step: int, log: Log) -> None:

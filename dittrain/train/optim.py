@@ -16,7 +16,6 @@ src/utils/optim_utils.py build_scheduler, type linear, warmup_from_zero false): 
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
@@ -77,19 +76,11 @@ def build_optimizer(cfg: TrainConfig, params: list, device: torch.device) -> tor
         return torch.optim.AdamW(params, **adam, fused=True)
     if cfg.optim.optimizer not in OPTIMIZERS:
         raise OptimizerError(f"--optimizer {cfg.optim.optimizer}: choose {' or '.join(OPTIMIZERS)}")
-    # On CPUs with AVX512-BF16 bitsandbytes' import looks for its optional 4-bit CPU kernel
-    # through the "kernels" package (transformers brings it): missing, it says so; present and
-    # offline, kernels warns that it skips the hub's publisher check. The 8-bit optimizer uses
-    # neither, so both stay quiet.
-    quiet = [logging.getLogger(name) for name in ("bitsandbytes.backends.cpu.ops", "kernels")]
-    levels = [log.level for log in quiet]
-    for log in quiet:
-        log.setLevel(logging.ERROR)
-    try:
+    # bitsandbytes' import notes on its optional 4-bit CPU kernel are noise here (BITSANDBYTES_LOGGERS says why)
+    from dittrain.model.lora import BITSANDBYTES_LOGGERS, quiet_loggers
+
+    with quiet_loggers(*BITSANDBYTES_LOGGERS):
         bnb = require("bitsandbytes", "--optimizer adamw8bit", "optim", OptimizerError)
-    finally:
-        for log, level in zip(quiet, levels, strict=True):
-            log.setLevel(level)
     return bnb.optim.AdamW8bit(params, **adam)
 
 

@@ -45,7 +45,6 @@ the cost of an evaluation is rows x VAL_TIMESTEPS forward passes, shared out ove
 
 from __future__ import annotations
 
-import sys
 import time
 
 import numpy as np
@@ -53,11 +52,11 @@ import torch
 import torch.distributed as torch_dist
 
 from ditdata.common.devices import autocast
-from ditdata.common.errors import described
 from dittrain.config import VAL_TIMESTEPS
 from dittrain.data import ResidentLoader
 from dittrain.data.base import kept_rows
 from dittrain.data.latent_norm import LatentNorm
+from dittrain.train.log import measure
 from dittrain.train.setup import Run, TrainError
 from dittrain.train.step import conditioning, empty_text_on
 
@@ -263,16 +262,8 @@ def _val_store(run: Run, path: str):
 def validate(run: Run, state, step: int, log) -> None:
     """The loop's hook: the validation loss of the live weights at `step`, logged by rank 0 (val/*).
     A failure is a note, as an FID evaluation's: it never stops the run."""
-    log.status("validating")
-    try:
-        rec = run.validation.evaluate(state.model, rank=run.rank, world=run.world)
-    except Exception as e:
-        print(f"\ndittrain: validation at step {step} failed on rank {run.rank} ({described(e)}); training goes on",
-              file=sys.stderr)
-        log.status("")
-        return
-    if run.master:
-        log.validation({"step": step, **rec})
+    measure(run, step, log, "validation", "validating",
+            lambda: run.validation.evaluate(state.model, rank=run.rank, world=run.world), log.validation)
 
 
 __all__ = ["VAL_SEED", "Validation", "build", "held_out", "t_label", "t_values", "validate"]
