@@ -9,31 +9,18 @@ from functools import partial
 
 import numpy as np
 import pytest
+import storeutil as su
 import torch
-from storeutil import (
-    LOADER_BATCH,
-    LOADER_SIZES,
-    LOADERS,
-    add_features,
-    batch_split,
-    each_cuda_loader,
-    feature_data,
-    new_loader,
-    resumed,
-    schema,
-    take,
-    write_store,
-)
 
 from ditdata.store import FeatureSchema, FeatureWriter, dequantize, open_store
 from dittrain.data import LoaderError, ResidentLoader, StreamingLoader, choose_loader, plan_streaming_memory
 from dittrain.data import targets as data_targets
 
-SIZES, B = LOADER_SIZES, LOADER_BATCH  # 54 samples, an empty shard on purpose; batches of 8
+SIZES, B = su.LOADER_SIZES, su.LOADER_BATCH  # 54 samples, an empty shard on purpose; batches of 8
 N = sum(SIZES)
 TOKENS, DIMS = 16, 32  # int8: 576 bytes a variant, about twice a latent of 4x8x8 fp16
 SETS = {"int8": "f8", "float16": "f16"}
-make = partial(new_loader, seed=5)  # make(store, kind, workers=0, **kw): storeutil.new_loader
+make = partial(su.new_loader, seed=5)  # make(store, kind, workers=0, **kw): storeutil.new_loader
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +30,9 @@ def roots(tmp_path_factory):
     out = {}
     for name, kind in [("sample", "sample"), ("meanstd", "mean_std")]:
         root = base / name
-        write_store(root, schema("float16", kind=kind), SIZES, chunk_samples=4)
+        su.write_store(root, su.schema("float16", kind=kind), SIZES, chunk_samples=4)
         for dtype, set_name in SETS.items():
-            add_features(root, set_name, tokens=TOKENS, dims=DIMS, dtype=dtype)
+            su.add_features(root, set_name, tokens=TOKENS, dims=DIMS, dtype=dtype)
         out[name] = root
     return out
 
@@ -61,14 +48,14 @@ def targets(root, set_name) -> dict[bool, torch.Tensor]:
 
 
 # -- the targets are those of the row's sample and variant ------------------------------
-@pytest.mark.parametrize("kind,workers", LOADERS)
+@pytest.mark.parametrize("kind,workers", su.LOADERS)
 @pytest.mark.parametrize("dtype", list(SETS))
 def test_targets_follow_each_rows_sample_and_flip(roots, kind, workers, dtype):
     want = targets(roots["sample"], SETS[dtype])
     assert not torch.equal(want[False], want[True])  # the mirrored grid: a wrong variant shows
     flips = []
     with make(open_store(roots["sample"], features=SETS[dtype]), kind, workers) as loader:
-        for batch in take(loader, 2 * N // B + 1):  # past an epoch end
+        for batch in su.take(loader, 2 * N // B + 1):  # past an epoch end
             feat, idx, flip = data_targets(batch), batch["index"], batch["flip"]
             assert feat.dtype == torch.float32 and feat.shape == (B, TOKENS, DIMS)
             assert batch["feat"].dtype == (torch.int8 if dtype == "int8" else torch.float16)
@@ -79,23 +66,23 @@ def test_targets_follow_each_rows_sample_and_flip(roots, kind, workers, dtype):
     assert any(flips) and not all(flips)
 
 
-@pytest.mark.parametrize("kind,workers", LOADERS)
+@pytest.mark.parametrize("kind,workers", su.LOADERS)
 @pytest.mark.parametrize("name", ["sample", "meanstd"])
 def test_the_stream_is_the_one_without_targets(roots, kind, workers, name):
     """No randomness is drawn for the targets: x (fresh draws included), y, index and flip
     are bit-identical with and without the feature set."""
     with make(open_store(roots[name]), kind, workers) as plain, \
             make(open_store(roots[name], features="f8"), kind, workers) as featured:
-        for a, b in zip(take(plain, 10), take(featured, 10), strict=True):
+        for a, b in zip(su.take(plain, 10), su.take(featured, 10), strict=True):
             assert "feat" not in a and set(b) == set(a) | {"feat", "feat_scale"}
             assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("kind,workers", LOADERS)
+@pytest.mark.parametrize("kind,workers", su.LOADERS)
 def test_exact_resume_with_targets(roots, kind, workers):
     store = open_store(roots["meanstd"], features="f8")
     # batch 7 straddles epochs 0 and 1 (54 = 6 * 8 + 6)
-    straight, again, _ = resumed(partial(make, store, kind, workers), 14, 7)
+    straight, again, _ = su.resumed(partial(make, store, kind, workers), 14, 7)
     for want, got in zip(straight, again, strict=True):
         assert want.keys() == got.keys() and "feat" in got
         assert all(torch.equal(want[k], got[k]) for k in want)
@@ -104,19 +91,19 @@ def test_exact_resume_with_targets(roots, kind, workers):
 @pytest.mark.parametrize("kind,workers", [("resident", 0), ("streaming", 0)])
 def test_split_batch_carries_the_targets(roots, kind, workers):
     store = open_store(roots["sample"], features="f16")
-    whole, halves = batch_split(partial(make, store, kind, workers), 4)
+    whole, halves = su.batch_split(partial(make, store, kind, workers), 4)
     for w, a, b in zip(whole, *halves, strict=True):
         assert torch.equal(w["feat"], torch.cat([a["feat"], b["feat"]]))
 
 
 def test_feature_set_without_flipped_twins_is_refused(tmp_path):
     root = tmp_path / "s"
-    write_store(root, schema("float16"), [6, 4])
+    su.write_store(root, su.schema("float16"), [6, 4])
     store = open_store(root)
     w = FeatureWriter(store, "noflip", schema=FeatureSchema.build(TOKENS, DIMS, "int8", False),
                       info={"encoder": {"name": "test"}, "storage": {"dtype": "int8"}})
     for s in store.shards:
-        tensors, columns = feature_data(store, s.name, TOKENS, DIMS, "int8")
+        tensors, columns = su.feature_data(store, s.name, TOKENS, DIMS, "int8")
         w.write_shard(s.name, {k: v for k, v in tensors.items() if "flip" not in k}, columns)
     w.finalize()
     with pytest.raises(LoaderError, match="no feat_flip.*rerun `ditdata features`"):
@@ -173,10 +160,10 @@ def test_target_share_of_the_estimate(roots):
 
 
 # -- on a GPU: the same targets, dequantized there ---------------------------------------
-@each_cuda_loader
+@su.each_cuda_loader
 def test_cuda_targets_equal_cpu_targets(roots, kind, workers, on_cuda):
     store = open_store(roots["meanstd"], features="f8")
     with make(store, kind, workers) as cpu, make(store, kind, workers, **on_cuda) as gpu:
-        for want, got in zip(take(cpu, 9), take(gpu, 9), strict=True):
+        for want, got in zip(su.take(cpu, 9), su.take(gpu, 9), strict=True):
             assert got["feat"].is_cuda and data_targets(got).dtype == torch.float32
             assert torch.equal(data_targets(want), data_targets(got).cpu()) and torch.equal(want["index"], got["index"].cpu())

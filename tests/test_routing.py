@@ -58,6 +58,11 @@ def _inputs(n: int = 3):
     return torch.randn(n, 3, 8, 8, generator=g), torch.tensor([10.0, 500.0, 900.0][:n]), torch.arange(n) % 3
 
 
+def _routed_setup(rate: float, name: str = MODEL) -> tuple[DiT, torch.Tensor, torch.Tensor, torch.Tensor, TokenRoute]:
+    """_model(name) in eval mode, _inputs() and _drawn(rate): model, x, t, y, route."""
+    return _model(name).eval(), *_inputs(), _drawn(rate)
+
+
 def _by_hand(model: DiT, x, t, y, start: int, end: int, idx, *, full_after: bool = False) -> torch.Tensor:
     """The routed forward as TREAD's reference loops: embed; for each block idx, gather the kept
     tokens (plain indexing) before block `start`, run the block, put them back after block `end`
@@ -103,9 +108,7 @@ def test_the_routed_forward_equals_one_built_by_hand(name, start, end):
 
 
 def test_rate_zero_is_the_plain_model_bit_for_bit():
-    model = _model().eval()
-    x, t, y = _inputs()
-    route = _drawn(0.0)
+    model, x, t, y, route = _routed_setup(0.0)
     assert torch.equal(route.idx, torch.arange(16).expand(3, 16))
     with torch.no_grad():
         assert torch.equal(model(x, t, y=y, route=route), model(x, t, y=y))
@@ -170,9 +173,7 @@ def test_the_block_after_the_rejoin_runs_with_autocast_off(name, monkeypatch):
     dit.py DiT.forward): under bf16 autocast, block END+1 sees fp32 inputs with autocast off, the
     others autocast; a half-open route (the old meaning) has no such block; without autocast nothing
     changes."""
-    model = _model(name).eval()
-    x, t, y = _inputs()
-    route = _drawn(0.5)  # blocks 1-2 routed: block 3 is the one after the rejoin
+    model, x, t, y, route = _routed_setup(0.5, name)  # blocks 1-2 routed: block 3 is the one after the rejoin
     seen = _block_precision(monkeypatch)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(x, t, y=y, route=route)
@@ -250,9 +251,7 @@ def test_gradients_reach_every_token_and_checkpointing_changes_nothing():
 
 
 def test_repa_on_a_routed_block_aligns_the_kept_tokens():
-    model = _model().eval()
-    x, t, y = _inputs()
-    route = _drawn(0.5)
+    model, x, t, y, route = _routed_setup(0.5)
     with torch.no_grad():
         _, inside = model(x, t, y=y, route=route, return_hidden=2)  # block 2: routed
         _, after = model(x, t, y=y, route=route, return_hidden=4)  # block 4: all tokens again

@@ -9,25 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import storeutil as su
 from cliutil import assert_has, ok, one_error_line, run_args
 from cliutil import dittrain as cli
-from storeutil import (
-    CAPTIONED,
-    LABELLED,
-    LOADER_SIZES,
-    bucketed_store,
-    class_conditioning,
-    latent_data,
-    make_store,
-    new_loader,
-    pixels_info,
-    resumed,
-    schema,
-    shard_data,
-    take,
-    text_conditioning,
-    write_store,
-)
 
 from dittrain.config import VAL_TIMESTEPS, LoaderConfig, TrainConfig
 from dittrain.data import build_loader
@@ -43,34 +27,34 @@ HELD = [0, 3, 7, 8, 20, 21, 22, 23, 24, 30, 53]  # of LOADER_SIZES' 54 rows: a w
 def loader_store(tmp_path_factory) -> Path:
     """LOADER_SIZES' shards (an empty one on purpose) of 3x4x4 latents with flips, labels a, b, c."""
     root = tmp_path_factory.mktemp("loader") / "s"
-    write_store(root, schema(shape=(3, 4, 4), flip=True, text=False, columns=LABELLED), LOADER_SIZES,
-                info=pixels_info(4, class_conditioning(["a", "b", "c"])), data=latent_data(0))
+    su.write_store(root, su.schema(shape=(3, 4, 4), flip=True, text=False, columns=su.LABELLED), su.LOADER_SIZES,
+                   info=su.pixels_info(4, su.class_conditioning(["a", "b", "c"])), data=su.latent_data(0))
     return root
 
 
 @pytest.mark.parametrize("kind, workers", [("resident", 0), ("streaming", 0), ("streaming", 2)])
 def test_held_out_rows_are_never_in_a_training_batch(loader_store, kind, workers):
     kept = sorted(set(range(54)) - set(HELD))
-    with new_loader(loader_store, kind, workers, seed=1, exclude=HELD) as loader:
-        seen = [int(i) for batch in take(loader, 12) for i in batch["index"]]
+    with su.new_loader(loader_store, kind, workers, seed=1, exclude=HELD) as loader:
+        seen = [int(i) for batch in su.take(loader, 12) for i in batch["index"]]
     assert not set(seen) & set(HELD)
     assert sorted(seen[:len(kept)]) == kept  # an epoch is every kept row once
     # and the order still resumes exactly
-    straight, split, state = resumed(lambda: new_loader(loader_store, kind, workers, seed=1, exclude=HELD), 9, 4,
-                                     keep=lambda b: b["index"].tolist())
+    straight, split, state = su.resumed(lambda: su.new_loader(loader_store, kind, workers, seed=1, exclude=HELD), 9, 4,
+                                        keep=lambda b: b["index"].tolist())
     assert straight == split and state["excluded"] == len(HELD)
 
 
 def test_two_ranks_share_the_kept_rows(loader_store):
     parts = []
     for rank in range(2):
-        with new_loader(loader_store, "resident", seed=1, exclude=HELD, rank=rank, world_size=2) as loader:
-            parts.append({int(i) for b in take(loader, 3) for i in b["index"]})
+        with su.new_loader(loader_store, "resident", seed=1, exclude=HELD, rank=rank, world_size=2) as loader:
+            parts.append({int(i) for b in su.take(loader, 3) for i in b["index"]})
     assert not parts[0] & parts[1] and parts[0] | parts[1] == set(range(54)) - set(HELD)
 
 
 def test_a_bucketed_store_skips_its_held_out_rows(tmp_path):
-    store = bucketed_store(tmp_path / "b", {(8, 8): 10, (8, 4): 7})  # buckets by name: 8x4 (rows 0..6), 8x8 (7..16)
+    store = su.bucketed_store(tmp_path / "b", {(8, 8): 10, (8, 4): 7})  # buckets by name: 8x4 (rows 0..6), 8x8 (7..16)
     loader = build_loader(store, LoaderConfig(with_index=True), batch_size=4, exclude=[0, 1, 12])
     seen = {(loader.bucket_of(k), int(i)) for k in range(12) for i in next(loader)["index"]}
     assert seen == {(0, i) for i in range(2, 7)} | {(1, i) for i in range(10) if i != 5}
@@ -92,7 +76,7 @@ def _records(out: Path, key: str) -> dict[int, dict]:
 
 
 def test_val_loss_is_logged_per_t_and_the_same_after_a_resume(tmp_path):
-    store = make_store(tmp_path / "s")
+    store = su.make_store(tmp_path / "s")
     args = ["--model", MODEL, "--val-fraction", "0.25", "--val-every", "2", "--save-every", "2", "--lr", "1e-3",
             "--logger", "jsonl,tensorboard"]
     ok(cli(*run_args(store, tmp_path / "straight", "--max-steps", "4", *args)))
@@ -131,14 +115,15 @@ def test_val_loss_is_logged_per_t_and_the_same_after_a_resume(tmp_path):
 
 
 def _captioned(sch, index: int, n: int) -> tuple[dict, dict]:
-    tensors, columns = shard_data(sch, index, n)
-    return tensors, {k: columns[k] for k in CAPTIONED}
+    tensors, columns = su.shard_data(sch, index, n)
+    return tensors, {k: columns[k] for k in su.CAPTIONED}
 
 
 def _mean_std_text_store(root: Path) -> Path:
     """Posterior mean and std (a fresh draw per step in training), flips, pooled and token text embeddings."""
-    write_store(root, schema(kind="mean_std", shape=(3, 8, 8), text={"pooled": 16, "tokens": (5, 16)}, columns=CAPTIONED),
-                [10, 10], info=pixels_info(8, text_conditioning(16, (5, 16))), data=_captioned)
+    su.write_store(root, su.schema(kind="mean_std", shape=(3, 8, 8), text={"pooled": 16, "tokens": (5, 16)},
+                                   columns=su.CAPTIONED),
+                   [10, 10], info=su.pixels_info(8, su.text_conditioning(16, (5, 16))), data=_captioned)
     return root
 
 
@@ -150,7 +135,7 @@ def test_two_evaluations_of_the_same_weights_agree_whatever_the_batch(tmp_path, 
     from dittrain.train.setup import setup
     from dittrain.train.validation import build
 
-    store = make_store(tmp_path / "s", flip=False) if kind == "class" else _mean_std_text_store(tmp_path / "s")
+    store = su.make_store(tmp_path / "s", flip=False) if kind == "class" else _mean_std_text_store(tmp_path / "s")
     results = []
     for batch in (64, 3):
         cfg = TrainConfig.from_flat(latents=str(store), model=MODEL, val_fraction=0.25, eval_batch_size=batch,
@@ -169,7 +154,7 @@ def test_two_evaluations_of_the_same_weights_agree_whatever_the_batch(tmp_path, 
 
 
 def test_a_second_store_validates_and_training_is_untouched(tmp_path):
-    store, other = make_store(tmp_path / "s"), make_store(tmp_path / "v", n=12, shards=1, seed=5)
+    store, other = su.make_store(tmp_path / "s"), su.make_store(tmp_path / "v", n=12, shards=1, seed=5)
     common = ["--model", MODEL, "--max-steps", "3", "--lr", "1e-3", "--logger", "jsonl"]
     ok(cli(*run_args(store, tmp_path / "plain", *common)))
     r = ok(cli(*run_args(store, tmp_path / "val", *common, "--val-latents", other, "--val-every", "2")))
@@ -184,8 +169,8 @@ def test_a_second_store_validates_and_training_is_untouched(tmp_path):
 
 
 def test_bad_values_are_one_line(tmp_path):
-    store = make_store(tmp_path / "s", n=6, shards=1)
-    other = make_store(tmp_path / "o", n=6, shards=1, shape=(3, 16, 16))
+    store = su.make_store(tmp_path / "s", n=6, shards=1)
+    other = su.make_store(tmp_path / "o", n=6, shards=1, shape=(3, 16, 16))
     cases = [
         (["--val-fraction", "1.5"], "--val-fraction"),
         (["--val-fraction", "0.1", "--val-latents", other], "give one"),
@@ -208,7 +193,7 @@ def test_a_config_file_and_dotted_flags_set_it(tmp_path):
 
 
 def test_a_bucketed_flow_run_validates_every_bucket(tmp_path):
-    store = bucketed_store(tmp_path / "b", {(8, 8): 12, (8, 4): 8})
+    store = su.bucketed_store(tmp_path / "b", {(8, 8): 12, (8, 4): 8})
     r = ok(cli(*run_args(store, tmp_path / "r", "--model", MODEL, "--objective", "flow", "--max-steps", "2",
                          "--val-fraction", "0.25", "--val-every", "2", "--logger", "jsonl")))
     assert_has(r.output, "5 held-out rows")  # 3 of 8x8's 12 and 2 of 8x4's 8
@@ -223,7 +208,7 @@ def test_two_ranks_share_the_evaluation_and_log_what_one_process_does(tmp_path):
     from cliutil import one_and_two_ranks, torchrun_or_skip
 
     torchrun_or_skip()
-    store = make_store(tmp_path / "s")
+    store = su.make_store(tmp_path / "s")
     one_and_two_ranks(store, tmp_path, ["--model", MODEL, "--val-fraction", "0.25", "--val-every", "2",
                                         "--eval-batch-size", "4", "--max-steps", "2", "--lr", "1e-3",
                                         "--loader", "resident"])
@@ -266,7 +251,7 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
     next collective still pairs up, so the run's note is printed on each and training goes on."""
     from cliutil import script_on_two_ranks
 
-    stdout = script_on_two_ranks(FAILING_RANK, make_store(tmp_path / "s"), MODEL, tmp_path / "r", tmp=tmp_path)
+    stdout = script_on_two_ranks(FAILING_RANK, su.make_store(tmp_path / "s"), MODEL, tmp_path / "r", tmp=tmp_path)
     assert "rank 1: MemoryError: out of memory on rank 1" in stdout
     assert "rank 0: RuntimeError: it failed on 1 other rank(s)" in stdout
     assert "rank 0: next [3.0, 3.0, 3.0]" in stdout and "rank 1: next [3.0, 3.0, 3.0]" in stdout
