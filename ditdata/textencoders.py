@@ -51,9 +51,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ditdata.common.errors import described
-from ditdata.common.extras import require
 from ditdata.common.files import sha256_file
-from ditdata.common.hub import download_command, hub_cache_dir, not_cached_message, required_weights, saved_model_type
+from ditdata.common.hub import cached_snapshot, required_weights, saved_model_type
 from ditdata.errors import DitdataError
 
 if TYPE_CHECKING:
@@ -167,18 +166,8 @@ def store_text_encoder(store, device="cpu", *, pretrained: str | None = None):
 
 def _cached(repo: str, name: str) -> Path:
     """The snapshot folder of hub `repo` in the local cache, or one line naming `hf download`."""
-    cache = hub_cache_dir()
-    hub = require("huggingface_hub", f"text encoder {name}", "data", DitdataError)
-    label = f"text encoder '{name}' = {repo}" if name != repo else f"text encoder {repo}"
-    try:
-        snap = Path(hub.snapshot_download(repo, cache_dir=str(cache), local_files_only=True))
-    except Exception as e:  # not cached (or offline): never a download, never a retry
-        raise DitdataError(not_cached_message(label, cache, download_command(repo), type(e).__name__,
-                                              "a local folder saved with save_pretrained (--text-encoder DIR)")) from e
-    if not (snap / "config.json").is_file():
-        raise DitdataError(not_cached_message(label, cache, download_command(repo), f"snapshot {snap.name} has "
-                                              "no config.json", "a local folder (--text-encoder DIR)"))
-    return snap
+    return cached_snapshot(repo, "text encoder", name, "data",
+                           "a local folder saved with save_pretrained (--text-encoder DIR)", DitdataError)
 
 
 def _from_dir(folder: Path, name: str, ident: str, revision: str | None, device, max_tokens: int | None,

@@ -42,23 +42,20 @@ Importing this module is cheap: torch and transformers are imported inside the l
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ditdata.common.errors import described
-from ditdata.common.extras import installed_version, require
+from ditdata.common.extras import installed_version
 from ditdata.common.files import read_json, sha256_file, state_dict_sha256
-from ditdata.common.hub import download_command, hub_cache_dir, not_cached_message, required_weights
-from ditdata.common.usercode import UserCodeError, import_user_module, user_call
+from ditdata.common.hub import HUB_ID, cached_snapshot, required_weights
+from ditdata.common.usercode import PYTHON_PREFIX, UserCodeError, user_call, user_function
 from ditdata.errors import DitdataError
 
-PYTHON_PREFIX = "python:"
 FLORENCE2, CHAT = "florence2", "chat"
 # the instruction when --prompt is not given, per family
 DEFAULT_PROMPTS = {FLORENCE2: "<MORE_DETAILED_CAPTION>", CHAT: "Describe this image in detail."}
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 @dataclass(frozen=True)
@@ -207,21 +204,9 @@ def _from_dir(model_dir: Path, name: str, kind: str, source: str, device, revisi
     return TransformersCaptioner(model.eval().to(device), processor, info, device)
 
 
-def _missing_hub_message(name: str, repo_id: str, cache: Path, detail: str = "") -> str:
-    label = f"'{name}' = {repo_id}" if name != repo_id else repo_id
-    return not_cached_message(f"captioner {label}", cache, download_command(repo_id), detail,
-                              "a local directory saved with save_pretrained (--captioner DIR)")
-
-
 def _from_hub(repo_id: str, name: str, kind: str, device) -> Captioner:
-    cache = hub_cache_dir()
-    hub = require("huggingface_hub", f"captioner {name} ({repo_id})", "captions", DitdataError)
-    try:
-        snap = Path(hub.snapshot_download(repo_id, cache_dir=str(cache), local_files_only=True))
-    except Exception as e:  # not cached (or offline): never a download, never a retry
-        raise DitdataError(_missing_hub_message(name, repo_id, cache, type(e).__name__)) from e
-    if not (snap / "config.json").is_file():
-        raise DitdataError(_missing_hub_message(name, repo_id, cache, f"snapshot {snap.name} has no config.json"))
+    snap = cached_snapshot(repo_id, "captioner", name, "captions",
+                           "a local directory saved with save_pretrained (--captioner DIR)", DitdataError)
     return _from_dir(snap, name, kind, repo_id, device, revision=snap.name)
 
 
@@ -259,13 +244,7 @@ class PythonCaptioner(Captioner):
 
 def _from_python(spec: str, device) -> Captioner:
     label = f"--captioner {spec}"
-    module, sep, fn_name = spec[len(PYTHON_PREFIX):].rpartition(":")
-    if not sep or not module or not fn_name:
-        raise DitdataError(f"{label}: expected python:MODULE:FUNCTION (MODULE a module name or a .py file)")
-    mod = import_user_module(module, label, "ditkit_captioner", DitdataError)
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
-        raise DitdataError(f"{label}: {module} has no function {fn_name}")
+    mod, fn_name, fn = user_function(spec, label, "ditkit_captioner", DitdataError)
     cap = user_call(label, fn, what=f"{fn_name}()")
     if not callable(cap):
         raise DitdataError(f"{label}: {fn_name}() returned a {type(cap).__name__}, not a callable captioner")
@@ -308,7 +287,7 @@ SOURCES = (
     ("python", lambda s: s.startswith(PYTHON_PREFIX), _from_python),
     ("preset", lambda s: s in PRESETS, _preset),
     ("directory", lambda s: Path(s).expanduser().is_dir(), _directory),
-    ("hub", lambda s: bool(_HUB_ID.fullmatch(s)), _hub),
+    ("hub", lambda s: bool(HUB_ID.fullmatch(s)), _hub),
 )
 
 

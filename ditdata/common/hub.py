@@ -8,6 +8,7 @@ type (saved_model_type). Nothing here downloads."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from pathlib import Path
 
@@ -54,6 +55,32 @@ def not_cached_message(subject: str, cache: Path, command: str, detail: str, ins
             f"and nothing is downloaded here: on a machine with internet run `{command}` and copy "
             "~/.cache/huggingface to this machine, or point HF_HOME / HF_HUB_CACHE at such a cache, "
             f"or pass {instead}")
+
+
+# a hub repository id as the loaders take one: org/name
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def cached_snapshot(repo_id: str, kind: str, name: str, extra: str, instead: str,
+                    error: type[Exception] = UserError) -> Path:
+    """The snapshot folder of hub repository `repo_id` in the local cache, one that holds
+    config.json: never a download (nothing can be fetched at run time here). Otherwise `error`
+    naming the model ("KIND 'NAME' = REPO", or "KIND REPO" for a bare hub id), the `hf download`
+    command to run where there is internet, and `instead`, the local alternative; `extra`: the
+    extra that brings huggingface_hub."""
+    from ditdata.common.extras import require
+
+    cache = hub_cache_dir()
+    hub = require("huggingface_hub", f"{kind} {name} ({repo_id})", extra, error)
+    subject = f"{kind} '{name}' = {repo_id}" if name != repo_id else f"{kind} {repo_id}"
+    try:
+        snap = Path(hub.snapshot_download(repo_id, cache_dir=str(cache), local_files_only=True))
+    except Exception as e:  # not cached (or offline): never a download, never a retry
+        raise error(not_cached_message(subject, cache, download_command(repo_id), type(e).__name__, instead)) from e
+    if not (snap / "config.json").is_file():
+        raise error(not_cached_message(subject, cache, download_command(repo_id),
+                                       f"snapshot {snap.name} has no config.json", instead))
+    return snap
 
 
 def saved_weights(model_dir: Path, names: tuple[str, ...]) -> tuple[list[str], bool] | None:

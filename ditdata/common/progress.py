@@ -201,12 +201,11 @@ class Batches:
 
     def flush(self) -> None:
         """Run what is queued (nothing when nothing is)."""
-        if not self.rows:
-            return
-        self.run(self.rows, *self.columns)
-        if self.progress is not None:
-            self.progress.update(len(self.rows))
-        self.rows, self.columns = [], []
+        if self.rows:
+            self.run(self.rows, *self.columns)
+            if self.progress is not None:
+                self.progress.update(len(self.rows))
+            self.rows, self.columns = [], []
 
 
 def end_open_bars() -> None:

@@ -43,6 +43,23 @@ class UserCodeError(UserError):
     """Code or weights the user supplied failed or gave unusable output; the message names them."""
 
 
+PYTHON_PREFIX = "python:"  # a loader name that is user code: python:MODULE:FUNCTION
+
+
+def user_function(spec: str, label: str, prefix: str, error: type[Exception] = UserError):
+    """(its module, FUNCTION's name, the function) of a `python:MODULE:FUNCTION` spec, the module
+    imported as import_user_module does; a malformed spec or a missing function is `error`
+    "LABEL: ..." in one line."""
+    module, sep, fn_name = spec[len(PYTHON_PREFIX):].rpartition(":")
+    if not sep or not module or not fn_name:
+        raise error(f"{label}: expected python:MODULE:FUNCTION (MODULE a module name or a .py file)")
+    mod = import_user_module(module, label, prefix, error)
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise error(f"{label}: {module} has no function {fn_name}")
+    return mod, fn_name, fn
+
+
 def import_user_module(module: str, label: str, prefix: str, error: type[Exception] = UserError):
     """The module of a `python:MODULE:FUNCTION` spec: MODULE a dotted name on sys.path, or a path
     to a .py file, imported as PREFIX_STEM (the prefix keeps two kinds' files of the same name,

@@ -68,14 +68,13 @@ from pathlib import Path
 from typing import Any
 
 from ditdata.common.errors import described
-from ditdata.common.extras import installed_version, require
+from ditdata.common.extras import installed_version
 from ditdata.common.files import sha256_file, state_dict_sha256
-from ditdata.common.hub import download_command, hub_cache_dir, not_cached_message, required_weights, saved_model_type
-from ditdata.common.usercode import UserCodeError, check_weights, import_user_module, user_call
+from ditdata.common.hub import HUB_ID, cached_snapshot, required_weights, saved_model_type
+from ditdata.common.usercode import PYTHON_PREFIX, UserCodeError, check_weights, user_call, user_function
 from ditdata.config import FEATURE_RESIZES, FEATURE_RESOLUTION_RULE
 from ditdata.errors import DitdataError
 
-PYTHON_PREFIX = "python:"
 GRID_DIVISOR = 16  # input px = (store px // 16) * patch: FEATURE_RESOLUTION_RULE
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -84,7 +83,6 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 RESIZES = {"reference": "bicubic, not antialiased, not clamped (REPA's preprocess_raw_image)",
            "antialias": "bicubic, antialiased, clamped to [0, 1]"}
 assert tuple(RESIZES) == FEATURE_RESIZES
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 @dataclass(frozen=True)
@@ -283,22 +281,10 @@ def _from_dir(model_dir: Path, name: str, ident: str, store_resolution: int, ove
     return FeatureEncoder(_patch_tokens(model, prefix), info, (IMAGENET_MEAN, IMAGENET_STD), option, resize)
 
 
-def _missing_hub_message(name: str, repo_id: str, cache: Path, detail: str = "") -> str:
-    label = f"'{name}' = {repo_id}" if name != repo_id else repo_id
-    return not_cached_message(f"feature encoder {label}", cache, download_command(repo_id), detail,
-                              "a local directory saved with save_pretrained (--encoder DIR)")
-
-
 def _from_hub(repo_id: str, name: str, store_resolution: int, override: int | None,
               option: str = "--encoder", resize: str = "reference") -> FeatureEncoder:
-    cache = hub_cache_dir()
-    hub = require("huggingface_hub", f"feature encoder {name} ({repo_id})", "features", DitdataError)
-    try:
-        snap = Path(hub.snapshot_download(repo_id, cache_dir=str(cache), local_files_only=True))
-    except Exception as e:  # not cached (or offline): never a download, never a retry
-        raise DitdataError(_missing_hub_message(name, repo_id, cache, type(e).__name__)) from e
-    if not (snap / "config.json").is_file():
-        raise DitdataError(_missing_hub_message(name, repo_id, cache, f"snapshot {snap.name} has no config.json"))
+    snap = cached_snapshot(repo_id, "feature encoder", name, "features",
+                           "a local directory saved with save_pretrained (--encoder DIR)", DitdataError)
     return _from_dir(snap, name, repo_id, store_resolution, override, revision=snap.name, option=option,
                      resize=resize)
 
@@ -335,12 +321,7 @@ def _from_python(spec: str, store_resolution: int, override: int | None, device,
     import torch
 
     label = f"{option} {spec}"
-    module, sep, fn_name = spec[len(PYTHON_PREFIX):].rpartition(":")
-    if not sep or not module or not fn_name:
-        raise DitdataError(f"{label}: expected python:MODULE:FUNCTION (MODULE a module name or a .py file)")
-    fn = getattr(import_user_module(module, label, "ditkit_encoder", DitdataError), fn_name, None)
-    if not callable(fn):
-        raise DitdataError(f"{label}: {module} has no function {fn_name}")
+    _, fn_name, fn = user_function(spec, label, "ditkit_encoder", DitdataError)
     net = user_call(label, fn, what=f"{fn_name}()")
     if not isinstance(net, torch.nn.Module):
         raise DitdataError(f"{label}: {fn_name}() returned a {type(net).__name__}, not a torch module")
@@ -388,7 +369,7 @@ SOURCES = (
     ("python:MODULE:FUNCTION", lambda s: s.startswith(PYTHON_PREFIX), _from_python),
     ("a preset", lambda s: s in PRESETS, _preset),
     ("a directory", lambda s: Path(s).expanduser().is_dir(), _directory),
-    ("a hub id (org/name)", lambda s: bool(_HUB_ID.fullmatch(s)) and ".." not in s and not Path(s).exists(), _hub_id),
+    ("a hub id (org/name)", lambda s: bool(HUB_ID.fullmatch(s)) and ".." not in s and not Path(s).exists(), _hub_id),
 )
 
 

@@ -775,9 +775,7 @@ class DiT(nn.Module):
         c = t_emb
         if cfg.num_classes:
             if y is None:
-                raise ValueError(
-                    "this model is class-conditional: pass y (use num_classes for the null class)"
-                )
+                raise ValueError("this model is class-conditional: pass y (use num_classes for the null class)")
             c = c + self.y_embedder(y, self.training, force_drop_ids)
         if cfg.text_pooled_dim and cfg.adaln != "single":  # PixArt's c is t alone: a pooled embedding is not read
             if text_pooled is None:
@@ -786,9 +784,7 @@ class DiT(nn.Module):
         context = None
         if cfg.text_token_dim:
             if text_tokens is None:
-                raise ValueError(
-                    "this model cross-attends to text tokens: pass text_tokens (and text_mask)"
-                )
+                raise ValueError("this model cross-attends to text tokens: pass text_tokens (and text_mask)")
             context = self.text_token_embedder(text_tokens.to(c.dtype))  # (N, L, D)
         return c, context
 
