@@ -283,9 +283,11 @@ find_cli() {
 
 # ---- the parameter groups the recipes share (in each recipe's --help where it calls them) ----
 
-# run_params STAGES: the run and its samples (after OUT and the data folders), the stages
-# (STAGES: the default list) and the machine they run on (not in the settings files)
+# run_params STAGES: the latent store, the run and its samples (after OUT and the image
+# folders), the stages (STAGES: the default list) and the machine they run on (not in the
+# settings files)
 run_params() {
+    param STORE_DIR --store '$OUT/store' "latent store (ditdata encode)"
     param RUN_DIR --run '$OUT/run' "training run: checkpoints, metrics, EMA weights, sample grids"
     param SAMPLES_OUT --samples-out '$RUN_DIR/final' "final samples: grid.png and samples/"
     param STAGES --stages "$1" "which stages to run"

@@ -43,8 +43,7 @@ ImageNet-256 class-conditional DiT (the DiT paper's settings): fetch -> encode -
 param IMAGENET_DIR --imagenet "" "ILSVRC2012 train folder, one folder per class (required to fetch)"
 param OUT --out "imagenet256-out" "where shards, store and run go"
 param SHARDS_DIR --shards '$OUT/shards' "image shards (ditdata fetch)"
-param STORE_DIR --store '$OUT/store' "latent store (ditdata encode)"
-run_params "fetch,encode,train,sample"  # RUN_DIR SAMPLES_OUT STAGES DEVICE NPROC WORKERS
+run_params "fetch,encode,train,sample"  # STORE_DIR RUN_DIR SAMPLES_OUT STAGES DEVICE NPROC WORKERS
 # fetch
 config fetch ditdata fetch  # FETCH_CONFIG
 setting FETCH_SIZE --fetch-size fetch --image-size "resize while packing (e.g. 288: smaller side, centre square) to save disk; not set: the originals"

@@ -43,8 +43,7 @@ param LAION_PARQUET --parquet "" "URL list: a LAION parquet (or .csv/.jsonl, or 
 param OUT --out "laion-t2i-out" "where shards, selection, store and run go"
 param SHARDS_DIR --shards '$OUT/shards' "image shards and their CLIP scores (fetch, score)"
 param SELECTION --selection '$OUT/selection.parquet' "the kept keys (ditdata filter)"
-param STORE_DIR --store '$OUT/store' "latent store (ditdata encode)"
-run_params "fetch,score,filter,encode,train,sample"  # RUN_DIR SAMPLES_OUT STAGES DEVICE NPROC WORKERS
+run_params "fetch,score,filter,encode,train,sample"  # STORE_DIR RUN_DIR SAMPLES_OUT STAGES DEVICE NPROC WORKERS
 # fetch
 config fetch ditdata fetch  # FETCH_CONFIG
 setting URL_COL --url-col fetch --url-col "the URL list's URL column"
