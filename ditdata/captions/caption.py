@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from ditdata.common.progress import Batches
+from ditdata.common.progress import Batches, run_totals
 from ditdata.config import CaptionConfig
 from ditdata.errors import DitdataError
 from ditdata.imageshards import folder as shards
@@ -112,10 +112,7 @@ def _already_done(folder, name: str, ident: dict, overwrite: bool) -> dict[str, 
     """{shard name: metadata} of the shards whose caption file is complete, for the shard as it
     is and made with these settings; files of OTHER settings stop the run unless `overwrite`."""
     done, other = {}, {}
-    for tar in folder.shards:
-        meta = read_caption_meta(caption_set_path(tar, name))
-        if meta is None:
-            continue
+    for tar, meta in shards.with_meta(folder, lambda t: read_caption_meta(caption_set_path(t, name))):
         if not _same(meta, ident):
             other[tar.name] = meta
         elif meta.get("shard_bytes") == tar.stat().st_size and not overwrite:
@@ -145,10 +142,7 @@ def _digest(sha) -> str:
 
 def _leave_out_bad(folder, todo: list[Path], skip_bad_shards: bool) -> tuple[list[Path], list[dict]]:
     """Damaged shards found before the model is loaded: stop now, or leave them out."""
-    bad = {t.name: p for t in todo if (p := shards.check_shard(t, folder.expected[t.name]))}
-    if bad and not skip_bad_shards:
-        shard, why = next(iter(bad.items()))
-        raise shards.bad_shard_error(folder.path / shard, why, len(bad) - 1)
+    bad = shards.damaged_shards(folder, todo, skip_bad_shards)
     left = [{"shard": n, "reason": why, "samples_lost": folder.expected[n]} for n, why in bad.items()]
     return [t for t in todo if t.name not in bad], left
 
@@ -236,11 +230,7 @@ def _run(cfg: CaptionConfig, folder) -> dict:
         "captioned_shards": len(mine),
         "skipped_shards": len(done),
         "bad_shards": bad,
-        "samples": sum(counts.values()),
-        "counts": dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
-        "new_samples": n_new,
-        "seconds": seconds,
-        "images_per_s": n_new / seconds if n_new and seconds > 0 else None,
+        **run_totals(counts, n_new, seconds, "images_per_s"),
         "rank": env.rank,
         "world_size": env.world_size,
     }
@@ -285,12 +275,10 @@ def report(summary: dict) -> str:
     for b in s["bad_shards"]:
         lines.append(f"  left out the damaged shard {shards.left_out(b['shard'], b['reason'], b['samples_lost'])}")
     c = s["counts"]
-    undecodable = {k: v for k, v in c.items() if k != OK and k not in FLAGS}
     lines.append(f"  ok:                {c.get(OK, 0)}")
     for flag, why in (("empty", "nothing but whitespace; stored as null"),
                       ("repeated", "a loop of the same words; text kept, flagged"),
                       ("truncated", "stopped at --max-new-tokens; text kept, flagged")):
         lines.append(f"  {flag + ':':<18} {c.get(flag, 0)} ({why})")
-    lines.append(f"  undecodable image: {sum(undecodable.values())} (null caption)"
-                 + (": " + ", ".join(f"{k} {v}" for k, v in undecodable.items()) if undecodable else ""))
+    lines.append(shards.undecodable_line(c, (OK, *FLAGS), "null caption"))
     return "\n".join(lines)

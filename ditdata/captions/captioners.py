@@ -49,8 +49,8 @@ from typing import Any
 from ditdata.common.errors import described
 from ditdata.common.extras import installed_version
 from ditdata.common.files import read_json, sha256_file, state_dict_sha256
-from ditdata.common.hub import HUB_ID, cached_snapshot, required_weights
-from ditdata.common.usercode import PYTHON_PREFIX, UserCodeError, user_call, user_function
+from ditdata.common.hub import HubPreset, cached_snapshot, model_source, required_weights
+from ditdata.common.usercode import UserCodeError, user_call, user_function
 from ditdata.errors import DitdataError
 
 FLORENCE2, CHAT = "florence2", "chat"
@@ -59,11 +59,9 @@ DEFAULT_PROMPTS = {FLORENCE2: "<MORE_DETAILED_CAPTION>", CHAT: "Describe this im
 
 
 @dataclass(frozen=True)
-class Preset:
+class Preset(HubPreset):
     """A named captioner: its hub repository and the transformers class that loads it."""
 
-    name: str
-    repo_id: str
     model_class: str
     about: str
 
@@ -282,24 +280,15 @@ def _hub(s: str, device) -> Captioner:
     return _from_hub(s, s, "hub", device)
 
 
-# (what it is, does NAME name one, its loader), tried in this order (module docstring)
-SOURCES = (
-    ("python", lambda s: s.startswith(PYTHON_PREFIX), _from_python),
-    ("preset", lambda s: s in PRESETS, _preset),
-    ("directory", lambda s: Path(s).expanduser().is_dir(), _directory),
-    ("hub", lambda s: bool(HUB_ID.fullmatch(s)), _hub),
-)
+# where NAME comes from (ditdata.common.hub.model_source, in the module docstring's order) -> its loader
+SOURCES = {"python": _from_python, "preset": _preset, "directory": _directory, "hub": _hub}
 
 
 def load_captioner(name: str, device) -> Captioner:
     """The captioner NAME (module docstring) on `device` (a torch.device); DitdataError when it
     is not on disk or cannot be loaded."""
-    s = str(name).strip()
-    for _, matches, load in SOURCES:
-        if matches(s):
-            return load(s, device)
-    raise DitdataError(f"unknown captioner {s!r}: not a preset ({', '.join(PRESETS)}), not an existing "
-                       "directory, not a hub id (org/name), not python:MODULE:FUNCTION")
+    source, s = model_source(name, "captioner", PRESETS, DitdataError)
+    return SOURCES[source](s, device)
 
 
 __all__ = ["CHAT", "DEFAULT_PROMPTS", "FAMILIES", "FLORENCE2", "PRESETS", "SOURCES", "Captioner", "Generated",

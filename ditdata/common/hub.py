@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 from ditdata.common.cache import xdg_cache_home
@@ -57,8 +58,37 @@ def not_cached_message(subject: str, cache: Path, command: str, detail: str, ins
             f"or pass {instead}")
 
 
+@dataclass(frozen=True)
+class HubPreset:
+    """A named model of a loader's registry (captioners, feature encoders add their own fields):
+    the name a command takes and the hub repository it is fetched from."""
+
+    name: str
+    repo_id: str
+
+
 # a hub repository id as the loaders take one: org/name
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def model_source(name, kind: str, presets, error: type[Exception] = UserError) -> tuple[str, str]:
+    """(where it comes from, NAME stripped) of a model NAME as the loaders of captioners and
+    feature encoders take it, tried in this order: "python" (python:MODULE:FUNCTION), "preset"
+    (a key of `presets`), "directory" (an existing one), "hub" (org/name, not a path that
+    exists). Anything else is `error` "unknown KIND 'NAME'" listing what it could have been."""
+    from ditdata.common.usercode import PYTHON_PREFIX
+
+    s = str(name).strip()
+    if s.startswith(PYTHON_PREFIX):
+        return "python", s
+    if s in presets:
+        return "preset", s
+    if Path(s).expanduser().is_dir():
+        return "directory", s
+    if HUB_ID.fullmatch(s) and ".." not in s and not Path(s).exists():
+        return "hub", s
+    raise error(f"unknown {kind} {s!r}: not a preset ({', '.join(presets)}), not an existing directory, not a hub "
+                "id (org/name), not python:MODULE:FUNCTION")
 
 
 def cached_snapshot(repo_id: str, kind: str, name: str, extra: str, instead: str,

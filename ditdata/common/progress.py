@@ -179,6 +179,19 @@ class Lines:
         self._t_line, self._n_line = now, self.n
 
 
+def most_first(counts: dict) -> dict:
+    """`counts` (what -> n) as the reports show them: most frequent first, ties by name."""
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def run_totals(counts: dict, new: int, seconds: float, per_s: str) -> dict:
+    """The figures every end-of-run summary of a per-sample command carries: samples (all the
+    complete ones), counts (status -> n, most_first), new_samples (this run's), seconds and
+    this run's rate under the key `per_s` (None when nothing new was done)."""
+    return {"samples": sum(counts.values()), "counts": most_first(counts), "new_samples": new, "seconds": seconds,
+            per_s: new / seconds if new and seconds > 0 else None}
+
+
 class Batches:
     """Samples gathered for a batched call: add(row, *inputs) queues one sample (`row`: its
     place in the caller's table, where the call's results go); when `size` are queued, and at

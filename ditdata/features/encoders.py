@@ -70,7 +70,7 @@ from typing import Any
 from ditdata.common.errors import described
 from ditdata.common.extras import installed_version
 from ditdata.common.files import sha256_file, state_dict_sha256
-from ditdata.common.hub import HUB_ID, cached_snapshot, required_weights, saved_model_type
+from ditdata.common.hub import HubPreset, cached_snapshot, model_source, required_weights, saved_model_type
 from ditdata.common.usercode import PYTHON_PREFIX, UserCodeError, check_weights, user_call, user_function
 from ditdata.config import FEATURE_RESIZES, FEATURE_RESOLUTION_RULE
 from ditdata.errors import DitdataError
@@ -86,11 +86,9 @@ assert tuple(RESIZES) == FEATURE_RESIZES
 
 
 @dataclass(frozen=True)
-class Preset:
+class Preset(HubPreset):
     """A named encoder: its hub repository and width (patch 14, 224 px pretraining)."""
 
-    name: str
-    repo_id: str
     dim: int
 
 
@@ -364,13 +362,8 @@ def _hub_id(s: str, res: int, override: int | None, device, option: str, resize:
     return _from_hub(s, s, res, override, option, resize)
 
 
-# (what NAME is, how it is loaded), tried in this order (module docstring)
-SOURCES = (
-    ("python:MODULE:FUNCTION", lambda s: s.startswith(PYTHON_PREFIX), _from_python),
-    ("a preset", lambda s: s in PRESETS, _preset),
-    ("a directory", lambda s: Path(s).expanduser().is_dir(), _directory),
-    ("a hub id (org/name)", lambda s: bool(HUB_ID.fullmatch(s)) and ".." not in s and not Path(s).exists(), _hub_id),
-)
+# where NAME comes from (ditdata.common.hub.model_source, in the module docstring's order) -> its loader
+SOURCES = {"python": _from_python, "preset": _preset, "directory": _directory, "hub": _hub_id}
 
 
 def load_encoder(name: str, store_resolution: int, resolution: int | None = None, device="cpu",
@@ -381,12 +374,8 @@ def load_encoder(name: str, store_resolution: int, resolution: int | None = None
     `option`: the command-line option that named it, which its errors name."""
     if resize not in RESIZES:
         raise DitdataError(f"--features-resize {resize!r}: use one of {', '.join(RESIZES)}")
-    s = str(name).strip()
-    for _, matches, load in SOURCES:
-        if matches(s):
-            return load(s, store_resolution, resolution, device, option, resize).to(device)
-    raise DitdataError(f"unknown feature encoder {s!r}: not a preset ({', '.join(PRESETS)}), not an existing "
-                       "directory, not a hub id (org/name), not python:MODULE:FUNCTION")
+    source, s = model_source(name, "feature encoder", PRESETS, DitdataError)
+    return SOURCES[source](s, store_resolution, resolution, device, option, resize).to(device)
 
 
 __all__ = ["FeatureEncoder", "IMAGENET_MEAN", "IMAGENET_STD", "MODEL_TYPES", "PRESETS", "RESIZES", "SOURCES",

@@ -24,6 +24,7 @@ from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
+from ditdata.common.progress import most_first
 from ditdata.errors import DitdataError
 from ditdata.imageshards import folder as shards
 
@@ -95,5 +96,5 @@ def summary(rows) -> dict:
         "failed": total - successes,
         "success_rate": successes / total if total else 0.0,
         **{k: int((rows["status"] == k).sum()) for k in ("failed_to_download", "failed_to_read", "failed_to_resize")},
-        "reasons": dict(sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "reasons": most_first(reasons),
     }

@@ -27,6 +27,8 @@ import urllib.request
 from collections import Counter
 from urllib.parse import urljoin, urlsplit
 
+from ditdata.common.progress import most_first
+
 FETCHED_SCHEMES = ("http", "https")
 # code (in the sentinel) -> reason label (in the failure counts); a fixed, small set
 REASONS = {
@@ -99,7 +101,7 @@ def count_refusals(urls) -> Counter:
 
 def describe(counts: Counter) -> str:
     """"file scheme 3, local path 2": most frequent first."""
-    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return ", ".join(f"{k} {v}" for k, v in most_first(counts).items())
 
 
 # ----------------------------------------------------------------------------- opening

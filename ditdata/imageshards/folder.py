@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ditdata.common.files import TMP_MARK, is_tmp, read_json, tmp_name  # noqa: F401  (the store's temporaries: one scheme)
+from ditdata.common.progress import most_first
 from ditdata.config import KINDS
 from ditdata.errors import DitdataError
 from ditdata.images import DEFAULT_MAX_PIXELS, BadImageError, decode_rgb  # noqa: F401  (re-exported: readers need only this module)
@@ -294,6 +295,34 @@ def bad_shard_error(tar, reason: str, others: int = 0, recorded: str = "") -> Di
     )
 
 
+def damaged_shards(folder, todo, skip_bad_shards: bool) -> dict[str, str]:
+    """{shard name: why} of the shards of `todo` (of `folder`, a read_folder result) that cannot
+    be trusted (check_shard), found before a model is loaded: without `skip_bad_shards` the
+    first one stops the run (bad_shard_error); with it the caller leaves them out."""
+    bad = {t.name: p for t in todo if (p := check_shard(t, folder.expected[t.name]))}
+    if bad and not skip_bad_shards:
+        name, why = next(iter(bad.items()))
+        raise bad_shard_error(folder.path / name, why, len(bad) - 1)
+    return bad
+
+
+def with_meta(folder, meta_of) -> Iterator[tuple[Path, dict]]:
+    """(shard, metadata) of each shard of `folder` whose file beside it is complete: `meta_of`
+    (shard -> its file's metadata, None for a missing, killed or foreign file) says which."""
+    for tar in folder.shards:
+        if (meta := meta_of(tar)) is not None:
+            yield tar, meta
+
+
+def undecodable_line(counts: dict, usable, null: str) -> str:
+    """The end-of-run report's line of the samples whose image could not be used: every count
+    of `counts` (status -> n) whose status is not in `usable`, summed, then each by status;
+    `null`: what such a sample gets ("null score")."""
+    undecodable = {k: v for k, v in counts.items() if k not in usable}
+    return (f"  undecodable image: {sum(undecodable.values())} ({null})"
+            + (": " + ", ".join(f"{k} {v}" for k, v in undecodable.items()) if undecodable else ""))
+
+
 def iter_samples(shards_dir) -> Iterator[ImageSample]:
     """All samples of a finished fetch, shard after shard."""
     read_dataset_info(shards_dir)
@@ -396,7 +425,7 @@ def summarize_stats(stats: list[dict] | dict[int, dict]) -> dict:
         # img2dataset's keys; failed_to_read: files of a packed folder that could not be read
         **{k: sum(int(s.get(k, 0)) for s in items)
            for k in ("failed_to_download", "failed_to_read", "failed_to_resize")},
-        "reasons": dict(sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "reasons": most_first(reasons),
     }
 
 

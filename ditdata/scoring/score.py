@@ -39,7 +39,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ditdata.common.memory import halved, out_of_memory_hint
-from ditdata.common.progress import Batches, progress_bar
+from ditdata.common.progress import Batches, progress_bar, run_totals
 from ditdata.config import CLIP_MODEL, SCORE_BATCH_SIZE, ScoreConfig
 from ditdata.errors import DitdataError
 from ditdata.imageshards import folder as shards
@@ -273,12 +273,8 @@ def score(cfg: ScoreConfig) -> dict:
             "bad_shards": skipped,
             "scored_shards": len(todo),
             "skipped_shards": len(done),
-            "samples": sum(counts.values()),
             "scored": counts.get(OK, 0),
-            "counts": dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
-            "new_samples": n_new,
-            "seconds": seconds,
-            "samples_per_s": n_new / seconds if n_new and seconds > 0 else None,
+            **run_totals(counts, n_new, seconds, "samples_per_s"),
         }
 
 
@@ -302,10 +298,7 @@ def _already_scored(folder, ident: dict, overwrite: bool, save_embeddings: bool 
     with OTHER weights, or aesthetic scores of another predictor file, stop the run (unless
     `overwrite`): the two are never mixed."""
     done, other, other_aesthetic = {}, {}, {}
-    for tar in folder.shards:
-        meta = read_score_meta(score_path(tar, captions))
-        if meta is None:
-            continue
+    for tar, meta in shards.with_meta(folder, lambda t: read_score_meta(score_path(t, captions))):
         rec = meta.get("aesthetic")
         same_weights = (meta.get("model") == ident["model"] and meta.get("pretrained") == ident["pretrained"]
                         and meta.get("weights_sha256") == ident["weights_sha256"])
@@ -362,10 +355,7 @@ def _leave_out_bad(folder, todo: list[Path], skip_bad_shards: bool,
     """Damaged shards are found before the model is loaded: stop now, or (skip_bad_shards)
     leave them out, each with a skip record in place of its scores. Returns the shards to
     score and the records."""
-    bad = {t.name: p for t in todo if (p := shards.check_shard(t, folder.expected[t.name]))}
-    if bad and not skip_bad_shards:
-        name, why = next(iter(bad.items()))
-        raise shards.bad_shard_error(folder.path / name, why, len(bad) - 1)
+    bad = shards.damaged_shards(folder, todo, skip_bad_shards)
     skipped = []
     for t in todo:
         if t.name in bad:
@@ -396,9 +386,7 @@ def report(summary: dict) -> str:
     for b in s.get("bad_shards", []):
         lines.append(f"  left out the damaged shard {shards.left_out(b['shard'], b['reason'], b['samples_lost'])}")
     counts = s["counts"]
-    bad = {k: v for k, v in counts.items() if k not in (OK, NO_CAPTION)}
     lines.append(f"  with a score:      {counts.get(OK, 0)}")
     lines.append(f"  no caption:        {counts.get(NO_CAPTION, 0)} (null score)")
-    lines.append(f"  undecodable image: {sum(bad.values())} (null score)"
-                 + (": " + ", ".join(f"{k} {v}" for k, v in bad.items()) if bad else ""))
+    lines.append(shards.undecodable_line(counts, (OK, NO_CAPTION), "null score"))
     return "\n".join(lines)

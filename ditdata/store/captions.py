@@ -142,8 +142,8 @@ class CaptionsView(StoreView):
 
     def __init__(self, base: Store, names):
         super().__init__(base)
-        have = {s.name: s for s in caption_sets(base)}
         names = tuple(names)
+        have = {s.name: s for s in caption_sets(base)}
         if not have:
             raise StoreError(f"{base.location}: no unpadded text tokens (ditdata encode --text-encoder T5/Gemma), "
                              "so no caption sets to join")

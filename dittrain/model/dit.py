@@ -774,22 +774,26 @@ class DiT(nn.Module):
         cfg = self.config
         c = t_emb
         if cfg.num_classes:
-            if y is None:
-                raise ValueError("this model is class-conditional: pass y (use num_classes for the null class)")
+            y = _given(y, "this model is class-conditional: pass y (use num_classes for the null class)")
             c = c + self.y_embedder(y, self.training, force_drop_ids)
         if cfg.text_pooled_dim and cfg.adaln != "single":  # PixArt's c is t alone: a pooled embedding is not read
-            if text_pooled is None:
-                raise ValueError("this model takes a pooled text embedding: pass text_pooled")
+            text_pooled = _given(text_pooled, "this model takes a pooled text embedding: pass text_pooled")
             c = c + self.text_pooled_embedder(text_pooled.to(c.dtype))
         context = None
         if cfg.text_token_dim:
-            if text_tokens is None:
-                raise ValueError("this model cross-attends to text tokens: pass text_tokens (and text_mask)")
+            text_tokens = _given(text_tokens, "this model cross-attends to text tokens: pass text_tokens (and text_mask)")
             context = self.text_token_embedder(text_tokens.to(c.dtype))  # (N, L, D)
         return c, context
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in asdict(self.config).items())
+
+
+def _given(x, message: str):
+    """`x`, which the model's configuration needs: a ValueError saying what to pass when it is None."""
+    if x is None:
+        raise ValueError(message)
+    return x
 
 
 def build_model(name: str, **overrides) -> DiT:
