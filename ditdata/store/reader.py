@@ -278,7 +278,6 @@ class Store:
         return faults
 
 
-
 class StoreView(Store):
     """A store read through another, `base` (features.FeaturedStore, captions.CaptionsView): the
     same shards, manifest and caches, taken over as they are rather than opened again; a view
@@ -295,6 +294,7 @@ class StoreView(Store):
 
     def verify(self, progress=None, warnings: list[str] | None = None) -> list[str]:
         return self.base.verify(progress, warnings)
+
 
 def _ragged_faults(shard: Shard, data: dict, schema: Schema) -> list[str]:
     """Each ragged field's lengths (>= 1: every caption has at least its end token; their sum
