@@ -28,9 +28,7 @@ pretrained model's calibration lives in; name them to adapt them too).
 
 from __future__ import annotations
 
-import logging
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ditdata.common.errors import UserError
@@ -140,35 +138,12 @@ def check_rank(model, settings: LoraSettings, names: list[str]) -> None:
                         f"{layer.in_features}, at most {most}); choose --lora <= {most} or other --lora-targets")
 
 
-# The loggers bitsandbytes' import speaks through (peft's import brings it, with transformers; so does
-# --optimizer adamw8bit, dittrain.train.optim): on CPUs with AVX512-BF16 it looks for its optional 4-bit
-# CPU kernel through the "kernels" package (transformers brings it): missing, it says so; present and
-# offline, kernels warns that it skips the hub's publisher check. LoRA and the 8-bit optimizer use
-# neither, so for a run both are noise.
-BITSANDBYTES_LOGGERS = ("bitsandbytes.backends.cpu.ops", "kernels")
-
-
-@contextmanager
-def quiet_loggers(*names: str):
-    """The loggers `names` at ERROR inside the block (an import's notes), at their own levels again after it."""
-    quiet = [logging.getLogger(n) for n in names]
-    levels = [log.level for log in quiet]
-    for log in quiet:
-        log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for log, level in zip(quiet, levels, strict=True):
-            log.setLevel(level)
-
-
 def import_peft():
     """peft, imported quietly: its import brings transformers and bitsandbytes, whose optional-kernel and
     pytree notes (torchao's enums) are noise for a run; LoraError naming the extra when it is missing."""
-    from ditdata.common.extras import require
+    from ditdata.common.extras import BITSANDBYTES_LOGGERS, require
 
-    with quiet_loggers("torch.utils._pytree", *BITSANDBYTES_LOGGERS):
-        return require("peft", "--lora", "train", LoraError)
+    return require("peft", "--lora", "train", LoraError, quiet=("torch.utils._pytree", *BITSANDBYTES_LOGGERS))
 
 
 def peft_config(settings: LoraSettings, names: list[str]):
@@ -262,6 +237,6 @@ def counts(model, names: list[str], rank: int) -> tuple[int, int]:
     return adapter, sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["ADAPTER", "BITSANDBYTES_LOGGERS", "DEFAULT_TARGETS", "LoraError", "LoraSettings", "adapter_state", "check", "check_rank",
+__all__ = ["ADAPTER", "DEFAULT_TARGETS", "LoraError", "LoraSettings", "adapter_state", "check", "check_rank",
            "counts", "describe", "import_peft", "inject", "is_adapter", "is_adapter_key", "load_adapter", "merged_state", "peft_config",
-           "quiet_loggers", "settings_of", "target_names"]
+           "settings_of", "target_names"]

@@ -21,7 +21,7 @@ import math
 import torch
 
 from ditdata.common.errors import UserError
-from ditdata.common.extras import require
+from ditdata.common.extras import BITSANDBYTES_LOGGERS, require
 from dittrain.config import OPTIMIZERS, TrainConfig, parse_adam_betas
 
 
@@ -77,10 +77,7 @@ def build_optimizer(cfg: TrainConfig, params: list, device: torch.device) -> tor
     if cfg.optim.optimizer not in OPTIMIZERS:
         raise OptimizerError(f"--optimizer {cfg.optim.optimizer}: choose {' or '.join(OPTIMIZERS)}")
     # bitsandbytes' import notes on its optional 4-bit CPU kernel are noise here (BITSANDBYTES_LOGGERS says why)
-    from dittrain.model.lora import BITSANDBYTES_LOGGERS, quiet_loggers
-
-    with quiet_loggers(*BITSANDBYTES_LOGGERS):
-        bnb = require("bitsandbytes", "--optimizer adamw8bit", "optim", OptimizerError)
+    bnb = require("bitsandbytes", "--optimizer adamw8bit", "optim", OptimizerError, quiet=BITSANDBYTES_LOGGERS)
     return bnb.optim.AdamW8bit(params, **adam)
 
 
